@@ -1,0 +1,222 @@
+/*
+ * comet.h - the one public header of libcomet.
+ *
+ * libcomet runs the expert layers of a Mixture-of-Experts model across the GPUs of
+ * a node, one process per GPU, over a caller's NCCL communicator. Host code is C11;
+ * this header is C and C++ safe.
+ *
+ * Usage in four calls:
+ *
+ *   comet_comm_t comm;   comet_comm_create(nccl_comm, NULL, &comm);
+ *   comet_moe_t  moe;    comet_moe_create(comm, &config, &moe);
+ *   comet_moe_forward(moe, &args, stream);      // as often as you like
+ *   comet_moe_destroy(moe); comet_comm_destroy(comm);
+ *
+ * Every function returns a comet_status_t. On failure, comet_comm_last_error() or
+ * comet_moe_last_error() gives a sentence naming the field, the value and the limit.
+ * Errors found on the GPU after a call returned (a peer that never answered) are
+ * reported by comet_comm_get_async_error().
+ */
+#ifndef COMET_H
+#define COMET_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define COMET_VERSION_MAJOR 0
+#define COMET_VERSION_MINOR 1
+#define COMET_VERSION_PATCH 0
+/* Version of the config and argument structs below; bumped when a field is added. */
+#define COMET_API_VERSION 1
+/* Stamped into every struct by its initializer, so an uninitialised struct is caught. */
+#define COMET_STRUCT_MAGIC 0xC0E7u
+
+typedef enum comet_status {
+    COMET_SUCCESS = 0,
+    COMET_INVALID_ARGUMENT = 1, /* a field or argument is out of range; the message names it */
+    COMET_INVALID_USAGE = 2,    /* calls in the wrong order, or a handle used wrongly */
+    COMET_CUDA_ERROR = 3,       /* a CUDA runtime, driver or cuBLAS call failed */
+    COMET_NCCL_ERROR = 4,       /* an NCCL call failed */
+    COMET_OUT_OF_MEMORY = 5,    /* host or device allocation failed */
+    COMET_TIMEOUT = 6,          /* a device-side wait for a peer ran past the timeout */
+    COMET_REMOTE_ERROR = 7,     /* another rank reported a failure */
+    COMET_NOT_SUPPORTED = 8,    /* a valid request this build cannot serve yet */
+    COMET_INTERNAL_ERROR = 9    /* a bug in comet: please report it */
+} comet_status_t;
+
+/* A static string naming the status, e.g. "COMET_TIMEOUT: a device-side wait timed out". */
+const char *comet_status_string(comet_status_t status);
+
+/* "0.1.0 (NCCL 2.28.9 at build time)". Static string. */
+const char *comet_version_string(void);
+
+/* ------------------------------------------------------------------------------------ */
+/* Communicator: NCCL plus the symmetric memory comet's kernels read and write directly. */
+
+typedef struct comet_comm *comet_comm_t;
+
+typedef struct comet_comm_config {
+    size_t size;          /* sizeof(comet_comm_config_t) */
+    unsigned int magic;   /* COMET_STRUCT_MAGIC */
+    unsigned int version; /* COMET_API_VERSION */
+    /* Longest a device-side wait on a peer may spin before it gives up and reports
+     * COMET_TIMEOUT, in milliseconds. 0: the default, 5000, or $COMET_TIMEOUT_MS. */
+    int timeout_ms;
+} comet_comm_config_t;
+
+#define COMET_COMM_CONFIG_INIT {sizeof(comet_comm_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0}
+
+/*
+ * Wrap a caller's NCCL communicator (NCCL >= 2.28, every rank on one NVLink node).
+ * Collective: every rank of `nccl` calls it. The caller keeps ownership of `nccl`
+ * and must keep it alive until comet_comm_destroy(). The current CUDA device must be
+ * the one `nccl` was created on. `config` may be NULL for defaults.
+ * Errors: COMET_INVALID_ARGUMENT (NULL out, bad config), COMET_NOT_SUPPORTED (NCCL too
+ * old, ranks not all reachable by NVLink loads and stores), COMET_NCCL_ERROR,
+ * COMET_CUDA_ERROR, COMET_OUT_OF_MEMORY. On failure *out is NULL; the message is
+ * available from comet_last_create_error().
+ */
+comet_status_t comet_comm_create(ncclComm_t nccl, const comet_comm_config_t *config,
+                                 comet_comm_t *out);
+
+/*
+ * Create the NCCL communicator too, from an id made by ncclGetUniqueId() on one rank
+ * and handed to all: `nranks` processes call this with their own `rank` in
+ * [0, nranks). The calling thread's current CUDA device is used. comet owns the NCCL
+ * communicator and destroys it in comet_comm_destroy().
+ */
+comet_status_t comet_comm_create_from_id(const ncclUniqueId *id, int nranks, int rank,
+                                         const comet_comm_config_t *config, comet_comm_t *out);
+
+/* Collective. Frees everything comet allocated. NULL is a no-op. Waits for the device. */
+comet_status_t comet_comm_destroy(comet_comm_t comm);
+
+int comet_comm_rank(comet_comm_t comm);
+int comet_comm_size(comet_comm_t comm);
+/* The NCCL communicator underneath (the caller's, or the one comet created). */
+ncclComm_t comet_comm_nccl(comet_comm_t comm);
+
+/* Detail of the last failure of a call on this communicator; "" if none. */
+const char *comet_comm_last_error(comet_comm_t comm);
+
+/* The message of the last failed *_create call on this thread (the handle is NULL). */
+const char *comet_last_create_error(void);
+
+/*
+ * Errors found by kernels after the launching call had returned: a device-side wait
+ * that ran past timeout_ms gives COMET_TIMEOUT and a message naming the wait and the
+ * peer. Does not synchronize; call it after synchronizing the stream to be sure.
+ */
+comet_status_t comet_comm_get_async_error(comet_comm_t comm);
+
+/* ------------------------------------------------------------------------------------ */
+/* The MoE layer. */
+
+typedef enum comet_dtype { COMET_DTYPE_BF16 = 0 } comet_dtype_t;
+
+typedef struct comet_moe_config {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int hidden;      /* H: model hidden size. Multiple of 64. */
+    int ffn;         /* F: one expert's FFN size (SwiGLU: W1 is H -> 2F, W2 is F -> H). Multiple of 64. */
+    int num_experts; /* E: experts in the whole model. Divisible by ep_size. */
+    int top_k;       /* experts per token, 1..num_experts */
+    int max_tokens;  /* the most tokens one rank passes in one forward call */
+    int ep_size;     /* expert-parallel ranks; 0: world size / tp_size */
+    int tp_size;     /* tensor-parallel ranks inside an expert; 0: 1. Only 1 today. */
+    comet_dtype_t dtype; /* activations and weights; bf16 today */
+} comet_moe_config_t;
+
+#define COMET_MOE_CONFIG_INIT \
+    {sizeof(comet_moe_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0, 0, 0, 0, 0, 0, 0, COMET_DTYPE_BF16}
+
+/*
+ * Fill *out with a named model's shape: "mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b",
+ * "qwen2-moe-2.7b" (the COMET paper's), "tiny" (for tests). max_tokens is set to
+ * `max_tokens`; ep_size and tp_size are left 0 (choose from the world size).
+ * Errors: COMET_INVALID_ARGUMENT for an unknown name (the message lists the known ones).
+ */
+comet_status_t comet_moe_config_preset(const char *name, int max_tokens, comet_moe_config_t *out);
+/* The i-th preset's name, i from 0; NULL past the last. */
+const char *comet_moe_preset_name(int i);
+
+/*
+ * Check a config against a world size without creating anything. On
+ * COMET_INVALID_ARGUMENT, `msg` (if not NULL, `msg_len` bytes) gets a sentence naming
+ * the field, its value and the limit.
+ */
+comet_status_t comet_moe_config_validate(const comet_moe_config_t *config, int world_size,
+                                         char *msg, size_t msg_len);
+
+typedef struct comet_moe *comet_moe_t;
+
+/*
+ * Plan the layer and allocate its buffers, sized for max_tokens per rank with the
+ * worst routing (every row of every rank sent to this rank). Collective.
+ * Errors: COMET_INVALID_ARGUMENT (config), COMET_OUT_OF_MEMORY, COMET_CUDA_ERROR.
+ */
+comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *config,
+                                comet_moe_t *out);
+/* NULL is a no-op. Waits for the device. Call before comet_comm_destroy(). */
+comet_status_t comet_moe_destroy(comet_moe_t moe);
+const char *comet_moe_last_error(comet_moe_t moe);
+
+/*
+ * This rank's experts' weights, bf16, in the layout frameworks hold (nn.Linear's
+ * [out][in], row-major, contiguous). This rank owns global experts
+ * [ep_rank * E_local, (ep_rank + 1) * E_local), E_local = num_experts / ep_size.
+ * Give either gate_up, or both gate and up.
+ */
+typedef struct comet_moe_weights {
+    const void *gate_up; /* [E_local][2F][H]: rows 0..F-1 gate, rows F..2F-1 up (vLLM's w13) */
+    const void *gate;    /* [E_local][F][H] (HF Mixtral's w1), when gate_up is NULL */
+    const void *up;      /* [E_local][F][H] (HF Mixtral's w3), when gate_up is NULL */
+    const void *down;    /* [E_local][H][F] (HF Mixtral's w2) */
+} comet_moe_weights_t;
+
+typedef enum comet_impl {
+    COMET_IMPL_AUTO = 0,     /* the fastest path this build has */
+    COMET_IMPL_BASELINE = 1, /* sequential: NCCL all-to-all + cuBLAS, as Megatron-LM runs it */
+    COMET_IMPL_FUSED = 2     /* tile-level overlap in persistent kernels (not built yet) */
+} comet_impl_t;
+
+typedef struct comet_moe_args {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int num_tokens;            /* M for this call, 0..config.max_tokens */
+    const void *x;             /* [M][H] bf16 input rows */
+    const int32_t *topk_ids;   /* [M][top_k] global expert ids in [0, E) */
+    const float *topk_weights; /* [M][top_k] fp32 routing weights */
+    comet_moe_weights_t weights;
+    void *y;                   /* [M][H] bf16 output: sum_j w[t][j] * expert_j(x[t]) */
+    comet_impl_t impl;
+} comet_moe_args_t;
+
+#define COMET_MOE_ARGS_INIT \
+    {sizeof(comet_moe_args_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0, NULL, NULL, NULL, \
+     {NULL, NULL, NULL, NULL}, NULL, COMET_IMPL_AUTO}
+
+/*
+ * y = MoE(x), enqueued on `stream`. Collective: every rank calls it, each with its own
+ * tokens (num_tokens may differ between ranks). All pointers are device pointers.
+ * The baseline path synchronizes the host with `stream` once per call (to size its
+ * NCCL transfers, as Megatron-LM does); consecutive calls must use the same stream.
+ * Errors: COMET_INVALID_ARGUMENT (a field, or an expert id out of range: the message
+ * names the token), COMET_NOT_SUPPORTED (an impl this build lacks), COMET_NCCL_ERROR,
+ * COMET_CUDA_ERROR.
+ */
+comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_H */

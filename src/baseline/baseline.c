@@ -1,0 +1,251 @@
+/*
+ * baseline.c - the sequential baseline's host side. Like Megatron-LM, it learns the
+ * routing counts on the host (one stream sync per call) to size its NCCL transfers
+ * and its per-expert cuBLAS GEMMs. Rows travel straight into the expert-major,
+ * BLOCK_M-padded receive layout of plan.h (one NCCL message per (rank, expert) chunk),
+ * so no reordering kernel is needed on either side.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cublas_v2.h>
+
+#include "baseline.h"
+
+struct cometi_baseline {
+    cublasHandle_t cublas;
+    /* device */
+    int32_t *counts;      /* [E + 1] this rank's rows per expert, then its first bad id index (or -1) */
+    int32_t *counts_all;  /* [world][E + 1] */
+    int32_t *pos;         /* [max_tokens * k] rank of (t, j) among this rank's rows of its expert */
+    int32_t *send_pos;    /* [max_tokens * k] row of (t, j) in the send (and returned) buffer */
+    int32_t *send_base;   /* [E] first send row of each expert's chunk */
+    cometi_segment_t *segs; /* [E_local] */
+    void *send, *recv, *h, *act, *out, *back;
+    /* pinned host */
+    int32_t *counts_host; /* [world][E + 1] */
+    int32_t *send_base_host;
+    cometi_segment_t *segs_host;
+};
+
+static comet_status_t cublas_status(char *err, cublasStatus_t s, const char *what)
+{
+    if (s == CUBLAS_STATUS_SUCCESS) return COMET_SUCCESS;
+    return cometi_fail(err, s == CUBLAS_STATUS_ALLOC_FAILED ? COMET_OUT_OF_MEMORY : COMET_CUDA_ERROR, "%s: %s",
+                       what, cublasGetStatusString(s));
+}
+
+void cometi_baseline_destroy(cometi_baseline_t *b)
+{
+    if (!b) return;
+    if (b->cublas) cublasDestroy(b->cublas);
+    void *dev[] = {b->counts, b->counts_all, b->pos, b->send_pos, b->send_base, b->segs,
+                   b->send, b->recv, b->h, b->act, b->out, b->back};
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) cudaFree(dev[i]);
+    void *host[] = {b->counts_host, b->send_base_host, b->segs_host};
+    for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) cudaFreeHost(host[i]);
+    free(b);
+}
+
+comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
+{
+    char *err = moe->err;
+    const comet_moe_config_t *c = &moe->cfg;
+    const int W = moe->comm->size, E = c->num_experts, H = c->hidden, F = c->ffn;
+    const size_t rows_out = (size_t)c->max_tokens * c->top_k, rows_in = (size_t)moe->max_recv_rows;
+    cometi_baseline_t *b = calloc(1, sizeof(*b));
+    if (!b) return cometi_fail(err, COMET_OUT_OF_MEMORY, "baseline: out of host memory");
+    comet_status_t st;
+    struct { void **p; size_t bytes; const char *what; } dev[] = {
+        {(void **)&b->counts, sizeof(int32_t) * (E + 1), "counts"},
+        {(void **)&b->counts_all, sizeof(int32_t) * W * (E + 1), "counts of all ranks"},
+        {(void **)&b->pos, sizeof(int32_t) * rows_out, "positions"},
+        {(void **)&b->send_pos, sizeof(int32_t) * rows_out, "send positions"},
+        {(void **)&b->send_base, sizeof(int32_t) * E, "send offsets"},
+        {(void **)&b->segs, sizeof(cometi_segment_t) * moe->experts_per_rank, "segments"},
+        {&b->send, 2 * rows_out * H, "send buffer"},
+        {&b->recv, 2 * rows_in * H, "receive buffer"},
+        {&b->h, 2 * rows_in * 2 * F, "GEMM0 output"},
+        {&b->act, 2 * rows_in * F, "SwiGLU output"},
+        {&b->out, 2 * rows_in * H, "GEMM1 output"},
+        {&b->back, 2 * rows_out * H, "returned rows"},
+    };
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) {
+        char what[96];
+        snprintf(what, sizeof(what), "baseline: cudaMalloc(%s, %zu bytes)", dev[i].what, dev[i].bytes);
+        COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMalloc(dev[i].p, dev[i].bytes ? dev[i].bytes : 1), what), fail);
+    }
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->counts_host, sizeof(int32_t) * W * (E + 1)),
+                                    "baseline: cudaMallocHost(counts)"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->send_base_host, sizeof(int32_t) * E),
+                                    "baseline: cudaMallocHost(send offsets)"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->segs_host,
+                                                        sizeof(cometi_segment_t) * moe->experts_per_rank),
+                                    "baseline: cudaMallocHost(segments)"), fail);
+    COMETI_TRY_GOTO(st, cublas_status(err, cublasCreate(&b->cublas), "cublasCreate"), fail);
+    *out = b;
+    return COMET_SUCCESS;
+fail:
+    cometi_baseline_destroy(b);
+    return st;
+}
+
+/* C[rows][n] = A[rows][k] * W[n][k]^T, all row-major bf16, fp32 accumulation.
+ * In cuBLAS's column-major terms that is C^T = W^T(op T) * A^T: the "TN" case. */
+static comet_status_t gemm_rows(cometi_baseline_t *b, char *err, int rows, int n, int k, const void *a,
+                                const void *w, void *c, int ldc)
+{
+    const float one = 1.0f, zero = 0.0f;
+    return cublas_status(err, cublasGemmEx(b->cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16BF, k,
+                                           a, CUDA_R_16BF, k, &zero, c, CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F,
+                                           CUBLAS_GEMM_DEFAULT),
+                         "cublasGemmEx");
+}
+
+static comet_status_t mark(comet_moe_t moe, int which, cudaStream_t stream)
+{
+    if (!moe->marks) return COMET_SUCCESS;
+    return cometi_cuda(moe->err, cudaEventRecord(moe->marks[which], stream), "cudaEventRecord(phase mark)");
+}
+
+#define BF16 2
+
+comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
+                                       cudaStream_t stream)
+{
+    char *err = moe->err;
+    const comet_moe_config_t *c = &moe->cfg;
+    const int W = moe->comm->size, me = moe->comm->rank, E = c->num_experts, per = moe->experts_per_rank;
+    const int H = c->hidden, F = c->ffn, k = c->top_k, m = args->num_tokens, n = m * k;
+    ncclComm_t nccl = moe->comm->nccl;
+    comet_status_t st;
+
+    COMETI_TRY(mark(moe, COMETI_MARK_START, stream));
+    /* 1. Route: counts per expert and stable positions; every rank learns all counts,
+     * and whether any rank passed a bad expert id, so all of them stop together. */
+    COMETI_TRY(cometi_cuda(err, cometi_launch_route(args->topk_ids, n, E, b->counts, b->pos,
+                                                    (unsigned int *)(b->counts + E), stream),
+                           "launch route_kernel"));
+    COMETI_TRY(cometi_nccl(err, ncclAllGather(b->counts, b->counts_all, E + 1, ncclInt32, nccl, stream),
+                           "ncclAllGather(routing counts)"));
+    COMETI_TRY(cometi_cuda(err, cudaMemcpyAsync(b->counts_host, b->counts_all, sizeof(int32_t) * W * (E + 1),
+                                                cudaMemcpyDeviceToHost, stream), "copy counts to host"));
+    COMETI_TRY(cometi_cuda(err, cudaStreamSynchronize(stream), "baseline: sync for routing counts"));
+    for (int r = 0; r < W; r++) {
+        int32_t first_bad = b->counts_host[(size_t)r * (E + 1) + E];
+        if (first_bad < 0) continue;
+        if (r != me)
+            return cometi_fail(err, COMET_REMOTE_ERROR, "rank %d passed an expert id out of [0, %d) "
+                               "(topk_ids[%d][%d]); no rank ran the layer", r, E, first_bad / k, first_bad % k);
+        int32_t bad_id = 0;
+        cudaMemcpy(&bad_id, args->topk_ids + first_bad, sizeof(int32_t), cudaMemcpyDeviceToHost);
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "topk_ids[%d][%d] = %d on rank %d: expert ids must be in "
+                           "[0, num_experts = %d)", first_bad / k, first_bad % k, bad_id, me, E);
+    }
+    int64_t *counts = malloc(sizeof(int64_t) * W * E);
+    if (!counts) return cometi_fail(err, COMET_OUT_OF_MEMORY, "baseline: out of host memory");
+    for (int r = 0; r < W; r++)
+        for (int e = 0; e < E; e++) counts[(size_t)r * E + e] = b->counts_host[(size_t)r * (E + 1) + e];
+    cometi_route_plan_t plan;
+    int bad = cometi_route_plan_build(&plan, counts, W, E, COMETI_BLOCK_M, err, COMETI_ERR_LEN);
+    free(counts);
+    if (bad) return COMET_INTERNAL_ERROR;
+    int max_seg_rows = 0;
+    for (int e = 0; e < E; e++) b->send_base_host[e] = (int32_t)plan.send_offset[(size_t)me * E + e];
+    for (int le = 0; le < per; le++) {
+        int e = moe->first_expert + le;
+        b->segs_host[le].start = (int)plan.seg_start[e];
+        b->segs_host[le].rows = (int)plan.seg_rows[e];
+        if (plan.seg_rows[e] > max_seg_rows) max_seg_rows = (int)plan.seg_rows[e];
+    }
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMemcpyAsync(b->send_base, b->send_base_host, sizeof(int32_t) * E,
+                                                         cudaMemcpyHostToDevice, stream), "copy send offsets"), out);
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMemcpyAsync(b->segs, b->segs_host, sizeof(cometi_segment_t) * per,
+                                                         cudaMemcpyHostToDevice, stream), "copy segments"), out);
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_permute(args->x, args->topk_ids, b->pos, b->send_base, n, k,
+                                                               H, b->send, b->send_pos, stream),
+                                    "launch permute_kernel"), out);
+    COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_ROUTED, stream), out);
+
+    /* 2. Dispatch: one message per (peer, expert) chunk, straight into the padded
+     * expert-major layout. Both sides post chunks in expert order, which is how NCCL
+     * matches the sends and receives of one pair. */
+    ncclResult_t r = ncclGroupStart();
+    for (int e = 0; e < E; e++) {
+        int64_t rows = plan.counts[(size_t)me * E + e];
+        if (rows && r == ncclSuccess)
+            r = ncclSend((char *)b->send + plan.send_offset[(size_t)me * E + e] * H * BF16, (size_t)rows * H,
+                     ncclBfloat16, e / per, nccl, stream);
+    }
+    for (int s = 0; s < W; s++) {
+        for (int le = 0; le < per; le++) {
+            int e = moe->first_expert + le;
+            int64_t rows = plan.counts[(size_t)s * E + e];
+            if (rows && r == ncclSuccess)
+                r = ncclRecv((char *)b->recv + (plan.seg_start[e] + plan.recv_offset[(size_t)s * E + e]) * H * BF16,
+                         (size_t)rows * H, ncclBfloat16, s, nccl, stream);
+        }
+    }
+    ncclResult_t end = ncclGroupEnd(); /* always close the group, even after a failed post */
+    COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "dispatch all-to-all"), out);
+    COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_DISPATCHED, stream), out);
+
+    /* 3. Experts: GEMM0 (gate and up), SwiGLU, GEMM1, one cuBLAS call per expert and matrix. */
+    COMETI_TRY_GOTO(st, cublas_status(err, cublasSetStream(b->cublas, stream), "cublasSetStream"), out);
+    for (int le = 0; le < per; le++) {
+        int e = moe->first_expert + le, rows = (int)plan.seg_rows[e];
+        if (!rows) continue;
+        const char *a = (const char *)b->recv + plan.seg_start[e] * H * BF16;
+        char *h = (char *)b->h + plan.seg_start[e] * 2 * F * BF16;
+        if (args->weights.gate_up) {
+            const char *w = (const char *)args->weights.gate_up + (size_t)le * 2 * F * H * BF16;
+            COMETI_TRY_GOTO(st, gemm_rows(b, err, rows, 2 * F, H, a, w, h, 2 * F), out);
+        } else {
+            const char *wg = (const char *)args->weights.gate + (size_t)le * F * H * BF16;
+            const char *wu = (const char *)args->weights.up + (size_t)le * F * H * BF16;
+            COMETI_TRY_GOTO(st, gemm_rows(b, err, rows, F, H, a, wg, h, 2 * F), out);
+            COMETI_TRY_GOTO(st, gemm_rows(b, err, rows, F, H, a, wu, h + (size_t)F * BF16, 2 * F), out);
+        }
+    }
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_swiglu(b->h, b->act, F, b->segs, per, max_seg_rows, stream),
+                                    "launch swiglu_kernel"), out);
+    for (int le = 0; le < per; le++) {
+        int e = moe->first_expert + le, rows = (int)plan.seg_rows[e];
+        if (!rows) continue;
+        const char *a = (const char *)b->act + plan.seg_start[e] * F * BF16;
+        const char *w = (const char *)args->weights.down + (size_t)le * H * F * BF16;
+        char *o = (char *)b->out + plan.seg_start[e] * H * BF16;
+        COMETI_TRY_GOTO(st, gemm_rows(b, err, rows, H, F, a, w, o, H), out);
+    }
+    COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_COMPUTED, stream), out);
+
+    /* 4. Return: each chunk goes back to its source, landing where it left from. */
+    r = ncclGroupStart();
+    for (int s = 0; s < W; s++) {
+        for (int le = 0; le < per; le++) {
+            int e = moe->first_expert + le;
+            int64_t rows = plan.counts[(size_t)s * E + e];
+            if (rows && r == ncclSuccess)
+                r = ncclSend((char *)b->out + (plan.seg_start[e] + plan.recv_offset[(size_t)s * E + e]) * H * BF16,
+                         (size_t)rows * H, ncclBfloat16, s, nccl, stream);
+        }
+    }
+    for (int e = 0; e < E; e++) {
+        int64_t rows = plan.counts[(size_t)me * E + e];
+        if (rows && r == ncclSuccess)
+            r = ncclRecv((char *)b->back + plan.send_offset[(size_t)me * E + e] * H * BF16, (size_t)rows * H,
+                     ncclBfloat16, e / per, nccl, stream);
+    }
+    end = ncclGroupEnd();
+    COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "combine all-to-all"), out);
+    COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_RETURNED, stream), out);
+
+    /* 5. Weighted top-k sum. */
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_combine(b->back, b->send_pos, args->topk_weights, m, k, H,
+                                                               args->y, stream), "launch combine_kernel"), out);
+    COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_END, stream), out);
+out:
+    cometi_route_plan_free(&plan);
+    return st;
+}

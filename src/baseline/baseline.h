@@ -1,0 +1,54 @@
+/*
+ * baseline.h - the sequential baseline: route, NCCL all-to-all, cuBLAS expert GEMMs,
+ * SwiGLU, cuBLAS down projection, NCCL all-to-all back, weighted top-k sum; each step
+ * after the last, as Megatron-LM runs an expert-parallel MoE layer. It is the yardstick
+ * every comet speedup is measured against, in the same binary and the same run.
+ */
+#ifndef COMET_BASELINE_H
+#define COMET_BASELINE_H
+
+#include <stdint.h>
+#include "../internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One local expert's rows in the receive buffer. */
+typedef struct cometi_segment {
+    int start, rows;
+} cometi_segment_t;
+
+/* Events between phases, recorded when the caller asks (benchmarks). */
+enum {
+    COMETI_MARK_START,
+    COMETI_MARK_ROUTED,     /* counts exchanged, plan made, rows permuted */
+    COMETI_MARK_DISPATCHED, /* all-to-all of rows done */
+    COMETI_MARK_COMPUTED,   /* GEMM0 + SwiGLU + GEMM1 done */
+    COMETI_MARK_RETURNED,   /* all-to-all back done */
+    COMETI_MARK_END,        /* weighted top-k sum done */
+    COMETI_NUM_MARKS
+};
+
+typedef struct cometi_baseline cometi_baseline_t;
+
+comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out);
+void cometi_baseline_destroy(cometi_baseline_t *b);
+comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
+                                       cudaStream_t stream);
+
+/* ---- kernels (baseline.cu) ---- */
+cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_experts, int32_t *counts, int32_t *pos,
+                                unsigned int *first_bad, cudaStream_t stream);
+cudaError_t cometi_launch_permute(const void *x, const int32_t *ids, const int32_t *pos, const int32_t *send_base,
+                                  int n, int k, int hidden, void *send, int32_t *send_pos, cudaStream_t stream);
+cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, const cometi_segment_t *segs, int num_segs,
+                                 int max_rows, cudaStream_t stream);
+cudaError_t cometi_launch_combine(const void *back, const int32_t *send_pos, const float *w, int m, int k,
+                                  int hidden, void *y, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_BASELINE_H */

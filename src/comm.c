@@ -1,0 +1,207 @@
+/*
+ * comm.c - the communicator: a caller's NCCL communicator (or one made from a unique
+ * id), the control window in symmetric memory, and the host-mapped word where kernels
+ * report a wait that timed out.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static int env_int(const char *name, int fallback)
+{
+    const char *v = getenv(name);
+    if (!v || !*v) return fallback;
+    char *end;
+    long x = strtol(v, &end, 10);
+    return (*end == '\0' && x > 0 && x < (1L << 30)) ? (int)x : fallback;
+}
+
+static comet_status_t check_comm_config(const comet_comm_config_t *c, char *err)
+{
+    if (!c) return COMET_SUCCESS;
+    if (c->size != sizeof(comet_comm_config_t) || c->magic != COMET_STRUCT_MAGIC)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "comm config.size = %zu, config.magic = 0x%x: initialise "
+                           "it with COMET_COMM_CONFIG_INIT", c->size, c->magic);
+    if (c->version < 1 || c->version > COMET_API_VERSION)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "comm config.version = %u: this library knows 1..%d",
+                           c->version, COMET_API_VERSION);
+    if (c->timeout_ms < 0)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "comm config.timeout_ms = %d: must be >= 0 (0: default "
+                           "%d ms)", c->timeout_ms, COMETI_DEFAULT_TIMEOUT_MS);
+    return COMET_SUCCESS;
+}
+
+/* A host-side barrier through NCCL: a one-element all-reduce, then a stream sync. */
+static comet_status_t nccl_host_barrier(comet_comm_t comm)
+{
+    int *one = NULL;
+    comet_status_t st;
+    COMETI_TRY(cometi_cuda(comm->err, cudaMalloc((void **)&one, sizeof(int)), "cudaMalloc(barrier word)"));
+    COMETI_TRY_GOTO(st, cometi_nccl(comm->err, ncclAllReduce(one, one, 1, ncclInt32, ncclSum, comm->nccl, 0),
+                                    "ncclAllReduce (host barrier)"), out);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaStreamSynchronize(0), "host barrier sync"), out);
+out:
+    cudaFree(one);
+    return st;
+}
+
+static void comm_free(comet_comm_t comm)
+{
+    if (comm->ctrl.local) cometi_window_destroy(comm, &comm->ctrl);
+    cometi_devcomm_destroy(comm);
+    if (comm->async_host) cudaFreeHost(comm->async_host);
+    if (comm->owns_nccl && comm->nccl) ncclCommDestroy(comm->nccl);
+    free(comm);
+}
+
+static comet_status_t comm_init(comet_comm_t comm, const comet_comm_config_t *config)
+{
+    char *err = comm->err;
+    int version = 0;
+    COMETI_TRY(cometi_nccl(err, ncclGetVersion(&version), "ncclGetVersion"));
+    if (version < 22800)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "NCCL %d.%d.%d is loaded; comet needs 2.28 or newer "
+                           "(symmetric windows and the device API)", version / 10000, version / 100 % 100,
+                           version % 100);
+    COMETI_TRY(cometi_nccl(err, ncclCommUserRank(comm->nccl, &comm->rank), "ncclCommUserRank"));
+    COMETI_TRY(cometi_nccl(err, ncclCommCount(comm->nccl, &comm->size), "ncclCommCount"));
+    if (comm->size > COMETI_MAX_RANKS)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "%d ranks: comet runs inside one NVLink domain of at most %d",
+                           comm->size, COMETI_MAX_RANKS);
+    int nccl_dev = -1;
+    COMETI_TRY(cometi_nccl(err, ncclCommCuDevice(comm->nccl, &nccl_dev), "ncclCommCuDevice"));
+    COMETI_TRY(cometi_cuda(err, cudaGetDevice(&comm->device), "cudaGetDevice"));
+    if (nccl_dev != comm->device)
+        return cometi_fail(err, COMET_INVALID_USAGE, "the current CUDA device is %d but the NCCL communicator "
+                           "lives on device %d; call cudaSetDevice(%d) first", comm->device, nccl_dev, nccl_dev);
+    COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&comm->sm_count, cudaDevAttrMultiProcessorCount, comm->device),
+                           "cudaDeviceGetAttribute(SM count)"));
+    comm->timeout_ms = config && config->timeout_ms ? config->timeout_ms
+                                                    : env_int("COMET_TIMEOUT_MS", COMETI_DEFAULT_TIMEOUT_MS);
+    COMETI_TRY(cometi_cuda(err, cudaHostAlloc((void **)&comm->async_host, sizeof(cometi_async_error_t),
+                                              cudaHostAllocMapped), "cudaHostAlloc(async error word)"));
+    memset(comm->async_host, 0, sizeof(cometi_async_error_t));
+    COMETI_TRY(cometi_cuda(err, cudaHostGetDevicePointer((void **)&comm->async_dev, comm->async_host, 0),
+                           "cudaHostGetDevicePointer(async error word)"));
+    COMETI_TRY(cometi_devcomm_create(comm));
+    COMETI_TRY(cometi_window_create(comm, COMETI_CTRL_SLOTS * sizeof(unsigned long long), &comm->ctrl));
+    COMETI_TRY(cometi_cuda(err, cudaMemset(comm->ctrl.local, 0, comm->ctrl.bytes), "clear control window"));
+    COMETI_TRY(cometi_cuda(err, cudaDeviceSynchronize(), "clear control window"));
+    /* No rank may raise a peer's flag before that peer has cleared its window. */
+    return nccl_host_barrier(comm);
+}
+
+static comet_status_t comm_create(ncclComm_t nccl, int owns, const comet_comm_config_t *config,
+                                  comet_comm_t *out)
+{
+    char *cerr = cometi_create_error_buffer();
+    cerr[0] = '\0';
+    comet_comm_t comm = calloc(1, sizeof(*comm));
+    if (!comm) {
+        if (owns) ncclCommDestroy(nccl);
+        return cometi_fail(cerr, COMET_OUT_OF_MEMORY, "comet_comm_create: out of host memory");
+    }
+    comm->nccl = nccl;
+    comm->owns_nccl = owns;
+    comet_status_t st = comm_init(comm, config);
+    if (st != COMET_SUCCESS) {
+        snprintf(cerr, COMETI_ERR_LEN, "%s", comm->err);
+        comm_free(comm);
+        return st;
+    }
+    *out = comm;
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_comm_create(ncclComm_t nccl, const comet_comm_config_t *config, comet_comm_t *out)
+{
+    char *cerr = cometi_create_error_buffer();
+    if (!out) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_comm_create: out is NULL");
+    *out = NULL;
+    if (!nccl) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_comm_create: nccl communicator is NULL");
+    COMETI_TRY(check_comm_config(config, cerr));
+    return comm_create(nccl, 0, config, out);
+}
+
+comet_status_t comet_comm_create_from_id(const ncclUniqueId *id, int nranks, int rank,
+                                         const comet_comm_config_t *config, comet_comm_t *out)
+{
+    char *cerr = cometi_create_error_buffer();
+    if (!out) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_comm_create_from_id: out is NULL");
+    *out = NULL;
+    if (!id) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_comm_create_from_id: id is NULL");
+    if (nranks < 1 || nranks > COMETI_MAX_RANKS)
+        return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "nranks = %d: must be 1..%d", nranks, COMETI_MAX_RANKS);
+    if (rank < 0 || rank >= nranks)
+        return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "rank = %d: must be 0..nranks-1 = %d", rank, nranks - 1);
+    COMETI_TRY(check_comm_config(config, cerr));
+    ncclComm_t nccl = NULL;
+    ncclResult_t r = ncclCommInitRank(&nccl, nranks, *id, rank);
+    if (r != ncclSuccess)
+        return cometi_fail(cerr, COMET_NCCL_ERROR, "ncclCommInitRank(rank %d of %d): %s", rank, nranks,
+                           ncclGetErrorString(r));
+    return comm_create(nccl, 1, config, out);
+}
+
+comet_status_t comet_comm_destroy(comet_comm_t comm)
+{
+    if (!comm) return COMET_SUCCESS;
+    comet_status_t st = cometi_cuda(comm->err, cudaDeviceSynchronize(), "comet_comm_destroy: device sync");
+    if (st == COMET_SUCCESS && comm->async_host->status == 0) {
+        /* Windows are deregistered collectively: keep the ranks in step. */
+        nccl_host_barrier(comm);
+        comm_free(comm);
+        return COMET_SUCCESS;
+    }
+    /* A peer did not answer, so a collective here could hang: abort our own NCCL
+     * communicator (that frees its windows), or, when the caller owns it, leave the
+     * windows to the caller's ncclCommAbort. */
+    if (comm->owns_nccl) {
+        ncclCommAbort(comm->nccl);
+        comm->nccl = NULL;
+        comm->ctrl.local = NULL;
+        free(comm->devcomm); /* the device side went with the abort */
+        comm->devcomm = NULL;
+    } else {
+        comm->ctrl.local = NULL;
+        comm->devcomm = NULL;
+    }
+    comm_free(comm);
+    return st;
+}
+
+int comet_comm_rank(comet_comm_t comm) { return comm ? comm->rank : -1; }
+int comet_comm_size(comet_comm_t comm) { return comm ? comm->size : -1; }
+ncclComm_t comet_comm_nccl(comet_comm_t comm) { return comm ? comm->nccl : NULL; }
+const char *comet_comm_last_error(comet_comm_t comm) { return comm ? comm->err : "comm is NULL"; }
+
+static const char *site_name(int site)
+{
+    switch (site) {
+    case COMETI_SITE_BARRIER: return "the cross-rank barrier";
+    case COMETI_SITE_FLAG: return "a flag wait";
+    default: return "a device wait";
+    }
+}
+
+comet_status_t cometi_check_async(comet_comm_t comm)
+{
+    volatile cometi_async_error_t *e = comm->async_host;
+    int status = e->status;
+    if (status == 0) return COMET_SUCCESS;
+    char who[48] = "";
+    if (e->peer >= 0) snprintf(who, sizeof(who), " on rank %d", e->peer);
+    return cometi_fail(comm->err, (comet_status_t)status,
+                       "rank %d: %s (slot %d) waited %.1f ms%s for value %llu and saw %llu; the limit is "
+                       "timeout_ms = %d. The communicator is unusable now: destroy it",
+                       comm->rank, site_name(e->site), e->slot, e->waited_ns / 1e6, who, e->expected, e->seen,
+                       comm->timeout_ms);
+}
+
+comet_status_t comet_comm_get_async_error(comet_comm_t comm)
+{
+    if (!comm) return COMET_INVALID_ARGUMENT;
+    return cometi_check_async(comm);
+}

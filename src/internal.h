@@ -1,0 +1,141 @@
+/*
+ * internal.h - what the library's C files share: the handle structs, error helpers
+ * and the entry points of the CUDA files (which are written in C style and export
+ * C symbols). Internal non-static names start with cometi_.
+ */
+#ifndef COMET_INTERNAL_H
+#define COMET_INTERNAL_H
+
+#include <stdarg.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#include "comet.h"
+#include "plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define COMETI_ERR_LEN 512
+/* One NVLink node: NVL72 is the largest domain where every rank is load/store reachable. */
+#define COMETI_MAX_RANKS 72
+#define COMETI_DEFAULT_TIMEOUT_MS 5000
+
+/* Record a formatted message in `err` (COMETI_ERR_LEN bytes) and return `status`. */
+comet_status_t cometi_fail(char *err, comet_status_t status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Same, for a failed CUDA runtime call; cudaSuccess returns COMET_SUCCESS untouched. */
+comet_status_t cometi_cuda(char *err, cudaError_t e, const char *what);
+comet_status_t cometi_nccl(char *err, ncclResult_t r, const char *what);
+
+/* Pass a failure up, keeping the message already written. */
+#define COMETI_TRY(expr)                                                                   \
+    do {                                                                                   \
+        comet_status_t try_status_ = (expr);                                               \
+        if (try_status_ != COMET_SUCCESS) return try_status_;                              \
+    } while (0)
+/* Pass a failure to a cleanup label; the status is kept in `st`. */
+#define COMETI_TRY_GOTO(st, expr, label)                                                   \
+    do {                                                                                   \
+        (st) = (expr);                                                                     \
+        if ((st) != COMET_SUCCESS) goto label;                                             \
+    } while (0)
+
+/* Where a device-side wait gave up; the first failure wins, later ones are dropped. */
+typedef enum cometi_wait_site {
+    COMETI_SITE_NONE = 0,
+    COMETI_SITE_BARRIER = 1,   /* cross-rank barrier: a peer did not arrive */
+    COMETI_SITE_FLAG = 2,      /* a flag in symmetric memory was never raised */
+} cometi_wait_site_t;
+
+/* Written by kernels into host-mapped memory, read by the host without a sync. */
+typedef struct cometi_async_error {
+    int status; /* comet_status_t; 0 while nothing failed; written last */
+    int claim;  /* taken by the first failing thread */
+    int site;   /* cometi_wait_site_t */
+    int peer;   /* rank waited on, -1 if not one rank */
+    int slot;   /* which flag */
+    unsigned long long expected, seen, waited_ns;
+} cometi_async_error_t;
+
+/* Memory every rank allocates alike and every rank can load from and store to. */
+typedef struct cometi_window {
+    void *local;                   /* this rank's part (device pointer) */
+    size_t bytes;                  /* size of each rank's part */
+    ncclWindow_t nccl_win;         /* NCCL registration */
+    void *peer[COMETI_MAX_RANKS];  /* rank r's part as mapped into this process */
+} cometi_window_t;
+
+/* Layout of the control window, in 64-bit slots. */
+#define COMETI_CTRL_BARRIER 0                          /* [world]: slot p, raised by rank p */
+#define COMETI_CTRL_FLAGS (COMETI_MAX_RANKS)           /* [64] general flags, for tests */
+#define COMETI_CTRL_NFLAGS 64
+#define COMETI_CTRL_SLOTS (COMETI_CTRL_FLAGS + COMETI_CTRL_NFLAGS)
+
+struct comet_comm {
+    ncclComm_t nccl;
+    int owns_nccl;
+    int rank, size, device, sm_count;
+    int timeout_ms;
+    char err[COMETI_ERR_LEN];
+    void *devcomm;                    /* ncclDevComm_t, owned by symmetric.cu */
+    cometi_window_t ctrl;             /* barrier and flag slots */
+    unsigned long long barrier_seq;   /* monotonic: never reset, so no reset kernel */
+    cometi_async_error_t *async_host; /* pinned, mapped */
+    cometi_async_error_t *async_dev;  /* the same memory as the device sees it */
+};
+
+struct cometi_baseline;
+
+struct comet_moe {
+    comet_comm_t comm;
+    comet_moe_config_t cfg;
+    int ep, tp, experts_per_rank, first_expert;
+    int64_t max_recv_rows;            /* worst-case padded rows landing on this rank */
+    char err[COMETI_ERR_LEN];
+    struct cometi_baseline *baseline;
+    cudaEvent_t *marks;               /* COMETI_NUM_MARKS events, or NULL: phase timing */
+};
+
+/* Benchmarks: record the baseline's phase boundaries into `marks` (NULL: stop). */
+void cometi_moe_set_marks(comet_moe_t moe, cudaEvent_t *marks);
+
+/* ---- symmetric.cu ---- */
+/* Create NCCL's device communicator and check that every rank is load/store reachable. */
+comet_status_t cometi_devcomm_create(comet_comm_t comm);
+void cometi_devcomm_destroy(comet_comm_t comm);
+/* Collective: allocate `bytes` on every rank, register it, resolve every peer's address. */
+comet_status_t cometi_window_create(comet_comm_t comm, size_t bytes, cometi_window_t *win);
+void cometi_window_destroy(comet_comm_t comm, cometi_window_t *win);
+/* Every rank waits until all have arrived; a missing peer gives COMET_TIMEOUT (async). */
+comet_status_t cometi_barrier(comet_comm_t comm, cudaStream_t stream);
+/* Wait on the device until this rank's control flag `slot` reaches `expected`. */
+comet_status_t cometi_wait_flag(comet_comm_t comm, int slot, unsigned long long expected,
+                                cudaStream_t stream);
+/* Raise `peer`'s control flag `slot` to `value` with a system-scope release store. */
+comet_status_t cometi_set_flag(comet_comm_t comm, int peer, int slot, unsigned long long value,
+                               cudaStream_t stream);
+/* Copy `bytes` (multiple of 16, 16-byte aligned) with `blocks` blocks of 16-byte stores;
+ * either side may be a peer's window. Used for push and pull measurements. */
+comet_status_t cometi_copy(char *err, void *dst, const void *src, size_t bytes, int blocks,
+                           cudaStream_t stream);
+
+/* ---- fill.cu ---- */
+/* dst[i] = cometi_hash_bf16(seed, index0 + i, scale) for i < n (bf16 elements). */
+cudaError_t cometi_fill_hash_bf16(void *dst, size_t n, uint64_t seed, uint64_t index0, float scale,
+                                  cudaStream_t stream);
+
+/* ---- config.c ---- */
+/* The thread's buffer for messages of failed *_create calls (no handle to hold them). */
+char *cometi_create_error_buffer(void);
+
+/* ---- comm.c ---- */
+/* Turn a recorded device-side failure into a status and a message in comm->err. */
+comet_status_t cometi_check_async(comet_comm_t comm);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_INTERNAL_H */

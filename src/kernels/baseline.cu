@@ -1,0 +1,155 @@
+/*
+ * baseline.cu - the small kernels of the sequential baseline path (what Megatron-LM
+ * runs around its all-to-alls and expert GEMMs): routing counts and stable positions,
+ * the permutation of token rows into the send buffer, SwiGLU, and the weighted top-k
+ * sum. The GEMMs are cuBLAS and the transfers NCCL (src/baseline/baseline.c).
+ */
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "../internal.h"
+#include "../baseline/baseline.h"
+
+#define ROUTE_THREADS 1024
+
+/*
+ * One block per expert e: walks topk_ids in order and gives each row that goes to e
+ * its rank among them, so positions are stable (token order) and deterministic.
+ * Block 0 also records the first id outside [0, E).
+ */
+static __global__ void __launch_bounds__(ROUTE_THREADS)
+route_kernel(const int32_t *ids, int n, int num_experts, int32_t *counts, int32_t *pos, unsigned int *first_bad)
+{
+    __shared__ int warp_sums[ROUTE_THREADS / 32];
+    const int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int base = 0;
+    for (int start = 0; start < n; start += ROUTE_THREADS) {
+        int i = start + threadIdx.x;
+        int id = i < n ? ids[i] : -1;
+        if (e == 0 && i < n && (id < 0 || id >= num_experts)) atomicMin(first_bad, (unsigned int)i);
+        int hit = id == e;
+        unsigned int ballot = __ballot_sync(0xffffffffu, hit);
+        int before_in_warp = __popc(ballot & ((1u << lane) - 1u));
+        if (lane == 0) warp_sums[warp] = __popc(ballot);
+        __syncthreads();
+        if (warp == 0) {
+            int v = warp_sums[lane];
+            for (int d = 1; d < 32; d <<= 1) {
+                int u = __shfl_up_sync(0xffffffffu, v, d);
+                if (lane >= d) v += u;
+            }
+            warp_sums[lane] = v; /* inclusive prefix over warps */
+        }
+        __syncthreads();
+        int before = base + (warp ? warp_sums[warp - 1] : 0) + before_in_warp;
+        if (hit) pos[i] = before;
+        base += warp_sums[ROUTE_THREADS / 32 - 1];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) counts[e] = base;
+}
+
+extern "C" cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_experts, int32_t *counts,
+                                           int32_t *pos, unsigned int *first_bad, cudaStream_t stream)
+{
+    cudaError_t e = cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned int), stream);
+    if (e != cudaSuccess) return e;
+    route_kernel<<<num_experts, ROUTE_THREADS, 0, stream>>>(ids, n, num_experts, counts, pos, first_bad);
+    return cudaGetLastError();
+}
+
+/* One block per (token, choice): copy the token's row to its place in the send
+ * buffer, and remember that place for the combine. */
+static __global__ void permute_kernel(const uint4 *x, const int32_t *ids, const int32_t *pos,
+                                      const int32_t *send_base, int k, int row_vecs, uint4 *send,
+                                      int32_t *send_pos)
+{
+    const int i = blockIdx.x, t = i / k;
+    const int dst = send_base[ids[i]] + pos[i];
+    if (threadIdx.x == 0) send_pos[i] = dst;
+    const uint4 *src = x + (size_t)t * row_vecs;
+    uint4 *out = send + (size_t)dst * row_vecs;
+    for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) out[v] = src[v];
+}
+
+extern "C" cudaError_t cometi_launch_permute(const void *x, const int32_t *ids, const int32_t *pos,
+                                             const int32_t *send_base, int n, int k, int hidden, void *send,
+                                             int32_t *send_pos, cudaStream_t stream)
+{
+    if (n == 0) return cudaSuccess;
+    permute_kernel<<<n, 128, 0, stream>>>((const uint4 *)x, ids, pos, send_base, k, hidden / 8, (uint4 *)send,
+                                          send_pos);
+    return cudaGetLastError();
+}
+
+/* act[r][f] = silu(h[r][f]) * h[r][F + f] over the rows of each expert's segment;
+ * blockIdx.y is the local expert, padding rows are skipped. */
+static __global__ void swiglu_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *act, int ffn,
+                                     const cometi_segment_t *segs)
+{
+    const cometi_segment_t seg = segs[blockIdx.y];
+    const int vecs = ffn / 8;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < (long long)seg.rows * vecs;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const long long row = seg.start + idx / vecs;
+        const int f = (int)(idx % vecs) * 8;
+        uint4 g4 = *(const uint4 *)(h + row * 2 * ffn + f);
+        uint4 u4 = *(const uint4 *)(h + row * 2 * ffn + ffn + f);
+        const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4;
+        uint4 o4;
+        __nv_bfloat162 *o = (__nv_bfloat162 *)&o4;
+        for (int q = 0; q < 4; q++) {
+            float2 gf = __bfloat1622float2(g[q]), uf = __bfloat1622float2(u[q]);
+            float a = gf.x / (1.0f + __expf(-gf.x)) * uf.x;
+            float b = gf.y / (1.0f + __expf(-gf.y)) * uf.y;
+            o[q] = __floats2bfloat162_rn(a, b);
+        }
+        *(uint4 *)(act + row * ffn + f) = o4;
+    }
+}
+
+extern "C" cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, const cometi_segment_t *segs,
+                                            int num_segs, int max_rows, cudaStream_t stream)
+{
+    if (num_segs == 0 || max_rows == 0) return cudaSuccess;
+    long long work = (long long)max_rows * (ffn / 8);
+    int blocks = (int)((work + 255) / 256);
+    if (blocks > 1024) blocks = 1024;
+    dim3 grid(blocks, num_segs);
+    swiglu_kernel<<<grid, 256, 0, stream>>>((const __nv_bfloat16 *)h, (__nv_bfloat16 *)act, ffn, segs);
+    return cudaGetLastError();
+}
+
+/* y[t] = sum_j w[t][j] * back[send_pos[t][j]] in fp32, j in order: same bits every run. */
+static __global__ void combine_kernel(const __nv_bfloat16 *back, const int32_t *send_pos, const float *w, int k,
+                                      int hidden, __nv_bfloat16 *y)
+{
+    const int t = blockIdx.x;
+    for (int h = threadIdx.x * 8; h < hidden; h += blockDim.x * 8) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < k; j++) {
+            const float wj = w[t * k + j];
+            uint4 v4 = *(const uint4 *)(back + (size_t)send_pos[t * k + j] * hidden + h);
+            const __nv_bfloat162 *v = (const __nv_bfloat162 *)&v4;
+            for (int q = 0; q < 4; q++) {
+                float2 f = __bfloat1622float2(v[q]);
+                acc[2 * q] += wj * f.x;
+                acc[2 * q + 1] += wj * f.y;
+            }
+        }
+        uint4 o4;
+        __nv_bfloat162 *o = (__nv_bfloat162 *)&o4;
+        for (int q = 0; q < 4; q++) o[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+        *(uint4 *)(y + (size_t)t * hidden + h) = o4;
+    }
+}
+
+extern "C" cudaError_t cometi_launch_combine(const void *back, const int32_t *send_pos, const float *w, int m,
+                                             int k, int hidden, void *y, cudaStream_t stream)
+{
+    if (m == 0) return cudaSuccess;
+    int threads = hidden / 8 < 256 ? hidden / 8 : 256;
+    combine_kernel<<<m, threads, 0, stream>>>((const __nv_bfloat16 *)back, send_pos, w, k, hidden,
+                                              (__nv_bfloat16 *)y);
+    return cudaGetLastError();
+}

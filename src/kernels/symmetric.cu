@@ -1,0 +1,197 @@
+/*
+ * symmetric.cu - symmetric memory over NCCL windows: NCCL's device communicator,
+ * windows whose every rank's part is mapped into this process, the cross-rank
+ * barrier and flag waits (each with a timeout), and the copy kernel used to measure
+ * push and pull bandwidth. Peer addresses are resolved once, when a window is made,
+ * so later kernels take plain pointers (and TMA maps can be built on them).
+ */
+#include <string.h>
+
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include "../internal.h"
+#include "ptx.cuh"
+
+/* ---- device communicator ---- */
+
+extern "C" comet_status_t cometi_devcomm_create(comet_comm_t comm)
+{
+    ncclTeam_t lsa = ncclTeamLsa(comm->nccl);
+    if (lsa.nRanks != comm->size)
+        return cometi_fail(comm->err, COMET_NOT_SUPPORTED,
+                           "only %d of the %d ranks can load and store each other's memory (NVLink); "
+                           "comet needs every rank in one NVLink domain", lsa.nRanks, comm->size);
+    ncclDevComm_t *dev = (ncclDevComm_t *)calloc(1, sizeof(ncclDevComm_t));
+    if (!dev) return cometi_fail(comm->err, COMET_OUT_OF_MEMORY, "ncclDevComm_t: out of host memory");
+    ncclDevCommRequirements_t reqs;
+    memset(&reqs, 0, sizeof(reqs));
+    reqs.lsaMultimem = false; /* never NVLink multicast: it can take a shared host's GPUs down */
+    comet_status_t st = cometi_nccl(comm->err, ncclDevCommCreate(comm->nccl, &reqs, dev), "ncclDevCommCreate");
+    if (st != COMET_SUCCESS) {
+        free(dev);
+        return st;
+    }
+    comm->devcomm = dev;
+    return COMET_SUCCESS;
+}
+
+extern "C" void cometi_devcomm_destroy(comet_comm_t comm)
+{
+    if (!comm->devcomm) return;
+    ncclDevCommDestroy(comm->nccl, (ncclDevComm_t *)comm->devcomm);
+    free(comm->devcomm);
+    comm->devcomm = NULL;
+}
+
+/* ---- windows ---- */
+
+/* One thread per rank: where that rank's part of the window is mapped here. The lsa
+ * team size is written too, so the host can check the device sees what it expects. */
+static __global__ void resolve_peers_kernel(ncclDevComm devcomm, ncclWindow_t win, int nranks, void **out,
+                                            int *lsa_ranks)
+{
+    int p = threadIdx.x;
+    if (p < nranks) out[p] = ncclGetPeerPointer(win, 0, p);
+    if (p == 0) *lsa_ranks = ncclTeamLsa(devcomm).nRanks;
+}
+
+extern "C" comet_status_t cometi_window_create(comet_comm_t comm, size_t bytes, cometi_window_t *win)
+{
+    char *err = comm->err;
+    memset(win, 0, sizeof(*win));
+    bytes = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
+    ncclResult_t r = ncclMemAlloc(&win->local, bytes);
+    if (r != ncclSuccess) {
+        win->local = NULL;
+        return cometi_fail(err, COMET_OUT_OF_MEMORY, "ncclMemAlloc(%zu bytes) for a symmetric window: %s", bytes,
+                           ncclGetErrorString(r));
+    }
+    win->bytes = bytes;
+    comet_status_t st;
+    void **peers_dev = NULL;
+    int *lsa_dev = NULL;
+    int lsa_ranks = 0;
+    COMETI_TRY_GOTO(st, cometi_nccl(err, ncclCommWindowRegister(comm->nccl, win->local, bytes, &win->nccl_win,
+                                                                NCCL_WIN_COLL_SYMMETRIC),
+                                    "ncclCommWindowRegister"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMalloc((void **)&peers_dev, sizeof(void *) * comm->size + sizeof(int)),
+                                    "cudaMalloc(peer table)"), fail);
+    lsa_dev = (int *)(peers_dev + comm->size);
+    resolve_peers_kernel<<<1, 96>>>(*(ncclDevComm_t *)comm->devcomm, win->nccl_win, comm->size, peers_dev, lsa_dev);
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaGetLastError(), "launch resolve_peers_kernel"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMemcpy(win->peer, peers_dev, sizeof(void *) * comm->size,
+                                                    cudaMemcpyDeviceToHost), "read peer table"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMemcpy(&lsa_ranks, lsa_dev, sizeof(int), cudaMemcpyDeviceToHost),
+                                    "read lsa size"), fail);
+    if (lsa_ranks != comm->size) {
+        st = cometi_fail(err, COMET_NOT_SUPPORTED, "the device communicator's NVLink team has %d ranks, not %d",
+                         lsa_ranks, comm->size);
+        goto fail;
+    }
+    cudaFree(peers_dev);
+    return COMET_SUCCESS;
+fail:
+    cudaFree(peers_dev);
+    cometi_window_destroy(comm, win);
+    return st;
+}
+
+extern "C" void cometi_window_destroy(comet_comm_t comm, cometi_window_t *win)
+{
+    if (win->nccl_win) ncclCommWindowDeregister(comm->nccl, win->nccl_win);
+    if (win->local) ncclMemFree(win->local);
+    memset(win, 0, sizeof(*win));
+}
+
+/* ---- barrier and flags ---- */
+
+typedef struct peer_slots {
+    unsigned long long *ctrl[COMETI_MAX_RANKS]; /* each rank's control window, as mapped here */
+} peer_slots_t;
+
+/* Thread p tells rank p that this rank arrived, then waits until rank p has too. */
+static __global__ void barrier_kernel(peer_slots_t peers, unsigned long long *mine, int rank, int nranks,
+                                      unsigned long long seq, unsigned long long timeout_ns,
+                                      cometi_async_error_t *err)
+{
+    int p = threadIdx.x;
+    if (p >= nranks) return;
+    __threadfence_system(); /* what this stream wrote before the barrier is visible to all first */
+    cometi_st_release_sys(peers.ctrl[p] + COMETI_CTRL_BARRIER + rank, seq);
+    cometi_wait_geq(mine + COMETI_CTRL_BARRIER + p, seq, timeout_ns, err, COMETI_SITE_BARRIER, p, p);
+}
+
+static __global__ void wait_flag_kernel(const unsigned long long *flag, unsigned long long expected,
+                                        unsigned long long timeout_ns, cometi_async_error_t *err, int slot)
+{
+    cometi_wait_geq(flag, expected, timeout_ns, err, COMETI_SITE_FLAG, -1, slot);
+}
+
+static __global__ void set_flag_kernel(unsigned long long *flag, unsigned long long value)
+{
+    __threadfence_system();
+    cometi_st_release_sys(flag, value);
+}
+
+static unsigned long long timeout_ns(comet_comm_t comm) { return (unsigned long long)comm->timeout_ms * 1000000ull; }
+
+extern "C" comet_status_t cometi_barrier(comet_comm_t comm, cudaStream_t stream)
+{
+    peer_slots_t peers;
+    memset(&peers, 0, sizeof(peers));
+    for (int p = 0; p < comm->size; p++) peers.ctrl[p] = (unsigned long long *)comm->ctrl.peer[p];
+    unsigned long long seq = ++comm->barrier_seq;
+    barrier_kernel<<<1, 96, 0, stream>>>(peers, (unsigned long long *)comm->ctrl.local, comm->rank, comm->size, seq,
+                                         timeout_ns(comm), comm->async_dev);
+    return cometi_cuda(comm->err, cudaGetLastError(), "launch barrier_kernel");
+}
+
+extern "C" comet_status_t cometi_wait_flag(comet_comm_t comm, int slot, unsigned long long expected,
+                                           cudaStream_t stream)
+{
+    if (slot < 0 || slot >= COMETI_CTRL_NFLAGS)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "flag slot %d: must be 0..%d", slot,
+                           COMETI_CTRL_NFLAGS - 1);
+    const unsigned long long *flag = (const unsigned long long *)comm->ctrl.local + COMETI_CTRL_FLAGS + slot;
+    wait_flag_kernel<<<1, 1, 0, stream>>>(flag, expected, timeout_ns(comm), comm->async_dev, slot);
+    return cometi_cuda(comm->err, cudaGetLastError(), "launch wait_flag_kernel");
+}
+
+extern "C" comet_status_t cometi_set_flag(comet_comm_t comm, int peer, int slot, unsigned long long value,
+                                          cudaStream_t stream)
+{
+    if (slot < 0 || slot >= COMETI_CTRL_NFLAGS || peer < 0 || peer >= comm->size)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "flag slot %d of rank %d: slot must be 0..%d, "
+                           "rank 0..%d", slot, peer, COMETI_CTRL_NFLAGS - 1, comm->size - 1);
+    unsigned long long *flag = (unsigned long long *)comm->ctrl.peer[peer] + COMETI_CTRL_FLAGS + slot;
+    set_flag_kernel<<<1, 1, 0, stream>>>(flag, value);
+    return cometi_cuda(comm->err, cudaGetLastError(), "launch set_flag_kernel");
+}
+
+/* ---- copies over NVLink ---- */
+
+/* 16-byte loads and stores, four in flight per thread before the first store. */
+static __global__ void __launch_bounds__(1024) copy_kernel(uint4 *dst, const uint4 *src, size_t n)
+{
+    size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
+        dst[i] = a;
+        dst[i + stride] = b;
+        dst[i + 2 * stride] = c;
+        dst[i + 3 * stride] = d;
+    }
+    for (; i < n; i += stride) dst[i] = src[i];
+}
+
+extern "C" comet_status_t cometi_copy(char *err, void *dst, const void *src, size_t bytes, int blocks,
+                                      cudaStream_t stream)
+{
+    if (bytes % 16 || (uintptr_t)dst % 16 || (uintptr_t)src % 16 || blocks < 1)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "copy of %zu bytes with %d blocks: bytes and both "
+                           "addresses must be multiples of 16, blocks >= 1", bytes, blocks);
+    copy_kernel<<<blocks, 1024, 0, stream>>>((uint4 *)dst, (const uint4 *)src, bytes / 16);
+    return cometi_cuda(err, cudaGetLastError(), "launch copy_kernel");
+}

@@ -1,0 +1,57 @@
+/*
+ * launch.h - running one process per GPU: the local launcher the `comet` tool and
+ * the GPU tests use (it forks the ranks before any CUDA call in the parent), the
+ * external-launcher mode (RANK / WORLD_SIZE / LOCAL_RANK and an id file), and a GPU
+ * count taken without touching CUDA in the calling process.
+ */
+#ifndef COMET_LAUNCH_H
+#define COMET_LAUNCH_H
+
+#include <stddef.h>
+#include <nccl.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct cometi_rank_ctx {
+    int rank, nranks, local_rank;
+    ncclUniqueId id; /* the same on every rank */
+} cometi_rank_ctx_t;
+
+/* A rank's body: returns its process exit code (0 success). It runs in its own process
+ * and may use CUDA freely. */
+typedef int (*cometi_rank_main_t)(const cometi_rank_ctx_t *ctx, void *arg);
+
+/* Visible Hopper (sm_90) devices, counted in a short-lived child so this process stays free of
+ * CUDA (a CUDA context does not survive fork). 0 when there is no driver or device;
+ * `why` (if not NULL) then says what the probe saw. */
+int cometi_probe_gpus(char *why, size_t why_len);
+
+/*
+ * Fork `nranks` ranks and run `fn` in each. Rank 0 makes the NCCL unique id and the
+ * parent passes it to the others, so the parent never touches CUDA or NCCL. When a
+ * rank fails (non-zero exit or a signal) or `timeout_s` (> 0) passes, the others are
+ * stopped: nobody hangs. Returns 0 when every rank exited 0; else non-zero, with a
+ * sentence in `report` naming the first failed rank and why.
+ */
+int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeout_s, char *report,
+                        size_t report_len);
+
+/*
+ * Under an external launcher (torchrun, mpirun, srun): read RANK, WORLD_SIZE and
+ * LOCAL_RANK (or LOCAL_RANK from RANK), exchange the unique id through `id_file`
+ * (rank 0 writes it; the others wait for it up to `timeout_s`), and run `fn` here.
+ * Returns fn's exit code, or 2 with `report` set when the environment is incomplete.
+ */
+int cometi_launch_external(const char *id_file, cometi_rank_main_t fn, void *arg, int timeout_s, char *report,
+                           size_t report_len);
+
+/* Inside a rank: the one-line reason the parent shows if this rank fails. */
+void cometi_rank_reason(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_LAUNCH_H */

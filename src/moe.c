@@ -1,0 +1,106 @@
+/*
+ * moe.c - the MoE layer handle: config checks, the plan's sizes, and the forward
+ * call that checks its arguments and hands them to a path (the sequential baseline
+ * today; the fused tile-level path when it lands).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "baseline/baseline.h"
+
+comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *config, comet_moe_t *out)
+{
+    char *cerr = cometi_create_error_buffer();
+    cerr[0] = '\0';
+    if (!out) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_create: out is NULL");
+    *out = NULL;
+    if (!comm) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_create: comm is NULL");
+    comet_status_t st = comet_moe_config_validate(config, comm->size, cerr, COMETI_ERR_LEN);
+    if (st != COMET_SUCCESS) return st;
+    comet_moe_t moe = calloc(1, sizeof(*moe));
+    if (!moe) return cometi_fail(cerr, COMET_OUT_OF_MEMORY, "comet_moe_create: out of host memory");
+    moe->comm = comm;
+    moe->cfg = *config;
+    moe->tp = config->tp_size ? config->tp_size : 1;
+    moe->ep = config->ep_size ? config->ep_size : comm->size / moe->tp;
+    moe->cfg.tp_size = moe->tp;
+    moe->cfg.ep_size = moe->ep;
+    moe->experts_per_rank = config->num_experts / moe->ep;
+    moe->first_expert = comm->rank / moe->tp * moe->experts_per_rank;
+    moe->max_recv_rows = cometi_route_max_recv_rows(comm->size, config->max_tokens, config->top_k,
+                                                    moe->experts_per_rank, COMETI_BLOCK_M);
+    st = cometi_baseline_create(moe, &moe->baseline);
+    if (st != COMET_SUCCESS) {
+        snprintf(cerr, COMETI_ERR_LEN, "%s", moe->err);
+        free(moe);
+        return st;
+    }
+    *out = moe;
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_moe_destroy(comet_moe_t moe)
+{
+    if (!moe) return COMET_SUCCESS;
+    comet_status_t st = cometi_cuda(moe->err, cudaDeviceSynchronize(), "comet_moe_destroy: device sync");
+    cometi_baseline_destroy(moe->baseline);
+    free(moe);
+    return st;
+}
+
+const char *comet_moe_last_error(comet_moe_t moe) { return moe ? moe->err : "moe is NULL"; }
+
+void cometi_moe_set_marks(comet_moe_t moe, cudaEvent_t *marks) { moe->marks = marks; }
+
+static comet_status_t check_args(comet_moe_t moe, const comet_moe_args_t *a)
+{
+    char *err = moe->err;
+    const comet_status_t INVAL = COMET_INVALID_ARGUMENT;
+    if (!a) return cometi_fail(err, INVAL, "args is NULL");
+    if (a->size != sizeof(comet_moe_args_t) || a->magic != COMET_STRUCT_MAGIC)
+        return cometi_fail(err, INVAL, "args.size = %zu, args.magic = 0x%x: initialise the struct with "
+                           "COMET_MOE_ARGS_INIT", a->size, a->magic);
+    if (a->version < 1 || a->version > COMET_API_VERSION)
+        return cometi_fail(err, INVAL, "args.version = %u: this library knows 1..%d", a->version, COMET_API_VERSION);
+    if (a->num_tokens < 0 || a->num_tokens > moe->cfg.max_tokens)
+        return cometi_fail(err, INVAL, "args.num_tokens = %d: must be 0..config.max_tokens = %d", a->num_tokens,
+                           moe->cfg.max_tokens);
+    if (a->num_tokens > 0 && (!a->x || !a->topk_ids || !a->topk_weights || !a->y))
+        return cometi_fail(err, INVAL, "args.%s is NULL with num_tokens = %d",
+                           !a->x ? "x" : !a->topk_ids ? "topk_ids" : !a->topk_weights ? "topk_weights" : "y",
+                           a->num_tokens);
+    const comet_moe_weights_t *w = &a->weights;
+    if (!w->down) return cometi_fail(err, INVAL, "args.weights.down is NULL");
+    if (w->gate_up && (w->gate || w->up))
+        return cometi_fail(err, INVAL, "args.weights: give gate_up, or gate and up, not both");
+    if (!w->gate_up && (!w->gate || !w->up))
+        return cometi_fail(err, INVAL, "args.weights.%s is NULL (and gate_up is NULL too)", !w->gate ? "gate" : "up");
+    /* 16-byte rows keep every kernel's vector loads aligned. */
+    const void *ptrs[] = {a->x, a->y, w->gate_up, w->gate, w->up, w->down};
+    const char *names[] = {"x", "y", "weights.gate_up", "weights.gate", "weights.up", "weights.down"};
+    for (int i = 0; i < 6; i++)
+        if ((uintptr_t)ptrs[i] % 16)
+            return cometi_fail(err, INVAL, "args.%s = %p: must be 16-byte aligned", names[i], ptrs[i]);
+    if ((uintptr_t)a->topk_ids % 4 || (uintptr_t)a->topk_weights % 4)
+        return cometi_fail(err, INVAL, "args.topk_ids and topk_weights must be 4-byte aligned");
+    if (a->impl != COMET_IMPL_AUTO && a->impl != COMET_IMPL_BASELINE && a->impl != COMET_IMPL_FUSED)
+        return cometi_fail(err, INVAL, "args.impl = %d: must be COMET_IMPL_AUTO, _BASELINE or _FUSED", (int)a->impl);
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream)
+{
+    if (!moe) return COMET_INVALID_ARGUMENT;
+    moe->err[0] = '\0';
+    COMETI_TRY(check_args(moe, args));
+    comet_status_t async = cometi_check_async(moe->comm);
+    if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
+    if (args->impl == COMET_IMPL_FUSED)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "args.impl = COMET_IMPL_FUSED: the fused tile-level path "
+                           "is not in this build yet; use COMET_IMPL_AUTO or COMET_IMPL_BASELINE");
+    comet_status_t st = cometi_baseline_forward(moe, moe->baseline, args, stream);
+    if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward");
+    return st;
+}

@@ -1,0 +1,154 @@
+/*
+ * plan.h - host planning in plain C, no CUDA headers: the routing plan (who sends
+ * which rows where, and the expert-major receive layout), bf16 conversion, and the
+ * float64 CPU reference of the whole MoE layer. The CPU tests cover all of it; the
+ * GPU kernels must agree with it exactly (routing) or within bf16 tolerance (math).
+ */
+#ifndef COMET_PLAN_H
+#define COMET_PLAN_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The few helpers below also run in kernels (same bits on both sides). */
+#ifdef __CUDACC__
+#define COMETI_HD __host__ __device__
+#else
+#define COMETI_HD
+#endif
+
+/* Rows of a GEMM tile along M: each expert's receive segment is padded to this, so a
+ * tile never spans two experts. */
+#define COMETI_BLOCK_M 128
+
+/*
+ * Routing plan for one forward call with EP = world, TP = 1.
+ *
+ * counts[s][e]: rows rank s sends to global expert e (one row per (token, choice)).
+ * Expert e lives on rank owner(e) = e / experts_per_rank.
+ *
+ * Send side, on rank s: one contiguous chunk per expert, ordered by destination rank
+ * and then by expert; inside a chunk the rows keep token order (t, then choice j).
+ *
+ * Receive side, on rank d: one segment per local expert, in expert order, each
+ * starting at a multiple of block_m; inside a segment the rows of each source rank
+ * are contiguous, local rank first (d, d+1, ..., d-1 mod world), so the GEMM can start
+ * on local rows while remote ones are in flight.
+ */
+typedef struct cometi_route_plan {
+    int world, num_experts, experts_per_rank, block_m;
+    int64_t *counts;      /* [world][E] copy of the input */
+    int64_t *send_offset; /* [world][E] on rank s: first row of expert e's chunk */
+    int64_t *send_rows;   /* [world]    rows rank s sends in all */
+    int64_t *pair_rows;   /* [world][world] rows from s to d */
+    int64_t *seg_start;   /* [E] on owner(e): first row of e's segment */
+    int64_t *seg_rows;    /* [E] rows in e's segment (without padding) */
+    int64_t *recv_offset; /* [world][E] on owner(e): first row of source s's rows in e's segment */
+    int64_t *recv_rows;   /* [world]    padded rows rank d receives (its buffer's used size) */
+} cometi_route_plan_t;
+
+/* Build the plan from counts[world][num_experts]. Returns 0, or -1 with `err` set
+ * (bad sizes, negative counts, allocation failure). */
+int cometi_route_plan_build(cometi_route_plan_t *plan, const int64_t *counts, int world,
+                            int num_experts, int block_m, char *err, size_t err_len);
+void cometi_route_plan_free(cometi_route_plan_t *plan);
+
+/* Worst-case padded receive rows on one rank: every row of every rank comes here. */
+int64_t cometi_route_max_recv_rows(int world, int max_tokens, int top_k, int experts_per_rank,
+                                   int block_m);
+
+/* counts[e] += rows of topk_ids[m][k] that go to expert e. Returns the index of the
+ * first id out of [0, E), or -1 when all are valid (those are not counted). */
+int64_t cometi_route_count(const int32_t *topk_ids, int m, int k, int num_experts,
+                           int64_t *counts);
+
+/* For each (t, j) of rank `src`: its row in src's send buffer and its row in the
+ * owner's receive buffer. Either output may be NULL. */
+void cometi_route_positions(const cometi_route_plan_t *plan, int src, const int32_t *topk_ids,
+                            int m, int k, int64_t *send_pos, int64_t *recv_pos);
+
+/* ---- synthetic routing, for tests and benchmarks ---- */
+
+typedef enum cometi_routing {
+    COMETI_ROUTING_BALANCED = 0, /* token g picks experts (g*k + j) mod E: every expert equally loaded */
+    COMETI_ROUTING_RANDOM = 1,   /* k distinct experts, uniform */
+    COMETI_ROUTING_SKEWED = 2,   /* k distinct experts, expert e drawn with weight skew^(-e/(E-1)) */
+    COMETI_ROUTING_ONE_EXPERT = 3 /* choice 0 of every token is expert `skew` (as an int); the rest uniform */
+} cometi_routing_t;
+
+/* Fill ids[m][k] and weights[m][k] (positive, each token's summing to 1) for rank
+ * `rank` from `seed`; the same arguments give the same routing. For SKEWED, `skew` is
+ * the ratio of the most to the least loaded expert's expected load (>= 1). */
+void cometi_make_routing(cometi_routing_t kind, double skew, int m, int k, int num_experts, uint64_t seed,
+                         int rank, int32_t *ids, float *weights);
+
+/* splitmix64: a small, good, seedable generator for test and benchmark data. */
+static inline COMETI_HD uint64_t cometi_rand_next(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+/* Uniform in [0, 1). */
+static inline double cometi_rand_unit(uint64_t *state) { return (cometi_rand_next(state) >> 11) * 0x1.0p-53; }
+
+/* ---- bf16 ---- */
+static inline COMETI_HD float cometi_bf16_to_float(uint16_t h)
+{
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+
+/* Round to nearest even, as the GPU's __float2bfloat16 does; NaN stays NaN. */
+static inline COMETI_HD uint16_t cometi_float_to_bf16(float f)
+{
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x007fffffu)) return (uint16_t)((v.u >> 16) | 0x40);
+    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)((v.u + rounding) >> 16);
+}
+
+/* Element `index` of a synthetic tensor: uniform in [-scale, scale), rounded to bf16.
+ * The GPU fill (fill.cu) gives the same bits, so the host can rebuild any element of
+ * a full-size benchmark tensor to check results without copying the tensor back. */
+static inline COMETI_HD uint16_t cometi_hash_bf16(uint64_t seed, uint64_t index, float scale)
+{
+    uint64_t state = seed ^ (index * 0xd1b54a32d192ed03ull);
+    double u = (double)(cometi_rand_next(&state) >> 11) * (1.0 / 9007199254740992.0);
+    return cometi_float_to_bf16((float)((2.0 * u - 1.0) * scale));
+}
+
+/* ---- float64 reference ---- */
+
+/* One rank's tokens and all experts' weights, as floats (already rounded through bf16
+ * when they stand for bf16 tensors). Weight layouts as in comet.h, for all E experts. */
+typedef struct cometi_ref_problem {
+    int hidden, ffn, num_experts, top_k, num_tokens;
+    const float *x;            /* [M][H] */
+    const int32_t *topk_ids;   /* [M][k] */
+    const float *topk_weights; /* [M][k] */
+    const float *gate_up;      /* [E][2F][H], gate rows first */
+    const float *down;         /* [E][H][F] */
+} cometi_ref_problem_t;
+
+/* y[t] = sum_j w[t][j] * down_e(silu(gate_e x_t) * (up_e x_t)), in float64. */
+void cometi_reference_moe(const cometi_ref_problem_t *p, double *y);
+
+/* silu(g) * u, the SwiGLU activation, in float64. */
+double cometi_swiglu(double gate, double up);
+
+/* ||out - ref|| / ||ref|| over n values; NaN or Inf anywhere in `out` gives +inf. */
+double cometi_rel_error(const float *out, const double *ref, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_PLAN_H */

@@ -1,0 +1,530 @@
+/*
+ * test_cpu.c - tests that need no GPU: status strings, config validation, the
+ * routing plan (known answers and random invariants), bf16 rounding, synthetic
+ * routing, the float64 reference, the launcher, and argument checks at the API.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "comet.h"
+#include "../src/internal.h"
+#include "../src/launch.h"
+#include "../src/plan.h"
+#include "testutil.h"
+
+int test_status_strings(void)
+{
+    for (int s = COMET_SUCCESS; s <= COMET_INTERNAL_ERROR; s++) {
+        const char *str = comet_status_string((comet_status_t)s);
+        CHECK(strncmp(str, "COMET_", 6) == 0);
+        for (int q = COMET_SUCCESS; q < s; q++) CHECK(strcmp(str, comet_status_string((comet_status_t)q)) != 0);
+    }
+    CHECK_CONTAINS(comet_status_string((comet_status_t)1234), "unknown");
+    CHECK_CONTAINS(comet_status_string(COMET_TIMEOUT), "COMET_TIMEOUT");
+    CHECK_CONTAINS(comet_version_string(), "NCCL 2.");
+    return 0;
+}
+
+int test_config_presets(void)
+{
+    struct { const char *name; int e, k, h, f; } want[] = {
+        {"mixtral-8x7b", 8, 2, 4096, 14336}, {"phi-3.5-moe", 16, 2, 4096, 6400},
+        {"qwen2-57b-a14b", 64, 8, 3584, 2560}, {"qwen2-moe-2.7b", 64, 4, 2048, 1408}, {"tiny", 8, 2, 256, 192}};
+    int n = 0;
+    while (comet_moe_preset_name(n)) n++;
+    CHECK_EQ(n, 5);
+    for (int i = 0; i < 5; i++) {
+        comet_moe_config_t c;
+        CHECK_EQ(comet_moe_config_preset(want[i].name, 8192, &c), COMET_SUCCESS);
+        CHECK_EQ(c.num_experts, want[i].e);
+        CHECK_EQ(c.top_k, want[i].k);
+        CHECK_EQ(c.hidden, want[i].h);
+        CHECK_EQ(c.ffn, want[i].f);
+        CHECK_EQ(c.max_tokens, 8192);
+        for (int world = 1; world <= 8; world *= 2) {
+            char msg[256];
+            CHECK_EQ(comet_moe_config_validate(&c, world, msg, sizeof(msg)), COMET_SUCCESS);
+        }
+    }
+    comet_moe_config_t c;
+    CHECK_EQ(comet_moe_config_preset("mixtral", 8192, &c), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "unknown preset \"mixtral\"");
+    CHECK_CONTAINS(comet_last_create_error(), "qwen2-moe-2.7b");
+    return 0;
+}
+
+int test_config_validation(void)
+{
+    comet_moe_config_t base;
+    CHECK_EQ(comet_moe_config_preset("tiny", 512, &base), COMET_SUCCESS);
+    struct {
+        const char *field;
+        int value, world;
+        comet_status_t status;
+        const char *message;
+    } cases[] = {
+        {"hidden", 100, 2, COMET_INVALID_ARGUMENT, "config.hidden = 100"},
+        {"hidden", 0, 2, COMET_INVALID_ARGUMENT, "config.hidden = 0"},
+        {"ffn", -64, 2, COMET_INVALID_ARGUMENT, "config.ffn = -64"},
+        {"num_experts", 7, 2, COMET_INVALID_ARGUMENT, "config.num_experts = 7: must be divisible by ep_size = 2"},
+        {"num_experts", 5000, 2, COMET_INVALID_ARGUMENT, "config.num_experts = 5000"},
+        {"top_k", 9, 2, COMET_INVALID_ARGUMENT, "config.top_k = 9: must be 1..min(num_experts = 8"},
+        {"top_k", 0, 2, COMET_INVALID_ARGUMENT, "config.top_k = 0"},
+        {"max_tokens", 0, 2, COMET_INVALID_ARGUMENT, "config.max_tokens = 0"},
+        {"ep_size", 3, 2, COMET_INVALID_ARGUMENT, "config.ep_size = 3 x tp_size = 1 = 3: must equal the world size 2"},
+        {"tp_size", 3, 2, COMET_INVALID_ARGUMENT, "config.tp_size = 3: must divide the world size 2"},
+        {"tp_size", 2, 2, COMET_NOT_SUPPORTED, "config.tp_size = 2: this build supports only 1"},
+        {"dtype", 5, 2, COMET_INVALID_ARGUMENT, "config.dtype = 5"},
+        {"world", 0, 0, COMET_INVALID_ARGUMENT, "world size 0"},
+        {"size", 3, 2, COMET_INVALID_ARGUMENT, "COMET_MOE_CONFIG_INIT"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        comet_moe_config_t c = base;
+        const char *f = cases[i].field;
+        int v = cases[i].value;
+        if (!strcmp(f, "hidden")) c.hidden = v;
+        else if (!strcmp(f, "ffn")) c.ffn = v;
+        else if (!strcmp(f, "num_experts")) c.num_experts = v;
+        else if (!strcmp(f, "top_k")) c.top_k = v;
+        else if (!strcmp(f, "max_tokens")) c.max_tokens = v;
+        else if (!strcmp(f, "ep_size")) c.ep_size = v;
+        else if (!strcmp(f, "tp_size")) c.tp_size = v;
+        else if (!strcmp(f, "dtype")) c.dtype = (comet_dtype_t)v;
+        else if (!strcmp(f, "size")) c.size = (size_t)v;
+        char msg[512] = "";
+        comet_status_t st = comet_moe_config_validate(&c, cases[i].world, msg, sizeof(msg));
+        if (st != cases[i].status) printf("case %zu (%s = %d): %s\n", i, f, v, msg);
+        CHECK_EQ(st, cases[i].status);
+        CHECK_CONTAINS(msg, cases[i].message);
+    }
+    char msg[64];
+    CHECK_EQ(comet_moe_config_validate(NULL, 2, msg, sizeof(msg)), COMET_INVALID_ARGUMENT);
+    /* A huge max_tokens with many ranks and a large top_k overflows the row index. */
+    comet_moe_config_t c = base;
+    c.max_tokens = 1 << 20;
+    c.num_experts = 72;
+    c.top_k = 32;
+    char big[512];
+    CHECK_EQ(comet_moe_config_validate(&c, 72, big, sizeof(big)), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(big, "config.max_tokens = 1048576");
+    return 0;
+}
+
+int test_bf16_rounding(void)
+{
+    CHECK_EQ(cometi_float_to_bf16(1.0f), 0x3f80);
+    CHECK_EQ(cometi_float_to_bf16(-2.0f), 0xc000);
+    CHECK_EQ(cometi_float_to_bf16(0.0f), 0x0000);
+    /* 1 + 2^-8 lies halfway between two bf16 values: ties go to the even one (1.0). */
+    CHECK_EQ(cometi_float_to_bf16(1.0f + 0x1.0p-8f), 0x3f80);
+    /* 1 + 3 * 2^-8 is halfway too: even is 1 + 2^-6. */
+    CHECK_EQ(cometi_float_to_bf16(1.0f + 3 * 0x1.0p-8f), 0x3f82);
+    CHECK_EQ(cometi_float_to_bf16(1.0f + 0x1.8p-8f), 0x3f81); /* above halfway rounds up */
+    CHECK(isnan(cometi_bf16_to_float(cometi_float_to_bf16(NAN))));
+    CHECK(isinf(cometi_bf16_to_float(cometi_float_to_bf16(INFINITY))));
+    CHECK_NEAR(cometi_bf16_to_float(cometi_float_to_bf16(3.14159f)), 3.140625, 0);
+    return 0;
+}
+
+int test_route_plan_known_answer(void)
+{
+    const int64_t counts[2 * 4] = {3, 0, 2, 5, /* rank 1 */ 1, 4, 0, 2};
+    cometi_route_plan_t p;
+    char err[256];
+    CHECK_EQ(cometi_route_plan_build(&p, counts, 2, 4, 4, err, sizeof(err)), 0);
+    const int64_t send_offset[8] = {0, 3, 3, 5, 0, 1, 5, 5};
+    const int64_t pair_rows[4] = {3, 7, 5, 2};
+    const int64_t seg_start[4] = {0, 4, 0, 4}, seg_rows[4] = {4, 4, 2, 7};
+    /* On rank 1 the local rows (source 1) come first: source 0's rows of expert 3 start at 2. */
+    const int64_t recv_offset[8] = {0, 0, 0, 2, 3, 0, 0, 0};
+    for (int i = 0; i < 8; i++) CHECK_EQ(p.send_offset[i], send_offset[i]);
+    for (int i = 0; i < 4; i++) CHECK_EQ(p.pair_rows[i], pair_rows[i]);
+    for (int e = 0; e < 4; e++) CHECK_EQ(p.seg_start[e], seg_start[e]);
+    for (int e = 0; e < 4; e++) CHECK_EQ(p.seg_rows[e], seg_rows[e]);
+    for (int i = 0; i < 8; i++) CHECK_EQ(p.recv_offset[i], recv_offset[i]);
+    CHECK_EQ(p.send_rows[0], 10);
+    CHECK_EQ(p.send_rows[1], 7);
+    CHECK_EQ(p.recv_rows[0], 8);
+    CHECK_EQ(p.recv_rows[1], 12);
+    /* Rank 0's tokens that produce counts[0]. */
+    const int32_t ids[10] = {0, 3, 3, 2, 0, 3, 3, 2, 0, 3};
+    int64_t c0[4] = {0};
+    CHECK_EQ(cometi_route_count(ids, 5, 2, 4, c0), -1);
+    for (int e = 0; e < 4; e++) CHECK_EQ(c0[e], counts[e]);
+    int64_t send_pos[10], recv_pos[10];
+    cometi_route_positions(&p, 0, ids, 5, 2, send_pos, recv_pos);
+    const int64_t want_send[10] = {0, 5, 6, 3, 1, 7, 8, 4, 2, 9};
+    const int64_t want_recv[10] = {0, 6, 7, 0, 1, 8, 9, 1, 2, 10};
+    for (int i = 0; i < 10; i++) CHECK_EQ(send_pos[i], want_send[i]);
+    for (int i = 0; i < 10; i++) CHECK_EQ(recv_pos[i], want_recv[i]);
+    cometi_route_plan_free(&p);
+    int64_t bad[2] = {1, -1};
+    CHECK_EQ(cometi_route_plan_build(&p, bad, 1, 2, 4, err, sizeof(err)), -1);
+    CHECK_CONTAINS(err, "counts[0][1] = -1");
+    CHECK_EQ(cometi_route_plan_build(&p, bad, 2, 3, 4, err, sizeof(err)), -1);
+    CHECK_CONTAINS(err, "num_experts 3");
+    return 0;
+}
+
+/* Every (rank, token, choice) lands on a distinct row of its expert's segment on the
+ * owner, local rows first; segments are aligned and disjoint; send rows are a
+ * permutation of 0..send_rows-1 grouped by destination. */
+int test_route_plan_random_invariants(void)
+{
+    uint64_t rng = test_seed();
+    const int worlds[] = {1, 2, 3, 4, 8};
+    for (int wi = 0; wi < 5; wi++) {
+        for (int trial = 0; trial < 20; trial++) {
+            const int W = worlds[wi], per = 1 + (int)(cometi_rand_next(&rng) % 4), E = W * per;
+            const int k = 1 + (int)(cometi_rand_next(&rng) % (E < 4 ? E : 4));
+            const int block_m = (trial & 1) ? 128 : 8;
+            int m[8];
+            int32_t *ids[8];
+            float *w[8];
+            int64_t *counts = calloc((size_t)W * E, sizeof(int64_t));
+            for (int s = 0; s < W; s++) {
+                m[s] = (int)(cometi_rand_next(&rng) % 300);
+                ids[s] = malloc(sizeof(int32_t) * (m[s] * k + 1));
+                w[s] = malloc(sizeof(float) * (m[s] * k + 1));
+                cometi_make_routing((cometi_routing_t)(trial % 3), 8.0, m[s], k, E, rng, s, ids[s], w[s]);
+                CHECK_EQ(cometi_route_count(ids[s], m[s], k, E, counts + (size_t)s * E), -1);
+            }
+            cometi_route_plan_t p;
+            char err[256];
+            CHECK_EQ(cometi_route_plan_build(&p, counts, W, E, block_m, err, sizeof(err)), 0);
+            for (int d = 0; d < W; d++) {
+                int64_t used = 0;
+                for (int le = 0; le < per; le++) {
+                    int e = d * per + le;
+                    CHECK_EQ(p.seg_start[e] % block_m, 0);
+                    CHECK_EQ(p.seg_start[e], used);
+                    used += (p.seg_rows[e] + block_m - 1) / block_m * block_m;
+                    CHECK_EQ(p.recv_offset[(size_t)d * E + e], 0); /* local first */
+                }
+                CHECK_EQ(p.recv_rows[d], used);
+                CHECK(used <= cometi_route_max_recv_rows(W, 300, k, per, block_m));
+            }
+            /* Mark every receive row and every send row once. */
+            char *recv_seen[8], *send_seen[8];
+            for (int d = 0; d < W; d++) recv_seen[d] = calloc((size_t)p.recv_rows[d] + 1, 1);
+            for (int s = 0; s < W; s++) {
+                send_seen[s] = calloc((size_t)p.send_rows[s] + 1, 1);
+                int64_t *sp = malloc(sizeof(int64_t) * (m[s] * k + 1)), *rp = malloc(sizeof(int64_t) * (m[s] * k + 1));
+                cometi_route_positions(&p, s, ids[s], m[s], k, sp, rp);
+                for (int i = 0; i < m[s] * k; i++) {
+                    int e = ids[s][i], d = e / per;
+                    CHECK(sp[i] >= 0 && sp[i] < p.send_rows[s]);
+                    CHECK(!send_seen[s][sp[i]]);
+                    send_seen[s][sp[i]] = 1;
+                    CHECK(rp[i] >= p.seg_start[e] && rp[i] < p.seg_start[e] + p.seg_rows[e]);
+                    CHECK(!recv_seen[d][rp[i]]);
+                    recv_seen[d][rp[i]] = 1;
+                    if (s == d) CHECK(rp[i] < p.seg_start[e] + counts[(size_t)d * E + e]);
+                    /* Rows to destination d sit between the rows to d-1 and d+1. */
+                    int64_t lo = p.send_offset[(size_t)s * E + d * per];
+                    CHECK(sp[i] >= lo && sp[i] < lo + p.pair_rows[(size_t)s * W + d]);
+                }
+                free(sp);
+                free(rp);
+            }
+            for (int d = 0; d < W; d++) {
+                int64_t marked = 0, want = 0;
+                for (int64_t r = 0; r < p.recv_rows[d]; r++) marked += recv_seen[d][r];
+                for (int le = 0; le < per; le++) want += p.seg_rows[d * per + le];
+                CHECK_EQ(marked, want);
+                free(recv_seen[d]);
+            }
+            for (int s = 0; s < W; s++) {
+                for (int64_t r = 0; r < p.send_rows[s]; r++) CHECK(send_seen[s][r]);
+                free(send_seen[s]);
+                free(ids[s]);
+                free(w[s]);
+            }
+            cometi_route_plan_free(&p);
+            free(counts);
+        }
+    }
+    return 0;
+}
+
+int test_route_count_rejects_bad_ids(void)
+{
+    const int32_t ids[6] = {0, 1, 2, 8, -1, 3};
+    int64_t counts[8] = {0};
+    CHECK_EQ(cometi_route_count(ids, 3, 2, 8, counts), 3);
+    CHECK_EQ(counts[0] + counts[1] + counts[2] + counts[3], 4);
+    return 0;
+}
+
+int test_routing_generators(void)
+{
+    const int m = 4096, k = 2, E = 8;
+    int32_t *ids = malloc(sizeof(int32_t) * m * k);
+    float *w = malloc(sizeof(float) * m * k);
+    uint64_t seed = test_seed();
+    for (int kind = 0; kind < 4; kind++) {
+        cometi_make_routing((cometi_routing_t)kind, kind == 3 ? 5 : 16.0, m, k, E, seed, 1, ids, w);
+        int64_t counts[8] = {0};
+        CHECK_EQ(cometi_route_count(ids, m, k, E, counts), -1);
+        for (int t = 0; t < m; t++) {
+            CHECK(ids[t * k] != ids[t * k + 1]); /* distinct experts per token */
+            CHECK_NEAR(w[t * k] + w[t * k + 1], 1.0, 1e-6);
+            CHECK(w[t * k] > 0 && w[t * k + 1] > 0);
+        }
+        if (kind == COMETI_ROUTING_BALANCED)
+            for (int e = 0; e < E; e++) CHECK_EQ(counts[e], m * k / E);
+        if (kind == COMETI_ROUTING_SKEWED) CHECK(counts[0] > 4 * counts[E - 1]);
+        if (kind == COMETI_ROUTING_ONE_EXPERT) CHECK(counts[5] == m);
+    }
+    /* Same seed, same routing; another seed, another routing. */
+    int32_t *again = malloc(sizeof(int32_t) * m * k);
+    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, m, k, E, seed, 0, ids, w);
+    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, m, k, E, seed, 0, again, w);
+    CHECK(memcmp(ids, again, sizeof(int32_t) * m * k) == 0);
+    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, m, k, E, seed + 1, 0, again, w);
+    CHECK(memcmp(ids, again, sizeof(int32_t) * m * k) != 0);
+    free(again);
+    free(ids);
+    free(w);
+    return 0;
+}
+
+int test_reference_known_answer(void)
+{
+    /* H = 2, F = 1, two experts, computed by hand:
+     * expert 0: g = [1 0].x = 1, u = [0 1].x = 2, a = 2 silu(1), out = [a, -a]
+     * expert 1: g = [0 .5].x = 1, u = [1 1].x = 3, a = 3 silu(1), out = [2a, 0] */
+    const float x[2] = {1, 2};
+    const int32_t ids[2] = {0, 1};
+    const float w[2] = {0.25f, 0.75f};
+    const float gate_up[2 * 2 * 2] = {1, 0, /* up */ 0, 1, /* expert 1 gate */ 0, 0.5f, /* up */ 1, 1};
+    const float down[2 * 2 * 1] = {1, -1, /* expert 1 */ 2, 0};
+    cometi_ref_problem_t p = {2, 1, 2, 2, 1, x, ids, w, gate_up, down};
+    double y[2];
+    cometi_reference_moe(&p, y);
+    const double silu1 = 1.0 / (1.0 + exp(-1.0));
+    CHECK_NEAR(silu1, 0.7310585786300049, 1e-15);
+    CHECK_NEAR(y[0], 0.25 * 2 * silu1 + 0.75 * 2 * 3 * silu1, 1e-12);
+    CHECK_NEAR(y[0], 3.655292893150024, 1e-12);
+    CHECK_NEAR(y[1], -0.3655292893150024, 1e-12);
+    CHECK_NEAR(cometi_swiglu(0.0, 5.0), 0.0, 0);
+    return 0;
+}
+
+int test_reference_properties(void)
+{
+    const int H = 64, F = 64, E = 4, k = 2, M = 16;
+    uint64_t rng = test_seed();
+    float *x = malloc(sizeof(float) * M * H), *gu = malloc(sizeof(float) * E * 2 * F * H),
+          *dn = malloc(sizeof(float) * E * H * F), *w = malloc(sizeof(float) * M * k),
+          *w2 = malloc(sizeof(float) * M * k);
+    int32_t *ids = malloc(sizeof(int32_t) * M * k);
+    for (int i = 0; i < M * H; i++) x[i] = (float)(2 * cometi_rand_unit(&rng) - 1);
+    for (int i = 0; i < E * 2 * F * H; i++) gu[i] = (float)((2 * cometi_rand_unit(&rng) - 1) / 8);
+    for (int i = 0; i < E * H * F; i++) dn[i] = (float)((2 * cometi_rand_unit(&rng) - 1) / 8);
+    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, M, k, E, rng, 0, ids, w);
+    double *y = malloc(sizeof(double) * M * H), *y2 = malloc(sizeof(double) * M * H);
+    cometi_ref_problem_t p = {H, F, E, k, M, x, ids, w, gu, dn};
+    cometi_reference_moe(&p, y);
+    /* Linear in the routing weights: doubling them doubles y. */
+    for (int i = 0; i < M * k; i++) w2[i] = 2 * w[i];
+    p.topk_weights = w2;
+    cometi_reference_moe(&p, y2);
+    for (int i = 0; i < M * H; i++) CHECK_NEAR(y2[i], 2 * y[i], 1e-12 * (1 + fabs(y[i])));
+    /* Each token on its own gives the same row: tokens do not interact. */
+    p.topk_weights = w;
+    for (int t = 0; t < M; t += 5) {
+        cometi_ref_problem_t one = p;
+        one.num_tokens = 1;
+        one.x = x + (size_t)t * H;
+        one.topk_ids = ids + (size_t)t * k;
+        one.topk_weights = w + (size_t)t * k;
+        cometi_reference_moe(&one, y2);
+        for (int h = 0; h < H; h++) CHECK_NEAR(y2[h], y[(size_t)t * H + h], 1e-12);
+    }
+    /* rel_error: exact is 0, a NaN is infinite. */
+    float *yf = malloc(sizeof(float) * M * H);
+    for (int i = 0; i < M * H; i++) yf[i] = (float)y[i];
+    CHECK(cometi_rel_error(yf, y, (size_t)M * H) < 1e-6);
+    yf[7] = NAN;
+    CHECK(isinf(cometi_rel_error(yf, y, (size_t)M * H)));
+    free(x), free(gu), free(dn), free(w), free(w2), free(ids), free(y), free(y2), free(yf);
+    return 0;
+}
+
+/* ---- launcher ---- */
+
+typedef struct launch_probe {
+    int rank_seen[8];
+    int nranks_seen[8];
+    unsigned char id[8][sizeof(ncclUniqueId)];
+} launch_probe_t;
+
+static int record_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    launch_probe_t *p = arg;
+    p->rank_seen[ctx->rank] = ctx->rank + 100;
+    p->nranks_seen[ctx->rank] = ctx->nranks;
+    memcpy(p->id[ctx->rank], &ctx->id, sizeof(ncclUniqueId));
+    return 0;
+}
+
+int test_launch_all_ranks_succeed(void)
+{
+    launch_probe_t *p = mmap(NULL, sizeof(*p), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    CHECK(p != MAP_FAILED);
+    memset(p, 0, sizeof(*p));
+    char report[512];
+    int rc = cometi_launch_local(3, record_rank, p, 20, report, sizeof(report));
+    if (rc) printf("report: %s\n", report);
+    CHECK_EQ(rc, 0);
+    for (int r = 0; r < 3; r++) {
+        CHECK_EQ(p->rank_seen[r], r + 100);
+        CHECK_EQ(p->nranks_seen[r], 3);
+        CHECK(memcmp(p->id[r], p->id[0], sizeof(ncclUniqueId)) == 0);
+    }
+    static const unsigned char zero[sizeof(ncclUniqueId)];
+    CHECK(memcmp(p->id[0], zero, sizeof(zero)) != 0);
+    return 0;
+}
+
+static int rank1_fails(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    if (ctx->rank == 1) {
+        cometi_rank_reason("boom: the test made rank 1 fail");
+        return 3;
+    }
+    sleep(60); /* would hang the test if the launcher did not stop it */
+    return 0;
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int test_launch_failed_rank_stops_others(void)
+{
+    char report[512];
+    double t0 = mono_s();
+    int rc = cometi_launch_local(4, rank1_fails, NULL, 0, report, sizeof(report));
+    double took = mono_s() - t0;
+    printf("report: %s (%.2f s)\n", report, took);
+    CHECK(rc != 0);
+    CHECK_CONTAINS(report, "rank 1 of 4 failed (exit code 3): boom: the test made rank 1 fail");
+    CHECK(took < 10);
+    return 0;
+}
+
+static int rank2_crashes(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    if (ctx->rank == 2) raise(SIGSEGV);
+    sleep(60);
+    return 0;
+}
+
+int test_launch_crashed_rank_is_reported(void)
+{
+    char report[512];
+    int rc = cometi_launch_local(3, rank2_crashes, NULL, 0, report, sizeof(report));
+    printf("report: %s\n", report);
+    CHECK(rc != 0);
+    CHECK_CONTAINS(report, "rank 2 of 3 failed (killed by signal 11");
+    return 0;
+}
+
+static int sleeps(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)ctx, (void)arg;
+    sleep(60);
+    return 0;
+}
+
+int test_launch_timeout_stops_ranks(void)
+{
+    char report[512];
+    double t0 = mono_s();
+    int rc = cometi_launch_local(2, sleeps, NULL, 1, report, sizeof(report));
+    CHECK(rc != 0);
+    CHECK_CONTAINS(report, "did not finish within 1 s");
+    CHECK(mono_s() - t0 < 10);
+    return 0;
+}
+
+static int returns_rank_plus_40(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    return 40 + ctx->rank + 10 * ctx->local_rank;
+}
+
+int test_launch_external_env(void)
+{
+    char report[512], path[256];
+    unsetenv("RANK");
+    setenv("WORLD_SIZE", "2", 1);
+    CHECK_EQ(cometi_launch_external("/tmp/x", returns_rank_plus_40, NULL, 5, report, sizeof(report)), 2);
+    CHECK_CONTAINS(report, "RANK=unset");
+    snprintf(path, sizeof(path), "/tmp/comet_test_id_%d", (int)getpid());
+    unlink(path);
+    setenv("RANK", "0", 1);
+    setenv("WORLD_SIZE", "1", 1);
+    setenv("LOCAL_RANK", "0", 1);
+    CHECK_EQ(cometi_launch_external(NULL, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 2);
+    CHECK_CONTAINS(report, "--id-file");
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 40);
+    /* The id file is there now: a second rank 0 refuses to reuse it, a rank 1 reads it. */
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 2);
+    CHECK_CONTAINS(report, "exists already");
+    setenv("RANK", "1", 1);
+    setenv("WORLD_SIZE", "2", 1);
+    setenv("LOCAL_RANK", "1", 1);
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 51);
+    unlink(path);
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 1, report, sizeof(report)), 1);
+    CHECK_CONTAINS(report, "did not appear within 1 s");
+    return 0;
+}
+
+/* Argument checks that run before anything touches a GPU. */
+int test_api_rejects_bad_arguments(void)
+{
+    comet_comm_t comm = (comet_comm_t)0x1;
+    CHECK_EQ(comet_comm_create(NULL, NULL, &comm), COMET_INVALID_ARGUMENT);
+    CHECK(comm == NULL);
+    CHECK_CONTAINS(comet_last_create_error(), "nccl communicator is NULL");
+    CHECK_EQ(comet_comm_create((ncclComm_t)0x1, NULL, NULL), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "out is NULL");
+    comet_comm_config_t bad = COMET_COMM_CONFIG_INIT;
+    bad.timeout_ms = -5;
+    CHECK_EQ(comet_comm_create((ncclComm_t)0x1, &bad, &comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "timeout_ms = -5");
+    comet_comm_config_t raw;
+    memset(&raw, 0, sizeof(raw));
+    CHECK_EQ(comet_comm_create((ncclComm_t)0x1, &raw, &comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "COMET_COMM_CONFIG_INIT");
+    ncclUniqueId id;
+    memset(&id, 0, sizeof(id));
+    CHECK_EQ(comet_comm_create_from_id(&id, 2, 5, NULL, &comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "rank = 5: must be 0..nranks-1 = 1");
+    CHECK_EQ(comet_comm_create_from_id(&id, 0, 0, NULL, &comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "nranks = 0");
+    comet_moe_t moe = (comet_moe_t)0x1;
+    comet_moe_config_t c = COMET_MOE_CONFIG_INIT;
+    CHECK_EQ(comet_moe_create(NULL, &c, &moe), COMET_INVALID_ARGUMENT);
+    CHECK(moe == NULL);
+    CHECK_CONTAINS(comet_last_create_error(), "comm is NULL");
+    CHECK_EQ(comet_moe_forward(NULL, NULL, 0), COMET_INVALID_ARGUMENT);
+    CHECK_EQ(comet_comm_destroy(NULL), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_destroy(NULL), COMET_SUCCESS);
+    CHECK_EQ(comet_comm_get_async_error(NULL), COMET_INVALID_ARGUMENT);
+    return 0;
+}

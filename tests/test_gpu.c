@@ -1,0 +1,524 @@
+/*
+ * test_gpu.c - tests that need GPUs (they skip, saying why, when there are too few):
+ * symmetric memory written by pushes and read by pulls with payloads tagged by rank
+ * and row, the barrier and flags, device waits that time out instead of hanging, and
+ * the sequential baseline against the float64 CPU reference.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include "comet.h"
+#include "../src/internal.h"
+#include "../src/launch.h"
+#include "../src/plan.h"
+#include "testutil.h"
+
+/* Skip (returning 0) unless `n` Hopper GPUs are visible. */
+static int have_gpus(int n)
+{
+    char why[256];
+    int found = cometi_probe_gpus(why, sizeof(why));
+    if (found >= n) return 1;
+    printf("needs %d Hopper GPU%s, found %d%s%s\n", n, n > 1 ? "s" : "", found, why[0] ? ": " : "", why);
+    return 0;
+}
+
+static int launch(int nranks, cometi_rank_main_t fn, void *arg, int timeout_s)
+{
+    char report[600];
+    int rc = cometi_launch_local(nranks, fn, arg, timeout_s, report, sizeof(report));
+    if (rc) printf("launcher: %s\n", report);
+    return rc;
+}
+
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            printf("%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));          \
+            cometi_rank_reason("%s: %s", #call, cudaGetErrorString(e_));                           \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+#define COMET_OK(call, comm)                                                                       \
+    do {                                                                                           \
+        comet_status_t s_ = (call);                                                                \
+        if (s_ != COMET_SUCCESS) {                                                                 \
+            printf("%s:%d: %s: %s: %s\n", __FILE__, __LINE__, #call, comet_status_string(s_),      \
+                   comet_comm_last_error(comm));                                                   \
+            cometi_rank_reason("%s: %s", #call, comet_comm_last_error(comm));                      \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int open_comm(const cometi_rank_ctx_t *ctx, int timeout_ms, comet_comm_t *comm)
+{
+    CUDA_OK(cudaSetDevice(ctx->local_rank));
+    comet_comm_config_t cfg = COMET_COMM_CONFIG_INIT;
+    cfg.timeout_ms = timeout_ms;
+    comet_status_t st = comet_comm_create_from_id(&ctx->id, ctx->nranks, ctx->rank, &cfg, comm);
+    if (st != COMET_SUCCESS) {
+        printf("rank %d: comet_comm_create_from_id: %s: %s\n", ctx->rank, comet_status_string(st),
+               comet_last_create_error());
+        cometi_rank_reason("comet_comm_create_from_id: %s", comet_last_create_error());
+        return 1;
+    }
+    return 0;
+}
+
+/* ---- device waits that time out ---- */
+
+static int flag_timeout_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    comet_comm_t comm;
+    if (open_comm(ctx, 300, &comm)) return 1;
+    /* A raised flag is seen at once. */
+    COMET_OK(cometi_set_flag(comm, 0, 3, 7, 0), comm);
+    COMET_OK(cometi_wait_flag(comm, 3, 7, 0), comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
+    /* Nobody raises slot 5: the wait gives up after timeout_ms and says so. */
+    double t0 = now_s();
+    COMET_OK(cometi_wait_flag(comm, 5, 1, 0), comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    double took = now_s() - t0;
+    CHECK_EQ(comet_comm_get_async_error(comm), COMET_TIMEOUT);
+    printf("timed out after %.3f s: %s\n", took, comet_comm_last_error(comm));
+    CHECK_CONTAINS(comet_comm_last_error(comm), "a flag wait (slot 5)");
+    CHECK_CONTAINS(comet_comm_last_error(comm), "timeout_ms = 300");
+    CHECK(took >= 0.29 && took < 2.0);
+    comet_comm_destroy(comm);
+    return 0;
+}
+
+int test_gpu_flag_wait_times_out(void)
+{
+    if (!have_gpus(1)) return TEST_SKIP;
+    return launch(1, flag_timeout_rank, NULL, 50);
+}
+
+static int missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    comet_comm_t comm;
+    if (open_comm(ctx, 500, &comm)) return 1;
+    double t0 = now_s();
+    /* Rank 1 never enters the barrier; it waits on a flag nobody raises instead. */
+    if (ctx->rank == 0) COMET_OK(cometi_barrier(comm, 0), comm);
+    else COMET_OK(cometi_wait_flag(comm, 2, 1, 0), comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    double took = now_s() - t0;
+    printf("rank %d: %.3f s: %s\n", ctx->rank, took, comet_comm_last_error(comm));
+    CHECK_EQ(comet_comm_get_async_error(comm), COMET_TIMEOUT);
+    if (ctx->rank == 0) {
+        CHECK_CONTAINS(comet_comm_last_error(comm), "the cross-rank barrier");
+        CHECK_CONTAINS(comet_comm_last_error(comm), "on rank 1");
+    }
+    CHECK(took < 3.0);
+    comet_comm_destroy(comm); /* aborts NCCL instead of a collective that could hang */
+    return 0;
+}
+
+int test_gpu_barrier_missing_peer_times_out(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    return launch(2, missing_peer_rank, NULL, 100);
+}
+
+/* ---- symmetric memory ---- */
+
+#define ROWS 4096
+#define WORDS 64 /* 256-byte rows */
+
+/* What rank `src` sends to rank `dst` in word w of row r: unique per (src, dst, r, w). */
+static uint32_t tag(int src, int dst, int r, int w)
+{
+    return ((uint32_t)src << 28) | ((uint32_t)dst << 24) | ((uint32_t)r << 8) | (uint32_t)w;
+}
+
+static int check_region(const uint32_t *got, int src, int dst, const char *how)
+{
+    for (int r = 0; r < ROWS; r++)
+        for (int w = 0; w < WORDS; w++) {
+            uint32_t want = tag(src, dst, r, w), have = got[(size_t)r * WORDS + w];
+            if (have != want) {
+                printf("%s: rank %d row %d word %d from rank %d: got 0x%08x, want 0x%08x\n", how, dst, r, w, src,
+                       have, want);
+                return 1;
+            }
+        }
+    return 0;
+}
+
+static int push_pull_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    comet_comm_t comm;
+    if (open_comm(ctx, 10000, &comm)) return 1;
+    const int W = ctx->nranks, me = ctx->rank;
+    const size_t region = (size_t)ROWS * WORDS * sizeof(uint32_t);
+    cometi_window_t win;
+    COMET_OK(cometi_window_create(comm, 2 * W * region, &win), comm);
+    /* Window: outbox[W] (what I send to each rank), then inbox[W] (what each rank pushed to me). */
+    uint32_t *host = malloc(W * region);
+    for (int d = 0; d < W; d++)
+        for (int r = 0; r < ROWS; r++)
+            for (int w = 0; w < WORDS; w++) host[((size_t)d * ROWS + r) * WORDS + w] = tag(me, d, r, w);
+    CUDA_OK(cudaMemcpy(win.local, host, W * region, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset((char *)win.local + W * region, 0xff, W * region)); /* poison the inbox */
+    CUDA_OK(cudaDeviceSynchronize());
+    COMET_OK(cometi_barrier(comm, 0), comm); /* every inbox poisoned before anyone pushes */
+    const int blocks[] = {1, 3, 8, 33};
+    for (int d = 0; d < W; d++) {
+        char *src = (char *)win.local + d * region;
+        char *dst = (char *)win.peer[d] + (size_t)(W + me) * region;
+        COMET_OK(cometi_copy(comm->err, dst, src, region, blocks[(me + d) % 4], 0), comm);
+    }
+    COMET_OK(cometi_barrier(comm, 0), comm);
+    CUDA_OK(cudaMemcpy(host, (char *)win.local + W * region, W * region, cudaMemcpyDeviceToHost));
+    for (int s = 0; s < W; s++)
+        if (check_region(host + (size_t)s * ROWS * WORDS, s, me, "push")) return 1;
+    /* Pull: read what each rank holds for me in its outbox. */
+    void *pulled;
+    CUDA_OK(cudaMalloc(&pulled, W * region));
+    CUDA_OK(cudaMemset(pulled, 0xff, W * region));
+    for (int s = 0; s < W; s++)
+        COMET_OK(cometi_copy(comm->err, (char *)pulled + s * region, (char *)win.peer[s] + me * region, region,
+                             blocks[(me + s + 1) % 4], 0), comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(host, pulled, W * region, cudaMemcpyDeviceToHost));
+    for (int s = 0; s < W; s++)
+        if (check_region(host + (size_t)s * ROWS * WORDS, s, me, "pull")) return 1;
+    COMET_OK(cometi_barrier(comm, 0), comm); /* nobody frees a window a peer still reads */
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
+    cudaFree(pulled);
+    free(host);
+    cometi_window_destroy(comm, &win);
+    COMET_OK(comet_comm_destroy(comm), comm);
+    printf("rank %d: %d x %d rows of %d bytes pushed and pulled exactly\n", me, W, ROWS, WORDS * 4);
+    return 0;
+}
+
+int test_gpu_symmetric_push_pull_exact(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    return launch(2, push_pull_rank, NULL, 100);
+}
+
+static int barrier_flags_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    comet_comm_t comm;
+    if (open_comm(ctx, 10000, &comm)) return 1;
+    const int me = ctx->rank, peer = (me + 1) % ctx->nranks;
+    for (unsigned long long i = 1; i <= 200; i++) {
+        COMET_OK(cometi_barrier(comm, 0), comm);
+        COMET_OK(cometi_set_flag(comm, peer, 1, i, 0), comm);
+        COMET_OK(cometi_wait_flag(comm, 1, i, 0), comm);
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
+    unsigned long long flag = 0;
+    CUDA_OK(cudaMemcpy(&flag, (unsigned long long *)comm->ctrl.local + COMETI_CTRL_FLAGS + 1, sizeof(flag),
+                       cudaMemcpyDeviceToHost));
+    CHECK(flag >= 200);
+    COMET_OK(comet_comm_destroy(comm), comm);
+    return 0;
+}
+
+int test_gpu_barrier_and_flags(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    return launch(2, barrier_flags_rank, NULL, 100);
+}
+
+/* ---- the baseline MoE layer against the float64 reference ---- */
+
+typedef struct fixture {
+    const cometi_rank_ctx_t *ctx;
+    comet_comm_t comm;
+    comet_moe_t moe;
+    comet_moe_config_t cfg;
+    int per, first;
+    uint64_t seed;
+    float *gate_up, *down;             /* all experts, host, bf16-rounded */
+    void *d_gate_up, *d_gate, *d_up, *d_down;
+    void *d_x, *d_y;
+    int32_t *d_ids;
+    float *d_w;
+} fixture_t;
+
+static void fill_bf16(float *f, uint16_t *h, size_t n, double scale, uint64_t *rng)
+{
+    for (size_t i = 0; i < n; i++) {
+        h[i] = cometi_float_to_bf16((float)((2 * cometi_rand_unit(rng) - 1) * scale));
+        f[i] = cometi_bf16_to_float(h[i]);
+    }
+}
+
+static int fixture_open(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t seed)
+{
+    memset(fx, 0, sizeof(*fx));
+    fx->ctx = ctx;
+    fx->seed = seed;
+    if (open_comm(ctx, 10000, &fx->comm)) return 1;
+    CHECK_EQ(comet_moe_config_preset("tiny", 512, &fx->cfg), COMET_SUCCESS);
+    comet_status_t st = comet_moe_create(fx->comm, &fx->cfg, &fx->moe);
+    if (st != COMET_SUCCESS) {
+        printf("comet_moe_create: %s\n", comet_last_create_error());
+        return 1;
+    }
+    const int E = fx->cfg.num_experts, H = fx->cfg.hidden, F = fx->cfg.ffn, M = fx->cfg.max_tokens,
+              k = fx->cfg.top_k;
+    fx->per = E / ctx->nranks;
+    fx->first = ctx->rank * fx->per;
+    /* Every rank draws all experts' weights from the same seed, so each can compute the
+     * reference for its own tokens; it uploads only its own experts. */
+    uint64_t rng = seed;
+    size_t n_gu = (size_t)E * 2 * F * H, n_dn = (size_t)E * H * F;
+    fx->gate_up = malloc(sizeof(float) * n_gu);
+    fx->down = malloc(sizeof(float) * n_dn);
+    uint16_t *gu16 = malloc(2 * n_gu), *dn16 = malloc(2 * n_dn);
+    fill_bf16(fx->gate_up, gu16, n_gu, 1.0 / sqrt(H), &rng);
+    fill_bf16(fx->down, dn16, n_dn, 1.0 / sqrt(F), &rng);
+    size_t per_gu = (size_t)2 * F * H, per_dn = (size_t)H * F;
+    CUDA_OK(cudaMalloc(&fx->d_gate_up, 2 * per_gu * fx->per));
+    CUDA_OK(cudaMalloc(&fx->d_gate, per_gu * fx->per));
+    CUDA_OK(cudaMalloc(&fx->d_up, per_gu * fx->per));
+    CUDA_OK(cudaMalloc(&fx->d_down, 2 * per_dn * fx->per));
+    CUDA_OK(cudaMemcpy(fx->d_gate_up, gu16 + per_gu * fx->first, 2 * per_gu * fx->per, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(fx->d_down, dn16 + per_dn * fx->first, 2 * per_dn * fx->per, cudaMemcpyHostToDevice));
+    /* The same weights as two tensors: gate rows and up rows of each expert. */
+    for (int le = 0; le < fx->per; le++) {
+        const uint16_t *g = gu16 + per_gu * (fx->first + le);
+        CUDA_OK(cudaMemcpy((char *)fx->d_gate + (size_t)le * F * H * 2, g, (size_t)F * H * 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy((char *)fx->d_up + (size_t)le * F * H * 2, g + (size_t)F * H, (size_t)F * H * 2,
+                           cudaMemcpyHostToDevice));
+    }
+    free(gu16);
+    free(dn16);
+    CUDA_OK(cudaMalloc(&fx->d_x, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc(&fx->d_y, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc((void **)&fx->d_ids, sizeof(int32_t) * M * k));
+    CUDA_OK(cudaMalloc((void **)&fx->d_w, sizeof(float) * M * k));
+    return 0;
+}
+
+static void fixture_close(fixture_t *fx)
+{
+    comet_moe_destroy(fx->moe);
+    void *d[] = {fx->d_gate_up, fx->d_gate, fx->d_up, fx->d_down, fx->d_x, fx->d_y, fx->d_ids, fx->d_w};
+    for (int i = 0; i < 8; i++) cudaFree(d[i]);
+    comet_comm_destroy(fx->comm);
+    free(fx->gate_up);
+    free(fx->down);
+}
+
+typedef struct moe_case {
+    const char *name;
+    cometi_routing_t routing;
+    double skew;
+    int tokens[2];       /* per rank */
+    int separate_gate_up; /* weights as gate + up instead of the fused gate_up */
+    int few_experts;     /* route only to experts 0, 1 and 5: the rest get no rows */
+} moe_case_t;
+
+/* Runs one case on this rank and checks it against the reference. *bad_expert >= 0
+ * plants that id at token 5, choice 1 (to test the error path); returns the status. */
+static int run_case(fixture_t *fx, const moe_case_t *c, uint64_t case_seed, int plant_bad_id,
+                    comet_status_t *status, double *rel_err)
+{
+    const int me = fx->ctx->rank, H = fx->cfg.hidden, F = fx->cfg.ffn, E = fx->cfg.num_experts,
+              k = fx->cfg.top_k;
+    const int m = c->tokens[me % 2];
+    uint64_t rng = case_seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(me + 7));
+    float *x = malloc(sizeof(float) * ((size_t)m * H + 1));
+    uint16_t *x16 = malloc(2 * ((size_t)m * H + 1));
+    fill_bf16(x, x16, (size_t)m * H, 1.0, &rng);
+    int32_t *ids = malloc(sizeof(int32_t) * (m * k + 1));
+    float *w = malloc(sizeof(float) * (m * k + 1));
+    if (c->few_experts) {
+        static const int32_t keep[3] = {0, 1, 5};
+        cometi_make_routing(COMETI_ROUTING_RANDOM, 1, m, k, 3, case_seed, me, ids, w);
+        for (int i = 0; i < m * k; i++) ids[i] = keep[ids[i]];
+    } else {
+        cometi_make_routing(c->routing, c->skew, m, k, E, case_seed, me, ids, w);
+    }
+    if (plant_bad_id && m > 5) ids[5 * k + 1] = E;
+    CUDA_OK(cudaMemcpy(fx->d_x, x16, (size_t)m * H * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(fx->d_ids, ids, sizeof(int32_t) * m * k, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(fx->d_w, w, sizeof(float) * m * k, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(fx->d_y, 0xff, (size_t)fx->cfg.max_tokens * H * 2)); /* poison: bf16 NaN */
+    comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+    a.num_tokens = m;
+    a.x = fx->d_x;
+    a.topk_ids = fx->d_ids;
+    a.topk_weights = fx->d_w;
+    a.y = fx->d_y;
+    a.impl = COMET_IMPL_BASELINE;
+    a.weights.down = fx->d_down;
+    if (c->separate_gate_up) {
+        a.weights.gate = fx->d_gate;
+        a.weights.up = fx->d_up;
+    } else {
+        a.weights.gate_up = fx->d_gate_up;
+    }
+    *status = comet_moe_forward(fx->moe, &a, 0);
+    CUDA_OK(cudaDeviceSynchronize());
+    *rel_err = 0;
+    if (*status == COMET_SUCCESS && m > 0) {
+        uint16_t *y16 = malloc(2 * (size_t)m * H);
+        float *y = malloc(sizeof(float) * (size_t)m * H);
+        double *ref = malloc(sizeof(double) * (size_t)m * H);
+        CUDA_OK(cudaMemcpy(y16, fx->d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < (size_t)m * H; i++) y[i] = cometi_bf16_to_float(y16[i]);
+        cometi_ref_problem_t p = {H, F, E, k, m, x, ids, w, fx->gate_up, fx->down};
+        cometi_reference_moe(&p, ref);
+        *rel_err = cometi_rel_error(y, ref, (size_t)m * H);
+        /* Row by row too, so one wrong row cannot hide in the norm. */
+        for (int t = 0; t < m; t++) {
+            double row = cometi_rel_error(y + (size_t)t * H, ref + (size_t)t * H, H);
+            if (row > 3e-2) {
+                printf("%s: rank %d token %d: row relative error %.3g\n", c->name, me, t, row);
+                *rel_err = row > *rel_err ? row : *rel_err;
+                break;
+            }
+        }
+        free(y16), free(y), free(ref);
+    }
+    free(x), free(x16), free(ids), free(w);
+    return 0;
+}
+
+static const moe_case_t cases[] = {
+    {"balanced", COMETI_ROUTING_BALANCED, 1, {256, 256}, 0, 0},
+    {"random, M not a multiple of 128", COMETI_ROUTING_RANDOM, 1, {300, 77}, 1, 0},
+    {"skewed x16", COMETI_ROUTING_SKEWED, 16, {200, 129}, 0, 0},
+    {"every token to expert 3", COMETI_ROUTING_ONE_EXPERT, 3, {128, 128}, 0, 0},
+    {"every token to expert 6", COMETI_ROUTING_ONE_EXPERT, 6, {64, 300}, 1, 0},
+    {"experts without rows", COMETI_ROUTING_RANDOM, 1, {250, 250}, 0, 1},
+    {"a rank with no tokens", COMETI_ROUTING_RANDOM, 1, {0, 200}, 0, 0},
+    {"max tokens", COMETI_ROUTING_RANDOM, 1, {512, 512}, 1, 0},
+};
+
+static int baseline_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    if (fixture_open(&fx, ctx, seed)) return 1;
+    int rc = 0;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        comet_status_t st;
+        double err;
+        if (run_case(&fx, &cases[i], seed + i, 0, &st, &err)) return 1;
+        if (st != COMET_SUCCESS) {
+            printf("rank %d %s: %s: %s\n", ctx->rank, cases[i].name, comet_status_string(st),
+                   comet_moe_last_error(fx.moe));
+            return 1;
+        }
+        printf("rank %d %-34s relative error %.2e\n", ctx->rank, cases[i].name, err);
+        if (!(err < 1e-2)) rc = 1;
+    }
+    /* The same inputs give the same bits. */
+    uint16_t *a = malloc(512 * 256 * 2), *b = malloc(512 * 256 * 2);
+    comet_status_t st;
+    double err;
+    if (run_case(&fx, &cases[0], seed, 0, &st, &err)) return 1;
+    CUDA_OK(cudaMemcpy(a, fx.d_y, 256 * 256 * 2, cudaMemcpyDeviceToHost));
+    if (run_case(&fx, &cases[0], seed, 0, &st, &err)) return 1;
+    CUDA_OK(cudaMemcpy(b, fx.d_y, 256 * 256 * 2, cudaMemcpyDeviceToHost));
+    CHECK(memcmp(a, b, 256 * 256 * 2) == 0);
+    free(a), free(b);
+    fixture_close(&fx);
+    return rc;
+}
+
+int test_gpu_baseline_vs_reference(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, baseline_reference_rank, &seed, 280);
+}
+
+static int baseline_repeat_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    uint64_t seed = *(uint64_t *)arg, rng = seed;
+    fixture_t fx;
+    if (fixture_open(&fx, ctx, seed)) return 1;
+    double worst = 0;
+    for (int it = 0; it < 40; it++) {
+        moe_case_t c = cases[it % 3];
+        /* Token counts change every call (both ranks draw the same numbers). */
+        c.tokens[0] = (int)(cometi_rand_next(&rng) % 513);
+        c.tokens[1] = (int)(cometi_rand_next(&rng) % 513);
+        comet_status_t st;
+        double err;
+        if (run_case(&fx, &c, seed + 1000 + it, 0, &st, &err)) return 1;
+        if (st != COMET_SUCCESS) {
+            printf("call %d: %s\n", it, comet_moe_last_error(fx.moe));
+            return 1;
+        }
+        if (err > worst) worst = err;
+        if (!(err < 1e-2)) {
+            printf("call %d (%s, tokens %d/%d): relative error %.3g\n", it, c.name, c.tokens[0], c.tokens[1], err);
+            return 1;
+        }
+    }
+    printf("rank %d: 40 calls with changing routing and token counts, worst relative error %.2e\n", ctx->rank,
+           worst);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_baseline_repeated_calls(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, baseline_repeat_rank, &seed, 280);
+}
+
+static int bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    if (fixture_open(&fx, ctx, seed)) return 1;
+    comet_status_t st;
+    double err;
+    if (run_case(&fx, &cases[1], seed, ctx->rank == 1, &st, &err)) return 1;
+    printf("rank %d: %s: %s\n", ctx->rank, comet_status_string(st), comet_moe_last_error(fx.moe));
+    if (ctx->rank == 1) {
+        CHECK_EQ(st, COMET_INVALID_ARGUMENT);
+        CHECK_CONTAINS(comet_moe_last_error(fx.moe), "topk_ids[5][1] = 8 on rank 1");
+    } else {
+        CHECK_EQ(st, COMET_REMOTE_ERROR);
+        CHECK_CONTAINS(comet_moe_last_error(fx.moe), "rank 1 passed an expert id out of [0, 8)");
+    }
+    /* Nothing was left half done: the next call works. */
+    if (run_case(&fx, &cases[1], seed + 1, 0, &st, &err)) return 1;
+    CHECK_EQ(st, COMET_SUCCESS);
+    CHECK(err < 1e-2);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_baseline_bad_expert_id(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, bad_id_rank, &seed, 100);
+}

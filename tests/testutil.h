@@ -1,0 +1,87 @@
+/*
+ * testutil.h - what every test file shares: the list of tests, assertions that print
+ * both sides (never compiled out), the skip code, and small helpers.
+ *
+ * A test is `int test_NAME(void)`: it returns 0 to pass, TEST_SKIP to skip (after
+ * printing why), anything else to fail. The runner runs each in its own process.
+ */
+#ifndef COMET_TESTUTIL_H
+#define COMET_TESTUTIL_H
+
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#define TEST_SKIP 77
+
+#define CHECK(cond)                                                                                \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            printf("%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond);                        \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+#define CHECK_EQ(a, b)                                                                             \
+    do {                                                                                           \
+        long long a_ = (long long)(a), b_ = (long long)(b);                                        \
+        if (a_ != b_) {                                                                            \
+            printf("%s:%d: CHECK_EQ(%s, %s) failed: %lld != %lld\n", __FILE__, __LINE__, #a, #b, a_, b_); \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+#define CHECK_CONTAINS(haystack, needle)                                                           \
+    do {                                                                                           \
+        const char *h_ = (haystack), *n_ = (needle);                                               \
+        if (!h_ || !strstr(h_, n_)) {                                                              \
+            printf("%s:%d: \"%s\" does not contain \"%s\"\n", __FILE__, __LINE__, h_ ? h_ : "(null)", n_); \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+#define CHECK_NEAR(a, b, tol)                                                                      \
+    do {                                                                                           \
+        double a_ = (a), b_ = (b);                                                                 \
+        if (!(a_ - b_ <= (tol) && b_ - a_ <= (tol))) {                                             \
+            printf("%s:%d: CHECK_NEAR(%s, %s) failed: %.9g vs %.9g (tol %g)\n", __FILE__, __LINE__, #a, #b, \
+                   a_, b_, (double)(tol));                                                         \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+
+/* A fresh seed per run (time and pid), printed so a failure can be replayed with
+ * COMET_TEST_SEED. */
+uint64_t test_seed(void);
+
+/* All tests, in the order they run: X(name, timeout_s). */
+#define COMET_TESTS(X)                          \
+    X(status_strings, 10)                       \
+    X(config_presets, 10)                       \
+    X(config_validation, 10)                    \
+    X(bf16_rounding, 10)                        \
+    X(route_plan_known_answer, 10)              \
+    X(route_plan_random_invariants, 60)         \
+    X(route_count_rejects_bad_ids, 10)          \
+    X(routing_generators, 10)                   \
+    X(reference_known_answer, 10)               \
+    X(reference_properties, 30)                 \
+    X(launch_all_ranks_succeed, 30)             \
+    X(launch_failed_rank_stops_others, 30)      \
+    X(launch_crashed_rank_is_reported, 30)      \
+    X(launch_timeout_stops_ranks, 30)           \
+    X(launch_external_env, 30)                  \
+    X(api_rejects_bad_arguments, 10)            \
+    X(gpu_flag_wait_times_out, 60)              \
+    X(gpu_symmetric_push_pull_exact, 120)       \
+    X(gpu_barrier_and_flags, 120)               \
+    X(gpu_barrier_missing_peer_times_out, 120)  \
+    X(gpu_baseline_vs_reference, 300)           \
+    X(gpu_baseline_repeated_calls, 300)         \
+    X(gpu_baseline_bad_expert_id, 120)
+
+#define DECLARE_TEST(name, timeout) int test_##name(void);
+COMET_TESTS(DECLARE_TEST)
+#undef DECLARE_TEST
+
+#endif /* COMET_TESTUTIL_H */

@@ -1,0 +1,401 @@
+/*
+ * bench.c - the bodies of `comet bench` and `comet bandwidth`, run on every rank.
+ *
+ * bench: for each case, synthetic weights and inputs (hash-generated on the GPU, so
+ * the host can rebuild any element), a float64 check of sample tokens, warm-up, then
+ * timed calls with inputs rotated across sets larger than L2. Times are CUDA events
+ * between phases; each phase's median is taken per rank and the slowest rank's is
+ * reported. Rank 0 prints one row per implementation and writes JSON on request.
+ *
+ * bandwidth: every rank copies to the next rank's symmetric window at once (push:
+ * remote stores) or from it (pull: remote loads), for several block counts.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime_api.h>
+
+#include "comet.h"
+#include "../src/internal.h"
+#include "../src/baseline/baseline.h"
+#include "tool.h"
+
+#define NSETS 3 /* input sets rotated between calls, so they do not sit in L2 */
+
+#define FAIL_IF(cond, ...)                                                                        \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            fprintf(stderr, "[rank %d] ", ctx->rank);                                              \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+            cometi_rank_reason(__VA_ARGS__);                                                       \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        FAIL_IF(e_ != cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                       \
+    } while (0)
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+static float median(float *v, int n)
+{
+    qsort(v, (size_t)n, sizeof(float), cmp_float);
+    return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/* Seeds of the synthetic tensors; element indices are global, so any rank can rebuild
+ * any element. */
+typedef struct seeds {
+    uint64_t gate_up, down, x[NSETS], routing[NSETS];
+} seeds_t;
+
+static seeds_t make_seeds(uint64_t seed)
+{
+    seeds_t s;
+    s.gate_up = seed * 31 + 1;
+    s.down = seed * 31 + 2;
+    for (int i = 0; i < NSETS; i++) {
+        s.x[i] = seed * 31 + 10 + i;
+        s.routing[i] = seed * 31 + 20 + i;
+    }
+    return s;
+}
+
+/* y[t] for token t of `rank` in input set 0, in float64, rebuilding inputs and weights
+ * element by element from their hashes. */
+static void reference_token(const comet_moe_config_t *c, const seeds_t *s, int rank, int t, const int32_t *ids,
+                            const float *w, double *y)
+{
+    const int H = c->hidden, F = c->ffn, M = c->max_tokens;
+    const float sx = 1.0f, sgu = (float)(1.0 / sqrt(H)), sdn = (float)(1.0 / sqrt(F));
+    double *x = malloc(sizeof(double) * H), *act = malloc(sizeof(double) * F);
+    for (int h = 0; h < H; h++) x[h] = cometi_bf16_to_float(cometi_hash_bf16(s->x[0], ((uint64_t)rank * M + t) * H + h, sx));
+    for (int h = 0; h < H; h++) y[h] = 0;
+    for (int j = 0; j < c->top_k; j++) {
+        const uint64_t e = (uint64_t)ids[(size_t)t * c->top_k + j];
+        for (int f = 0; f < F; f++) {
+            double g = 0, u = 0;
+            const uint64_t gi = (e * 2 * F + f) * H, ui = (e * 2 * F + F + f) * H;
+            for (int h = 0; h < H; h++) {
+                g += cometi_bf16_to_float(cometi_hash_bf16(s->gate_up, gi + h, sgu)) * x[h];
+                u += cometi_bf16_to_float(cometi_hash_bf16(s->gate_up, ui + h, sgu)) * x[h];
+            }
+            act[f] = cometi_swiglu(g, u);
+        }
+        for (int h = 0; h < H; h++) {
+            double o = 0;
+            const uint64_t di = (e * H + h) * F;
+            for (int f = 0; f < F; f++) o += cometi_bf16_to_float(cometi_hash_bf16(s->down, di + f, sdn)) * act[f];
+            y[h] += w[(size_t)t * c->top_k + j] * o;
+        }
+    }
+    free(x);
+    free(act);
+}
+
+static const char *routing_name(cometi_routing_t r)
+{
+    return r == COMETI_ROUTING_BALANCED ? "balanced" : r == COMETI_ROUTING_RANDOM ? "random" : "skewed";
+}
+
+enum { P_TOTAL, P_ROUTE, P_A2A_OUT, P_EXPERTS, P_A2A_BACK, P_COMBINE, P_COUNT };
+static const char *phase_json[P_COUNT] = {"total", "route", "dispatch_a2a", "experts", "combine_a2a", "combine"};
+
+typedef struct case_result {
+    float ms[P_COUNT]; /* medians, slowest rank */
+    double tflops;     /* expert GEMMs, per GPU */
+    double check;      /* worst relative error of the sample tokens, -1 if not checked */
+} case_result_t;
+
+/* Max (or sum) over ranks of a few floats, through NCCL. */
+static int allreduce(const cometi_rank_ctx_t *ctx, comet_comm_t comm, float *v, int n, ncclRedOp_t op)
+{
+    float *d;
+    CUDA_OK(cudaMalloc((void **)&d, sizeof(float) * n));
+    CUDA_OK(cudaMemcpy(d, v, sizeof(float) * n, cudaMemcpyHostToDevice));
+    ncclResult_t r = ncclAllReduce(d, d, n, ncclFloat32, op, comet_comm_nccl(comm), 0);
+    FAIL_IF(r != ncclSuccess, "ncclAllReduce: %s", ncclGetErrorString(r));
+    CUDA_OK(cudaMemcpy(v, d, sizeof(float) * n, cudaMemcpyDeviceToHost));
+    cudaFree(d);
+    return 0;
+}
+
+static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
+                             const comet_moe_config_t *cfg, const char *label, case_result_t *res)
+{
+    const int R = ctx->nranks, me = ctx->rank, E = cfg->num_experts, k = cfg->top_k, H = cfg->hidden,
+              F = cfg->ffn, M = cfg->max_tokens, per = E / R;
+    const seeds_t s = make_seeds(o->seed);
+    comet_moe_t moe;
+    comet_status_t st = comet_moe_create(comm, cfg, &moe);
+    FAIL_IF(st != COMET_SUCCESS, "comet_moe_create(%s): %s", label, comet_last_create_error());
+
+    void *gate_up, *down, *x[NSETS], *y;
+    int32_t *ids[NSETS];
+    float *w[NSETS];
+    CUDA_OK(cudaMalloc(&gate_up, (size_t)per * 2 * F * H * 2));
+    CUDA_OK(cudaMalloc(&down, (size_t)per * H * F * 2));
+    CUDA_OK(cudaMalloc(&y, (size_t)M * H * 2 + 16));
+    CUDA_OK(cometi_fill_hash_bf16(gate_up, (size_t)per * 2 * F * H, s.gate_up, (uint64_t)me * per * 2 * F * H,
+                                  (float)(1.0 / sqrt(H)), 0));
+    CUDA_OK(cometi_fill_hash_bf16(down, (size_t)per * H * F, s.down, (uint64_t)me * per * H * F,
+                                  (float)(1.0 / sqrt(F)), 0));
+    /* Routing of every rank, so this rank knows how many rows it receives (for FLOPs). */
+    int32_t *ids_host = malloc(sizeof(int32_t) * ((size_t)M * k + 1));
+    float *w_host = malloc(sizeof(float) * ((size_t)M * k + 1)), *w0_host = malloc(sizeof(float) * ((size_t)M * k + 1));
+    int32_t *ids0_host = malloc(sizeof(int32_t) * ((size_t)M * k + 1));
+    double rows_in = 0;
+    for (int set = 0; set < NSETS; set++) {
+        CUDA_OK(cudaMalloc(&x[set], (size_t)M * H * 2 + 16));
+        CUDA_OK(cudaMalloc((void **)&ids[set], sizeof(int32_t) * ((size_t)M * k + 1)));
+        CUDA_OK(cudaMalloc((void **)&w[set], sizeof(float) * ((size_t)M * k + 1)));
+        CUDA_OK(cometi_fill_hash_bf16(x[set], (size_t)M * H, s.x[set], (uint64_t)me * M * H, 1.0f, 0));
+        for (int r = 0; r < R; r++) {
+            cometi_make_routing(o->routing, o->skew, M, k, E, s.routing[set], r, ids_host, w_host);
+            int64_t *counts = calloc((size_t)E, sizeof(int64_t));
+            cometi_route_count(ids_host, M, k, E, counts);
+            for (int e = me * per; e < (me + 1) * per; e++) rows_in += (double)counts[e] / NSETS;
+            free(counts);
+            if (r != me) continue;
+            CUDA_OK(cudaMemcpy(ids[set], ids_host, sizeof(int32_t) * M * k, cudaMemcpyHostToDevice));
+            CUDA_OK(cudaMemcpy(w[set], w_host, sizeof(float) * M * k, cudaMemcpyHostToDevice));
+            if (set == 0) {
+                memcpy(ids0_host, ids_host, sizeof(int32_t) * M * k);
+                memcpy(w0_host, w_host, sizeof(float) * M * k);
+            }
+        }
+    }
+    free(ids_host);
+    free(w_host);
+    comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+    a.num_tokens = M;
+    a.weights.gate_up = gate_up;
+    a.weights.down = down;
+    a.y = y;
+    a.impl = COMET_IMPL_BASELINE;
+
+    /* Check first: sample tokens against float64, on poisoned output. */
+    res->check = -1;
+    if (o->check && M > 0) {
+        if (me == 0) fprintf(stderr, "[bench] %s: float64 check of sample tokens\n", label);
+        CUDA_OK(cudaMemset(y, 0xff, (size_t)M * H * 2));
+        a.x = x[0];
+        a.topk_ids = ids[0];
+        a.topk_weights = w[0];
+        st = comet_moe_forward(moe, &a, 0);
+        FAIL_IF(st != COMET_SUCCESS, "forward (%s): %s", label, comet_moe_last_error(moe));
+        CUDA_OK(cudaDeviceSynchronize());
+        const int samples[2] = {0, M - 1};
+        uint16_t *row = malloc((size_t)H * 2);
+        float *rowf = malloc(sizeof(float) * H);
+        double *ref = malloc(sizeof(double) * H), worst = 0;
+        for (int i = 0; i < 2; i++) {
+            CUDA_OK(cudaMemcpy(row, (char *)y + (size_t)samples[i] * H * 2, (size_t)H * 2, cudaMemcpyDeviceToHost));
+            for (int h = 0; h < H; h++) rowf[h] = cometi_bf16_to_float(row[h]);
+            reference_token(cfg, &s, me, samples[i], ids0_host, w0_host, ref);
+            double err = cometi_rel_error(rowf, ref, H);
+            if (!(err <= worst)) worst = err;
+        }
+        free(row), free(rowf), free(ref);
+        float wf = isfinite(worst) ? (float)worst : INFINITY;
+        if (allreduce(ctx, comm, &wf, 1, ncclMax)) return 1;
+        res->check = wf;
+    }
+    free(ids0_host);
+    free(w0_host);
+
+    cudaEvent_t marks[COMETI_NUM_MARKS];
+    for (int i = 0; i < COMETI_NUM_MARKS; i++) CUDA_OK(cudaEventCreate(&marks[i]));
+    float *times[P_COUNT];
+    for (int p = 0; p < P_COUNT; p++) times[p] = malloc(sizeof(float) * o->iters);
+    if (me == 0) fprintf(stderr, "[bench] %s: %d warm-up and %d timed calls\n", label, o->warmup, o->iters);
+    for (int it = -o->warmup; it < o->iters; it++) {
+        int set = (it + o->warmup) % NSETS;
+        a.x = x[set];
+        a.topk_ids = ids[set];
+        a.topk_weights = w[set];
+        cometi_moe_set_marks(moe, it >= 0 ? marks : NULL);
+        st = comet_moe_forward(moe, &a, 0);
+        FAIL_IF(st != COMET_SUCCESS, "forward (%s): %s", label, comet_moe_last_error(moe));
+        if (it < 0) continue;
+        CUDA_OK(cudaEventSynchronize(marks[COMETI_MARK_END]));
+        float ms[COMETI_NUM_MARKS];
+        for (int i = 1; i < COMETI_NUM_MARKS; i++) CUDA_OK(cudaEventElapsedTime(&ms[i], marks[i - 1], marks[i]));
+        times[P_ROUTE][it] = ms[COMETI_MARK_ROUTED];
+        times[P_A2A_OUT][it] = ms[COMETI_MARK_DISPATCHED];
+        times[P_EXPERTS][it] = ms[COMETI_MARK_COMPUTED];
+        times[P_A2A_BACK][it] = ms[COMETI_MARK_RETURNED];
+        times[P_COMBINE][it] = ms[COMETI_MARK_END];
+        CUDA_OK(cudaEventElapsedTime(&times[P_TOTAL][it], marks[COMETI_MARK_START], marks[COMETI_MARK_END]));
+        if (me == 0 && o->iters >= 50 && (it + 1) % (o->iters / 5) == 0)
+            fprintf(stderr, "[bench] %s: %d/%d\n", label, it + 1, o->iters);
+    }
+    cometi_moe_set_marks(moe, NULL);
+    CUDA_OK(cudaDeviceSynchronize());
+    for (int p = 0; p < P_COUNT; p++) {
+        res->ms[p] = median(times[p], o->iters);
+        free(times[p]);
+    }
+    float flops[2] = {(float)(rows_in * 6.0 * H * F), 0};
+    if (allreduce(ctx, comm, res->ms, P_COUNT, ncclMax)) return 1;
+    if (allreduce(ctx, comm, flops, 1, ncclSum)) return 1;
+    res->tflops = flops[0] / R / (res->ms[P_EXPERTS] * 1e-3) / 1e12;
+    for (int i = 0; i < COMETI_NUM_MARKS; i++) cudaEventDestroy(marks[i]);
+    for (int set = 0; set < NSETS; set++) cudaFree(x[set]), cudaFree(ids[set]), cudaFree(w[set]);
+    cudaFree(gate_up), cudaFree(down), cudaFree(y);
+    comet_moe_destroy(moe);
+    return 0;
+}
+
+static void print_header(void)
+{
+    printf("%-16s %-9s %6s %9s %9s %9s %9s %10s %10s %8s %9s\n", "case", "impl", "tokens", "total ms", "dispatch",
+           "experts", "combine", "comm alone", "GEMM alone", "TFLOP/s", "check");
+}
+
+int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const tool_options_t *o = arg;
+    CUDA_OK(cudaSetDevice(ctx->local_rank));
+    comet_comm_config_t cc = COMET_COMM_CONFIG_INIT;
+    cc.timeout_ms = o->timeout_ms;
+    comet_comm_t comm;
+    comet_status_t st = comet_comm_create_from_id(&ctx->id, ctx->nranks, ctx->rank, &cc, &comm);
+    FAIL_IF(st != COMET_SUCCESS, "comet_comm_create_from_id: %s", comet_last_create_error());
+    struct cudaDeviceProp prop;
+    CUDA_OK(cudaGetDeviceProperties(&prop, ctx->local_rank));
+    FILE *json = NULL;
+    if (ctx->rank == 0 && o->json) {
+        json = fopen(o->json, "w");
+        FAIL_IF(!json, "--json %s: cannot open for writing", o->json);
+        fprintf(json, "[\n");
+    }
+    int ncases = o->npresets ? o->npresets : 1, failed_check = 0;
+    for (int ci = 0; ci < ncases; ci++) {
+        comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT;
+        char label[64];
+        if (o->npresets) {
+            comet_moe_config_preset(o->presets[ci], o->tokens, &cfg);
+            snprintf(label, sizeof(label), "%s", o->presets[ci]);
+        } else {
+            cfg.hidden = o->hidden, cfg.ffn = o->ffn, cfg.num_experts = o->experts, cfg.top_k = o->top_k;
+            cfg.max_tokens = o->tokens;
+            snprintf(label, sizeof(label), "E%d-k%d-H%d-F%d", o->experts, o->top_k, o->hidden, o->ffn);
+        }
+        char msg[512];
+        st = comet_moe_config_validate(&cfg, ctx->nranks, msg, sizeof(msg));
+        FAIL_IF(st != COMET_SUCCESS, "%s: %s", label, msg);
+        if (ctx->rank == 0) {
+            printf("\n%s: E=%d top-k=%d H=%d F=%d, %d tokens per GPU, %d x %s (EP=%d), routing %s", label,
+                   cfg.num_experts, cfg.top_k, cfg.hidden, cfg.ffn, cfg.max_tokens, ctx->nranks, prop.name,
+                   ctx->nranks, routing_name(o->routing));
+            if (o->routing == COMETI_ROUTING_SKEWED) printf(" (skew %.3g)", o->skew);
+            printf(", median of %d calls, slowest rank\n", o->iters);
+            print_header();
+        }
+        case_result_t base;
+        memset(&base, 0, sizeof(base));
+        if (o->run_baseline) {
+            if (run_baseline_case(ctx, o, comm, &cfg, label, &base)) return 1;
+            if (base.check > 1e-2 || base.check != base.check) failed_check = 1;
+            if (ctx->rank == 0) {
+                char check[32] = "skipped";
+                if (base.check >= 0) snprintf(check, sizeof(check), "%.1e%s", base.check, base.check > 1e-2 ? "!" : "");
+                printf("%-16s %-9s %6d %9.3f %9.3f %9.3f %9.3f %10.3f %10.3f %8.0f %9s\n", label, "baseline",
+                       cfg.max_tokens, base.ms[P_TOTAL], base.ms[P_ROUTE] + base.ms[P_A2A_OUT], base.ms[P_EXPERTS],
+                       base.ms[P_A2A_BACK] + base.ms[P_COMBINE], base.ms[P_A2A_OUT] + base.ms[P_A2A_BACK],
+                       base.ms[P_EXPERTS], base.tflops, check);
+                if (json) {
+                    fprintf(json, "%s  {\"case\": \"%s\", \"impl\": \"baseline\", \"gpu\": \"%s\", \"ranks\": %d, "
+                            "\"experts\": %d, \"top_k\": %d, \"hidden\": %d, \"ffn\": %d, \"tokens_per_rank\": %d, "
+                            "\"routing\": \"%s\", \"skew\": %g, \"iters\": %d, \"seed\": %llu, \"median_ms\": {",
+                            ci ? ",\n" : "", label, prop.name, ctx->nranks, cfg.num_experts, cfg.top_k, cfg.hidden,
+                            cfg.ffn, cfg.max_tokens, routing_name(o->routing), o->skew, o->iters,
+                            (unsigned long long)o->seed);
+                    for (int p = 0; p < P_COUNT; p++)
+                        fprintf(json, "%s\"%s\": %.4f", p ? ", " : "", phase_json[p], base.ms[p]);
+                    fprintf(json, "}, \"comm_alone_ms\": %.4f, \"gemm_alone_ms\": %.4f, \"expert_tflops_per_gpu\": "
+                            "%.1f, \"check_rel_err\": %.3g}", base.ms[P_A2A_OUT] + base.ms[P_A2A_BACK],
+                            base.ms[P_EXPERTS], base.tflops, base.check);
+                }
+            }
+        }
+        if (o->run_comet && ctx->rank == 0)
+            printf("%-16s %-9s %6d   n/a: the fused tile-level path is not built yet\n", label, "comet",
+                   cfg.max_tokens);
+        fflush(stdout);
+    }
+    if (json) {
+        fprintf(json, "\n]\n");
+        fclose(json);
+    }
+    comet_comm_destroy(comm);
+    FAIL_IF(failed_check, "a float64 check of sample tokens failed (relative error over 1e-2, marked !)");
+    return 0;
+}
+
+int bandwidth_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const tool_options_t *o = arg;
+    CUDA_OK(cudaSetDevice(ctx->local_rank));
+    comet_comm_config_t cc = COMET_COMM_CONFIG_INIT;
+    cc.timeout_ms = o->timeout_ms;
+    comet_comm_t comm;
+    comet_status_t st = comet_comm_create_from_id(&ctx->id, ctx->nranks, ctx->rank, &cc, &comm);
+    FAIL_IF(st != COMET_SUCCESS, "comet_comm_create_from_id: %s", comet_last_create_error());
+    const size_t bytes = (size_t)o->mib << 20;
+    const int peer = (ctx->rank + 1) % ctx->nranks, reps = 10;
+    cometi_window_t win;
+    st = cometi_window_create(comm, 2 * bytes, &win); /* [0, bytes): source, [bytes, 2 bytes): target */
+    FAIL_IF(st != COMET_SUCCESS, "window: %s", comet_comm_last_error(comm));
+    CUDA_OK(cometi_fill_hash_bf16(win.local, bytes / 2, 7, 0, 1.0f, 0));
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    if (ctx->rank == 0)
+        printf("%d x %s: each rank copies %d MiB to (push: remote stores) or from (pull: remote loads) rank+1, all "
+               "at once; GB/s per rank, median of %d, slowest rank\n%8s %10s %10s\n",
+               ctx->nranks, "GPU", o->mib, reps, "blocks", "push GB/s", "pull GB/s");
+    const int block_counts[] = {1, 2, 4, 8, 16, 32, 66, 132};
+    for (size_t bi = 0; bi < sizeof(block_counts) / sizeof(block_counts[0]); bi++) {
+        float gbs[2];
+        for (int dir = 0; dir < 2; dir++) {
+            float t[10];
+            for (int r = 0; r < reps; r++) {
+                st = cometi_barrier(comm, 0);
+                FAIL_IF(st != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
+                CUDA_OK(cudaEventRecord(e0, 0));
+                void *dst = dir == 0 ? (char *)win.peer[peer] + bytes : (char *)win.local + bytes;
+                const void *src = dir == 0 ? win.local : win.peer[peer];
+                st = cometi_copy(comm->err, dst, src, bytes, block_counts[bi], 0);
+                FAIL_IF(st != COMET_SUCCESS, "copy: %s", comm->err);
+                CUDA_OK(cudaEventRecord(e1, 0));
+                CUDA_OK(cudaEventSynchronize(e1));
+                CUDA_OK(cudaEventElapsedTime(&t[r], e0, e1));
+            }
+            gbs[dir] = (float)(bytes / (median(t, reps) * 1e-3) / 1e9);
+        }
+        /* The slowest rank: min over ranks of GB/s. */
+        float neg[2] = {-gbs[0], -gbs[1]};
+        if (allreduce(ctx, comm, neg, 2, ncclMax)) return 1;
+        if (ctx->rank == 0) printf("%8d %10.1f %10.1f\n", block_counts[bi], -neg[0], -neg[1]);
+    }
+    st = cometi_barrier(comm, 0);
+    CUDA_OK(cudaDeviceSynchronize());
+    st = comet_comm_get_async_error(comm);
+    FAIL_IF(st != COMET_SUCCESS, "%s", comet_comm_last_error(comm));
+    cometi_window_destroy(comm, &win);
+    comet_comm_destroy(comm);
+    return 0;
+}

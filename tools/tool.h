@@ -1,0 +1,37 @@
+/*
+ * tool.h - what the `comet` tool's files share: the parsed options and the bodies
+ * that run on every rank.
+ */
+#ifndef COMET_TOOL_H
+#define COMET_TOOL_H
+
+#include <stdint.h>
+
+#include "../src/launch.h"
+#include "../src/plan.h"
+
+#define TOOL_MAX_PRESETS 8
+
+typedef struct tool_options {
+    /* bench */
+    const char *presets[TOOL_MAX_PRESETS]; /* names; explicit sizes when npresets == 0 */
+    int npresets;
+    int hidden, ffn, experts, top_k; /* explicit sizes */
+    int tokens;                      /* per rank */
+    cometi_routing_t routing;
+    double skew;
+    int run_baseline, run_comet;
+    int warmup, iters;
+    int check;                       /* float64 check of sample tokens */
+    const char *json;
+    uint64_t seed;
+    /* bandwidth */
+    int mib;
+    /* both */
+    int timeout_ms;
+} tool_options_t;
+
+int bench_rank(const cometi_rank_ctx_t *ctx, void *arg);
+int bandwidth_rank(const cometi_rank_ctx_t *ctx, void *arg);
+
+#endif /* COMET_TOOL_H */
