@@ -14,9 +14,9 @@ make -j16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 for step in $steps; do
     case $step in
     tests) build/comet_tests 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
-    bandwidth) build/comet bandwidth 2>&1 | tee "$OUT/bandwidth.log" ;;
-    bench) build/comet bench --preset all --impl all --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
-    peer) torchrun --nproc-per-node 2 bench/torch_peer.py --preset all 2>&1 | tee "$OUT/peer.log" | grep -v "^\[" ;;
+    bandwidth) timeout 120 build/comet bandwidth 2>&1 | tee "$OUT/bandwidth.log" ;;
+    bench) timeout 300 build/comet bench --preset all --impl all --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
+    peer) timeout 240 torchrun --nproc-per-node 2 bench/torch_peer.py --preset all 2>&1 | tee "$OUT/peer.log" | grep -v "^\[" ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
 done
