@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 make -j16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 for step in $steps; do
     case $step in
-    tests) build/comet_tests 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
+    tests) build/comet_tests -v 2>&1 | tee "$OUT/tests.log" | tail -30 ;;
     bandwidth) timeout 120 build/comet bandwidth 2>&1 | tee "$OUT/bandwidth.log" ;;
     bench) timeout 300 build/comet bench --preset all --impl all --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
     peer) timeout 240 torchrun --nproc-per-node 2 bench/torch_peer.py --preset all 2>&1 | tee "$OUT/peer.log" | grep -v "^\[" ;;

@@ -2,7 +2,8 @@
  * runner.c - runs every test of testutil.h's list in its own process with a timeout,
  * prints one line per test (its output under a failure), and ends with
  * "N passed, N failed, N skipped". Exit status 1 when anything failed.
- * Usage: comet_tests [SUBSTRING...]   (run only tests whose name contains one)
+ * Usage: comet_tests [-v] [SUBSTRING...]   (-v: show passing tests' output too;
+ * substrings: run only tests whose name contains one)
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -46,10 +47,13 @@ static double now_s(void)
 
 static int selected(const char *name, int argc, char **argv)
 {
-    if (argc < 2) return 1;
-    for (int i = 1; i < argc; i++)
+    int filters = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "-v")) continue;
+        filters++;
         if (strstr(name, argv[i])) return 1;
-    return 0;
+    }
+    return filters == 0;
 }
 
 /* The captured output: all of it for a failure, the last line for a skip. */
@@ -66,7 +70,8 @@ static void print_output(FILE *f, int last_line_only)
 
 int main(int argc, char **argv)
 {
-    int passed = 0, failed = 0, skipped = 0;
+    int passed = 0, failed = 0, skipped = 0, verbose = 0;
+    for (int i = 1; i < argc; i++) verbose |= !strcmp(argv[i], "-v");
     setvbuf(stdout, NULL, _IOLBF, 0);
     for (size_t i = 0; i < sizeof(tests) / sizeof(tests[0]); i++) {
         const test_case_t *t = &tests[i];
@@ -110,6 +115,7 @@ int main(int argc, char **argv)
             failed++;
         } else if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
             printf("PASS %s (%.2f s)\n", t->name, took);
+            if (verbose) print_output(out, 0);
             passed++;
         } else if (WIFEXITED(status) && WEXITSTATUS(status) == TEST_SKIP) {
             printf("SKIP %s", t->name);

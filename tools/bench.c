@@ -293,6 +293,8 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
             cfg.max_tokens = o->tokens;
             snprintf(label, sizeof(label), "E%d-k%d-H%d-F%d", o->experts, o->top_k, o->hidden, o->ffn);
         }
+        cfg.ep_size = o->ep;
+        cfg.tp_size = o->tp;
         char msg[512];
         st = comet_moe_config_validate(&cfg, ctx->nranks, msg, sizeof(msg));
         FAIL_IF(st != COMET_SUCCESS, "%s: %s", label, msg);

@@ -33,6 +33,7 @@ static void usage(FILE *f)
             "  --preset NAME[,NAME...]  model shapes, or 'all' (see comet presets)    [mixtral-8x7b]\n"
             "  --hidden H --ffn F --experts E --top-k K   explicit shape instead of a preset\n"
             "  --tokens M               tokens per GPU                                  [8192]\n"
+            "  --ep N --tp N            expert- and tensor-parallel sizes, EP x TP = ranks [ranks, 1]\n"
             "  --routing KIND           balanced | random | skewed                      [balanced]\n"
             "  --skew S                 skewed: most / least loaded expert's expected load [8]\n"
             "  --impl WHICH             baseline | comet | all                          [all]\n"
@@ -137,7 +138,9 @@ int main(int argc, char **argv)
         else if (!strcmp(f, "--ffn")) bad = parse_int(f, v, 64, 65536, &o.ffn);
         else if (!strcmp(f, "--experts")) bad = parse_int(f, v, 1, 1024, &o.experts);
         else if (!strcmp(f, "--top-k")) bad = parse_int(f, v, 1, 32, &o.top_k);
-        else if (!strcmp(f, "--tokens")) bad = parse_int(f, v, 0, 1 << 20, &o.tokens);
+        else if (!strcmp(f, "--tokens")) bad = parse_int(f, v, 1, 1 << 20, &o.tokens);
+        else if (!strcmp(f, "--ep")) bad = parse_int(f, v, 1, 72, &o.ep);
+        else if (!strcmp(f, "--tp")) bad = parse_int(f, v, 1, 72, &o.tp);
         else if (!strcmp(f, "--warmup")) bad = parse_int(f, v, 0, 10000, &o.warmup);
         else if (!strcmp(f, "--iters")) bad = parse_int(f, v, 1, 100000, &o.iters);
         else if (!strcmp(f, "--ranks")) bad = parse_int(f, v, 1, 72, &ranks);

@@ -18,6 +18,7 @@ typedef struct tool_options {
     int npresets;
     int hidden, ffn, experts, top_k; /* explicit sizes */
     int tokens;                      /* per rank */
+    int ep, tp;                      /* parallel layout; 0: EP = ranks, TP = 1 */
     cometi_routing_t routing;
     double skew;
     int run_baseline, run_comet;

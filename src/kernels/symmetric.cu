@@ -17,6 +17,9 @@
 
 extern "C" comet_status_t cometi_devcomm_create(comet_comm_t comm)
 {
+    /* NCCL refuses a device communicator for a single rank (invalid usage, seen with
+     * 2.28.9); one rank has no peers, so none is needed. */
+    if (comm->size == 1) return COMET_SUCCESS;
     ncclTeam_t lsa = ncclTeamLsa(comm->nccl);
     if (lsa.nRanks != comm->size)
         return cometi_fail(comm->err, COMET_NOT_SUPPORTED,
@@ -61,6 +64,12 @@ extern "C" comet_status_t cometi_window_create(comet_comm_t comm, size_t bytes, 
     char *err = comm->err;
     memset(win, 0, sizeof(*win));
     bytes = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT * NCCL_WIN_REQUIRED_ALIGNMENT;
+    if (comm->size == 1) { /* no peers: plain device memory is symmetric with itself */
+        COMETI_TRY(cometi_cuda(err, cudaMalloc(&win->local, bytes), "cudaMalloc(single-rank window)"));
+        win->bytes = bytes;
+        win->peer[0] = win->local;
+        return COMET_SUCCESS;
+    }
     ncclResult_t r = ncclMemAlloc(&win->local, bytes);
     if (r != ncclSuccess) {
         win->local = NULL;
@@ -100,7 +109,8 @@ fail:
 extern "C" void cometi_window_destroy(comet_comm_t comm, cometi_window_t *win)
 {
     if (win->nccl_win) ncclCommWindowDeregister(comm->nccl, win->nccl_win);
-    if (win->local) ncclMemFree(win->local);
+    if (win->local && comm->size == 1) cudaFree(win->local);
+    else if (win->local) ncclMemFree(win->local);
     memset(win, 0, sizeof(*win));
 }
 
