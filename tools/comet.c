@@ -5,6 +5,7 @@
  *
  *   comet bench      the MoE layer: comet beside the sequential baseline
  *   comet bandwidth  push and pull bandwidth between GPUs over NVLink
+ *   comet gemm       comet's grouped GEMM beside cuBLAS on the presets' expert shapes
  *   comet presets    the model shapes comet knows
  */
 #define _GNU_SOURCE
@@ -26,6 +27,8 @@ static void usage(FILE *f)
             "  bench       time the MoE layer: comet beside the sequential baseline (default: mixtral-8x7b,\n"
             "              8192 tokens per GPU, every visible GPU)\n"
             "  bandwidth   push (stores) and pull (loads) bandwidth between GPUs through symmetric memory\n"
+            "  gemm        comet's grouped GEMM beside cuBLAS on one GPU: every preset's expert GEMMs\n"
+            "              (rows as balanced EP=2 routing of --tokens gives) and 8192^3; --preset, --iters\n"
             "  presets     list the model presets\n"
             "  version     print the version\n"
             "\n"
@@ -109,8 +112,8 @@ int main(int argc, char **argv)
         }
         return 0;
     }
-    int is_bench = !strcmp(cmd, "bench"), is_bw = !strcmp(cmd, "bandwidth");
-    if (!is_bench && !is_bw) {
+    int is_bench = !strcmp(cmd, "bench"), is_bw = !strcmp(cmd, "bandwidth"), is_gemm = !strcmp(cmd, "gemm");
+    if (!is_bench && !is_bw && !is_gemm) {
         fprintf(stderr, "comet: unknown command \"%s\"\n\n", cmd);
         usage(stderr);
         return 2;
@@ -193,9 +196,19 @@ int main(int argc, char **argv)
         fprintf(stderr, "comet: an explicit shape needs all of --hidden, --ffn, --experts and --top-k\n");
         return 2;
     }
-    if (!explicit_shape && parse_presets(preset_arg ? preset_arg : preset_default, &o)) return 2;
+    static char all_presets[] = "all";
+    if (!explicit_shape && parse_presets(preset_arg ? preset_arg : is_gemm ? all_presets : preset_default, &o))
+        return 2;
+    if (is_gemm) {
+        if (explicit_shape) {
+            fprintf(stderr, "comet gemm: takes presets only (--preset)\n");
+            return 2;
+        }
+        if (o.iters > 64) o.iters = 64;
+        ranks = 1; /* one GPU */
+    }
 
-    cometi_rank_main_t body = is_bench ? bench_rank : bandwidth_rank;
+    cometi_rank_main_t body = is_bench ? bench_rank : is_bw ? bandwidth_rank : gemm_rank;
     char report[600];
     if (id_file) {
         int rc = cometi_launch_external(id_file, body, &o, 0, report, sizeof(report));

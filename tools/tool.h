@@ -34,5 +34,6 @@ typedef struct tool_options {
 
 int bench_rank(const cometi_rank_ctx_t *ctx, void *arg);
 int bandwidth_rank(const cometi_rank_ctx_t *ctx, void *arg);
+int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg);
 
 #endif /* COMET_TOOL_H */

@@ -91,13 +91,12 @@ fail:
     return st;
 }
 
-/* C[rows][n] = A[rows][k] * W[n][k]^T, all row-major bf16, fp32 accumulation.
- * In cuBLAS's column-major terms that is C^T = W^T(op T) * A^T: the "TN" case. */
-static comet_status_t gemm_rows(cometi_baseline_t *b, char *err, int rows, int n, int k, const void *a,
-                                const void *w, void *c, int ldc)
+/* All row-major; in cuBLAS's column-major terms C^T = W^T(op T) * A^T: the "TN" case. */
+comet_status_t cometi_cublas_rows(cublasHandle_t h, char *err, int rows, int n, int k, const void *a, const void *w,
+                                  void *c, int ldc)
 {
     const float one = 1.0f, zero = 0.0f;
-    return cublas_status(err, cublasGemmEx(b->cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16BF, k,
+    return cublas_status(err, cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, rows, k, &one, w, CUDA_R_16BF, k,
                                            a, CUDA_R_16BF, k, &zero, c, CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F,
                                            CUBLAS_GEMM_DEFAULT),
                          "cublasGemmEx");
@@ -200,12 +199,12 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
         char *h = (char *)b->h + plan.seg_start[e] * 2 * F * BF16;
         if (args->weights.gate_up) {
             const char *w = (const char *)args->weights.gate_up + (size_t)le * 2 * F * H * BF16;
-            COMETI_TRY_GOTO(st, gemm_rows(b, err, rows, 2 * F, H, a, w, h, 2 * F), out);
+            COMETI_TRY_GOTO(st, cometi_cublas_rows(b->cublas, err, rows, 2 * F, H, a, w, h, 2 * F), out);
         } else {
             const char *wg = (const char *)args->weights.gate + (size_t)le * F * H * BF16;
             const char *wu = (const char *)args->weights.up + (size_t)le * F * H * BF16;
-            COMETI_TRY_GOTO(st, gemm_rows(b, err, rows, F, H, a, wg, h, 2 * F), out);
-            COMETI_TRY_GOTO(st, gemm_rows(b, err, rows, F, H, a, wu, h + (size_t)F * BF16, 2 * F), out);
+            COMETI_TRY_GOTO(st, cometi_cublas_rows(b->cublas, err, rows, F, H, a, wg, h, 2 * F), out);
+            COMETI_TRY_GOTO(st, cometi_cublas_rows(b->cublas, err, rows, F, H, a, wu, h + (size_t)F * BF16, 2 * F), out);
         }
     }
     COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_swiglu(b->h, b->act, F, b->segs, per, max_seg_rows, stream),
@@ -216,7 +215,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
         const char *a = (const char *)b->act + plan.seg_start[e] * F * BF16;
         const char *w = (const char *)args->weights.down + (size_t)le * H * F * BF16;
         char *o = (char *)b->out + plan.seg_start[e] * H * BF16;
-        COMETI_TRY_GOTO(st, gemm_rows(b, err, rows, H, F, a, w, o, H), out);
+        COMETI_TRY_GOTO(st, cometi_cublas_rows(b->cublas, err, rows, H, F, a, w, o, H), out);
     }
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_COMPUTED, stream), out);
 

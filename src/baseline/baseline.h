@@ -8,16 +8,13 @@
 #define COMET_BASELINE_H
 
 #include <stdint.h>
+#include <cublas_v2.h>
 #include "../internal.h"
+#include "../kernels/gemm.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* One local expert's rows in the receive buffer. */
-typedef struct cometi_segment {
-    int start, rows;
-} cometi_segment_t;
 
 /* Events between phases, recorded when the caller asks (benchmarks). */
 enum {
@@ -36,6 +33,11 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out);
 void cometi_baseline_destroy(cometi_baseline_t *b);
 comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        cudaStream_t stream);
+
+/* C[rows][n] = A[rows][k] * W[n][k]^T through cuBLAS (bf16, fp32 accumulation), on the
+ * handle's stream: what the baseline runs per expert. */
+comet_status_t cometi_cublas_rows(cublasHandle_t h, char *err, int rows, int n, int k, const void *a, const void *w,
+                                  void *c, int ldc);
 
 /* ---- kernels (baseline.cu) ---- */
 cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_experts, int32_t *counts, int32_t *pos,

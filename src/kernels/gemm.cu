@@ -1,0 +1,328 @@
+/*
+ * gemm.cu - the persistent, warp-specialized grouped GEMM (sm_90a).
+ *
+ * One block per SM, 384 threads: warpgroup 0 is the producer (one thread issues TMA
+ * loads of A and B tiles into a ring of shared-memory stages, completing on mbarriers);
+ * warpgroups 1 and 2 are consumers that split each 128-row tile (64 rows each) and
+ * multiply with wgmma.mma_async, accumulating in registers, then store bf16 to C.
+ * Tiles are walked group by group; inside a group, GROUP_M row tiles at a time with the
+ * row tile fastest, so the blocks running at once share B tiles and A tiles in L2.
+ * The group table (rows per expert) is read on the device: no host sync.
+ *
+ * Checklist followed (shared/KERNELS.md): 128B-swizzled K-major tiles of 64 bf16, stages
+ * 1024-byte aligned, full[s] count 1 with expect_tx, empty[s] count 2 (one arrive per
+ * consumer warpgroup), wgmma fence / commit / wait before touching accumulators or
+ * releasing a stage, setmaxnreg 40 / 232.
+ */
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "gemm.h"
+#include "ptx.cuh"
+#include "wgmma.cuh"
+
+#define BM 128
+#define BK 64
+#define THREADS 384
+#define GROUP_M 8
+#define STAGES 4
+
+/* ---- PTX: shared-memory barriers, TMA, wgmma bookkeeping ---- */
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+static __device__ __forceinline__ void mbar_init(uint64_t *bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+static __device__ __forceinline__ int mbar_try_wait(uint32_t bar, uint32_t parity)
+{
+    uint32_t ok;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return (int)ok;
+}
+
+/* Wait for the phase with this parity. A pipeline wait has no outside dependency, so
+ * one that lasts past the timeout is a bug: report it and stop waiting, here and (once
+ * the report is out) everywhere else, so the kernel ends quickly with garbage instead of
+ * hanging. (Leaving with `exit` instead would make ptxas serialize the wgmmas.) */
+static __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity, cometi_async_error_t *err,
+                                                 unsigned long long timeout_ns)
+{
+    uint32_t b = smem_u32(bar);
+    if (mbar_try_wait(b, parity)) return;
+    unsigned long long start = cometi_globaltimer_ns();
+    while (!mbar_try_wait(b, parity)) {
+        if (*(volatile int *)&err->status != 0) return;
+        unsigned long long waited = cometi_globaltimer_ns() - start;
+        if (waited > timeout_ns) {
+            cometi_record_error(err, COMET_INTERNAL_ERROR, COMETI_SITE_GEMM, -1, (int)blockIdx.x, parity, 0, waited);
+            return;
+        }
+    }
+}
+
+static __device__ __forceinline__ void mbar_arrive(uint64_t *bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, int inner, int outer, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+/* Shared-memory matrix descriptor for a K-major tile with 128-byte swizzle: rows of 128
+ * bytes, 8-row groups 1024 bytes apart (SBO), leading offset unused (1). */
+static __device__ __forceinline__ uint64_t smem_desc(const void *p)
+{
+    uint64_t addr = smem_u32(p);
+    return ((addr & 0x3ffff) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+static __device__ __forceinline__ void wgmma_fence(void) { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> static __device__ __forceinline__ void wgmma_wait(void)
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+/* ---- tile schedule ---- */
+
+typedef struct gemm_args {
+    const cometi_segment_t *segs;
+    int groups, n, k, ldc;
+    __nv_bfloat16 *c;
+    cometi_async_error_t *err;
+    unsigned long long timeout_ns;
+} gemm_args_t;
+
+typedef struct tile {
+    int group, m, n; /* row tile inside the group, column tile */
+} tile_t;
+
+/* first_tile[g]: index of group g's first tile; first_tile[groups]: the total. */
+static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_tile, const int *m_tiles, int groups,
+                                                     int n_tiles)
+{
+    int g = 0;
+    while (g + 1 < groups && first_tile[g + 1] <= t) g++;
+    int local = t - first_tile[g], mt = m_tiles[g];
+    /* Bands of GROUP_M row tiles; inside a band the row tile runs fastest. */
+    int band = local / (GROUP_M * n_tiles), band_rows = min(GROUP_M, mt - band * GROUP_M);
+    int in_band = local - band * GROUP_M * n_tiles;
+    tile_t r;
+    r.group = g;
+    r.m = band * GROUP_M + in_band % band_rows;
+    r.n = in_band / band_rows;
+    return r;
+}
+
+/* ---- the kernel ---- */
+
+template <int BN>
+static __global__ void __launch_bounds__(THREADS, 1)
+grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+                    gemm_args_t p)
+{
+    const uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    unsigned char *sa = smem, *sb = smem + STAGES * A_BYTES;
+    uint64_t *full = (uint64_t *)(sb + STAGES * B_BYTES), *empty = full + STAGES;
+    int *first_tile = (int *)(empty + STAGES), *m_tiles = first_tile + COMETI_GEMM_MAX_GROUPS + 1;
+    const int wg = threadIdx.x / 128, n_tiles = p.n / BN, k_blocks = p.k / BK;
+
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int g = 0; g < p.groups; g++) {
+            first_tile[g] = total;
+            m_tiles[g] = (p.segs[g].rows + BM - 1) / BM;
+            total += m_tiles[g] * n_tiles;
+        }
+        first_tile[p.groups] = total;
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(&full[s], 1);
+            mbar_init(&empty[s], 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
+    }
+    __syncthreads();
+    const int total = first_tile[p.groups];
+
+    if (wg == 0) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x != 0) return;
+        int stage = 0;
+        uint32_t phase = 0;
+        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+            tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles);
+            const int a_row = p.segs[tl.group].start + tl.m * BM, b_row = tl.group * p.n + tl.n * BN;
+            for (int kb = 0; kb < k_blocks; kb++) {
+                mbar_wait(&empty[stage], phase ^ 1, p.err, p.timeout_ns);
+                mbar_expect_tx(&full[stage], A_BYTES + B_BYTES);
+                tma_load_2d(sa + stage * A_BYTES, &map_a, kb * BK, a_row, &full[stage]);
+                tma_load_2d(sb + stage * B_BYTES, &map_b, kb * BK, b_row, &full[stage]);
+                if (++stage == STAGES) stage = 0, phase ^= 1;
+            }
+        }
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, half = wg - 1;
+    float acc[BN / 2];
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles);
+        int prev = -1;
+        for (int kb = 0; kb < k_blocks; kb++) {
+            mbar_wait(&full[stage], phase, p.err, p.timeout_ns);
+            const unsigned char *a = sa + stage * A_BYTES + half * 64 * 128, *b = sb + stage * B_BYTES;
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BK / 16; kk++) {
+                if (BN == 256) cometi_wgmma_m64n256k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), kb | kk);
+                else cometi_wgmma_m64n128k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), kb | kk);
+            }
+            wgmma_commit();
+            /* The previous step's MMAs are done once at most this one is in flight. */
+            wgmma_wait<1>();
+            if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
+            prev = stage;
+            if (++stage == STAGES) stage = 0, phase ^= 1;
+        }
+        wgmma_wait<0>();
+        if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
+
+        /* Epilogue: fragment (j, q) of this thread is row warp*16 + lane/4 (+8 for q >= 2),
+         * column j*8 + (lane%4)*2 (+1 for odd q). Rows past the group's end are padding. */
+        const cometi_segment_t seg = p.segs[tl.group];
+        const int row0 = tl.m * BM + half * 64 + warp * 16 + lane / 4;
+        __nv_bfloat16 *c = p.c + (size_t)(seg.start + row0) * p.ldc + tl.n * BN + (lane % 4) * 2;
+        const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
+#pragma unroll
+        for (int j = 0; j < BN / 8; j++) {
+            if (lo_ok) *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(acc[j * 4], acc[j * 4 + 1]);
+            if (hi_ok)
+                *(__nv_bfloat162 *)(c + (size_t)8 * p.ldc + j * 8) = __floats2bfloat162_rn(acc[j * 4 + 2], acc[j * 4 + 3]);
+        }
+    }
+}
+
+/* ---- host side ---- */
+
+static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled(void)
+{
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    if (!fn) {
+        /* Through the runtime, so nothing links libcuda: the tests must start where no
+         * driver is installed. */
+        void *p = NULL;
+        enum cudaDriverEntryPointQueryResult q;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+            q == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+    }
+    return fn;
+}
+
+/* A 2D bf16 tensor [outer][inner] with rows `inner` elements apart, in boxes of
+ * box_outer x 64 with 128-byte swizzle. */
+static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
+                               uint32_t box_outer, const char *what)
+{
+    PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
+    if (!encode) return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled is not available from the driver");
+    cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * 2};
+    cuuint32_t box[2] = {BK, box_outer}, elem[2] = {1, 1};
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)base, dims, strides, box, elem,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled(%s: %llu x %llu, box %u x %d) failed: error %d",
+                           what, (unsigned long long)outer, (unsigned long long)inner, box_outer, BK, (int)r);
+    return COMET_SUCCESS;
+}
+
+template <int BN> static size_t smem_bytes(void)
+{
+    return 1024 + STAGES * (BM * BK * 2 + BN * BK * 2) + 2 * STAGES * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4;
+}
+
+template <int BN>
+static comet_status_t launch(char *err, const CUtensorMap *ma, const CUtensorMap *mb, const gemm_args_t *args,
+                             int blocks, cudaStream_t stream)
+{
+    static int configured;
+    size_t smem = smem_bytes<BN>();
+    if (!configured) {
+        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN>,
+                                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
+                               "cudaFuncSetAttribute(grouped GEMM shared memory)"));
+        configured = 1;
+    }
+    grouped_gemm_kernel<BN><<<blocks, THREADS, smem, stream>>>(*ma, *mb, *args);
+    return cometi_cuda(err, cudaGetLastError(), "launch grouped_gemm_kernel");
+}
+
+extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cudaStream_t stream)
+{
+    int block_n = g->block_n ? g->block_n : (g->n % 256 == 0 ? 256 : 128);
+    if (block_n != 128 && block_n != 256)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm block_n = %d: must be 128 or 256", block_n);
+    if (g->n <= 0 || g->n % block_n)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n = %d: must be a positive multiple of block_n = %d",
+                           g->n, block_n);
+    if (g->k <= 0 || g->k % BK)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm k = %d: must be a positive multiple of %d", g->k, BK);
+    if (g->groups < 1 || g->groups > COMETI_GEMM_MAX_GROUPS)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm groups = %d: must be 1..%d", g->groups,
+                           COMETI_GEMM_MAX_GROUPS);
+    if (g->ldc < g->n || g->ldc % 2)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ldc = %d: must be even and >= n = %d", g->ldc, g->n);
+    if ((uintptr_t)g->a % 16 || (uintptr_t)g->b % 16 || (uintptr_t)g->c % 4)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a and b must be 16-byte aligned, c 4-byte aligned");
+    if (!g->err || !g->segs)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: err (the failure report word) and segs must be set");
+    if (g->a_rows < 1) return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm a_rows = %lld: must be >= 1",
+                                          (long long)g->a_rows);
+    CUtensorMap ma, mb;
+    COMETI_TRY(make_map(err, &ma, g->a, (uint64_t)g->k, (uint64_t)g->a_rows, BM, "A"));
+    COMETI_TRY(make_map(err, &mb, g->b, (uint64_t)g->k, (uint64_t)g->groups * g->n, (uint32_t)block_n, "B"));
+    gemm_args_t args;
+    args.segs = g->segs;
+    args.groups = g->groups;
+    args.n = g->n;
+    args.k = g->k;
+    args.ldc = g->ldc;
+    args.c = (__nv_bfloat16 *)g->c;
+    args.err = g->err;
+    args.timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
+    int blocks = g->sms;
+    if (blocks <= 0) {
+        int dev = 0;
+        COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
+        COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev),
+                               "cudaDeviceGetAttribute(SM count)"));
+    }
+    return block_n == 256 ? launch<256>(err, &ma, &mb, &args, blocks, stream)
+                          : launch<128>(err, &ma, &mb, &args, blocks, stream);
+}

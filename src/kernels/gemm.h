@@ -1,0 +1,45 @@
+/*
+ * gemm.h - comet's grouped GEMM for Hopper: C[rows][n] = A[rows][k] * B_g[n][k]^T per
+ * group g (an expert), bf16 in, fp32 accumulate, bf16 out. A is expert-major: group g's
+ * rows are A rows [start_g, start_g + rows_g), read from device memory by the kernel so
+ * no host sync is needed; B holds the groups one after another, [groups][n][k], in
+ * nn.Linear's [out][in] layout.
+ */
+#ifndef COMET_GEMM_H
+#define COMET_GEMM_H
+
+#include "../internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One group's rows in A (and C). */
+typedef struct cometi_segment {
+    int start, rows;
+} cometi_segment_t;
+
+#define COMETI_GEMM_MAX_GROUPS 1024
+
+typedef struct cometi_gemm {
+    const void *a;                 /* [a_rows][k] bf16 */
+    int64_t a_rows;                /* rows allocated in A (TMA reads past a group's rows stay inside) */
+    const void *b;                 /* [groups][n][k] bf16 */
+    void *c;                       /* [a_rows][ldc] bf16; only the groups' rows are written */
+    int ldc;                       /* elements, even */
+    const cometi_segment_t *segs;  /* [groups], device memory */
+    int groups, n, k;              /* n a multiple of block_n, k a multiple of 64 */
+    int sms;                       /* persistent blocks, one per SM; 0: every SM */
+    int block_n;                   /* 128 or 256; 0: 256 where n allows */
+    cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
+    unsigned long long timeout_ns; /* a pipeline wait longer than this is a bug: report, leave */
+} cometi_gemm_t;
+
+/* Enqueue the GEMM on `stream`. Errors name the field and the limit. */
+comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_GEMM_H */

@@ -1,0 +1,199 @@
+/*
+ * gemm.c - `comet gemm`: comet's grouped GEMM beside cuBLAS on one GPU, on every
+ * preset's expert shapes (GEMM0: n = 2F, k = H; GEMM1: n = H, k = F; rows per expert as
+ * balanced EP = 2 routing of 8192 tokens per GPU gives) and on 8192^3. Each variant's
+ * output is checked against cuBLAS's on poisoned memory before it is timed.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "comet.h"
+#include "../src/baseline/baseline.h"
+#include "../src/internal.h"
+#include "../src/kernels/gemm.h"
+#include "tool.h"
+
+#define FAIL_IF(cond, ...)                                                                        \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+            cometi_rank_reason(__VA_ARGS__);                                                       \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        FAIL_IF(e_ != cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                       \
+    } while (0)
+
+typedef struct shape {
+    char name[48];
+    int groups, rows, n, k; /* rows per group */
+} shape_t;
+
+static int cmp_float(const void *a, const void *b)
+{
+    float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* ||x - y|| / ||y|| over n bf16 values; any non-finite x gives +inf. */
+static double rel_diff(const uint16_t *x, const uint16_t *y, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double a = cometi_bf16_to_float(x[i]), b = cometi_bf16_to_float(y[i]);
+        if (!isfinite(a)) return INFINITY;
+        num += (a - b) * (a - b);
+        den += b * b;
+    }
+    return den > 0 ? sqrt(num / den) : (num > 0 ? INFINITY : 0);
+}
+
+typedef int (*runner_t)(void *ctx, cudaStream_t s);
+
+typedef struct run_ctx {
+    cometi_gemm_t g;
+    cublasHandle_t cublas;
+    const shape_t *sh;
+    const void *a, *b;
+    void *c;
+    char err[COMETI_ERR_LEN];
+} run_ctx_t;
+
+static int run_ours(void *p, cudaStream_t s)
+{
+    run_ctx_t *r = p;
+    return cometi_gemm_run(r->err, &r->g, s) != COMET_SUCCESS;
+}
+
+static int run_cublas(void *p, cudaStream_t s)
+{
+    run_ctx_t *r = p;
+    const shape_t *sh = r->sh;
+    (void)s;
+    for (int g = 0; g < sh->groups; g++) {
+        const char *a = (const char *)r->a + (size_t)g * sh->rows * sh->k * 2;
+        const char *b = (const char *)r->b + (size_t)g * sh->n * sh->k * 2;
+        char *c = (char *)r->c + (size_t)g * sh->rows * sh->n * 2;
+        if (cometi_cublas_rows(r->cublas, r->err, sh->rows, sh->n, sh->k, a, b, c, sh->n) != COMET_SUCCESS) return 1;
+    }
+    return 0;
+}
+
+/* Median milliseconds of `iters` runs after `warmup`. */
+static float time_ms(runner_t fn, void *ctx, int warmup, int iters, int *failed)
+{
+    cudaEvent_t e0, e1;
+    float t[64], ms = 0;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    for (int i = 0; i < warmup; i++) *failed |= fn(ctx, 0);
+    for (int i = 0; i < iters; i++) {
+        cudaEventRecord(e0, 0);
+        *failed |= fn(ctx, 0);
+        cudaEventRecord(e1, 0);
+        cudaEventSynchronize(e1);
+        cudaEventElapsedTime(&t[i], e0, e1);
+    }
+    qsort(t, (size_t)iters, sizeof(float), cmp_float);
+    ms = t[iters / 2];
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    return ms;
+}
+
+int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const tool_options_t *o = arg;
+    CUDA_OK(cudaSetDevice(ctx->local_rank));
+    struct cudaDeviceProp prop;
+    CUDA_OK(cudaGetDeviceProperties(&prop, ctx->local_rank));
+    shape_t shapes[2 * TOOL_MAX_PRESETS + 1];
+    int nshapes = 0;
+    for (int i = 0; i < o->npresets; i++) {
+        comet_moe_config_t c;
+        comet_moe_config_preset(o->presets[i], o->tokens, &c);
+        int per = c.num_experts / 2, rows = (int)((int64_t)o->tokens * c.top_k * 2 / c.num_experts);
+        shapes[nshapes++] = (shape_t){"", per, rows, 2 * c.ffn, c.hidden};
+        snprintf(shapes[nshapes - 1].name, 48, "%s GEMM0", o->presets[i]);
+        shapes[nshapes++] = (shape_t){"", per, rows, c.hidden, c.ffn};
+        snprintf(shapes[nshapes - 1].name, 48, "%s GEMM1", o->presets[i]);
+    }
+    shapes[nshapes++] = (shape_t){"8192^3", 1, 8192, 8192, 8192};
+
+    cometi_async_error_t *err_host, *err_dev;
+    CUDA_OK(cudaHostAlloc((void **)&err_host, sizeof(*err_host), cudaHostAllocMapped));
+    memset(err_host, 0, sizeof(*err_host));
+    CUDA_OK(cudaHostGetDevicePointer((void **)&err_dev, err_host, 0));
+    cublasHandle_t cublas;
+    FAIL_IF(cublasCreate(&cublas) != CUBLAS_STATUS_SUCCESS, "cublasCreate failed");
+    printf("%s, %d SMs; TFLOP/s = 2 rows n k / median time of %d calls; diff = ||ours - cuBLAS|| / ||cuBLAS||\n",
+           prop.name, prop.multiProcessorCount, o->iters);
+    printf("%-24s %6s %6s %6s %6s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuBLAS", "ours-256",
+           "ours-128", "best/cuB", "diff");
+    int bad = 0;
+    for (int si = 0; si < nshapes; si++) {
+        const shape_t *sh = &shapes[si];
+        const size_t rows = (size_t)sh->groups * sh->rows, na = rows * sh->k, nb = (size_t)sh->groups * sh->n * sh->k,
+                     nc = rows * sh->n;
+        void *a, *b, *c_ref, *c;
+        cometi_segment_t *segs_host = malloc(sizeof(cometi_segment_t) * sh->groups), *segs;
+        for (int g = 0; g < sh->groups; g++) segs_host[g] = (cometi_segment_t){g * sh->rows, sh->rows};
+        CUDA_OK(cudaMalloc(&a, na * 2));
+        CUDA_OK(cudaMalloc(&b, nb * 2));
+        CUDA_OK(cudaMalloc(&c_ref, nc * 2));
+        CUDA_OK(cudaMalloc(&c, nc * 2));
+        CUDA_OK(cudaMalloc((void **)&segs, sizeof(cometi_segment_t) * sh->groups));
+        CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(cometi_segment_t) * sh->groups, cudaMemcpyHostToDevice));
+        CUDA_OK(cometi_fill_hash_bf16(a, na, o->seed + 2 * si, 0, 1.0f, 0));
+        CUDA_OK(cometi_fill_hash_bf16(b, nb, o->seed + 2 * si + 1, 0, (float)(1.0 / sqrt(sh->k)), 0));
+        run_ctx_t r;
+        memset(&r, 0, sizeof(r));
+        r.cublas = cublas;
+        r.sh = sh;
+        r.a = a;
+        r.b = b;
+        r.c = c_ref;
+        int failed = 0;
+        float t_cublas = time_ms(run_cublas, &r, 3, o->iters, &failed);
+        FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
+        uint16_t *ref = malloc(nc * 2), *got = malloc(nc * 2);
+        CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
+        float t_ours[2] = {0, 0};
+        double worst = 0;
+        const int widths[2] = {256, 128};
+        for (int v = 0; v < 2; v++) {
+            r.g = (cometi_gemm_t){a, (int64_t)rows, b, c, sh->n, segs, sh->groups, sh->n, sh->k, 0, widths[v],
+                                  err_dev, 0};
+            CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
+            FAIL_IF(run_ours(&r, 0), "%s: ours-%d: %s", sh->name, widths[v], r.err);
+            CUDA_OK(cudaDeviceSynchronize());
+            FAIL_IF(err_host->status, "%s: ours-%d: the GEMM pipeline stalled (block %d)", sh->name, widths[v],
+                    err_host->slot);
+            CUDA_OK(cudaMemcpy(got, c, nc * 2, cudaMemcpyDeviceToHost));
+            double d = rel_diff(got, ref, nc);
+            if (!(d <= worst)) worst = d;
+            t_ours[v] = time_ms(run_ours, &r, 3, o->iters, &failed);
+            FAIL_IF(failed, "%s: ours-%d: %s", sh->name, widths[v], r.err);
+        }
+        double flop = 2.0 * rows * sh->n * sh->k;
+        double tf_c = flop / (t_cublas * 1e-3) / 1e12, tf0 = flop / (t_ours[0] * 1e-3) / 1e12,
+               tf1 = flop / (t_ours[1] * 1e-3) / 1e12;
+        printf("%-24s %6d %6d %6d %6d %9.0f %9.0f %9.0f %8.3f %9.1e%s\n", sh->name, sh->groups, sh->rows, sh->n, sh->k,
+               tf_c, tf0, tf1, (tf0 > tf1 ? tf0 : tf1) / tf_c, worst, worst > 1e-2 ? " WRONG" : "");
+        if (!(worst <= 1e-2)) bad = 1;
+        free(ref), free(got), free(segs_host);
+        cudaFree(a), cudaFree(b), cudaFree(c_ref), cudaFree(c), cudaFree(segs);
+    }
+    cublasDestroy(cublas);
+    FAIL_IF(bad, "an output differed from cuBLAS by more than 1e-2 (marked WRONG)");
+    return 0;
+}
