@@ -564,7 +564,9 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
         for (int block_n = 128; block_n <= 256; block_n *= 2) {
             for (int sms = 3; sms <= 132; sms += 129) { /* few blocks (many tiles each) and all */
                 CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
-                cometi_gemm_t g = {a, rows, b, c, n, segs, groups, n, k, sms, block_n, err_dev, 0};
+                cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = groups,
+                                   .n = n, .k = k, .sms = sms, .block_n = block_n, .group_m = sms == 3 ? 1 : 0,
+                                   .err = err_dev};
                 char err[COMETI_ERR_LEN];
                 comet_status_t st = cometi_gemm_run(err, &g, 0);
                 if (st != COMET_SUCCESS) printf("cometi_gemm_run: %s\n", err);
@@ -607,7 +609,8 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMalloc(&a, 256 * 64 * 2));
     CUDA_OK(cudaMalloc(&b, 2 * 128 * 64 * 2));
     CUDA_OK(cudaMalloc(&c, 256 * 128 * 2));
-    cometi_gemm_t g = {a, 256, b, c, 128, segs, 2, 128, 64, 0, 128, err_dev, 0};
+    cometi_gemm_t g = {.a = a, .a_rows = 256, .b = b, .c = c, .ldc = 128, .segs = segs, .groups = 2, .n = 128,
+                       .k = 64, .block_n = 128, .err = err_dev};
     char err[COMETI_ERR_LEN];
     CHECK_EQ(cometi_gemm_run(err, &g, 0), COMET_SUCCESS);
     CUDA_OK(cudaDeviceSynchronize());

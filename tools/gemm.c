@@ -88,8 +88,8 @@ static int run_cublas(void *p, cudaStream_t s)
     return 0;
 }
 
-/* Median milliseconds of `iters` runs after `warmup`. */
-static float time_ms(runner_t fn, void *ctx, int warmup, int iters, int *failed)
+/* Median milliseconds of `iters` runs after `warmup`; the fastest and slowest too. */
+static float time_ms(runner_t fn, void *ctx, int warmup, int iters, int *failed, float *lo, float *hi)
 {
     cudaEvent_t e0, e1;
     float t[64], ms = 0;
@@ -105,6 +105,8 @@ static float time_ms(runner_t fn, void *ctx, int warmup, int iters, int *failed)
     }
     qsort(t, (size_t)iters, sizeof(float), cmp_float);
     ms = t[iters / 2];
+    if (lo) *lo = t[0];
+    if (hi) *hi = t[iters - 1];
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     return ms;
@@ -140,6 +142,8 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     printf("%-24s %6s %6s %6s %6s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuBLAS", "ours-256",
            "ours-128", "best/cuB", "diff");
     int bad = 0;
+    const char *sweep_env = getenv("COMET_GEMM_SWEEP");
+    const int sweep = sweep_env && *sweep_env == '1';
     for (int si = 0; si < nshapes; si++) {
         const shape_t *sh = &shapes[si];
         const size_t rows = (size_t)sh->groups * sh->rows, na = rows * sh->k, nb = (size_t)sh->groups * sh->n * sh->k,
@@ -163,32 +167,43 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         r.b = b;
         r.c = c_ref;
         int failed = 0;
-        float t_cublas = time_ms(run_cublas, &r, 3, o->iters, &failed);
+        float t_cublas = time_ms(run_cublas, &r, 3, o->iters, &failed, NULL, NULL);
         FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
         uint16_t *ref = malloc(nc * 2), *got = malloc(nc * 2);
         CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
-        float t_ours[2] = {0, 0};
+        /* Variants: the two tile widths; with COMET_GEMM_SWEEP=1 also tile orders and grid sizes. */
+        static const int variants[][3] = {{256, 8, 0}, {128, 8, 0}, {256, 1, 0}, {256, 16, 0}, {256, 8, 128},
+                                          {256, 8, 66}, {128, 16, 0}};
+        const int nvariants = sweep ? 7 : 2;
+        float t_best = 1e30f, t_v[7];
         double worst = 0;
-        const int widths[2] = {256, 128};
-        for (int v = 0; v < 2; v++) {
-            r.g = (cometi_gemm_t){a, (int64_t)rows, b, c, sh->n, segs, sh->groups, sh->n, sh->k, 0, widths[v],
-                                  err_dev, 0};
+        for (int v = 0; v < nvariants; v++) {
+            r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .c = c, .ldc = sh->n, .segs = segs,
+                                  .groups = sh->groups, .n = sh->n, .k = sh->k, .sms = variants[v][2],
+                                  .block_n = variants[v][0], .group_m = variants[v][1], .err = err_dev};
             CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
-            FAIL_IF(run_ours(&r, 0), "%s: ours-%d: %s", sh->name, widths[v], r.err);
+            FAIL_IF(run_ours(&r, 0), "%s: ours-%d: %s", sh->name, variants[v][0], r.err);
             CUDA_OK(cudaDeviceSynchronize());
-            FAIL_IF(err_host->status, "%s: ours-%d: the GEMM pipeline stalled (block %d)", sh->name, widths[v],
+            FAIL_IF(err_host->status, "%s: ours-%d: the GEMM pipeline stalled (block %d)", sh->name, variants[v][0],
                     err_host->slot);
             CUDA_OK(cudaMemcpy(got, c, nc * 2, cudaMemcpyDeviceToHost));
             double d = rel_diff(got, ref, nc);
             if (!(d <= worst)) worst = d;
-            t_ours[v] = time_ms(run_ours, &r, 3, o->iters, &failed);
-            FAIL_IF(failed, "%s: ours-%d: %s", sh->name, widths[v], r.err);
+            float lo, hi;
+            t_v[v] = time_ms(run_ours, &r, 3, sweep ? 5 : o->iters, &failed, &lo, &hi);
+            FAIL_IF(failed, "%s: ours-%d: %s", sh->name, variants[v][0], r.err);
+            FAIL_IF(err_host->status, "%s: ours-%d: the GEMM pipeline stalled while timed", sh->name, variants[v][0]);
+            if (v < 2 && t_v[v] < t_best) t_best = t_v[v];
+            if (sweep)
+                printf("  %-22s block_n %3d group_m %2d sms %3d: %6.0f TFLOP/s (min %.3f, max %.3f ms), diff %.1e\n",
+                       sh->name, variants[v][0], variants[v][1], variants[v][2],
+                       2.0 * rows * sh->n * sh->k / (t_v[v] * 1e-3) / 1e12, lo, hi, d);
         }
         double flop = 2.0 * rows * sh->n * sh->k;
-        double tf_c = flop / (t_cublas * 1e-3) / 1e12, tf0 = flop / (t_ours[0] * 1e-3) / 1e12,
-               tf1 = flop / (t_ours[1] * 1e-3) / 1e12;
+        double tf_c = flop / (t_cublas * 1e-3) / 1e12, tf0 = flop / (t_v[0] * 1e-3) / 1e12,
+               tf1 = flop / (t_v[1] * 1e-3) / 1e12;
         printf("%-24s %6d %6d %6d %6d %9.0f %9.0f %9.0f %8.3f %9.1e%s\n", sh->name, sh->groups, sh->rows, sh->n, sh->k,
-               tf_c, tf0, tf1, (tf0 > tf1 ? tf0 : tf1) / tf_c, worst, worst > 1e-2 ? " WRONG" : "");
+               tf_c, tf0, tf1, t_cublas / t_best, worst, worst > 1e-2 ? " WRONG" : "");
         if (!(worst <= 1e-2)) bad = 1;
         free(ref), free(got), free(segs_host);
         cudaFree(a), cudaFree(b), cudaFree(c_ref), cudaFree(c), cudaFree(segs);

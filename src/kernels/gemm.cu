@@ -5,7 +5,7 @@
  * loads of A and B tiles into a ring of shared-memory stages, completing on mbarriers);
  * warpgroups 1 and 2 are consumers that split each 128-row tile (64 rows each) and
  * multiply with wgmma.mma_async, accumulating in registers, then store bf16 to C.
- * Tiles are walked group by group; inside a group, GROUP_M row tiles at a time with the
+ * Tiles are walked group by group; inside a group, group_m row tiles at a time with the
  * row tile fastest, so the blocks running at once share B tiles and A tiles in L2.
  * The group table (rows per expert) is read on the device: no host sync.
  *
@@ -27,7 +27,6 @@
 #define BM 128
 #define BK 64
 #define THREADS 384
-#define GROUP_M 8
 #define STAGES 4
 
 /* ---- PTX: shared-memory barriers, TMA, wgmma bookkeeping ---- */
@@ -60,8 +59,9 @@ static __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity,
     if (mbar_try_wait(b, parity)) return;
     unsigned long long start = cometi_globaltimer_ns();
     while (!mbar_try_wait(b, parity)) {
-        if (*(volatile int *)&err->status != 0) return;
         unsigned long long waited = cometi_globaltimer_ns() - start;
+        /* The report lives in host memory: look at it only once this wait is already slow. */
+        if (waited > 1000000 && *(volatile int *)&err->status != 0) return;
         if (waited > timeout_ns) {
             cometi_record_error(err, COMET_INTERNAL_ERROR, COMETI_SITE_GEMM, -1, (int)blockIdx.x, parity, 0, waited);
             return;
@@ -105,7 +105,7 @@ template <int N> static __device__ __forceinline__ void wgmma_wait(void)
 
 typedef struct gemm_args {
     const cometi_segment_t *segs;
-    int groups, n, k, ldc;
+    int groups, n, k, ldc, group_m;
     __nv_bfloat16 *c;
     cometi_async_error_t *err;
     unsigned long long timeout_ns;
@@ -117,17 +117,17 @@ typedef struct tile {
 
 /* first_tile[g]: index of group g's first tile; first_tile[groups]: the total. */
 static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_tile, const int *m_tiles, int groups,
-                                                     int n_tiles)
+                                                     int n_tiles, int group_m)
 {
     int g = 0;
     while (g + 1 < groups && first_tile[g + 1] <= t) g++;
     int local = t - first_tile[g], mt = m_tiles[g];
-    /* Bands of GROUP_M row tiles; inside a band the row tile runs fastest. */
-    int band = local / (GROUP_M * n_tiles), band_rows = min(GROUP_M, mt - band * GROUP_M);
-    int in_band = local - band * GROUP_M * n_tiles;
+    /* Bands of group_m row tiles; inside a band the row tile runs fastest. */
+    int band = local / (group_m * n_tiles), band_rows = min(group_m, mt - band * group_m);
+    int in_band = local - band * group_m * n_tiles;
     tile_t r;
     r.group = g;
-    r.m = band * GROUP_M + in_band % band_rows;
+    r.m = band * group_m + in_band % band_rows;
     r.n = in_band / band_rows;
     return r;
 }
@@ -172,7 +172,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         int stage = 0;
         uint32_t phase = 0;
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
-            tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles);
+            tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
             const int a_row = p.segs[tl.group].start + tl.m * BM, b_row = tl.group * p.n + tl.n * BN;
             for (int kb = 0; kb < k_blocks; kb++) {
                 mbar_wait(&empty[stage], phase ^ 1, p.err, p.timeout_ns);
@@ -191,7 +191,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     int stage = 0;
     uint32_t phase = 0;
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
-        tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles);
+        tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
         int prev = -1;
         for (int kb = 0; kb < k_blocks; kb++) {
             mbar_wait(&full[stage], phase, p.err, p.timeout_ns);
@@ -300,6 +300,8 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ldc = %d: must be even and >= n = %d", g->ldc, g->n);
     if ((uintptr_t)g->a % 16 || (uintptr_t)g->b % 16 || (uintptr_t)g->c % 4)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a and b must be 16-byte aligned, c 4-byte aligned");
+    if (g->group_m < 0 || g->group_m > 64)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm group_m = %d: must be 0..64 (0: 8)", g->group_m);
     if (!g->err || !g->segs)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: err (the failure report word) and segs must be set");
     if (g->a_rows < 1) return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm a_rows = %lld: must be >= 1",
@@ -313,6 +315,7 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
     args.n = g->n;
     args.k = g->k;
     args.ldc = g->ldc;
+    args.group_m = g->group_m ? g->group_m : 8;
     args.c = (__nv_bfloat16 *)g->c;
     args.err = g->err;
     args.timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;

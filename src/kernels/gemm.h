@@ -31,6 +31,7 @@ typedef struct cometi_gemm {
     int groups, n, k;              /* n a multiple of block_n, k a multiple of 64 */
     int sms;                       /* persistent blocks, one per SM; 0: every SM */
     int block_n;                   /* 128 or 256; 0: 256 where n allows */
+    int group_m;                   /* row tiles per band of the tile order (L2 reuse); 0: 8 */
     cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
     unsigned long long timeout_ns; /* a pipeline wait longer than this is a bug: report, leave */
 } cometi_gemm_t;
