@@ -561,12 +561,15 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CUDA_OK(cudaMalloc(&c, nc * 2));
         CUDA_OK(cudaMemcpy(a, a16, na * 2, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(b, b16, nb * 2, cudaMemcpyHostToDevice));
-        for (int block_n = 128; block_n <= 256; block_n *= 2) {
-            for (int sms = 3; sms <= 132; sms += 129) { /* few blocks (many tiles each) and all */
+        for (int variant = 0; variant < 8; variant++) {
+            /* Both tile widths, both epilogues, few blocks (many tiles each) and all. */
+            const int block_n = variant & 1 ? 256 : 128, sms = variant & 2 ? 132 : 3;
+            const int epilogue = variant & 4 ? COMETI_EPILOGUE_TMA : COMETI_EPILOGUE_DIRECT;
+            {
                 CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
                 cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = groups,
                                    .n = n, .k = k, .sms = sms, .block_n = block_n, .group_m = sms == 3 ? 1 : 0,
-                                   .err = err_dev};
+                                   .epilogue = epilogue, .err = err_dev};
                 char err[COMETI_ERR_LEN];
                 comet_status_t st = cometi_gemm_run(err, &g, 0);
                 if (st != COMET_SUCCESS) printf("cometi_gemm_run: %s\n", err);
@@ -595,7 +598,8 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
                         if (!(e <= worst)) worst = e;
                     }
                 }
-                printf("n %d block_n %d blocks %d: worst row relative error %.2e\n", n, block_n, sms, worst);
+                printf("n %d block_n %d blocks %d %s epilogue: worst row relative error %.2e\n", n, block_n, sms,
+                       epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", worst);
                 CHECK(worst < 1e-2);
             }
         }
@@ -619,6 +623,11 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
     g.k = 100;
     CHECK_EQ(cometi_gemm_run(err, &g, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(err, "gemm k = 100");
+    g.k = 64;
+    g.ldc = 130;
+    g.epilogue = COMETI_EPILOGUE_TMA;
+    CHECK_EQ(cometi_gemm_run(err, &g, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "ldc = 130 must be a multiple of 8");
     cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(segs);
     return 0;
 }

@@ -171,16 +171,20 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
         uint16_t *ref = malloc(nc * 2), *got = malloc(nc * 2);
         CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
-        /* Variants: the two tile widths; with COMET_GEMM_SWEEP=1 also tile orders and grid sizes. */
-        static const int variants[][3] = {{256, 8, 0}, {128, 8, 0}, {256, 1, 0}, {256, 16, 0}, {256, 8, 128},
-                                          {256, 8, 66}, {128, 16, 0}};
-        const int nvariants = sweep ? 7 : 2;
-        float t_best = 1e30f, t_v[7];
+        /* Variants {block_n, group_m, sms, epilogue}: the two tile widths with the default
+         * epilogue; with COMET_GEMM_SWEEP=1 also epilogues, tile orders and grid sizes. */
+        static const int variants[][4] = {{256, 8, 0, COMETI_EPILOGUE_AUTO},   {128, 8, 0, COMETI_EPILOGUE_AUTO},
+                                          {256, 8, 0, COMETI_EPILOGUE_DIRECT}, {128, 8, 0, COMETI_EPILOGUE_DIRECT},
+                                          {256, 16, 0, COMETI_EPILOGUE_AUTO},  {256, 8, 128, COMETI_EPILOGUE_AUTO},
+                                          {256, 16, 128, COMETI_EPILOGUE_AUTO}, {256, 8, 66, COMETI_EPILOGUE_AUTO}};
+        const int nvariants = sweep ? 8 : 2;
+        float t_best = 1e30f, t_v[8];
         double worst = 0;
         for (int v = 0; v < nvariants; v++) {
             r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .c = c, .ldc = sh->n, .segs = segs,
                                   .groups = sh->groups, .n = sh->n, .k = sh->k, .sms = variants[v][2],
-                                  .block_n = variants[v][0], .group_m = variants[v][1], .err = err_dev};
+                                  .block_n = variants[v][0], .group_m = variants[v][1],
+                                  .epilogue = variants[v][3], .err = err_dev};
             CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
             FAIL_IF(run_ours(&r, 0), "%s: ours-%d: %s", sh->name, variants[v][0], r.err);
             CUDA_OK(cudaDeviceSynchronize());
@@ -195,8 +199,9 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
             FAIL_IF(err_host->status, "%s: ours-%d: the GEMM pipeline stalled while timed", sh->name, variants[v][0]);
             if (v < 2 && t_v[v] < t_best) t_best = t_v[v];
             if (sweep)
-                printf("  %-22s block_n %3d group_m %2d sms %3d: %6.0f TFLOP/s (min %.3f, max %.3f ms), diff %.1e\n",
+                printf("  %-22s block_n %3d group_m %2d sms %3d %-6s: %6.0f TFLOP/s (min %.3f, max %.3f ms), diff %.1e\n",
                        sh->name, variants[v][0], variants[v][1], variants[v][2],
+                       variants[v][3] == COMETI_EPILOGUE_DIRECT ? "direct" : "tma",
                        2.0 * rows * sh->n * sh->k / (t_v[v] * 1e-3) / 1e12, lo, hi, d);
         }
         double flop = 2.0 * rows * sh->n * sh->k;

@@ -4,7 +4,9 @@
  * One block per SM, 384 threads: warpgroup 0 is the producer (one thread issues TMA
  * loads of A and B tiles into a ring of shared-memory stages, completing on mbarriers);
  * warpgroups 1 and 2 are consumers that split each 128-row tile (64 rows each) and
- * multiply with wgmma.mma_async, accumulating in registers, then store bf16 to C.
+ * multiply with wgmma.mma_async, accumulating in registers, then store bf16 to C: either
+ * straight from registers, or (the TMA epilogue) into swizzled shared memory that one
+ * thread hands to an asynchronous TMA store, so the next tile's MMAs start at once.
  * Tiles are walked group by group; inside a group, group_m row tiles at a time with the
  * row tile fastest, so the blocks running at once share B tiles and A tiles in L2.
  * The group table (rows per expert) is read on the device: no host sync.
@@ -27,7 +29,6 @@
 #define BM 128
 #define BK 64
 #define THREADS 384
-#define STAGES 4
 
 /* ---- PTX: shared-memory barriers, TMA, wgmma bookkeeping ---- */
 
@@ -86,6 +87,25 @@ static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap 
                  : "memory");
 }
 
+static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, const void *src, int inner, int outer)
+{
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
+                 ::"l"((uint64_t)map), "r"(inner), "r"(outer), "r"(smem_u32(src))
+                 : "memory");
+}
+
+static __device__ __forceinline__ void bulk_commit(void) { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+/* The stores issued so far have read their shared memory (it may be reused). */
+static __device__ __forceinline__ void bulk_wait_read(void) { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+/* The stores issued so far are complete in global memory. */
+static __device__ __forceinline__ void bulk_wait(void) { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+/* Barrier for the 128 threads of one warpgroup (ids 1 and 2; 0 is __syncthreads). */
+static __device__ __forceinline__ void warpgroup_sync(int id)
+{
+    asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+
 /* Shared-memory matrix descriptor for a K-major tile with 128-byte swizzle: rows of 128
  * bytes, 8-row groups 1024 bytes apart (SBO), leading offset unused (1). */
 static __device__ __forceinline__ uint64_t smem_desc(const void *p)
@@ -134,16 +154,16 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
 
 /* ---- the kernel ---- */
 
-template <int BN>
+template <int BN, int STAGES, bool TMA_EPILOGUE>
 static __global__ void __launch_bounds__(THREADS, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                    gemm_args_t p)
+                    const __grid_constant__ CUtensorMap map_c, gemm_args_t p)
 {
-    const uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
+    const uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, C_BYTES = TMA_EPILOGUE ? BM * BN * 2 : 0;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-    unsigned char *sa = smem, *sb = smem + STAGES * A_BYTES;
-    uint64_t *full = (uint64_t *)(sb + STAGES * B_BYTES), *empty = full + STAGES;
+    unsigned char *sa = smem, *sb = smem + STAGES * A_BYTES, *sc = sb + STAGES * B_BYTES;
+    uint64_t *full = (uint64_t *)(sc + C_BYTES), *empty = full + STAGES;
     int *first_tile = (int *)(empty + STAGES), *m_tiles = first_tile + COMETI_GEMM_MAX_GROUPS + 1;
     const int wg = threadIdx.x / 128, n_tiles = p.n / BN, k_blocks = p.k / BK;
 
@@ -162,6 +182,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
+        if (TMA_EPILOGUE) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_c) : "memory");
     }
     __syncthreads();
     const int total = first_tile[p.groups];
@@ -213,9 +234,39 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
 
         /* Epilogue: fragment (j, q) of this thread is row warp*16 + lane/4 (+8 for q >= 2),
-         * column j*8 + (lane%4)*2 (+1 for odd q). Rows past the group's end are padding. */
+         * column j*8 + (lane%4)*2 (+1 for odd q) of this warpgroup's 64 x BN part. */
         const cometi_segment_t seg = p.segs[tl.group];
-        const int row0 = tl.m * BM + half * 64 + warp * 16 + lane / 4;
+        const int r_lo = warp * 16 + lane / 4;
+        if (TMA_EPILOGUE && tl.m * BM + BM <= seg.rows) {
+            /* Into shared memory as BN/64 boxes of 64 rows x 128 bytes, 128B-swizzled (the
+             * 16-byte chunk index XOR the row's low 3 bits: conflict-free, and the layout the
+             * TMA store reads), then one thread stores the boxes asynchronously. */
+            unsigned char *stage_c = sc + half * (64 * BN * 2);
+            if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the previous tile's store has read it */
+            warpgroup_sync(1 + half);
+#pragma unroll
+            for (int j = 0; j < BN / 8; j++) {
+#pragma unroll
+                for (int q = 0; q < 2; q++) {
+                    const int r = r_lo + 8 * q;
+                    __nv_bfloat162 v = __floats2bfloat162_rn(acc[j * 4 + 2 * q], acc[j * 4 + 2 * q + 1]);
+                    unsigned char *dst = stage_c + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + (lane % 4) * 4;
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&v) : "memory");
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
+            warpgroup_sync(1 + half);
+            if (threadIdx.x % 128 == 0) {
+                const int row = seg.start + tl.m * BM + half * 64;
+#pragma unroll
+                for (int box = 0; box < BN / 64; box++)
+                    tma_store_2d(&map_c, stage_c + box * 8192, tl.n * BN + box * 64, row);
+                bulk_commit();
+            }
+            continue;
+        }
+        /* Straight from registers; rows past the group's end are padding. */
+        const int row0 = tl.m * BM + half * 64 + r_lo;
         __nv_bfloat16 *c = p.c + (size_t)(seg.start + row0) * p.ldc + tl.n * BN + (lane % 4) * 2;
         const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
 #pragma unroll
@@ -225,6 +276,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 *(__nv_bfloat162 *)(c + (size_t)8 * p.ldc + j * 8) = __floats2bfloat162_rn(acc[j * 4 + 2], acc[j * 4 + 3]);
         }
     }
+    if (TMA_EPILOGUE && threadIdx.x % 128 == 0) bulk_wait(); /* shared memory must outlive the stores */
 }
 
 /* ---- host side ---- */
@@ -262,24 +314,25 @@ static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, ui
     return COMET_SUCCESS;
 }
 
-template <int BN> static size_t smem_bytes(void)
+template <int BN, int STAGES, bool TMA_EPILOGUE> static size_t smem_bytes(void)
 {
-    return 1024 + STAGES * (BM * BK * 2 + BN * BK * 2) + 2 * STAGES * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4;
+    return 1024 + STAGES * (BM * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * BN * 2 : 0) + 2 * STAGES * 8 +
+           (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4;
 }
 
-template <int BN>
-static comet_status_t launch(char *err, const CUtensorMap *ma, const CUtensorMap *mb, const gemm_args_t *args,
-                             int blocks, cudaStream_t stream)
+template <int BN, int STAGES, bool TMA_EPILOGUE>
+static comet_status_t launch(char *err, const CUtensorMap *ma, const CUtensorMap *mb, const CUtensorMap *mc,
+                             const gemm_args_t *args, int blocks, cudaStream_t stream)
 {
     static int configured;
-    size_t smem = smem_bytes<BN>();
+    size_t smem = smem_bytes<BN, STAGES, TMA_EPILOGUE>();
     if (!configured) {
-        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN>,
+        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE>,
                                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                                "cudaFuncSetAttribute(grouped GEMM shared memory)"));
         configured = 1;
     }
-    grouped_gemm_kernel<BN><<<blocks, THREADS, smem, stream>>>(*ma, *mb, *args);
+    grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE><<<blocks, THREADS, smem, stream>>>(*ma, *mb, *mc, *args);
     return cometi_cuda(err, cudaGetLastError(), "launch grouped_gemm_kernel");
 }
 
@@ -306,9 +359,19 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: err (the failure report word) and segs must be set");
     if (g->a_rows < 1) return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm a_rows = %lld: must be >= 1",
                                           (long long)g->a_rows);
-    CUtensorMap ma, mb;
+    /* A TMA store needs 16-byte rows and a 16-byte aligned C. */
+    const int tma_ok = g->ldc % 8 == 0 && (uintptr_t)g->c % 16 == 0;
+    if (g->epilogue == COMETI_EPILOGUE_TMA && !tma_ok)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm epilogue TMA: ldc = %d must be a multiple of 8 and c "
+                           "16-byte aligned", g->ldc);
+    if (g->epilogue < COMETI_EPILOGUE_AUTO || g->epilogue > COMETI_EPILOGUE_TMA)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm epilogue = %d: must be 0..2", g->epilogue);
+    const int tma_epilogue = g->epilogue == COMETI_EPILOGUE_TMA || (g->epilogue == COMETI_EPILOGUE_AUTO && tma_ok);
+    CUtensorMap ma, mb, mc;
+    memset(&mc, 0, sizeof(mc));
     COMETI_TRY(make_map(err, &ma, g->a, (uint64_t)g->k, (uint64_t)g->a_rows, BM, "A"));
     COMETI_TRY(make_map(err, &mb, g->b, (uint64_t)g->k, (uint64_t)g->groups * g->n, (uint32_t)block_n, "B"));
+    if (tma_epilogue) COMETI_TRY(make_map(err, &mc, g->c, (uint64_t)g->ldc, (uint64_t)g->a_rows, 64, "C"));
     gemm_args_t args;
     args.segs = g->segs;
     args.groups = g->groups;
@@ -326,6 +389,10 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
         COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev),
                                "cudaDeviceGetAttribute(SM count)"));
     }
-    return block_n == 256 ? launch<256>(err, &ma, &mb, &args, blocks, stream)
-                          : launch<128>(err, &ma, &mb, &args, blocks, stream);
+    /* The TMA epilogue's 64 KB staging leaves room for 3 stages at 128x256. */
+    if (block_n == 256)
+        return tma_epilogue ? launch<256, 3, true>(err, &ma, &mb, &mc, &args, blocks, stream)
+                            : launch<256, 4, false>(err, &ma, &mb, &mc, &args, blocks, stream);
+    return tma_epilogue ? launch<128, 4, true>(err, &ma, &mb, &mc, &args, blocks, stream)
+                        : launch<128, 4, false>(err, &ma, &mb, &mc, &args, blocks, stream);
 }

@@ -21,6 +21,13 @@ typedef struct cometi_segment {
 
 #define COMETI_GEMM_MAX_GROUPS 1024
 
+enum {
+    COMETI_EPILOGUE_AUTO = 0,   /* TMA where ldc and c allow it */
+    COMETI_EPILOGUE_DIRECT = 1, /* registers straight to global memory, 4 bytes at a time */
+    COMETI_EPILOGUE_TMA = 2     /* registers to swizzled shared memory, then an async TMA store
+                                 * (full 128-row tiles; a group's last partial tile goes direct) */
+};
+
 typedef struct cometi_gemm {
     const void *a;                 /* [a_rows][k] bf16 */
     int64_t a_rows;                /* rows allocated in A (TMA reads past a group's rows stay inside) */
@@ -32,6 +39,7 @@ typedef struct cometi_gemm {
     int sms;                       /* persistent blocks, one per SM; 0: every SM */
     int block_n;                   /* 128 or 256; 0: 256 where n allows */
     int group_m;                   /* row tiles per band of the tile order (L2 reuse); 0: 8 */
+    int epilogue;                  /* COMETI_EPILOGUE_*: how C tiles are stored */
     cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
     unsigned long long timeout_ns; /* a pipeline wait longer than this is a bug: report, leave */
 } cometi_gemm_t;
