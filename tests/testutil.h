@@ -74,6 +74,7 @@ uint64_t test_seed(void);
     X(api_rejects_bad_arguments, 10)            \
     X(gpu_flag_wait_times_out, 60)              \
     X(gpu_gemm_vs_reference, 120)               \
+    X(gpu_gemm_epilogues, 120)                  \
     X(gpu_symmetric_push_pull_exact, 120)       \
     X(gpu_barrier_and_flags, 120)               \
     X(gpu_barrier_missing_peer_times_out, 120)  \

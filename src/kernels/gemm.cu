@@ -11,6 +11,10 @@
  * row tile fastest, so the blocks running at once share B tiles and A tiles in L2.
  * The group table (rows per expert) is read on the device: no host sync.
  *
+ * Epilogue options: SwiGLU (gate and up columns of one expert meet in one 128x256 tile,
+ * so GEMM0's output is the activation itself, F wide), a per-row scale (the top-k
+ * weight), and rows stored to an index (scatter).
+ *
  * Checklist followed (shared/KERNELS.md): 128B-swizzled K-major tiles of 64 bf16, stages
  * 1024-byte aligned, full[s] count 1 with expect_tx, empty[s] count 2 (one arrive per
  * consumer warpgroup), wgmma fence / commit / wait before touching accumulators or
@@ -121,11 +125,16 @@ template <int N> static __device__ __forceinline__ void wgmma_wait(void)
     asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 
+static __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
 /* ---- tile schedule ---- */
 
 typedef struct gemm_args {
     const cometi_segment_t *segs;
     int groups, n, k, ldc, group_m;
+    int b_group_rows, up_offset;      /* B rows per group; SwiGLU: where up rows start in map_up */
+    const float *row_scale;
+    const int32_t *row_index;
     __nv_bfloat16 *c;
     cometi_async_error_t *err;
     unsigned long long timeout_ns;
@@ -154,18 +163,21 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
 
 /* ---- the kernel ---- */
 
-template <int BN, int STAGES, bool TMA_EPILOGUE>
+template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU>
 static __global__ void __launch_bounds__(THREADS, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-                    const __grid_constant__ CUtensorMap map_c, gemm_args_t p)
+                    const __grid_constant__ CUtensorMap map_up, const __grid_constant__ CUtensorMap map_c,
+                    gemm_args_t p)
 {
-    const uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, C_BYTES = TMA_EPILOGUE ? BM * BN * 2 : 0;
+    /* Output columns per tile: SwiGLU pairs gate column c with up column c + BN/2. */
+    const int ON = SWIGLU ? BN / 2 : BN;
+    const uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, C_BYTES = TMA_EPILOGUE ? BM * ON * 2 : 0;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *sa = smem, *sb = smem + STAGES * A_BYTES, *sc = sb + STAGES * B_BYTES;
     uint64_t *full = (uint64_t *)(sc + C_BYTES), *empty = full + STAGES;
     int *first_tile = (int *)(empty + STAGES), *m_tiles = first_tile + COMETI_GEMM_MAX_GROUPS + 1;
-    const int wg = threadIdx.x / 128, n_tiles = p.n / BN, k_blocks = p.k / BK;
+    const int wg = threadIdx.x / 128, n_tiles = p.n / ON, k_blocks = p.k / BK;
 
     if (threadIdx.x == 0) {
         int total = 0;
@@ -183,6 +195,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
         if (TMA_EPILOGUE) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_c) : "memory");
+        if (SWIGLU) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_up) : "memory");
     }
     __syncthreads();
     const int total = first_tile[p.groups];
@@ -194,12 +207,15 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         uint32_t phase = 0;
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
-            const int a_row = p.segs[tl.group].start + tl.m * BM, b_row = tl.group * p.n + tl.n * BN;
+            const int a_row = p.segs[tl.group].start + tl.m * BM;
+            const int b_row = tl.group * p.b_group_rows + tl.n * ON;
             for (int kb = 0; kb < k_blocks; kb++) {
                 mbar_wait(&empty[stage], phase ^ 1, p.err, p.timeout_ns);
                 mbar_expect_tx(&full[stage], A_BYTES + B_BYTES);
                 tma_load_2d(sa + stage * A_BYTES, &map_a, kb * BK, a_row, &full[stage]);
                 tma_load_2d(sb + stage * B_BYTES, &map_b, kb * BK, b_row, &full[stage]);
+                if (SWIGLU) /* the matching up rows fill the second half of the B tile */
+                    tma_load_2d(sb + stage * B_BYTES + ON * 128, &map_up, kb * BK, b_row + p.up_offset, &full[stage]);
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
         }
@@ -234,22 +250,32 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
 
         /* Epilogue: fragment (j, q) of this thread is row warp*16 + lane/4 (+8 for q >= 2),
-         * column j*8 + (lane%4)*2 (+1 for odd q) of this warpgroup's 64 x BN part. */
+         * column j*8 + (lane%4)*2 (+1 for odd q) of this warpgroup's 64 x BN part. out(j, h, e)
+         * is output column j*8 + (lane%4)*2 + e of row r_lo + 8h, after SwiGLU and scaling. */
         const cometi_segment_t seg = p.segs[tl.group];
-        const int r_lo = warp * 16 + lane / 4;
-        if (TMA_EPILOGUE && tl.m * BM + BM <= seg.rows) {
-            /* Into shared memory as BN/64 boxes of 64 rows x 128 bytes, 128B-swizzled (the
+        const int r_lo = warp * 16 + lane / 4, row0 = tl.m * BM + half * 64 + r_lo;
+        const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
+        float scale[2] = {1.0f, 1.0f};
+        if (p.row_scale) {
+            if (lo_ok) scale[0] = p.row_scale[seg.start + row0];
+            if (hi_ok) scale[1] = p.row_scale[seg.start + row0 + 8];
+        }
+#define OUT(j, h, e)                                                                                           \
+    (SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)]             \
+            : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
+        if (TMA_EPILOGUE && !p.row_index && tl.m * BM + BM <= seg.rows) {
+            /* Into shared memory as ON/64 boxes of 64 rows x 128 bytes, 128B-swizzled (the
              * 16-byte chunk index XOR the row's low 3 bits: conflict-free, and the layout the
              * TMA store reads), then one thread stores the boxes asynchronously. */
-            unsigned char *stage_c = sc + half * (64 * BN * 2);
+            unsigned char *stage_c = sc + half * (64 * ON * 2);
             if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the previous tile's store has read it */
             warpgroup_sync(1 + half);
 #pragma unroll
-            for (int j = 0; j < BN / 8; j++) {
+            for (int j = 0; j < ON / 8; j++) {
 #pragma unroll
-                for (int q = 0; q < 2; q++) {
-                    const int r = r_lo + 8 * q;
-                    __nv_bfloat162 v = __floats2bfloat162_rn(acc[j * 4 + 2 * q], acc[j * 4 + 2 * q + 1]);
+                for (int h = 0; h < 2; h++) {
+                    const int r = r_lo + 8 * h;
+                    __nv_bfloat162 v = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
                     unsigned char *dst = stage_c + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + (lane % 4) * 4;
                     asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&v) : "memory");
                 }
@@ -259,22 +285,30 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             if (threadIdx.x % 128 == 0) {
                 const int row = seg.start + tl.m * BM + half * 64;
 #pragma unroll
-                for (int box = 0; box < BN / 64; box++)
-                    tma_store_2d(&map_c, stage_c + box * 8192, tl.n * BN + box * 64, row);
+                for (int box = 0; box < ON / 64; box++)
+                    tma_store_2d(&map_c, stage_c + box * 8192, tl.n * ON + box * 64, row);
                 bulk_commit();
             }
             continue;
         }
-        /* Straight from registers; rows past the group's end are padding. */
-        const int row0 = tl.m * BM + half * 64 + r_lo;
-        __nv_bfloat16 *c = p.c + (size_t)(seg.start + row0) * p.ldc + tl.n * BN + (lane % 4) * 2;
-        const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
-#pragma unroll
-        for (int j = 0; j < BN / 8; j++) {
-            if (lo_ok) *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(acc[j * 4], acc[j * 4 + 1]);
-            if (hi_ok)
-                *(__nv_bfloat162 *)(c + (size_t)8 * p.ldc + j * 8) = __floats2bfloat162_rn(acc[j * 4 + 2], acc[j * 4 + 3]);
+        /* Straight from registers; rows past the group's end are padding, rows whose index
+         * is negative are dropped. */
+        long long dst_row[2] = {seg.start + row0, seg.start + row0 + 8};
+        bool ok[2] = {lo_ok, hi_ok};
+        if (p.row_index) {
+            if (lo_ok) dst_row[0] = p.row_index[seg.start + row0];
+            if (hi_ok) dst_row[1] = p.row_index[seg.start + row0 + 8];
+            ok[0] = ok[0] && dst_row[0] >= 0;
+            ok[1] = ok[1] && dst_row[1] >= 0;
         }
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            __nv_bfloat16 *c = p.c + dst_row[h] * p.ldc + tl.n * ON + (lane % 4) * 2;
+#pragma unroll
+            for (int j = 0; j < ON / 8; j++)
+                if (ok[h]) *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
+        }
+#undef OUT
     }
     if (TMA_EPILOGUE && threadIdx.x % 128 == 0) bulk_wait(); /* shared memory must outlive the stores */
 }
@@ -314,36 +348,45 @@ static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, ui
     return COMET_SUCCESS;
 }
 
-template <int BN, int STAGES, bool TMA_EPILOGUE> static size_t smem_bytes(void)
+template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU> static size_t smem_bytes(void)
 {
-    return 1024 + STAGES * (BM * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * BN * 2 : 0) + 2 * STAGES * 8 +
+    const int on = SWIGLU ? BN / 2 : BN;
+    return 1024 + STAGES * (BM * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * on * 2 : 0) + 2 * STAGES * 8 +
            (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4;
 }
 
-template <int BN, int STAGES, bool TMA_EPILOGUE>
-static comet_status_t launch(char *err, const CUtensorMap *ma, const CUtensorMap *mb, const CUtensorMap *mc,
-                             const gemm_args_t *args, int blocks, cudaStream_t stream)
+typedef struct maps {
+    CUtensorMap a, b, up, c;
+} maps_t;
+
+template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU>
+static comet_status_t launch(char *err, const maps_t *m, const gemm_args_t *args, int blocks, cudaStream_t stream)
 {
     static int configured;
-    size_t smem = smem_bytes<BN, STAGES, TMA_EPILOGUE>();
+    size_t smem = smem_bytes<BN, STAGES, TMA_EPILOGUE, SWIGLU>();
     if (!configured) {
-        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE>,
+        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU>,
                                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                                "cudaFuncSetAttribute(grouped GEMM shared memory)"));
         configured = 1;
     }
-    grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE><<<blocks, THREADS, smem, stream>>>(*ma, *mb, *mc, *args);
+    grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU><<<blocks, THREADS, smem, stream>>>(m->a, m->b, m->up, m->c,
+                                                                                             *args);
     return cometi_cuda(err, cudaGetLastError(), "launch grouped_gemm_kernel");
 }
 
 extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cudaStream_t stream)
 {
-    int block_n = g->block_n ? g->block_n : (g->n % 256 == 0 ? 256 : 128);
+    /* SwiGLU tiles are 128 output columns: 128 gate and 128 up columns of B. */
+    int block_n = g->swiglu ? 256 : g->block_n ? g->block_n : (g->n % 256 == 0 ? 256 : 128);
+    const int out_n = g->swiglu ? block_n / 2 : block_n;
+    if (g->swiglu && g->block_n && g->block_n != 256)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm block_n = %d with swiglu: only 256 (128 gate + 128 up "
+                           "columns) is built", g->block_n);
     if (block_n != 128 && block_n != 256)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm block_n = %d: must be 128 or 256", block_n);
-    if (g->n <= 0 || g->n % block_n)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n = %d: must be a positive multiple of block_n = %d",
-                           g->n, block_n);
+    if (g->n <= 0 || g->n % out_n)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n = %d: must be a positive multiple of %d", g->n, out_n);
     if (g->k <= 0 || g->k % BK)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm k = %d: must be a positive multiple of %d", g->k, BK);
     if (g->groups < 1 || g->groups > COMETI_GEMM_MAX_GROUPS)
@@ -351,34 +394,48 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
                            COMETI_GEMM_MAX_GROUPS);
     if (g->ldc < g->n || g->ldc % 2)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ldc = %d: must be even and >= n = %d", g->ldc, g->n);
-    if ((uintptr_t)g->a % 16 || (uintptr_t)g->b % 16 || (uintptr_t)g->c % 4)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a and b must be 16-byte aligned, c 4-byte aligned");
+    if ((uintptr_t)g->a % 16 || (uintptr_t)g->b % 16 || (uintptr_t)g->b_up % 16 || (uintptr_t)g->c % 4)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a, b and b_up must be 16-byte aligned, c 4-byte aligned");
+    if (g->b_up && !g->swiglu)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: b_up is for swiglu only");
     if (g->group_m < 0 || g->group_m > 64)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm group_m = %d: must be 0..64 (0: 8)", g->group_m);
     if (!g->err || !g->segs)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: err (the failure report word) and segs must be set");
     if (g->a_rows < 1) return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm a_rows = %lld: must be >= 1",
                                           (long long)g->a_rows);
-    /* A TMA store needs 16-byte rows and a 16-byte aligned C. */
-    const int tma_ok = g->ldc % 8 == 0 && (uintptr_t)g->c % 16 == 0;
+    /* A TMA store needs 16-byte rows, a 16-byte aligned C, and rows in place (no index). */
+    const int tma_ok = g->ldc % 8 == 0 && (uintptr_t)g->c % 16 == 0 && !g->row_index;
     if (g->epilogue == COMETI_EPILOGUE_TMA && !tma_ok)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm epilogue TMA: ldc = %d must be a multiple of 8 and c "
-                           "16-byte aligned", g->ldc);
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm epilogue TMA: ldc = %d must be a multiple of 8, c "
+                           "16-byte aligned and row_index NULL", g->ldc);
     if (g->epilogue < COMETI_EPILOGUE_AUTO || g->epilogue > COMETI_EPILOGUE_TMA)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm epilogue = %d: must be 0..2", g->epilogue);
     const int tma_epilogue = g->epilogue == COMETI_EPILOGUE_TMA || (g->epilogue == COMETI_EPILOGUE_AUTO && tma_ok);
-    CUtensorMap ma, mb, mc;
-    memset(&mc, 0, sizeof(mc));
-    COMETI_TRY(make_map(err, &ma, g->a, (uint64_t)g->k, (uint64_t)g->a_rows, BM, "A"));
-    COMETI_TRY(make_map(err, &mb, g->b, (uint64_t)g->k, (uint64_t)g->groups * g->n, (uint32_t)block_n, "B"));
-    if (tma_epilogue) COMETI_TRY(make_map(err, &mc, g->c, (uint64_t)g->ldc, (uint64_t)g->a_rows, 64, "C"));
+    /* B rows per group, and where a group's up rows sit relative to its gate rows. */
+    const int fused_up = g->swiglu && !g->b_up;
+    const int b_group_rows = fused_up ? 2 * g->n : g->n;
+    maps_t m;
+    memset(&m, 0, sizeof(m));
+    COMETI_TRY(make_map(err, &m.a, g->a, (uint64_t)g->k, (uint64_t)g->a_rows, BM, "A"));
+    COMETI_TRY(make_map(err, &m.b, g->b, (uint64_t)g->k, (uint64_t)g->groups * b_group_rows, (uint32_t)out_n, "B"));
+    if (g->swiglu && g->b_up)
+        COMETI_TRY(make_map(err, &m.up, g->b_up, (uint64_t)g->k, (uint64_t)g->groups * g->n, (uint32_t)out_n, "B up"));
+    else if (g->swiglu)
+        m.up = m.b;
+    if (tma_epilogue) COMETI_TRY(make_map(err, &m.c, g->c, (uint64_t)g->ldc, (uint64_t)g->a_rows, 64, "C"));
     gemm_args_t args;
+    memset(&args, 0, sizeof(args));
     args.segs = g->segs;
     args.groups = g->groups;
     args.n = g->n;
     args.k = g->k;
     args.ldc = g->ldc;
     args.group_m = g->group_m ? g->group_m : 8;
+    args.b_group_rows = b_group_rows;
+    args.up_offset = fused_up ? g->n : 0;
+    args.row_scale = g->row_scale;
+    args.row_index = g->row_index;
     args.c = (__nv_bfloat16 *)g->c;
     args.err = g->err;
     args.timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
@@ -390,9 +447,12 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
                                "cudaDeviceGetAttribute(SM count)"));
     }
     /* The TMA epilogue's 64 KB staging leaves room for 3 stages at 128x256. */
+    if (g->swiglu)
+        return tma_epilogue ? launch<256, 3, true, true>(err, &m, &args, blocks, stream)
+                            : launch<256, 4, false, true>(err, &m, &args, blocks, stream);
     if (block_n == 256)
-        return tma_epilogue ? launch<256, 3, true>(err, &ma, &mb, &mc, &args, blocks, stream)
-                            : launch<256, 4, false>(err, &ma, &mb, &mc, &args, blocks, stream);
-    return tma_epilogue ? launch<128, 4, true>(err, &ma, &mb, &mc, &args, blocks, stream)
-                        : launch<128, 4, false>(err, &ma, &mb, &mc, &args, blocks, stream);
+        return tma_epilogue ? launch<256, 3, true, false>(err, &m, &args, blocks, stream)
+                            : launch<256, 4, false, false>(err, &m, &args, blocks, stream);
+    return tma_epilogue ? launch<128, 4, true, false>(err, &m, &args, blocks, stream)
+                        : launch<128, 4, false, false>(err, &m, &args, blocks, stream);
 }

@@ -31,7 +31,9 @@ enum {
 typedef struct cometi_gemm {
     const void *a;                 /* [a_rows][k] bf16 */
     int64_t a_rows;                /* rows allocated in A (TMA reads past a group's rows stay inside) */
-    const void *b;                 /* [groups][n][k] bf16 */
+    const void *b;                 /* [groups][n][k] bf16; with swiglu, [groups][2n][k] (gate rows,
+                                    * then up rows), or the gate rows [groups][n][k] when b_up is set */
+    const void *b_up;              /* swiglu only: up rows [groups][n][k] in a tensor of their own */
     void *c;                       /* [a_rows][ldc] bf16; only the groups' rows are written */
     int ldc;                       /* elements, even */
     const cometi_segment_t *segs;  /* [groups], device memory */
@@ -40,6 +42,10 @@ typedef struct cometi_gemm {
     int block_n;                   /* 128 or 256; 0: 256 where n allows */
     int group_m;                   /* row tiles per band of the tile order (L2 reuse); 0: 8 */
     int epilogue;                  /* COMETI_EPILOGUE_*: how C tiles are stored */
+    int swiglu;                    /* C = silu(A Bgate^T) * (A Bup^T), n = F columns (128-wide tiles) */
+    const float *row_scale;        /* C row r scaled by row_scale[r] (A row numbering), or NULL */
+    const int32_t *row_index;      /* A row r stored to C row row_index[r] (< 0: dropped), or NULL;
+                                    * rows then go straight from registers */
     cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
     unsigned long long timeout_ns; /* a pipeline wait longer than this is a bug: report, leave */
 } cometi_gemm_t;
