@@ -561,15 +561,18 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CUDA_OK(cudaMalloc(&c, nc * 2));
         CUDA_OK(cudaMemcpy(a, a16, na * 2, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(b, b16, nb * 2, cudaMemcpyHostToDevice));
-        for (int variant = 0; variant < 8; variant++) {
-            /* Both tile widths, both epilogues, few blocks (many tiles each) and all. */
-            const int block_n = variant & 1 ? 256 : 128, sms = variant & 2 ? 132 : 3;
-            const int epilogue = variant & 4 ? COMETI_EPILOGUE_TMA : COMETI_EPILOGUE_DIRECT;
+        for (int variant = 0; variant < 12; variant++) {
+            /* Both tile widths, both epilogues, few blocks (many tiles each) and all; then
+             * the ping-pong schedule (128x256 only). */
+            const int pingpong = variant >= 8;
+            const int block_n = pingpong || variant & 1 ? 256 : 128, sms = variant & 2 ? 132 : 3;
+            const int epilogue = variant & 4 || (pingpong && variant & 1) ? COMETI_EPILOGUE_TMA : COMETI_EPILOGUE_DIRECT;
             {
                 CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
                 cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = groups,
                                    .n = n, .k = k, .sms = sms, .block_n = block_n, .group_m = sms == 3 ? 1 : 0,
-                                   .epilogue = epilogue, .err = err_dev};
+                                   .epilogue = epilogue, .err = err_dev,
+                                   .schedule = pingpong ? COMETI_SCHEDULE_PINGPONG : COMETI_SCHEDULE_COOPERATIVE};
                 char err[COMETI_ERR_LEN];
                 comet_status_t st = cometi_gemm_run(err, &g, 0);
                 if (st != COMET_SUCCESS) printf("cometi_gemm_run: %s\n", err);
@@ -598,8 +601,9 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
                         if (!(e <= worst)) worst = e;
                     }
                 }
-                printf("n %d block_n %d blocks %d %s epilogue: worst row relative error %.2e\n", n, block_n, sms,
-                       epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", worst);
+                printf("n %d block_n %d blocks %d %s epilogue %s: worst row relative error %.2e\n", n, block_n, sms,
+                       epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", pingpong ? "ping-pong" : "cooperative",
+                       worst);
                 CHECK(worst < 1e-2);
             }
         }
@@ -692,10 +696,12 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemcpy(d_index, index, sizeof(int32_t) * rows, cudaMemcpyHostToDevice));
     const char *names[4] = {"swiglu, fused gate_up", "swiglu, gate and up apart", "row scale", "scatter"};
     for (int mode = 0; mode < 4; mode++) {
-        for (int epi = COMETI_EPILOGUE_DIRECT; epi <= COMETI_EPILOGUE_TMA; epi++) {
-            if (mode == 3 && epi == COMETI_EPILOGUE_TMA) continue; /* scatter stores from registers */
+        for (int variant = 0; variant < 4; variant++) {
+            const int epi = variant & 1 ? COMETI_EPILOGUE_TMA : COMETI_EPILOGUE_DIRECT, pingpong = variant >= 2;
+            if (mode == 3 && (epi == COMETI_EPILOGUE_TMA || pingpong)) continue; /* scatter: from registers */
             cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = groups,
-                               .n = n, .k = k, .epilogue = epi, .err = err_dev};
+                               .n = n, .k = k, .epilogue = epi, .err = err_dev,
+                               .schedule = pingpong ? COMETI_SCHEDULE_PINGPONG : COMETI_SCHEDULE_COOPERATIVE};
             if (mode == 0) g.swiglu = 1;
             if (mode == 1) g.swiglu = 1, g.b = gate, g.b_up = up;
             if (mode == 2) g.row_scale = d_scale, g.block_n = 256;
@@ -742,8 +748,8 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 if (!written[r])
                     for (int j = 0; j < n; j++) CHECK_EQ(c16[(size_t)r * n + j], 0xffff);
             free(written);
-            printf("%-26s %-6s epilogue: worst row relative error %.2e\n", names[mode],
-                   epi == COMETI_EPILOGUE_TMA ? "TMA" : "direct", worst);
+            printf("%-26s %-6s epilogue %-11s: worst row relative error %.2e\n", names[mode],
+                   epi == COMETI_EPILOGUE_TMA ? "TMA" : "direct", pingpong ? "ping-pong" : "cooperative", worst);
             CHECK(worst < 1e-2);
         }
     }

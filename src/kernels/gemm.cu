@@ -3,8 +3,9 @@
  *
  * One block per SM, 384 threads: warpgroup 0 is the producer (one thread issues TMA
  * loads of A and B tiles into a ring of shared-memory stages, completing on mbarriers);
- * warpgroups 1 and 2 are consumers that split each 128-row tile (64 rows each) and
- * multiply with wgmma.mma_async, accumulating in registers, then store bf16 to C: either
+ * warpgroups 1 and 2 are consumers. Cooperative schedule: both split each 128-row tile
+ * (64 rows each). Ping-pong schedule: each takes every other 64-row tile, so one's
+ * epilogue runs while the other multiplies. Either way they multiply with wgmma.mma_async, accumulating in registers, then store bf16 to C: either
  * straight from registers, or (the TMA epilogue) into swizzled shared memory that one
  * thread hands to an asynchronous TMA store, so the next tile's MMAs start at once.
  * Tiles are walked group by group; inside a group, group_m row tiles at a time with the
@@ -163,7 +164,7 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
 
 /* ---- the kernel ---- */
 
-template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU>
+template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG>
 static __global__ void __launch_bounds__(THREADS, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const __grid_constant__ CUtensorMap map_up, const __grid_constant__ CUtensorMap map_c,
@@ -171,7 +172,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
 {
     /* Output columns per tile: SwiGLU pairs gate column c with up column c + BN/2. */
     const int ON = SWIGLU ? BN / 2 : BN;
-    const uint32_t A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, C_BYTES = TMA_EPILOGUE ? BM * ON * 2 : 0;
+    /* Rows per tile: 128 shared by both consumers, or 64 for one (ping-pong). */
+    const int TM = PINGPONG ? 64 : BM;
+    const uint32_t A_BYTES = TM * BK * 2, B_BYTES = BN * BK * 2, C_BYTES = TMA_EPILOGUE ? BM * ON * 2 : 0;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *sa = smem, *sb = smem + STAGES * A_BYTES, *sc = sb + STAGES * B_BYTES;
@@ -183,13 +186,13 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         int total = 0;
         for (int g = 0; g < p.groups; g++) {
             first_tile[g] = total;
-            m_tiles[g] = (p.segs[g].rows + BM - 1) / BM;
+            m_tiles[g] = (p.segs[g].rows + TM - 1) / TM;
             total += m_tiles[g] * n_tiles;
         }
         first_tile[p.groups] = total;
         for (int s = 0; s < STAGES; s++) {
             mbar_init(&full[s], 1);
-            mbar_init(&empty[s], 2);
+            mbar_init(&empty[s], PINGPONG ? 1 : 2); /* one arrive per consumer of the stage */
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
@@ -207,7 +210,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         uint32_t phase = 0;
         for (int t = blockIdx.x; t < total; t += gridDim.x) {
             tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
-            const int a_row = p.segs[tl.group].start + tl.m * BM;
+            const int a_row = p.segs[tl.group].start + tl.m * TM;
             const int b_row = tl.group * p.b_group_rows + tl.n * ON;
             for (int kb = 0; kb < k_blocks; kb++) {
                 mbar_wait(&empty[stage], phase ^ 1, p.err, p.timeout_ns);
@@ -227,12 +230,19 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     float acc[BN / 2];
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    for (int t = blockIdx.x, ordinal = 0; t < total; t += gridDim.x, ordinal++) {
+        if (PINGPONG && (ordinal & 1) != half) {
+            /* The other consumer's tile: step over its stages in the ring. */
+            int next = stage + k_blocks;
+            phase ^= (uint32_t)(next / STAGES) & 1;
+            stage = next % STAGES;
+            continue;
+        }
         tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
         int prev = -1;
         for (int kb = 0; kb < k_blocks; kb++) {
             mbar_wait(&full[stage], phase, p.err, p.timeout_ns);
-            const unsigned char *a = sa + stage * A_BYTES + half * 64 * 128, *b = sb + stage * B_BYTES;
+            const unsigned char *a = sa + stage * A_BYTES + (PINGPONG ? 0 : half * 64 * 128), *b = sb + stage * B_BYTES;
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BK / 16; kk++) {
@@ -253,7 +263,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
          * column j*8 + (lane%4)*2 (+1 for odd q) of this warpgroup's 64 x BN part. out(j, h, e)
          * is output column j*8 + (lane%4)*2 + e of row r_lo + 8h, after SwiGLU and scaling. */
         const cometi_segment_t seg = p.segs[tl.group];
-        const int r_lo = warp * 16 + lane / 4, row0 = tl.m * BM + half * 64 + r_lo;
+        const int part = tl.m * TM + (PINGPONG ? 0 : half * 64); /* first row of this warpgroup's part */
+        const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
         const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
         float scale[2] = {1.0f, 1.0f};
         if (p.row_scale) {
@@ -263,7 +274,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
 #define OUT(j, h, e)                                                                                           \
     (SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)]             \
             : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
-        if (TMA_EPILOGUE && !p.row_index && tl.m * BM + BM <= seg.rows) {
+        if (TMA_EPILOGUE && !p.row_index && tl.m * TM + TM <= seg.rows) {
             /* Into shared memory as ON/64 boxes of 64 rows x 128 bytes, 128B-swizzled (the
              * 16-byte chunk index XOR the row's low 3 bits: conflict-free, and the layout the
              * TMA store reads), then one thread stores the boxes asynchronously. */
@@ -283,7 +294,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
             warpgroup_sync(1 + half);
             if (threadIdx.x % 128 == 0) {
-                const int row = seg.start + tl.m * BM + half * 64;
+                const int row = seg.start + part;
 #pragma unroll
                 for (int box = 0; box < ON / 64; box++)
                     tma_store_2d(&map_c, stage_c + box * 8192, tl.n * ON + box * 64, row);
@@ -348,10 +359,10 @@ static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, ui
     return COMET_SUCCESS;
 }
 
-template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU> static size_t smem_bytes(void)
+template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> static size_t smem_bytes(void)
 {
-    const int on = SWIGLU ? BN / 2 : BN;
-    return 1024 + STAGES * (BM * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * on * 2 : 0) + 2 * STAGES * 8 +
+    const int on = SWIGLU ? BN / 2 : BN, tm = PINGPONG ? 64 : BM;
+    return 1024 + STAGES * (tm * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * on * 2 : 0) + 2 * STAGES * 8 +
            (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4;
 }
 
@@ -359,19 +370,19 @@ typedef struct maps {
     CUtensorMap a, b, up, c;
 } maps_t;
 
-template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU>
+template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG>
 static comet_status_t launch(char *err, const maps_t *m, const gemm_args_t *args, int blocks, cudaStream_t stream)
 {
     static int configured;
-    size_t smem = smem_bytes<BN, STAGES, TMA_EPILOGUE, SWIGLU>();
+    size_t smem = smem_bytes<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG>();
     if (!configured) {
-        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU>,
+        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG>,
                                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                                "cudaFuncSetAttribute(grouped GEMM shared memory)"));
         configured = 1;
     }
-    grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU><<<blocks, THREADS, smem, stream>>>(m->a, m->b, m->up, m->c,
-                                                                                             *args);
+    grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG><<<blocks, THREADS, smem, stream>>>(
+        m->a, m->b, m->up, m->c, *args);
     return cometi_cuda(err, cudaGetLastError(), "launch grouped_gemm_kernel");
 }
 
@@ -417,7 +428,12 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
     const int b_group_rows = fused_up ? 2 * g->n : g->n;
     maps_t m;
     memset(&m, 0, sizeof(m));
-    COMETI_TRY(make_map(err, &m.a, g->a, (uint64_t)g->k, (uint64_t)g->a_rows, BM, "A"));
+    if (g->schedule < COMETI_SCHEDULE_AUTO || g->schedule > COMETI_SCHEDULE_PINGPONG)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm schedule = %d: must be 0..2", g->schedule);
+    const int pingpong = g->schedule == COMETI_SCHEDULE_PINGPONG;
+    if (pingpong && block_n != 256)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ping-pong schedule: built for block_n 256 only");
+    COMETI_TRY(make_map(err, &m.a, g->a, (uint64_t)g->k, (uint64_t)g->a_rows, pingpong ? 64 : BM, "A"));
     COMETI_TRY(make_map(err, &m.b, g->b, (uint64_t)g->k, (uint64_t)g->groups * b_group_rows, (uint32_t)out_n, "B"));
     if (g->swiglu && g->b_up)
         COMETI_TRY(make_map(err, &m.up, g->b_up, (uint64_t)g->k, (uint64_t)g->groups * g->n, (uint32_t)out_n, "B up"));
@@ -446,13 +462,21 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
         COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev),
                                "cudaDeviceGetAttribute(SM count)"));
     }
-    /* The TMA epilogue's 64 KB staging leaves room for 3 stages at 128x256. */
+    /* The TMA epilogue's 64 KB staging leaves room for 3 stages at 128x256; ping-pong's
+     * 64-row A tiles make stages smaller (40 KB). */
+    if (pingpong) {
+        if (g->swiglu)
+            return tma_epilogue ? launch<256, 3, true, true, true>(err, &m, &args, blocks, stream)
+                                : launch<256, 4, false, true, true>(err, &m, &args, blocks, stream);
+        return tma_epilogue ? launch<256, 3, true, false, true>(err, &m, &args, blocks, stream)
+                            : launch<256, 4, false, false, true>(err, &m, &args, blocks, stream);
+    }
     if (g->swiglu)
-        return tma_epilogue ? launch<256, 3, true, true>(err, &m, &args, blocks, stream)
-                            : launch<256, 4, false, true>(err, &m, &args, blocks, stream);
+        return tma_epilogue ? launch<256, 3, true, true, false>(err, &m, &args, blocks, stream)
+                            : launch<256, 4, false, true, false>(err, &m, &args, blocks, stream);
     if (block_n == 256)
-        return tma_epilogue ? launch<256, 3, true, false>(err, &m, &args, blocks, stream)
-                            : launch<256, 4, false, false>(err, &m, &args, blocks, stream);
-    return tma_epilogue ? launch<128, 4, true, false>(err, &m, &args, blocks, stream)
-                        : launch<128, 4, false, false>(err, &m, &args, blocks, stream);
+        return tma_epilogue ? launch<256, 3, true, false, false>(err, &m, &args, blocks, stream)
+                            : launch<256, 4, false, false, false>(err, &m, &args, blocks, stream);
+    return tma_epilogue ? launch<128, 4, true, false, false>(err, &m, &args, blocks, stream)
+                        : launch<128, 4, false, false, false>(err, &m, &args, blocks, stream);
 }

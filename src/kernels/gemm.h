@@ -28,6 +28,12 @@ enum {
                                  * (full 128-row tiles; a group's last partial tile goes direct) */
 };
 
+enum {
+    COMETI_SCHEDULE_AUTO = 0,        /* cooperative */
+    COMETI_SCHEDULE_COOPERATIVE = 1, /* both consumer warpgroups on one 128-row tile */
+    COMETI_SCHEDULE_PINGPONG = 2     /* each on its own 64-row tile, alternating (block_n 256) */
+};
+
 typedef struct cometi_gemm {
     const void *a;                 /* [a_rows][k] bf16 */
     int64_t a_rows;                /* rows allocated in A (TMA reads past a group's rows stay inside) */
@@ -42,6 +48,7 @@ typedef struct cometi_gemm {
     int block_n;                   /* 128 or 256; 0: 256 where n allows */
     int group_m;                   /* row tiles per band of the tile order (L2 reuse); 0: 8 */
     int epilogue;                  /* COMETI_EPILOGUE_*: how C tiles are stored */
+    int schedule;                  /* COMETI_SCHEDULE_*: how the consumer warpgroups share tiles */
     int swiglu;                    /* C = silu(A Bgate^T) * (A Bup^T), n = F columns (128-wide tiles) */
     const float *row_scale;        /* C row r scaled by row_scale[r] (A row numbering), or NULL */
     const int32_t *row_index;      /* A row r stored to C row row_index[r] (< 0: dropped), or NULL;
