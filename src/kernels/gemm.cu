@@ -178,8 +178,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *sa = smem, *sb = smem + STAGES * A_BYTES, *sc = sb + STAGES * B_BYTES;
-    uint64_t *full = (uint64_t *)(sc + C_BYTES), *empty = full + STAGES;
-    int *first_tile = (int *)(empty + STAGES), *m_tiles = first_tile + COMETI_GEMM_MAX_GROUPS + 1;
+    uint64_t *full = (uint64_t *)(sc + C_BYTES), *empty = full + STAGES, *turn = empty + STAGES;
+    int *first_tile = (int *)(turn + 2), *m_tiles = first_tile + COMETI_GEMM_MAX_GROUPS + 1;
     const int wg = threadIdx.x / 128, n_tiles = p.n / ON, k_blocks = p.k / BK;
 
     if (threadIdx.x == 0) {
@@ -194,6 +194,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             mbar_init(&full[s], 1);
             mbar_init(&empty[s], PINGPONG ? 1 : 2); /* one arrive per consumer of the stage */
         }
+        mbar_init(&turn[0], 1);
+        mbar_init(&turn[1], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
@@ -229,7 +231,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, half = wg - 1;
     float acc[BN / 2];
     int stage = 0;
-    uint32_t phase = 0;
+    uint32_t phase = 0, turn_phase = 0;
     for (int t = blockIdx.x, ordinal = 0; t < total; t += gridDim.x, ordinal++) {
         if (PINGPONG && (ordinal & 1) != half) {
             /* The other consumer's tile: step over its stages in the ring. */
@@ -237,6 +239,13 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             phase ^= (uint32_t)(next / STAGES) & 1;
             stage = next % STAGES;
             continue;
+        }
+        /* Ping-pong: mainloops take turns. Waiting for the other warpgroup to have issued
+         * its tile's MMAs means it has seen every fill of that tile's stages, so the
+         * parity this warpgroup waits for next cannot be a fill two phases old. */
+        if (PINGPONG && ordinal > 0) {
+            mbar_wait(&turn[half], turn_phase, p.err, p.timeout_ns);
+            turn_phase ^= 1;
         }
         tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
         int prev = -1;
@@ -256,6 +265,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             prev = stage;
             if (++stage == STAGES) stage = 0, phase ^= 1;
         }
+        if (PINGPONG && threadIdx.x % 128 == 0) mbar_arrive(&turn[half ^ 1]); /* the other's turn */
         wgmma_wait<0>();
         if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
 
@@ -362,7 +372,7 @@ static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, ui
 template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> static size_t smem_bytes(void)
 {
     const int on = SWIGLU ? BN / 2 : BN, tm = PINGPONG ? 64 : BM;
-    return 1024 + STAGES * (tm * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * on * 2 : 0) + 2 * STAGES * 8 +
+    return 1024 + STAGES * (tm * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * on * 2 : 0) + (2 * STAGES + 2) * 8 +
            (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4;
 }
 
