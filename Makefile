@@ -26,7 +26,8 @@ LDLIBS    := -L$(CUDA_HOME)/lib64 -lcublas -lcudart -L$(NCCL_LIB) -l:libnccl.so.
 
 LIB_C   := src/status.c src/config.c src/route_plan.c src/routing_gen.c src/reference.c src/comm.c src/moe.c src/launch.c \
            src/baseline/baseline.c
-LIB_CU  := src/kernels/symmetric.cu src/kernels/baseline.cu src/kernels/fill.cu src/kernels/gemm.cu
+LIB_CU  := src/kernels/symmetric.cu src/kernels/route.cu src/kernels/baseline.cu src/kernels/fill.cu \
+           src/kernels/gemm.cu
 LIB_OBJ := $(LIB_C:%.c=$(BUILD)/%.o) $(LIB_CU:%.cu=$(BUILD)/%.o)
 TOOL_OBJ := $(BUILD)/tools/comet.o $(BUILD)/tools/bench.o $(BUILD)/tools/gemm.o
 TEST_OBJ := $(BUILD)/tests/runner.o $(BUILD)/tests/test_cpu.o $(BUILD)/tests/test_gpu.o

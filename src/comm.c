@@ -182,6 +182,8 @@ static const char *site_name(int site)
     switch (site) {
     case COMETI_SITE_BARRIER: return "the cross-rank barrier";
     case COMETI_SITE_FLAG: return "a flag wait";
+    case COMETI_SITE_ROUTE: return "the routing-count exchange";
+    case COMETI_SITE_GEMM: return "a GEMM pipeline wait (a bug in comet)";
     default: return "a device wait";
     }
 }
@@ -191,6 +193,10 @@ comet_status_t cometi_check_async(comet_comm_t comm)
     volatile cometi_async_error_t *e = comm->async_host;
     int status = e->status;
     if (status == 0) return COMET_SUCCESS;
+    if (status == COMET_INVALID_ARGUMENT && e->site == COMETI_SITE_ROUTE)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "rank %d: topk_ids entry %d (token * top_k + choice) "
+                           "= %lld: expert ids must be in [0, num_experts = %llu); that row was left out",
+                           e->peer, e->slot, (long long)(int)e->seen, e->expected);
     char who[48] = "";
     if (e->peer >= 0) snprintf(who, sizeof(who), " on rank %d", e->peer);
     return cometi_fail(comm->err, (comet_status_t)status,

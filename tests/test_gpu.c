@@ -17,6 +17,7 @@
 #include "../src/launch.h"
 #include "../src/plan.h"
 #include "../src/kernels/gemm.h"
+#include "../src/kernels/route.h"
 #include "testutil.h"
 
 /* Skip (returning 0) unless `n` Hopper GPUs are visible. */
@@ -769,4 +770,140 @@ int test_gpu_gemm_epilogues(void)
     if (!have_gpus(1)) return TEST_SKIP;
     uint64_t seed = test_seed();
     return launch(1, gemm_epilogue_rank, &seed, 110);
+}
+
+/* ---- the device route against the C routing plan ---- */
+
+#define ROUTE_E 16
+#define ROUTE_K 2
+#define ROUTE_MAX_M 300
+
+static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    comet_comm_t comm;
+    if (open_comm(ctx, 10000, &comm)) return 1;
+    const int W = ctx->nranks, me = ctx->rank, E = ROUTE_E, k = ROUTE_K;
+    cometi_route_dev_t r;
+    COMET_OK(cometi_route_dev_create(comm, E, ROUTE_MAX_M * k, COMETI_BLOCK_M, &r), comm);
+    int32_t *ids[COMETI_MAX_RANKS], *d_ids;
+    float *w = malloc(sizeof(float) * ROUTE_MAX_M * k);
+    for (int s = 0; s < W; s++) ids[s] = malloc(sizeof(int32_t) * ROUTE_MAX_M * k);
+    CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(int32_t) * ROUTE_MAX_M * k));
+    int32_t *got = malloc(sizeof(int32_t) * (W * E * 3 + E * 2 + W + ROUTE_MAX_M * k));
+    int64_t *counts = malloc(sizeof(int64_t) * W * E), *want_pos = malloc(sizeof(int64_t) * ROUTE_MAX_M * k);
+    const int calls = 300;
+    for (int call = 0; call < calls; call++) {
+        /* Every rank draws every rank's routing, so each can build the whole plan. */
+        uint64_t rng = seed + 7919 * (uint64_t)call;
+        int m[COMETI_MAX_RANKS];
+        memset(counts, 0, sizeof(int64_t) * W * E);
+        for (int s = 0; s < W; s++) {
+            m[s] = (int)(cometi_rand_next(&rng) % (ROUTE_MAX_M + 1));
+            cometi_make_routing((cometi_routing_t)(call % 4), call % 4 == 3 ? call % E : 8.0, m[s], k, E,
+                                seed + call, s, ids[s], w);
+            cometi_route_count(ids[s], m[s], k, E, counts + (size_t)s * E);
+        }
+        CUDA_OK(cudaMemcpy(d_ids, ids[me], sizeof(int32_t) * m[me] * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(r.plan.recv_pos, 0xff, sizeof(int32_t) * ROUTE_MAX_M * k)); /* poison */
+        COMET_OK(cometi_route_dev_run(comm, &r, d_ids, m[me], k, 0), comm);
+        CUDA_OK(cudaDeviceSynchronize());
+        CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
+        cometi_route_plan_t p;
+        char err[256];
+        CHECK_EQ(cometi_route_plan_build(&p, counts, W, E, COMETI_BLOCK_M, err, sizeof(err)), 0);
+        cometi_route_positions(&p, me, ids[me], m[me], k, NULL, want_pos);
+        struct { const char *name; int32_t *dev; int64_t *host; int n; } arrays[] = {
+            {"counts", r.plan.counts, p.counts, W * E},        {"send_offset", r.plan.send_offset, p.send_offset, W * E},
+            {"seg_start", r.plan.seg_start, p.seg_start, E},   {"seg_rows", r.plan.seg_rows, p.seg_rows, E},
+            {"recv_offset", r.plan.recv_offset, p.recv_offset, W * E}, {"recv_rows", r.plan.recv_rows, p.recv_rows, W},
+            {"recv_pos", r.plan.recv_pos, want_pos, m[me] * k}};
+        for (int a = 0; a < 7; a++) {
+            CUDA_OK(cudaMemcpy(got, arrays[a].dev, sizeof(int32_t) * arrays[a].n, cudaMemcpyDeviceToHost));
+            for (int i = 0; i < arrays[a].n; i++) {
+                if (got[i] != arrays[a].host[i]) {
+                    printf("rank %d call %d: %s[%d] = %d on the GPU, %lld in the C plan\n", me, call, arrays[a].name, i,
+                           got[i], (long long)arrays[a].host[i]);
+                    return 1;
+                }
+            }
+        }
+        cometi_route_plan_free(&p);
+    }
+    printf("rank %d: %d calls with changing routing and token counts, device plan equal to the C plan\n", me, calls);
+    for (int s = 0; s < W; s++) free(ids[s]);
+    free(w), free(got), free(counts), free(want_pos);
+    cudaFree(d_ids);
+    cometi_route_dev_destroy(comm, &r);
+    COMET_OK(comet_comm_destroy(comm), comm);
+    return 0;
+}
+
+int test_gpu_route_matches_plan(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, route_rank, &seed, 170);
+}
+
+static int route_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    comet_comm_t comm;
+    if (open_comm(ctx, 500, &comm)) return 1;
+    cometi_route_dev_t r;
+    COMET_OK(cometi_route_dev_create(comm, ROUTE_E, 64, COMETI_BLOCK_M, &r), comm);
+    int32_t *d_ids;
+    CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(int32_t) * 64));
+    CUDA_OK(cudaMemset(d_ids, 0, sizeof(int32_t) * 64));
+    double t0 = now_s();
+    /* Rank 1 never routes; it waits on a flag nobody raises instead. */
+    if (ctx->rank == 0) COMET_OK(cometi_route_dev_run(comm, &r, d_ids, 32, 2, 0), comm);
+    else COMET_OK(cometi_wait_flag(comm, 3, 1, 0), comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    double took = now_s() - t0;
+    CHECK_EQ(comet_comm_get_async_error(comm), COMET_TIMEOUT);
+    printf("rank %d: %.3f s: %s\n", ctx->rank, took, comet_comm_last_error(comm));
+    if (ctx->rank == 0) {
+        CHECK_CONTAINS(comet_comm_last_error(comm), "the routing-count exchange");
+        CHECK_CONTAINS(comet_comm_last_error(comm), "on rank 1");
+    }
+    CHECK(took < 3.0);
+    comet_comm_destroy(comm); /* aborts: the windows go with NCCL */
+    return 0;
+}
+
+int test_gpu_route_missing_peer_times_out(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    return launch(2, route_missing_peer_rank, NULL, 100);
+}
+
+static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    comet_comm_t comm;
+    if (open_comm(ctx, 2000, &comm)) return 1;
+    cometi_route_dev_t r;
+    COMET_OK(cometi_route_dev_create(comm, 8, 64, COMETI_BLOCK_M, &r), comm);
+    int32_t ids[8] = {0, 1, 2, 3, 4, 9, 6, 7}, *d_ids;
+    CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(ids)));
+    CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
+    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, 4, 2, 0), comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(comm), COMET_INVALID_ARGUMENT);
+    printf("%s\n", comet_comm_last_error(comm));
+    CHECK_CONTAINS(comet_comm_last_error(comm), "topk_ids entry 5 (token * top_k + choice) = 9");
+    int32_t pos[8];
+    CUDA_OK(cudaMemcpy(pos, r.plan.recv_pos, sizeof(pos), cudaMemcpyDeviceToHost));
+    CHECK_EQ(pos[5], -1);
+    CHECK(pos[4] >= 0);
+    comet_comm_destroy(comm);
+    return 0;
+}
+
+int test_gpu_route_reports_bad_expert_id(void)
+{
+    if (!have_gpus(1)) return TEST_SKIP;
+    return launch(1, route_bad_id_rank, NULL, 50);
 }

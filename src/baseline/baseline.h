@@ -11,6 +11,7 @@
 #include <cublas_v2.h>
 #include "../internal.h"
 #include "../kernels/gemm.h"
+#include "../kernels/route.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -40,8 +41,6 @@ comet_status_t cometi_cublas_rows(cublasHandle_t h, char *err, int rows, int n, 
                                   void *c, int ldc);
 
 /* ---- kernels (baseline.cu) ---- */
-cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_experts, int32_t *counts, int32_t *pos,
-                                unsigned int *first_bad, cudaStream_t stream);
 cudaError_t cometi_launch_permute(const void *x, const int32_t *ids, const int32_t *pos, const int32_t *send_base,
                                   int n, int k, int hidden, void *send, int32_t *send_pos, cudaStream_t stream);
 cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, const cometi_segment_t *segs, int num_segs,

@@ -1,62 +1,14 @@
 /*
  * baseline.cu - the small kernels of the sequential baseline path (what Megatron-LM
- * runs around its all-to-alls and expert GEMMs): routing counts and stable positions,
- * the permutation of token rows into the send buffer, SwiGLU, and the weighted top-k
- * sum. The GEMMs are cuBLAS and the transfers NCCL (src/baseline/baseline.c).
+ * runs around its all-to-alls and expert GEMMs): the permutation of token rows into the
+ * send buffer, SwiGLU, and the weighted top-k sum. Routing counts come from route.cu,
+ * the GEMMs from cuBLAS and the transfers from NCCL (src/baseline/baseline.c).
  */
 #include <cuda_bf16.h>
 #include <stdint.h>
 
 #include "../internal.h"
 #include "../baseline/baseline.h"
-
-#define ROUTE_THREADS 1024
-
-/*
- * One block per expert e: walks topk_ids in order and gives each row that goes to e
- * its rank among them, so positions are stable (token order) and deterministic.
- * Block 0 also records the first id outside [0, E).
- */
-static __global__ void __launch_bounds__(ROUTE_THREADS)
-route_kernel(const int32_t *ids, int n, int num_experts, int32_t *counts, int32_t *pos, unsigned int *first_bad)
-{
-    __shared__ int warp_sums[ROUTE_THREADS / 32];
-    const int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int base = 0;
-    for (int start = 0; start < n; start += ROUTE_THREADS) {
-        int i = start + threadIdx.x;
-        int id = i < n ? ids[i] : -1;
-        if (e == 0 && i < n && (id < 0 || id >= num_experts)) atomicMin(first_bad, (unsigned int)i);
-        int hit = id == e;
-        unsigned int ballot = __ballot_sync(0xffffffffu, hit);
-        int before_in_warp = __popc(ballot & ((1u << lane) - 1u));
-        if (lane == 0) warp_sums[warp] = __popc(ballot);
-        __syncthreads();
-        if (warp == 0) {
-            int v = warp_sums[lane];
-            for (int d = 1; d < 32; d <<= 1) {
-                int u = __shfl_up_sync(0xffffffffu, v, d);
-                if (lane >= d) v += u;
-            }
-            warp_sums[lane] = v; /* inclusive prefix over warps */
-        }
-        __syncthreads();
-        int before = base + (warp ? warp_sums[warp - 1] : 0) + before_in_warp;
-        if (hit) pos[i] = before;
-        base += warp_sums[ROUTE_THREADS / 32 - 1];
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) counts[e] = base;
-}
-
-extern "C" cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_experts, int32_t *counts,
-                                           int32_t *pos, unsigned int *first_bad, cudaStream_t stream)
-{
-    cudaError_t e = cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned int), stream);
-    if (e != cudaSuccess) return e;
-    route_kernel<<<num_experts, ROUTE_THREADS, 0, stream>>>(ids, n, num_experts, counts, pos, first_bad);
-    return cudaGetLastError();
-}
 
 /* One block per (token, choice): copy the token's row to its place in the send
  * buffer, and remember that place for the combine. */

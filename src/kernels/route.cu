@@ -1,0 +1,201 @@
+/*
+ * route.cu - routing kernels: stable per-expert positions and counts (route_kernel),
+ * and the device route (exchange_plan_kernel), which swaps counts with every peer
+ * through symmetric memory and builds the routing plan of plan.h on the GPU. The plan
+ * must match cometi_route_plan_build exactly; a GPU test compares them.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "route.h"
+#include "ptx.cuh"
+
+#define ROUTE_THREADS 1024
+
+/*
+ * One block per expert e: walks topk_ids in order and gives each row that goes to e
+ * its rank among them, so positions are stable (token order) and deterministic.
+ * Block 0 also records the first id outside [0, E).
+ */
+static __global__ void __launch_bounds__(ROUTE_THREADS)
+route_kernel(const int32_t *ids, int n, int num_experts, int32_t *counts, int32_t *pos, unsigned int *first_bad)
+{
+    __shared__ int warp_sums[ROUTE_THREADS / 32];
+    const int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int base = 0;
+    for (int start = 0; start < n; start += ROUTE_THREADS) {
+        int i = start + threadIdx.x;
+        int id = i < n ? ids[i] : -1;
+        if (e == 0 && i < n && (id < 0 || id >= num_experts)) atomicMin(first_bad, (unsigned int)i);
+        int hit = id == e;
+        unsigned int ballot = __ballot_sync(0xffffffffu, hit);
+        int before_in_warp = __popc(ballot & ((1u << lane) - 1u));
+        if (lane == 0) warp_sums[warp] = __popc(ballot);
+        __syncthreads();
+        if (warp == 0) {
+            int v = warp_sums[lane];
+            for (int d = 1; d < 32; d <<= 1) {
+                int u = __shfl_up_sync(0xffffffffu, v, d);
+                if (lane >= d) v += u;
+            }
+            warp_sums[lane] = v; /* inclusive prefix over warps */
+        }
+        __syncthreads();
+        int before = base + (warp ? warp_sums[warp - 1] : 0) + before_in_warp;
+        if (hit) pos[i] = before;
+        base += warp_sums[ROUTE_THREADS / 32 - 1];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) counts[e] = base;
+}
+
+extern "C" cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_experts, int32_t *counts,
+                                           int32_t *pos, unsigned int *first_bad, cudaStream_t stream)
+{
+    cudaError_t e = cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned int), stream);
+    if (e != cudaSuccess) return e;
+    route_kernel<<<num_experts, ROUTE_THREADS, 0, stream>>>(ids, n, num_experts, counts, pos, first_bad);
+    return cudaGetLastError();
+}
+
+/* Peer tables as mapped here, passed by value. */
+typedef struct peer_tables {
+    int32_t *base[COMETI_MAX_RANKS];
+} peer_tables_t;
+
+#define PLAN_THREADS 1024
+
+/*
+ * One block. 1) Push this rank's counts into slot [me] of every peer's table (the half
+ *    for this call's parity, so a peer one call ahead cannot overwrite what is read).
+ * 2) Raise flag [me] on every peer to this call's sequence number (release, system).
+ * 3) Wait for every peer's flag (acquire, timeout).
+ * 4) Build the plan: thread s < world does rank s's send offsets; thread d < world does
+ *    rank d's receive segments (local source first); then every row's receive position.
+ */
+static __global__ void __launch_bounds__(PLAN_THREADS)
+exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int E, int block_m,
+                     unsigned long long seq, const int32_t *local_counts, const int32_t *ids, int n,
+                     cometi_route_dev_plan_t plan, unsigned long long timeout_ns, cometi_async_error_t *err)
+{
+    const int half = (int)(seq & 1), per = E / world;
+    const size_t table_ints = (size_t)2 * world * E;
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+        const int p = i / E, e = i % E;
+        peers.base[p][(size_t)half * world * E + (size_t)me * E + e] = local_counts[e];
+    }
+    __syncthreads();
+    if (threadIdx.x < world) {
+        __threadfence_system();
+        unsigned long long *flag = (unsigned long long *)(peers.base[threadIdx.x] + table_ints) + me;
+        cometi_st_release_sys(flag, seq);
+        const unsigned long long *mine_flag = (const unsigned long long *)(mine + table_ints) + threadIdx.x;
+        cometi_wait_geq(mine_flag, seq, timeout_ns, err, COMETI_SITE_ROUTE, threadIdx.x, threadIdx.x);
+    }
+    __syncthreads();
+    __threadfence_system();
+    const volatile int32_t *counts = mine + (size_t)half * world * E;
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) plan.counts[i] = counts[i];
+    __syncthreads();
+    if (threadIdx.x < world) { /* send side of rank s: destination-major = expert order */
+        const int s = threadIdx.x;
+        int off = 0;
+        for (int e = 0; e < E; e++) {
+            plan.send_offset[s * E + e] = off;
+            off += plan.counts[s * E + e];
+        }
+    } else if (threadIdx.x >= 128 && threadIdx.x < 128 + world) { /* receive side of rank d */
+        const int d = threadIdx.x - 128;
+        int row = 0;
+        for (int le = 0; le < per; le++) {
+            const int e = d * per + le;
+            plan.seg_start[e] = row;
+            int in_seg = 0;
+            for (int i = 0; i < world; i++) {
+                const int s = (d + i) % world;
+                plan.recv_offset[s * E + e] = in_seg;
+                in_seg += plan.counts[s * E + e];
+            }
+            plan.seg_rows[e] = in_seg;
+            row += (in_seg + block_m - 1) / block_m * block_m;
+        }
+        plan.recv_rows[d] = row;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int e = ids[i];
+        plan.recv_pos[i] = e >= 0 && e < E ? plan.seg_start[e] + plan.recv_offset[me * E + e] + plan.pos[i] : -1;
+    }
+    if (threadIdx.x == 0 && local_counts[E] != -1)
+        cometi_record_error(err, COMET_INVALID_ARGUMENT, COMETI_SITE_ROUTE, me, local_counts[E], (unsigned)E,
+                            (unsigned)ids[local_counts[E]], 0);
+}
+
+extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows, int block_m,
+                                                  cometi_route_dev_t *r)
+{
+    memset(r, 0, sizeof(*r));
+    const int W = comm->size, E = num_experts;
+    r->world = W;
+    r->num_experts = E;
+    r->max_rows = max_rows;
+    r->block_m = block_m;
+    size_t table_bytes = sizeof(int32_t) * 2 * W * E + sizeof(unsigned long long) * W;
+    COMETI_TRY(cometi_window_create(comm, table_bytes, &r->table));
+    comet_status_t st;
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->table.local, 0, r->table.bytes), "clear route table"),
+                    fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->local_counts, sizeof(int32_t) * (E + 1)),
+                                    "cudaMalloc(route counts)"), fail);
+    {
+        size_t ints = (size_t)W * E * 3 + (size_t)E * 2 + W + (size_t)max_rows * 2;
+        COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->arena, sizeof(int32_t) * (ints ? ints : 1)),
+                                        "cudaMalloc(route plan)"), fail);
+        int32_t *p = r->arena;
+        r->plan.counts = p, p += (size_t)W * E;
+        r->plan.send_offset = p, p += (size_t)W * E;
+        r->plan.seg_start = p, p += E;
+        r->plan.seg_rows = p, p += E;
+        r->plan.recv_offset = p, p += (size_t)W * E;
+        r->plan.recv_rows = p, p += W;
+        r->plan.recv_pos = p, p += max_rows;
+        r->plan.pos = p;
+    }
+    /* Every table cleared before any peer writes into it. */
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaDeviceSynchronize(), "clear route table"), fail);
+    COMETI_TRY_GOTO(st, cometi_barrier(comm, 0), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaDeviceSynchronize(), "route table barrier"), fail);
+    COMETI_TRY_GOTO(st, cometi_check_async(comm), fail);
+    return COMET_SUCCESS;
+fail:
+    cometi_route_dev_destroy(comm, r);
+    return st;
+}
+
+extern "C" void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *r)
+{
+    if (r->table.local) cometi_window_destroy(comm, &r->table);
+    cudaFree(r->local_counts);
+    cudaFree(r->arena);
+    memset(r, 0, sizeof(*r));
+}
+
+extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids,
+                                               int m, int k, cudaStream_t stream)
+{
+    const int n = m * k, E = r->num_experts;
+    if (n > r->max_rows)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "route: %d tokens x top-k %d = %d rows: the plan "
+                           "holds %d", m, k, n, r->max_rows);
+    COMETI_TRY(cometi_cuda(comm->err, cometi_launch_route(topk_ids, n, E, r->local_counts, r->plan.pos,
+                                                          (unsigned int *)(r->local_counts + E), stream),
+                           "launch route_kernel"));
+    peer_tables_t peers;
+    memset(&peers, 0, sizeof(peers));
+    for (int p = 0; p < r->world; p++) peers.base[p] = (int32_t *)r->table.peer[p];
+    exchange_plan_kernel<<<1, PLAN_THREADS, 0, stream>>>(peers, (int32_t *)r->table.local, comm->rank, r->world, E,
+                                                        r->block_m, ++r->seq, r->local_counts, topk_ids, n, r->plan,
+                                                        (unsigned long long)comm->timeout_ms * 1000000ull,
+                                                        comm->async_dev);
+    return cometi_cuda(comm->err, cudaGetLastError(), "launch exchange_plan_kernel");
+}

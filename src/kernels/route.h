@@ -1,0 +1,58 @@
+/*
+ * route.h - routing on the GPU. cometi_launch_route gives each (token, choice) its
+ * stable rank among this rank's rows of its expert, and the per-expert counts (the
+ * baseline uses it and then syncs the host). The device route goes on without the
+ * host: every rank pushes its counts into every peer's symmetric table, waits for
+ * all of theirs (with a timeout), and builds the routing plan of plan.h on the GPU,
+ * identical on every rank, plus each row's place in its expert owner's receive buffer.
+ */
+#ifndef COMET_ROUTE_H
+#define COMET_ROUTE_H
+
+#include <stdint.h>
+#include "../internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_experts, int32_t *counts, int32_t *pos,
+                                unsigned int *first_bad, cudaStream_t stream);
+
+/* The plan on the device, int32, the arrays of cometi_route_plan_t in the same layout. */
+typedef struct cometi_route_dev_plan {
+    int32_t *counts;      /* [world][E] */
+    int32_t *send_offset; /* [world][E] */
+    int32_t *seg_start;   /* [E] */
+    int32_t *seg_rows;    /* [E] */
+    int32_t *recv_offset; /* [world][E] */
+    int32_t *recv_rows;   /* [world] */
+    int32_t *recv_pos;    /* [max_rows] this rank's row (t, j) in its owner's receive buffer; -1: bad id */
+    int32_t *pos;         /* [max_rows] rank of (t, j) among this rank's rows of its expert */
+} cometi_route_dev_plan_t;
+
+typedef struct cometi_route_dev {
+    int world, num_experts, max_rows, block_m;
+    cometi_window_t table;          /* [2][world][E] int32 counts, then [world] u64 arrival flags */
+    int32_t *local_counts;          /* [E + 1]: this rank's counts, then the first bad id's index */
+    int32_t *arena;                 /* backs every array of `plan` */
+    cometi_route_dev_plan_t plan;
+    unsigned long long seq;         /* calls so far: flags only grow, nothing is reset */
+} cometi_route_dev_t;
+
+/* Collective (allocates a symmetric window). max_rows = max tokens x top-k. */
+comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows, int block_m,
+                                       cometi_route_dev_t *r);
+void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *r);
+
+/* Collective, enqueued on `stream`, no host sync. A peer that never arrives gives
+ * COMET_TIMEOUT through comet_comm_get_async_error(); an expert id out of range gives
+ * COMET_INVALID_ARGUMENT there (its row is left out: recv_pos -1). */
+comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids, int m,
+                                    int k, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_ROUTE_H */
