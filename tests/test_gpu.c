@@ -527,25 +527,39 @@ int test_gpu_baseline_bad_expert_id(void)
 
 /* ---- the grouped GEMM against float64 ---- */
 
+/* The GPU, and the host-mapped word where a stuck GEMM pipeline reports. */
+static int gemm_setup(const cometi_rank_ctx_t *ctx, cometi_async_error_t **host, cometi_async_error_t **dev)
+{
+    CUDA_OK(cudaSetDevice(ctx->local_rank));
+    CUDA_OK(cudaHostAlloc((void **)host, sizeof(**host), cudaHostAllocMapped));
+    memset(*host, 0, sizeof(**host));
+    CUDA_OK(cudaHostGetDevicePointer((void **)dev, *host, 0));
+    return 0;
+}
+
+/* Segments of the given sizes, each starting on a 128-row boundary as the MoE layout
+ * pads them; returns the rows they span. */
+static int padded_segments(const int *sizes, int groups, cometi_segment_t *segs)
+{
+    int rows = 0;
+    for (int g = 0; g < groups; g++) {
+        segs[g] = (cometi_segment_t){rows, sizes[g]};
+        rows += (sizes[g] + 127) / 128 * 128;
+    }
+    return rows;
+}
+
 static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t rng = *(uint64_t *)arg;
-    CUDA_OK(cudaSetDevice(ctx->local_rank));
     cometi_async_error_t *err_host, *err_dev;
-    CUDA_OK(cudaHostAlloc((void **)&err_host, sizeof(*err_host), cudaHostAllocMapped));
-    memset(err_host, 0, sizeof(*err_host));
-    CUDA_OK(cudaHostGetDevicePointer((void **)&err_dev, err_host, 0));
+    if (gemm_setup(ctx, &err_host, &err_dev)) return 1;
     /* Group sizes 0, 1, a tile and one, not a multiple of anything, a full tile; each
      * segment starts on a 128-row boundary as the MoE layout pads them. */
     const int groups = 6, sizes[6] = {0, 1, 129, 300, 128, 77}, k = 192;
     const int ns[2] = {256, 512};
     cometi_segment_t segs_host[6];
-    int rows = 0;
-    for (int g = 0; g < groups; g++) {
-        segs_host[g] = (cometi_segment_t){rows, sizes[g]};
-        rows += (sizes[g] + 127) / 128 * 128;
-    }
-    rows += 128; /* slack after the last segment */
+    int rows = padded_segments(sizes, groups, segs_host) + 128; /* slack after the last segment */
     cometi_segment_t *segs;
     CUDA_OK(cudaMalloc((void **)&segs, sizeof(segs_host)));
     CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(segs_host), cudaMemcpyHostToDevice));
@@ -649,18 +663,11 @@ int test_gpu_gemm_vs_reference(void)
 static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t rng = *(uint64_t *)arg;
-    CUDA_OK(cudaSetDevice(ctx->local_rank));
     cometi_async_error_t *err_host, *err_dev;
-    CUDA_OK(cudaHostAlloc((void **)&err_host, sizeof(*err_host), cudaHostAllocMapped));
-    memset(err_host, 0, sizeof(*err_host));
-    CUDA_OK(cudaHostGetDevicePointer((void **)&err_dev, err_host, 0));
+    if (gemm_setup(ctx, &err_host, &err_dev)) return 1;
     const int groups = 4, sizes[4] = {200, 0, 128, 45}, k = 256, n = 256; /* n: output columns */
     cometi_segment_t segs_host[4];
-    int rows = 0;
-    for (int g = 0; g < groups; g++) {
-        segs_host[g] = (cometi_segment_t){rows, sizes[g]};
-        rows += (sizes[g] + 127) / 128 * 128;
-    }
+    const int rows = padded_segments(sizes, groups, segs_host);
     cometi_segment_t *segs;
     CUDA_OK(cudaMalloc((void **)&segs, sizeof(segs_host)));
     CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(segs_host), cudaMemcpyHostToDevice));

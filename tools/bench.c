@@ -26,21 +26,6 @@
 
 #define NSETS 3 /* input sets rotated between calls, so they do not sit in L2 */
 
-#define FAIL_IF(cond, ...)                                                                        \
-    do {                                                                                           \
-        if (cond) {                                                                                \
-            fprintf(stderr, "[rank %d] ", ctx->rank);                                              \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-            cometi_rank_reason(__VA_ARGS__);                                                       \
-            return 1;                                                                              \
-        }                                                                                          \
-    } while (0)
-#define CUDA_OK(call)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        FAIL_IF(e_ != cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                       \
-    } while (0)
 
 static int cmp_float(const void *a, const void *b)
 {
@@ -119,7 +104,7 @@ typedef struct case_result {
 } case_result_t;
 
 /* Max (or sum) over ranks of a few floats, through NCCL. */
-static int allreduce(const cometi_rank_ctx_t *ctx, comet_comm_t comm, float *v, int n, ncclRedOp_t op)
+static int allreduce(comet_comm_t comm, float *v, int n, ncclRedOp_t op)
 {
     float *d;
     CUDA_OK(cudaMalloc((void **)&d, sizeof(float) * n));
@@ -209,7 +194,7 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
         }
         free(row), free(rowf), free(ref);
         float wf = isfinite(worst) ? (float)worst : INFINITY;
-        if (allreduce(ctx, comm, &wf, 1, ncclMax)) return 1;
+        if (allreduce(comm, &wf, 1, ncclMax)) return 1;
         res->check = wf;
     }
     free(ids0_host);
@@ -248,8 +233,8 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
         free(times[p]);
     }
     float flops[2] = {(float)(rows_in * 6.0 * H * F), 0};
-    if (allreduce(ctx, comm, res->ms, P_COUNT, ncclMax)) return 1;
-    if (allreduce(ctx, comm, flops, 1, ncclSum)) return 1;
+    if (allreduce(comm, res->ms, P_COUNT, ncclMax)) return 1;
+    if (allreduce(comm, flops, 1, ncclSum)) return 1;
     res->tflops = flops[0] / R / (res->ms[P_EXPERTS] * 1e-3) / 1e12;
     for (int i = 0; i < COMETI_NUM_MARKS; i++) cudaEventDestroy(marks[i]);
     for (int set = 0; set < NSETS; set++) cudaFree(x[set]), cudaFree(ids[set]), cudaFree(w[set]);
@@ -390,7 +375,7 @@ int bandwidth_rank(const cometi_rank_ctx_t *ctx, void *arg)
         }
         /* The slowest rank: min over ranks of GB/s. */
         float neg[2] = {-gbs[0], -gbs[1]};
-        if (allreduce(ctx, comm, neg, 2, ncclMax)) return 1;
+        if (allreduce(comm, neg, 2, ncclMax)) return 1;
         if (ctx->rank == 0) printf("%8d %10.1f %10.1f\n", block_counts[bi], -neg[0], -neg[1]);
     }
     st = cometi_barrier(comm, 0);

@@ -18,20 +18,6 @@
 #include "../src/kernels/gemm.h"
 #include "tool.h"
 
-#define FAIL_IF(cond, ...)                                                                        \
-    do {                                                                                           \
-        if (cond) {                                                                                \
-            fprintf(stderr, __VA_ARGS__);                                                          \
-            fprintf(stderr, "\n");                                                                 \
-            cometi_rank_reason(__VA_ARGS__);                                                       \
-            return 1;                                                                              \
-        }                                                                                          \
-    } while (0)
-#define CUDA_OK(call)                                                                              \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        FAIL_IF(e_ != cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                       \
-    } while (0)
 
 typedef struct shape {
     char name[48];

@@ -6,11 +6,29 @@
 #define COMET_TOOL_H
 
 #include <stdint.h>
+#include <stdio.h>
 
 #include "../src/launch.h"
 #include "../src/plan.h"
 
 #define TOOL_MAX_PRESETS 8
+
+/* In a rank's body: print the failure, hand it to the launcher as this rank's reason,
+ * and return 1. */
+#define FAIL_IF(cond, ...)                                                                        \
+    do {                                                                                           \
+        if (cond) {                                                                                \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fprintf(stderr, "\n");                                                                 \
+            cometi_rank_reason(__VA_ARGS__);                                                       \
+            return 1;                                                                              \
+        }                                                                                          \
+    } while (0)
+#define CUDA_OK(call)                                                                              \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        FAIL_IF(e_ != cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                       \
+    } while (0)
 
 typedef struct tool_options {
     /* bench */
