@@ -49,6 +49,7 @@ typedef enum cometi_wait_site {
     COMETI_SITE_FLAG = 2,      /* a flag in symmetric memory was never raised */
     COMETI_SITE_GEMM = 3,      /* a GEMM pipeline stage never filled or drained (a bug) */
     COMETI_SITE_ROUTE = 4,     /* the routing-count exchange: a peer's counts never came */
+    COMETI_SITE_ARRIVAL = 5,   /* a GEMM tile's token rows never all arrived */
 } cometi_wait_site_t;
 
 /* Written by kernels into host-mapped memory, read by the host without a sync. */

@@ -18,6 +18,8 @@
 #include "../src/plan.h"
 #include "../src/kernels/gemm.h"
 #include "../src/kernels/route.h"
+#include "../src/layer0.h"
+#include "../src/baseline/baseline.h"
 #include "testutil.h"
 
 /* Skip (returning 0) unless `n` Hopper GPUs are visible. */
@@ -273,13 +275,15 @@ static void fill_bf16(float *f, uint16_t *h, size_t n, double scale, uint64_t *r
     }
 }
 
-static int fixture_open(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t seed)
+/* The tiny preset; ffn > 0 replaces its FFN size (the fused path needs a multiple of 128). */
+static int fixture_open(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t seed, int ffn)
 {
     memset(fx, 0, sizeof(*fx));
     fx->ctx = ctx;
     fx->seed = seed;
     if (open_comm(ctx, 10000, &fx->comm)) return 1;
     CHECK_EQ(comet_moe_config_preset("tiny", 512, &fx->cfg), COMET_SUCCESS);
+    if (ffn > 0) fx->cfg.ffn = ffn;
     comet_status_t st = comet_moe_create(fx->comm, &fx->cfg, &fx->moe);
     if (st != COMET_SUCCESS) {
         printf("comet_moe_create: %s\n", comet_last_create_error());
@@ -422,7 +426,7 @@ static int baseline_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    if (fixture_open(&fx, ctx, seed)) return 1;
+    if (fixture_open(&fx, ctx, seed, 0)) return 1;
     int rc = 0;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         comet_status_t st;
@@ -461,7 +465,7 @@ static int baseline_repeat_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t seed = *(uint64_t *)arg, rng = seed;
     fixture_t fx;
-    if (fixture_open(&fx, ctx, seed)) return 1;
+    if (fixture_open(&fx, ctx, seed, 0)) return 1;
     double worst = 0;
     for (int it = 0; it < 40; it++) {
         moe_case_t c = cases[it % 3];
@@ -498,7 +502,7 @@ static int bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    if (fixture_open(&fx, ctx, seed)) return 1;
+    if (fixture_open(&fx, ctx, seed, 0)) return 1;
     comet_status_t st;
     double err;
     if (run_case(&fx, &cases[1], seed, ctx->rank == 1, &st, &err)) return 1;
@@ -792,7 +796,9 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
     if (open_comm(ctx, 10000, &comm)) return 1;
     const int W = ctx->nranks, me = ctx->rank, E = ROUTE_E, k = ROUTE_K;
     cometi_route_dev_t r;
-    COMET_OK(cometi_route_dev_create(comm, E, ROUTE_MAX_M * k, COMETI_BLOCK_M, &r), comm);
+    COMET_OK(cometi_route_dev_create(comm, E, ROUTE_MAX_M * k,
+                                     cometi_route_max_recv_rows(W, ROUTE_MAX_M, k, E / W, COMETI_BLOCK_M),
+                                     COMETI_BLOCK_M, &r), comm);
     int32_t *ids[COMETI_MAX_RANKS], *d_ids;
     float *w = malloc(sizeof(float) * ROUTE_MAX_M * k);
     for (int s = 0; s < W; s++) ids[s] = malloc(sizeof(int32_t) * ROUTE_MAX_M * k);
@@ -800,6 +806,7 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
     int32_t *got = malloc(sizeof(int32_t) * (W * E * 3 + E * 2 + W + ROUTE_MAX_M * k));
     int64_t *counts = malloc(sizeof(int64_t) * W * E), *want_pos = malloc(sizeof(int64_t) * ROUTE_MAX_M * k);
     const int calls = 300;
+    uint64_t *expected = calloc((size_t)r.max_blocks, sizeof(uint64_t)), *got_expected = malloc(8 * (size_t)r.max_blocks);
     for (int call = 0; call < calls; call++) {
         /* Every rank draws every rank's routing, so each can build the whole plan. */
         uint64_t rng = seed + 7919 * (uint64_t)call;
@@ -835,8 +842,23 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 }
             }
         }
+        /* Arrival totals per 128-row block of this rank's receive buffer, over all calls. */
+        for (int le = 0; le < E / W; le++) {
+            const int e = me * (E / W) + le;
+            for (int64_t row = 0; row < p.seg_rows[e]; row += COMETI_BLOCK_M)
+                expected[(p.seg_start[e] + row) / COMETI_BLOCK_M] +=
+                    p.seg_rows[e] - row < COMETI_BLOCK_M ? (uint64_t)(p.seg_rows[e] - row) : COMETI_BLOCK_M;
+        }
+        CUDA_OK(cudaMemcpy(got_expected, r.plan.expected, 8 * (size_t)r.max_blocks, cudaMemcpyDeviceToHost));
+        for (int b = 0; b < r.max_blocks; b++)
+            if (got_expected[b] != expected[b]) {
+                printf("rank %d call %d: expected[%d] = %llu on the GPU, %llu from the C plan\n", me, call, b,
+                       (unsigned long long)got_expected[b], (unsigned long long)expected[b]);
+                return 1;
+            }
         cometi_route_plan_free(&p);
     }
+    free(expected), free(got_expected);
     printf("rank %d: %d calls with changing routing and token counts, device plan equal to the C plan\n", me, calls);
     for (int s = 0; s < W; s++) free(ids[s]);
     free(w), free(got), free(counts), free(want_pos);
@@ -859,7 +881,7 @@ static int route_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     comet_comm_t comm;
     if (open_comm(ctx, 500, &comm)) return 1;
     cometi_route_dev_t r;
-    COMET_OK(cometi_route_dev_create(comm, ROUTE_E, 64, COMETI_BLOCK_M, &r), comm);
+    COMET_OK(cometi_route_dev_create(comm, ROUTE_E, 64, 64 * 2 + 16 * 127, COMETI_BLOCK_M, &r), comm);
     int32_t *d_ids;
     CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(int32_t) * 64));
     CUDA_OK(cudaMemset(d_ids, 0, sizeof(int32_t) * 64));
@@ -892,7 +914,7 @@ static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     comet_comm_t comm;
     if (open_comm(ctx, 2000, &comm)) return 1;
     cometi_route_dev_t r;
-    COMET_OK(cometi_route_dev_create(comm, 8, 64, COMETI_BLOCK_M, &r), comm);
+    COMET_OK(cometi_route_dev_create(comm, 8, 64, 64 + 8 * 127, COMETI_BLOCK_M, &r), comm);
     int32_t ids[8] = {0, 1, 2, 3, 4, 9, 6, 7}, *d_ids;
     CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(ids)));
     CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
@@ -913,4 +935,102 @@ int test_gpu_route_reports_bad_expert_id(void)
 {
     if (!have_gpus(1)) return TEST_SKIP;
     return launch(1, route_bad_id_rank, NULL, 50);
+}
+
+/* ---- the fused layer0 against the baseline's dispatch + GEMM0 + SwiGLU ---- */
+
+static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    uint64_t rng = seed * 3 + 1;
+    fixture_t fx;
+    if (fixture_open(&fx, ctx, seed, 256)) return 1;
+    cometi_layer0_t l0;
+    COMET_OK(cometi_layer0_create(fx.comm, &fx.cfg, &l0), fx.comm);
+    const void *b_recv, *b_act;
+    cometi_baseline_buffers(fx.moe->baseline, &b_recv, &b_act);
+    const int H = fx.cfg.hidden, F = fx.cfg.ffn, per = fx.per, me = ctx->rank;
+    const int ncases = (int)(sizeof(cases) / sizeof(cases[0]));
+    uint16_t *want = malloc((size_t)l0.max_recv_rows * F * 2), *got = malloc((size_t)l0.max_recv_rows * F * 2);
+    cometi_segment_t segs[64];
+    double worst = 0;
+    int calls = 0, rows_checked = 0;
+    for (int rep = 0; rep < 4; rep++) {
+        for (int ci = 0; ci < ncases; ci++, calls++) {
+            moe_case_t c = cases[ci];
+            if (rep > 0) { /* the same routings with other token counts (both ranks draw alike) */
+                c.tokens[0] = (int)(cometi_rand_next(&rng) % 513);
+                c.tokens[1] = (int)(cometi_rand_next(&rng) % 513);
+            }
+            comet_status_t st;
+            double err;
+            if (run_case(&fx, &c, seed + 100 * rep + ci, 0, &st, &err)) return 1;
+            if (st != COMET_SUCCESS) printf("baseline: %s\n", comet_moe_last_error(fx.moe));
+            CHECK_EQ(st, COMET_SUCCESS);
+            comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+            a.num_tokens = c.tokens[me % 2];
+            a.x = fx.d_x;
+            a.topk_ids = fx.d_ids;
+            a.topk_weights = fx.d_w;
+            a.y = fx.d_y;
+            a.weights.down = fx.d_down;
+            if (c.separate_gate_up) a.weights.gate = fx.d_gate, a.weights.up = fx.d_up;
+            else a.weights.gate_up = fx.d_gate_up;
+            const int dispatch_blocks = 1 + calls % 24;
+            CUDA_OK(cudaMemset(l0.act, 0xff, (size_t)l0.max_recv_rows * F * 2)); /* poison */
+            COMET_OK(cometi_layer0_run(fx.comm, &l0, &a, dispatch_blocks, 0), fx.comm);
+            CUDA_OK(cudaDeviceSynchronize());
+            if (comet_comm_get_async_error(fx.comm) != COMET_SUCCESS) {
+                printf("call %d (%s): %s\n", calls, c.name, comet_comm_last_error(fx.comm));
+                return 1;
+            }
+            CUDA_OK(cudaMemcpy(segs, l0.route.plan.local_segs, sizeof(cometi_segment_t) * per, cudaMemcpyDeviceToHost));
+            for (int le = 0; le < per; le++) {
+                const size_t start = (size_t)segs[le].start, rows = (size_t)segs[le].rows;
+                if (!rows) continue;
+                /* Delivery is exact: every row as NCCL delivered it to the baseline. */
+                CUDA_OK(cudaMemcpy(want, (const char *)b_recv + start * H * 2, rows * H * 2, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(got, (const char *)l0.recv.local + start * H * 2, rows * H * 2,
+                                   cudaMemcpyDeviceToHost));
+                for (size_t r = 0; r < rows; r++)
+                    if (memcmp(want + r * H, got + r * H, (size_t)H * 2)) {
+                        printf("call %d (%s): rank %d expert %d row %zu differs from the baseline's\n", calls, c.name,
+                               me, me * per + le, r);
+                        return 1;
+                    }
+                CUDA_OK(cudaMemcpy(want, (const char *)b_act + start * F * 2, rows * F * 2, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(got, (const char *)l0.act + start * F * 2, rows * F * 2, cudaMemcpyDeviceToHost));
+                for (size_t r = 0; r < rows; r++) {
+                    double num = 0, den = 0;
+                    for (int f = 0; f < F; f++) {
+                        double w = cometi_bf16_to_float(want[r * F + f]), v = cometi_bf16_to_float(got[r * F + f]);
+                        if (!isfinite(v)) num = INFINITY;
+                        num += (v - w) * (v - w);
+                        den += w * w;
+                    }
+                    double e = den > 0 ? sqrt(num / den) : sqrt(num);
+                    if (!(e <= worst)) worst = e;
+                    rows_checked++;
+                }
+            }
+            if (!(worst < 1e-2)) {
+                printf("call %d (%s, %d dispatch blocks): activation relative error %.3g\n", calls, c.name,
+                       dispatch_blocks, worst);
+                return 1;
+            }
+        }
+    }
+    printf("rank %d: %d calls, %d rows: delivery exact, worst activation relative error %.2e against the baseline\n",
+           me, calls, rows_checked, worst);
+    free(want), free(got);
+    cometi_layer0_destroy(fx.comm, &l0);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_layer0_matches_baseline(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, layer0_rank, &seed, 280);
 }

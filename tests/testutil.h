@@ -83,7 +83,8 @@ uint64_t test_seed(void);
     X(gpu_route_reports_bad_expert_id, 60)      \
     X(gpu_baseline_vs_reference, 300)           \
     X(gpu_baseline_repeated_calls, 300)         \
-    X(gpu_baseline_bad_expert_id, 120)
+    X(gpu_baseline_bad_expert_id, 120)          \
+    X(gpu_layer0_matches_baseline, 300)
 
 #define DECLARE_TEST(name, timeout) int test_##name(void);
 COMET_TESTS(DECLARE_TEST)

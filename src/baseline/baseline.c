@@ -29,6 +29,12 @@ struct cometi_baseline {
     cometi_segment_t *segs_host;
 };
 
+void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, const void **act)
+{
+    *recv = b->recv;
+    *act = b->act;
+}
+
 static comet_status_t cublas_status(char *err, cublasStatus_t s, const char *what)
 {
     if (s == CUBLAS_STATUS_SUCCESS) return COMET_SUCCESS;

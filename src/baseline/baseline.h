@@ -32,6 +32,8 @@ typedef struct cometi_baseline cometi_baseline_t;
 
 comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out);
 void cometi_baseline_destroy(cometi_baseline_t *b);
+/* The baseline's receive buffer and SwiGLU output (tests compare the fused path with them). */
+void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, const void **act);
 comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        cudaStream_t stream);
 

@@ -136,6 +136,10 @@ typedef struct gemm_args {
     int b_group_rows, up_offset;      /* B rows per group; SwiGLU: where up rows start in map_up */
     const float *row_scale;
     const int32_t *row_index;
+    const int32_t *local_rows;
+    const unsigned long long *arrive, *expected;
+    int gemm_blocks;
+    cometi_dispatch_t dispatch;
     __nv_bfloat16 *c;
     cometi_async_error_t *err;
     unsigned long long timeout_ns;
@@ -145,21 +149,57 @@ typedef struct tile {
     int group, m, n; /* row tile inside the group, column tile */
 } tile_t;
 
-/* first_tile[g]: index of group g's first tile; first_tile[groups]: the total. */
-static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_tile, const int *m_tiles, int groups,
+/* Tiles come in two phases (COMET's rescheduling): phase 0 holds the row tiles made only
+ * of local rows (the head of each group), phase 1 the rest. Entry i = phase * groups + g;
+ * first_tile[i] is its first tile, first_tile[2 * groups] the total; m_tiles[i] its row
+ * tiles, which start at row tile m_tiles[g] in phase 1. */
+static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_tile, const int16_t *m_tiles, int groups,
                                                      int n_tiles, int group_m)
 {
-    int g = 0;
-    while (g + 1 < groups && first_tile[g + 1] <= t) g++;
-    int local = t - first_tile[g], mt = m_tiles[g];
+    int lo = 0, hi = 2 * groups - 1; /* the last entry whose first tile is <= t */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first_tile[mid] <= t) lo = mid;
+        else hi = mid - 1;
+    }
+    const int g = lo % groups, mt = m_tiles[lo], m_first = lo >= groups ? m_tiles[g] : 0;
+    int local = t - first_tile[lo];
     /* Bands of group_m row tiles; inside a band the row tile runs fastest. */
     int band = local / (group_m * n_tiles), band_rows = min(group_m, mt - band * group_m);
     int in_band = local - band * group_m * n_tiles;
     tile_t r;
     r.group = g;
-    r.m = band * group_m + in_band % band_rows;
+    r.m = m_first + band * group_m + in_band % band_rows;
     r.n = in_band / band_rows;
     return r;
+}
+
+/* Dispatch: each warp copies whole token rows (16-byte accesses, four in flight) into the
+ * owner's receive buffer, then adds one to the owner's counter for that 128-row block
+ * with a release at system scope, which orders the warp's stores (through __syncwarp)
+ * before the count. Local rows go first, so local tiles can start at once. */
+static __device__ void dispatch_rows(const cometi_dispatch_t *d, int block, int nblocks)
+{
+    const int lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    const int gw = block * nwarps + threadIdx.x / 32, total_warps = nblocks * nwarps, vecs = d->hidden / 8;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = gw; i < d->n; i += total_warps) {
+            const int row = d->recv_pos[i];
+            if (row < 0) continue;
+            const int dst = d->topk_ids[i] / d->experts_per_rank;
+            if ((dst == d->rank) != (pass == 0)) continue;
+            const uint4 *src = (const uint4 *)d->x + (size_t)(i / d->top_k) * vecs;
+            uint4 *out = (uint4 *)d->recv[dst] + (size_t)row * vecs;
+            int v = lane;
+            for (; v + 96 < vecs; v += 128) {
+                uint4 a = src[v], b = src[v + 32], c = src[v + 64], e = src[v + 96];
+                out[v] = a, out[v + 32] = b, out[v + 64] = c, out[v + 96] = e;
+            }
+            for (; v < vecs; v += 32) out[v] = src[v];
+            __syncwarp();
+            if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / BM, 1);
+        }
+    }
 }
 
 /* ---- the kernel ---- */
@@ -179,17 +219,27 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *sa = smem, *sb = smem + STAGES * A_BYTES, *sc = sb + STAGES * B_BYTES;
     uint64_t *full = (uint64_t *)(sc + C_BYTES), *empty = full + STAGES, *turn = empty + STAGES;
-    int *first_tile = (int *)(turn + 2), *m_tiles = first_tile + COMETI_GEMM_MAX_GROUPS + 1;
+    int *first_tile = (int *)(turn + 2);
+    int16_t *m_tiles = (int16_t *)(first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1);
     const int wg = threadIdx.x / 128, n_tiles = p.n / ON, k_blocks = p.k / BK;
 
+    if ((int)blockIdx.x >= p.gemm_blocks) { /* a dispatch block */
+        dispatch_rows(&p.dispatch, blockIdx.x - p.gemm_blocks, gridDim.x - p.gemm_blocks);
+        return;
+    }
     if (threadIdx.x == 0) {
         int total = 0;
-        for (int g = 0; g < p.groups; g++) {
-            first_tile[g] = total;
-            m_tiles[g] = (p.segs[g].rows + TM - 1) / TM;
-            total += m_tiles[g] * n_tiles;
+        for (int phase = 0; phase < 2; phase++) {
+            for (int g = 0; g < p.groups; g++) {
+                const int mt = (p.segs[g].rows + TM - 1) / TM;
+                const int local = p.local_rows ? min(mt, p.local_rows[g] / TM) : 0;
+                const int i = phase * p.groups + g;
+                first_tile[i] = total;
+                m_tiles[i] = (int16_t)(phase ? mt - local : local);
+                total += m_tiles[i] * n_tiles;
+            }
         }
-        first_tile[p.groups] = total;
+        first_tile[2 * p.groups] = total;
         for (int s = 0; s < STAGES; s++) {
             mbar_init(&full[s], 1);
             mbar_init(&empty[s], PINGPONG ? 1 : 2); /* one arrive per consumer of the stage */
@@ -203,17 +253,24 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (SWIGLU) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_up) : "memory");
     }
     __syncthreads();
-    const int total = first_tile[p.groups];
+    const int total = first_tile[2 * p.groups];
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
         if (threadIdx.x != 0) return;
         int stage = 0;
         uint32_t phase = 0;
-        for (int t = blockIdx.x; t < total; t += gridDim.x) {
+        for (int t = blockIdx.x; t < total; t += p.gemm_blocks) {
             tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
             const int a_row = p.segs[tl.group].start + tl.m * TM;
             const int b_row = tl.group * p.b_group_rows + tl.n * ON;
+            if (p.arrive) {
+                /* Every row of this 128-row block has arrived (from any rank); the rows were
+                 * written by ordinary stores, so order them before the TMA's async reads. */
+                const int blk = a_row / BM;
+                cometi_wait_geq(p.arrive + blk, p.expected[blk], p.timeout_ns, p.err, COMETI_SITE_ARRIVAL, -1, blk);
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+            }
             for (int kb = 0; kb < k_blocks; kb++) {
                 mbar_wait(&empty[stage], phase ^ 1, p.err, p.timeout_ns);
                 mbar_expect_tx(&full[stage], A_BYTES + B_BYTES);
@@ -232,7 +289,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     float acc[BN / 2];
     int stage = 0;
     uint32_t phase = 0, turn_phase = 0;
-    for (int t = blockIdx.x, ordinal = 0; t < total; t += gridDim.x, ordinal++) {
+    for (int t = blockIdx.x, ordinal = 0; t < total; t += p.gemm_blocks, ordinal++) {
         if (PINGPONG && (ordinal & 1) != half) {
             /* The other consumer's tile: step over its stages in the ring. */
             int next = stage + k_blocks;
@@ -373,7 +430,7 @@ template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> sta
 {
     const int on = SWIGLU ? BN / 2 : BN, tm = PINGPONG ? 64 : BM;
     return 1024 + STAGES * (tm * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * on * 2 : 0) + (2 * STAGES + 2) * 8 +
-           (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4;
+           (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 + 2 * COMETI_GEMM_MAX_GROUPS * 2;
 }
 
 typedef struct maps {
@@ -462,16 +519,31 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
     args.up_offset = fused_up ? g->n : 0;
     args.row_scale = g->row_scale;
     args.row_index = g->row_index;
+    args.local_rows = g->local_rows;
+    args.arrive = g->arrive;
+    args.expected = g->expected;
+    args.dispatch = g->dispatch;
     args.c = (__nv_bfloat16 *)g->c;
     args.err = g->err;
     args.timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
-    int blocks = g->sms;
-    if (blocks <= 0) {
-        int dev = 0;
-        COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
-        COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&blocks, cudaDevAttrMultiProcessorCount, dev),
-                               "cudaDeviceGetAttribute(SM count)"));
-    }
+    int sm_count = 0, dev = 0;
+    COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
+    COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev),
+                           "cudaDeviceGetAttribute(SM count)"));
+    if (g->dispatch_blocks < 0 || (g->arrive && !g->expected))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch_blocks = %d: must be >= 0; arrive needs "
+                           "expected", g->dispatch_blocks);
+    /* GEMM blocks, then dispatch blocks. */
+    args.gemm_blocks = g->sms > 0 ? g->sms : sm_count - g->dispatch_blocks;
+    const int blocks = args.gemm_blocks + g->dispatch_blocks;
+    /* Blocks that wait for others must never keep those off the GPU: one per SM, all resident. */
+    if (g->arrive && (args.gemm_blocks < 1 || blocks > sm_count))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm with arrival waits: %d GEMM + %d dispatch blocks must "
+                           "be 1..%d (one per SM, so every block is resident)", args.gemm_blocks,
+                           g->dispatch_blocks, sm_count);
+    if (args.gemm_blocks < 1)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm sms = %d with %d dispatch blocks: no GEMM block left",
+                           g->sms, g->dispatch_blocks);
     /* The TMA epilogue's 64 KB staging leaves room for 3 stages at 128x256; ping-pong's
      * 64-row A tiles make stages smaller (40 KB). */
     if (pingpong) {

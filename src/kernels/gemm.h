@@ -34,6 +34,18 @@ enum {
     COMETI_SCHEDULE_PINGPONG = 2     /* each on its own 64-row tile, alternating (block_n 256) */
 };
 
+/* Dispatch blocks of the fused layer0 kernel: copy this rank's token rows into their
+ * expert owners' receive buffers (local rows first), counting arrivals per 128-row block
+ * with a system-scope release after each row. */
+typedef struct cometi_dispatch {
+    const void *x;                  /* [tokens][hidden] bf16 */
+    const int32_t *recv_pos;        /* [n] row (t, j) in its owner's receive buffer; -1: skip */
+    const int32_t *topk_ids;        /* [n] */
+    int n, top_k, hidden, experts_per_rank, rank;
+    void *recv[COMETI_MAX_RANKS];                 /* every rank's receive buffer, mapped here */
+    unsigned long long *arrive[COMETI_MAX_RANKS]; /* every rank's arrival counters, mapped here */
+} cometi_dispatch_t;
+
 typedef struct cometi_gemm {
     const void *a;                 /* [a_rows][k] bf16 */
     int64_t a_rows;                /* rows allocated in A (TMA reads past a group's rows stay inside) */
@@ -53,6 +65,14 @@ typedef struct cometi_gemm {
     const float *row_scale;        /* C row r scaled by row_scale[r] (A row numbering), or NULL */
     const int32_t *row_index;      /* A row r stored to C row row_index[r] (< 0: dropped), or NULL;
                                     * rows then go straight from registers */
+    /* Fused with dispatch (layer0); all NULL / 0 for a plain GEMM: */
+    const int32_t *local_rows;            /* [groups] rows at the head of each group that are local:
+                                           * tiles made only of them go first (COMET's rescheduling) */
+    const unsigned long long *arrive;     /* [a_rows / 128] arrival counters: a tile reads its A rows
+                                           * only once arrive[b] >= expected[b] (acquire, system) */
+    const unsigned long long *expected;   /* [a_rows / 128] */
+    int dispatch_blocks;                  /* blocks after the GEMM's that run `dispatch` */
+    cometi_dispatch_t dispatch;
     cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
     unsigned long long timeout_ns; /* a pipeline wait longer than this is a bug: report, leave */
 } cometi_gemm_t;

@@ -21,6 +21,11 @@ static __device__ __forceinline__ void cometi_st_release_sys(unsigned long long 
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+static __device__ __forceinline__ void cometi_red_release_sys_add(unsigned long long *p, unsigned long long v)
+{
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 static __device__ __forceinline__ unsigned long long cometi_globaltimer_ns(void)
 {
     unsigned long long t;
@@ -48,9 +53,11 @@ static __device__ void cometi_record_error(cometi_async_error_t *err, int status
 
 /*
  * Spin until *flag >= expected (acquire, system scope), backing off with nanosleep.
- * Gives up, records COMET_TIMEOUT and returns 0 after timeout_ns, or at once when
- * another wait of this communicator has already failed (so one dead peer costs one
- * timeout, not one per waiting block). Returns 1 when the flag arrived.
+ * Gives up, records COMET_TIMEOUT and returns 0 after timeout_ns, or soon after another
+ * wait of this communicator has failed (so one dead peer costs one timeout, not one per
+ * waiting block). The failure word is in host memory, so it is read only once a wait
+ * has lasted 1 ms: polling it over PCIe from many SMs slows everything (docs/PERF.md).
+ * Returns 1 when the flag arrived.
  */
 static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned long long expected,
                                       unsigned long long timeout_ns, cometi_async_error_t *err,
@@ -61,8 +68,8 @@ static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned l
     for (;;) {
         unsigned long long v = cometi_ld_acquire_sys(flag);
         if (v >= expected) return 1;
-        if (*(volatile int *)&err->status != 0) return 0;
         unsigned long long waited = cometi_globaltimer_ns() - start;
+        if (waited > 1000000 && *(volatile int *)&err->status != 0) return 0;
         if (waited > timeout_ns) {
             cometi_record_error(err, COMET_TIMEOUT, site, peer, slot, expected, v, waited);
             return 0;

@@ -122,6 +122,15 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
         plan.recv_rows[d] = row;
     }
     __syncthreads();
+    /* This rank as a receiver: its segments, its own rows in each, and how many rows each
+     * 128-row block receives in this call (added to the running totals). */
+    for (int le = threadIdx.x; le < per; le += blockDim.x) {
+        const int e = me * per + le, start = plan.seg_start[e], rows = plan.seg_rows[e];
+        plan.local_segs[le].start = start;
+        plan.local_segs[le].rows = rows;
+        plan.local_rows[le] = plan.counts[me * E + e];
+        for (int r = 0; r < rows; r += block_m) plan.expected[(start + r) / block_m] += min(block_m, rows - r);
+    }
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const int e = ids[i];
         plan.recv_pos[i] = e >= 0 && e < E ? plan.seg_start[e] + plan.recv_offset[me * E + e] + plan.pos[i] : -1;
@@ -131,11 +140,12 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
                             (unsigned)ids[local_counts[E]], 0);
 }
 
-extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows, int block_m,
-                                                  cometi_route_dev_t *r)
+extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows,
+                                                  int64_t max_recv_rows, int block_m, cometi_route_dev_t *r)
 {
     memset(r, 0, sizeof(*r));
-    const int W = comm->size, E = num_experts;
+    const int W = comm->size, E = num_experts, per = E / W;
+    r->max_blocks = (int)((max_recv_rows + block_m - 1) / block_m);
     r->world = W;
     r->num_experts = E;
     r->max_rows = max_rows;
@@ -148,10 +158,17 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->local_counts, sizeof(int32_t) * (E + 1)),
                                     "cudaMalloc(route counts)"), fail);
     {
-        size_t ints = (size_t)W * E * 3 + (size_t)E * 2 + W + (size_t)max_rows * 2;
-        COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->arena, sizeof(int32_t) * (ints ? ints : 1)),
+        /* 64-bit counters first (alignment), then segments, then the int32 arrays. */
+        size_t ints = (size_t)r->max_blocks * 2 + (size_t)per * 3 + (size_t)W * E * 3 + (size_t)E * 2 + W +
+                      (size_t)max_rows * 2;
+        COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->arena, sizeof(int32_t) * ints),
                                         "cudaMalloc(route plan)"), fail);
+        COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->arena, 0, sizeof(int32_t) * ints),
+                                        "clear route plan"), fail);
         int32_t *p = r->arena;
+        r->plan.expected = (unsigned long long *)p, p += (size_t)r->max_blocks * 2;
+        r->plan.local_segs = (cometi_segment_t *)p, p += (size_t)per * 2;
+        r->plan.local_rows = p, p += per;
         r->plan.counts = p, p += (size_t)W * E;
         r->plan.send_offset = p, p += (size_t)W * E;
         r->plan.seg_start = p, p += E;

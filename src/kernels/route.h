@@ -11,6 +11,7 @@
 
 #include <stdint.h>
 #include "../internal.h"
+#include "gemm.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -29,10 +30,16 @@ typedef struct cometi_route_dev_plan {
     int32_t *recv_rows;   /* [world] */
     int32_t *recv_pos;    /* [max_rows] this rank's row (t, j) in its owner's receive buffer; -1: bad id */
     int32_t *pos;         /* [max_rows] rank of (t, j) among this rank's rows of its expert */
+    /* This rank as a receiver, for the fused GEMM: */
+    cometi_segment_t *local_segs;   /* [E / world] its experts' segments */
+    int32_t *local_rows;            /* [E / world] rows of each that come from this rank itself */
+    unsigned long long *expected;   /* [max_recv_rows / 128] rows each 128-row block of the receive
+                                     * buffer has received over all calls so far, this one included:
+                                     * arrival counters reach it when the block is complete */
 } cometi_route_dev_plan_t;
 
 typedef struct cometi_route_dev {
-    int world, num_experts, max_rows, block_m;
+    int world, num_experts, max_rows, block_m, max_blocks;
     cometi_window_t table;          /* [2][world][E] int32 counts, then [world] u64 arrival flags */
     int32_t *local_counts;          /* [E + 1]: this rank's counts, then the first bad id's index */
     int32_t *arena;                 /* backs every array of `plan` */
@@ -40,9 +47,10 @@ typedef struct cometi_route_dev {
     unsigned long long seq;         /* calls so far: flags only grow, nothing is reset */
 } cometi_route_dev_t;
 
-/* Collective (allocates a symmetric window). max_rows = max tokens x top-k. */
-comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows, int block_m,
-                                       cometi_route_dev_t *r);
+/* Collective (allocates a symmetric window). max_rows = max tokens x top-k;
+ * max_recv_rows: the most padded rows one rank can receive (cometi_route_max_recv_rows). */
+comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows, int64_t max_recv_rows,
+                                       int block_m, cometi_route_dev_t *r);
 void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *r);
 
 /* Collective, enqueued on `stream`, no host sync. A peer that never arrives gives

@@ -1,0 +1,109 @@
+/*
+ * layer0.c - host side of the fused layer0: buffers in symmetric memory, and the two
+ * launches of one call (device route, fused dispatch + GEMM0 + SwiGLU). See layer0.h.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "layer0.h"
+
+comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t *cfg, cometi_layer0_t *l)
+{
+    memset(l, 0, sizeof(*l));
+    if (cfg->ffn % 128)
+        return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "config.ffn = %d: the fused layer needs a multiple of 128 "
+                           "(one SwiGLU tile is 128 activation columns)", cfg->ffn);
+    const int W = comm->size, per = cfg->num_experts / W;
+    l->hidden = cfg->hidden;
+    l->ffn = cfg->ffn;
+    l->num_experts = cfg->num_experts;
+    l->top_k = cfg->top_k;
+    l->max_tokens = cfg->max_tokens;
+    l->max_recv_rows = cometi_route_max_recv_rows(W, cfg->max_tokens, cfg->top_k, per, COMETI_BLOCK_M);
+    comet_status_t st;
+    COMETI_TRY_GOTO(st, cometi_route_dev_create(comm, cfg->num_experts, cfg->max_tokens * cfg->top_k,
+                                                l->max_recv_rows, COMETI_BLOCK_M, &l->route), fail);
+    COMETI_TRY_GOTO(st, cometi_window_create(comm, (size_t)l->max_recv_rows * cfg->hidden * 2, &l->recv), fail);
+    COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(unsigned long long) * l->route.max_blocks, &l->arrive),
+                    fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->arrive.local, 0, l->arrive.bytes), "clear arrivals"),
+                    fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->act, (size_t)l->max_recv_rows * cfg->ffn * 2),
+                                    "cudaMalloc(layer0 activations)"), fail);
+    /* Every rank's counters are zero before any rank adds to them. */
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaDeviceSynchronize(), "clear arrivals"), fail);
+    COMETI_TRY_GOTO(st, cometi_barrier(comm, 0), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaDeviceSynchronize(), "layer0 barrier"), fail);
+    COMETI_TRY_GOTO(st, cometi_check_async(comm), fail);
+    return COMET_SUCCESS;
+fail:
+    cometi_layer0_destroy(comm, l);
+    return st;
+}
+
+void cometi_layer0_destroy(comet_comm_t comm, cometi_layer0_t *l)
+{
+    cometi_route_dev_destroy(comm, &l->route);
+    if (l->recv.local) cometi_window_destroy(comm, &l->recv);
+    if (l->arrive.local) cometi_window_destroy(comm, &l->arrive);
+    cudaFree(l->act);
+    memset(l, 0, sizeof(*l));
+}
+
+/* The GEMM0 + SwiGLU description shared by the fused run and the GEMM-only run. */
+static cometi_gemm_t gemm0(comet_comm_t comm, const cometi_layer0_t *l, const comet_moe_args_t *a)
+{
+    cometi_gemm_t g;
+    memset(&g, 0, sizeof(g));
+    g.a = l->recv.local;
+    g.a_rows = l->max_recv_rows;
+    g.b = a->weights.gate_up ? a->weights.gate_up : a->weights.gate;
+    g.b_up = a->weights.gate_up ? NULL : a->weights.up;
+    g.c = l->act;
+    g.ldc = l->ffn;
+    g.segs = l->route.plan.local_segs;
+    g.groups = l->num_experts / comm->size;
+    g.n = l->ffn;
+    g.k = l->hidden;
+    g.swiglu = 1;
+    g.err = comm->async_dev;
+    g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
+    return g;
+}
+
+comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,
+                                 int dispatch_blocks, cudaStream_t stream)
+{
+    if (dispatch_blocks < 1 || dispatch_blocks >= comm->sm_count)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "dispatch blocks = %d: must be 1..%d (the rest of the "
+                           "%d SMs compute)", dispatch_blocks, comm->sm_count - 1, comm->sm_count);
+    COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->num_tokens, l->top_k, stream));
+    cometi_gemm_t g = gemm0(comm, l, a);
+    g.local_rows = l->route.plan.local_rows;
+    g.arrive = (const unsigned long long *)l->arrive.local;
+    g.expected = l->route.plan.expected;
+    g.sms = comm->sm_count - dispatch_blocks;
+    g.dispatch_blocks = dispatch_blocks;
+    cometi_dispatch_t *d = &g.dispatch;
+    d->x = a->x;
+    d->recv_pos = l->route.plan.recv_pos;
+    d->topk_ids = a->topk_ids;
+    d->n = a->num_tokens * l->top_k;
+    d->top_k = l->top_k;
+    d->hidden = l->hidden;
+    d->experts_per_rank = l->num_experts / comm->size;
+    d->rank = comm->rank;
+    for (int p = 0; p < comm->size; p++) {
+        d->recv[p] = l->recv.peer[p];
+        d->arrive[p] = (unsigned long long *)l->arrive.peer[p];
+    }
+    return cometi_gemm_run(comm->err, &g, stream);
+}
+
+comet_status_t cometi_layer0_gemm_only(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,
+                                       cudaStream_t stream)
+{
+    cometi_gemm_t g = gemm0(comm, l, a);
+    g.local_rows = l->route.plan.local_rows; /* same tile order as the fused run */
+    return cometi_gemm_run(comm->err, &g, stream);
+}

@@ -1,0 +1,47 @@
+/*
+ * layer0.h - the first half of the fused MoE layer (COMET's layer0): the device route,
+ * then one persistent kernel in which dispatch blocks copy each token row into its
+ * expert owner's receive buffer over NVLink (local rows first) and count arrivals per
+ * 128-row block, while GEMM blocks run GEMM0 with SwiGLU, starting each tile as soon
+ * as its rows have all arrived, tiles made only of local rows first.
+ */
+#ifndef COMET_LAYER0_H
+#define COMET_LAYER0_H
+
+#include "internal.h"
+#include "kernels/route.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct cometi_layer0 {
+    cometi_route_dev_t route;
+    cometi_window_t recv;   /* [max_recv_rows][hidden] bf16: rows pushed here by every rank */
+    cometi_window_t arrive; /* [max_recv_rows / 128] u64: rows arrived per block, over all calls */
+    void *act;              /* [max_recv_rows][ffn] bf16: SwiGLU(GEMM0), expert-major, padded */
+    int hidden, ffn, num_experts, top_k, max_tokens;
+    int64_t max_recv_rows;
+} cometi_layer0_t;
+
+/* Collective. The config must be valid; layer0 also needs ffn a multiple of 128 (one
+ * SwiGLU tile is 128 activation columns). */
+comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t *cfg, cometi_layer0_t *l);
+void cometi_layer0_destroy(comet_comm_t comm, cometi_layer0_t *l);
+
+/* Collective, no host sync: route, then the fused kernel with `dispatch_blocks` of the
+ * GPU's SMs copying rows and the rest computing. Failures on the device (a peer that
+ * never arrives) come back through comet_comm_get_async_error(). */
+comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,
+                                 int dispatch_blocks, cudaStream_t stream);
+
+/* GEMM0 + SwiGLU alone on the rows the last run left in the receive buffer, with every
+ * SM and no waits: the term "our GEMM alone" of the overlap bound. */
+comet_status_t cometi_layer0_gemm_only(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,
+                                       cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_LAYER0_H */
