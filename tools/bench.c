@@ -22,6 +22,7 @@
 #include "comet.h"
 #include "../src/internal.h"
 #include "../src/baseline/baseline.h"
+#include "../src/layer0.h"
 #include "tool.h"
 
 #define NSETS 3 /* input sets rotated between calls, so they do not sit in L2 */
@@ -94,13 +95,19 @@ static const char *routing_name(cometi_routing_t r)
     return r == COMETI_ROUTING_BALANCED ? "balanced" : r == COMETI_ROUTING_RANDOM ? "random" : "skewed";
 }
 
-enum { P_TOTAL, P_ROUTE, P_A2A_OUT, P_EXPERTS, P_A2A_BACK, P_COMBINE, P_COUNT };
-static const char *phase_json[P_COUNT] = {"total", "route", "dispatch_a2a", "experts", "combine_a2a", "combine"};
+enum { P_TOTAL, P_ROUTE, P_A2A_OUT, P_EXPERTS, P_A2A_BACK, P_COMBINE, P_LAYER0, P_COUNT };
+static const char *phase_json[P_COUNT] = {"total", "route", "dispatch_a2a", "experts", "combine_a2a", "combine",
+                                          "layer0_part"};
 
+#define SWEEP_MAX 8
 typedef struct case_result {
     float ms[P_COUNT]; /* medians, slowest rank */
     double tflops;     /* expert GEMMs, per GPU */
     double check;      /* worst relative error of the sample tokens, -1 if not checked */
+    /* The fused layer0, when run: */
+    int l0_runs, l0_blocks[SWEEP_MAX], l0_best;
+    float l0_ms[SWEEP_MAX], l0_gemm_alone_ms;
+    double l0_diff;    /* activations against the baseline's, sampled rows */
 } case_result_t;
 
 /* Max (or sum) over ranks of a few floats, through NCCL. */
@@ -113,6 +120,99 @@ static int allreduce(comet_comm_t comm, float *v, int n, ncclRedOp_t op)
     FAIL_IF(r != ncclSuccess, "ncclAllReduce: %s", ncclGetErrorString(r));
     CUDA_OK(cudaMemcpy(v, d, sizeof(float) * n, cudaMemcpyDeviceToHost));
     cudaFree(d);
+    return 0;
+}
+
+/* Median ms of `iters` calls of the fused layer0 (or its GEMM alone), rotating input sets. */
+static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t *a, void **x, int32_t **ids,
+                       float **w, int blocks, int warmup, int iters, int gemm_only, float *out)
+{
+    cudaEvent_t e0, e1;
+    float *t = malloc(sizeof(float) * iters);
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    for (int it = -warmup; it < iters; it++) {
+        int set = (it + warmup) % NSETS;
+        a->x = x[set], a->topk_ids = ids[set], a->topk_weights = w[set];
+        cudaEventRecord(e0, 0);
+        comet_status_t st = gemm_only ? cometi_layer0_gemm_only(comm, l0, a, 0) : cometi_layer0_run(comm, l0, a, blocks, 0);
+        cudaEventRecord(e1, 0);
+        if (st != COMET_SUCCESS) {
+            fprintf(stderr, "layer0: %s\n", comet_comm_last_error(comm));
+            cometi_rank_reason("layer0: %s", comet_comm_last_error(comm));
+            return 1;
+        }
+        cudaEventSynchronize(e1);
+        if (it >= 0) cudaEventElapsedTime(&t[it], e0, e1);
+    }
+    *out = median(t, iters);
+    free(t);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    comet_status_t st = comet_comm_get_async_error(comm);
+    FAIL_IF(st != COMET_SUCCESS, "layer0: %s", comet_comm_last_error(comm));
+    return 0;
+}
+
+/* The fused layer0 on the same inputs: a sweep of dispatch-block counts, our GEMM0 alone
+ * on the same rows, and its activations against the baseline's on sampled rows. */
+static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm, comet_moe_t moe,
+                      const comet_moe_config_t *cfg, const char *label, comet_moe_args_t *a, void **x,
+                      int32_t **ids, float **w, case_result_t *res)
+{
+    static const int sweep[] = {4, 8, 16, 24, 32, 48};
+    cometi_layer0_t l0;
+    comet_status_t st = cometi_layer0_create(comm, cfg, &l0);
+    FAIL_IF(st != COMET_SUCCESS, "layer0 (%s): %s", label, comet_comm_last_error(comm));
+    if (ctx->rank == 0) fprintf(stderr, "[bench] %s: fused layer0, dispatch blocks sweep\n", label);
+    res->l0_runs = 0;
+    res->l0_best = 0;
+    for (size_t i = 0; i < sizeof(sweep) / sizeof(sweep[0]); i++) {
+        float ms;
+        if (time_layer0(comm, &l0, a, x, ids, w, sweep[i], o->warmup, o->iters, 0, &ms)) return 1;
+        if (allreduce(comm, &ms, 1, ncclMax)) return 1;
+        res->l0_blocks[res->l0_runs] = sweep[i];
+        res->l0_ms[res->l0_runs] = ms;
+        if (ms < res->l0_ms[res->l0_best]) res->l0_best = res->l0_runs;
+        res->l0_runs++;
+    }
+    float ms;
+    if (time_layer0(comm, &l0, a, x, ids, w, 0, o->warmup, o->iters, 1, &ms)) return 1;
+    if (allreduce(comm, &ms, 1, ncclMax)) return 1;
+    res->l0_gemm_alone_ms = ms;
+    /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
+    a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0];
+    st = comet_moe_forward(moe, a, 0);
+    FAIL_IF(st != COMET_SUCCESS, "forward (%s): %s", label, comet_moe_last_error(moe));
+    st = cometi_layer0_run(comm, &l0, a, res->l0_blocks[res->l0_best], 0);
+    FAIL_IF(st != COMET_SUCCESS, "layer0 (%s): %s", label, comet_comm_last_error(comm));
+    CUDA_OK(cudaDeviceSynchronize());
+    const void *b_recv, *b_act;
+    cometi_baseline_buffers(moe->baseline, &b_recv, &b_act);
+    const int per = cfg->num_experts / ctx->nranks, F = cfg->ffn;
+    cometi_segment_t *segs = malloc(sizeof(cometi_segment_t) * per);
+    CUDA_OK(cudaMemcpy(segs, l0.route.plan.local_segs, sizeof(cometi_segment_t) * per, cudaMemcpyDeviceToHost));
+    uint16_t *want = malloc((size_t)64 * F * 2), *got = malloc((size_t)64 * F * 2);
+    double num = 0, den = 0;
+    for (int le = 0; le < per; le++) {
+        for (int end = 0; end < 2; end++) {
+            int rows = segs[le].rows < 64 ? segs[le].rows : 64;
+            size_t first = (size_t)segs[le].start + (end ? segs[le].rows - rows : 0);
+            CUDA_OK(cudaMemcpy(want, (const char *)b_act + first * F * 2, (size_t)rows * F * 2, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(got, (const char *)l0.act + first * F * 2, (size_t)rows * F * 2, cudaMemcpyDeviceToHost));
+            for (size_t i = 0; i < (size_t)rows * F; i++) {
+                double u = cometi_bf16_to_float(want[i]), v = cometi_bf16_to_float(got[i]);
+                num += isfinite(v) ? (v - u) * (v - u) : INFINITY;
+                den += u * u;
+            }
+        }
+    }
+    float diff = den > 0 ? (float)sqrt(num / den) : 0;
+    if (!isfinite(diff)) diff = INFINITY;
+    if (allreduce(comm, &diff, 1, ncclMax)) return 1;
+    res->l0_diff = diff;
+    free(segs), free(want), free(got);
+    cometi_layer0_destroy(comm, &l0);
     return 0;
 }
 
@@ -219,9 +319,10 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
         for (int i = 1; i < COMETI_NUM_MARKS; i++) CUDA_OK(cudaEventElapsedTime(&ms[i], marks[i - 1], marks[i]));
         times[P_ROUTE][it] = ms[COMETI_MARK_ROUTED];
         times[P_A2A_OUT][it] = ms[COMETI_MARK_DISPATCHED];
-        times[P_EXPERTS][it] = ms[COMETI_MARK_COMPUTED];
+        times[P_EXPERTS][it] = ms[COMETI_MARK_ACTIVATED] + ms[COMETI_MARK_COMPUTED];
         times[P_A2A_BACK][it] = ms[COMETI_MARK_RETURNED];
         times[P_COMBINE][it] = ms[COMETI_MARK_END];
+        CUDA_OK(cudaEventElapsedTime(&times[P_LAYER0][it], marks[COMETI_MARK_START], marks[COMETI_MARK_ACTIVATED]));
         CUDA_OK(cudaEventElapsedTime(&times[P_TOTAL][it], marks[COMETI_MARK_START], marks[COMETI_MARK_END]));
         if (me == 0 && o->iters >= 50 && (it + 1) % (o->iters / 5) == 0)
             fprintf(stderr, "[bench] %s: %d/%d\n", label, it + 1, o->iters);
@@ -237,6 +338,7 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
     if (allreduce(comm, flops, 1, ncclSum)) return 1;
     res->tflops = flops[0] / R / (res->ms[P_EXPERTS] * 1e-3) / 1e12;
     for (int i = 0; i < COMETI_NUM_MARKS; i++) cudaEventDestroy(marks[i]);
+    if (o->run_comet && run_layer0(ctx, o, comm, moe, cfg, label, &a, x, ids, w, res)) return 1;
     for (int set = 0; set < NSETS; set++) cudaFree(x[set]), cudaFree(ids[set]), cudaFree(w[set]);
     cudaFree(gate_up), cudaFree(down), cudaFree(y);
     comet_moe_destroy(moe);
@@ -293,6 +395,8 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
         }
         case_result_t base;
         memset(&base, 0, sizeof(base));
+        if (!o->run_baseline && o->run_comet && ctx->rank == 0)
+            printf("%-16s comet: needs the baseline run beside it in this version (--impl all)\n", label);
         if (o->run_baseline) {
             if (run_baseline_case(ctx, o, comm, &cfg, label, &base)) return 1;
             if (base.check > 1e-2 || base.check != base.check) failed_check = 1;
@@ -318,9 +422,27 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 }
             }
         }
-        if (o->run_comet && ctx->rank == 0)
-            printf("%-16s %-9s %6d   n/a: the fused tile-level path is not built yet\n", label, "comet",
+        if (o->run_comet && ctx->rank == 0) {
+            printf("%-16s %-9s %6d   n/a: the whole fused layer is not built yet (layer0 is: below)\n", label, "comet",
                    cfg.max_tokens);
+            if (o->run_baseline && base.l0_runs) {
+                const float l0 = base.l0_ms[base.l0_best];
+                printf("  layer0 (dispatch + GEMM0 + SwiGLU): baseline %.3f ms, fused %.3f ms with %d dispatch blocks "
+                       "(%.2fx), our GEMM0 alone %.3f ms (fused / alone %.3f), activations vs baseline %.1e%s\n",
+                       base.ms[P_LAYER0], l0, base.l0_blocks[base.l0_best], base.ms[P_LAYER0] / l0,
+                       base.l0_gemm_alone_ms, l0 / base.l0_gemm_alone_ms, base.l0_diff,
+                       base.l0_diff > 1e-2 ? "!" : "");
+                printf("  layer0 sweep, ms by dispatch blocks:");
+                for (int i = 0; i < base.l0_runs; i++) printf(" %d: %.3f", base.l0_blocks[i], base.l0_ms[i]);
+                printf("\n");
+                if (json)
+                    fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer0\", \"baseline_layer0_ms\": %.4f, "
+                            "\"fused_ms\": %.4f, \"dispatch_blocks\": %d, \"gemm0_alone_ms\": %.4f, "
+                            "\"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER0], l0, base.l0_blocks[base.l0_best],
+                            base.l0_gemm_alone_ms, base.l0_diff);
+            }
+        }
+        if (base.l0_runs && !(base.l0_diff <= 1e-2)) failed_check = 1;
         fflush(stdout);
     }
     if (json) {

@@ -215,6 +215,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     }
     COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_swiglu(b->h, b->act, F, b->segs, per, max_seg_rows, stream),
                                     "launch swiglu_kernel"), out);
+    COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_ACTIVATED, stream), out);
     for (int le = 0; le < per; le++) {
         int e = moe->first_expert + le, rows = (int)plan.seg_rows[e];
         if (!rows) continue;

@@ -22,7 +22,8 @@ enum {
     COMETI_MARK_START,
     COMETI_MARK_ROUTED,     /* counts exchanged, plan made, rows permuted */
     COMETI_MARK_DISPATCHED, /* all-to-all of rows done */
-    COMETI_MARK_COMPUTED,   /* GEMM0 + SwiGLU + GEMM1 done */
+    COMETI_MARK_ACTIVATED,  /* GEMM0 + SwiGLU done (the end of what layer0 replaces) */
+    COMETI_MARK_COMPUTED,   /* GEMM1 done */
     COMETI_MARK_RETURNED,   /* all-to-all back done */
     COMETI_MARK_END,        /* weighted top-k sum done */
     COMETI_NUM_MARKS
