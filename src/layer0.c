@@ -86,9 +86,12 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     g.dispatch_blocks = dispatch_blocks;
     cometi_dispatch_t *d = &g.dispatch;
     d->x = a->x;
-    d->recv_pos = l->route.plan.recv_pos;
-    d->topk_ids = a->topk_ids;
-    d->n = a->num_tokens * l->top_k;
+    d->src_of = l->route.plan.src_of;
+    d->counts = l->route.plan.counts;
+    d->send_offset = l->route.plan.send_offset;
+    d->seg_start = l->route.plan.seg_start;
+    d->recv_offset = l->route.plan.recv_offset;
+    d->num_experts = l->num_experts;
     d->top_k = l->top_k;
     d->hidden = l->hidden;
     d->experts_per_rank = l->num_experts / comm->size;

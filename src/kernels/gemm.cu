@@ -174,30 +174,42 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
     return r;
 }
 
-/* Dispatch: each warp copies whole token rows (16-byte accesses, four in flight) into the
- * owner's receive buffer, then adds one to the owner's counter for that 128-row block
- * with a release at system scope, which orders the warp's stores (through __syncwarp)
- * before the count. Local rows go first, so local tiles can start at once. */
+/* Dispatch. This rank's rows for expert e form one contiguous run of its owner's
+ * receive buffer; cut at the owner's 128-row block boundaries, each run gives pieces of
+ * at most 128 rows. A warp copies one piece (16-byte accesses, four in flight per lane),
+ * then adds the piece's row count to the owner's counter for that block with one release
+ * at system scope, which orders the warp's stores (through __syncwarp) before the count:
+ * one fence per piece, not per row. Pieces for local experts go first, so local tiles can
+ * start at once. Warps take pieces round-robin. */
 static __device__ void dispatch_rows(const cometi_dispatch_t *d, int block, int nblocks)
 {
-    const int lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    const int lane = threadIdx.x % 32, nwarps = blockDim.x / 32, E = d->num_experts, me = d->rank;
     const int gw = block * nwarps + threadIdx.x / 32, total_warps = nblocks * nwarps, vecs = d->hidden / 8;
+    int piece = 0;
     for (int pass = 0; pass < 2; pass++) {
-        for (int i = gw; i < d->n; i += total_warps) {
-            const int row = d->recv_pos[i];
-            if (row < 0) continue;
-            const int dst = d->topk_ids[i] / d->experts_per_rank;
-            if ((dst == d->rank) != (pass == 0)) continue;
-            const uint4 *src = (const uint4 *)d->x + (size_t)(i / d->top_k) * vecs;
-            uint4 *out = (uint4 *)d->recv[dst] + (size_t)row * vecs;
-            int v = lane;
-            for (; v + 96 < vecs; v += 128) {
-                uint4 a = src[v], b = src[v + 32], c = src[v + 64], e = src[v + 96];
-                out[v] = a, out[v + 32] = b, out[v + 64] = c, out[v + 96] = e;
+        for (int e = 0; e < E; e++) {
+            const int dst = e / d->experts_per_rank, rows = d->counts[me * E + e];
+            if ((dst == me) != (pass == 0) || rows == 0) continue;
+            const int first_row = d->seg_start[e] + d->recv_offset[me * E + e], first_send = d->send_offset[me * E + e];
+            for (int r0 = 0; r0 < rows;) {
+                const int row = first_row + r0, n_rows = min(rows - r0, BM - row % BM);
+                if (piece++ % total_warps == gw) {
+                    uint4 *out = (uint4 *)d->recv[dst] + (size_t)row * vecs;
+                    for (int q = 0; q < n_rows; q++) {
+                        const uint4 *src = (const uint4 *)d->x + (size_t)(d->src_of[first_send + r0 + q] / d->top_k) * vecs;
+                        uint4 *o = out + (size_t)q * vecs;
+                        int v = lane;
+                        for (; v + 96 < vecs; v += 128) {
+                            uint4 a = src[v], b = src[v + 32], c = src[v + 64], f = src[v + 96];
+                            o[v] = a, o[v + 32] = b, o[v + 64] = c, o[v + 96] = f;
+                        }
+                        for (; v < vecs; v += 32) o[v] = src[v];
+                    }
+                    __syncwarp();
+                    if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / BM, (unsigned long long)n_rows);
+                }
+                r0 += n_rows;
             }
-            for (; v < vecs; v += 32) out[v] = src[v];
-            __syncwarp();
-            if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / BM, 1);
         }
     }
 }

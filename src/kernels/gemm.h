@@ -35,13 +35,17 @@ enum {
 };
 
 /* Dispatch blocks of the fused layer0 kernel: copy this rank's token rows into their
- * expert owners' receive buffers (local rows first), counting arrivals per 128-row block
- * with a system-scope release after each row. */
+ * expert owners' receive buffers (local rows first), in pieces that each fill part of
+ * one 128-row block of one owner, counting each piece's rows with one system-scope
+ * release. Plan arrays are the device route's. */
 typedef struct cometi_dispatch {
     const void *x;                  /* [tokens][hidden] bf16 */
-    const int32_t *recv_pos;        /* [n] row (t, j) in its owner's receive buffer; -1: skip */
-    const int32_t *topk_ids;        /* [n] */
-    int n, top_k, hidden, experts_per_rank, rank;
+    const int32_t *src_of;          /* [n] send order -> (t, j) index */
+    const int32_t *counts;          /* [world][E] rows per (source, expert) */
+    const int32_t *send_offset;     /* [world][E] */
+    const int32_t *seg_start;       /* [E] */
+    const int32_t *recv_offset;     /* [world][E] */
+    int num_experts, top_k, hidden, experts_per_rank, rank;
     void *recv[COMETI_MAX_RANKS];                 /* every rank's receive buffer, mapped here */
     unsigned long long *arrive[COMETI_MAX_RANKS]; /* every rank's arrival counters, mapped here */
 } cometi_dispatch_t;

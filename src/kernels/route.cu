@@ -134,6 +134,7 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const int e = ids[i];
         plan.recv_pos[i] = e >= 0 && e < E ? plan.seg_start[e] + plan.recv_offset[me * E + e] + plan.pos[i] : -1;
+        if (e >= 0 && e < E) plan.src_of[plan.send_offset[me * E + e] + plan.pos[i]] = i;
     }
     if (threadIdx.x == 0 && local_counts[E] != -1)
         cometi_record_error(err, COMET_INVALID_ARGUMENT, COMETI_SITE_ROUTE, me, local_counts[E], (unsigned)E,
@@ -160,7 +161,7 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
     {
         /* 64-bit counters first (alignment), then segments, then the int32 arrays. */
         size_t ints = (size_t)r->max_blocks * 2 + (size_t)per * 3 + (size_t)W * E * 3 + (size_t)E * 2 + W +
-                      (size_t)max_rows * 2;
+                      (size_t)max_rows * 3;
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->arena, sizeof(int32_t) * ints),
                                         "cudaMalloc(route plan)"), fail);
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->arena, 0, sizeof(int32_t) * ints),
@@ -176,7 +177,8 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
         r->plan.recv_offset = p, p += (size_t)W * E;
         r->plan.recv_rows = p, p += W;
         r->plan.recv_pos = p, p += max_rows;
-        r->plan.pos = p;
+        r->plan.pos = p, p += max_rows;
+        r->plan.src_of = p;
     }
     /* Every table cleared before any peer writes into it. */
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaDeviceSynchronize(), "clear route table"), fail);

@@ -30,6 +30,7 @@ typedef struct cometi_route_dev_plan {
     int32_t *recv_rows;   /* [world] */
     int32_t *recv_pos;    /* [max_rows] this rank's row (t, j) in its owner's receive buffer; -1: bad id */
     int32_t *pos;         /* [max_rows] rank of (t, j) among this rank's rows of its expert */
+    int32_t *src_of;      /* [max_rows] send order (destination, expert, token) -> (t, j) index */
     /* This rank as a receiver, for the fused GEMM: */
     cometi_segment_t *local_segs;   /* [E / world] its experts' segments */
     int32_t *local_rows;            /* [E / world] rows of each that come from this rank itself */
