@@ -176,7 +176,7 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
 
 /* Dispatch. This rank's rows for expert e form one contiguous run of its owner's
  * receive buffer; cut at the owner's 128-row block boundaries, each run gives pieces of
- * at most 128 rows. A warp copies one piece (16-byte accesses, four in flight per lane),
+ * at most 128 rows. A warp copies one piece (16-byte accesses, eight in flight per lane),
  * then adds the piece's row count to the owner's counter for that block with one release
  * at system scope, which orders the warp's stores (through __syncwarp) before the count:
  * one fence per piece, not per row. Pieces for local experts go first, so local tiles can
@@ -198,10 +198,15 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, int block, int 
                     for (int q = 0; q < n_rows; q++) {
                         const uint4 *src = (const uint4 *)d->x + (size_t)(d->src_of[first_send + r0 + q] / d->top_k) * vecs;
                         uint4 *o = out + (size_t)q * vecs;
+                        /* Eight 16-byte loads in flight per lane before the stores: a row copy
+                         * is latency-bound, so depth, not width, sets its speed. */
                         int v = lane;
-                        for (; v + 96 < vecs; v += 128) {
-                            uint4 a = src[v], b = src[v + 32], c = src[v + 64], f = src[v + 96];
-                            o[v] = a, o[v + 32] = b, o[v + 64] = c, o[v + 96] = f;
+                        for (; v + 224 < vecs; v += 256) {
+                            uint4 t[8];
+#pragma unroll
+                            for (int u = 0; u < 8; u++) t[u] = src[v + 32 * u];
+#pragma unroll
+                            for (int u = 0; u < 8; u++) o[v + 32 * u] = t[u];
                         }
                         for (; v < vecs; v += 32) o[v] = src[v];
                     }
