@@ -113,6 +113,10 @@ comet_status_t cometi_window_create(comet_comm_t comm, size_t bytes, cometi_wind
 void cometi_window_destroy(comet_comm_t comm, cometi_window_t *win);
 /* Every rank waits until all have arrived; a missing peer gives COMET_TIMEOUT (async). */
 comet_status_t cometi_barrier(comet_comm_t comm, cudaStream_t stream);
+/* Host-blocking: finish this device's work, then wait until every rank has too (device
+ * barrier). For set-up steps such as "every peer's window is cleared before anyone
+ * writes into it". A missing peer gives COMET_TIMEOUT. */
+comet_status_t cometi_barrier_sync(comet_comm_t comm, const char *what);
 /* Wait on the device until this rank's control flag `slot` reaches `expected`. */
 comet_status_t cometi_wait_flag(comet_comm_t comm, int slot, unsigned long long expected,
                                 cudaStream_t stream);

@@ -31,10 +31,7 @@ comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t 
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->act, (size_t)l->max_recv_rows * cfg->ffn * 2),
                                     "cudaMalloc(layer0 activations)"), fail);
     /* Every rank's counters are zero before any rank adds to them. */
-    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaDeviceSynchronize(), "clear arrivals"), fail);
-    COMETI_TRY_GOTO(st, cometi_barrier(comm, 0), fail);
-    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaDeviceSynchronize(), "layer0 barrier"), fail);
-    COMETI_TRY_GOTO(st, cometi_check_async(comm), fail);
+    COMETI_TRY_GOTO(st, cometi_barrier_sync(comm, "arrival counters cleared on every rank"), fail);
     return COMET_SUCCESS;
 fail:
     cometi_layer0_destroy(comm, l);

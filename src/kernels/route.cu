@@ -181,10 +181,7 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
         r->plan.src_of = p;
     }
     /* Every table cleared before any peer writes into it. */
-    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaDeviceSynchronize(), "clear route table"), fail);
-    COMETI_TRY_GOTO(st, cometi_barrier(comm, 0), fail);
-    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaDeviceSynchronize(), "route table barrier"), fail);
-    COMETI_TRY_GOTO(st, cometi_check_async(comm), fail);
+    COMETI_TRY_GOTO(st, cometi_barrier_sync(comm, "route table cleared on every rank"), fail);
     return COMET_SUCCESS;
 fail:
     cometi_route_dev_destroy(comm, r);

@@ -157,6 +157,14 @@ extern "C" comet_status_t cometi_barrier(comet_comm_t comm, cudaStream_t stream)
     return cometi_cuda(comm->err, cudaGetLastError(), "launch barrier_kernel");
 }
 
+extern "C" comet_status_t cometi_barrier_sync(comet_comm_t comm, const char *what)
+{
+    COMETI_TRY(cometi_cuda(comm->err, cudaDeviceSynchronize(), what));
+    COMETI_TRY(cometi_barrier(comm, 0));
+    COMETI_TRY(cometi_cuda(comm->err, cudaDeviceSynchronize(), what));
+    return cometi_check_async(comm);
+}
+
 extern "C" comet_status_t cometi_wait_flag(comet_comm_t comm, int slot, unsigned long long expected,
                                            cudaStream_t stream)
 {
