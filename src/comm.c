@@ -193,11 +193,15 @@ comet_status_t cometi_check_async(comet_comm_t comm)
 {
     volatile cometi_async_error_t *e = comm->async_host;
     int status = e->status;
+    if (status == 0 && e->id_reported) {
+        comet_status_t st = cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "rank %d: topk_ids entry %d (token * top_k "
+                                        "+ choice) = %lld: expert ids must be in [0, num_experts = %lld); that row was "
+                                        "left out", e->id_rank, e->id_index, e->id_value, e->id_limit);
+        e->id_reported = 0; /* reported once; the next bad id is reported again */
+        e->id_claim = 0;
+        return st;
+    }
     if (status == 0) return COMET_SUCCESS;
-    if (status == COMET_INVALID_ARGUMENT && e->site == COMETI_SITE_ROUTE)
-        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "rank %d: topk_ids entry %d (token * top_k + choice) "
-                           "= %lld: expert ids must be in [0, num_experts = %llu); that row was left out",
-                           e->peer, e->slot, (long long)(int)e->seen, e->expected);
     char who[48] = "";
     if (e->peer >= 0) snprintf(who, sizeof(who), " on rank %d", e->peer);
     return cometi_fail(comm->err, (comet_status_t)status,

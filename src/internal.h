@@ -60,6 +60,10 @@ typedef struct cometi_async_error {
     int peer;   /* rank waited on, -1 if not one rank */
     int slot;   /* which flag */
     unsigned long long expected, seen, waited_ns;
+    /* An expert id out of range: reported once by the next check, then cleared (not fatal:
+     * that row is left out and the communicator stays usable). */
+    int id_reported, id_claim, id_rank, id_index;
+    long long id_value, id_limit;
 } cometi_async_error_t;
 
 /* Memory every rank allocates alike and every rank can load from and store to. */

@@ -190,6 +190,9 @@ int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeou
     }
     fflush(stdout);
     fflush(stderr);
+    /* A rank that dies before the id is relayed closes its pipe: report it, do not die of
+     * SIGPIPE. */
+    void (*old_pipe)(int) = signal(SIGPIPE, SIG_IGN);
     int started = 0;
     for (int r = 0; r < nranks; r++) {
         int idp[2] = {-1, -1}, rp[2];
@@ -234,19 +237,16 @@ int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeou
         } else {
             usleep(20000);
         }
-        int status;
-        pid_t pid;
-        while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-            for (int r = 0; r < started; r++) {
-                if (procs[r].pid != pid) continue;
-                procs[r].done = 1;
-                procs[r].status = status;
-                alive--;
-                if (failed(status) && first_fail < 0 && !timed_out) {
-                    first_fail = r;
-                    stop_all(procs, started, SIGTERM);
-                    kill_at = now_s() + 3;
-                }
+        for (int r = 0; r < started; r++) { /* only our ranks: the caller may have other children */
+            int status;
+            if (procs[r].done || waitpid(procs[r].pid, &status, WNOHANG) != procs[r].pid) continue;
+            procs[r].done = 1;
+            procs[r].status = status;
+            alive--;
+            if (failed(status) && first_fail < 0 && !timed_out) {
+                first_fail = r;
+                stop_all(procs, started, SIGTERM);
+                kill_at = now_s() + 3;
             }
         }
         if (timeout_s > 0 && !timed_out && now_s() - start > timeout_s) {
@@ -276,6 +276,7 @@ int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeou
         rc = 1;
     }
     for (int r = 0; r < started; r++) close(procs[r].reason_rd);
+    signal(SIGPIPE, old_pipe);
     return rc;
 }
 

@@ -142,7 +142,9 @@ typedef struct gemm_args {
     cometi_dispatch_t dispatch;
     __nv_bfloat16 *c;
     cometi_async_error_t *err;
-    unsigned long long timeout_ns;
+    unsigned long long timeout_ns;         /* pipeline waits */
+    unsigned long long arrival_timeout_ns; /* waits for rows from peers (shorter: a missing
+                                            * peer is reported as such, not as a stuck pipeline) */
 } gemm_args_t;
 
 typedef struct tile {
@@ -153,7 +155,7 @@ typedef struct tile {
  * of local rows (the head of each group), phase 1 the rest. Entry i = phase * groups + g;
  * first_tile[i] is its first tile, first_tile[2 * groups] the total; m_tiles[i] its row
  * tiles, which start at row tile m_tiles[g] in phase 1. */
-static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_tile, const int16_t *m_tiles, int groups,
+static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_tile, const int *m_tiles, int groups,
                                                      int n_tiles, int group_m)
 {
     int lo = 0, hi = 2 * groups - 1; /* the last entry whose first tile is <= t */
@@ -236,14 +238,18 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *sa = smem, *sb = smem + STAGES * A_BYTES, *sc = sb + STAGES * B_BYTES;
     uint64_t *full = (uint64_t *)(sc + C_BYTES), *empty = full + STAGES, *turn = empty + STAGES;
-    int *first_tile = (int *)(turn + 2);
-    int16_t *m_tiles = (int16_t *)(first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1);
+    int *first_tile = (int *)(turn + 2), *m_tiles = first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1;
     const int wg = threadIdx.x / 128, n_tiles = p.n / ON, k_blocks = p.k / BK;
 
-    if ((int)blockIdx.x >= p.gemm_blocks) { /* a dispatch block */
-        dispatch_rows(&p.dispatch, blockIdx.x - p.gemm_blocks, gridDim.x - p.gemm_blocks);
+    /* Dispatch blocks come first: blocks start in index order, so if an SM is busy it is a
+     * GEMM block (which waits on nobody's behalf) that starts late, not a dispatch block
+     * the GEMM blocks wait for. */
+    const int dispatch_blocks = gridDim.x - p.gemm_blocks;
+    if ((int)blockIdx.x < dispatch_blocks) {
+        dispatch_rows(&p.dispatch, blockIdx.x, dispatch_blocks);
         return;
     }
+    const int block = blockIdx.x - dispatch_blocks; /* among the GEMM blocks */
     if (threadIdx.x == 0) {
         int total = 0;
         for (int phase = 0; phase < 2; phase++) {
@@ -252,7 +258,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 const int local = p.local_rows ? min(mt, p.local_rows[g] / TM) : 0;
                 const int i = phase * p.groups + g;
                 first_tile[i] = total;
-                m_tiles[i] = (int16_t)(phase ? mt - local : local);
+                m_tiles[i] = phase ? mt - local : local;
                 total += m_tiles[i] * n_tiles;
             }
         }
@@ -277,7 +283,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (threadIdx.x != 0) return;
         int stage = 0;
         uint32_t phase = 0;
-        for (int t = blockIdx.x; t < total; t += p.gemm_blocks) {
+        for (int t = block; t < total; t += p.gemm_blocks) {
             tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
             const int a_row = p.segs[tl.group].start + tl.m * TM;
             const int b_row = tl.group * p.b_group_rows + tl.n * ON;
@@ -285,7 +291,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 /* Every row of this 128-row block has arrived (from any rank); the rows were
                  * written by ordinary stores, so order them before the TMA's async reads. */
                 const int blk = a_row / BM;
-                cometi_wait_geq(p.arrive + blk, p.expected[blk], p.timeout_ns, p.err, COMETI_SITE_ARRIVAL, -1, blk);
+                cometi_wait_geq(p.arrive + blk, p.expected[blk], p.arrival_timeout_ns, p.err, COMETI_SITE_ARRIVAL, -1,
+                                blk);
                 asm volatile("fence.proxy.async.global;" ::: "memory");
             }
             for (int kb = 0; kb < k_blocks; kb++) {
@@ -306,7 +313,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     float acc[BN / 2];
     int stage = 0;
     uint32_t phase = 0, turn_phase = 0;
-    for (int t = blockIdx.x, ordinal = 0; t < total; t += p.gemm_blocks, ordinal++) {
+    for (int t = block, ordinal = 0; t < total; t += p.gemm_blocks, ordinal++) {
         if (PINGPONG && (ordinal & 1) != half) {
             /* The other consumer's tile: step over its stages in the ring. */
             int next = stage + k_blocks;
@@ -447,7 +454,7 @@ template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> sta
 {
     const int on = SWIGLU ? BN / 2 : BN, tm = PINGPONG ? 64 : BM;
     return 1024 + STAGES * (tm * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * on * 2 : 0) + (2 * STAGES + 2) * 8 +
-           (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 + 2 * COMETI_GEMM_MAX_GROUPS * 2;
+           (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 + 2 * COMETI_GEMM_MAX_GROUPS * 4;
 }
 
 typedef struct maps {
@@ -457,13 +464,16 @@ typedef struct maps {
 template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG>
 static comet_status_t launch(char *err, const maps_t *m, const gemm_args_t *args, int blocks, cudaStream_t stream)
 {
-    static int configured;
+    /* The shared-memory limit is set per device, once (setting it twice is harmless). */
+    static unsigned long long configured;
+    int dev = 0;
+    COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
     size_t smem = smem_bytes<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG>();
-    if (!configured) {
+    if (dev >= 64 || !(configured >> dev & 1)) {
         COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG>,
                                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                                "cudaFuncSetAttribute(grouped GEMM shared memory)"));
-        configured = 1;
+        if (dev < 64) configured |= 1ull << dev;
     }
     grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG><<<blocks, THREADS, smem, stream>>>(
         m->a, m->b, m->up, m->c, *args);
@@ -542,7 +552,8 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
     args.dispatch = g->dispatch;
     args.c = (__nv_bfloat16 *)g->c;
     args.err = g->err;
-    args.timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
+    args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
+    args.timeout_ns = 2 * args.arrival_timeout_ns;
     int sm_count = 0, dev = 0;
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
     COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev),

@@ -75,10 +75,11 @@ typedef struct cometi_gemm {
     const unsigned long long *arrive;     /* [a_rows / 128] arrival counters: a tile reads its A rows
                                            * only once arrive[b] >= expected[b] (acquire, system) */
     const unsigned long long *expected;   /* [a_rows / 128] */
-    int dispatch_blocks;                  /* blocks after the GEMM's that run `dispatch` */
+    int dispatch_blocks;                  /* blocks before the GEMM's that run `dispatch` */
     cometi_dispatch_t dispatch;
     cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
-    unsigned long long timeout_ns; /* a pipeline wait longer than this is a bug: report, leave */
+    unsigned long long timeout_ns; /* rows from peers must arrive within this; a pipeline wait
+                                    * twice as long is a bug: report, leave (0: 10 s) */
 } cometi_gemm_t;
 
 /* Enqueue the GEMM on `stream`. Errors name the field and the limit. */

@@ -80,6 +80,8 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
 {
     const int half = (int)(seq & 1), per = E / world;
     const size_t table_ints = (size_t)2 * world * E;
+    __shared__ int failed;
+    if (threadIdx.x == 0) failed = 0;
     for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
         const int p = i / E, e = i % E;
         peers.base[p][(size_t)half * world * E + (size_t)me * E + e] = local_counts[e];
@@ -90,12 +92,16 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
         unsigned long long *flag = (unsigned long long *)(peers.base[threadIdx.x] + table_ints) + me;
         cometi_st_release_sys(flag, seq);
         const unsigned long long *mine_flag = (const unsigned long long *)(mine + table_ints) + threadIdx.x;
-        cometi_wait_geq(mine_flag, seq, timeout_ns, err, COMETI_SITE_ROUTE, threadIdx.x, threadIdx.x);
+        if (!cometi_wait_geq(mine_flag, seq, timeout_ns, err, COMETI_SITE_ROUTE, threadIdx.x, threadIdx.x))
+            failed = 1;
     }
     __syncthreads();
     __threadfence_system();
+    /* Without every peer's counts of this call the plan would be stale: make it empty, so
+     * this rank sends nothing and computes nothing, and peers time out cleanly instead of
+     * receiving rows in wrong places. The timeout is already recorded. */
     const volatile int32_t *counts = mine + (size_t)half * world * E;
-    for (int i = threadIdx.x; i < world * E; i += blockDim.x) plan.counts[i] = counts[i];
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) plan.counts[i] = failed ? 0 : counts[i];
     __syncthreads();
     if (threadIdx.x < world) { /* send side of rank s: destination-major = expert order */
         const int s = threadIdx.x;
@@ -133,12 +139,18 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
     }
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         const int e = ids[i];
-        plan.recv_pos[i] = e >= 0 && e < E ? plan.seg_start[e] + plan.recv_offset[me * E + e] + plan.pos[i] : -1;
-        if (e >= 0 && e < E) plan.src_of[plan.send_offset[me * E + e] + plan.pos[i]] = i;
+        const bool ok = e >= 0 && e < E && !failed;
+        plan.recv_pos[i] = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + plan.pos[i] : -1;
+        if (ok) plan.src_of[plan.send_offset[me * E + e] + plan.pos[i]] = i;
     }
-    if (threadIdx.x == 0 && local_counts[E] != -1)
-        cometi_record_error(err, COMET_INVALID_ARGUMENT, COMETI_SITE_ROUTE, me, local_counts[E], (unsigned)E,
-                            (unsigned)ids[local_counts[E]], 0);
+    if (threadIdx.x == 0 && local_counts[E] != -1 && atomicCAS(&err->id_claim, 0, 1) == 0) {
+        err->id_rank = me;
+        err->id_index = local_counts[E];
+        err->id_value = ids[local_counts[E]];
+        err->id_limit = E;
+        __threadfence_system();
+        *(volatile int *)&err->id_reported = 1;
+    }
 }
 
 extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows,

@@ -93,6 +93,10 @@ extern "C" comet_status_t cometi_window_create(comet_comm_t comm, size_t bytes, 
                                                     cudaMemcpyDeviceToHost), "read peer table"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMemcpy(&lsa_ranks, lsa_dev, sizeof(int), cudaMemcpyDeviceToHost),
                                     "read lsa size"), fail);
+    /* This rank reaches its own part through its own address, not NCCL's second mapping of
+     * it: writes and reads of one location then go through one virtual address (no
+     * proxy-alias fence needed). */
+    win->peer[comm->rank] = win->local;
     if (lsa_ranks != comm->size) {
         st = cometi_fail(err, COMET_NOT_SUPPORTED, "the device communicator's NVLink team has %d ranks, not %d",
                          lsa_ranks, comm->size);
