@@ -149,9 +149,11 @@ comet_status_t comet_comm_destroy(comet_comm_t comm)
 {
     if (!comm) return COMET_SUCCESS;
     comet_status_t st = cometi_cuda(comm->err, cudaDeviceSynchronize(), "comet_comm_destroy: device sync");
-    if (st == COMET_SUCCESS && comm->async_host->status == 0) {
-        /* Windows are deregistered collectively: keep the ranks in step. */
-        nccl_host_barrier(comm);
+    /* Windows are deregistered collectively, so first make sure every rank is here, with a
+     * device barrier that times out (an NCCL host barrier would wait forever for a rank
+     * that failed and aborted). */
+    if (st == COMET_SUCCESS && comm->async_host->status == 0 &&
+        cometi_barrier_sync(comm, "comet_comm_destroy: every rank here") == COMET_SUCCESS) {
         comm_free(comm);
         return COMET_SUCCESS;
     }
@@ -168,6 +170,7 @@ comet_status_t comet_comm_destroy(comet_comm_t comm)
         comm->ctrl.local = NULL;
         comm->devcomm = NULL;
     }
+    if (st == COMET_SUCCESS) st = cometi_check_async(comm);
     comm_free(comm);
     return st;
 }

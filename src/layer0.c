@@ -74,7 +74,6 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     if (dispatch_blocks < 1 || dispatch_blocks >= comm->sm_count)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "dispatch blocks = %d: must be 1..%d (the rest of the "
                            "%d SMs compute)", dispatch_blocks, comm->sm_count - 1, comm->sm_count);
-    COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->num_tokens, l->top_k, stream));
     cometi_gemm_t g = gemm0(comm, l, a);
     g.local_rows = l->route.plan.local_rows;
     g.arrive = (const unsigned long long *)l->arrive.local;
@@ -97,7 +96,13 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
         d->recv[p] = l->recv.peer[p];
         d->arrive[p] = (unsigned long long *)l->arrive.peer[p];
     }
-    return cometi_gemm_run(comm->err, &g, stream);
+    /* Check everything before the route: once it has run, peers expect this rank's rows
+     * and its arrival totals have grown, so failing after it would leave them waiting. The
+     * plan's arrays are allocated once, so the GEMM can be described before they are filled. */
+    cometi_gemm_prepared_t prepared;
+    COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
+    COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->num_tokens, l->top_k, stream));
+    return cometi_gemm_launch(comm->err, &prepared, stream);
 }
 
 comet_status_t cometi_layer0_gemm_only(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,

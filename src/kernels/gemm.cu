@@ -480,8 +480,17 @@ static comet_status_t launch(char *err, const maps_t *m, const gemm_args_t *args
     return cometi_cuda(err, cudaGetLastError(), "launch grouped_gemm_kernel");
 }
 
-extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cudaStream_t stream)
+/* What cometi_gemm_prepared_t holds. */
+typedef struct prepared {
+    maps_t maps;
+    gemm_args_t args;
+    int blocks, block_n, swiglu, pingpong, tma_epilogue;
+} prepared_t;
+
+extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gemm_prepared_t *out)
 {
+    static_assert(sizeof(prepared_t) <= sizeof(cometi_gemm_prepared_t), "cometi_gemm_prepared_t is too small");
+    static_assert(alignof(prepared_t) <= 128, "cometi_gemm_prepared_t is under-aligned");
     /* SwiGLU tiles are 128 output columns: 128 gate and 128 up columns of B. */
     int block_n = g->swiglu ? 256 : g->block_n ? g->block_n : (g->n % 256 == 0 ? 256 : 128);
     const int out_n = g->swiglu ? block_n / 2 : block_n;
@@ -572,21 +581,45 @@ extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cud
     if (args.gemm_blocks < 1)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm sms = %d with %d dispatch blocks: no GEMM block left",
                            g->sms, g->dispatch_blocks);
+    prepared_t *pr = (prepared_t *)out->bytes;
+    pr->maps = m;
+    pr->args = args;
+    pr->blocks = blocks;
+    pr->block_n = block_n;
+    pr->swiglu = g->swiglu != 0;
+    pr->pingpong = pingpong;
+    pr->tma_epilogue = tma_epilogue;
+    return COMET_SUCCESS;
+}
+
+extern "C" comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepared_t *prep, cudaStream_t stream)
+{
+    const prepared_t *pr = (const prepared_t *)prep->bytes;
+    const maps_t *m = &pr->maps;
+    const gemm_args_t *args = &pr->args;
+    const int blocks = pr->blocks;
     /* The TMA epilogue's 64 KB staging leaves room for 3 stages at 128x256; ping-pong's
      * 64-row A tiles make stages smaller (40 KB). */
-    if (pingpong) {
-        if (g->swiglu)
-            return tma_epilogue ? launch<256, 3, true, true, true>(err, &m, &args, blocks, stream)
-                                : launch<256, 4, false, true, true>(err, &m, &args, blocks, stream);
-        return tma_epilogue ? launch<256, 3, true, false, true>(err, &m, &args, blocks, stream)
-                            : launch<256, 4, false, false, true>(err, &m, &args, blocks, stream);
+    if (pr->pingpong) {
+        if (pr->swiglu)
+            return pr->tma_epilogue ? launch<256, 3, true, true, true>(err, m, args, blocks, stream)
+                                    : launch<256, 4, false, true, true>(err, m, args, blocks, stream);
+        return pr->tma_epilogue ? launch<256, 3, true, false, true>(err, m, args, blocks, stream)
+                                : launch<256, 4, false, false, true>(err, m, args, blocks, stream);
     }
-    if (g->swiglu)
-        return tma_epilogue ? launch<256, 3, true, true, false>(err, &m, &args, blocks, stream)
-                            : launch<256, 4, false, true, false>(err, &m, &args, blocks, stream);
-    if (block_n == 256)
-        return tma_epilogue ? launch<256, 3, true, false, false>(err, &m, &args, blocks, stream)
-                            : launch<256, 4, false, false, false>(err, &m, &args, blocks, stream);
-    return tma_epilogue ? launch<128, 4, true, false, false>(err, &m, &args, blocks, stream)
-                        : launch<128, 4, false, false, false>(err, &m, &args, blocks, stream);
+    if (pr->swiglu)
+        return pr->tma_epilogue ? launch<256, 3, true, true, false>(err, m, args, blocks, stream)
+                                : launch<256, 4, false, true, false>(err, m, args, blocks, stream);
+    if (pr->block_n == 256)
+        return pr->tma_epilogue ? launch<256, 3, true, false, false>(err, m, args, blocks, stream)
+                                : launch<256, 4, false, false, false>(err, m, args, blocks, stream);
+    return pr->tma_epilogue ? launch<128, 4, true, false, false>(err, m, args, blocks, stream)
+                            : launch<128, 4, false, false, false>(err, m, args, blocks, stream);
+}
+
+extern "C" comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cudaStream_t stream)
+{
+    cometi_gemm_prepared_t p;
+    COMETI_TRY(cometi_gemm_prepare(err, g, &p));
+    return cometi_gemm_launch(err, &p, stream);
 }

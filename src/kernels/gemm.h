@@ -82,7 +82,22 @@ typedef struct cometi_gemm {
                                     * twice as long is a bug: report, leave (0: 10 s) */
 } cometi_gemm_t;
 
-/* Enqueue the GEMM on `stream`. Errors name the field and the limit. */
+/* A checked GEMM with its tensor maps built, ready to launch (opaque). */
+#ifdef __cplusplus
+#define COMETI_ALIGN128 alignas(128)
+#else
+#define COMETI_ALIGN128 _Alignas(128)
+#endif
+typedef struct cometi_gemm_prepared {
+    COMETI_ALIGN128 unsigned char bytes[4096]; /* tensor maps need 128-byte alignment */
+} cometi_gemm_prepared_t;
+
+/* Check every field and build the tensor maps; nothing is enqueued. Errors name the
+ * field and the limit. Lets a caller fail before it starts work other ranks depend on. */
+comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gemm_prepared_t *out);
+/* Enqueue a prepared GEMM on `stream`. */
+comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepared_t *p, cudaStream_t stream);
+/* Prepare and launch. */
 comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cudaStream_t stream);
 
 #ifdef __cplusplus
