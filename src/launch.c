@@ -280,6 +280,28 @@ int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeou
     return rc;
 }
 
+/* The id file: a magic, the run's tag, then the id. The tag comes from the launcher's run
+ * id, so a rank never connects with an id left by an earlier run. */
+#define ID_MAGIC "COMETID1"
+typedef struct id_file {
+    char magic[8];
+    char tag[120];
+    ncclUniqueId id;
+} id_file_t;
+
+static void run_tag(char *tag, size_t len)
+{
+    const char *names[] = {"COMET_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid"};
+    memset(tag, 0, len);
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        const char *v = getenv(names[i]);
+        if (v && *v) {
+            snprintf(tag, len, "%s=%s", names[i], v);
+            return;
+        }
+    }
+}
+
 static int env_int(const char *name, int *out)
 {
     const char *v = getenv(name);
@@ -320,26 +342,44 @@ int cometi_launch_external(const char *id_file, cometi_rank_main_t fn, void *arg
             snprintf(report, report_len, "ncclGetUniqueId: %s", ncclGetErrorString(res));
             return 1;
         }
+        id_file_t f;
+        memset(&f, 0, sizeof(f));
+        memcpy(f.magic, ID_MAGIC, sizeof(f.magic));
+        run_tag(f.tag, sizeof(f.tag));
+        f.id = ctx.id;
         char tmp[4096];
         snprintf(tmp, sizeof(tmp), "%s.tmp.%d", id_file, (int)getpid());
         int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-        if (fd < 0 || write_full(fd, &ctx.id, sizeof(ctx.id)) != 0 || fsync(fd) != 0 || close(fd) != 0 ||
+        if (fd < 0 || write_full(fd, &f, sizeof(f)) != 0 || fsync(fd) != 0 || close(fd) != 0 ||
             rename(tmp, id_file) != 0) {
             snprintf(report, report_len, "writing id file %s: %s", id_file, strerror(errno));
             return 1;
         }
     } else {
         double deadline = now_s() + (timeout_s > 0 ? timeout_s : 120);
+        char tag[120];
+        run_tag(tag, sizeof(tag));
+        int other_run = 0;
         for (;;) {
+            id_file_t f;
             int fd = open(id_file, O_RDONLY);
             if (fd >= 0) {
-                int ok = read_full(fd, &ctx.id, sizeof(ctx.id)) == 0;
+                int ok = read_full(fd, &f, sizeof(f)) == 0 && !memcmp(f.magic, ID_MAGIC, sizeof(f.magic));
                 close(fd);
-                if (ok) break;
+                f.tag[sizeof(f.tag) - 1] = '\0';
+                other_run = ok && strcmp(f.tag, tag) != 0;
+                if (ok && !other_run) {
+                    ctx.id = f.id;
+                    break;
+                }
             }
             if (now_s() > deadline) {
-                snprintf(report, report_len, "rank %d: id file %s did not appear within %d s (did rank 0 start?)",
-                         ctx.rank, id_file, timeout_s > 0 ? timeout_s : 120);
+                if (other_run)
+                    snprintf(report, report_len, "rank %d: id file %s is from another run (its tag \"%s\", ours "
+                             "\"%s\"): remove it and start again", ctx.rank, id_file, f.tag, tag);
+                else
+                    snprintf(report, report_len, "rank %d: id file %s did not appear within %d s (did rank 0 "
+                             "start?)", ctx.rank, id_file, timeout_s > 0 ? timeout_s : 120);
                 return 1;
             }
             usleep(50000);

@@ -41,7 +41,9 @@ int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeou
 /*
  * Under an external launcher (torchrun, mpirun, srun): read RANK, WORLD_SIZE and
  * LOCAL_RANK (or LOCAL_RANK from RANK), exchange the unique id through `id_file`
- * (rank 0 writes it; the others wait for it up to `timeout_s`), and run `fn` here.
+ * (rank 0 writes it; the others wait for it up to `timeout_s`), and run `fn` here. The
+ * file carries the run's tag (COMET_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID or Open
+ * MPI's job id, the first set), and a rank takes an id only from a file of its own run.
  * Returns fn's exit code, or 2 with `report` set when the environment is incomplete.
  */
 int cometi_launch_external(const char *id_file, cometi_rank_main_t fn, void *arg, int timeout_s, char *report,

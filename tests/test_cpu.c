@@ -491,6 +491,20 @@ int test_launch_external_env(void)
     unlink(path);
     CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 1, report, sizeof(report)), 1);
     CHECK_CONTAINS(report, "did not appear within 1 s");
+    /* A file from another run (another run id) is never taken for this run's. */
+    setenv("RANK", "0", 1);
+    setenv("LOCAL_RANK", "0", 1);
+    setenv("COMET_RUN_ID", "run-a", 1);
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 40);
+    setenv("RANK", "1", 1);
+    setenv("LOCAL_RANK", "1", 1);
+    setenv("COMET_RUN_ID", "run-b", 1);
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 1, report, sizeof(report)), 1);
+    CHECK_CONTAINS(report, "is from another run (its tag \"COMET_RUN_ID=run-a\", ours \"COMET_RUN_ID=run-b\")");
+    setenv("COMET_RUN_ID", "run-a", 1);
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 51);
+    unlink(path);
+    unsetenv("COMET_RUN_ID");
     return 0;
 }
 
