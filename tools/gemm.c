@@ -98,6 +98,25 @@ static float time_ms(runner_t fn, void *ctx, int warmup, int iters, int *failed,
     return ms;
 }
 
+/* A [groups * rows][k] and B [groups][n][k], hash-filled from the shape's seeds, and the
+ * group table (group g is A rows [g * rows, (g + 1) * rows)) on the device. */
+static int make_operands(const tool_options_t *o, const shape_t *sh, int si, void **a, void **b,
+                         cometi_segment_t **segs)
+{
+    const size_t na = (size_t)sh->groups * sh->rows * sh->k, nb = (size_t)sh->groups * sh->n * sh->k;
+    cometi_segment_t *host = malloc(sizeof(cometi_segment_t) * sh->groups);
+    FAIL_IF(!host, "out of host memory");
+    for (int g = 0; g < sh->groups; g++) host[g] = (cometi_segment_t){g * sh->rows, sh->rows};
+    CUDA_OK(cudaMalloc(a, na * 2));
+    CUDA_OK(cudaMalloc(b, nb * 2));
+    CUDA_OK(cudaMalloc((void **)segs, sizeof(cometi_segment_t) * sh->groups));
+    CUDA_OK(cudaMemcpy(*segs, host, sizeof(cometi_segment_t) * sh->groups, cudaMemcpyHostToDevice));
+    free(host);
+    CUDA_OK(cometi_fill_hash_bf16(*a, na, o->seed + 2 * si, 0, 1.0f, 0));
+    CUDA_OK(cometi_fill_hash_bf16(*b, nb, o->seed + 2 * si + 1, 0, (float)(1.0 / sqrt(sh->k)), 0));
+    return 0;
+}
+
 typedef struct swiglu_ctx {
     run_ctx_t gemm;         /* cuBLAS GEMM0 into h */
     void *h, *act;
@@ -118,19 +137,13 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
                        cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int si)
 {
     const int F = sh->n / 2;
-    const size_t rows = (size_t)sh->groups * sh->rows, na = rows * sh->k, nb = (size_t)sh->groups * sh->n * sh->k;
+    const size_t rows = (size_t)sh->groups * sh->rows;
     void *a, *b, *h, *act_ref, *act;
-    cometi_segment_t *segs_host = malloc(sizeof(cometi_segment_t) * sh->groups), *segs;
-    for (int g = 0; g < sh->groups; g++) segs_host[g] = (cometi_segment_t){g * sh->rows, sh->rows};
-    CUDA_OK(cudaMalloc(&a, na * 2));
-    CUDA_OK(cudaMalloc(&b, nb * 2));
+    cometi_segment_t *segs;
+    if (make_operands(o, sh, si, &a, &b, &segs)) return 1;
     CUDA_OK(cudaMalloc(&h, rows * sh->n * 2));
     CUDA_OK(cudaMalloc(&act_ref, rows * F * 2));
     CUDA_OK(cudaMalloc(&act, rows * F * 2));
-    CUDA_OK(cudaMalloc((void **)&segs, sizeof(cometi_segment_t) * sh->groups));
-    CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(cometi_segment_t) * sh->groups, cudaMemcpyHostToDevice));
-    CUDA_OK(cometi_fill_hash_bf16(a, na, o->seed + 2 * si, 0, 1.0f, 0));
-    CUDA_OK(cometi_fill_hash_bf16(b, nb, o->seed + 2 * si + 1, 0, (float)(1.0 / sqrt(sh->k)), 0));
     swiglu_ctx_t x;
     memset(&x, 0, sizeof(x));
     x.gemm.cublas = cublas;
@@ -175,7 +188,7 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
     printf("%-24s %6d %6d %6d %6d %9.0f %9.0f %9.0f %9s %8.3f %9.1e%s\n", sh->name, sh->groups, sh->rows, sh->n, sh->k,
            flop / (t_ref * 1e-3) / 1e12, flop / (t_ours * 1e-3) / 1e12, flop / (t_pp * 1e-3) / 1e12, "",
            t_ref / t_best, d, d > 1e-2 ? " WRONG" : "");
-    free(want), free(got), free(segs_host);
+    free(want), free(got);
     cudaFree(a), cudaFree(b), cudaFree(h), cudaFree(act_ref), cudaFree(act), cudaFree(segs);
     return d > 1e-2;
 }
@@ -214,19 +227,12 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const int sweep = sweep_env && *sweep_env == '1';
     for (int si = 0; si < nshapes; si++) {
         const shape_t *sh = &shapes[si];
-        const size_t rows = (size_t)sh->groups * sh->rows, na = rows * sh->k, nb = (size_t)sh->groups * sh->n * sh->k,
-                     nc = rows * sh->n;
+        const size_t rows = (size_t)sh->groups * sh->rows, nc = rows * sh->n;
         void *a, *b, *c_ref, *c;
-        cometi_segment_t *segs_host = malloc(sizeof(cometi_segment_t) * sh->groups), *segs;
-        for (int g = 0; g < sh->groups; g++) segs_host[g] = (cometi_segment_t){g * sh->rows, sh->rows};
-        CUDA_OK(cudaMalloc(&a, na * 2));
-        CUDA_OK(cudaMalloc(&b, nb * 2));
+        cometi_segment_t *segs;
+        if (make_operands(o, sh, si, &a, &b, &segs)) return 1;
         CUDA_OK(cudaMalloc(&c_ref, nc * 2));
         CUDA_OK(cudaMalloc(&c, nc * 2));
-        CUDA_OK(cudaMalloc((void **)&segs, sizeof(cometi_segment_t) * sh->groups));
-        CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(cometi_segment_t) * sh->groups, cudaMemcpyHostToDevice));
-        CUDA_OK(cometi_fill_hash_bf16(a, na, o->seed + 2 * si, 0, 1.0f, 0));
-        CUDA_OK(cometi_fill_hash_bf16(b, nb, o->seed + 2 * si + 1, 0, (float)(1.0 / sqrt(sh->k)), 0));
         run_ctx_t r;
         memset(&r, 0, sizeof(r));
         r.cublas = cublas;
@@ -281,7 +287,7 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
                sh->k, tf_c, flop / (t_v[0] * 1e-3) / 1e12, flop / (t_v[1] * 1e-3) / 1e12,
                flop / (t_v[2] * 1e-3) / 1e12, t_cublas / t_best, worst, worst > 1e-2 ? " WRONG" : "");
         if (!(worst <= 1e-2)) bad = 1;
-        free(ref), free(got), free(segs_host);
+        free(ref), free(got);
         cudaFree(a), cudaFree(b), cudaFree(c_ref), cudaFree(c), cudaFree(segs);
     }
     printf("\nGEMM0 with SwiGLU: cuBLAS GEMM0 + the baseline's SwiGLU kernel, against ours with SwiGLU in the epilogue\n"
