@@ -2,6 +2,7 @@
  * layer0.c - host side of the fused layer0: buffers in symmetric memory, and the two
  * launches of one call (device route, fused dispatch + GEMM0 + SwiGLU). See layer0.h.
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -30,6 +31,10 @@ comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t 
                     fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->act, (size_t)l->max_recv_rows * cfg->ffn * 2),
                                     "cudaMalloc(layer0 activations)"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->sched, 2 * sizeof(unsigned int)),
+                                    "cudaMalloc(tile counter)"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->sched, 0, 2 * sizeof(unsigned int)), "clear tile counter"),
+                    fail);
     /* Every rank's counters are zero before any rank adds to them. */
     COMETI_TRY_GOTO(st, cometi_barrier_sync(comm, "arrival counters cleared on every rank"), fail);
     return COMET_SUCCESS;
@@ -44,6 +49,7 @@ void cometi_layer0_destroy(comet_comm_t comm, cometi_layer0_t *l)
     if (l->recv.local) cometi_window_destroy(comm, &l->recv);
     if (l->arrive.local) cometi_window_destroy(comm, &l->arrive);
     cudaFree(l->act);
+    cudaFree(l->sched);
     memset(l, 0, sizeof(*l));
 }
 
@@ -69,17 +75,25 @@ static cometi_gemm_t gemm0(comet_comm_t comm, const cometi_layer0_t *l, const co
 }
 
 comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,
-                                 int dispatch_blocks, cudaStream_t stream)
+                                 const cometi_layer0_knobs_t *knobs, cudaStream_t stream)
 {
+    const int dispatch_blocks = knobs->dispatch_blocks;
     if (dispatch_blocks < 1 || dispatch_blocks >= comm->sm_count)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "dispatch blocks = %d: must be 1..%d (the rest of the "
                            "%d SMs compute)", dispatch_blocks, comm->sm_count - 1, comm->sm_count);
+    if (knobs->dispatch_mode != COMETI_DISPATCH_BULK && knobs->dispatch_mode != COMETI_DISPATCH_STORES)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "dispatch mode = %d: must be %d (bulk) or %d (stores)",
+                           knobs->dispatch_mode, COMETI_DISPATCH_BULK, COMETI_DISPATCH_STORES);
+    if ((uintptr_t)a->x % 16)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "x = %p: the fused layer needs 16-byte aligned rows",
+                           a->x);
     cometi_gemm_t g = gemm0(comm, l, a);
     g.local_rows = l->route.plan.local_rows;
     g.arrive = (const unsigned long long *)l->arrive.local;
     g.expected = l->route.plan.expected;
     g.sms = comm->sm_count - dispatch_blocks;
     g.dispatch_blocks = dispatch_blocks;
+    g.sched = knobs->static_tiles ? NULL : l->sched;
     cometi_dispatch_t *d = &g.dispatch;
     d->x = a->x;
     d->src_of = l->route.plan.src_of;
@@ -92,6 +106,7 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     d->hidden = l->hidden;
     d->experts_per_rank = l->num_experts / comm->size;
     d->rank = comm->rank;
+    d->mode = knobs->dispatch_mode;
     for (int p = 0; p < comm->size; p++) {
         d->recv[p] = l->recv.peer[p];
         d->arrive[p] = (unsigned long long *)l->arrive.peer[p];

@@ -20,20 +20,29 @@ typedef struct cometi_layer0 {
     cometi_window_t recv;   /* [max_recv_rows][hidden] bf16: rows pushed here by every rank */
     cometi_window_t arrive; /* [max_recv_rows / 128] u64: rows arrived per block, over all calls */
     void *act;              /* [max_recv_rows][ffn] bf16: SwiGLU(GEMM0), expert-major, padded */
+    unsigned int *sched;    /* [2] the fused kernel's tile counter, zero between calls */
     int hidden, ffn, num_experts, top_k, max_tokens;
     int64_t max_recv_rows;
 } cometi_layer0_t;
+
+/* The run-time choices of one layer0 call (what the tuner picks). */
+typedef struct cometi_layer0_knobs {
+    int dispatch_blocks; /* SMs that copy rows; the rest compute */
+    int dispatch_mode;   /* COMETI_DISPATCH_* (kernels/gemm.h) */
+    int static_tiles;    /* 1: each GEMM block takes a fixed share of the tiles and dispatch
+                          * blocks never compute; 0: tiles from a shared counter */
+} cometi_layer0_knobs_t;
 
 /* Collective. The config must be valid; layer0 also needs ffn a multiple of 128 (one
  * SwiGLU tile is 128 activation columns). */
 comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t *cfg, cometi_layer0_t *l);
 void cometi_layer0_destroy(comet_comm_t comm, cometi_layer0_t *l);
 
-/* Collective, no host sync: route, then the fused kernel with `dispatch_blocks` of the
- * GPU's SMs copying rows and the rest computing. Failures on the device (a peer that
+/* Collective, no host sync: route, then the fused kernel with `knobs->dispatch_blocks`
+ * of the GPU's SMs copying rows and the rest computing. Failures on the device (a peer that
  * never arrives) come back through comet_comm_get_async_error(). */
 comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,
-                                 int dispatch_blocks, cudaStream_t stream);
+                                 const cometi_layer0_knobs_t *knobs, cudaStream_t stream);
 
 /* GEMM0 + SwiGLU alone on the rows the last run left in the receive buffer, with every
  * SM and no waits: the term "our GEMM alone" of the overlap bound. */

@@ -580,17 +580,21 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CUDA_OK(cudaMalloc(&c, nc * 2));
         CUDA_OK(cudaMemcpy(a, a16, na * 2, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(b, b16, nb * 2, cudaMemcpyHostToDevice));
-        for (int variant = 0; variant < 12; variant++) {
+        unsigned int *sched;
+        CUDA_OK(cudaMalloc((void **)&sched, 2 * sizeof(unsigned int)));
+        CUDA_OK(cudaMemset(sched, 0, 2 * sizeof(unsigned int)));
+        for (int variant = 0; variant < 16; variant++) {
             /* Both tile widths, both epilogues, few blocks (many tiles each) and all; then
-             * the ping-pong schedule (128x256 only). */
-            const int pingpong = variant >= 8;
+             * the ping-pong schedule (128x256 only); then tiles from the shared counter,
+             * twice in a row (the kernel must leave the counter zeroed). */
+            const int dynamic = variant >= 12, pingpong = variant >= 8 && (!dynamic || variant & 1);
             const int block_n = pingpong || variant & 1 ? 256 : 128, sms = variant & 2 ? 132 : 3;
             const int epilogue = variant & 4 || (pingpong && variant & 1) ? COMETI_EPILOGUE_TMA : COMETI_EPILOGUE_DIRECT;
-            {
+            for (int call = 0; call < (dynamic ? 2 : 1); call++) {
                 CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
                 cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = groups,
                                    .n = n, .k = k, .sms = sms, .block_n = block_n, .group_m = sms == 3 ? 1 : 0,
-                                   .epilogue = epilogue, .err = err_dev,
+                                   .epilogue = epilogue, .err = err_dev, .sched = dynamic ? sched : NULL,
                                    .schedule = pingpong ? COMETI_SCHEDULE_PINGPONG : COMETI_SCHEDULE_COOPERATIVE};
                 char err[COMETI_ERR_LEN];
                 comet_status_t st = cometi_gemm_run(err, &g, 0);
@@ -620,14 +624,14 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
                         if (!(e <= worst)) worst = e;
                     }
                 }
-                printf("n %d block_n %d blocks %d %s epilogue %s: worst row relative error %.2e\n", n, block_n, sms,
-                       epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", pingpong ? "ping-pong" : "cooperative",
-                       worst);
+                printf("n %d block_n %d blocks %d %s epilogue %s%s: worst row relative error %.2e\n", n, block_n,
+                       sms, epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", pingpong ? "ping-pong" : "cooperative",
+                       dynamic ? (call ? " shared counter, 2nd call" : " shared counter") : "", worst);
                 CHECK(worst < 1e-2);
             }
         }
         free(a16), free(b16), free(c16), free(af), free(bf);
-        cudaFree(a), cudaFree(b), cudaFree(c);
+        cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(sched);
     }
     /* Every group empty: no tiles, nothing written, no hang. */
     cometi_segment_t empty[2] = {{0, 0}, {128, 0}};
@@ -965,8 +969,10 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
     cometi_segment_t segs[64];
     double worst = 0;
     int calls = 0, rows_checked = 0;
-    for (int rep = 0; rep < 4; rep++) {
-        for (int ci = 0; ci < ncases; ci++, calls++) {
+    /* 1000 consecutive calls: the arrival counters only grow, never reset, so this is
+     * where a count that drifts between calls would show. */
+    for (int rep = 0; calls < 1000; rep++) {
+        for (int ci = 0; ci < ncases && calls < 1000; ci++, calls++) {
             moe_case_t c = cases[ci];
             if (rep > 0) { /* the same routings with other token counts (both ranks draw alike) */
                 c.tokens[0] = (int)(cometi_rand_next(&rng) % 513);
@@ -986,9 +992,16 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
             a.weights.down = fx.d_down;
             if (c.separate_gate_up) a.weights.gate = fx.d_gate, a.weights.up = fx.d_up;
             else a.weights.gate_up = fx.d_gate_up;
-            const int dispatch_blocks = 1 + calls % 24;
+            /* Both copy modes, both tile schedules, 1-24 dispatch blocks. */
+            const cometi_layer0_knobs_t knobs = {1 + calls % 24,
+                                                 calls / 24 % 2 ? COMETI_DISPATCH_STORES : COMETI_DISPATCH_BULK,
+                                                 calls / 48 % 2};
+            const int dispatch_blocks = knobs.dispatch_blocks;
             CUDA_OK(cudaMemset(l0.act, 0xff, (size_t)l0.max_recv_rows * F * 2)); /* poison */
-            COMET_OK(cometi_layer0_run(fx.comm, &l0, &a, dispatch_blocks, 0), fx.comm);
+            CUDA_OK(cudaMemset(l0.recv.local, 0xff, (size_t)l0.max_recv_rows * H * 2));
+            /* The poison must be in place before a peer's rows can land. */
+            COMET_OK(cometi_barrier_sync(fx.comm, "receive buffers poisoned"), fx.comm);
+            COMET_OK(cometi_layer0_run(fx.comm, &l0, &a, &knobs, 0), fx.comm);
             CUDA_OK(cudaDeviceSynchronize());
             if (comet_comm_get_async_error(fx.comm) != COMET_SUCCESS) {
                 printf("call %d (%s): %s\n", calls, c.name, comet_comm_last_error(fx.comm));
@@ -1024,8 +1037,8 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 }
             }
             if (!(worst < 1e-2)) {
-                printf("call %d (%s, %d dispatch blocks): activation relative error %.3g\n", calls, c.name,
-                       dispatch_blocks, worst);
+                printf("call %d (%s, %d dispatch blocks, mode %d, static %d): activation relative error %.3g\n",
+                       calls, c.name, dispatch_blocks, knobs.dispatch_mode, knobs.static_tiles, worst);
                 return 1;
             }
         }

@@ -99,13 +99,14 @@ enum { P_TOTAL, P_ROUTE, P_A2A_OUT, P_EXPERTS, P_A2A_BACK, P_COMBINE, P_LAYER0, 
 static const char *phase_json[P_COUNT] = {"total", "route", "dispatch_a2a", "experts", "combine_a2a", "combine",
                                           "layer0_part"};
 
-#define SWEEP_MAX 8
+#define SWEEP_MAX 12
 typedef struct case_result {
     float ms[P_COUNT]; /* medians, slowest rank */
     double tflops;     /* expert GEMMs, per GPU */
     double check;      /* worst relative error of the sample tokens, -1 if not checked */
     /* The fused layer0, when run: */
-    int l0_runs, l0_blocks[SWEEP_MAX], l0_best;
+    int l0_runs, l0_best;
+    cometi_layer0_knobs_t l0_knobs[SWEEP_MAX];
     float l0_ms[SWEEP_MAX], l0_gemm_alone_ms;
     double l0_diff;    /* activations against the baseline's, sampled rows */
 } case_result_t;
@@ -123,9 +124,12 @@ static int allreduce(comet_comm_t comm, float *v, int n, ncclRedOp_t op)
     return 0;
 }
 
+static const char *dispatch_mode_name(int mode) { return mode == COMETI_DISPATCH_STORES ? "stores" : "bulk"; }
+
 /* Median ms of `iters` calls of the fused layer0 (or its GEMM alone), rotating input sets. */
 static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t *a, void **x, int32_t **ids,
-                       float **w, int blocks, int warmup, int iters, int gemm_only, float *out)
+                       float **w, const cometi_layer0_knobs_t *knobs, int warmup, int iters, int gemm_only,
+                       float *out)
 {
     cudaEvent_t e0, e1;
     float *t = malloc(sizeof(float) * iters);
@@ -134,8 +138,10 @@ static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t 
     for (int it = -warmup; it < iters; it++) {
         int set = (it + warmup) % NSETS;
         a->x = x[set], a->topk_ids = ids[set], a->topk_weights = w[set];
+        /* Every timed call starts with the ranks together: launch skew is not the layer's. */
+        FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
         cudaEventRecord(e0, 0);
-        comet_status_t st = gemm_only ? cometi_layer0_gemm_only(comm, l0, a, 0) : cometi_layer0_run(comm, l0, a, blocks, 0);
+        comet_status_t st = gemm_only ? cometi_layer0_gemm_only(comm, l0, a, 0) : cometi_layer0_run(comm, l0, a, knobs, 0);
         cudaEventRecord(e1, 0);
         if (st != COMET_SUCCESS) {
             fprintf(stderr, "layer0: %s\n", comet_comm_last_error(comm));
@@ -160,7 +166,12 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                       const comet_moe_config_t *cfg, const char *label, comet_moe_args_t *a, void **x,
                       int32_t **ids, float **w, case_result_t *res)
 {
-    static const int sweep[] = {4, 8, 16, 24, 32, 48};
+    /* Bulk copies from 2 to 16 blocks; the store copy where it did best before (docs/PERF.md). */
+    static const cometi_layer0_knobs_t sweep[] = {
+        {2, COMETI_DISPATCH_BULK},  {3, COMETI_DISPATCH_BULK},   {4, COMETI_DISPATCH_BULK},
+        {6, COMETI_DISPATCH_BULK},  {8, COMETI_DISPATCH_BULK},   {12, COMETI_DISPATCH_BULK},
+        {16, COMETI_DISPATCH_BULK}, {4, COMETI_DISPATCH_STORES}, {8, COMETI_DISPATCH_STORES},
+        {4, COMETI_DISPATCH_BULK, 1}, {8, COMETI_DISPATCH_BULK, 1}};
     cometi_layer0_t l0;
     comet_status_t st = cometi_layer0_create(comm, cfg, &l0);
     FAIL_IF(st != COMET_SUCCESS, "layer0 (%s): %s", label, comet_comm_last_error(comm));
@@ -169,22 +180,22 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     res->l0_best = 0;
     for (size_t i = 0; i < sizeof(sweep) / sizeof(sweep[0]); i++) {
         float ms;
-        if (time_layer0(comm, &l0, a, x, ids, w, sweep[i], o->warmup, o->iters, 0, &ms)) return 1;
+        if (time_layer0(comm, &l0, a, x, ids, w, &sweep[i], o->warmup, o->iters, 0, &ms)) return 1;
         if (allreduce(comm, &ms, 1, ncclMax)) return 1;
-        res->l0_blocks[res->l0_runs] = sweep[i];
+        res->l0_knobs[res->l0_runs] = sweep[i];
         res->l0_ms[res->l0_runs] = ms;
         if (ms < res->l0_ms[res->l0_best]) res->l0_best = res->l0_runs;
         res->l0_runs++;
     }
     float ms;
-    if (time_layer0(comm, &l0, a, x, ids, w, 0, o->warmup, o->iters, 1, &ms)) return 1;
+    if (time_layer0(comm, &l0, a, x, ids, w, NULL, o->warmup, o->iters, 1, &ms)) return 1;
     if (allreduce(comm, &ms, 1, ncclMax)) return 1;
     res->l0_gemm_alone_ms = ms;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0];
     st = comet_moe_forward(moe, a, 0);
     FAIL_IF(st != COMET_SUCCESS, "forward (%s): %s", label, comet_moe_last_error(moe));
-    st = cometi_layer0_run(comm, &l0, a, res->l0_blocks[res->l0_best], 0);
+    st = cometi_layer0_run(comm, &l0, a, &res->l0_knobs[res->l0_best], 0);
     FAIL_IF(st != COMET_SUCCESS, "layer0 (%s): %s", label, comet_comm_last_error(comm));
     CUDA_OK(cudaDeviceSynchronize());
     const void *b_recv, *b_act;
@@ -311,6 +322,7 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
         a.topk_ids = ids[set];
         a.topk_weights = w[set];
         cometi_moe_set_marks(moe, it >= 0 ? marks : NULL);
+        FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
         st = comet_moe_forward(moe, &a, 0);
         FAIL_IF(st != COMET_SUCCESS, "forward (%s): %s", label, comet_moe_last_error(moe));
         if (it < 0) continue;
@@ -427,18 +439,24 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
                    cfg.max_tokens);
             if (o->run_baseline && base.l0_runs) {
                 const float l0 = base.l0_ms[base.l0_best];
-                printf("  layer0 (dispatch + GEMM0 + SwiGLU): baseline %.3f ms, fused %.3f ms with %d dispatch blocks "
-                       "(%.2fx), our GEMM0 alone %.3f ms (fused / alone %.3f), activations vs baseline %.1e%s\n",
-                       base.ms[P_LAYER0], l0, base.l0_blocks[base.l0_best], base.ms[P_LAYER0] / l0,
+                const cometi_layer0_knobs_t *best = &base.l0_knobs[base.l0_best];
+                printf("  layer0 (dispatch + GEMM0 + SwiGLU): baseline %.3f ms, fused %.3f ms with %d %s dispatch "
+                       "blocks (%.2fx), our GEMM0 alone %.3f ms (fused / alone %.3f), activations vs baseline %.1e%s\n",
+                       base.ms[P_LAYER0], l0, best->dispatch_blocks, dispatch_mode_name(best->dispatch_mode),
+                       base.ms[P_LAYER0] / l0,
                        base.l0_gemm_alone_ms, l0 / base.l0_gemm_alone_ms, base.l0_diff,
                        base.l0_diff > 1e-2 ? "!" : "");
                 printf("  layer0 sweep, ms by dispatch blocks:");
-                for (int i = 0; i < base.l0_runs; i++) printf(" %d: %.3f", base.l0_blocks[i], base.l0_ms[i]);
+                for (int i = 0; i < base.l0_runs; i++)
+                    printf(" %s%s %d: %.3f", dispatch_mode_name(base.l0_knobs[i].dispatch_mode),
+                           base.l0_knobs[i].static_tiles ? "/static" : "", base.l0_knobs[i].dispatch_blocks,
+                           base.l0_ms[i]);
                 printf("\n");
                 if (json)
                     fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer0\", \"baseline_layer0_ms\": %.4f, "
-                            "\"fused_ms\": %.4f, \"dispatch_blocks\": %d, \"gemm0_alone_ms\": %.4f, "
-                            "\"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER0], l0, base.l0_blocks[base.l0_best],
+                            "\"fused_ms\": %.4f, \"dispatch_blocks\": %d, \"dispatch_mode\": \"%s\", "
+                            "\"gemm0_alone_ms\": %.4f, \"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER0], l0,
+                            best->dispatch_blocks, dispatch_mode_name(best->dispatch_mode),
                             base.l0_gemm_alone_ms, base.l0_diff);
             }
         }

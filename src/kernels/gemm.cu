@@ -34,6 +34,7 @@
 #define BM 128
 #define BK 64
 #define THREADS 384
+#define TICKETS 4 /* tiles the producer may announce ahead of the consumers (dynamic schedule) */
 
 /* ---- PTX: shared-memory barriers, TMA, wgmma bookkeeping ---- */
 
@@ -139,6 +140,7 @@ typedef struct gemm_args {
     const int32_t *local_rows;
     const unsigned long long *arrive, *expected;
     int gemm_blocks;
+    unsigned int *sched; /* [2]: tiles taken, blocks done; NULL: static schedule */
     cometi_dispatch_t dispatch;
     __nv_bfloat16 *c;
     cometi_async_error_t *err;
@@ -178,15 +180,98 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
 
 /* Dispatch. This rank's rows for expert e form one contiguous run of its owner's
  * receive buffer; cut at the owner's 128-row block boundaries, each run gives pieces of
- * at most 128 rows. A warp copies one piece (16-byte accesses, eight in flight per lane),
- * then adds the piece's row count to the owner's counter for that block with one release
- * at system scope, which orders the warp's stores (through __syncwarp) before the count:
- * one fence per piece, not per row. Pieces for local experts go first, so local tiles can
- * start at once. Warps take pieces round-robin. */
-static __device__ void dispatch_rows(const cometi_dispatch_t *d, int block, int nblocks)
+ * at most 128 rows. A worker (a warp) copies one piece, then adds the piece's row count
+ * to the owner's counter for that block with one release at system scope, which orders
+ * the piece's writes before the count: one fence per piece, not per row. Pieces for
+ * local experts go first, so local tiles can start at once. Workers take pieces
+ * round-robin. Two ways to copy a piece (COMETI_DISPATCH_*): */
+
+/* Stores: the warp's lanes load and store 16 bytes at a time, eight loads in flight per
+ * lane before the stores (a row copy is latency-bound: depth, not width, sets its speed). */
+static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const int32_t *src_of, int n_rows, uint4 *out)
 {
-    const int lane = threadIdx.x % 32, nwarps = blockDim.x / 32, E = d->num_experts, me = d->rank;
-    const int gw = block * nwarps + threadIdx.x / 32, total_warps = nblocks * nwarps, vecs = d->hidden / 8;
+    const int lane = threadIdx.x % 32, vecs = d->hidden / 8;
+    for (int q = 0; q < n_rows; q++) {
+        const uint4 *src = (const uint4 *)d->x + (size_t)(src_of[q] / d->top_k) * vecs;
+        uint4 *o = out + (size_t)q * vecs;
+        int v = lane;
+        for (; v + 224 < vecs; v += 256) {
+            uint4 t[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) t[u] = src[v + 32 * u];
+#pragma unroll
+            for (int u = 0; u < 8; u++) o[v + 32 * u] = t[u];
+        }
+        for (; v < vecs; v += 32) o[v] = src[v];
+    }
+    __syncwarp();
+}
+
+/* Bulk: one thread moves whole rows with the copy engine, through a ring of shared-memory
+ * slots: a bulk load of row q into slot q % SLOTS (completing on that slot's mbarrier),
+ * and LAG rows later a bulk store of it to the owner. A slot is loaded again only once
+ * the store that last used it has read it (at most SLOTS - LAG - 1 stores may still be
+ * reading), so about LAG rows are being loaded while the stores stream out. At the end
+ * of the piece every store must have landed (wait_group 0, then the proxy fence: async
+ * writes before the generic release). */
+#define BULK_SLOTS 6
+#define BULK_LAG 4
+
+typedef struct bulk_ring {
+    unsigned char *slots; /* BULK_SLOTS rows */
+    uint64_t *full;       /* BULK_SLOTS mbarriers */
+    uint32_t parity;      /* bit s: the phase slot s waits for next */
+    uint32_t row_bytes;
+} bulk_ring_t;
+
+static __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(dst)), "l"((uint64_t)src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+static __device__ __forceinline__ void bulk_store(void *dst, const void *src, uint32_t bytes)
+{
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 ::"l"((uint64_t)dst), "r"(smem_u32(src)), "r"(bytes)
+                 : "memory");
+}
+
+static __device__ void copy_piece_bulk(const cometi_dispatch_t *d, bulk_ring_t *ring, const int32_t *src_of, int n_rows,
+                                       unsigned char *out, cometi_async_error_t *err, unsigned long long timeout_ns)
+{
+    const uint32_t rb = ring->row_bytes;
+    for (int q = 0; q < n_rows + BULK_LAG; q++) {
+        if (q < n_rows) {
+            const int s = q % BULK_SLOTS;
+            /* Stores issued so far: rows < q - LAG. The one that used slot s (row q - SLOTS)
+             * has read it once at most SLOTS - LAG - 1 newer ones are still reading. */
+            asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(BULK_SLOTS - BULK_LAG - 1) : "memory");
+            mbar_expect_tx(&ring->full[s], rb);
+            bulk_load(ring->slots + (size_t)s * rb, (const unsigned char *)d->x + (size_t)(src_of[q] / d->top_k) * rb,
+                      rb, &ring->full[s]);
+        }
+        const int r = q - BULK_LAG;
+        if (r >= 0) {
+            const int s = r % BULK_SLOTS;
+            mbar_wait(&ring->full[s], ring->parity >> s & 1, err, timeout_ns);
+            ring->parity ^= 1u << s;
+            bulk_store(out + (size_t)r * rb, ring->slots + (size_t)s * rb, rb);
+            bulk_commit();
+        }
+    }
+    bulk_wait();
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+/* Walk the pieces in order (local experts first), copying every total_workers-th from
+ * `worker` on: with the bulk ring if there is one, else with the warp's stores. */
+static __device__ void copy_pieces(const cometi_dispatch_t *d, bulk_ring_t *ring, int worker, int total_workers,
+                                   cometi_async_error_t *err, unsigned long long timeout_ns)
+{
+    const int lane = threadIdx.x % 32, E = d->num_experts, me = d->rank;
+    const uint32_t row_bytes = (uint32_t)d->hidden * 2;
     int piece = 0;
     for (int pass = 0; pass < 2; pass++) {
         for (int e = 0; e < E; e++) {
@@ -195,29 +280,52 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, int block, int 
             const int first_row = d->seg_start[e] + d->recv_offset[me * E + e], first_send = d->send_offset[me * E + e];
             for (int r0 = 0; r0 < rows;) {
                 const int row = first_row + r0, n_rows = min(rows - r0, BM - row % BM);
-                if (piece++ % total_warps == gw) {
-                    uint4 *out = (uint4 *)d->recv[dst] + (size_t)row * vecs;
-                    for (int q = 0; q < n_rows; q++) {
-                        const uint4 *src = (const uint4 *)d->x + (size_t)(d->src_of[first_send + r0 + q] / d->top_k) * vecs;
-                        uint4 *o = out + (size_t)q * vecs;
-                        /* Eight 16-byte loads in flight per lane before the stores: a row copy
-                         * is latency-bound, so depth, not width, sets its speed. */
-                        int v = lane;
-                        for (; v + 224 < vecs; v += 256) {
-                            uint4 t[8];
-#pragma unroll
-                            for (int u = 0; u < 8; u++) t[u] = src[v + 32 * u];
-#pragma unroll
-                            for (int u = 0; u < 8; u++) o[v + 32 * u] = t[u];
-                        }
-                        for (; v < vecs; v += 32) o[v] = src[v];
-                    }
-                    __syncwarp();
+                if (piece++ % total_workers == worker) {
+                    unsigned char *out = (unsigned char *)d->recv[dst] + (size_t)row * row_bytes;
+                    if (ring) copy_piece_bulk(d, ring, d->src_of + first_send + r0, n_rows, out, err, timeout_ns);
+                    else copy_piece_stores(d, d->src_of + first_send + r0, n_rows, (uint4 *)out);
                     if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / BM, (unsigned long long)n_rows);
                 }
                 r0 += n_rows;
             }
         }
+    }
+}
+
+static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *smem, int block, int nblocks,
+                                     cometi_async_error_t *err, unsigned long long timeout_ns)
+{
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const uint32_t row_bytes = (uint32_t)d->hidden * 2;
+    /* Bulk workers: as many warps as the block's shared memory holds rings for (barriers
+     * in the first 1 KB); none means rows too wide for a ring: copy with stores. */
+    uint32_t smem_size;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_size));
+    const int ring_bytes = BULK_SLOTS * row_bytes, usable = (int)smem_size - 2048;
+    const int bulk = d->mode != COMETI_DISPATCH_STORES && usable >= ring_bytes;
+    const int workers = bulk ? min((int)(blockDim.x / 32), usable / ring_bytes) : blockDim.x / 32;
+    /* A bulk worker is one thread; the warp's other lanes wait for it at the end. */
+    if (warp >= workers) return;
+    if (bulk && lane != 0) {
+        __syncwarp();
+        return;
+    }
+    bulk_ring_t ring;
+    if (bulk) {
+        ring.slots = smem + 1024 + (size_t)warp * ring_bytes;
+        ring.full = (uint64_t *)smem + warp * BULK_SLOTS;
+        ring.parity = 0;
+        ring.row_bytes = row_bytes;
+        for (int s = 0; s < BULK_SLOTS; s++) mbar_init(&ring.full[s], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    const int worker = block * workers + warp, total_workers = nblocks * workers;
+    copy_pieces(d, bulk ? &ring : NULL, worker, total_workers, err, timeout_ns);
+    /* The ring's shared memory may become GEMM stages next. */
+    if (bulk) {
+        for (int s = 0; s < BULK_SLOTS; s++)
+            asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_u32(&ring.full[s])) : "memory");
+        __syncwarp();
     }
 }
 
@@ -238,7 +346,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *sa = smem, *sb = smem + STAGES * A_BYTES, *sc = sb + STAGES * B_BYTES;
     uint64_t *full = (uint64_t *)(sc + C_BYTES), *empty = full + STAGES, *turn = empty + STAGES;
-    int *first_tile = (int *)(turn + 2), *m_tiles = first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1;
+    uint64_t *ticket_full = turn + 2, *ticket_empty = ticket_full + TICKETS;
+    int *first_tile = (int *)(ticket_empty + TICKETS), *m_tiles = first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1;
+    int *tickets = m_tiles + 2 * COMETI_GEMM_MAX_GROUPS;
     const int wg = threadIdx.x / 128, n_tiles = p.n / ON, k_blocks = p.k / BK;
 
     /* Dispatch blocks come first: blocks start in index order, so if an SM is busy it is a
@@ -246,10 +356,12 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
      * the GEMM blocks wait for. */
     const int dispatch_blocks = gridDim.x - p.gemm_blocks;
     if ((int)blockIdx.x < dispatch_blocks) {
-        dispatch_rows(&p.dispatch, blockIdx.x, dispatch_blocks);
-        return;
+        dispatch_rows(&p.dispatch, smem, blockIdx.x, dispatch_blocks, p.err, p.timeout_ns);
+        /* With tiles taken from a shared counter, a dispatch block that is done computes too. */
+        if (!p.sched) return;
+        __syncthreads();
     }
-    const int block = blockIdx.x - dispatch_blocks; /* among the GEMM blocks */
+    const int block = blockIdx.x - dispatch_blocks; /* among the GEMM blocks (static schedule) */
     if (threadIdx.x == 0) {
         int total = 0;
         for (int phase = 0; phase < 2; phase++) {
@@ -269,6 +381,10 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         }
         mbar_init(&turn[0], 1);
         mbar_init(&turn[1], 1);
+        for (int s = 0; s < TICKETS; s++) {
+            mbar_init(&ticket_full[s], 1);
+            mbar_init(&ticket_empty[s], 256); /* every consumer thread has read the ticket */
+        }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
@@ -283,7 +399,20 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (threadIdx.x != 0) return;
         int stage = 0;
         uint32_t phase = 0;
-        for (int t = block; t < total; t += p.gemm_blocks) {
+        /* Dynamic schedule: take a ticket (the next tile of the whole grid) one tile ahead,
+         * so the atomic's latency hides behind this tile's loads, and pass each to the
+         * consumers through the ticket ring; the ticket past the end tells them to stop. */
+        int t = p.sched ? (int)atomicAdd(&p.sched[0], 1u) : block;
+        for (int ordinal = 0;; ordinal++) {
+            int next = t;
+            if (p.sched && t < total) next = (int)atomicAdd(&p.sched[0], 1u);
+            if (p.sched) {
+                const int s = ordinal % TICKETS;
+                mbar_wait(&ticket_empty[s], (ordinal / TICKETS & 1) ^ 1, p.err, p.timeout_ns);
+                tickets[s] = t;
+                mbar_arrive(&ticket_full[s]);
+            }
+            if (t >= total) break;
             tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
             const int a_row = p.segs[tl.group].start + tl.m * TM;
             const int b_row = tl.group * p.b_group_rows + tl.n * ON;
@@ -304,6 +433,14 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                     tma_load_2d(sb + stage * B_BYTES + ON * 128, &map_up, kb * BK, b_row + p.up_offset, &full[stage]);
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
+            t = p.sched ? next : t + p.gemm_blocks;
+        }
+        /* The last block to finish taking tickets resets the counters for the next call
+         * (kernels on one stream do not overlap, so nobody reads them in between). */
+        if (p.sched) __threadfence(); /* this block's last ticket before its "done" */
+        if (p.sched && atomicAdd(&p.sched[1], 1u) == gridDim.x - 1) {
+            p.sched[0] = 0;
+            p.sched[1] = 0;
         }
         return;
     }
@@ -313,7 +450,15 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     float acc[BN / 2];
     int stage = 0;
     uint32_t phase = 0, turn_phase = 0;
-    for (int t = block, ordinal = 0; t < total; t += p.gemm_blocks, ordinal++) {
+    for (int ordinal = 0;; ordinal++) {
+        int t = block + ordinal * p.gemm_blocks;
+        if (p.sched) {
+            const int s = ordinal % TICKETS;
+            mbar_wait(&ticket_full[s], ordinal / TICKETS & 1, p.err, p.timeout_ns);
+            t = tickets[s];
+            mbar_arrive(&ticket_empty[s]);
+        }
+        if (t >= total) break;
         if (PINGPONG && (ordinal & 1) != half) {
             /* The other consumer's tile: step over its stages in the ring. */
             int next = stage + k_blocks;
@@ -453,8 +598,9 @@ static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, ui
 template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> static size_t smem_bytes(void)
 {
     const int on = SWIGLU ? BN / 2 : BN, tm = PINGPONG ? 64 : BM;
-    return 1024 + STAGES * (tm * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * on * 2 : 0) + (2 * STAGES + 2) * 8 +
-           (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 + 2 * COMETI_GEMM_MAX_GROUPS * 4;
+    return 1024 + STAGES * (tm * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * on * 2 : 0) +
+           (2 * STAGES + 2 + 2 * TICKETS) * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 + 2 * COMETI_GEMM_MAX_GROUPS * 4 +
+           TICKETS * 4;
 }
 
 typedef struct maps {
@@ -559,6 +705,7 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     args.arrive = g->arrive;
     args.expected = g->expected;
     args.dispatch = g->dispatch;
+    args.sched = g->sched;
     args.c = (__nv_bfloat16 *)g->c;
     args.err = g->err;
     args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;

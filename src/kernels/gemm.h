@@ -34,6 +34,12 @@ enum {
     COMETI_SCHEDULE_PINGPONG = 2     /* each on its own 64-row tile, alternating (block_n 256) */
 };
 
+/* How dispatch workers copy a piece of rows. */
+enum {
+    COMETI_DISPATCH_BULK = 0,  /* one thread per warp, whole rows with bulk copies through shared memory */
+    COMETI_DISPATCH_STORES = 1 /* every lane, 16-byte loads and stores */
+};
+
 /* Dispatch blocks of the fused layer0 kernel: copy this rank's token rows into their
  * expert owners' receive buffers (local rows first), in pieces that each fill part of
  * one 128-row block of one owner, counting each piece's rows with one system-scope
@@ -46,6 +52,7 @@ typedef struct cometi_dispatch {
     const int32_t *seg_start;       /* [E] */
     const int32_t *recv_offset;     /* [world][E] */
     int num_experts, top_k, hidden, experts_per_rank, rank;
+    int mode;                       /* COMETI_DISPATCH_*; x must be 16-byte aligned */
     void *recv[COMETI_MAX_RANKS];                 /* every rank's receive buffer, mapped here */
     unsigned long long *arrive[COMETI_MAX_RANKS]; /* every rank's arrival counters, mapped here */
 } cometi_dispatch_t;
@@ -76,6 +83,10 @@ typedef struct cometi_gemm {
                                            * only once arrive[b] >= expected[b] (acquire, system) */
     const unsigned long long *expected;   /* [a_rows / 128] */
     int dispatch_blocks;                  /* blocks before the GEMM's that run `dispatch` */
+    unsigned int *sched;                  /* [2] zeroed device words: tiles are then taken from a
+                                           * counter shared by the grid (dispatch blocks join in
+                                           * when done) and the last block zeroes them again;
+                                           * NULL: each GEMM block takes every gemm_blocks-th tile */
     cometi_dispatch_t dispatch;
     cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
     unsigned long long timeout_ns; /* rows from peers must arrive within this; a pipeline wait
