@@ -31,9 +31,9 @@ comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t 
                     fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->act, (size_t)l->max_recv_rows * cfg->ffn * 2),
                                     "cudaMalloc(layer0 activations)"), fail);
-    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->sched, 2 * sizeof(unsigned int)),
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)),
                                     "cudaMalloc(tile counter)"), fail);
-    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->sched, 0, 2 * sizeof(unsigned int)), "clear tile counter"),
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)), "clear tile counter"),
                     fail);
     /* Every rank's counters are zero before any rank adds to them. */
     COMETI_TRY_GOTO(st, cometi_barrier_sync(comm, "arrival counters cleared on every rank"), fail);
@@ -93,7 +93,7 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     g.expected = l->route.plan.expected;
     g.sms = comm->sm_count - dispatch_blocks;
     g.dispatch_blocks = dispatch_blocks;
-    g.sched = knobs->static_tiles ? NULL : l->sched;
+    g.sched = l->sched;
     cometi_dispatch_t *d = &g.dispatch;
     d->x = a->x;
     d->src_of = l->route.plan.src_of;
@@ -124,6 +124,7 @@ comet_status_t cometi_layer0_gemm_only(comet_comm_t comm, cometi_layer0_t *l, co
                                        cudaStream_t stream)
 {
     cometi_gemm_t g = gemm0(comm, l, a);
-    g.local_rows = l->route.plan.local_rows; /* same tile order as the fused run */
+    g.local_rows = l->route.plan.local_rows; /* same tile order and schedule as the fused run */
+    g.sched = l->sched;
     return cometi_gemm_run(comm->err, &g, stream);
 }

@@ -20,7 +20,7 @@ typedef struct cometi_layer0 {
     cometi_window_t recv;   /* [max_recv_rows][hidden] bf16: rows pushed here by every rank */
     cometi_window_t arrive; /* [max_recv_rows / 128] u64: rows arrived per block, over all calls */
     void *act;              /* [max_recv_rows][ffn] bf16: SwiGLU(GEMM0), expert-major, padded */
-    unsigned int *sched;    /* [2] the fused kernel's tile counter, zero between calls */
+    unsigned int *sched;    /* the kernels' tile and piece counters, zero between calls */
     int hidden, ffn, num_experts, top_k, max_tokens;
     int64_t max_recv_rows;
 } cometi_layer0_t;
@@ -29,8 +29,6 @@ typedef struct cometi_layer0 {
 typedef struct cometi_layer0_knobs {
     int dispatch_blocks; /* SMs that copy rows; the rest compute */
     int dispatch_mode;   /* COMETI_DISPATCH_* (kernels/gemm.h) */
-    int static_tiles;    /* 1: each GEMM block takes a fixed share of the tiles and dispatch
-                          * blocks never compute; 0: tiles from a shared counter */
 } cometi_layer0_knobs_t;
 
 /* Collective. The config must be valid; layer0 also needs ffn a multiple of 128 (one

@@ -581,8 +581,8 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CUDA_OK(cudaMemcpy(a, a16, na * 2, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(b, b16, nb * 2, cudaMemcpyHostToDevice));
         unsigned int *sched;
-        CUDA_OK(cudaMalloc((void **)&sched, 2 * sizeof(unsigned int)));
-        CUDA_OK(cudaMemset(sched, 0, 2 * sizeof(unsigned int)));
+        CUDA_OK(cudaMalloc((void **)&sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+        CUDA_OK(cudaMemset(sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
         for (int variant = 0; variant < 16; variant++) {
             /* Both tile widths, both epilogues, few blocks (many tiles each) and all; then
              * the ping-pong schedule (128x256 only); then tiles from the shared counter,
@@ -992,10 +992,9 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
             a.weights.down = fx.d_down;
             if (c.separate_gate_up) a.weights.gate = fx.d_gate, a.weights.up = fx.d_up;
             else a.weights.gate_up = fx.d_gate_up;
-            /* Both copy modes, both tile schedules, 1-24 dispatch blocks. */
-            const cometi_layer0_knobs_t knobs = {1 + calls % 24,
-                                                 calls / 24 % 2 ? COMETI_DISPATCH_STORES : COMETI_DISPATCH_BULK,
-                                                 calls / 48 % 2};
+            /* Both copy modes, 1-24 dispatch blocks. */
+            const cometi_layer0_knobs_t knobs = {1 + calls % 24, calls / 24 % 2 ? COMETI_DISPATCH_STORES
+                                                                                : COMETI_DISPATCH_BULK};
             const int dispatch_blocks = knobs.dispatch_blocks;
             CUDA_OK(cudaMemset(l0.act, 0xff, (size_t)l0.max_recv_rows * F * 2)); /* poison */
             CUDA_OK(cudaMemset(l0.recv.local, 0xff, (size_t)l0.max_recv_rows * H * 2));
@@ -1037,8 +1036,8 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 }
             }
             if (!(worst < 1e-2)) {
-                printf("call %d (%s, %d dispatch blocks, mode %d, static %d): activation relative error %.3g\n",
-                       calls, c.name, dispatch_blocks, knobs.dispatch_mode, knobs.static_tiles, worst);
+                printf("call %d (%s, %d dispatch blocks, mode %d): activation relative error %.3g\n", calls,
+                       c.name, dispatch_blocks, knobs.dispatch_mode, worst);
                 return 1;
             }
         }

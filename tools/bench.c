@@ -107,7 +107,7 @@ typedef struct case_result {
     /* The fused layer0, when run: */
     int l0_runs, l0_best;
     cometi_layer0_knobs_t l0_knobs[SWEEP_MAX];
-    float l0_ms[SWEEP_MAX], l0_gemm_alone_ms;
+    float l0_ms[SWEEP_MAX], l0_gemm_alone_ms, l0_route_ms;
     double l0_diff;    /* activations against the baseline's, sampled rows */
 } case_result_t;
 
@@ -126,9 +126,11 @@ static int allreduce(comet_comm_t comm, float *v, int n, ncclRedOp_t op)
 
 static const char *dispatch_mode_name(int mode) { return mode == COMETI_DISPATCH_STORES ? "stores" : "bulk"; }
 
+enum { L0_FUSED, L0_GEMM_ALONE, L0_ROUTE_ALONE };
+
 /* Median ms of `iters` calls of the fused layer0 (or its GEMM alone), rotating input sets. */
 static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t *a, void **x, int32_t **ids,
-                       float **w, const cometi_layer0_knobs_t *knobs, int warmup, int iters, int gemm_only,
+                       float **w, const cometi_layer0_knobs_t *knobs, int warmup, int iters, int what,
                        float *out)
 {
     cudaEvent_t e0, e1;
@@ -141,7 +143,11 @@ static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t 
         /* Every timed call starts with the ranks together: launch skew is not the layer's. */
         FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
         cudaEventRecord(e0, 0);
-        comet_status_t st = gemm_only ? cometi_layer0_gemm_only(comm, l0, a, 0) : cometi_layer0_run(comm, l0, a, knobs, 0);
+        comet_status_t st =
+            what == L0_GEMM_ALONE ? cometi_layer0_gemm_only(comm, l0, a, 0)
+            : what == L0_ROUTE_ALONE
+                ? cometi_route_dev_run(comm, &l0->route, a->topk_ids, a->num_tokens, l0->top_k, 0)
+                : cometi_layer0_run(comm, l0, a, knobs, 0);
         cudaEventRecord(e1, 0);
         if (st != COMET_SUCCESS) {
             fprintf(stderr, "layer0: %s\n", comet_comm_last_error(comm));
@@ -168,10 +174,9 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
 {
     /* Bulk copies from 2 to 16 blocks; the store copy where it did best before (docs/PERF.md). */
     static const cometi_layer0_knobs_t sweep[] = {
-        {2, COMETI_DISPATCH_BULK, 0},   {3, COMETI_DISPATCH_BULK, 0},   {4, COMETI_DISPATCH_BULK, 0},
-        {6, COMETI_DISPATCH_BULK, 0},   {8, COMETI_DISPATCH_BULK, 0},   {12, COMETI_DISPATCH_BULK, 0},
-        {16, COMETI_DISPATCH_BULK, 0},  {4, COMETI_DISPATCH_STORES, 0}, {8, COMETI_DISPATCH_STORES, 0},
-        {4, COMETI_DISPATCH_BULK, 1},   {8, COMETI_DISPATCH_BULK, 1}};
+        {2, COMETI_DISPATCH_BULK},  {3, COMETI_DISPATCH_BULK},  {4, COMETI_DISPATCH_BULK},
+        {6, COMETI_DISPATCH_BULK},  {8, COMETI_DISPATCH_BULK},  {12, COMETI_DISPATCH_BULK},
+        {16, COMETI_DISPATCH_BULK}, {4, COMETI_DISPATCH_STORES}, {8, COMETI_DISPATCH_STORES}};
     cometi_layer0_t l0;
     comet_status_t st = cometi_layer0_create(comm, cfg, &l0);
     FAIL_IF(st != COMET_SUCCESS, "layer0 (%s): %s", label, comet_comm_last_error(comm));
@@ -180,7 +185,7 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     res->l0_best = 0;
     for (size_t i = 0; i < sizeof(sweep) / sizeof(sweep[0]); i++) {
         float ms;
-        if (time_layer0(comm, &l0, a, x, ids, w, &sweep[i], o->warmup, o->iters, 0, &ms)) return 1;
+        if (time_layer0(comm, &l0, a, x, ids, w, &sweep[i], o->warmup, o->iters, L0_FUSED, &ms)) return 1;
         if (allreduce(comm, &ms, 1, ncclMax)) return 1;
         res->l0_knobs[res->l0_runs] = sweep[i];
         res->l0_ms[res->l0_runs] = ms;
@@ -188,7 +193,7 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         res->l0_runs++;
     }
     float ms;
-    if (time_layer0(comm, &l0, a, x, ids, w, NULL, o->warmup, o->iters, 1, &ms)) return 1;
+    if (time_layer0(comm, &l0, a, x, ids, w, NULL, o->warmup, o->iters, L0_GEMM_ALONE, &ms)) return 1;
     if (allreduce(comm, &ms, 1, ncclMax)) return 1;
     res->l0_gemm_alone_ms = ms;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
@@ -222,6 +227,11 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     if (!isfinite(diff)) diff = INFINITY;
     if (allreduce(comm, &diff, 1, ncclMax)) return 1;
     res->l0_diff = diff;
+    /* The route alone, last: it raises the arrival totals the next fused call would wait for,
+     * with no rows behind them, so no fused call may follow on this layer0. */
+    if (time_layer0(comm, &l0, a, x, ids, w, NULL, o->warmup, o->iters, L0_ROUTE_ALONE, &ms)) return 1;
+    if (allreduce(comm, &ms, 1, ncclMax)) return 1;
+    res->l0_route_ms = ms;
     free(segs), free(want), free(got);
     cometi_layer0_destroy(comm, &l0);
     return 0;
@@ -441,23 +451,23 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 const float l0 = base.l0_ms[base.l0_best];
                 const cometi_layer0_knobs_t *best = &base.l0_knobs[base.l0_best];
                 printf("  layer0 (dispatch + GEMM0 + SwiGLU): baseline %.3f ms, fused %.3f ms with %d %s dispatch "
-                       "blocks (%.2fx), our GEMM0 alone %.3f ms (fused / alone %.3f), activations vs baseline %.1e%s\n",
+                       "blocks (%.2fx), our GEMM0 alone %.3f ms (fused / alone %.3f), route alone %.3f ms, "
+                       "activations vs baseline %.1e%s\n",
                        base.ms[P_LAYER0], l0, best->dispatch_blocks, dispatch_mode_name(best->dispatch_mode),
-                       base.ms[P_LAYER0] / l0,
-                       base.l0_gemm_alone_ms, l0 / base.l0_gemm_alone_ms, base.l0_diff,
-                       base.l0_diff > 1e-2 ? "!" : "");
+                       base.ms[P_LAYER0] / l0, base.l0_gemm_alone_ms, l0 / base.l0_gemm_alone_ms, base.l0_route_ms,
+                       base.l0_diff, base.l0_diff > 1e-2 ? "!" : "");
                 printf("  layer0 sweep, ms by dispatch blocks:");
                 for (int i = 0; i < base.l0_runs; i++)
-                    printf(" %s%s %d: %.3f", dispatch_mode_name(base.l0_knobs[i].dispatch_mode),
-                           base.l0_knobs[i].static_tiles ? "/static" : "", base.l0_knobs[i].dispatch_blocks,
-                           base.l0_ms[i]);
+                    printf(" %s %d: %.3f", dispatch_mode_name(base.l0_knobs[i].dispatch_mode),
+                           base.l0_knobs[i].dispatch_blocks, base.l0_ms[i]);
                 printf("\n");
                 if (json)
                     fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer0\", \"baseline_layer0_ms\": %.4f, "
                             "\"fused_ms\": %.4f, \"dispatch_blocks\": %d, \"dispatch_mode\": \"%s\", "
-                            "\"gemm0_alone_ms\": %.4f, \"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER0], l0,
+                            "\"gemm0_alone_ms\": %.4f, \"route_alone_ms\": %.4f, \"diff_vs_baseline\": %.3g}", label,
+                            base.ms[P_LAYER0], l0,
                             best->dispatch_blocks, dispatch_mode_name(best->dispatch_mode),
-                            base.l0_gemm_alone_ms, base.l0_diff);
+                            base.l0_gemm_alone_ms, base.l0_route_ms, base.l0_diff);
             }
         }
         if (base.l0_runs && !(base.l0_diff <= 1e-2)) failed_check = 1;

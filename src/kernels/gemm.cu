@@ -140,7 +140,7 @@ typedef struct gemm_args {
     const int32_t *local_rows;
     const unsigned long long *arrive, *expected;
     int gemm_blocks;
-    unsigned int *sched; /* [2]: tiles taken, blocks done; NULL: static schedule */
+    unsigned int *sched; /* tiles taken, blocks done, local and remote pieces taken; NULL: static */
     cometi_dispatch_t dispatch;
     __nv_bfloat16 *c;
     cometi_async_error_t *err;
@@ -265,34 +265,68 @@ static __device__ void copy_piece_bulk(const cometi_dispatch_t *d, bulk_ring_t *
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-/* Walk the pieces in order (local experts first), copying every total_workers-th from
- * `worker` on: with the bulk ring if there is one, else with the warp's stores. */
-static __device__ void copy_pieces(const cometi_dispatch_t *d, bulk_ring_t *ring, int worker, int total_workers,
+/* Position in one list of pieces (0: to experts this rank owns, 1: to the others), in
+ * expert order. */
+typedef struct piece_cursor {
+    int e, r0, index; /* expert, first row of the piece in this rank's rows for e, piece number */
+} piece_cursor_t;
+
+static __device__ __forceinline__ int piece_first_row(const cometi_dispatch_t *d, int e)
+{
+    return d->seg_start[e] + d->recv_offset[d->rank * d->num_experts + e];
+}
+
+/* Move the cursor forward to piece `target` of its list; 0 if the list ends first. */
+static __device__ int seek_piece(const cometi_dispatch_t *d, piece_cursor_t *c, int remote, int target)
+{
+    const int E = d->num_experts, me = d->rank;
+    while (c->e < E) {
+        const int rows = d->counts[me * E + c->e];
+        if ((c->e / d->experts_per_rank != me) == remote && c->r0 < rows) {
+            if (c->index == target) return 1;
+            const int row = piece_first_row(d, c->e) + c->r0;
+            c->r0 += min(rows - c->r0, BM - row % BM);
+            c->index++;
+        } else {
+            c->e++;
+            c->r0 = 0;
+        }
+    }
+    return 0;
+}
+
+/* Claim pieces from the two lists' shared counters until both are used up. Even workers
+ * start with the local list (the first GEMM tiles need those rows), odd ones with the
+ * remote list, so the local copy (HBM) and the NVLink copy run side by side; a worker
+ * whose list runs out helps with the other. Copies with the bulk ring if there is one,
+ * else with the warp's stores (then every lane takes part and lane 0 claims). */
+static __device__ void copy_pieces(const cometi_dispatch_t *d, bulk_ring_t *ring, unsigned int *counters, int worker,
                                    cometi_async_error_t *err, unsigned long long timeout_ns)
 {
     const int lane = threadIdx.x % 32, E = d->num_experts, me = d->rank;
-    const uint32_t row_bytes = (uint32_t)d->hidden * 2;
-    int piece = 0;
-    for (int pass = 0; pass < 2; pass++) {
-        for (int e = 0; e < E; e++) {
-            const int dst = e / d->experts_per_rank, rows = d->counts[me * E + e];
-            if ((dst == me) != (pass == 0) || rows == 0) continue;
-            const int first_row = d->seg_start[e] + d->recv_offset[me * E + e], first_send = d->send_offset[me * E + e];
-            for (int r0 = 0; r0 < rows;) {
-                const int row = first_row + r0, n_rows = min(rows - r0, BM - row % BM);
-                if (piece++ % total_workers == worker) {
-                    unsigned char *out = (unsigned char *)d->recv[dst] + (size_t)row * row_bytes;
-                    if (ring) copy_piece_bulk(d, ring, d->src_of + first_send + r0, n_rows, out, err, timeout_ns);
-                    else copy_piece_stores(d, d->src_of + first_send + r0, n_rows, (uint4 *)out);
-                    if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / BM, (unsigned long long)n_rows);
-                }
-                r0 += n_rows;
-            }
+    const uint32_t row_bytes = (uint32_t)d->hidden * 2, mask = ring ? 1u : 0xffffffffu;
+    piece_cursor_t cur[2] = {{0, 0, 0}, {0, 0, 0}};
+    int list = worker & 1, done[2] = {0, 0};
+    while (!done[0] || !done[1]) {
+        if (done[list]) list ^= 1;
+        int target = 0;
+        if (lane == 0) target = (int)atomicAdd(&counters[list], 1u);
+        target = __shfl_sync(mask, target, 0);
+        if (!seek_piece(d, &cur[list], list, target)) {
+            done[list] = 1;
+            continue;
         }
+        const int e = cur[list].e, r0 = cur[list].r0, dst = e / d->experts_per_rank;
+        const int row = piece_first_row(d, e) + r0, n_rows = min(d->counts[me * E + e] - r0, BM - row % BM);
+        const int32_t *src_of = d->src_of + d->send_offset[me * E + e] + r0;
+        unsigned char *out = (unsigned char *)d->recv[dst] + (size_t)row * row_bytes;
+        if (ring) copy_piece_bulk(d, ring, src_of, n_rows, out, err, timeout_ns);
+        else copy_piece_stores(d, src_of, n_rows, (uint4 *)out);
+        if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / BM, (unsigned long long)n_rows);
     }
 }
 
-static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *smem, int block, int nblocks,
+static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *smem, unsigned int *counters,
                                      cometi_async_error_t *err, unsigned long long timeout_ns)
 {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -319,8 +353,7 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
         for (int s = 0; s < BULK_SLOTS; s++) mbar_init(&ring.full[s], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    const int worker = block * workers + warp, total_workers = nblocks * workers;
-    copy_pieces(d, bulk ? &ring : NULL, worker, total_workers, err, timeout_ns);
+    copy_pieces(d, bulk ? &ring : NULL, counters, blockIdx.x * workers + warp, err, timeout_ns);
     /* The ring's shared memory may become GEMM stages next. */
     if (bulk) {
         for (int s = 0; s < BULK_SLOTS; s++)
@@ -356,9 +389,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
      * the GEMM blocks wait for. */
     const int dispatch_blocks = gridDim.x - p.gemm_blocks;
     if ((int)blockIdx.x < dispatch_blocks) {
-        dispatch_rows(&p.dispatch, smem, blockIdx.x, dispatch_blocks, p.err, p.timeout_ns);
-        /* With tiles taken from a shared counter, a dispatch block that is done computes too. */
-        if (!p.sched) return;
+        /* Pieces are claimed from counters 2 and 3; once done, the block computes too. */
+        dispatch_rows(&p.dispatch, smem, p.sched + 2, p.err, p.timeout_ns);
         __syncthreads();
     }
     const int block = blockIdx.x - dispatch_blocks; /* among the GEMM blocks (static schedule) */
@@ -439,8 +471,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
          * (kernels on one stream do not overlap, so nobody reads them in between). */
         if (p.sched) __threadfence(); /* this block's last ticket before its "done" */
         if (p.sched && atomicAdd(&p.sched[1], 1u) == gridDim.x - 1) {
-            p.sched[0] = 0;
-            p.sched[1] = 0;
+            for (int i = 0; i < COMETI_GEMM_SCHED_WORDS; i++) p.sched[i] = 0;
         }
         return;
     }
@@ -714,9 +745,9 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
     COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev),
                            "cudaDeviceGetAttribute(SM count)"));
-    if (g->dispatch_blocks < 0 || (g->arrive && !g->expected))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch_blocks = %d: must be >= 0; arrive needs "
-                           "expected", g->dispatch_blocks);
+    if (g->dispatch_blocks < 0 || (g->arrive && !g->expected) || (g->dispatch_blocks && !g->sched))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch_blocks = %d: must be >= 0, and > 0 needs "
+                           "sched; arrive needs expected", g->dispatch_blocks);
     /* GEMM blocks, then dispatch blocks. */
     args.gemm_blocks = g->sms > 0 ? g->sms : sm_count - g->dispatch_blocks;
     const int blocks = args.gemm_blocks + g->dispatch_blocks;

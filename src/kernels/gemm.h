@@ -20,6 +20,7 @@ typedef struct cometi_segment {
 } cometi_segment_t;
 
 #define COMETI_GEMM_MAX_GROUPS 1024
+#define COMETI_GEMM_SCHED_WORDS 4 /* tiles taken, blocks done, local and remote pieces taken */
 
 enum {
     COMETI_EPILOGUE_AUTO = 0,   /* TMA where ldc and c allow it */
@@ -83,10 +84,11 @@ typedef struct cometi_gemm {
                                            * only once arrive[b] >= expected[b] (acquire, system) */
     const unsigned long long *expected;   /* [a_rows / 128] */
     int dispatch_blocks;                  /* blocks before the GEMM's that run `dispatch` */
-    unsigned int *sched;                  /* [2] zeroed device words: tiles are then taken from a
-                                           * counter shared by the grid (dispatch blocks join in
-                                           * when done) and the last block zeroes them again;
-                                           * NULL: each GEMM block takes every gemm_blocks-th tile */
+    unsigned int *sched;                  /* [COMETI_GEMM_SCHED_WORDS] zeroed device words: tiles
+                                           * then come from a counter shared by the grid (dispatch
+                                           * blocks join in when done; they need it) and the last
+                                           * block zeroes them again; NULL: each GEMM block takes
+                                           * every gemm_blocks-th tile */
     cometi_dispatch_t dispatch;
     cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
     unsigned long long timeout_ns; /* rows from peers must arrive within this; a pipeline wait
