@@ -967,7 +967,10 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const int ncases = (int)(sizeof(cases) / sizeof(cases[0]));
     uint16_t *want = malloc((size_t)l0.max_recv_rows * F * 2), *got = malloc((size_t)l0.max_recv_rows * F * 2);
     cometi_segment_t segs[64];
-    double worst = 0;
+    /* Two bf16 paths (cuBLAS rounds gate and up before SwiGLU; ours rounds only the
+     * product) differ by about 2^-8 per element: each call's whole output must be within
+     * 1e-2, and no single row past 3e-2 (a wrong or stale row is off by order 1). */
+    double worst = 0, worst_row = 0;
     int calls = 0, rows_checked = 0;
     /* 1000 consecutive calls: the arrival counters only grow, never reset, so this is
      * where a count that drifts between calls would show. */
@@ -1007,6 +1010,7 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 return 1;
             }
             CUDA_OK(cudaMemcpy(segs, l0.route.plan.local_segs, sizeof(cometi_segment_t) * per, cudaMemcpyDeviceToHost));
+            double call_num = 0, call_den = 0;
             for (int le = 0; le < per; le++) {
                 const size_t start = (size_t)segs[le].start, rows = (size_t)segs[le].rows;
                 if (!rows) continue;
@@ -1031,19 +1035,23 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
                         den += w * w;
                     }
                     double e = den > 0 ? sqrt(num / den) : sqrt(num);
-                    if (!(e <= worst)) worst = e;
+                    if (!(e <= worst_row)) worst_row = e;
+                    call_num += num;
+                    call_den += den;
                     rows_checked++;
                 }
             }
-            if (!(worst < 1e-2)) {
-                printf("call %d (%s, %d dispatch blocks, mode %d): activation relative error %.3g\n", calls,
-                       c.name, dispatch_blocks, knobs.dispatch_mode, worst);
+            const double call_err = call_den > 0 ? sqrt(call_num / call_den) : sqrt(call_num);
+            if (!(call_err <= worst)) worst = call_err;
+            if (!(worst < 1e-2) || !(worst_row < 3e-2)) {
+                printf("call %d (%s, %d dispatch blocks, mode %d): activation relative error %.3g (worst row %.3g)\n",
+                       calls, c.name, dispatch_blocks, knobs.dispatch_mode, call_err, worst_row);
                 return 1;
             }
         }
     }
-    printf("rank %d: %d calls, %d rows: delivery exact, worst activation relative error %.2e against the baseline\n",
-           me, calls, rows_checked, worst);
+    printf("rank %d: %d calls, %d rows: delivery exact, activations against the baseline's: worst call %.2e, worst "
+           "row %.2e\n", me, calls, rows_checked, worst, worst_row);
     free(want), free(got);
     cometi_layer0_destroy(fx.comm, &l0);
     fixture_close(&fx);

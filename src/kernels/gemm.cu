@@ -140,7 +140,7 @@ typedef struct gemm_args {
     const int32_t *local_rows;
     const unsigned long long *arrive, *expected;
     int gemm_blocks;
-    unsigned int *sched; /* tiles taken, blocks done, local and remote pieces taken; NULL: static */
+    unsigned int *sched; /* tiles taken, blocks done, pieces taken; NULL: static */
     cometi_dispatch_t dispatch;
     __nv_bfloat16 *c;
     cometi_async_error_t *err;
@@ -214,8 +214,8 @@ static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const int32
  * reading), so about LAG rows are being loaded while the stores stream out. At the end
  * of the piece every store must have landed (wait_group 0, then the proxy fence: async
  * writes before the generic release). */
-#define BULK_SLOTS 6
-#define BULK_LAG 4
+#define BULK_SLOTS 12
+#define BULK_LAG 10
 
 typedef struct bulk_ring {
     unsigned char *slots; /* BULK_SLOTS rows */
@@ -295,26 +295,26 @@ static __device__ int seek_piece(const cometi_dispatch_t *d, piece_cursor_t *c, 
     return 0;
 }
 
-/* Claim pieces from the two lists' shared counters until both are used up. Even workers
- * start with the local list (the first GEMM tiles need those rows), odd ones with the
- * remote list, so the local copy (HBM) and the NVLink copy run side by side; a worker
- * whose list runs out helps with the other. Copies with the bulk ring if there is one,
- * else with the warp's stores (then every lane takes part and lane 0 claims). */
-static __device__ void copy_pieces(const cometi_dispatch_t *d, bulk_ring_t *ring, unsigned int *counters, int worker,
+/* Claim pieces from one shared counter, in one order: every local piece (the first GEMM
+ * tiles need those rows), then every remote one. Piece i past the local list's end is
+ * remote piece i - (local pieces). Copies with the bulk ring if there is one, else with
+ * the warp's stores (then every lane takes part and lane 0 claims). */
+static __device__ void copy_pieces(const cometi_dispatch_t *d, bulk_ring_t *ring, unsigned int *counter,
                                    cometi_async_error_t *err, unsigned long long timeout_ns)
 {
     const int lane = threadIdx.x % 32, E = d->num_experts, me = d->rank;
     const uint32_t row_bytes = (uint32_t)d->hidden * 2, mask = ring ? 1u : 0xffffffffu;
     piece_cursor_t cur[2] = {{0, 0, 0}, {0, 0, 0}};
-    int list = worker & 1, done[2] = {0, 0};
-    while (!done[0] || !done[1]) {
-        if (done[list]) list ^= 1;
-        int target = 0;
-        if (lane == 0) target = (int)atomicAdd(&counters[list], 1u);
-        target = __shfl_sync(mask, target, 0);
-        if (!seek_piece(d, &cur[list], list, target)) {
-            done[list] = 1;
-            continue;
+    int local_pieces = -1; /* known once the local list has been walked to its end */
+    for (;;) {
+        int i = 0;
+        if (lane == 0) i = (int)atomicAdd(counter, 1u);
+        i = __shfl_sync(mask, i, 0);
+        int list = 0;
+        if (local_pieces < 0 && !seek_piece(d, &cur[0], 0, i)) local_pieces = cur[0].index;
+        if (local_pieces >= 0) {
+            list = 1;
+            if (!seek_piece(d, &cur[1], 1, i - local_pieces)) break;
         }
         const int e = cur[list].e, r0 = cur[list].r0, dst = e / d->experts_per_rank;
         const int row = piece_first_row(d, e) + r0, n_rows = min(d->counts[me * E + e] - r0, BM - row % BM);
@@ -326,7 +326,7 @@ static __device__ void copy_pieces(const cometi_dispatch_t *d, bulk_ring_t *ring
     }
 }
 
-static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *smem, unsigned int *counters,
+static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *smem, unsigned int *counter,
                                      cometi_async_error_t *err, unsigned long long timeout_ns)
 {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -337,7 +337,8 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_size));
     const int ring_bytes = BULK_SLOTS * row_bytes, usable = (int)smem_size - 2048;
     const int bulk = d->mode != COMETI_DISPATCH_STORES && usable >= ring_bytes;
-    const int workers = bulk ? min((int)(blockDim.x / 32), usable / ring_bytes) : blockDim.x / 32;
+    const int workers = bulk ? min(min((int)(blockDim.x / 32), 1024 / (8 * BULK_SLOTS)), usable / ring_bytes)
+                             : blockDim.x / 32;
     /* A bulk worker is one thread; the warp's other lanes wait for it at the end. */
     if (warp >= workers) return;
     if (bulk && lane != 0) {
@@ -353,7 +354,7 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
         for (int s = 0; s < BULK_SLOTS; s++) mbar_init(&ring.full[s], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    copy_pieces(d, bulk ? &ring : NULL, counters, blockIdx.x * workers + warp, err, timeout_ns);
+    copy_pieces(d, bulk ? &ring : NULL, counter, err, timeout_ns);
     /* The ring's shared memory may become GEMM stages next. */
     if (bulk) {
         for (int s = 0; s < BULK_SLOTS; s++)
@@ -389,7 +390,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
      * the GEMM blocks wait for. */
     const int dispatch_blocks = gridDim.x - p.gemm_blocks;
     if ((int)blockIdx.x < dispatch_blocks) {
-        /* Pieces are claimed from counters 2 and 3; once done, the block computes too. */
+        /* Pieces are claimed from counter 2; once done, the block computes too. */
         dispatch_rows(&p.dispatch, smem, p.sched + 2, p.err, p.timeout_ns);
         __syncthreads();
     }
