@@ -583,18 +583,30 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
         unsigned int *sched;
         CUDA_OK(cudaMalloc((void **)&sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
         CUDA_OK(cudaMemset(sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
-        for (int variant = 0; variant < 16; variant++) {
+        unsigned long long *split_done;
+        CUDA_OK(cudaMalloc((void **)&split_done, 2 * sizeof(unsigned long long)));
+        CUDA_OK(cudaMemset(split_done, 0, 2 * sizeof(unsigned long long)));
+        int total_rows = 0;
+        unsigned long long want_done = 0;
+        for (int gi = 0; gi < groups; gi++) total_rows += sizes[gi];
+        for (int variant = 0; variant < 20; variant++) {
             /* Both tile widths, both epilogues, few blocks (many tiles each) and all; then
              * the ping-pong schedule (128x256 only); then tiles from the shared counter,
-             * twice in a row (the kernel must leave the counter zeroed). */
-            const int dynamic = variant >= 12, pingpong = variant >= 8 && (!dynamic || variant & 1);
+             * twice in a row (the kernel must leave the counter zeroed); then two column
+             * splits with their counters, both schedules and both epilogues. */
+            const int dynamic = variant >= 12, split = variant >= 16;
+            const int pingpong = split ? variant & 1 : variant >= 8 && (!dynamic || variant & 1);
             const int block_n = pingpong || variant & 1 ? 256 : 128, sms = variant & 2 ? 132 : 3;
-            const int epilogue = variant & 4 || (pingpong && variant & 1) ? COMETI_EPILOGUE_TMA : COMETI_EPILOGUE_DIRECT;
+            if (split && n / block_n < 2) continue; /* one column tile: nothing to split */
+            const int epilogue = split ? (variant & 2 ? COMETI_EPILOGUE_TMA : COMETI_EPILOGUE_DIRECT)
+                                 : variant & 4 || (pingpong && variant & 1) ? COMETI_EPILOGUE_TMA
+                                                                            : COMETI_EPILOGUE_DIRECT;
             for (int call = 0; call < (dynamic ? 2 : 1); call++) {
                 CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
                 cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = groups,
                                    .n = n, .k = k, .sms = sms, .block_n = block_n, .group_m = sms == 3 ? 1 : 0,
                                    .epilogue = epilogue, .err = err_dev, .sched = dynamic ? sched : NULL,
+                                   .n_splits = split ? 2 : 0, .split_done = split ? split_done : NULL,
                                    .schedule = pingpong ? COMETI_SCHEDULE_PINGPONG : COMETI_SCHEDULE_COOPERATIVE};
                 char err[COMETI_ERR_LEN];
                 comet_status_t st = cometi_gemm_run(err, &g, 0);
@@ -602,6 +614,16 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 CHECK_EQ(st, COMET_SUCCESS);
                 CUDA_OK(cudaDeviceSynchronize());
                 CHECK_EQ(err_host->status, 0);
+                if (split) {
+                    /* Running totals: every row once per column tile of the split, per call. */
+                    unsigned long long done[2];
+                    want_done += (unsigned long long)total_rows * (n / block_n / 2);
+                    CUDA_OK(cudaMemcpy(done, split_done, sizeof(done), cudaMemcpyDeviceToHost));
+                    if (done[0] != want_done || done[1] != want_done)
+                        printf("split counters %llu %llu, want %llu\n", done[0], done[1], want_done);
+                    CHECK_EQ(done[0], want_done);
+                    CHECK_EQ(done[1], want_done);
+                }
                 CUDA_OK(cudaMemcpy(c16, c, nc * 2, cudaMemcpyDeviceToHost));
                 double worst = 0;
                 for (int gi = 0; gi < groups; gi++) {
@@ -626,12 +648,13 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 }
                 printf("n %d block_n %d blocks %d %s epilogue %s%s: worst row relative error %.2e\n", n, block_n,
                        sms, epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", pingpong ? "ping-pong" : "cooperative",
-                       dynamic ? (call ? " shared counter, 2nd call" : " shared counter") : "", worst);
+                       split ? (call ? " 2 splits, 2nd call" : " 2 splits")
+                       : dynamic ? (call ? " shared counter, 2nd call" : " shared counter") : "", worst);
                 CHECK(worst < 1e-2);
             }
         }
         free(a16), free(b16), free(c16), free(af), free(bf);
-        cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(sched);
+        cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(sched), cudaFree(split_done);
     }
     /* Every group empty: no tiles, nothing written, no hang. */
     cometi_segment_t empty[2] = {{0, 0}, {128, 0}};

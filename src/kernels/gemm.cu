@@ -141,6 +141,8 @@ typedef struct gemm_args {
     const unsigned long long *arrive, *expected;
     int gemm_blocks;
     unsigned int *sched; /* tiles taken, blocks done, pieces taken; NULL: static */
+    int n_splits;                        /* column splits, tiles split-major (1: one split) */
+    unsigned long long *split_done;      /* [n_splits] rows finished per split, or NULL */
     cometi_dispatch_t dispatch;
     __nv_bfloat16 *c;
     cometi_async_error_t *err;
@@ -175,6 +177,18 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
     r.group = g;
     r.m = m_first + band * group_m + in_band % band_rows;
     r.n = in_band / band_rows;
+    return r;
+}
+
+/* With n_splits > 1 the tiles go split by split (COMET's layer1 order: a column split is
+ * finished for every row before the next starts); inside a split, the order above over
+ * the split's columns. `per_split` tiles a split. */
+static __device__ __forceinline__ tile_t split_tile(int t, int per_split, const int *first_tile, const int *m_tiles,
+                                                    int groups, int split_tiles, int group_m)
+{
+    const int split = t / per_split;
+    tile_t r = decode_tile(t - split * per_split, first_tile, m_tiles, groups, split_tiles, group_m);
+    r.n += split * split_tiles;
     return r;
 }
 
@@ -383,7 +397,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     uint64_t *ticket_full = turn + 2, *ticket_empty = ticket_full + TICKETS;
     int *first_tile = (int *)(ticket_empty + TICKETS), *m_tiles = first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1;
     int *tickets = m_tiles + 2 * COMETI_GEMM_MAX_GROUPS;
-    const int wg = threadIdx.x / 128, n_tiles = p.n / ON, k_blocks = p.k / BK;
+    const int wg = threadIdx.x / 128, n_tiles = p.n / ON, k_blocks = p.k / BK, split_tiles = n_tiles / p.n_splits;
 
     /* Dispatch blocks come first: blocks start in index order, so if an SM is busy it is a
      * GEMM block (which waits on nobody's behalf) that starts late, not a dispatch block
@@ -404,7 +418,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 const int i = phase * p.groups + g;
                 first_tile[i] = total;
                 m_tiles[i] = phase ? mt - local : local;
-                total += m_tiles[i] * n_tiles;
+                total += m_tiles[i] * split_tiles;
             }
         }
         first_tile[2 * p.groups] = total;
@@ -425,7 +439,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (SWIGLU) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_up) : "memory");
     }
     __syncthreads();
-    const int total = first_tile[2 * p.groups];
+    const int per_split = first_tile[2 * p.groups], total = per_split * p.n_splits;
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -446,7 +460,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 mbar_arrive(&ticket_full[s]);
             }
             if (t >= total) break;
-            tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
+            tile_t tl = split_tile(t, per_split, first_tile, m_tiles, p.groups, split_tiles, p.group_m);
             const int a_row = p.segs[tl.group].start + tl.m * TM;
             const int b_row = tl.group * p.b_group_rows + tl.n * ON;
             if (p.arrive) {
@@ -505,7 +519,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             mbar_wait(&turn[half], turn_phase, p.err, p.timeout_ns);
             turn_phase ^= 1;
         }
-        tile_t tl = decode_tile(t, first_tile, m_tiles, p.groups, n_tiles, p.group_m);
+        tile_t tl = split_tile(t, per_split, first_tile, m_tiles, p.groups, split_tiles, p.group_m);
         int prev = -1;
         for (int kb = 0; kb < k_blocks; kb++) {
             mbar_wait(&full[stage], phase, p.err, p.timeout_ns);
@@ -567,6 +581,14 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 for (int box = 0; box < ON / 64; box++)
                     tma_store_2d(&map_c, stage_c + box * 8192, tl.n * ON + box * 64, row);
                 bulk_commit();
+                if (p.split_done) {
+                    /* The split's readers load these rows with ordinary loads: the stores
+                     * must have landed, and the async proxy's writes ordered before the count. */
+                    bulk_wait();
+                    asm volatile("fence.proxy.async.global;" ::: "memory");
+                    /* (TMA stores are for whole tiles: this warpgroup's 64 rows are all real.) */
+                    cometi_red_release_gpu_add(&p.split_done[tl.n / split_tiles], 64ull);
+                }
             }
             continue;
         }
@@ -588,6 +610,14 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 if (ok[h]) *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
         }
 #undef OUT
+        if (p.split_done) {
+            /* Every thread's stores, then one count for the warpgroup's rows. */
+            __threadfence();
+            warpgroup_sync(1 + half);
+            const int valid = min(64, seg.rows - part);
+            if (threadIdx.x % 128 == 0 && valid > 0)
+                cometi_red_release_gpu_add(&p.split_done[tl.n / split_tiles], (unsigned long long)valid);
+        }
     }
     if (TMA_EPILOGUE && threadIdx.x % 128 == 0) bulk_wait(); /* shared memory must outlive the stores */
 }
@@ -690,6 +720,10 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a, b and b_up must be 16-byte aligned, c 4-byte aligned");
     if (g->b_up && !g->swiglu)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: b_up is for swiglu only");
+    const int n_splits = g->n_splits ? g->n_splits : 1;
+    if (n_splits < 1 || (g->n / out_n) % n_splits)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n_splits = %d: must divide the %d column tiles of %d "
+                           "columns", g->n_splits, g->n / out_n, out_n);
     if (g->group_m < 0 || g->group_m > 64)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm group_m = %d: must be 0..64 (0: 8)", g->group_m);
     if (!g->err || !g->segs)
@@ -738,6 +772,8 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     args.expected = g->expected;
     args.dispatch = g->dispatch;
     args.sched = g->sched;
+    args.n_splits = g->n_splits ? g->n_splits : 1;
+    args.split_done = g->split_done;
     args.c = (__nv_bfloat16 *)g->c;
     args.err = g->err;
     args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;

@@ -83,6 +83,12 @@ typedef struct cometi_gemm {
     const unsigned long long *arrive;     /* [a_rows / 128] arrival counters: a tile reads its A rows
                                            * only once arrive[b] >= expected[b] (acquire, system) */
     const unsigned long long *expected;   /* [a_rows / 128] */
+    /* Column splits (layer1): tiles go split by split, every row of split s before any of
+     * split s + 1, and split_done[s] (if set) grows by the rows finished in it: after
+     * one call, by rows x (column tiles per split), released at GPU scope once the rows
+     * are in C. Never reset: readers wait for running totals. */
+    int n_splits;                          /* 0 or 1: one split; must divide n / tile width */
+    unsigned long long *split_done;        /* [n_splits], or NULL */
     int dispatch_blocks;                  /* blocks before the GEMM's that run `dispatch` */
     unsigned int *sched;                  /* [COMETI_GEMM_SCHED_WORDS] zeroed device words: tiles
                                            * then come from a counter shared by the grid (dispatch

@@ -26,6 +26,12 @@ static __device__ __forceinline__ void cometi_red_release_sys_add(unsigned long 
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/* For readers on this GPU only (another block of this kernel, or a later kernel). */
+static __device__ __forceinline__ void cometi_red_release_gpu_add(unsigned long long *p, unsigned long long v)
+{
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 static __device__ __forceinline__ unsigned long long cometi_globaltimer_ns(void)
 {
     unsigned long long t;
