@@ -20,7 +20,7 @@ typedef struct cometi_segment {
 } cometi_segment_t;
 
 #define COMETI_GEMM_MAX_GROUPS 1024
-#define COMETI_GEMM_SCHED_WORDS 4 /* tiles taken, blocks done, pieces taken, spare */
+#define COMETI_GEMM_SCHED_WORDS 3 /* tiles taken, blocks done, dispatch pieces taken */
 
 enum {
     COMETI_EPILOGUE_AUTO = 0,   /* TMA where ldc and c allow it */
