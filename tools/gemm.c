@@ -225,6 +225,12 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     int bad = 0;
     const char *sweep_env = getenv("COMET_GEMM_SWEEP");
     const int sweep = sweep_env && *sweep_env == '1';
+    unsigned int *sched;                /* the shared tile counter's words, zero between calls */
+    unsigned long long *split_done;     /* running row counts of two column splits */
+    CUDA_OK(cudaMalloc((void **)&sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+    CUDA_OK(cudaMemset(sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+    CUDA_OK(cudaMalloc((void **)&split_done, 2 * sizeof(unsigned long long)));
+    CUDA_OK(cudaMemset(split_done, 0, 2 * sizeof(unsigned long long)));
     for (int si = 0; si < nshapes; si++) {
         const shape_t *sh = &shapes[si];
         const size_t rows = (size_t)sh->groups * sh->rows, nc = rows * sh->n;
@@ -245,22 +251,30 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
         uint16_t *ref = malloc(nc * 2), *got = malloc(nc * 2);
         CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
-        /* Variants {block_n, group_m, sms, epilogue, schedule}: cooperative 128x256, ping-pong
-         * 64x256 and cooperative 128x128 with the default epilogue; with COMET_GEMM_SWEEP=1
-         * also epilogues, tile orders and grid sizes. */
+        /* Variants {block_n, group_m, sms, epilogue, schedule, dynamic, splits}: cooperative
+         * 128x256, ping-pong 64x256 and cooperative 128x128 with the default epilogue; with
+         * COMET_GEMM_SWEEP=1 also epilogues, tile orders, grid sizes, the shared tile counter
+         * (layer0's schedule) and two column splits with their counts (layer1's order). */
         enum { A = COMETI_EPILOGUE_AUTO, D = COMETI_EPILOGUE_DIRECT, C = COMETI_SCHEDULE_COOPERATIVE,
                P = COMETI_SCHEDULE_PINGPONG };
-        static const int variants[][5] = {{256, 8, 0, A, C},  {256, 8, 0, A, P},   {128, 8, 0, A, C},
-                                          {256, 8, 0, D, C},  {128, 8, 0, D, C},   {256, 8, 0, D, P},
-                                          {256, 16, 0, A, C}, {256, 8, 128, A, C}, {256, 8, 128, A, P}};
-        const int ndefault = 3, nvariants = sweep ? 9 : ndefault;
-        float t_best = 1e30f, t_v[9];
+        static const int variants[][7] = {{256, 8, 0, A, C, 0, 0},   {256, 8, 0, A, P, 0, 0},
+                                          {128, 8, 0, A, C, 0, 0},   {256, 8, 0, D, C, 0, 0},
+                                          {128, 8, 0, D, C, 0, 0},   {256, 8, 0, D, P, 0, 0},
+                                          {256, 16, 0, A, C, 0, 0},  {256, 8, 128, A, C, 0, 0},
+                                          {256, 8, 128, A, P, 0, 0}, {256, 8, 0, A, C, 1, 0},
+                                          {256, 8, 0, A, C, 1, 2}};
+        enum { NVARIANTS = sizeof(variants) / sizeof(variants[0]) };
+        const int ndefault = 3, nvariants = sweep ? NVARIANTS : ndefault;
+        float t_best = 1e30f, t_v[NVARIANTS];
         double worst = 0;
         for (int v = 0; v < nvariants; v++) {
+            if (variants[v][6] && (sh->n / variants[v][0]) % variants[v][6]) continue;
             r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .c = c, .ldc = sh->n, .segs = segs,
                                   .groups = sh->groups, .n = sh->n, .k = sh->k, .sms = variants[v][2],
                                   .block_n = variants[v][0], .group_m = variants[v][1],
-                                  .epilogue = variants[v][3], .schedule = variants[v][4], .err = err_dev};
+                                  .epilogue = variants[v][3], .schedule = variants[v][4], .err = err_dev,
+                                  .sched = variants[v][5] ? sched : NULL, .n_splits = variants[v][6],
+                                  .split_done = variants[v][6] ? split_done : NULL};
             CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
             FAIL_IF(run_ours(&r, 0), "%s: ours-%d: %s", sh->name, variants[v][0], r.err);
             CUDA_OK(cudaDeviceSynchronize());
@@ -275,10 +289,11 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
             FAIL_IF(err_host->status, "%s: ours-%d: the GEMM pipeline stalled while timed", sh->name, variants[v][0]);
             if (v < ndefault && t_v[v] < t_best) t_best = t_v[v];
             if (sweep)
-                printf("  %-22s block_n %3d group_m %2d sms %3d %-6s %-9s: %6.0f TFLOP/s (min %.3f, max %.3f ms), "
-                       "diff %.1e\n", sh->name, variants[v][0], variants[v][1], variants[v][2],
+                printf("  %-22s block_n %3d group_m %2d sms %3d %-6s %-9s %-7s splits %d: %6.0f TFLOP/s (min %.3f, "
+                       "max %.3f ms), diff %.1e\n", sh->name, variants[v][0], variants[v][1], variants[v][2],
                        variants[v][3] == COMETI_EPILOGUE_DIRECT ? "direct" : "tma",
                        variants[v][4] == COMETI_SCHEDULE_PINGPONG ? "ping-pong" : "coop",
+                       variants[v][5] ? "dynamic" : "static", variants[v][6] ? variants[v][6] : 1,
                        2.0 * rows * sh->n * sh->k / (t_v[v] * 1e-3) / 1e12, lo, hi, d);
         }
         double flop = 2.0 * rows * sh->n * sh->k;
@@ -297,6 +312,7 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     for (int si = 0; si < nshapes; si++)
         if (strstr(shapes[si].name, "GEMM0")) bad |= time_swiglu(o, &shapes[si], cublas, err_host, err_dev, si);
     cublasDestroy(cublas);
+    cudaFree(sched), cudaFree(split_done);
     FAIL_IF(bad, "an output differed from cuBLAS by more than 1e-2 (marked WRONG)");
     return 0;
 }
