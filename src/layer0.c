@@ -121,10 +121,10 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
 }
 
 comet_status_t cometi_layer0_gemm_only(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,
-                                       cudaStream_t stream)
+                                       int dynamic_tiles, cudaStream_t stream)
 {
     cometi_gemm_t g = gemm0(comm, l, a);
-    g.local_rows = l->route.plan.local_rows; /* same tile order and schedule as the fused run */
-    g.sched = l->sched;
+    g.local_rows = l->route.plan.local_rows; /* same tile order as the fused run */
+    g.sched = dynamic_tiles ? l->sched : NULL;
     return cometi_gemm_run(comm->err, &g, stream);
 }

@@ -43,9 +43,10 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
                                  const cometi_layer0_knobs_t *knobs, cudaStream_t stream);
 
 /* GEMM0 + SwiGLU alone on the rows the last run left in the receive buffer, with every
- * SM and no waits: the term "our GEMM alone" of the overlap bound. */
+ * SM and no waits: the term "our GEMM alone" of the overlap bound. `dynamic_tiles`: tiles
+ * from the shared counter (the fused kernel's schedule), else the static split. */
 comet_status_t cometi_layer0_gemm_only(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,
-                                       cudaStream_t stream);
+                                       int dynamic_tiles, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

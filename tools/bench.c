@@ -126,7 +126,7 @@ static int allreduce(comet_comm_t comm, float *v, int n, ncclRedOp_t op)
 
 static const char *dispatch_mode_name(int mode) { return mode == COMETI_DISPATCH_STORES ? "stores" : "bulk"; }
 
-enum { L0_FUSED, L0_GEMM_ALONE, L0_ROUTE_ALONE };
+enum { L0_FUSED, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L0_ROUTE_ALONE };
 
 /* Median ms of `iters` calls of the fused layer0 (or its GEMM alone), rotating input sets. */
 static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t *a, void **x, int32_t **ids,
@@ -144,7 +144,8 @@ static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t 
         FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
         cudaEventRecord(e0, 0);
         comet_status_t st =
-            what == L0_GEMM_ALONE ? cometi_layer0_gemm_only(comm, l0, a, 0)
+            what == L0_GEMM_ALONE || what == L0_GEMM_ALONE_DYNAMIC
+                ? cometi_layer0_gemm_only(comm, l0, a, what == L0_GEMM_ALONE_DYNAMIC, 0)
             : what == L0_ROUTE_ALONE
                 ? cometi_route_dev_run(comm, &l0->route, a->topk_ids, a->num_tokens, l0->top_k, 0)
                 : cometi_layer0_run(comm, l0, a, knobs, 0);
@@ -195,7 +196,12 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     float ms;
     if (time_layer0(comm, &l0, a, x, ids, w, NULL, o->warmup, o->iters, L0_GEMM_ALONE, &ms)) return 1;
     if (allreduce(comm, &ms, 1, ncclMax)) return 1;
-    res->l0_gemm_alone_ms = ms;
+    /* Our GEMM alone is the faster of its two schedules (the static split is 1-4% faster
+     * without dispatch on some shapes: docs/PERF.md). */
+    float ms_dynamic;
+    if (time_layer0(comm, &l0, a, x, ids, w, NULL, o->warmup, o->iters, L0_GEMM_ALONE_DYNAMIC, &ms_dynamic)) return 1;
+    if (allreduce(comm, &ms_dynamic, 1, ncclMax)) return 1;
+    res->l0_gemm_alone_ms = ms < ms_dynamic ? ms : ms_dynamic;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0];
     st = comet_moe_forward(moe, a, 0);
