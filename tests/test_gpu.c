@@ -814,7 +814,7 @@ int test_gpu_gemm_epilogues(void)
 
 #define ROUTE_E 16
 #define ROUTE_K 2
-#define ROUTE_MAX_M 300
+#define ROUTE_MAX_M 10000 /* up to 20000 rows: several of the route's 4096-row chunks */
 
 static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {

@@ -19,6 +19,7 @@ struct cometi_baseline {
     int32_t *counts;      /* [E + 1] this rank's rows per expert, then its first bad id index (or -1) */
     int32_t *counts_all;  /* [world][E + 1] */
     int32_t *pos;         /* [max_tokens * k] rank of (t, j) among this rank's rows of its expert */
+    int32_t *route_scratch; /* the route's per-chunk counts */
     int32_t *send_pos;    /* [max_tokens * k] row of (t, j) in the send (and returned) buffer */
     int32_t *send_base;   /* [E] first send row of each expert's chunk */
     cometi_segment_t *segs; /* [E_local] */
@@ -46,7 +47,7 @@ void cometi_baseline_destroy(cometi_baseline_t *b)
 {
     if (!b) return;
     if (b->cublas) cublasDestroy(b->cublas);
-    void *dev[] = {b->counts, b->counts_all, b->pos, b->send_pos, b->send_base, b->segs,
+    void *dev[] = {b->counts, b->counts_all, b->pos, b->route_scratch, b->send_pos, b->send_base, b->segs,
                    b->send, b->recv, b->h, b->act, b->out, b->back};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) cudaFree(dev[i]);
     void *host[] = {b->counts_host, b->send_base_host, b->segs_host};
@@ -67,6 +68,7 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
         {(void **)&b->counts, sizeof(int32_t) * (E + 1), "counts"},
         {(void **)&b->counts_all, sizeof(int32_t) * W * (E + 1), "counts of all ranks"},
         {(void **)&b->pos, sizeof(int32_t) * rows_out, "positions"},
+        {(void **)&b->route_scratch, sizeof(int32_t) * E * cometi_route_chunks((int)rows_out), "route scratch"},
         {(void **)&b->send_pos, sizeof(int32_t) * rows_out, "send positions"},
         {(void **)&b->send_base, sizeof(int32_t) * E, "send offsets"},
         {(void **)&b->segs, sizeof(cometi_segment_t) * moe->experts_per_rank, "segments"},
@@ -130,7 +132,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     /* 1. Route: counts per expert and stable positions; every rank learns all counts,
      * and whether any rank passed a bad expert id, so all of them stop together. */
     COMETI_TRY(cometi_cuda(err, cometi_launch_route(args->topk_ids, n, E, b->counts, b->pos,
-                                                    (unsigned int *)(b->counts + E), stream),
+                                                    (unsigned int *)(b->counts + E), b->route_scratch, stream),
                            "launch route_kernel"));
     COMETI_TRY(cometi_nccl(err, ncclAllGather(b->counts, b->counts_all, E + 1, ncclInt32, nccl, stream),
                            "ncclAllGather(routing counts)"));

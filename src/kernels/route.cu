@@ -13,20 +13,24 @@
 #define ROUTE_THREADS 1024
 
 /*
- * One block per expert e: walks topk_ids in order and gives each row that goes to e
- * its rank among them, so positions are stable (token order) and deterministic.
- * Block 0 also records the first id outside [0, E).
+ * Stable positions in two steps, so the work spreads over E x chunks blocks instead of
+ * E blocks that each walk every id (that took 0.15 ms at 64 experts x 65536 rows).
+ * chunk_rank_kernel, block (e, c): each row of chunk c that goes to e gets its rank among
+ * those rows (token order); the chunk's count goes to chunk_counts[e][c]. Block (0, c)
+ * also records the first id outside [0, E).
  */
 static __global__ void __launch_bounds__(ROUTE_THREADS)
-route_kernel(const int32_t *ids, int n, int num_experts, int32_t *counts, int32_t *pos, unsigned int *first_bad)
+chunk_rank_kernel(const int32_t *ids, int n, int num_experts, int chunks, int32_t *chunk_counts, int32_t *pos,
+                  unsigned int *first_bad)
 {
     __shared__ int warp_sums[ROUTE_THREADS / 32];
-    const int e = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = blockIdx.x, c = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int end = min(n, (c + 1) * COMETI_ROUTE_CHUNK);
     int base = 0;
-    for (int start = 0; start < n; start += ROUTE_THREADS) {
+    for (int start = c * COMETI_ROUTE_CHUNK; start < end; start += ROUTE_THREADS) {
         int i = start + threadIdx.x;
-        int id = i < n ? ids[i] : -1;
-        if (e == 0 && i < n && (id < 0 || id >= num_experts)) atomicMin(first_bad, (unsigned int)i);
+        int id = i < end ? ids[i] : -1;
+        if (e == 0 && i < end && (id < 0 || id >= num_experts)) atomicMin(first_bad, (unsigned int)i);
         int hit = id == e;
         unsigned int ballot = __ballot_sync(0xffffffffu, hit);
         int before_in_warp = __popc(ballot & ((1u << lane) - 1u));
@@ -46,15 +50,42 @@ route_kernel(const int32_t *ids, int n, int num_experts, int32_t *counts, int32_
         base += warp_sums[ROUTE_THREADS / 32 - 1];
         __syncthreads();
     }
-    if (threadIdx.x == 0) counts[e] = base;
+    if (threadIdx.x == 0) chunk_counts[(size_t)e * chunks + c] = base;
+}
+
+/* Block c: adds to each of its rows the rows of the same expert in earlier chunks; the
+ * last block also writes the totals. */
+static __global__ void __launch_bounds__(ROUTE_THREADS)
+chunk_offset_kernel(const int32_t *ids, int n, int num_experts, int chunks, const int32_t *chunk_counts,
+                    int32_t *pos, int32_t *counts)
+{
+    extern __shared__ int before[]; /* [num_experts] */
+    const int c = blockIdx.x;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        int sum = 0;
+        for (int q = 0; q < c; q++) sum += chunk_counts[(size_t)e * chunks + q];
+        before[e] = sum;
+        if (c == chunks - 1) counts[e] = sum + chunk_counts[(size_t)e * chunks + c];
+    }
+    __syncthreads();
+    const int end = min(n, (c + 1) * COMETI_ROUTE_CHUNK);
+    for (int i = c * COMETI_ROUTE_CHUNK + threadIdx.x; i < end; i += blockDim.x) {
+        const int e = ids[i];
+        if (e >= 0 && e < num_experts) pos[i] += before[e];
+    }
 }
 
 extern "C" cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_experts, int32_t *counts,
-                                           int32_t *pos, unsigned int *first_bad, cudaStream_t stream)
+                                           int32_t *pos, unsigned int *first_bad, int32_t *chunk_counts,
+                                           cudaStream_t stream)
 {
     cudaError_t e = cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned int), stream);
     if (e != cudaSuccess) return e;
-    route_kernel<<<num_experts, ROUTE_THREADS, 0, stream>>>(ids, n, num_experts, counts, pos, first_bad);
+    const int chunks = cometi_route_chunks(n);
+    chunk_rank_kernel<<<dim3(num_experts, chunks), ROUTE_THREADS, 0, stream>>>(ids, n, num_experts, chunks,
+                                                                               chunk_counts, pos, first_bad);
+    chunk_offset_kernel<<<chunks, ROUTE_THREADS, sizeof(int) * num_experts, stream>>>(ids, n, num_experts, chunks,
+                                                                                     chunk_counts, pos, counts);
     return cudaGetLastError();
 }
 
@@ -71,7 +102,7 @@ typedef struct peer_tables {
  * 2) Raise flag [me] on every peer to this call's sequence number (release, system).
  * 3) Wait for every peer's flag (acquire, timeout).
  * 4) Build the plan: thread s < world does rank s's send offsets; thread d < world does
- *    rank d's receive segments (local source first); then every row's receive position.
+ *    rank d's receive segments (local source first). Rows are placed by place_rows_kernel.
  */
 static __global__ void __launch_bounds__(PLAN_THREADS)
 exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int E, int block_m,
@@ -137,12 +168,7 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
         plan.local_rows[le] = plan.counts[me * E + e];
         for (int r = 0; r < rows; r += block_m) plan.expected[(start + r) / block_m] += min(block_m, rows - r);
     }
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int e = ids[i];
-        const bool ok = e >= 0 && e < E && !failed;
-        plan.recv_pos[i] = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + plan.pos[i] : -1;
-        if (ok) plan.src_of[plan.send_offset[me * E + e] + plan.pos[i]] = i;
-    }
+    if (threadIdx.x == 0) *plan.failed = failed;
     if (threadIdx.x == 0 && local_counts[E] != -1 && atomicCAS(&err->id_claim, 0, 1) == 0) {
         err->id_rank = me;
         err->id_index = local_counts[E];
@@ -151,6 +177,18 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
         __threadfence_system();
         *(volatile int *)&err->id_reported = 1;
     }
+}
+
+/* Every row's place in its owner's receive buffer and in the send order, over many blocks
+ * (one block took 0.06 ms for 65536 rows). Nothing is placed when the exchange failed. */
+static __global__ void place_rows_kernel(const int32_t *ids, int n, int E, int me, cometi_route_dev_plan_t plan)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const int e = ids[i];
+    const bool ok = e >= 0 && e < E && !*plan.failed;
+    plan.recv_pos[i] = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + plan.pos[i] : -1;
+    if (ok) plan.src_of[plan.send_offset[me * E + e] + plan.pos[i]] = i;
 }
 
 extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows,
@@ -173,7 +211,7 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
     {
         /* 64-bit counters first (alignment), then segments, then the int32 arrays. */
         size_t ints = (size_t)r->max_blocks * 2 + (size_t)per * 3 + (size_t)W * E * 3 + (size_t)E * 2 + W +
-                      (size_t)max_rows * 3;
+                      (size_t)max_rows * 3 + (size_t)E * cometi_route_chunks(max_rows) + 1;
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->arena, sizeof(int32_t) * ints),
                                         "cudaMalloc(route plan)"), fail);
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->arena, 0, sizeof(int32_t) * ints),
@@ -190,7 +228,9 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
         r->plan.recv_rows = p, p += W;
         r->plan.recv_pos = p, p += max_rows;
         r->plan.pos = p, p += max_rows;
-        r->plan.src_of = p;
+        r->plan.src_of = p, p += max_rows;
+        r->chunk_counts = p, p += (size_t)E * cometi_route_chunks(max_rows);
+        r->plan.failed = p;
     }
     /* Every table cleared before any peer writes into it. */
     COMETI_TRY_GOTO(st, cometi_barrier_sync(comm, "route table cleared on every rank"), fail);
@@ -216,8 +256,9 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "route: %d tokens x top-k %d = %d rows: the plan "
                            "holds %d", m, k, n, r->max_rows);
     COMETI_TRY(cometi_cuda(comm->err, cometi_launch_route(topk_ids, n, E, r->local_counts, r->plan.pos,
-                                                          (unsigned int *)(r->local_counts + E), stream),
-                           "launch route_kernel"));
+                                                          (unsigned int *)(r->local_counts + E), r->chunk_counts,
+                                                          stream),
+                           "launch route kernels"));
     peer_tables_t peers;
     memset(&peers, 0, sizeof(peers));
     for (int p = 0; p < r->world; p++) peers.base[p] = (int32_t *)r->table.peer[p];
@@ -225,5 +266,7 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
                                                         r->block_m, ++r->seq, r->local_counts, topk_ids, n, r->plan,
                                                         (unsigned long long)comm->timeout_ms * 1000000ull,
                                                         comm->async_dev);
-    return cometi_cuda(comm->err, cudaGetLastError(), "launch exchange_plan_kernel");
+    COMETI_TRY(cometi_cuda(comm->err, cudaGetLastError(), "launch exchange_plan_kernel"));
+    if (n > 0) place_rows_kernel<<<(n + 255) / 256, 256, 0, stream>>>(topk_ids, n, E, comm->rank, r->plan);
+    return cometi_cuda(comm->err, cudaGetLastError(), "launch place_rows_kernel");
 }

@@ -17,8 +17,17 @@
 extern "C" {
 #endif
 
+/* Rows a block of the route ranks at once; the scratch holds E x chunks counts. */
+#define COMETI_ROUTE_CHUNK 4096
+static inline int cometi_route_chunks(int max_rows)
+{
+    return max_rows > 0 ? (max_rows + COMETI_ROUTE_CHUNK - 1) / COMETI_ROUTE_CHUNK : 1;
+}
+
+/* counts [E], pos [n], first_bad: the first index with an id outside [0, E), or ~0;
+ * chunk_counts: scratch of E x cometi_route_chunks(n) ints. */
 cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_experts, int32_t *counts, int32_t *pos,
-                                unsigned int *first_bad, cudaStream_t stream);
+                                unsigned int *first_bad, int32_t *chunk_counts, cudaStream_t stream);
 
 /* The plan on the device, int32, the arrays of cometi_route_plan_t in the same layout. */
 typedef struct cometi_route_dev_plan {
@@ -31,6 +40,7 @@ typedef struct cometi_route_dev_plan {
     int32_t *recv_pos;    /* [max_rows] this rank's row (t, j) in its owner's receive buffer; -1: bad id */
     int32_t *pos;         /* [max_rows] rank of (t, j) among this rank's rows of its expert */
     int32_t *src_of;      /* [max_rows] send order (destination, expert, token) -> (t, j) index */
+    int32_t *failed;      /* [1] this call's exchange timed out: nothing placed or sent */
     /* This rank as a receiver, for the fused GEMM: */
     cometi_segment_t *local_segs;   /* [E / world] its experts' segments */
     int32_t *local_rows;            /* [E / world] rows of each that come from this rank itself */
@@ -43,7 +53,8 @@ typedef struct cometi_route_dev {
     int world, num_experts, max_rows, block_m, max_blocks;
     cometi_window_t table;          /* [2][world][E] int32 counts, then [world] u64 arrival flags */
     int32_t *local_counts;          /* [E + 1]: this rank's counts, then the first bad id's index */
-    int32_t *arena;                 /* backs every array of `plan` */
+    int32_t *arena;                 /* backs every array of `plan`, and chunk_counts */
+    int32_t *chunk_counts;          /* route scratch: [E][cometi_route_chunks(max_rows)] */
     cometi_route_dev_plan_t plan;
     unsigned long long seq;         /* calls so far: flags only grow, nothing is reset */
 } cometi_route_dev_t;
