@@ -496,6 +496,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     float acc[BN / 2];
     int stage = 0;
     uint32_t phase = 0, turn_phase = 0;
+    int pending_split = -1; /* TMA epilogue: the split of this warpgroup's last store, not yet counted */
     for (int ordinal = 0;; ordinal++) {
         int t = block + ordinal * p.gemm_blocks;
         if (p.sched) {
@@ -582,12 +583,18 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                     tma_store_2d(&map_c, stage_c + box * 8192, tl.n * ON + box * 64, row);
                 bulk_commit();
                 if (p.split_done) {
-                    /* The split's readers load these rows with ordinary loads: the stores
-                     * must have landed, and the async proxy's writes ordered before the count. */
-                    bulk_wait();
+                    /* The split's readers load these rows with ordinary loads: a store must
+                     * have landed, and the async proxy's writes be ordered before its count.
+                     * Count each store one tile late (wait for all but the newest), so the
+                     * next tile's MMAs never wait for a store to land; at a split's end, wait
+                     * for all, so a finished split is not held back by a tile. (TMA stores
+                     * are whole tiles: this warpgroup's 64 rows are all real.) */
+                    const int split = tl.n / split_tiles;
+                    if (pending_split >= 0 && pending_split != split) bulk_wait();
+                    else asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
                     asm volatile("fence.proxy.async.global;" ::: "memory");
-                    /* (TMA stores are for whole tiles: this warpgroup's 64 rows are all real.) */
-                    cometi_red_release_gpu_add(&p.split_done[tl.n / split_tiles], 64ull);
+                    if (pending_split >= 0) cometi_red_release_gpu_add(&p.split_done[pending_split], 64ull);
+                    pending_split = split;
                 }
             }
             continue;
@@ -619,7 +626,13 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 cometi_red_release_gpu_add(&p.split_done[tl.n / split_tiles], (unsigned long long)valid);
         }
     }
-    if (TMA_EPILOGUE && threadIdx.x % 128 == 0) bulk_wait(); /* shared memory must outlive the stores */
+    if (TMA_EPILOGUE && threadIdx.x % 128 == 0) {
+        bulk_wait(); /* shared memory must outlive the stores */
+        if (pending_split >= 0) {
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+            cometi_red_release_gpu_add(&p.split_done[pending_split], 64ull);
+        }
+    }
 }
 
 /* ---- host side ---- */
