@@ -50,6 +50,7 @@ typedef enum cometi_wait_site {
     COMETI_SITE_GEMM = 3,      /* a GEMM pipeline stage never filled or drained (a bug) */
     COMETI_SITE_ROUTE = 4,     /* the routing-count exchange: a peer's counts never came */
     COMETI_SITE_ARRIVAL = 5,   /* a GEMM tile's token rows never all arrived */
+    COMETI_SITE_COMBINE = 6,   /* layer1: a column split's rows never all came home */
 } cometi_wait_site_t;
 
 /* Written by kernels into host-mapped memory, read by the host without a sync. */

@@ -116,7 +116,7 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
      * plan's arrays are allocated once, so the GEMM can be described before they are filled. */
     cometi_gemm_prepared_t prepared;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
-    COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->num_tokens, l->top_k, stream));
+    COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->topk_weights, a->num_tokens, l->top_k, stream));
     return cometi_gemm_launch(comm->err, &prepared, stream);
 }
 

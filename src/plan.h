@@ -71,6 +71,38 @@ int64_t cometi_route_count(const int32_t *topk_ids, int m, int k, int num_expert
 void cometi_route_positions(const cometi_route_plan_t *plan, int src, const int32_t *topk_ids,
                             int m, int k, int64_t *send_pos, int64_t *recv_pos);
 
+/*
+ * Layer1's sum per token and rank. A token's choices that land on one rank are summed
+ * there first and sent home as one row; the owner sums one row per distinct rank, in the
+ * order of the token's first choice on each (the same bits every call). For choice j of
+ * a token with choices ids[0..k) (ids outside [0, E) take no part): if j is the token's
+ * first choice on its rank, returns its place in that order (the owner's slot for it,
+ * < min(k, world)); otherwise -1. *next: the next choice on the same rank, or -1.
+ */
+static inline COMETI_HD int cometi_choice_slot(const int32_t *ids, int k, int j, int num_experts,
+                                               int experts_per_rank, int *next)
+{
+    const int rank = ids[j] / experts_per_rank;
+    int slot = 0, lead = 1;
+    *next = -1;
+    for (int i = 0; i < k; i++) {
+        const int e = ids[i];
+        if (e < 0 || e >= num_experts || i == j) continue;
+        const int r = e / experts_per_rank;
+        if (i < j) {
+            if (r == rank) lead = 0;
+            /* a rank counts once, at its first choice */
+            int seen = 0;
+            for (int h = 0; h < i; h++)
+                if (ids[h] >= 0 && ids[h] < num_experts && ids[h] / experts_per_rank == r) seen = 1;
+            slot += !seen;
+        } else if (r == rank && *next < 0) {
+            *next = i;
+        }
+    }
+    return lead ? slot : -1;
+}
+
 /* ---- synthetic routing, for tests and benchmarks ---- */
 
 typedef enum cometi_routing {
@@ -81,8 +113,9 @@ typedef enum cometi_routing {
 } cometi_routing_t;
 
 /* Fill ids[m][k] and weights[m][k] (positive, each token's summing to 1) for rank
- * `rank` from `seed`; the same arguments give the same routing. For SKEWED, `skew` is
- * the ratio of the most to the least loaded expert's expected load (>= 1). */
+ * `rank` from `seed`; the same arguments give the same routing, and a token's experts
+ * are distinct while k <= E. For SKEWED, `skew` is the ratio of the most to the least
+ * loaded expert's expected load (>= 1). */
 void cometi_make_routing(cometi_routing_t kind, double skew, int m, int k, int num_experts, uint64_t seed,
                          int rank, int32_t *ids, float *weights);
 

@@ -51,8 +51,9 @@ void cometi_make_routing(cometi_routing_t kind, double skew, int m, int k, int n
             } else if (kind == COMETI_ROUTING_ONE_EXPERT && j == 0) {
                 e = (int)skew % E;
             } else {
+                /* k distinct experts; past E choices there are none left: repeats */
                 do e = draw(cdf, E, &state);
-                while (already_chosen(row, j, e));
+                while (j < E && already_chosen(row, j, e));
             }
             row[j] = e;
         }

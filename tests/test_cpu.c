@@ -261,6 +261,55 @@ int test_route_count_rejects_bad_ids(void)
     return 0;
 }
 
+/* Layer1's per-token slots: known answers, then on random routings every valid choice is
+ * in exactly one lead's chain, and the leads' slots are 0..(distinct ranks - 1). */
+int test_choice_slots(void)
+{
+    int next;
+    /* E = 8 on 2 ranks (4 each): choices on ranks 1, 0, 1, 0. */
+    const int32_t a[4] = {5, 1, 6, 2};
+    CHECK_EQ(cometi_choice_slot(a, 4, 0, 8, 4, &next), 0);
+    CHECK_EQ(next, 2);
+    CHECK_EQ(cometi_choice_slot(a, 4, 1, 8, 4, &next), 1);
+    CHECK_EQ(next, 3);
+    CHECK_EQ(cometi_choice_slot(a, 4, 2, 8, 4, &next), -1);
+    CHECK_EQ(next, -1);
+    CHECK_EQ(cometi_choice_slot(a, 4, 3, 8, 4, &next), -1);
+    /* An invalid id takes no part: ranks -, 0, 1, 0. */
+    const int32_t b[4] = {9, 3, 4, 0};
+    CHECK_EQ(cometi_choice_slot(b, 4, 1, 8, 4, &next), 0);
+    CHECK_EQ(next, 3);
+    CHECK_EQ(cometi_choice_slot(b, 4, 2, 8, 4, &next), 1);
+    CHECK_EQ(next, -1);
+    CHECK_EQ(cometi_choice_slot(b, 4, 3, 8, 4, &next), -1);
+    uint64_t rng = test_seed();
+    for (int it = 0; it < 20000; it++) {
+        const int world = 1 + (int)(cometi_rand_next(&rng) % 8), per = 1 + (int)(cometi_rand_next(&rng) % 4);
+        const int E = world * per, k = 1 + (int)(cometi_rand_next(&rng) % 8);
+        int32_t ids[8];
+        for (int j = 0; j < k; j++) ids[j] = (int32_t)(cometi_rand_next(&rng) % (uint64_t)(E + 1)); /* E: invalid */
+        int reached[8] = {0}, slot_seen[8] = {0}, leads = 0, distinct = 0;
+        for (int j = 0; j < k; j++) {
+            if (ids[j] >= E) continue;
+            int first = 1;
+            for (int i = 0; i < j; i++) first &= !(ids[i] < E && ids[i] / per == ids[j] / per);
+            distinct += first;
+            const int slot = cometi_choice_slot(ids, k, j, E, per, &next);
+            if (slot < 0) continue;
+            leads++;
+            CHECK(slot < (k < world ? k : world) && !slot_seen[slot]);
+            slot_seen[slot] = 1;
+            for (int c = j; c >= 0; cometi_choice_slot(ids, k, c, E, per, &next), c = next) {
+                CHECK(ids[c] < E && ids[c] / per == ids[j] / per && !reached[c]);
+                reached[c] = 1;
+            }
+        }
+        CHECK_EQ(leads, distinct);
+        for (int j = 0; j < k; j++) CHECK_EQ(reached[j], ids[j] < E);
+    }
+    return 0;
+}
+
 int test_routing_generators(void)
 {
     const int m = 4096, k = 2, E = 8;

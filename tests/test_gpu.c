@@ -1,8 +1,9 @@
 /*
  * test_gpu.c - tests that need GPUs (they skip, saying why, when there are too few):
  * symmetric memory written by pushes and read by pulls with payloads tagged by rank
- * and row, the barrier and flags, device waits that time out instead of hanging, and
- * the sequential baseline against the float64 CPU reference.
+ * and row, the barrier and flags, device waits that time out instead of hanging, the
+ * sequential baseline against the float64 CPU reference, and the fused layer0 and layer1
+ * against the baseline (and the reference).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -19,6 +20,7 @@
 #include "../src/kernels/gemm.h"
 #include "../src/kernels/route.h"
 #include "../src/layer0.h"
+#include "../src/layer1.h"
 #include "../src/baseline/baseline.h"
 #include "testutil.h"
 
@@ -265,7 +267,14 @@ typedef struct fixture {
     void *d_x, *d_y;
     int32_t *d_ids;
     float *d_w;
+    double *ref;                       /* [max_tokens][hidden]: run_case's float64 reference */
+    int skip_reference;                /* run_case: the baseline only, no reference */
 } fixture_t;
+
+/* Changes to the tiny preset (0: keep); the fused path needs ffn a multiple of 128. */
+typedef struct fixture_shape {
+    int ffn, hidden, top_k, timeout_ms;
+} fixture_shape_t;
 
 static void fill_bf16(float *f, uint16_t *h, size_t n, double scale, uint64_t *rng)
 {
@@ -275,15 +284,17 @@ static void fill_bf16(float *f, uint16_t *h, size_t n, double scale, uint64_t *r
     }
 }
 
-/* The tiny preset; ffn > 0 replaces its FFN size (the fused path needs a multiple of 128). */
-static int fixture_open(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t seed, int ffn)
+/* The tiny preset, with the changes of `shape` (NULL: none). */
+static int fixture_open(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t seed, const fixture_shape_t *shape)
 {
     memset(fx, 0, sizeof(*fx));
     fx->ctx = ctx;
     fx->seed = seed;
-    if (open_comm(ctx, 10000, &fx->comm)) return 1;
+    if (open_comm(ctx, shape && shape->timeout_ms ? shape->timeout_ms : 10000, &fx->comm)) return 1;
     CHECK_EQ(comet_moe_config_preset("tiny", 512, &fx->cfg), COMET_SUCCESS);
-    if (ffn > 0) fx->cfg.ffn = ffn;
+    if (shape && shape->ffn) fx->cfg.ffn = shape->ffn;
+    if (shape && shape->hidden) fx->cfg.hidden = shape->hidden;
+    if (shape && shape->top_k) fx->cfg.top_k = shape->top_k;
     comet_status_t st = comet_moe_create(fx->comm, &fx->cfg, &fx->moe);
     if (st != COMET_SUCCESS) {
         printf("comet_moe_create: %s\n", comet_last_create_error());
@@ -322,6 +333,7 @@ static int fixture_open(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t se
     CUDA_OK(cudaMalloc(&fx->d_y, (size_t)M * H * 2));
     CUDA_OK(cudaMalloc((void **)&fx->d_ids, sizeof(int32_t) * M * k));
     CUDA_OK(cudaMalloc((void **)&fx->d_w, sizeof(float) * M * k));
+    fx->ref = malloc(sizeof(double) * (size_t)M * H);
     return 0;
 }
 
@@ -333,6 +345,7 @@ static void fixture_close(fixture_t *fx)
     comet_comm_destroy(fx->comm);
     free(fx->gate_up);
     free(fx->down);
+    free(fx->ref);
 }
 
 typedef struct moe_case {
@@ -341,7 +354,7 @@ typedef struct moe_case {
     double skew;
     int tokens[2];       /* per rank */
     int separate_gate_up; /* weights as gate + up instead of the fused gate_up */
-    int few_experts;     /* route only to experts 0, 1 and 5: the rest get no rows */
+    int few_experts;     /* route only to experts 0, 1, 5 and 6 (top-k <= 4): the rest get no rows */
 } moe_case_t;
 
 /* Runs one case on this rank and checks it against the reference. *bad_expert >= 0
@@ -359,8 +372,8 @@ static int run_case(fixture_t *fx, const moe_case_t *c, uint64_t case_seed, int 
     int32_t *ids = malloc(sizeof(int32_t) * (m * k + 1));
     float *w = malloc(sizeof(float) * (m * k + 1));
     if (c->few_experts) {
-        static const int32_t keep[3] = {0, 1, 5};
-        cometi_make_routing(COMETI_ROUTING_RANDOM, 1, m, k, 3, case_seed, me, ids, w);
+        static const int32_t keep[4] = {0, 1, 5, 6};
+        cometi_make_routing(COMETI_ROUTING_RANDOM, 1, m, k, 4, case_seed, me, ids, w);
         for (int i = 0; i < m * k; i++) ids[i] = keep[ids[i]];
     } else {
         cometi_make_routing(c->routing, c->skew, m, k, E, case_seed, me, ids, w);
@@ -387,10 +400,10 @@ static int run_case(fixture_t *fx, const moe_case_t *c, uint64_t case_seed, int 
     *status = comet_moe_forward(fx->moe, &a, 0);
     CUDA_OK(cudaDeviceSynchronize());
     *rel_err = 0;
-    if (*status == COMET_SUCCESS && m > 0) {
+    if (*status == COMET_SUCCESS && m > 0 && !fx->skip_reference) {
         uint16_t *y16 = malloc(2 * (size_t)m * H);
         float *y = malloc(sizeof(float) * (size_t)m * H);
-        double *ref = malloc(sizeof(double) * (size_t)m * H);
+        double *ref = fx->ref;
         CUDA_OK(cudaMemcpy(y16, fx->d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
         for (size_t i = 0; i < (size_t)m * H; i++) y[i] = cometi_bf16_to_float(y16[i]);
         cometi_ref_problem_t p = {H, F, E, k, m, x, ids, w, fx->gate_up, fx->down};
@@ -405,7 +418,7 @@ static int run_case(fixture_t *fx, const moe_case_t *c, uint64_t case_seed, int 
                 break;
             }
         }
-        free(y16), free(y), free(ref);
+        free(y16), free(y);
     }
     free(x), free(x16), free(ids), free(w);
     return 0;
@@ -426,7 +439,7 @@ static int baseline_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    if (fixture_open(&fx, ctx, seed, 0)) return 1;
+    if (fixture_open(&fx, ctx, seed, NULL)) return 1;
     int rc = 0;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         comet_status_t st;
@@ -465,7 +478,7 @@ static int baseline_repeat_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t seed = *(uint64_t *)arg, rng = seed;
     fixture_t fx;
-    if (fixture_open(&fx, ctx, seed, 0)) return 1;
+    if (fixture_open(&fx, ctx, seed, NULL)) return 1;
     double worst = 0;
     for (int it = 0; it < 40; it++) {
         moe_case_t c = cases[it % 3];
@@ -502,7 +515,7 @@ static int bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    if (fixture_open(&fx, ctx, seed, 0)) return 1;
+    if (fixture_open(&fx, ctx, seed, NULL)) return 1;
     comet_status_t st;
     double err;
     if (run_case(&fx, &cases[1], seed, ctx->rank == 1, &st, &err)) return 1;
@@ -827,9 +840,12 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
                                      cometi_route_max_recv_rows(W, ROUTE_MAX_M, k, E / W, COMETI_BLOCK_M),
                                      COMETI_BLOCK_M, &r), comm);
     int32_t *ids[COMETI_MAX_RANKS], *d_ids;
-    float *w = malloc(sizeof(float) * ROUTE_MAX_M * k);
+    float *w = malloc(sizeof(float) * ROUTE_MAX_M * k), *my_w = malloc(sizeof(float) * ROUTE_MAX_M * k), *d_w;
     for (int s = 0; s < W; s++) ids[s] = malloc(sizeof(int32_t) * ROUTE_MAX_M * k);
     CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(int32_t) * ROUTE_MAX_M * k));
+    CUDA_OK(cudaMalloc((void **)&d_w, sizeof(float) * ROUTE_MAX_M * k));
+    int64_t *want_send = malloc(sizeof(int64_t) * ROUTE_MAX_M * k);
+    cometi_row_meta_t *meta = malloc(sizeof(cometi_row_meta_t) * ROUTE_MAX_M * k);
     int32_t *got = malloc(sizeof(int32_t) * (W * E * 3 + E * 2 + W + ROUTE_MAX_M * k));
     int64_t *counts = malloc(sizeof(int64_t) * W * E), *want_pos = malloc(sizeof(int64_t) * ROUTE_MAX_M * k);
     const int calls = 300;
@@ -844,16 +860,37 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
             cometi_make_routing((cometi_routing_t)(call % 4), call % 4 == 3 ? call % E : 8.0, m[s], k, E,
                                 seed + call, s, ids[s], w);
             cometi_route_count(ids[s], m[s], k, E, counts + (size_t)s * E);
+            if (s == me) memcpy(my_w, w, sizeof(float) * m[s] * k);
         }
         CUDA_OK(cudaMemcpy(d_ids, ids[me], sizeof(int32_t) * m[me] * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(d_w, my_w, sizeof(float) * m[me] * k, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemset(r.plan.recv_pos, 0xff, sizeof(int32_t) * ROUTE_MAX_M * k)); /* poison */
-        COMET_OK(cometi_route_dev_run(comm, &r, d_ids, m[me], k, 0), comm);
+        CUDA_OK(cudaMemset(r.meta.local, 0xff, r.meta.bytes));
+        /* Every other call without weights: then the records are not written. */
+        COMET_OK(cometi_route_dev_run(comm, &r, d_ids, call % 2 ? NULL : d_w, m[me], k, 0), comm);
         CUDA_OK(cudaDeviceSynchronize());
         CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
         cometi_route_plan_t p;
         char err[256];
         CHECK_EQ(cometi_route_plan_build(&p, counts, W, E, COMETI_BLOCK_M, err, sizeof(err)), 0);
-        cometi_route_positions(&p, me, ids[me], m[me], k, NULL, want_pos);
+        cometi_route_positions(&p, me, ids[me], m[me], k, want_send, want_pos);
+        /* Layer1's records, in send order: the token's slot if the choice leads on its
+         * rank, the receive row of the next choice there, the weight, this rank. */
+        CUDA_OK(cudaMemcpy(meta, r.meta.local, sizeof(cometi_row_meta_t) * m[me] * k, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < m[me] * k && call % 2 == 0; i++) {
+            const int t = i / k, kw = k < W ? k : W;
+            int next;
+            const int slot = cometi_choice_slot(ids[me] + (size_t)t * k, k, i % k, E, E / W, &next);
+            const cometi_row_meta_t *g = &meta[want_send[i]];
+            const int want_next = next >= 0 ? (int)want_pos[(size_t)t * k + next] : -1;
+            if (g->slot != (slot >= 0 ? t * kw + slot : -1) || g->next != want_next || g->weight != my_w[i] ||
+                g->src != me) {
+                printf("rank %d call %d: row (%d, %d) record {%d, %d, %g, %d}, want {%d, %d, %g, %d}\n", me, call, t,
+                       i % k, g->slot, g->next, g->weight, g->src, slot >= 0 ? t * kw + slot : -1, want_next, my_w[i],
+                       me);
+                return 1;
+            }
+        }
         struct { const char *name; int32_t *dev; int64_t *host; int n; } arrays[] = {
             {"counts", r.plan.counts, p.counts, W * E},        {"send_offset", r.plan.send_offset, p.send_offset, W * E},
             {"seg_start", r.plan.seg_start, p.seg_start, E},   {"seg_rows", r.plan.seg_rows, p.seg_rows, E},
@@ -888,8 +925,9 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
     free(expected), free(got_expected);
     printf("rank %d: %d calls with changing routing and token counts, device plan equal to the C plan\n", me, calls);
     for (int s = 0; s < W; s++) free(ids[s]);
-    free(w), free(got), free(counts), free(want_pos);
+    free(w), free(my_w), free(got), free(counts), free(want_pos), free(want_send), free(meta);
     cudaFree(d_ids);
+    cudaFree(d_w);
     cometi_route_dev_destroy(comm, &r);
     COMET_OK(comet_comm_destroy(comm), comm);
     return 0;
@@ -914,7 +952,7 @@ static int route_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemset(d_ids, 0, sizeof(int32_t) * 64));
     double t0 = now_s();
     /* Rank 1 never routes; it waits on a flag nobody raises instead. */
-    if (ctx->rank == 0) COMET_OK(cometi_route_dev_run(comm, &r, d_ids, 32, 2, 0), comm);
+    if (ctx->rank == 0) COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 32, 2, 0), comm);
     else COMET_OK(cometi_wait_flag(comm, 3, 1, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     double took = now_s() - t0;
@@ -945,7 +983,7 @@ static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     int32_t ids[8] = {0, 1, 2, 3, 4, 9, 6, 7}, *d_ids;
     CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(ids)));
     CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
-    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, 4, 2, 0), comm);
+    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_INVALID_ARGUMENT);
     printf("%s\n", comet_comm_last_error(comm));
@@ -958,7 +996,7 @@ static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
     ids[5] = 5;
     CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
-    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, 4, 2, 0), comm);
+    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
     CUDA_OK(cudaMemcpy(pos, r.plan.recv_pos, sizeof(pos), cudaMemcpyDeviceToHost));
@@ -976,12 +1014,50 @@ int test_gpu_route_reports_bad_expert_id(void)
 
 /* ---- the fused layer0 against the baseline's dispatch + GEMM0 + SwiGLU ---- */
 
+/* The arguments run_case gave the baseline, for the fused path. */
+static comet_moe_args_t fused_args(const fixture_t *fx, const moe_case_t *c)
+{
+    comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+    a.num_tokens = c->tokens[fx->ctx->rank % 2];
+    a.x = fx->d_x;
+    a.topk_ids = fx->d_ids;
+    a.topk_weights = fx->d_w;
+    a.y = fx->d_y;
+    a.weights.down = fx->d_down;
+    if (c->separate_gate_up) a.weights.gate = fx->d_gate, a.weights.up = fx->d_up;
+    else a.weights.gate_up = fx->d_gate_up;
+    return a;
+}
+
+/* Squared error and norm of `got` (bf16 rows x cols) against `want` (bf16) or `ref`
+ * (float64), added to *num and *den; the worst row's relative error raises *worst_row.
+ * NaN or Inf in `got` makes the error infinite. */
+static void add_error(const uint16_t *got, const uint16_t *want, const double *ref, size_t rows, int cols,
+                      double *num, double *den, double *worst_row)
+{
+    for (size_t r = 0; r < rows; r++) {
+        double rn = 0, rd = 0;
+        for (int f = 0; f < cols; f++) {
+            const size_t i = r * cols + f;
+            const double w = want ? cometi_bf16_to_float(want[i]) : ref[i], v = cometi_bf16_to_float(got[i]);
+            if (!isfinite(v)) rn = INFINITY;
+            rn += (v - w) * (v - w);
+            rd += w * w;
+        }
+        const double e = rd > 0 ? sqrt(rn / rd) : sqrt(rn);
+        if (!(e <= *worst_row)) *worst_row = e;
+        *num += rn;
+        *den += rd;
+    }
+}
+
 static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
     uint64_t rng = seed * 3 + 1;
     fixture_t fx;
-    if (fixture_open(&fx, ctx, seed, 256)) return 1;
+    const fixture_shape_t shape = {256, 0, 0, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     cometi_layer0_t l0;
     COMET_OK(cometi_layer0_create(fx.comm, &fx.cfg, &l0), fx.comm);
     const void *b_recv, *b_act;
@@ -1009,15 +1085,7 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
             if (run_case(&fx, &c, seed + 100 * rep + ci, 0, &st, &err)) return 1;
             if (st != COMET_SUCCESS) printf("baseline: %s\n", comet_moe_last_error(fx.moe));
             CHECK_EQ(st, COMET_SUCCESS);
-            comet_moe_args_t a = COMET_MOE_ARGS_INIT;
-            a.num_tokens = c.tokens[me % 2];
-            a.x = fx.d_x;
-            a.topk_ids = fx.d_ids;
-            a.topk_weights = fx.d_w;
-            a.y = fx.d_y;
-            a.weights.down = fx.d_down;
-            if (c.separate_gate_up) a.weights.gate = fx.d_gate, a.weights.up = fx.d_up;
-            else a.weights.gate_up = fx.d_gate_up;
+            const comet_moe_args_t a = fused_args(&fx, &c);
             /* Both copy modes, 1-24 dispatch blocks. */
             const cometi_layer0_knobs_t knobs = {1 + calls % 24, calls / 24 % 2 ? COMETI_DISPATCH_STORES
                                                                                 : COMETI_DISPATCH_BULK};
@@ -1049,20 +1117,8 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
                     }
                 CUDA_OK(cudaMemcpy(want, (const char *)b_act + start * F * 2, rows * F * 2, cudaMemcpyDeviceToHost));
                 CUDA_OK(cudaMemcpy(got, (const char *)l0.act + start * F * 2, rows * F * 2, cudaMemcpyDeviceToHost));
-                for (size_t r = 0; r < rows; r++) {
-                    double num = 0, den = 0;
-                    for (int f = 0; f < F; f++) {
-                        double w = cometi_bf16_to_float(want[r * F + f]), v = cometi_bf16_to_float(got[r * F + f]);
-                        if (!isfinite(v)) num = INFINITY;
-                        num += (v - w) * (v - w);
-                        den += w * w;
-                    }
-                    double e = den > 0 ? sqrt(num / den) : sqrt(num);
-                    if (!(e <= worst_row)) worst_row = e;
-                    call_num += num;
-                    call_den += den;
-                    rows_checked++;
-                }
+                add_error(got, want, NULL, rows, F, &call_num, &call_den, &worst_row);
+                rows_checked += (int)rows;
             }
             const double call_err = call_den > 0 ? sqrt(call_num / call_den) : sqrt(call_num);
             if (!(call_err <= worst)) worst = call_err;
@@ -1086,4 +1142,165 @@ int test_gpu_layer0_matches_baseline(void)
     if (!have_gpus(2)) return TEST_SKIP;
     uint64_t seed = test_seed();
     return launch(2, layer0_rank, &seed, 280);
+}
+
+/* ---- the fused layer1 against the baseline's GEMM1 + all-to-all + combine ---- */
+
+/* Layer0 then layer1 on the fused args, with the outputs and every receiving buffer
+ * poisoned first (and every rank's poison in place before any rank runs). */
+static int run_fused(fixture_t *fx, cometi_layer0_t *l0, cometi_layer1_t *l1, const comet_moe_args_t *a,
+                     const cometi_layer0_knobs_t *k0, const cometi_layer1_knobs_t *k1)
+{
+    CUDA_OK(cudaMemset(fx->d_y, 0xff, (size_t)fx->cfg.max_tokens * fx->cfg.hidden * 2));
+    CUDA_OK(cudaMemset(l0->act, 0xff, (size_t)l0->max_recv_rows * l0->ffn * 2));
+    CUDA_OK(cudaMemset(l1->out, 0xff, (size_t)l0->max_recv_rows * l1->hidden * 2));
+    CUDA_OK(cudaMemset(l1->slots.local, 0xff, l1->slots.bytes));
+    CUDA_OK(cudaMemset(l1->meta, 0xff, sizeof(cometi_row_meta_t) * (size_t)l0->max_recv_rows));
+    COMET_OK(cometi_barrier_sync(fx->comm, "fused buffers poisoned"), fx->comm);
+    COMET_OK(cometi_layer0_run(fx->comm, l0, a, k0, 0), fx->comm);
+    COMET_OK(cometi_layer1_run(fx->comm, l1, l0, a, k1, 0), fx->comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    if (comet_comm_get_async_error(fx->comm) != COMET_SUCCESS) {
+        printf("rank %d: %s\n", fx->ctx->rank, comet_comm_last_error(fx->comm));
+        return 1;
+    }
+    return 0;
+}
+
+static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    uint64_t rng = seed * 5 + 3;
+    fixture_t fx;
+    /* Four column tiles (splits 1, 2, 4) and top-4 (up to four choices summed on one rank). */
+    const fixture_shape_t shape = {256, 1024, 4, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    cometi_layer0_t l0;
+    cometi_layer1_t l1;
+    COMET_OK(cometi_layer0_create(fx.comm, &fx.cfg, &l0), fx.comm);
+    COMET_OK(cometi_layer1_create(fx.comm, &fx.cfg, &l0, &l1), fx.comm);
+    const int H = fx.cfg.hidden, me = ctx->rank, M = fx.cfg.max_tokens;
+    const int ncases = (int)(sizeof(cases) / sizeof(cases[0]));
+    uint16_t *want = malloc((size_t)M * H * 2), *got = malloc((size_t)M * H * 2), *again = malloc((size_t)M * H * 2);
+    /* y sums k bf16 products in fp32 on both paths, but ours rounds once more (each rank's
+     * partial sum travels in bf16): each call within 1e-2, no row past 3e-2. */
+    double worst = 0, worst_row = 0, worst_ref = 0;
+    int calls = 0, repeats = 0;
+    for (int rep = 0; calls < 1000; rep++) {
+        for (int ci = 0; ci < ncases && calls < 1000; ci++, calls++) {
+            moe_case_t c = cases[ci];
+            if (rep > 0) {
+                c.tokens[0] = (int)(cometi_rand_next(&rng) % 513);
+                c.tokens[1] = (int)(cometi_rand_next(&rng) % 513);
+            }
+            fx.skip_reference = rep > 0; /* the float64 reference on the first pass over the cases */
+            comet_status_t st;
+            double base_err;
+            if (run_case(&fx, &c, seed + 100 * rep + ci, 0, &st, &base_err)) return 1;
+            if (st != COMET_SUCCESS) printf("baseline: %s\n", comet_moe_last_error(fx.moe));
+            CHECK_EQ(st, COMET_SUCCESS);
+            const int m = c.tokens[me % 2];
+            CUDA_OK(cudaMemcpy(want, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+            const comet_moe_args_t a = fused_args(&fx, &c);
+            /* 0-15 combine blocks (0: the tail kernel combines every split), 1, 2 or 4 splits,
+             * both tile schedules, the last split on the combine blocks or in the tail. */
+            const cometi_layer0_knobs_t k0 = {1 + calls % 8, COMETI_DISPATCH_BULK};
+            const cometi_layer1_knobs_t k1 = {calls % 16, 1 << (calls / 16 % 3), calls / 48 % 2, calls / 96 % 2};
+            if (run_fused(&fx, &l0, &l1, &a, &k0, &k1)) {
+                printf("call %d (%s), %d combine blocks, %d splits\n", calls, c.name, k1.combine_blocks, k1.n_splits);
+                return 1;
+            }
+            CUDA_OK(cudaMemcpy(got, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+            double num = 0, den = 0;
+            add_error(got, want, NULL, (size_t)m, H, &num, &den, &worst_row);
+            const double call_err = den > 0 ? sqrt(num / den) : sqrt(num);
+            if (!(call_err <= worst)) worst = call_err;
+            if (rep == 0 && m > 0) {
+                double rnum = 0, rden = 0, row_ref = 0;
+                add_error(got, NULL, fx.ref, (size_t)m, H, &rnum, &rden, &row_ref);
+                const double ref_err = sqrt(rnum / rden);
+                printf("rank %d %-34s against float64: fused %.2e, baseline %.2e (worst row %.2e)\n", me, c.name,
+                       ref_err, base_err, row_ref);
+                if (!(ref_err <= worst_ref)) worst_ref = ref_err;
+                if (!(ref_err < 1e-2) || !(row_ref < 3e-2)) return 1;
+            }
+            if (!(worst < 1e-2) || !(worst_row < 3e-2)) {
+                printf("call %d (%s, %d combine blocks, %d splits): y relative error %.3g (worst row %.3g)\n", calls,
+                       c.name, k1.combine_blocks, k1.n_splits, call_err, worst_row);
+                return 1;
+            }
+            /* The same inputs give the same bits, whatever the knobs. */
+            if (calls % 10 == 0) {
+                const cometi_layer1_knobs_t k2 = {(calls + 7) % 16, 1 << ((calls / 16 + 1) % 3), !k1.dynamic_tiles,
+                                                  !k1.tail};
+                if (run_fused(&fx, &l0, &l1, &a, &k0, &k2)) return 1;
+                CUDA_OK(cudaMemcpy(again, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+                if (memcmp(got, again, (size_t)m * H * 2)) {
+                    printf("call %d (%s): y differs between %d and %d splits (%d, %d combine blocks)\n", calls, c.name,
+                           k1.n_splits, k2.n_splits, k1.combine_blocks, k2.combine_blocks);
+                    return 1;
+                }
+                repeats++;
+            }
+        }
+    }
+    printf("rank %d: %d calls: y against the baseline's: worst call %.2e, worst row %.2e; against float64 %.2e; "
+           "%d repeats bit-identical\n", me, calls, worst, worst_row, worst_ref, repeats);
+    free(want), free(got), free(again);
+    cometi_layer1_destroy(fx.comm, &l1);
+    cometi_layer0_destroy(fx.comm, &l0);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_layer1_matches_baseline(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, layer1_rank, &seed, 280);
+}
+
+/* Rank 1 runs layer0 but never layer1: rank 0's combine must give up with COMET_TIMEOUT
+ * (rank 1 waits on a flag nobody raises meanwhile, and times out too). */
+static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 512, 0, 2000};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    cometi_layer0_t l0;
+    cometi_layer1_t l1;
+    COMET_OK(cometi_layer0_create(fx.comm, &fx.cfg, &l0), fx.comm);
+    COMET_OK(cometi_layer1_create(fx.comm, &fx.cfg, &l0, &l1), fx.comm);
+    fx.skip_reference = 1;
+    comet_status_t st;
+    double err;
+    if (run_case(&fx, &cases[0], seed, 0, &st, &err)) return 1;
+    CHECK_EQ(st, COMET_SUCCESS);
+    const comet_moe_args_t a = fused_args(&fx, &cases[0]);
+    const cometi_layer0_knobs_t k0 = {4, COMETI_DISPATCH_BULK};
+    const cometi_layer1_knobs_t k1 = {4, 2, 1, 0};
+    COMET_OK(cometi_layer0_run(fx.comm, &l0, &a, &k0, 0), fx.comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+    const double t0 = now_s();
+    if (ctx->rank == 0) COMET_OK(cometi_layer1_run(fx.comm, &l1, &l0, &a, &k1, 0), fx.comm);
+    else COMET_OK(cometi_wait_flag(fx.comm, 3, 1, 0), fx.comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    const double took = now_s() - t0;
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_TIMEOUT);
+    printf("rank %d: %.3f s: %s\n", ctx->rank, took, comet_comm_last_error(fx.comm));
+    if (ctx->rank == 0) CHECK_CONTAINS(comet_comm_last_error(fx.comm), "the combine waiting");
+    CHECK(took < 5.0);
+    /* The communicator is unusable now; destroying it aborts NCCL. */
+    comet_comm_destroy(fx.comm);
+    fx.comm = NULL;
+    return 0;
+}
+
+int test_gpu_layer1_missing_peer_times_out(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, layer1_missing_peer_rank, &seed, 100);
 }

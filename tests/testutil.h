@@ -63,6 +63,7 @@ uint64_t test_seed(void);
     X(route_plan_known_answer, 10)              \
     X(route_plan_random_invariants, 60)         \
     X(route_count_rejects_bad_ids, 10)          \
+    X(choice_slots, 10)                         \
     X(routing_generators, 10)                   \
     X(reference_known_answer, 10)               \
     X(reference_properties, 30)                 \
@@ -84,7 +85,9 @@ uint64_t test_seed(void);
     X(gpu_baseline_vs_reference, 300)           \
     X(gpu_baseline_repeated_calls, 300)         \
     X(gpu_baseline_bad_expert_id, 120)          \
-    X(gpu_layer0_matches_baseline, 300)
+    X(gpu_layer0_matches_baseline, 300)         \
+    X(gpu_layer1_matches_baseline, 300)         \
+    X(gpu_layer1_missing_peer_times_out, 120)
 
 #define DECLARE_TEST(name, timeout) int test_##name(void);
 COMET_TESTS(DECLARE_TEST)

@@ -23,6 +23,7 @@
 #include "../src/internal.h"
 #include "../src/baseline/baseline.h"
 #include "../src/layer0.h"
+#include "../src/layer1.h"
 #include "tool.h"
 
 #define NSETS 3 /* input sets rotated between calls, so they do not sit in L2 */
@@ -95,9 +96,9 @@ static const char *routing_name(cometi_routing_t r)
     return r == COMETI_ROUTING_BALANCED ? "balanced" : r == COMETI_ROUTING_RANDOM ? "random" : "skewed";
 }
 
-enum { P_TOTAL, P_ROUTE, P_A2A_OUT, P_EXPERTS, P_A2A_BACK, P_COMBINE, P_LAYER0, P_COUNT };
+enum { P_TOTAL, P_ROUTE, P_A2A_OUT, P_EXPERTS, P_A2A_BACK, P_COMBINE, P_LAYER0, P_LAYER1, P_COUNT };
 static const char *phase_json[P_COUNT] = {"total", "route", "dispatch_a2a", "experts", "combine_a2a", "combine",
-                                          "layer0_part"};
+                                          "layer0_part", "layer1_part"};
 
 #define SWEEP_MAX 12
 typedef struct case_result {
@@ -110,6 +111,12 @@ typedef struct case_result {
     float l0_ms[SWEEP_MAX], l0_gemm_alone_ms, l0_route_ms;
     float l0_paired_ms; /* the best knobs again, timed in turns with the GEMM alone */
     double l0_diff;    /* activations against the baseline's, sampled rows */
+    /* The fused layer1, when run: */
+    int l1_runs, l1_best;
+    cometi_layer1_knobs_t l1_knobs[SWEEP_MAX];
+    float l1_ms[SWEEP_MAX], l1_gemm_alone_ms, l1_paired_ms;
+    double l1_diff;    /* y against the baseline's, every token */
+    float whole_ms;    /* the whole fused layer (route, layer0, layer1) with the best knobs of each */
 } case_result_t;
 
 /* Max (or sum) over ranks of a few floats, through NCCL. */
@@ -148,7 +155,7 @@ static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t 
             what == L0_GEMM_ALONE || what == L0_GEMM_ALONE_DYNAMIC
                 ? cometi_layer0_gemm_only(comm, l0, a, what == L0_GEMM_ALONE_DYNAMIC, 0)
             : what == L0_ROUTE_ALONE
-                ? cometi_route_dev_run(comm, &l0->route, a->topk_ids, a->num_tokens, l0->top_k, 0)
+                ? cometi_route_dev_run(comm, &l0->route, a->topk_ids, a->topk_weights, a->num_tokens, l0->top_k, 0)
                 : cometi_layer0_run(comm, l0, a, knobs, 0);
         cudaEventRecord(e1, 0);
         if (st != COMET_SUCCESS) {
@@ -165,6 +172,165 @@ static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t 
     cudaEventDestroy(e1);
     comet_status_t st = comet_comm_get_async_error(comm);
     FAIL_IF(st != COMET_SUCCESS, "layer0: %s", comet_comm_last_error(comm));
+    return 0;
+}
+
+enum { L1_FUSED, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC, L1_WHOLE };
+
+/* Median ms of `iters` calls of the fused layer1 (or GEMM1 alone) on what layer0 left, or
+ * of the whole fused layer (layer0 with `k0`, then layer1) rotating input sets. */
+static int time_layer1(comet_comm_t comm, cometi_layer0_t *l0, cometi_layer1_t *l1, comet_moe_args_t *a, void **x,
+                       int32_t **ids, float **w, const cometi_layer0_knobs_t *k0, const cometi_layer1_knobs_t *k1,
+                       int warmup, int iters, int what, float *out)
+{
+    cudaEvent_t e0, e1;
+    float *t = malloc(sizeof(float) * iters);
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    for (int it = -warmup; it < iters; it++) {
+        if (what == L1_WHOLE) {
+            const int set = (it + warmup) % NSETS;
+            a->x = x[set], a->topk_ids = ids[set], a->topk_weights = w[set];
+        }
+        /* Also what orders the slots' reuse when layer1 runs again without a route. */
+        FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
+        cudaEventRecord(e0, 0);
+        comet_status_t st = COMET_SUCCESS;
+        if (what == L1_WHOLE) st = cometi_layer0_run(comm, l0, a, k0, 0);
+        if (st == COMET_SUCCESS)
+            st = what == L1_GEMM_ALONE || what == L1_GEMM_ALONE_DYNAMIC
+                     ? cometi_layer1_gemm_only(comm, l1, l0, a, what == L1_GEMM_ALONE_DYNAMIC, 0)
+                     : cometi_layer1_run(comm, l1, l0, a, k1, 0);
+        cudaEventRecord(e1, 0);
+        if (st != COMET_SUCCESS) {
+            fprintf(stderr, "layer1: %s\n", comet_comm_last_error(comm));
+            cometi_rank_reason("layer1: %s", comet_comm_last_error(comm));
+            return 1;
+        }
+        cudaEventSynchronize(e1);
+        if (it >= 0) cudaEventElapsedTime(&t[it], e0, e1);
+    }
+    *out = median(t, iters);
+    free(t);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    comet_status_t st = comet_comm_get_async_error(comm);
+    FAIL_IF(st != COMET_SUCCESS, "layer1: %s", comet_comm_last_error(comm));
+    return 0;
+}
+
+/* COMET_TRACE=1: the last layer1 call's combine timeline on this rank, in us from the
+ * first combine block's start (or the tail kernel's, with no combine blocks), median over
+ * the blocks: the combine blocks' splits, then the tail kernel's. */
+static int print_layer1_trace(comet_comm_t comm, const cometi_layer1_t *l1, const cometi_layer1_knobs_t *k)
+{
+    const int sms = comm->sm_count, n = COMETI_COMBINE_TRACE, cb = k->combine_blocks;
+    const int kernel_splits = cb ? k->n_splits - (k->tail != 0) : 0;
+    unsigned long long *t = malloc(sizeof(unsigned long long) * n * 2 * sms), t0 = ~0ull;
+    CUDA_OK(cudaMemcpy(t, l1->trace, sizeof(unsigned long long) * n * 2 * sms, cudaMemcpyDeviceToHost));
+    const unsigned long long *tail = t + (size_t)n * sms;
+    for (int b = 0; b < (cb ? cb : sms); b++) t0 = (cb ? t : tail)[b * n] < t0 ? (cb ? t : tail)[b * n] : t0;
+    float *v = malloc(sizeof(float) * sms);
+#define EVENT_US(rows, blocks, e) \
+    (({ for (int b = 0; b < (blocks); b++) v[b] = (float)((rows)[b * n + (e)] - t0) / 1e3f; }), median(v, (blocks)))
+    printf("  layer1 timeline, us (rank 0, medians over blocks):");
+    if (cb) printf(" %d combine blocks: records pulled %.0f", cb, EVENT_US(t, cb, 1));
+    for (int s = 0; s < kernel_splits && s < 8; s++)
+        printf(" | split %d: in C %.0f, sent %.0f, home %.0f, summed %.0f", s, EVENT_US(t, cb, 2 + 4 * s),
+               EVENT_US(t, cb, 3 + 4 * s), EVENT_US(t, cb, 4 + 4 * s), EVENT_US(t, cb, 5 + 4 * s));
+    if (cb) printf(" | end %.0f", EVENT_US(t, cb, n - 1));
+    if (kernel_splits < k->n_splits) {
+        printf(" || tail kernel on %d SMs: start %.0f", sms, EVENT_US(tail, sms, 0));
+        for (int s = kernel_splits; s < k->n_splits && s < 8; s++)
+            printf(" | split %d: sent %.0f, home %.0f, summed %.0f", s, EVENT_US(tail, sms, 3 + 4 * s),
+                   EVENT_US(tail, sms, 4 + 4 * s), EVENT_US(tail, sms, 5 + 4 * s));
+        printf(" | end %.0f", EVENT_US(tail, sms, n - 1));
+    }
+    printf("\n");
+#undef EVENT_US
+    free(t), free(v);
+    return 0;
+}
+
+/* The fused layer1 on the rows layer0 left (input set 0, whose baseline output is in
+ * a->y): a sweep of combine blocks x column splits, our GEMM1 alone in turns with the
+ * best, y against the baseline's on every token; then the whole fused layer. */
+static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
+                      const comet_moe_config_t *cfg, const char *label, comet_moe_args_t *a, cometi_layer0_t *l0,
+                      void **x, int32_t **ids, float **w, case_result_t *res)
+{
+    /* {combine blocks, splits, dynamic tiles, tail}: first the GEMM then the combine on every
+     * SM (no overlap), then combine blocks beside the GEMM with the last split's combine on
+     * every SM after it, then a few without that tail. */
+    static const cometi_layer1_knobs_t sweep[] = {
+        {0, 1, 1, 1},  {4, 2, 1, 1},  {4, 4, 1, 1},  {8, 2, 1, 1},  {8, 4, 1, 1},  {16, 2, 1, 1},
+        {16, 4, 1, 1}, {24, 2, 1, 1}, {24, 4, 1, 1}, {8, 4, 1, 0},  {16, 2, 1, 0}, {24, 2, 1, 0}};
+    const int H = cfg->hidden, M = cfg->max_tokens, tiles = H % 256 == 0 ? H / 256 : H / 128;
+    cometi_layer1_t l1;
+    comet_status_t st = cometi_layer1_create(comm, cfg, l0, &l1);
+    FAIL_IF(st != COMET_SUCCESS, "layer1 (%s): %s", label, comet_comm_last_error(comm));
+    void *y_base = a->y, *y;
+    CUDA_OK(cudaMalloc(&y, (size_t)M * H * 2 + 16));
+    a->y = y;
+    if (ctx->rank == 0) fprintf(stderr, "[bench] %s: fused layer1, combine blocks x splits sweep\n", label);
+    res->l1_runs = 0;
+    res->l1_best = 0;
+    for (size_t i = 0; i < sizeof(sweep) / sizeof(sweep[0]) && res->l1_runs < SWEEP_MAX; i++) {
+        if (tiles % sweep[i].n_splits) continue;
+        float ms;
+        if (time_layer1(comm, l0, &l1, a, x, ids, w, NULL, &sweep[i], o->warmup, o->iters, L1_FUSED, &ms)) return 1;
+        if (allreduce(comm, &ms, 1, ncclMax)) return 1;
+        res->l1_knobs[res->l1_runs] = sweep[i];
+        res->l1_ms[res->l1_runs] = ms;
+        if (ms < res->l1_ms[res->l1_best]) res->l1_best = res->l1_runs;
+        res->l1_runs++;
+    }
+    const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
+    const int paired = o->iters;
+    float *t3 = malloc(sizeof(float) * 3 * paired), med[3];
+    for (int i = 0; i < paired; i++) {
+        if (time_layer1(comm, l0, &l1, a, x, ids, w, NULL, best, 0, 1, L1_FUSED, &t3[i]) ||
+            time_layer1(comm, l0, &l1, a, x, ids, w, NULL, NULL, 0, 1, L1_GEMM_ALONE, &t3[paired + i]) ||
+            time_layer1(comm, l0, &l1, a, x, ids, w, NULL, NULL, 0, 1, L1_GEMM_ALONE_DYNAMIC, &t3[2 * paired + i]))
+            return 1;
+    }
+    for (int v = 0; v < 3; v++) med[v] = median(t3 + v * paired, paired);
+    free(t3);
+    if (allreduce(comm, med, 3, ncclMax)) return 1;
+    res->l1_paired_ms = med[0];
+    res->l1_gemm_alone_ms = med[1] < med[2] ? med[1] : med[2];
+    /* y on poisoned output against the baseline's, every token. */
+    CUDA_OK(cudaMemset(y, 0xff, (size_t)M * H * 2));
+    FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
+    st = cometi_layer1_run(comm, &l1, l0, a, best, 0);
+    FAIL_IF(st != COMET_SUCCESS, "layer1 (%s): %s", label, comet_comm_last_error(comm));
+    CUDA_OK(cudaDeviceSynchronize());
+    st = comet_comm_get_async_error(comm);
+    FAIL_IF(st != COMET_SUCCESS, "layer1 (%s): %s", label, comet_comm_last_error(comm));
+    uint16_t *want = malloc((size_t)M * H * 2 + 2), *got = malloc((size_t)M * H * 2 + 2);
+    CUDA_OK(cudaMemcpy(want, y_base, (size_t)M * H * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(got, y, (size_t)M * H * 2, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    for (size_t i = 0; i < (size_t)M * H; i++) {
+        const double u = cometi_bf16_to_float(want[i]), v = cometi_bf16_to_float(got[i]);
+        num += isfinite(v) ? (v - u) * (v - u) : INFINITY;
+        den += u * u;
+    }
+    free(want), free(got);
+    if (getenv("COMET_TRACE") && ctx->rank == 0 && print_layer1_trace(comm, &l1, best)) return 1;
+    float diff = den > 0 ? (float)sqrt(num / den) : 0;
+    if (!isfinite(diff)) diff = INFINITY;
+    if (allreduce(comm, &diff, 1, ncclMax)) return 1;
+    res->l1_diff = diff;
+    /* The whole fused layer, inputs rotating as in the baseline's timing. */
+    if (ctx->rank == 0) fprintf(stderr, "[bench] %s: the whole fused layer\n", label);
+    if (time_layer1(comm, l0, &l1, a, x, ids, w, &res->l0_knobs[res->l0_best], best, o->warmup, o->iters, L1_WHOLE,
+                    &res->whole_ms))
+        return 1;
+    if (allreduce(comm, &res->whole_ms, 1, ncclMax)) return 1;
+    a->y = y_base;
+    cudaFree(y);
+    cometi_layer1_destroy(comm, &l1);
     return 0;
 }
 
@@ -243,6 +409,8 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     if (!isfinite(diff)) diff = INFINITY;
     if (allreduce(comm, &diff, 1, ncclMax)) return 1;
     res->l0_diff = diff;
+    /* Layer1 on what this layer0 left (set 0), then the whole layer. */
+    if (run_layer1(ctx, o, comm, cfg, label, a, &l0, x, ids, w, res)) return 1;
     /* The route alone, last: it raises the arrival totals the next fused call would wait for,
      * with no rows behind them, so no fused call may follow on this layer0. */
     if (time_layer0(comm, &l0, a, x, ids, w, NULL, o->warmup, o->iters, L0_ROUTE_ALONE, &res->l0_route_ms))
@@ -361,6 +529,7 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
         times[P_A2A_BACK][it] = ms[COMETI_MARK_RETURNED];
         times[P_COMBINE][it] = ms[COMETI_MARK_END];
         CUDA_OK(cudaEventElapsedTime(&times[P_LAYER0][it], marks[COMETI_MARK_START], marks[COMETI_MARK_ACTIVATED]));
+        CUDA_OK(cudaEventElapsedTime(&times[P_LAYER1][it], marks[COMETI_MARK_ACTIVATED], marks[COMETI_MARK_END]));
         CUDA_OK(cudaEventElapsedTime(&times[P_TOTAL][it], marks[COMETI_MARK_START], marks[COMETI_MARK_END]));
         if (me == 0 && o->iters >= 50 && (it + 1) % (o->iters / 5) == 0)
             fprintf(stderr, "[bench] %s: %d/%d\n", label, it + 1, o->iters);
@@ -461,8 +630,9 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
             }
         }
         if (o->run_comet && ctx->rank == 0) {
-            printf("%-16s %-9s %6d   n/a: the whole fused layer is not built yet (layer0 is: below)\n", label, "comet",
-                   cfg.max_tokens);
+            if (base.whole_ms > 0)
+                printf("%-16s %-9s %6d %9.3f   (%.2fx the baseline; layer0 and layer1 below)\n", label, "comet",
+                       cfg.max_tokens, base.whole_ms, base.ms[P_TOTAL] / base.whole_ms);
             if (o->run_baseline && base.l0_runs) {
                 const float l0 = base.l0_ms[base.l0_best];
                 const cometi_layer0_knobs_t *best = &base.l0_knobs[base.l0_best];
@@ -478,6 +648,28 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
                     printf(" %s %d: %.3f", dispatch_mode_name(base.l0_knobs[i].dispatch_mode),
                            base.l0_knobs[i].dispatch_blocks, base.l0_ms[i]);
                 printf("\n");
+                if (base.l1_runs) {
+                    const cometi_layer1_knobs_t *k1 = &base.l1_knobs[base.l1_best];
+                    const float l1 = base.l1_ms[base.l1_best];
+                    printf("  layer1 (GEMM1 + combine): baseline %.3f ms, fused %.3f ms with %d combine blocks, %d "
+                           "splits%s (%.2fx); in turns: fused %.3f ms, our GEMM1 alone %.3f ms (fused / alone %.3f), "
+                           "y vs baseline %.1e%s\n", base.ms[P_LAYER1], l1, k1->combine_blocks, k1->n_splits,
+                           k1->tail || !k1->combine_blocks ? ", tail" : "", base.ms[P_LAYER1] / l1, base.l1_paired_ms, base.l1_gemm_alone_ms,
+                           base.l1_paired_ms / base.l1_gemm_alone_ms, base.l1_diff, base.l1_diff > 1e-2 ? "!" : "");
+                    printf("  layer1 sweep, ms by combine blocks x splits (t: last split on every SM after):");
+                    for (int i = 0; i < base.l1_runs; i++)
+                        printf(" %dx%d%s: %.3f", base.l1_knobs[i].combine_blocks, base.l1_knobs[i].n_splits,
+                               base.l1_knobs[i].tail || !base.l1_knobs[i].combine_blocks ? "t" : "", base.l1_ms[i]);
+                    printf("\n");
+                    if (json)
+                        fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer1\", \"baseline_layer1_ms\": "
+                                "%.4f, \"fused_ms\": %.4f, \"combine_blocks\": %d, \"splits\": %d, "
+                                "\"fused_in_turns_ms\": %.4f, \"gemm1_alone_in_turns_ms\": %.4f, "
+                                "\"diff_vs_baseline\": %.3g},\n  {\"case\": \"%s\", \"impl\": \"comet\", "
+                                "\"total_ms\": %.4f, \"baseline_total_ms\": %.4f}", label, base.ms[P_LAYER1], l1,
+                                k1->combine_blocks, k1->n_splits, base.l1_paired_ms, base.l1_gemm_alone_ms,
+                                base.l1_diff, label, base.whole_ms, base.ms[P_TOTAL]);
+                }
                 if (json)
                     fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer0\", \"baseline_layer0_ms\": %.4f, "
                             "\"fused_ms\": %.4f, \"dispatch_blocks\": %d, \"dispatch_mode\": \"%s\", "
@@ -488,6 +680,7 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
             }
         }
         if (base.l0_runs && !(base.l0_diff <= 1e-2)) failed_check = 1;
+        if (base.l1_runs && !(base.l1_diff <= 1e-2)) failed_check = 1;
         fflush(stdout);
     }
     if (json) {

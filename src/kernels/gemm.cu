@@ -30,61 +30,14 @@
 #include "gemm.h"
 #include "ptx.cuh"
 #include "wgmma.cuh"
+#include "combine.cuh"
 
 #define BM 128
 #define BK 64
 #define THREADS 384
 #define TICKETS 4 /* tiles the producer may announce ahead of the consumers (dynamic schedule) */
 
-/* ---- PTX: shared-memory barriers, TMA, wgmma bookkeeping ---- */
-
-static __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-static __device__ __forceinline__ void mbar_init(uint64_t *bar, int count)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-
-static __device__ __forceinline__ int mbar_try_wait(uint32_t bar, uint32_t parity)
-{
-    uint32_t ok;
-    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(ok)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-    return (int)ok;
-}
-
-/* Wait for the phase with this parity. A pipeline wait has no outside dependency, so
- * one that lasts past the timeout is a bug: report it and stop waiting, here and (once
- * the report is out) everywhere else, so the kernel ends quickly with garbage instead of
- * hanging. (Leaving with `exit` instead would make ptxas serialize the wgmmas.) */
-static __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity, cometi_async_error_t *err,
-                                                 unsigned long long timeout_ns)
-{
-    uint32_t b = smem_u32(bar);
-    if (mbar_try_wait(b, parity)) return;
-    unsigned long long start = cometi_globaltimer_ns();
-    while (!mbar_try_wait(b, parity)) {
-        unsigned long long waited = cometi_globaltimer_ns() - start;
-        /* The report lives in host memory: look at it only once this wait is already slow. */
-        if (waited > 1000000 && *(volatile int *)&err->status != 0) return;
-        if (waited > timeout_ns) {
-            cometi_record_error(err, COMET_INTERNAL_ERROR, COMETI_SITE_GEMM, -1, (int)blockIdx.x, parity, 0, waited);
-            return;
-        }
-    }
-}
-
-static __device__ __forceinline__ void mbar_arrive(uint64_t *bar)
-{
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
-static __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
+/* ---- PTX: TMA tensor copies, wgmma bookkeeping (barriers and bulk copies: ptx.cuh) ---- */
 
 static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, int inner, int outer, uint64_t *bar)
 {
@@ -99,12 +52,6 @@ static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, cons
                  ::"l"((uint64_t)map), "r"(inner), "r"(outer), "r"(smem_u32(src))
                  : "memory");
 }
-
-static __device__ __forceinline__ void bulk_commit(void) { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-/* The stores issued so far have read their shared memory (it may be reused). */
-static __device__ __forceinline__ void bulk_wait_read(void) { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-/* The stores issued so far are complete in global memory. */
-static __device__ __forceinline__ void bulk_wait(void) { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 /* Barrier for the 128 threads of one warpgroup (ids 1 and 2; 0 is __syncthreads). */
 static __device__ __forceinline__ void warpgroup_sync(int id)
@@ -129,6 +76,7 @@ template <int N> static __device__ __forceinline__ void wgmma_wait(void)
 
 static __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
+
 /* ---- tile schedule ---- */
 
 typedef struct gemm_args {
@@ -144,6 +92,8 @@ typedef struct gemm_args {
     int n_splits;                        /* column splits, tiles split-major (1: one split) */
     unsigned long long *split_done;      /* [n_splits] rows finished per split, or NULL */
     cometi_dispatch_t dispatch;
+    int combine_blocks;                  /* the first blocks combine instead (they never compute) */
+    cometi_combine_t combine;
     __nv_bfloat16 *c;
     cometi_async_error_t *err;
     unsigned long long timeout_ns;         /* pipeline waits */
@@ -237,20 +187,6 @@ typedef struct bulk_ring {
     uint32_t parity;      /* bit s: the phase slot s waits for next */
     uint32_t row_bytes;
 } bulk_ring_t;
-
-static __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
-{
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_u32(dst)), "l"((uint64_t)src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-
-static __device__ __forceinline__ void bulk_store(void *dst, const void *src, uint32_t bytes)
-{
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                 ::"l"((uint64_t)dst), "r"(smem_u32(src)), "r"(bytes)
-                 : "memory");
-}
 
 static __device__ void copy_piece_bulk(const cometi_dispatch_t *d, bulk_ring_t *ring, const int32_t *src_of, int n_rows,
                                        unsigned char *out, cometi_async_error_t *err, unsigned long long timeout_ns)
@@ -399,10 +335,15 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     int *tickets = m_tiles + 2 * COMETI_GEMM_MAX_GROUPS;
     const int wg = threadIdx.x / 128, n_tiles = p.n / ON, k_blocks = p.k / BK, split_tiles = n_tiles / p.n_splits;
 
-    /* Dispatch blocks come first: blocks start in index order, so if an SM is busy it is a
-     * GEMM block (which waits on nobody's behalf) that starts late, not a dispatch block
-     * the GEMM blocks wait for. */
+    /* Dispatch or combine blocks come first: blocks start in index order, so if an SM is
+     * busy it is a GEMM block (which waits on nobody's behalf) that starts late, not a
+     * block the others wait for. */
     const int dispatch_blocks = gridDim.x - p.gemm_blocks;
+    if (p.combine_blocks && (int)blockIdx.x < p.combine_blocks) {
+        combine_rows(&p.combine, p.c, p.n, p.segs, p.groups, p.n_splits, split_tiles, p.split_done, p.combine_blocks,
+                     smem, p.err, p.arrival_timeout_ns);
+        return;
+    }
     if ((int)blockIdx.x < dispatch_blocks) {
         /* Pieces are claimed from counter 2; once done, the block computes too. */
         dispatch_rows(&p.dispatch, smem, p.sched + 2, p.err, p.timeout_ns);
@@ -485,8 +426,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         /* The last block to finish taking tickets resets the counters for the next call
          * (kernels on one stream do not overlap, so nobody reads them in between). */
         if (p.sched) __threadfence(); /* this block's last ticket before its "done" */
-        if (p.sched && atomicAdd(&p.sched[1], 1u) == gridDim.x - 1) {
-            for (int i = 0; i < COMETI_GEMM_SCHED_WORDS; i++) p.sched[i] = 0;
+        if (p.sched && atomicAdd(&p.sched[1], 1u) == gridDim.x - p.combine_blocks - 1) {
+            for (int i = 0; i < 3; i++) p.sched[i] = 0; /* words 3, 4 are the combine blocks' */
         }
         return;
     }
@@ -798,17 +739,43 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     if (g->dispatch_blocks < 0 || (g->arrive && !g->expected) || (g->dispatch_blocks && !g->sched))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch_blocks = %d: must be >= 0, and > 0 needs "
                            "sched; arrive needs expected", g->dispatch_blocks);
-    /* GEMM blocks, then dispatch blocks. */
-    args.gemm_blocks = g->sms > 0 ? g->sms : sm_count - g->dispatch_blocks;
-    const int blocks = args.gemm_blocks + g->dispatch_blocks;
+    if (g->combine_blocks < 0 || (g->combine_blocks && (!g->split_done || g->dispatch_blocks || g->arrive)))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm combine_blocks = %d: must be >= 0, and > 0 needs "
+                           "split_done and no dispatch_blocks or arrive", g->combine_blocks);
+    if (g->combine_blocks) {
+        const cometi_combine_t *c = &g->combine;
+        if (args.n_splits > COMETI_MAX_SPLITS)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n_splits = %d with combine: at most %d",
+                               args.n_splits, COMETI_MAX_SPLITS);
+        if (c->kernel_splits < 0 || c->kernel_splits > args.n_splits)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "combine kernel_splits = %d: must be 0..n_splits = %d",
+                               c->kernel_splits, args.n_splits);
+        if (c->top_k < 1 || c->top_k > COMETI_COMBINE_MAX_TOP_K)
+            return cometi_fail(err, COMET_NOT_SUPPORTED, "combine top_k = %d: 1..%d are built", c->top_k,
+                               COMETI_COMBINE_MAX_TOP_K);
+        if (c->world < 1 || c->world > COMETI_MAX_RANKS || c->rank < 0 || c->rank >= c->world ||
+            c->experts_per_rank * c->world != c->num_experts || c->num_tokens < 0 || !c->peers || !c->meta ||
+            !c->counts || !c->send_offset || !c->recv_offset || !c->expected || !c->sync || (c->num_tokens && (!c->topk_ids || !c->y)))
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm combine: world %d, rank %d, experts %d / %d per "
+                               "rank, tokens %d, or a NULL table", c->world, c->rank, c->num_experts,
+                               c->experts_per_rank, c->num_tokens);
+        if ((uintptr_t)c->y % 16 || g->n % 8)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm combine: y must be 16-byte aligned (is %p)", c->y);
+    }
+    const int side_blocks = g->dispatch_blocks + g->combine_blocks;
+    /* GEMM blocks, then dispatch (or combine) blocks. */
+    args.gemm_blocks = g->sms > 0 ? g->sms : sm_count - side_blocks;
+    args.combine_blocks = g->combine_blocks;
+    args.combine = g->combine;
+    const int blocks = args.gemm_blocks + side_blocks;
     /* Blocks that wait for others must never keep those off the GPU: one per SM, all resident. */
-    if (g->arrive && (args.gemm_blocks < 1 || blocks > sm_count))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm with arrival waits: %d GEMM + %d dispatch blocks must "
-                           "be 1..%d (one per SM, so every block is resident)", args.gemm_blocks,
-                           g->dispatch_blocks, sm_count);
+    if ((g->arrive || g->combine_blocks) && (args.gemm_blocks < 1 || blocks > sm_count))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm with arrival waits or combine: %d GEMM + %d dispatch "
+                           "or combine blocks must be 1..%d (one per SM, so every block is resident)",
+                           args.gemm_blocks, side_blocks, sm_count);
     if (args.gemm_blocks < 1)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm sms = %d with %d dispatch blocks: no GEMM block left",
-                           g->sms, g->dispatch_blocks);
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm sms = %d with %d dispatch or combine blocks: no GEMM "
+                           "block left", g->sms, side_blocks);
     prepared_t *pr = (prepared_t *)out->bytes;
     pr->maps = m;
     pr->args = args;

@@ -20,7 +20,16 @@ typedef struct cometi_segment {
 } cometi_segment_t;
 
 #define COMETI_GEMM_MAX_GROUPS 1024
-#define COMETI_GEMM_SCHED_WORDS 3 /* tiles taken, blocks done, dispatch pieces taken */
+/* tiles taken, blocks done, dispatch pieces taken, combine blocks past their setup, combine
+ * blocks done */
+#define COMETI_GEMM_SCHED_WORDS 5
+/* Column splits of a layer1 call (split_done and the combine's counters are this long). */
+#define COMETI_MAX_SPLITS 32
+/* Choices of one token that the combine sums on one rank before sending (registers). */
+#define COMETI_COMBINE_MAX_TOP_K 8
+/* Timeline of a combine block: start, records pulled, then per split (the first 8): rows
+ * ready in C, sent, this rank's rows home, summed into y; then the end. */
+#define COMETI_COMBINE_TRACE 36
 
 enum {
     COMETI_EPILOGUE_AUTO = 0,   /* TMA where ldc and c allow it */
@@ -58,6 +67,49 @@ typedef struct cometi_dispatch {
     unsigned long long *arrive[COMETI_MAX_RANKS]; /* every rank's arrival counters, mapped here */
 } cometi_dispatch_t;
 
+/* What layer1 needs to know of one (token, choice) row, written in send order by the
+ * source rank's route and pulled by the row's receiver (16 bytes). */
+typedef struct cometi_row_meta {
+    int32_t slot;  /* for the token's first choice on that receiver (its lead): the owner's slot,
+                    * t * slots_per_token + (distinct receivers among earlier choices); else -1 */
+    int32_t next;  /* the receive row of the token's next choice on the same receiver, or -1 */
+    float weight;  /* the choice's top-k weight */
+    int32_t src;   /* the source rank (filled in by the receiver) */
+} cometi_row_meta_t;
+
+/* One rank's windows the combine blocks reach, as mapped here (a device-memory table). */
+typedef struct cometi_combine_peer {
+    const cometi_row_meta_t *meta; /* its rows' records, in its send order */
+    void *slots;                   /* [max_tokens][slots_per_token][hidden] bf16 */
+    unsigned long long *arrive;    /* [COMETI_MAX_SPLITS] rows summed into its slots, per split */
+} cometi_combine_peer_t;
+
+/* Combine blocks of the fused layer1 kernel: they do not compute. First they pull the
+ * records of every row received (from each row's source), then for each column split,
+ * once the GEMM has finished it for every row: sum each token's rows on this rank,
+ * weighted (the lead row and its `next` chain, fp32), write the sum to the token owner's
+ * slot, count the rows per owner with one system-scope release; then, as owner, wait
+ * until every row of its own tokens is in and sum the slots (fp32, in slot order: the
+ * same bits every run) into y. Each split's combine runs while the GEMM computes the
+ * next split. */
+typedef struct cometi_combine {
+    const cometi_combine_peer_t *peers;  /* [world], device memory */
+    cometi_row_meta_t *meta;             /* [a_rows] records of the received rows */
+    const int32_t *counts, *send_offset, *recv_offset; /* the route plan ([world][E]) */
+    const int32_t *topk_ids;             /* [num_tokens][top_k] this rank's tokens */
+    void *y;                             /* [num_tokens][hidden] bf16 */
+    unsigned long long *expected;        /* [2][COMETI_MAX_SPLITS] running totals the waits aim at:
+                                          * split_done, then this rank's arrive; the last combine
+                                          * block advances them */
+    unsigned int *sync;                  /* [2] zeroed words (blocks past the pull, blocks done);
+                                          * zero again after the call */
+    unsigned long long *trace;           /* [blocks][COMETI_COMBINE_TRACE] global-timer ns at each
+                                          * phase (see combine.cuh), or NULL */
+    int kernel_splits;                   /* splits the GEMM kernel's combine blocks send (0 ..
+                                          * n_splits); cometi_launch_combine_tail does the rest */
+    int num_tokens, num_experts, experts_per_rank, top_k, slots_per_token, rank, world;
+} cometi_combine_t;
+
 typedef struct cometi_gemm {
     const void *a;                 /* [a_rows][k] bf16 */
     int64_t a_rows;                /* rows allocated in A (TMA reads past a group's rows stay inside) */
@@ -90,12 +142,15 @@ typedef struct cometi_gemm {
     int n_splits;                          /* 0 or 1: one split; must divide n / tile width */
     unsigned long long *split_done;        /* [n_splits], or NULL */
     int dispatch_blocks;                  /* blocks before the GEMM's that run `dispatch` */
+    int combine_blocks;                   /* blocks before the GEMM's that run `combine` (needs
+                                           * split_done; not with dispatch) */
     unsigned int *sched;                  /* [COMETI_GEMM_SCHED_WORDS] zeroed device words: tiles
                                            * then come from a counter shared by the grid (dispatch
                                            * blocks join in when done; they need it) and the last
                                            * block zeroes them again; NULL: each GEMM block takes
                                            * every gemm_blocks-th tile */
     cometi_dispatch_t dispatch;
+    cometi_combine_t combine;
     cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
     unsigned long long timeout_ns; /* rows from peers must arrive within this; a pipeline wait
                                     * twice as long is a bug: report, leave (0: 10 s) */
@@ -114,6 +169,15 @@ typedef struct cometi_gemm_prepared {
 /* Check every field and build the tensor maps; nothing is enqueued. Errors name the
  * field and the limit. Lets a caller fail before it starts work other ranks depend on. */
 comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gemm_prepared_t *out);
+/* The combine of splits [c->kernel_splits, n_splits) on every SM, after the GEMM that
+ * wrote `rows` (C, [.][hidden]) on the same stream; `pull`: the records were not pulled
+ * yet (the GEMM had no combine blocks). */
+comet_status_t cometi_launch_combine_tail(char *err, const cometi_combine_t *c, const void *rows, int hidden,
+                                          const cometi_segment_t *segs, int groups, int n_splits,
+                                          int tiles_per_split, const unsigned long long *split_done, int pull,
+                                          cometi_async_error_t *async_err, unsigned long long timeout_ns,
+                                          cudaStream_t stream);
+
 /* Enqueue a prepared GEMM on `stream`. */
 comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepared_t *p, cudaStream_t stream);
 /* Prepare and launch. */

@@ -1,8 +1,8 @@
 /*
  * ptx.cuh - the PTX wrappers comet's kernels share: system-scope acquire and release
- * for flags another GPU touches, the global timer, and the timed wait every kernel
- * uses instead of a bare spin. All as asm volatile with a "memory" clobber so the
- * compiler neither caches nor reorders them.
+ * for flags another GPU touches, the global timer, the timed wait every kernel uses
+ * instead of a bare spin, and shared-memory barriers and bulk copies. All as asm
+ * volatile with a "memory" clobber so the compiler neither caches nor reorders them.
  */
 #ifndef COMET_PTX_CUH
 #define COMET_PTX_CUH
@@ -57,25 +57,36 @@ static __device__ void cometi_record_error(cometi_async_error_t *err, int status
     __threadfence_system();
 }
 
+/* Whether another wait of this communicator has already failed. The word is in host
+ * memory, so it is read only once a wait has lasted 1 ms, and then once per ms: polling
+ * it over PCIe from many SMs slows everything (docs/PERF.md). *next_poll_ns starts at 0. */
+static __device__ __forceinline__ int cometi_other_wait_failed(const cometi_async_error_t *err,
+                                                               unsigned long long waited_ns,
+                                                               unsigned long long *next_poll_ns)
+{
+    if (waited_ns < 1000000 || waited_ns < *next_poll_ns) return 0;
+    *next_poll_ns = waited_ns + 1000000;
+    return *(const volatile int *)&err->status != 0;
+}
+
 /*
  * Spin until *flag >= expected (acquire, system scope), backing off with nanosleep.
  * Gives up, records COMET_TIMEOUT and returns 0 after timeout_ns, or soon after another
  * wait of this communicator has failed (so one dead peer costs one timeout, not one per
- * waiting block). The failure word is in host memory, so it is read only once a wait
- * has lasted 1 ms: polling it over PCIe from many SMs slows everything (docs/PERF.md).
+ * waiting block; see cometi_other_wait_failed).
  * Returns 1 when the flag arrived.
  */
 static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned long long expected,
                                       unsigned long long timeout_ns, cometi_async_error_t *err,
                                       int site, int peer, int slot)
 {
-    unsigned long long start = cometi_globaltimer_ns();
+    unsigned long long start = cometi_globaltimer_ns(), next_poll = 0;
     unsigned int backoff = 32;
     for (;;) {
         unsigned long long v = cometi_ld_acquire_sys(flag);
         if (v >= expected) return 1;
         unsigned long long waited = cometi_globaltimer_ns() - start;
-        if (waited > 1000000 && *(volatile int *)&err->status != 0) return 0;
+        if (cometi_other_wait_failed(err, waited, &next_poll)) return 0;
         if (waited > timeout_ns) {
             cometi_record_error(err, COMET_TIMEOUT, site, peer, slot, expected, v, waited);
             return 0;
@@ -84,5 +95,75 @@ static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned l
         if (backoff < 2048) backoff *= 2;
     }
 }
+
+/* ---- shared-memory barriers and bulk copies (the GEMM's pipeline, dispatch, combine) ---- */
+
+static __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+static __device__ __forceinline__ void mbar_init(uint64_t *bar, int count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+static __device__ __forceinline__ int mbar_try_wait(uint32_t bar, uint32_t parity)
+{
+    uint32_t ok;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(ok)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+    return (int)ok;
+}
+
+/* Wait for the phase with this parity. A pipeline wait has no outside dependency, so
+ * one that lasts past the timeout is a bug: report it and stop waiting, here and (once
+ * the report is out) everywhere else, so the kernel ends quickly with garbage instead of
+ * hanging. (Leaving with `exit` instead would make ptxas serialize the wgmmas.) */
+static __device__ __forceinline__ void mbar_wait(uint64_t *bar, uint32_t parity, cometi_async_error_t *err,
+                                                 unsigned long long timeout_ns)
+{
+    uint32_t b = smem_u32(bar);
+    if (mbar_try_wait(b, parity)) return;
+    unsigned long long start = cometi_globaltimer_ns(), next_poll = 0;
+    while (!mbar_try_wait(b, parity)) {
+        unsigned long long waited = cometi_globaltimer_ns() - start;
+        if (cometi_other_wait_failed(err, waited, &next_poll)) return;
+        if (waited > timeout_ns) {
+            cometi_record_error(err, COMET_INTERNAL_ERROR, COMETI_SITE_GEMM, -1, (int)blockIdx.x, parity, 0, waited);
+            return;
+        }
+    }
+}
+
+static __device__ __forceinline__ void mbar_arrive(uint64_t *bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+
+static __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+/* Whole rows: global to shared, completing on an mbarrier; shared to global, in a bulk group. */
+static __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_u32(dst)), "l"((uint64_t)src), "r"(bytes), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+static __device__ __forceinline__ void bulk_store(void *dst, const void *src, uint32_t bytes)
+{
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 ::"l"((uint64_t)dst), "r"(smem_u32(src)), "r"(bytes)
+                 : "memory");
+}
+
+static __device__ __forceinline__ void bulk_commit(void) { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+/* The stores issued so far have read their shared memory (it may be reused). */
+static __device__ __forceinline__ void bulk_wait_read(void) { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+/* The stores issued so far are complete in global memory. */
+static __device__ __forceinline__ void bulk_wait(void) { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 #endif /* COMET_PTX_CUH */

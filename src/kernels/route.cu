@@ -180,15 +180,34 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
 }
 
 /* Every row's place in its owner's receive buffer and in the send order, over many blocks
- * (one block took 0.06 ms for 65536 rows). Nothing is placed when the exchange failed. */
-static __global__ void place_rows_kernel(const int32_t *ids, int n, int E, int me, cometi_route_dev_plan_t plan)
+ * (one block took 0.06 ms for 65536 rows), and with weights, its record for layer1 (in
+ * send order; see cometi_choice_slot). Nothing is placed when the exchange failed. */
+static __global__ void place_rows_kernel(const int32_t *ids, const float *weights, int n, int k, int E, int me,
+                                         int world, cometi_route_dev_plan_t plan, cometi_row_meta_t *meta)
 {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const int e = ids[i];
+    const int e = ids[i], per = E / world;
     const bool ok = e >= 0 && e < E && !*plan.failed;
     plan.recv_pos[i] = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + plan.pos[i] : -1;
-    if (ok) plan.src_of[plan.send_offset[me * E + e] + plan.pos[i]] = i;
+    if (!ok) return;
+    const int at = plan.send_offset[me * E + e] + plan.pos[i];
+    plan.src_of[at] = i;
+    if (!meta) return;
+    const int t = i / k, j = i % k;
+    int next;
+    const int slot = cometi_choice_slot(ids + (size_t)t * k, k, j, E, per, &next);
+    cometi_row_meta_t m;
+    m.slot = slot >= 0 ? t * min(k, world) + slot : -1;
+    if (next >= 0) { /* where the next choice lands: the same formula as recv_pos */
+        const int en = ids[(size_t)t * k + next];
+        m.next = plan.seg_start[en] + plan.recv_offset[me * E + en] + plan.pos[(size_t)t * k + next];
+    } else {
+        m.next = -1;
+    }
+    m.weight = weights[i];
+    m.src = me;
+    meta[at] = m;
 }
 
 extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows,
@@ -204,6 +223,8 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
     size_t table_bytes = sizeof(int32_t) * 2 * W * E + sizeof(unsigned long long) * W;
     COMETI_TRY(cometi_window_create(comm, table_bytes, &r->table));
     comet_status_t st;
+    COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(cometi_row_meta_t) * (size_t)(max_rows > 0 ? max_rows : 1),
+                                             &r->meta), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->table.local, 0, r->table.bytes), "clear route table"),
                     fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->local_counts, sizeof(int32_t) * (E + 1)),
@@ -243,13 +264,14 @@ fail:
 extern "C" void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *r)
 {
     if (r->table.local) cometi_window_destroy(comm, &r->table);
+    if (r->meta.local) cometi_window_destroy(comm, &r->meta);
     cudaFree(r->local_counts);
     cudaFree(r->arena);
     memset(r, 0, sizeof(*r));
 }
 
 extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids,
-                                               int m, int k, cudaStream_t stream)
+                                               const float *weights, int m, int k, cudaStream_t stream)
 {
     const int n = m * k, E = r->num_experts;
     if (n > r->max_rows)
@@ -267,6 +289,8 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
                                                         (unsigned long long)comm->timeout_ms * 1000000ull,
                                                         comm->async_dev);
     COMETI_TRY(cometi_cuda(comm->err, cudaGetLastError(), "launch exchange_plan_kernel"));
-    if (n > 0) place_rows_kernel<<<(n + 255) / 256, 256, 0, stream>>>(topk_ids, n, E, comm->rank, r->plan);
+    if (n > 0)
+        place_rows_kernel<<<(n + 255) / 256, 256, 0, stream>>>(topk_ids, weights, n, k, E, comm->rank, r->world, r->plan,
+                                                               weights ? (cometi_row_meta_t *)r->meta.local : NULL);
     return cometi_cuda(comm->err, cudaGetLastError(), "launch place_rows_kernel");
 }

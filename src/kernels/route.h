@@ -52,6 +52,8 @@ typedef struct cometi_route_dev_plan {
 typedef struct cometi_route_dev {
     int world, num_experts, max_rows, block_m, max_blocks;
     cometi_window_t table;          /* [2][world][E] int32 counts, then [world] u64 arrival flags */
+    cometi_window_t meta;           /* [max_rows] this rank's rows' records for layer1, in send
+                                     * order (written when the run is given weights) */
     int32_t *local_counts;          /* [E + 1]: this rank's counts, then the first bad id's index */
     int32_t *arena;                 /* backs every array of `plan`, and chunk_counts */
     int32_t *chunk_counts;          /* route scratch: [E][cometi_route_chunks(max_rows)] */
@@ -67,9 +69,10 @@ void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *r);
 
 /* Collective, enqueued on `stream`, no host sync. A peer that never arrives gives
  * COMET_TIMEOUT through comet_comm_get_async_error(); an expert id out of range gives
- * COMET_INVALID_ARGUMENT there (its row is left out: recv_pos -1). */
-comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids, int m,
-                                    int k, cudaStream_t stream);
+ * COMET_INVALID_ARGUMENT there (its row is left out: recv_pos -1). With `weights`
+ * ([m][k]), each row's layer1 record is written into `meta` too. */
+comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids,
+                                    const float *weights, int m, int k, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

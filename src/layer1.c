@@ -1,0 +1,152 @@
+/*
+ * layer1.c - host side of the fused layer1: the slots and counters in symmetric memory,
+ * the table of every rank's windows, and the one launch of a call. See layer1.h.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "layer1.h"
+
+comet_status_t cometi_layer1_create(comet_comm_t comm, const comet_moe_config_t *cfg, const cometi_layer0_t *l0,
+                                    cometi_layer1_t *l)
+{
+    memset(l, 0, sizeof(*l));
+    if (cfg->top_k > COMETI_COMBINE_MAX_TOP_K)
+        return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "config.top_k = %d: the fused combine sums at most %d "
+                           "choices per token and rank", cfg->top_k, COMETI_COMBINE_MAX_TOP_K);
+    const int W = comm->size;
+    l->hidden = cfg->hidden;
+    l->slots_per_token = cfg->top_k < W ? cfg->top_k : W;
+    const size_t rows = (size_t)l0->max_recv_rows;
+    comet_status_t st;
+    COMETI_TRY_GOTO(st, cometi_window_create(comm, (size_t)cfg->max_tokens * l->slots_per_token * cfg->hidden * 2 + 16,
+                                             &l->slots), fail);
+    COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(unsigned long long) * COMETI_MAX_SPLITS, &l->arrive), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->arrive.local, 0, l->arrive.bytes), "clear layer1 arrivals"),
+                    fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->out, rows * cfg->hidden * 2), "cudaMalloc(GEMM1 output)"),
+                    fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->meta, rows * sizeof(cometi_row_meta_t)),
+                                    "cudaMalloc(layer1 row records)"), fail);
+    /* Counters: split_done, expected (two halves), then the kernel's words. */
+    const size_t counter_bytes = sizeof(unsigned long long) * 3 * COMETI_MAX_SPLITS +
+                                 sizeof(unsigned int) * COMETI_GEMM_SCHED_WORDS;
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->split_done, counter_bytes),
+                                    "cudaMalloc(layer1 counters)"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->split_done, 0, counter_bytes), "clear layer1 counters"),
+                    fail);
+    l->expected = l->split_done + COMETI_MAX_SPLITS;
+    l->sched = (unsigned int *)(l->expected + 2 * COMETI_MAX_SPLITS);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->trace, sizeof(unsigned long long) *
+                                                          COMETI_COMBINE_TRACE * 2 * comm->sm_count),
+                                    "cudaMalloc(layer1 trace)"), fail);
+    {
+        cometi_combine_peer_t table[COMETI_MAX_RANKS];
+        for (int p = 0; p < W; p++) {
+            table[p].meta = (const cometi_row_meta_t *)l0->route.meta.peer[p];
+            table[p].slots = l->slots.peer[p];
+            table[p].arrive = (unsigned long long *)l->arrive.peer[p];
+        }
+        COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->peers, sizeof(table[0]) * W),
+                                        "cudaMalloc(layer1 peer table)"), fail);
+        COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemcpy(l->peers, table, sizeof(table[0]) * W,
+                                                              cudaMemcpyHostToDevice), "copy layer1 peer table"),
+                        fail);
+    }
+    /* Every rank's arrival counters are zero before any rank adds to them. */
+    COMETI_TRY_GOTO(st, cometi_barrier_sync(comm, "layer1 counters cleared on every rank"), fail);
+    return COMET_SUCCESS;
+fail:
+    cometi_layer1_destroy(comm, l);
+    return st;
+}
+
+void cometi_layer1_destroy(comet_comm_t comm, cometi_layer1_t *l)
+{
+    if (l->slots.local) cometi_window_destroy(comm, &l->slots);
+    if (l->arrive.local) cometi_window_destroy(comm, &l->arrive);
+    cudaFree(l->out);
+    cudaFree(l->meta);
+    cudaFree(l->split_done);
+    cudaFree(l->peers);
+    cudaFree(l->trace);
+    memset(l, 0, sizeof(*l));
+}
+
+/* GEMM1 as the fused run and the GEMM-only run share it: act x down^T into `out`. */
+static cometi_gemm_t gemm1(comet_comm_t comm, const cometi_layer1_t *l, const cometi_layer0_t *l0,
+                           const comet_moe_args_t *a)
+{
+    cometi_gemm_t g;
+    memset(&g, 0, sizeof(g));
+    g.a = l0->act;
+    g.a_rows = l0->max_recv_rows;
+    g.b = a->weights.down;
+    g.c = l->out;
+    g.ldc = l->hidden;
+    g.segs = l0->route.plan.local_segs;
+    g.groups = l0->num_experts / comm->size;
+    g.n = l->hidden;
+    g.k = l0->ffn;
+    g.err = comm->async_dev;
+    g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
+    return g;
+}
+
+comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0,
+                                 const comet_moe_args_t *a, const cometi_layer1_knobs_t *knobs, cudaStream_t stream)
+{
+    if (knobs->combine_blocks < 0 || knobs->combine_blocks >= comm->sm_count)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "combine blocks = %d: must be 0..%d (the rest of the "
+                           "%d SMs compute)", knobs->combine_blocks, comm->sm_count - 1, comm->sm_count);
+    if (knobs->n_splits < 1 || knobs->n_splits > COMETI_MAX_SPLITS)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "column splits = %d: must be 1..%d", knobs->n_splits,
+                           COMETI_MAX_SPLITS);
+    if ((uintptr_t)a->y % 16)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "y = %p: the fused layer needs 16-byte aligned rows",
+                           a->y);
+    cometi_gemm_t g = gemm1(comm, l, l0, a);
+    g.n_splits = knobs->n_splits;
+    g.split_done = l->split_done;
+    g.sms = comm->sm_count - knobs->combine_blocks;
+    g.combine_blocks = knobs->combine_blocks;
+    g.sched = knobs->dynamic_tiles ? l->sched : NULL;
+    cometi_combine_t *c = &g.combine;
+    c->kernel_splits = knobs->combine_blocks ? knobs->n_splits - (knobs->tail != 0) : 0;
+    c->peers = l->peers;
+    c->meta = l->meta;
+    c->counts = l0->route.plan.counts;
+    c->send_offset = l0->route.plan.send_offset;
+    c->recv_offset = l0->route.plan.recv_offset;
+    c->topk_ids = a->topk_ids;
+    c->y = a->y;
+    c->expected = l->expected;
+    c->sync = l->sched + 3; /* the kernel's words 3 and 4, used on either schedule */
+    c->trace = l->trace;
+    c->num_tokens = a->num_tokens;
+    c->num_experts = l0->num_experts;
+    c->experts_per_rank = l0->num_experts / comm->size;
+    c->top_k = l0->top_k;
+    c->slots_per_token = l->slots_per_token;
+    c->rank = comm->rank;
+    c->world = comm->size;
+    cometi_gemm_prepared_t prepared;
+    COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
+    COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
+    if (c->kernel_splits == knobs->n_splits) return COMET_SUCCESS;
+    /* Column tiles per split as cometi_gemm_prepare cuts them (256 wide where they fit). */
+    const int tiles_per_split = l->hidden / (l->hidden % 256 == 0 ? 256 : 128) / knobs->n_splits;
+    c->trace = l->trace + (size_t)COMETI_COMBINE_TRACE * comm->sm_count; /* the tail's own rows */
+    return cometi_launch_combine_tail(comm->err, c, l->out, l->hidden, g.segs, g.groups, knobs->n_splits,
+                                      tiles_per_split, l->split_done, knobs->combine_blocks == 0, comm->async_dev,
+                                      g.timeout_ns, stream);
+}
+
+comet_status_t cometi_layer1_gemm_only(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0,
+                                       const comet_moe_args_t *a, int dynamic_tiles, cudaStream_t stream)
+{
+    cometi_gemm_t g = gemm1(comm, l, l0, a);
+    g.sched = dynamic_tiles ? l->sched : NULL;
+    return cometi_gemm_run(comm->err, &g, stream);
+}
