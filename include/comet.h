@@ -182,9 +182,11 @@ typedef struct comet_moe_weights {
 } comet_moe_weights_t;
 
 typedef enum comet_impl {
-    COMET_IMPL_AUTO = 0,     /* the fastest path this build has */
+    COMET_IMPL_AUTO = 0,     /* the fused path where the config allows it (ffn a multiple of
+                              * 128, top_k <= 8), else the baseline */
     COMET_IMPL_BASELINE = 1, /* sequential: NCCL all-to-all + cuBLAS, as Megatron-LM runs it */
-    COMET_IMPL_FUSED = 2     /* tile-level overlap in persistent kernels (not built yet) */
+    COMET_IMPL_FUSED = 2     /* tile-level overlap in persistent kernels (COMET_NOT_SUPPORTED
+                              * where the config does not allow it) */
 } comet_impl_t;
 
 typedef struct comet_moe_args {
@@ -206,12 +208,14 @@ typedef struct comet_moe_args {
 
 /*
  * y = MoE(x), enqueued on `stream`. Collective: every rank calls it, each with its own
- * tokens (num_tokens may differ between ranks). All pointers are device pointers.
- * The baseline path synchronizes the host with `stream` once per call (to size its
- * NCCL transfers, as Megatron-LM does); consecutive calls must use the same stream.
- * Errors: COMET_INVALID_ARGUMENT (a field, or an expert id out of range: the message
- * names the token), COMET_NOT_SUPPORTED (an impl this build lacks), COMET_NCCL_ERROR,
- * COMET_CUDA_ERROR.
+ * tokens (num_tokens may differ between ranks) and the same impl. All pointers are
+ * device pointers. The fused path never synchronizes the host; its first call allocates
+ * its buffers (collective). The baseline path synchronizes the host with `stream` once
+ * per call (to size its NCCL transfers, as Megatron-LM does). Consecutive calls must use
+ * the same stream. Errors: COMET_INVALID_ARGUMENT (a field, or an expert id out of
+ * range: the message names the token), COMET_NOT_SUPPORTED (an impl the config does not
+ * allow), COMET_TIMEOUT (fused: a peer that stopped calling, reported by this call or
+ * comet_comm_get_async_error()), COMET_NCCL_ERROR, COMET_CUDA_ERROR.
  */
 comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream);
 

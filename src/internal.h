@@ -95,6 +95,7 @@ struct comet_comm {
 };
 
 struct cometi_baseline;
+struct cometi_fused;
 
 struct comet_moe {
     comet_comm_t comm;
@@ -103,6 +104,8 @@ struct comet_moe {
     int64_t max_recv_rows;            /* worst-case padded rows landing on this rank */
     char err[COMETI_ERR_LEN];
     struct cometi_baseline *baseline;
+    struct cometi_fused *fused;       /* layer0 + layer1, made by the first fused call, or NULL */
+    int fused_unsupported;            /* the config cannot run fused (AUTO runs the baseline) */
     cudaEvent_t *marks;               /* COMETI_NUM_MARKS events, or NULL: phase timing */
 };
 

@@ -1,7 +1,7 @@
 /*
  * moe.c - the MoE layer handle: config checks, the plan's sizes, and the forward
- * call that checks its arguments and hands them to a path (the sequential baseline
- * today; the fused tile-level path when it lands).
+ * call that checks its arguments and hands them to a path: the fused tile-level path
+ * (route, layer0, layer1), or the sequential baseline.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +9,68 @@
 
 #include "internal.h"
 #include "baseline/baseline.h"
+#include "layer1.h"
+
+/* The fused path's buffers and the knobs it runs with. */
+struct cometi_fused {
+    cometi_layer0_t l0;
+    cometi_layer1_t l1;
+    cometi_layer0_knobs_t k0;
+    cometi_layer1_knobs_t k1;
+};
+
+/* Until the tuner (issue 7) picks per shape: the settings that did well on every preset
+ * of docs/PERF.md (layer0: a few bulk dispatch blocks; layer1: GEMM1 on every SM, then
+ * the combine on every SM, fastest on three presets of four). */
+static void default_knobs(struct cometi_fused *f)
+{
+    f->k0.dispatch_blocks = 6;
+    f->k0.dispatch_mode = COMETI_DISPATCH_BULK;
+    f->k1.combine_blocks = 0;
+    f->k1.n_splits = 1;
+    f->k1.dynamic_tiles = 1;
+    f->k1.tail = 1;
+}
+
+/* Collective, on the first fused call: every rank makes the same choice (same config). */
+static comet_status_t fused_create(comet_moe_t moe)
+{
+    struct cometi_fused *f = calloc(1, sizeof(*f));
+    if (!f) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "fused path: out of host memory");
+    comet_status_t st = cometi_layer0_create(moe->comm, &moe->cfg, &f->l0);
+    if (st == COMET_SUCCESS) {
+        st = cometi_layer1_create(moe->comm, &moe->cfg, &f->l0, &f->l1);
+        if (st != COMET_SUCCESS) cometi_layer0_destroy(moe->comm, &f->l0);
+    }
+    if (st != COMET_SUCCESS) {
+        snprintf(moe->err, COMETI_ERR_LEN, "fused path: %.480s", moe->comm->err);
+        free(f);
+        if (st == COMET_NOT_SUPPORTED) moe->fused_unsupported = 1;
+        return st;
+    }
+    default_knobs(f);
+    moe->fused = f;
+    return COMET_SUCCESS;
+}
+
+static void fused_destroy(comet_moe_t moe)
+{
+    if (!moe->fused) return;
+    cometi_layer1_destroy(moe->comm, &moe->fused->l1);
+    cometi_layer0_destroy(moe->comm, &moe->fused->l0);
+    free(moe->fused);
+    moe->fused = NULL;
+}
+
+static comet_status_t fused_forward(comet_moe_t moe, const comet_moe_args_t *a, cudaStream_t stream)
+{
+    if (!moe->fused) COMETI_TRY(fused_create(moe));
+    struct cometi_fused *f = moe->fused;
+    comet_status_t st = cometi_layer0_run(moe->comm, &f->l0, a, &f->k0, stream);
+    if (st == COMET_SUCCESS) st = cometi_layer1_run(moe->comm, &f->l1, &f->l0, a, &f->k1, stream);
+    if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "%.500s", moe->comm->err);
+    return st;
+}
 
 comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *config, comet_moe_t *out)
 {
@@ -45,6 +107,7 @@ comet_status_t comet_moe_destroy(comet_moe_t moe)
 {
     if (!moe) return COMET_SUCCESS;
     comet_status_t st = cometi_cuda(moe->err, cudaDeviceSynchronize(), "comet_moe_destroy: device sync");
+    fused_destroy(moe);
     cometi_baseline_destroy(moe->baseline);
     free(moe);
     return st;
@@ -97,10 +160,17 @@ comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, 
     COMETI_TRY(check_args(moe, args));
     comet_status_t async = cometi_check_async(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
-    if (args->impl == COMET_IMPL_FUSED)
-        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "args.impl = COMET_IMPL_FUSED: the fused tile-level path "
-                           "is not in this build yet; use COMET_IMPL_AUTO or COMET_IMPL_BASELINE");
-    comet_status_t st = cometi_baseline_forward(moe, moe->baseline, args, stream);
+    comet_status_t st;
+    if (args->impl == COMET_IMPL_FUSED || (args->impl == COMET_IMPL_AUTO && !moe->fused_unsupported)) {
+        st = fused_forward(moe, args, stream);
+        /* AUTO on a config the fused path cannot run: the baseline, from now on. */
+        if (st != COMET_NOT_SUPPORTED || args->impl == COMET_IMPL_FUSED) {
+            if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward");
+            return st;
+        }
+        moe->err[0] = '\0';
+    }
+    st = cometi_baseline_forward(moe, moe->baseline, args, stream);
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward");
     return st;
 }

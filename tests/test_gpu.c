@@ -1304,3 +1304,82 @@ int test_gpu_layer1_missing_peer_times_out(void)
     uint64_t seed = test_seed();
     return launch(2, layer1_missing_peer_rank, &seed, 100);
 }
+
+/* ---- the public forward on the fused path ---- */
+
+/* comet_moe_forward with COMET_IMPL_FUSED (and AUTO) against the baseline and float64 on
+ * every case; on a config the fused path cannot run (ffn 192), FUSED is refused with a
+ * message naming the field and AUTO runs the baseline. */
+static int forward_fused_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 0, 0, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    const int H = fx.cfg.hidden, M = fx.cfg.max_tokens, me = ctx->rank;
+    uint16_t *want = malloc((size_t)M * H * 2), *got = malloc((size_t)M * H * 2), *again = malloc((size_t)M * H * 2);
+    for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ci++) {
+        comet_status_t st;
+        double base_err;
+        if (run_case(&fx, &cases[ci], seed + ci, 0, &st, &base_err)) return 1;
+        CHECK_EQ(st, COMET_SUCCESS);
+        const int m = cases[ci].tokens[me % 2];
+        CUDA_OK(cudaMemcpy(want, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        comet_moe_args_t a = fused_args(&fx, &cases[ci]);
+        for (int pass = 0; pass < 2; pass++) {
+            a.impl = pass ? COMET_IMPL_AUTO : COMET_IMPL_FUSED;
+            CUDA_OK(cudaMemset(fx.d_y, 0xff, (size_t)M * H * 2));
+            st = comet_moe_forward(fx.moe, &a, 0);
+            if (st != COMET_SUCCESS) printf("rank %d %s: %s\n", me, cases[ci].name, comet_moe_last_error(fx.moe));
+            CHECK_EQ(st, COMET_SUCCESS);
+            CUDA_OK(cudaDeviceSynchronize());
+            CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+            CUDA_OK(cudaMemcpy(pass ? again : got, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        }
+        CHECK(memcmp(got, again, (size_t)m * H * 2) == 0); /* AUTO took the fused path: the same bits */
+        double num = 0, den = 0, row = 0, rnum = 0, rden = 0, rrow = 0;
+        add_error(got, want, NULL, (size_t)m, H, &num, &den, &row);
+        if (m > 0) add_error(got, NULL, fx.ref, (size_t)m, H, &rnum, &rden, &rrow);
+        const double err = den > 0 ? sqrt(num / den) : sqrt(num), ref_err = rden > 0 ? sqrt(rnum / rden) : 0;
+        printf("rank %d %-34s fused against the baseline %.2e, against float64 %.2e (baseline %.2e)\n", me,
+               cases[ci].name, err, ref_err, base_err);
+        if (!(err < 1e-2) || !(row < 3e-2) || !(ref_err < 1e-2) || !(rrow < 3e-2)) return 1;
+    }
+    free(want), free(got), free(again);
+    fixture_close(&fx);
+
+    /* ffn 192: not a multiple of 128. */
+    if (fixture_open(&fx, ctx, seed, NULL)) return 1;
+    comet_status_t st;
+    double base_err;
+    if (run_case(&fx, &cases[0], seed, 0, &st, &base_err)) return 1;
+    CHECK_EQ(st, COMET_SUCCESS);
+    comet_moe_args_t a = fused_args(&fx, &cases[0]);
+    a.impl = COMET_IMPL_FUSED;
+    CHECK_EQ(comet_moe_forward(fx.moe, &a, 0), COMET_NOT_SUPPORTED);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "config.ffn = 192");
+    char refused[COMETI_ERR_LEN];
+    snprintf(refused, sizeof(refused), "%s", comet_moe_last_error(fx.moe));
+    a.impl = COMET_IMPL_AUTO;
+    CUDA_OK(cudaMemset(fx.d_y, 0xff, (size_t)fx.cfg.max_tokens * fx.cfg.hidden * 2));
+    CHECK_EQ(comet_moe_forward(fx.moe, &a, 0), COMET_SUCCESS);
+    CUDA_OK(cudaDeviceSynchronize());
+    const int m = cases[0].tokens[me % 2], H2 = fx.cfg.hidden;
+    uint16_t *y = malloc((size_t)m * H2 * 2);
+    CUDA_OK(cudaMemcpy(y, fx.d_y, (size_t)m * H2 * 2, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0, row = 0;
+    add_error(y, NULL, fx.ref, (size_t)m, H2, &num, &den, &row);
+    printf("rank %d: ffn 192: FUSED refused (%s); AUTO ran the baseline, against float64 %.2e\n", me,
+           refused, sqrt(num / den));
+    CHECK(sqrt(num / den) < 1e-2);
+    free(y);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_forward_fused_matches_baseline(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, forward_fused_rank, &seed, 280);
+}
