@@ -136,89 +136,145 @@ static int allreduce(comet_comm_t comm, float *v, int n, ncclRedOp_t op)
 
 static const char *dispatch_mode_name(int mode) { return mode == COMETI_DISPATCH_STORES ? "stores" : "bulk"; }
 
-enum { L0_FUSED, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L0_ROUTE_ALONE };
+/* ||got - want|| / ||want|| over n bf16 values on the device (infinite if got has a NaN
+ * or Inf), the worst over ranks. */
+static int y_error(comet_comm_t comm, const void *got_dev, const void *want_dev, size_t n, double *out)
+{
+    uint16_t *want = malloc(2 * n + 2), *got = malloc(2 * n + 2);
+    CUDA_OK(cudaMemcpy(want, want_dev, 2 * n, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(got, got_dev, 2 * n, cudaMemcpyDeviceToHost));
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double u = cometi_bf16_to_float(want[i]), v = cometi_bf16_to_float(got[i]);
+        num += isfinite(v) ? (v - u) * (v - u) : INFINITY;
+        den += u * u;
+    }
+    free(want), free(got);
+    float diff = den > 0 ? (float)sqrt(num / den) : 0;
+    if (!isfinite(diff)) diff = INFINITY;
+    if (allreduce(comm, &diff, 1, ncclMax)) return 1;
+    *out = diff;
+    return 0;
+}
 
-/* Median ms of `iters` calls of the fused layer0 (or its GEMM alone), rotating input sets. */
+/* What one timed call runs. */
+enum {
+    L0_FUSED, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L0_ROUTE_ALONE, /* on the inputs, rotating */
+    L1_FUSED, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC,                 /* on what layer0 left */
+    WHOLE_BEST,   /* route, layer0 and layer1 with the given knobs, inputs rotating */
+    WHOLE_PUBLIC  /* comet_moe_forward on the fused path, inputs rotating */
+};
+
+typedef struct timed_call {
+    int what;
+    comet_comm_t comm;
+    comet_moe_t moe;
+    cometi_layer0_t *l0;
+    cometi_layer1_t *l1;
+    comet_moe_args_t *a;
+    void **x;
+    int32_t **ids;
+    float **w;
+    const cometi_layer0_knobs_t *k0;
+    const cometi_layer1_knobs_t *k1;
+} timed_call_t;
+
+/* Call number n (from 0, warm-up included). */
+static comet_status_t run_timed_call(const timed_call_t *c, int n)
+{
+    comet_moe_args_t *a = c->a;
+    if (c->what < L1_FUSED || c->what >= WHOLE_BEST) {
+        const int set = n % NSETS;
+        a->x = c->x[set], a->topk_ids = c->ids[set], a->topk_weights = c->w[set];
+    }
+    switch (c->what) {
+    case L0_FUSED: return cometi_layer0_run(c->comm, c->l0, a, c->k0, 0);
+    case L0_GEMM_ALONE:
+    case L0_GEMM_ALONE_DYNAMIC: return cometi_layer0_gemm_only(c->comm, c->l0, a, c->what == L0_GEMM_ALONE_DYNAMIC, 0);
+    case L0_ROUTE_ALONE:
+        return cometi_route_dev_run(c->comm, &c->l0->route, a->topk_ids, a->topk_weights, a->num_tokens,
+                                    c->l0->top_k, 0);
+    case L1_FUSED: return cometi_layer1_run(c->comm, c->l1, c->l0, a, c->k1, 0);
+    case L1_GEMM_ALONE:
+    case L1_GEMM_ALONE_DYNAMIC:
+        return cometi_layer1_gemm_only(c->comm, c->l1, c->l0, a, c->what == L1_GEMM_ALONE_DYNAMIC, 0);
+    case WHOLE_BEST: {
+        comet_status_t st = cometi_layer0_run(c->comm, c->l0, a, c->k0, 0);
+        return st != COMET_SUCCESS ? st : cometi_layer1_run(c->comm, c->l1, c->l0, a, c->k1, 0);
+    }
+    default: {
+        comet_status_t st = comet_moe_forward(c->moe, a, 0);
+        if (st != COMET_SUCCESS) fprintf(stderr, "comet_moe_forward: %s\n", comet_moe_last_error(c->moe));
+        return st;
+    }
+    }
+}
+
+/* Median ms of `iters` calls after `warmup` more, each after a device barrier (launch skew
+ * is not the layer's; for layer1 run again on one route, it is also what orders the
+ * slots' reuse), then the device-side failure check. */
+static int time_calls(const timed_call_t *c, int warmup, int iters, float *out)
+{
+    cudaEvent_t e0, e1;
+    float *t = malloc(sizeof(float) * iters);
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    for (int it = -warmup; it < iters; it++) {
+        FAIL_IF(cometi_barrier(c->comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(c->comm));
+        cudaEventRecord(e0, 0);
+        const comet_status_t st = run_timed_call(c, it + warmup);
+        cudaEventRecord(e1, 0);
+        FAIL_IF(st != COMET_SUCCESS, "timed call %d: %s", c->what, comet_comm_last_error(c->comm));
+        cudaEventSynchronize(e1);
+        if (it >= 0) cudaEventElapsedTime(&t[it], e0, e1);
+    }
+    *out = median(t, iters);
+    free(t);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    const comet_status_t st = comet_comm_get_async_error(c->comm);
+    FAIL_IF(st != COMET_SUCCESS, "timed call %d: %s", c->what, comet_comm_last_error(c->comm));
+    return 0;
+}
+
+/* The fused call and our GEMM alone on both schedules (the two `what`s after the fused
+ * one), taken in turns `rounds` times so that clock drift over the run (a few percent:
+ * docs/PERF.md) falls on both sides alike. Slowest rank's medians: the fused call, and the
+ * GEMM alone on the faster schedule (the static split is up to 4% faster on some shapes). */
+static int time_in_turns(const timed_call_t *fused, int rounds, float *fused_ms, float *alone_ms)
+{
+    float *t = malloc(sizeof(float) * 3 * rounds), med[3];
+    for (int i = 0; i < rounds; i++) {
+        for (int v = 0; v < 3; v++) {
+            timed_call_t c = *fused;
+            c.what = fused->what + v;
+            if (time_calls(&c, 0, 1, &t[v * rounds + i])) return 1;
+        }
+    }
+    for (int v = 0; v < 3; v++) med[v] = median(t + v * rounds, rounds);
+    free(t);
+    if (allreduce(fused->comm, med, 3, ncclMax)) return 1;
+    *fused_ms = med[0];
+    *alone_ms = med[1] < med[2] ? med[1] : med[2];
+    return 0;
+}
+
 static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t *a, void **x, int32_t **ids,
                        float **w, const cometi_layer0_knobs_t *knobs, int warmup, int iters, int what,
                        float *out)
 {
-    cudaEvent_t e0, e1;
-    float *t = malloc(sizeof(float) * iters);
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    for (int it = -warmup; it < iters; it++) {
-        int set = (it + warmup) % NSETS;
-        a->x = x[set], a->topk_ids = ids[set], a->topk_weights = w[set];
-        /* Every timed call starts with the ranks together: launch skew is not the layer's. */
-        FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
-        cudaEventRecord(e0, 0);
-        comet_status_t st =
-            what == L0_GEMM_ALONE || what == L0_GEMM_ALONE_DYNAMIC
-                ? cometi_layer0_gemm_only(comm, l0, a, what == L0_GEMM_ALONE_DYNAMIC, 0)
-            : what == L0_ROUTE_ALONE
-                ? cometi_route_dev_run(comm, &l0->route, a->topk_ids, a->topk_weights, a->num_tokens, l0->top_k, 0)
-                : cometi_layer0_run(comm, l0, a, knobs, 0);
-        cudaEventRecord(e1, 0);
-        if (st != COMET_SUCCESS) {
-            fprintf(stderr, "layer0: %s\n", comet_comm_last_error(comm));
-            cometi_rank_reason("layer0: %s", comet_comm_last_error(comm));
-            return 1;
-        }
-        cudaEventSynchronize(e1);
-        if (it >= 0) cudaEventElapsedTime(&t[it], e0, e1);
-    }
-    *out = median(t, iters);
-    free(t);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    comet_status_t st = comet_comm_get_async_error(comm);
-    FAIL_IF(st != COMET_SUCCESS, "layer0: %s", comet_comm_last_error(comm));
-    return 0;
+    const timed_call_t c = {what, comm, NULL, l0, NULL, a, x, ids, w, knobs, NULL};
+    return time_calls(&c, warmup, iters, out);
 }
 
-enum { L1_FUSED, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC, L1_WHOLE };
-
-/* Median ms of `iters` calls of the fused layer1 (or GEMM1 alone) on what layer0 left, or
- * of the whole fused layer (layer0 with `k0`, then layer1) rotating input sets. */
+/* Layer1 (or GEMM1 alone) on what layer0 left, or with WHOLE_BEST the whole fused layer
+ * (layer0 with `k0`, then layer1). */
 static int time_layer1(comet_comm_t comm, cometi_layer0_t *l0, cometi_layer1_t *l1, comet_moe_args_t *a, void **x,
                        int32_t **ids, float **w, const cometi_layer0_knobs_t *k0, const cometi_layer1_knobs_t *k1,
                        int warmup, int iters, int what, float *out)
 {
-    cudaEvent_t e0, e1;
-    float *t = malloc(sizeof(float) * iters);
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    for (int it = -warmup; it < iters; it++) {
-        if (what == L1_WHOLE) {
-            const int set = (it + warmup) % NSETS;
-            a->x = x[set], a->topk_ids = ids[set], a->topk_weights = w[set];
-        }
-        /* Also what orders the slots' reuse when layer1 runs again without a route. */
-        FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
-        cudaEventRecord(e0, 0);
-        comet_status_t st = COMET_SUCCESS;
-        if (what == L1_WHOLE) st = cometi_layer0_run(comm, l0, a, k0, 0);
-        if (st == COMET_SUCCESS)
-            st = what == L1_GEMM_ALONE || what == L1_GEMM_ALONE_DYNAMIC
-                     ? cometi_layer1_gemm_only(comm, l1, l0, a, what == L1_GEMM_ALONE_DYNAMIC, 0)
-                     : cometi_layer1_run(comm, l1, l0, a, k1, 0);
-        cudaEventRecord(e1, 0);
-        if (st != COMET_SUCCESS) {
-            fprintf(stderr, "layer1: %s\n", comet_comm_last_error(comm));
-            cometi_rank_reason("layer1: %s", comet_comm_last_error(comm));
-            return 1;
-        }
-        cudaEventSynchronize(e1);
-        if (it >= 0) cudaEventElapsedTime(&t[it], e0, e1);
-    }
-    *out = median(t, iters);
-    free(t);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    comet_status_t st = comet_comm_get_async_error(comm);
-    FAIL_IF(st != COMET_SUCCESS, "layer1: %s", comet_comm_last_error(comm));
-    return 0;
+    const timed_call_t c = {what, comm, NULL, l0, l1, a, x, ids, w, k0, k1};
+    return time_calls(&c, warmup, iters, out);
 }
 
 /* COMET_TRACE=1: the last layer1 call's combine timeline on this rank, in us from the
@@ -288,19 +344,8 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         res->l1_runs++;
     }
     const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
-    const int paired = o->iters;
-    float *t3 = malloc(sizeof(float) * 3 * paired), med[3];
-    for (int i = 0; i < paired; i++) {
-        if (time_layer1(comm, l0, &l1, a, x, ids, w, NULL, best, 0, 1, L1_FUSED, &t3[i]) ||
-            time_layer1(comm, l0, &l1, a, x, ids, w, NULL, NULL, 0, 1, L1_GEMM_ALONE, &t3[paired + i]) ||
-            time_layer1(comm, l0, &l1, a, x, ids, w, NULL, NULL, 0, 1, L1_GEMM_ALONE_DYNAMIC, &t3[2 * paired + i]))
-            return 1;
-    }
-    for (int v = 0; v < 3; v++) med[v] = median(t3 + v * paired, paired);
-    free(t3);
-    if (allreduce(comm, med, 3, ncclMax)) return 1;
-    res->l1_paired_ms = med[0];
-    res->l1_gemm_alone_ms = med[1] < med[2] ? med[1] : med[2];
+    const timed_call_t turns = {L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, best};
+    if (time_in_turns(&turns, o->iters, &res->l1_paired_ms, &res->l1_gemm_alone_ms)) return 1;
     /* y on poisoned output against the baseline's, every token. */
     CUDA_OK(cudaMemset(y, 0xff, (size_t)M * H * 2));
     FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
@@ -309,24 +354,11 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     CUDA_OK(cudaDeviceSynchronize());
     st = comet_comm_get_async_error(comm);
     FAIL_IF(st != COMET_SUCCESS, "layer1 (%s): %s", label, comet_comm_last_error(comm));
-    uint16_t *want = malloc((size_t)M * H * 2 + 2), *got = malloc((size_t)M * H * 2 + 2);
-    CUDA_OK(cudaMemcpy(want, y_base, (size_t)M * H * 2, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(got, y, (size_t)M * H * 2, cudaMemcpyDeviceToHost));
-    double num = 0, den = 0;
-    for (size_t i = 0; i < (size_t)M * H; i++) {
-        const double u = cometi_bf16_to_float(want[i]), v = cometi_bf16_to_float(got[i]);
-        num += isfinite(v) ? (v - u) * (v - u) : INFINITY;
-        den += u * u;
-    }
-    free(want), free(got);
     if (getenv("COMET_TRACE") && ctx->rank == 0 && print_layer1_trace(comm, &l1, best)) return 1;
-    float diff = den > 0 ? (float)sqrt(num / den) : 0;
-    if (!isfinite(diff)) diff = INFINITY;
-    if (allreduce(comm, &diff, 1, ncclMax)) return 1;
-    res->l1_diff = diff;
+    if (y_error(comm, y, y_base, (size_t)M * H, &res->l1_diff)) return 1;
     /* The whole fused layer, inputs rotating as in the baseline's timing. */
     if (ctx->rank == 0) fprintf(stderr, "[bench] %s: the whole fused layer\n", label);
-    if (time_layer1(comm, l0, &l1, a, x, ids, w, &res->l0_knobs[res->l0_best], best, o->warmup, o->iters, L1_WHOLE,
+    if (time_layer1(comm, l0, &l1, a, x, ids, w, &res->l0_knobs[res->l0_best], best, o->warmup, o->iters, WHOLE_BEST,
                     &res->whole_ms))
         return 1;
     if (allreduce(comm, &res->whole_ms, 1, ncclMax)) return 1;
@@ -362,24 +394,9 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         if (ms < res->l0_ms[res->l0_best]) res->l0_best = res->l0_runs;
         res->l0_runs++;
     }
-    /* The ratio that matters, fused against our GEMM alone, from calls taken in turns
-     * (fused, GEMM alone on each schedule, again), so drift of the clocks over the run
-     * (a few percent between runs: docs/PERF.md) falls on both sides alike. Our GEMM alone
-     * is the faster of its two schedules (the static split is up to 4% faster without
-     * dispatch on some shapes). */
-    const int paired = o->iters;
-    float *t3 = malloc(sizeof(float) * 3 * paired), med[3];
-    for (int i = 0; i < paired; i++) {
-        if (time_layer0(comm, &l0, a, x, ids, w, &res->l0_knobs[res->l0_best], 0, 1, L0_FUSED, &t3[i]) ||
-            time_layer0(comm, &l0, a, x, ids, w, NULL, 0, 1, L0_GEMM_ALONE, &t3[paired + i]) ||
-            time_layer0(comm, &l0, a, x, ids, w, NULL, 0, 1, L0_GEMM_ALONE_DYNAMIC, &t3[2 * paired + i]))
-            return 1;
-    }
-    for (int v = 0; v < 3; v++) med[v] = median(t3 + v * paired, paired);
-    free(t3);
-    if (allreduce(comm, med, 3, ncclMax)) return 1;
-    res->l0_paired_ms = med[0];
-    res->l0_gemm_alone_ms = med[1] < med[2] ? med[1] : med[2];
+    /* The ratio that matters, fused against our GEMM alone, from calls taken in turns. */
+    const timed_call_t turns = {L0_FUSED, comm, NULL, &l0, NULL, a, x, ids, w, &res->l0_knobs[res->l0_best], NULL};
+    if (time_in_turns(&turns, o->iters, &res->l0_paired_ms, &res->l0_gemm_alone_ms)) return 1;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0];
     st = comet_moe_forward(moe, a, 0);
@@ -436,25 +453,8 @@ static int run_public_fused(const cometi_rank_ctx_t *ctx, const tool_options_t *
     f.impl = COMET_IMPL_FUSED;
     void *y_base = a->y;
     CUDA_OK(cudaMalloc(&f.y, (size_t)M * H * 2 + 16));
-    cudaEvent_t e0, e1;
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    float *t = malloc(sizeof(float) * o->iters);
-    for (int it = -o->warmup; it < o->iters; it++) {
-        const int set = (it + o->warmup) % NSETS;
-        f.x = x[set], f.topk_ids = ids[set], f.topk_weights = w[set];
-        FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
-        cudaEventRecord(e0, 0);
-        comet_status_t st = comet_moe_forward(moe, &f, 0);
-        cudaEventRecord(e1, 0);
-        FAIL_IF(st != COMET_SUCCESS, "forward, fused (%s): %s", label, comet_moe_last_error(moe));
-        cudaEventSynchronize(e1);
-        if (it >= 0) cudaEventElapsedTime(&t[it], e0, e1);
-    }
-    res->public_ms = median(t, o->iters);
-    free(t);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
+    const timed_call_t c = {WHOLE_PUBLIC, comm, moe, NULL, NULL, &f, x, ids, w, NULL, NULL};
+    if (time_calls(&c, o->warmup, o->iters, &res->public_ms)) return 1;
     if (allreduce(comm, &res->public_ms, 1, ncclMax)) return 1;
     /* y on input set 0, poisoned first, against the baseline's. */
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0], a->impl = COMET_IMPL_BASELINE;
@@ -467,20 +467,7 @@ static int run_public_fused(const cometi_rank_ctx_t *ctx, const tool_options_t *
     CUDA_OK(cudaDeviceSynchronize());
     st = comet_comm_get_async_error(comm);
     FAIL_IF(st != COMET_SUCCESS, "forward, fused (%s): %s", label, comet_comm_last_error(comm));
-    uint16_t *want = malloc((size_t)M * H * 2 + 2), *got = malloc((size_t)M * H * 2 + 2);
-    CUDA_OK(cudaMemcpy(want, y_base, (size_t)M * H * 2, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(got, f.y, (size_t)M * H * 2, cudaMemcpyDeviceToHost));
-    double num = 0, den = 0;
-    for (size_t i = 0; i < (size_t)M * H; i++) {
-        const double u = cometi_bf16_to_float(want[i]), v = cometi_bf16_to_float(got[i]);
-        num += isfinite(v) ? (v - u) * (v - u) : INFINITY;
-        den += u * u;
-    }
-    free(want), free(got);
-    float diff = den > 0 ? (float)sqrt(num / den) : 0;
-    if (!isfinite(diff)) diff = INFINITY;
-    if (allreduce(comm, &diff, 1, ncclMax)) return 1;
-    res->public_check = diff;
+    if (y_error(comm, f.y, y_base, (size_t)M * H, &res->public_check)) return 1;
     cudaFree(f.y);
     return 0;
 }
