@@ -47,6 +47,23 @@ out:
     return st;
 }
 
+comet_status_t cometi_allgather_ints(comet_comm_t comm, const int *mine, int n, int *all)
+{
+    int *d = NULL;
+    comet_status_t st;
+    COMETI_TRY(cometi_cuda(comm->err, cudaMalloc((void **)&d, sizeof(int) * n * (comm->size + 1)),
+                           "cudaMalloc(all-gather words)"));
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemcpy(d, mine, sizeof(int) * n, cudaMemcpyHostToDevice),
+                                    "copy all-gather words"), out);
+    COMETI_TRY_GOTO(st, cometi_nccl(comm->err, ncclAllGather(d, d + n, (size_t)n, ncclInt32, comm->nccl, 0),
+                                    "ncclAllGather (host words)"), out);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemcpy(all, d + n, sizeof(int) * n * comm->size,
+                                                          cudaMemcpyDeviceToHost), "copy all-gathered words"), out);
+out:
+    cudaFree(d);
+    return st;
+}
+
 static void comm_free(comet_comm_t comm)
 {
     if (comm->ctrl.local) cometi_window_destroy(comm, &comm->ctrl);

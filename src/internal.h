@@ -146,6 +146,8 @@ cudaError_t cometi_fill_hash_bf16(void *dst, size_t n, uint64_t seed, uint64_t i
 char *cometi_create_error_buffer(void);
 
 /* ---- comm.c ---- */
+/* Collective, host-blocking: all[r * n + i] = rank r's mine[i]. For set-up agreements. */
+comet_status_t cometi_allgather_ints(comet_comm_t comm, const int *mine, int n, int *all);
 /* Turn a recorded device-side failure into a status and a message in comm->err. */
 comet_status_t cometi_check_async(comet_comm_t comm);
 

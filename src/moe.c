@@ -9,7 +9,7 @@
 
 #include "internal.h"
 #include "baseline/baseline.h"
-#include "layer1.h"
+#include "tune.h"
 
 /* The fused path's buffers and the knobs it runs with. */
 struct cometi_fused {
@@ -19,17 +19,45 @@ struct cometi_fused {
     cometi_layer1_knobs_t k1;
 };
 
-/* Until the tuner (issue 7) picks per shape: the settings that did well on every preset
- * of docs/PERF.md (layer0: a few bulk dispatch blocks; layer1: GEMM1 on every SM, then
- * the combine on every SM, fastest on three presets of four). */
-static void default_knobs(struct cometi_fused *f)
+/* The settings: the tuning file's line for this layer ($COMET_TUNING_FILE), else the
+ * cost model's (tune.h). A file that cannot be read or parsed is an error, not ignored.
+ * Collective: the ranks compare what they picked before anything else collective, so a
+ * rank whose file differs (or failed) stops every rank instead of leaving them waiting. */
+static comet_status_t pick_knobs(comet_moe_t moe, struct cometi_fused *f)
 {
-    f->k0.dispatch_blocks = 6;
-    f->k0.dispatch_mode = COMETI_DISPATCH_BULK;
-    f->k1.combine_blocks = 0;
-    f->k1.n_splits = 1;
-    f->k1.dynamic_tiles = 1;
-    f->k1.tail = 1;
+    comet_comm_t comm = moe->comm;
+    cometi_knobs_t k;
+    cometi_model_knobs(&moe->cfg, comm->size, comm->sm_count, &k);
+    const char *path = getenv("COMET_TUNING_FILE");
+    int failed = 0;
+    if (path && *path) {
+        char err[COMETI_ERR_LEN];
+        if (cometi_tuning_lookup(path, &moe->cfg, comm->size, &k, err, sizeof(err)) < 0) {
+            cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "$COMET_TUNING_FILE: %.440s", err);
+            failed = 1;
+        }
+    }
+    const int mine[7] = {failed, k.l0.dispatch_blocks, k.l0.dispatch_mode, k.l1.combine_blocks, k.l1.n_splits,
+                         k.l1.dynamic_tiles, k.l1.tail};
+    int *all = malloc(sizeof(mine) * comm->size);
+    if (!all) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "fused path: out of host memory");
+    comet_status_t st = cometi_allgather_ints(comm, mine, 7, all);
+    if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "fused path: %.480s", comm->err);
+    for (int r = 0; st == COMET_SUCCESS && r < comm->size; r++) {
+        if (failed) st = COMET_INVALID_ARGUMENT; /* message already written */
+        else if (all[r * 7])
+            st = cometi_fail(moe->err, COMET_REMOTE_ERROR, "fused path: rank %d could not read its tuning file "
+                             "($COMET_TUNING_FILE)", r);
+        else if (memcmp(all + r * 7, mine, sizeof(mine)))
+            st = cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "fused path: rank %d picked other settings than rank "
+                             "%d (dispatch %d, combine %d x %d splits against %d, %d x %d): give every rank the "
+                             "same $COMET_TUNING_FILE", r, comm->rank, all[r * 7 + 1], all[r * 7 + 3],
+                             all[r * 7 + 4], mine[1], mine[3], mine[4]);
+    }
+    free(all);
+    f->k0 = k.l0;
+    f->k1 = k.l1;
+    return st;
 }
 
 /* Collective, on the first fused call: every rank makes the same choice (same config). */
@@ -37,7 +65,12 @@ static comet_status_t fused_create(comet_moe_t moe)
 {
     struct cometi_fused *f = calloc(1, sizeof(*f));
     if (!f) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "fused path: out of host memory");
-    comet_status_t st = cometi_layer0_create(moe->comm, &moe->cfg, &f->l0);
+    comet_status_t st = pick_knobs(moe, f);
+    if (st != COMET_SUCCESS) {
+        free(f);
+        return st;
+    }
+    st = cometi_layer0_create(moe->comm, &moe->cfg, &f->l0);
     if (st == COMET_SUCCESS) {
         st = cometi_layer1_create(moe->comm, &moe->cfg, &f->l0, &f->l1);
         if (st != COMET_SUCCESS) cometi_layer0_destroy(moe->comm, &f->l0);
@@ -48,7 +81,6 @@ static comet_status_t fused_create(comet_moe_t moe)
         if (st == COMET_NOT_SUPPORTED) moe->fused_unsupported = 1;
         return st;
     }
-    default_knobs(f);
     moe->fused = f;
     return COMET_SUCCESS;
 }

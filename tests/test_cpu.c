@@ -1,7 +1,8 @@
 /*
  * test_cpu.c - tests that need no GPU: status strings, config validation, the
  * routing plan (known answers and random invariants), bf16 rounding, synthetic
- * routing, the float64 reference, the launcher, and argument checks at the API.
+ * routing, the float64 reference, the fused path's settings (cost model, tuning file),
+ * the launcher, and argument checks at the API.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -15,6 +16,7 @@
 #include "../src/internal.h"
 #include "../src/launch.h"
 #include "../src/plan.h"
+#include "../src/tune.h"
 #include "testutil.h"
 
 int test_status_strings(void)
@@ -307,6 +309,96 @@ int test_choice_slots(void)
         CHECK_EQ(leads, distinct);
         for (int j = 0; j < k; j++) CHECK_EQ(reached[j], ids[j] < E);
     }
+    return 0;
+}
+
+/* The cost model picks, on 2 x H200 (132 SMs) at 8192 tokens, settings the sweeps of
+ * docs/PERF.md (runs L6-L8) found best or within noise of it; on any shape, settings the
+ * layers accept. */
+int test_cost_model_knobs(void)
+{
+    static const struct {
+        const char *preset;
+        int dispatch, combine, splits, tail;
+    } want[] = {{"mixtral-8x7b", 4, 0, 1, 1},
+                {"phi-3.5-moe", 4, 0, 1, 1},
+                {"qwen2-57b-a14b", 10, 0, 1, 1},
+                {"qwen2-moe-2.7b", 16, 24, 2, 0}};
+    for (int i = 0; i < 4; i++) {
+        comet_moe_config_t cfg;
+        CHECK_EQ(comet_moe_config_preset(want[i].preset, 8192, &cfg), COMET_SUCCESS);
+        cometi_knobs_t k;
+        cometi_model_knobs(&cfg, 2, 132, &k);
+        printf("%-16s dispatch %d %s, combine %d x %d splits%s\n", want[i].preset, k.l0.dispatch_blocks,
+               k.l0.dispatch_mode == COMETI_DISPATCH_BULK ? "bulk" : "stores", k.l1.combine_blocks, k.l1.n_splits,
+               k.l1.tail ? ", tail" : "");
+        CHECK_EQ(k.l0.dispatch_blocks, want[i].dispatch);
+        CHECK_EQ(k.l0.dispatch_mode, COMETI_DISPATCH_BULK);
+        CHECK_EQ(k.l1.combine_blocks, want[i].combine);
+        CHECK_EQ(k.l1.n_splits, want[i].splits);
+        CHECK_EQ(k.l1.tail, want[i].tail);
+    }
+    uint64_t rng = test_seed();
+    for (int it = 0; it < 10000; it++) {
+        comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT;
+        cfg.hidden = 128 * (1 + (int)(cometi_rand_next(&rng) % 64));
+        cfg.ffn = 128 * (1 + (int)(cometi_rand_next(&rng) % 128));
+        cfg.num_experts = 8 << (cometi_rand_next(&rng) % 5);
+        cfg.top_k = 1 + (int)(cometi_rand_next(&rng) % 8);
+        cfg.max_tokens = 1 + (int)(cometi_rand_next(&rng) % 65536);
+        const int world = 1 << (cometi_rand_next(&rng) % 4), sms = 16 + (int)(cometi_rand_next(&rng) % 132);
+        cometi_knobs_t k;
+        cometi_model_knobs(&cfg, world, sms, &k);
+        const int tiles = cfg.hidden % 256 == 0 ? cfg.hidden / 256 : cfg.hidden / 128;
+        CHECK(k.l0.dispatch_blocks >= 1 && k.l0.dispatch_blocks < sms);
+        CHECK(k.l1.combine_blocks >= 0 && k.l1.combine_blocks < sms);
+        CHECK(k.l1.n_splits >= 1 && k.l1.n_splits <= COMETI_MAX_SPLITS && tiles % k.l1.n_splits == 0);
+        CHECK(k.l1.combine_blocks > 0 || k.l1.tail);
+    }
+    return 0;
+}
+
+/* The tuning file: the matching line with the closest max_tokens, a round trip through
+ * cometi_tuning_line, no match, and errors that name the line and the field. */
+int test_tuning_file(void)
+{
+    char path[64], err[256];
+    snprintf(path, sizeof(path), "/tmp/comet_test_tuning_%d", (int)getpid());
+    comet_moe_config_t cfg;
+    CHECK_EQ(comet_moe_config_preset("qwen2-moe-2.7b", 8192, &cfg), COMET_SUCCESS);
+    cometi_knobs_t k, back;
+    cometi_model_knobs(&cfg, 2, 132, &k);
+    k.l0.dispatch_blocks = 12;
+    char line[160];
+    cometi_tuning_line(&cfg, 2, &k, line, sizeof(line));
+    FILE *f = fopen(path, "w");
+    CHECK(f != NULL);
+    fprintf(f, "# comet tuning file\n\n2 64 4 2048 1408 2048 : 6 stores 0 1 static tail  # fewer tokens\n%s\n"
+               "2 64 4 2048 1408 65536 : 20 bulk 8 4 dynamic notail\n4 64 4 2048 1408 8192 : 9 bulk 0 1 dynamic tail\n",
+            line);
+    fclose(f);
+    memset(&back, 0, sizeof(back));
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), 1);
+    CHECK(memcmp(&k, &back, sizeof(k)) == 0); /* 8192 is closest to 8192 */
+    cfg.max_tokens = 3000;                      /* closest: 2048 */
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), 1);
+    CHECK_EQ(back.l0.dispatch_blocks, 6);
+    CHECK_EQ(back.l0.dispatch_mode, COMETI_DISPATCH_STORES);
+    CHECK_EQ(back.l1.dynamic_tiles, 0);
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 8, &back, err, sizeof(err)), 0); /* no line for 8 GPUs */
+    f = fopen(path, "a");
+    fprintf(f, "2 64 4 2048 1408 8192 : 12 bulk -1 2 dynamic notail\n");
+    fclose(f);
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), -1);
+    CHECK_CONTAINS(err, "line 7: field 9 (combine_blocks) = '-1'");
+    f = fopen(path, "w");
+    fprintf(f, "2 64 4 2048 1408 8192 : 12 bulk 24 2 dynamic\n");
+    fclose(f);
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), -1);
+    CHECK_CONTAINS(err, "line 1: 11 fields, want 12");
+    unlink(path);
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), -1);
+    CHECK_CONTAINS(err, "No such file");
     return 0;
 }
 

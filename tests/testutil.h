@@ -64,6 +64,8 @@ uint64_t test_seed(void);
     X(route_plan_random_invariants, 60)         \
     X(route_count_rejects_bad_ids, 10)          \
     X(choice_slots, 10)                         \
+    X(cost_model_knobs, 10)                     \
+    X(tuning_file, 10)                          \
     X(routing_generators, 10)                   \
     X(reference_known_answer, 10)               \
     X(reference_properties, 30)                 \

@@ -24,6 +24,7 @@
 #include "../src/baseline/baseline.h"
 #include "../src/layer0.h"
 #include "../src/layer1.h"
+#include "../src/tune.h"
 #include "tool.h"
 
 #define NSETS 3 /* input sets rotated between calls, so they do not sit in L2 */
@@ -710,6 +711,10 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
                            "y vs baseline %.1e%s\n", base.ms[P_LAYER1], l1, k1->combine_blocks, k1->n_splits,
                            k1->tail || !k1->combine_blocks ? ", tail" : "", base.ms[P_LAYER1] / l1, base.l1_paired_ms, base.l1_gemm_alone_ms,
                            base.l1_paired_ms / base.l1_gemm_alone_ms, base.l1_diff, base.l1_diff > 1e-2 ? "!" : "");
+                    cometi_knobs_t tuned = {base.l0_knobs[base.l0_best], *k1};
+                    char tuning[160];
+                    cometi_tuning_line(&cfg, ctx->nranks, &tuned, tuning, sizeof(tuning));
+                    printf("  tuning line for the best of both sweeps (COMET_TUNING_FILE): %s\n", tuning);
                     printf("  layer1 sweep, ms by combine blocks x splits (t: last split on every SM after):");
                     for (int i = 0; i < base.l1_runs; i++)
                         printf(" %dx%d%s: %.3f", base.l1_knobs[i].combine_blocks, base.l1_knobs[i].n_splits,

@@ -1,0 +1,138 @@
+/*
+ * tune.c - the fused path's settings: the cost model and the tuning file. See tune.h.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tune.h"
+
+/* Rates measured on H200 (docs/PERF.md, 2026-11-29): our grouped GEMM at 650-790 TFLOP/s
+ * on the presets; dispatch blocks copy about 8 GB/s per SM beside the GEMM (the fewest
+ * blocks that kept layer0 within noise of its best); the combine on every SM after GEMM1
+ * reads its output at about 0.7 TB/s (134 MB in 188-290 us). */
+#define MODEL_GEMM_FLOPS 700e12
+#define MODEL_DISPATCH_BYTES_PER_SM 8e9
+#define MODEL_TAIL_BYTES 0.7e12
+/* Combine blocks beside GEMM1 won only where the tail would exceed half of GEMM1. */
+#define MODEL_TAIL_SHARE 0.5
+
+static int clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, cometi_knobs_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    const double H = cfg->hidden, F = cfg->ffn, rows = (double)cfg->max_tokens * cfg->top_k; /* per rank */
+    const double remote = world > 1 ? (double)(world - 1) / world : 0;
+    /* Layer0: rows pushed to peers against GEMM0's time (gate and up: 2F columns). */
+    const double gemm0_s = 2.0 * rows * 2 * F * H / MODEL_GEMM_FLOPS;
+    const double push_bytes = rows * remote * H * 2;
+    int blocks = (int)ceil(push_bytes / (gemm0_s * MODEL_DISPATCH_BYTES_PER_SM));
+    blocks = clamp(blocks + (blocks & 1), 4, 24); /* even; the measured range */
+    out->l0.dispatch_blocks = clamp(blocks, 1, sm_count > 1 ? sm_count / 4 : 1);
+    out->l0.dispatch_mode = COMETI_DISPATCH_BULK;
+    /* Layer1: the tail (reading GEMM1's output back) against GEMM1. */
+    const double gemm1_s = 2.0 * rows * F * H / MODEL_GEMM_FLOPS, tail_s = rows * H * 2 / MODEL_TAIL_BYTES;
+    const int tiles = cfg->hidden % 256 == 0 ? cfg->hidden / 256 : cfg->hidden / 128;
+    out->l1.dynamic_tiles = 1;
+    if (world > 1 && tail_s > MODEL_TAIL_SHARE * gemm1_s) {
+        out->l1.combine_blocks = clamp(24, 1, sm_count > 1 ? sm_count / 5 : 1);
+        out->l1.n_splits = tiles % 2 == 0 ? 2 : 1;
+        out->l1.tail = 0;
+    } else {
+        out->l1.combine_blocks = 0;
+        out->l1.n_splits = 1;
+        out->l1.tail = 1;
+    }
+}
+
+/* One field of a tuning line: an int >= lo, or one of two words (0 or 1). */
+static int parse_int(const char *tok, int lo, int *v)
+{
+    char *end;
+    errno = 0;
+    long x = tok ? strtol(tok, &end, 10) : 0;
+    if (!tok || *end || errno || x < lo || x > 1 << 30) return -1;
+    *v = (int)x;
+    return 0;
+}
+
+static int parse_word(const char *tok, const char *zero, const char *one, int *v)
+{
+    if (tok && !strcmp(tok, zero)) return *v = 0, 0;
+    if (tok && !strcmp(tok, one)) return *v = 1, 0;
+    return -1;
+}
+
+int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int world, cometi_knobs_t *out, char *err,
+                         size_t err_len)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        snprintf(err, err_len, "tuning file %s: %s", path, strerror(errno));
+        return -1;
+    }
+    static const char *names[12] = {"world",           "experts", "top_k",          "hidden",
+                                    "ffn",             "max_tokens", "dispatch_blocks", "copy (bulk|stores)",
+                                    "combine_blocks",  "splits",  "tiles (static|dynamic)", "tail (tail|notail)"};
+    char line[512];
+    int lineno = 0, found = 0;
+    double best = 0;
+    while (fgets(line, sizeof(line), f)) {
+        lineno++;
+        char *hash = strchr(line, '#');
+        if (hash) *hash = '\0';
+        char *tok[13];
+        int n = 0;
+        for (char *t = strtok(line, " \t\r\n:"); t; t = strtok(NULL, " \t\r\n:")) {
+            if (n == 13) break;
+            tok[n++] = t;
+        }
+        if (n == 0) continue;
+        if (n != 12) {
+            snprintf(err, err_len, "tuning file %s line %d: %d fields, want 12 (world experts top_k hidden ffn "
+                     "max_tokens : dispatch_blocks bulk|stores combine_blocks splits static|dynamic tail|notail)",
+                     path, lineno, n);
+            fclose(f);
+            return -1;
+        }
+        int v[12];
+        for (int i = 0; i < 12; i++) {
+            const int bad = i == 7    ? parse_word(tok[i], "bulk", "stores", &v[i])
+                            : i == 10 ? parse_word(tok[i], "static", "dynamic", &v[i])
+                            : i == 11 ? parse_word(tok[i], "notail", "tail", &v[i])
+                                      : parse_int(tok[i], i == 8 ? 0 : 1, &v[i]);
+            if (bad) {
+                snprintf(err, err_len, "tuning file %s line %d: field %d (%s) = '%s' is not valid", path, lineno,
+                         i + 1, names[i], tok[i]);
+                fclose(f);
+                return -1;
+            }
+        }
+        if (v[0] != world || v[1] != cfg->num_experts || v[2] != cfg->top_k || v[3] != cfg->hidden ||
+            v[4] != cfg->ffn)
+            continue;
+        const double distance = fabs(log((double)v[5] / (cfg->max_tokens > 0 ? cfg->max_tokens : 1)));
+        if (found && distance >= best) continue;
+        found = 1;
+        best = distance;
+        out->l0.dispatch_blocks = v[6];
+        out->l0.dispatch_mode = v[7] ? COMETI_DISPATCH_STORES : COMETI_DISPATCH_BULK;
+        out->l1.combine_blocks = v[8];
+        out->l1.n_splits = v[9];
+        out->l1.dynamic_tiles = v[10];
+        out->l1.tail = v[11];
+    }
+    fclose(f);
+    return found;
+}
+
+void cometi_tuning_line(const comet_moe_config_t *cfg, int world, const cometi_knobs_t *k, char *buf, size_t len)
+{
+    snprintf(buf, len, "%d %d %d %d %d %d : %d %s %d %d %s %s", world, cfg->num_experts, cfg->top_k, cfg->hidden,
+             cfg->ffn, cfg->max_tokens, k->l0.dispatch_blocks,
+             k->l0.dispatch_mode == COMETI_DISPATCH_STORES ? "stores" : "bulk", k->l1.combine_blocks, k->l1.n_splits,
+             k->l1.dynamic_tiles ? "dynamic" : "static", k->l1.tail || !k->l1.combine_blocks ? "tail" : "notail");
+}
