@@ -103,6 +103,21 @@ static inline COMETI_HD int cometi_choice_slot(const int32_t *ids, int k, int j,
     return lead ? slot : -1;
 }
 
+/* Distinct ranks among a token's valid choices: the slots its owner sums (the leads). */
+static inline COMETI_HD int cometi_token_ranks(const int32_t *ids, int k, int num_experts, int experts_per_rank)
+{
+    int ranks = 0;
+    for (int j = 0; j < k; j++) {
+        if (ids[j] < 0 || ids[j] >= num_experts) continue;
+        int first = 1;
+        for (int i = 0; i < j; i++)
+            if (ids[i] >= 0 && ids[i] < num_experts && ids[i] / experts_per_rank == ids[j] / experts_per_rank)
+                first = 0;
+        ranks += first;
+    }
+    return ranks;
+}
+
 /* ---- synthetic routing, for tests and benchmarks ---- */
 
 typedef enum cometi_routing {

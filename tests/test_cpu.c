@@ -307,6 +307,7 @@ int test_choice_slots(void)
             }
         }
         CHECK_EQ(leads, distinct);
+        CHECK_EQ(cometi_token_ranks(ids, k, E, per), distinct);
         for (int j = 0; j < k; j++) CHECK_EQ(reached[j], ids[j] < E);
     }
     return 0;

@@ -63,24 +63,6 @@ static __device__ __forceinline__ int combine_row(const int *first, const int *s
     return start[*g] + (i - first[*g]);
 }
 
-/* Distinct ranks among token t's valid choices: how many slots its owner sums. */
-static __device__ __forceinline__ int combine_slots_used(const cometi_combine_t *c, int t)
-{
-    const int32_t *ids = c->topk_ids + (size_t)t * c->top_k;
-    int used = 0;
-    for (int j = 0; j < c->top_k; j++) {
-        const int e = ids[j];
-        if (e < 0 || e >= c->num_experts) continue;
-        int first = 1;
-        for (int i = 0; i < j; i++) {
-            const int f = ids[i];
-            if (f >= 0 && f < c->num_experts && f / c->experts_per_rank == e / c->experts_per_rank) first = 0;
-        }
-        used += first;
-    }
-    return used;
-}
-
 /* One lane's row sum: dst = sum over j < n of w[j] * src[j], bf16 rows of the same length
  * (n = 0 writes zeros). */
 typedef struct row_sum {
@@ -396,7 +378,9 @@ static __device__ void combine_split(const cometi_combine_t *c, combine_block_t 
     for (int unit = b->gwarp; worker && unit < token_units; unit += b->gwarps) {
         const int t = unit / chunks * 32 + lane, chunk = unit % chunks, off = chunk * COMBINE_SLOT_BYTES;
         row_sum_t mine;
-        mine.n = t < c->num_tokens ? combine_slots_used(c, t) : 0;
+        mine.n = t < c->num_tokens ? cometi_token_ranks(c->topk_ids + (size_t)t * c->top_k, c->top_k, c->num_experts,
+                                                        c->experts_per_rank)
+                                   : 0;
         mine.dst = (unsigned char *)((__nv_bfloat16 *)c->y + (size_t)t * hidden + c0) + off;
 #pragma unroll
         for (int o = 0; o < COMETI_COMBINE_MAX_TOP_K; o++) {
