@@ -119,6 +119,8 @@ typedef struct case_result {
     double l1_diff;    /* y against the baseline's, every token */
     float whole_ms;    /* the whole fused layer (route, layer0, layer1) with the best knobs of each */
     float public_ms;   /* comet_moe_forward on the fused path, its default knobs */
+    float bound_whole_ms, bound_gemms_ms; /* suite: the whole layer (model's knobs) and our GEMM0 +
+                                           * GEMM1 alone, in turns */
     double public_check; /* its y against the baseline's (input set 0), every token */
 } case_result_t;
 
@@ -238,23 +240,32 @@ static int time_calls(const timed_call_t *c, int warmup, int iters, float *out)
     return 0;
 }
 
-/* The fused call and our GEMM alone on both schedules (the two `what`s after the fused
- * one), taken in turns `rounds` times so that clock drift over the run (a few percent:
- * docs/PERF.md) falls on both sides alike. Slowest rank's medians: the fused call, and the
- * GEMM alone on the faster schedule (the static split is up to 4% faster on some shapes). */
-static int time_in_turns(const timed_call_t *fused, int rounds, float *fused_ms, float *alone_ms)
+/* The calls `whats` (on `base`'s objects, input set 0) taken in turns `rounds` times, so
+ * that clock drift over the run (a few percent: docs/PERF.md) falls on all of them alike;
+ * med[i] is the slowest rank's median of whats[i]. */
+static int time_in_turns(const timed_call_t *base, const int *whats, int n, int rounds, float *med)
 {
-    float *t = malloc(sizeof(float) * 3 * rounds), med[3];
+    float *t = malloc(sizeof(float) * n * rounds);
     for (int i = 0; i < rounds; i++) {
-        for (int v = 0; v < 3; v++) {
-            timed_call_t c = *fused;
-            c.what = fused->what + v;
+        for (int v = 0; v < n; v++) {
+            timed_call_t c = *base;
+            c.what = whats[v];
             if (time_calls(&c, 0, 1, &t[v * rounds + i])) return 1;
         }
     }
-    for (int v = 0; v < 3; v++) med[v] = median(t + v * rounds, rounds);
+    for (int v = 0; v < n; v++) med[v] = median(t + v * rounds, rounds);
     free(t);
-    if (allreduce(fused->comm, med, 3, ncclMax)) return 1;
+    return allreduce(base->comm, med, n, ncclMax);
+}
+
+/* A fused call against our GEMM alone, in turns; the GEMM alone on the faster of its two
+ * schedules (the static split is up to 4% faster on some shapes). `fused->what` is
+ * L0_FUSED or L1_FUSED; the two after it are that GEMM alone on each schedule. */
+static int fused_vs_alone(const timed_call_t *fused, int rounds, float *fused_ms, float *alone_ms)
+{
+    const int whats[3] = {fused->what, fused->what + 1, fused->what + 2};
+    float med[3];
+    if (time_in_turns(fused, whats, 3, rounds, med)) return 1;
     *fused_ms = med[0];
     *alone_ms = med[1] < med[2] ? med[1] : med[2];
     return 0;
@@ -346,7 +357,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     }
     const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
     const timed_call_t turns = {L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, best};
-    if (time_in_turns(&turns, o->iters, &res->l1_paired_ms, &res->l1_gemm_alone_ms)) return 1;
+    if (fused_vs_alone(&turns, o->iters, &res->l1_paired_ms, &res->l1_gemm_alone_ms)) return 1;
     /* y on poisoned output against the baseline's, every token. */
     CUDA_OK(cudaMemset(y, 0xff, (size_t)M * H * 2));
     FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
@@ -397,7 +408,7 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     }
     /* The ratio that matters, fused against our GEMM alone, from calls taken in turns. */
     const timed_call_t turns = {L0_FUSED, comm, NULL, &l0, NULL, a, x, ids, w, &res->l0_knobs[res->l0_best], NULL};
-    if (time_in_turns(&turns, o->iters, &res->l0_paired_ms, &res->l0_gemm_alone_ms)) return 1;
+    if (fused_vs_alone(&turns, o->iters, &res->l0_paired_ms, &res->l0_gemm_alone_ms)) return 1;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0];
     st = comet_moe_forward(moe, a, 0);
@@ -470,6 +481,37 @@ static int run_public_fused(const cometi_rank_ctx_t *ctx, const tool_options_t *
     FAIL_IF(st != COMET_SUCCESS, "forward, fused (%s): %s", label, comet_comm_last_error(comm));
     if (y_error(comm, f.y, y_base, (size_t)M * H, &res->public_check)) return 1;
     cudaFree(f.y);
+    return 0;
+}
+
+/* The suite's measure of overlap: the whole fused layer with the cost model's settings
+ * against our GEMM0 + SwiGLU and GEMM1 alone on the same rows (every SM, no communication:
+ * what a perfect overlap would take), taken in turns on input set 0. */
+static int run_overlap_bound(const cometi_rank_ctx_t *ctx, comet_comm_t comm, const comet_moe_config_t *cfg,
+                             const char *label, comet_moe_args_t *a, void **x, int32_t **ids, float **w, int rounds,
+                             case_result_t *res)
+{
+    cometi_layer0_t l0;
+    cometi_layer1_t l1;
+    comet_status_t st = cometi_layer0_create(comm, cfg, &l0);
+    FAIL_IF(st != COMET_SUCCESS, "layer0 (%s): %s", label, comet_comm_last_error(comm));
+    st = cometi_layer1_create(comm, cfg, &l0, &l1);
+    FAIL_IF(st != COMET_SUCCESS, "layer1 (%s): %s", label, comet_comm_last_error(comm));
+    if (ctx->rank == 0) fprintf(stderr, "[bench] %s: the whole layer beside our GEMMs alone\n", label);
+    cometi_knobs_t k;
+    cometi_model_knobs(cfg, ctx->nranks, comm->sm_count, &k);
+    void *y_base = a->y;
+    CUDA_OK(cudaMalloc(&a->y, (size_t)cfg->max_tokens * cfg->hidden * 2 + 16));
+    const timed_call_t base = {WHOLE_BEST, comm, NULL, &l0, &l1, a, x, ids, w, &k.l0, &k.l1};
+    const int whats[5] = {WHOLE_BEST, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC};
+    float med[5];
+    if (time_in_turns(&base, whats, 5, rounds, med)) return 1;
+    res->bound_whole_ms = med[0];
+    res->bound_gemms_ms = (med[1] < med[2] ? med[1] : med[2]) + (med[3] < med[4] ? med[3] : med[4]);
+    cudaFree(a->y);
+    a->y = y_base;
+    cometi_layer1_destroy(comm, &l1);
+    cometi_layer0_destroy(comm, &l0);
     return 0;
 }
 
@@ -597,8 +639,9 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
     if (allreduce(comm, flops, 1, ncclSum)) return 1;
     res->tflops = flops[0] / R / (res->ms[P_EXPERTS] * 1e-3) / 1e12;
     for (int i = 0; i < COMETI_NUM_MARKS; i++) cudaEventDestroy(marks[i]);
-    if (o->run_comet && run_layer0(ctx, o, comm, moe, cfg, label, &a, x, ids, w, res)) return 1;
+    if (o->run_comet && !o->suite && run_layer0(ctx, o, comm, moe, cfg, label, &a, x, ids, w, res)) return 1;
     if (o->run_comet && run_public_fused(ctx, o, comm, moe, cfg, label, &a, x, ids, w, res)) return 1;
+    if (o->run_comet && o->suite && run_overlap_bound(ctx, comm, cfg, label, &a, x, ids, w, o->iters, res)) return 1;
     for (int set = 0; set < NSETS; set++) cudaFree(x[set]), cudaFree(ids[set]), cudaFree(w[set]);
     cudaFree(gate_up), cudaFree(down), cudaFree(y);
     comet_moe_destroy(moe);
@@ -610,6 +653,131 @@ static void print_header(void)
     printf("%-16s %-9s %6s %9s %9s %9s %9s %10s %10s %8s %9s\n", "case", "impl", "tokens", "total ms", "dispatch",
            "experts", "combine", "comm alone", "GEMM alone", "TFLOP/s", "check");
 }
+
+/* One case: the baseline, then comet beside it; its rows on rank 0, its JSON records. */
+static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
+                      const struct cudaDeviceProp *prop, const comet_moe_config_t *cfg, const char *label, FILE *json,
+                      int *records, int *failed_check, case_result_t *out)
+{
+    if (ctx->rank == 0) {
+        printf("\n%s: E=%d top-k=%d H=%d F=%d, %d tokens per GPU, %d x %s (EP=%d), routing %s", label,
+               cfg->num_experts, cfg->top_k, cfg->hidden, cfg->ffn, cfg->max_tokens, ctx->nranks, prop->name,
+               ctx->nranks, routing_name(o->routing));
+        if (o->routing == COMETI_ROUTING_SKEWED) printf(" (skew %.3g)", o->skew);
+        printf(", median of %d calls, slowest rank\n", o->iters);
+        print_header();
+    }
+    case_result_t base;
+    memset(&base, 0, sizeof(base));
+    if (!o->run_baseline && o->run_comet && ctx->rank == 0)
+        printf("%-16s comet: needs the baseline run beside it in this version (--impl all)\n", label);
+    if (o->run_baseline) {
+        if (run_baseline_case(ctx, o, comm, cfg, label, &base)) return 1;
+        if (base.check > 1e-2 || base.check != base.check) *failed_check = 1;
+        if (ctx->rank == 0) {
+            char check[32] = "skipped";
+            if (base.check >= 0) snprintf(check, sizeof(check), "%.1e%s", base.check, base.check > 1e-2 ? "!" : "");
+            printf("%-16s %-9s %6d %9.3f %9.3f %9.3f %9.3f %10.3f %10.3f %8.0f %9s\n", label, "baseline",
+                   cfg->max_tokens, base.ms[P_TOTAL], base.ms[P_ROUTE] + base.ms[P_A2A_OUT], base.ms[P_EXPERTS],
+                   base.ms[P_A2A_BACK] + base.ms[P_COMBINE], base.ms[P_A2A_OUT] + base.ms[P_A2A_BACK],
+                   base.ms[P_EXPERTS], base.tflops, check);
+            if (json) {
+                fprintf(json, "%s  {\"case\": \"%s\", \"impl\": \"baseline\", \"gpu\": \"%s\", \"ranks\": %d, "
+                        "\"experts\": %d, \"top_k\": %d, \"hidden\": %d, \"ffn\": %d, \"tokens_per_rank\": %d, "
+                        "\"routing\": \"%s\", \"skew\": %g, \"iters\": %d, \"seed\": %llu, \"median_ms\": {",
+                        (*records)++ ? ",\n" : "", label, prop->name, ctx->nranks, cfg->num_experts, cfg->top_k, cfg->hidden,
+                        cfg->ffn, cfg->max_tokens, routing_name(o->routing), o->skew, o->iters,
+                        (unsigned long long)o->seed);
+                for (int p = 0; p < P_COUNT; p++)
+                    fprintf(json, "%s\"%s\": %.4f", p ? ", " : "", phase_json[p], base.ms[p]);
+                fprintf(json, "}, \"comm_alone_ms\": %.4f, \"gemm_alone_ms\": %.4f, \"expert_tflops_per_gpu\": "
+                        "%.1f, \"check_rel_err\": %.3g}", base.ms[P_A2A_OUT] + base.ms[P_A2A_BACK],
+                        base.ms[P_EXPERTS], base.tflops, base.check);
+            }
+        }
+    }
+    if (o->run_comet && ctx->rank == 0) {
+        if (base.public_ms > 0) {
+            printf("%-16s %-9s %6d %9.3f   %.2fx the baseline, default knobs", label, "comet", cfg->max_tokens,
+                   base.public_ms, base.ms[P_TOTAL] / base.public_ms);
+            if (base.whole_ms > 0)
+                printf(" (best knobs of the sweeps below: %.3f ms, %.2fx)", base.whole_ms,
+                       base.ms[P_TOTAL] / base.whole_ms);
+            printf("; y vs baseline %.1e%s\n", base.public_check, base.public_check > 1e-2 ? "!" : "");
+            if (base.bound_gemms_ms > 0)
+                printf("  in turns: the whole layer %.3f ms, our GEMM0 + GEMM1 alone %.3f ms (whole / GEMMs %.3f)\n",
+                       base.bound_whole_ms, base.bound_gemms_ms, base.bound_whole_ms / base.bound_gemms_ms);
+            if (json)
+                fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"comet\", \"tokens_per_rank\": %d, "
+                        "\"routing\": \"%s\", \"total_ms\": %.4f, \"best_knobs_total_ms\": %.4f, "
+                        "\"baseline_total_ms\": %.4f, \"whole_in_turns_ms\": %.4f, \"gemms_alone_in_turns_ms\": "
+                        "%.4f, \"diff_vs_baseline\": %.3g}", label, cfg->max_tokens, routing_name(o->routing),
+                        base.public_ms, base.whole_ms, base.ms[P_TOTAL], base.bound_whole_ms, base.bound_gemms_ms,
+                        base.public_check);
+        }
+        if (o->run_baseline && base.l0_runs) {
+            const float l0 = base.l0_ms[base.l0_best];
+            const cometi_layer0_knobs_t *best = &base.l0_knobs[base.l0_best];
+            printf("  layer0 (dispatch + GEMM0 + SwiGLU): baseline %.3f ms, fused %.3f ms with %d %s dispatch "
+                   "blocks (%.2fx); in turns: fused %.3f ms, our GEMM0 alone %.3f ms (fused / alone %.3f); "
+                   "route alone %.3f ms, activations vs baseline %.1e%s\n",
+                   base.ms[P_LAYER0], l0, best->dispatch_blocks, dispatch_mode_name(best->dispatch_mode),
+                   base.ms[P_LAYER0] / l0, base.l0_paired_ms, base.l0_gemm_alone_ms,
+                   base.l0_paired_ms / base.l0_gemm_alone_ms, base.l0_route_ms, base.l0_diff,
+                   base.l0_diff > 1e-2 ? "!" : "");
+            printf("  layer0 sweep, ms by dispatch blocks:");
+            for (int i = 0; i < base.l0_runs; i++)
+                printf(" %s %d: %.3f", dispatch_mode_name(base.l0_knobs[i].dispatch_mode),
+                       base.l0_knobs[i].dispatch_blocks, base.l0_ms[i]);
+            printf("\n");
+            if (base.l1_runs) {
+                const cometi_layer1_knobs_t *k1 = &base.l1_knobs[base.l1_best];
+                const float l1 = base.l1_ms[base.l1_best];
+                printf("  layer1 (GEMM1 + combine): baseline %.3f ms, fused %.3f ms with %d combine blocks, %d "
+                       "splits%s (%.2fx); in turns: fused %.3f ms, our GEMM1 alone %.3f ms (fused / alone %.3f), "
+                       "y vs baseline %.1e%s\n", base.ms[P_LAYER1], l1, k1->combine_blocks, k1->n_splits,
+                       k1->tail || !k1->combine_blocks ? ", tail" : "", base.ms[P_LAYER1] / l1, base.l1_paired_ms, base.l1_gemm_alone_ms,
+                       base.l1_paired_ms / base.l1_gemm_alone_ms, base.l1_diff, base.l1_diff > 1e-2 ? "!" : "");
+                cometi_knobs_t tuned = {base.l0_knobs[base.l0_best], *k1};
+                char tuning[160];
+                cometi_tuning_line(cfg, ctx->nranks, &tuned, tuning, sizeof(tuning));
+                printf("  tuning line for the best of both sweeps (COMET_TUNING_FILE): %s\n", tuning);
+                printf("  layer1 sweep, ms by combine blocks x splits (t: last split on every SM after):");
+                for (int i = 0; i < base.l1_runs; i++)
+                    printf(" %dx%d%s: %.3f", base.l1_knobs[i].combine_blocks, base.l1_knobs[i].n_splits,
+                           base.l1_knobs[i].tail || !base.l1_knobs[i].combine_blocks ? "t" : "", base.l1_ms[i]);
+                printf("\n");
+                if (json)
+                    fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer1\", \"baseline_layer1_ms\": "
+                            "%.4f, \"fused_ms\": %.4f, \"combine_blocks\": %d, \"splits\": %d, "
+                            "\"fused_in_turns_ms\": %.4f, \"gemm1_alone_in_turns_ms\": %.4f, "
+                            "\"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER1], l1, k1->combine_blocks,
+                            k1->n_splits, base.l1_paired_ms, base.l1_gemm_alone_ms, base.l1_diff);
+            }
+            if (json)
+                fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer0\", \"baseline_layer0_ms\": %.4f, "
+                        "\"fused_ms\": %.4f, \"dispatch_blocks\": %d, \"dispatch_mode\": \"%s\", "
+                        "\"fused_in_turns_ms\": %.4f, \"gemm0_alone_in_turns_ms\": %.4f, \"route_alone_ms\": %.4f, "
+                        "\"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER0], l0, best->dispatch_blocks,
+                        dispatch_mode_name(best->dispatch_mode), base.l0_paired_ms, base.l0_gemm_alone_ms,
+                        base.l0_route_ms, base.l0_diff);
+        }
+    }
+    if (base.l0_runs && !(base.l0_diff <= 1e-2)) *failed_check = 1;
+    if (base.l1_runs && !(base.l1_diff <= 1e-2)) *failed_check = 1;
+    if (base.public_ms > 0 && !(base.public_check <= 1e-2)) *failed_check = 1;
+    fflush(stdout);
+    *out = base;
+    return 0;
+}
+
+/* The suite's cases; the headline table is printed from them at the end. */
+typedef struct suite_row {
+    char label[64];
+    int tokens;
+    cometi_routing_t routing;
+    float baseline_ms, comet_ms, whole_ms, gemms_ms;
+} suite_row_t;
 
 int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
@@ -628,122 +796,56 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
         FAIL_IF(!json, "--json %s: cannot open for writing", o->json);
         fprintf(json, "[\n");
     }
-    int ncases = o->npresets ? o->npresets : 1, failed_check = 0;
-    for (int ci = 0; ci < ncases; ci++) {
-        comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT;
-        char label[64];
-        if (o->npresets) {
-            comet_moe_config_preset(o->presets[ci], o->tokens, &cfg);
-            snprintf(label, sizeof(label), "%s", o->presets[ci]);
-        } else {
-            cfg.hidden = o->hidden, cfg.ffn = o->ffn, cfg.num_experts = o->experts, cfg.top_k = o->top_k;
-            cfg.max_tokens = o->tokens;
-            snprintf(label, sizeof(label), "E%d-k%d-H%d-F%d", o->experts, o->top_k, o->hidden, o->ffn);
-        }
-        cfg.ep_size = o->ep;
-        cfg.tp_size = o->tp;
-        char msg[512];
-        st = comet_moe_config_validate(&cfg, ctx->nranks, msg, sizeof(msg));
-        FAIL_IF(st != COMET_SUCCESS, "%s: %s", label, msg);
-        if (ctx->rank == 0) {
-            printf("\n%s: E=%d top-k=%d H=%d F=%d, %d tokens per GPU, %d x %s (EP=%d), routing %s", label,
-                   cfg.num_experts, cfg.top_k, cfg.hidden, cfg.ffn, cfg.max_tokens, ctx->nranks, prop.name,
-                   ctx->nranks, routing_name(o->routing));
-            if (o->routing == COMETI_ROUTING_SKEWED) printf(" (skew %.3g)", o->skew);
-            printf(", median of %d calls, slowest rank\n", o->iters);
-            print_header();
-        }
-        case_result_t base;
-        memset(&base, 0, sizeof(base));
-        if (!o->run_baseline && o->run_comet && ctx->rank == 0)
-            printf("%-16s comet: needs the baseline run beside it in this version (--impl all)\n", label);
-        if (o->run_baseline) {
-            if (run_baseline_case(ctx, o, comm, &cfg, label, &base)) return 1;
-            if (base.check > 1e-2 || base.check != base.check) failed_check = 1;
-            if (ctx->rank == 0) {
-                char check[32] = "skipped";
-                if (base.check >= 0) snprintf(check, sizeof(check), "%.1e%s", base.check, base.check > 1e-2 ? "!" : "");
-                printf("%-16s %-9s %6d %9.3f %9.3f %9.3f %9.3f %10.3f %10.3f %8.0f %9s\n", label, "baseline",
-                       cfg.max_tokens, base.ms[P_TOTAL], base.ms[P_ROUTE] + base.ms[P_A2A_OUT], base.ms[P_EXPERTS],
-                       base.ms[P_A2A_BACK] + base.ms[P_COMBINE], base.ms[P_A2A_OUT] + base.ms[P_A2A_BACK],
-                       base.ms[P_EXPERTS], base.tflops, check);
-                if (json) {
-                    fprintf(json, "%s  {\"case\": \"%s\", \"impl\": \"baseline\", \"gpu\": \"%s\", \"ranks\": %d, "
-                            "\"experts\": %d, \"top_k\": %d, \"hidden\": %d, \"ffn\": %d, \"tokens_per_rank\": %d, "
-                            "\"routing\": \"%s\", \"skew\": %g, \"iters\": %d, \"seed\": %llu, \"median_ms\": {",
-                            ci ? ",\n" : "", label, prop.name, ctx->nranks, cfg.num_experts, cfg.top_k, cfg.hidden,
-                            cfg.ffn, cfg.max_tokens, routing_name(o->routing), o->skew, o->iters,
-                            (unsigned long long)o->seed);
-                    for (int p = 0; p < P_COUNT; p++)
-                        fprintf(json, "%s\"%s\": %.4f", p ? ", " : "", phase_json[p], base.ms[p]);
-                    fprintf(json, "}, \"comm_alone_ms\": %.4f, \"gemm_alone_ms\": %.4f, \"expert_tflops_per_gpu\": "
-                            "%.1f, \"check_rel_err\": %.3g}", base.ms[P_A2A_OUT] + base.ms[P_A2A_BACK],
-                            base.ms[P_EXPERTS], base.tflops, base.check);
+    /* The suite: token counts x routings x presets; otherwise the one token count and routing given. */
+    static const int suite_tokens[] = {1024, 2048, 4096, 8192, 16384};
+    static const cometi_routing_t suite_routings[] = {COMETI_ROUTING_BALANCED, COMETI_ROUTING_SKEWED};
+    const int ntokens = o->suite ? 5 : 1, nroutings = o->suite ? 2 : 1, ncases = o->npresets ? o->npresets : 1;
+    suite_row_t *rows = calloc((size_t)ntokens * nroutings * ncases, sizeof(*rows));
+    int nrows = 0, records = 0, failed_check = 0;
+    for (int ri = 0; ri < nroutings; ri++) {
+        for (int ti = 0; ti < ntokens; ti++) {
+            for (int ci = 0; ci < ncases; ci++) {
+                tool_options_t oc = *o;
+                if (o->suite) oc.tokens = suite_tokens[ti], oc.routing = suite_routings[ri];
+                comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT;
+                char label[64];
+                if (oc.npresets) {
+                    comet_moe_config_preset(oc.presets[ci], oc.tokens, &cfg);
+                    snprintf(label, sizeof(label), "%s", oc.presets[ci]);
+                } else {
+                    cfg.hidden = oc.hidden, cfg.ffn = oc.ffn, cfg.num_experts = oc.experts, cfg.top_k = oc.top_k;
+                    cfg.max_tokens = oc.tokens;
+                    snprintf(label, sizeof(label), "E%d-k%d-H%d-F%d", oc.experts, oc.top_k, oc.hidden, oc.ffn);
                 }
+                cfg.ep_size = oc.ep;
+                cfg.tp_size = oc.tp;
+                char msg[512];
+                st = comet_moe_config_validate(&cfg, ctx->nranks, msg, sizeof(msg));
+                FAIL_IF(st != COMET_SUCCESS, "%s: %s", label, msg);
+                case_result_t base;
+                if (bench_case(ctx, &oc, comm, &prop, &cfg, label, json, &records, &failed_check, &base)) return 1;
+                suite_row_t *r = &rows[nrows++];
+                snprintf(r->label, sizeof(r->label), "%s", label);
+                r->tokens = cfg.max_tokens;
+                r->routing = oc.routing;
+                r->baseline_ms = base.ms[P_TOTAL];
+                r->comet_ms = base.public_ms;
+                r->whole_ms = base.bound_whole_ms;
+                r->gemms_ms = base.bound_gemms_ms;
             }
         }
-        if (o->run_comet && ctx->rank == 0) {
-            if (base.public_ms > 0)
-                printf("%-16s %-9s %6d %9.3f   %.2fx the baseline, default knobs (best knobs of the sweeps below: "
-                       "%.3f ms, %.2fx); y vs baseline %.1e%s\n", label, "comet", cfg.max_tokens, base.public_ms,
-                       base.ms[P_TOTAL] / base.public_ms, base.whole_ms, base.ms[P_TOTAL] / base.whole_ms,
-                       base.public_check, base.public_check > 1e-2 ? "!" : "");
-            if (o->run_baseline && base.l0_runs) {
-                const float l0 = base.l0_ms[base.l0_best];
-                const cometi_layer0_knobs_t *best = &base.l0_knobs[base.l0_best];
-                printf("  layer0 (dispatch + GEMM0 + SwiGLU): baseline %.3f ms, fused %.3f ms with %d %s dispatch "
-                       "blocks (%.2fx); in turns: fused %.3f ms, our GEMM0 alone %.3f ms (fused / alone %.3f); "
-                       "route alone %.3f ms, activations vs baseline %.1e%s\n",
-                       base.ms[P_LAYER0], l0, best->dispatch_blocks, dispatch_mode_name(best->dispatch_mode),
-                       base.ms[P_LAYER0] / l0, base.l0_paired_ms, base.l0_gemm_alone_ms,
-                       base.l0_paired_ms / base.l0_gemm_alone_ms, base.l0_route_ms, base.l0_diff,
-                       base.l0_diff > 1e-2 ? "!" : "");
-                printf("  layer0 sweep, ms by dispatch blocks:");
-                for (int i = 0; i < base.l0_runs; i++)
-                    printf(" %s %d: %.3f", dispatch_mode_name(base.l0_knobs[i].dispatch_mode),
-                           base.l0_knobs[i].dispatch_blocks, base.l0_ms[i]);
-                printf("\n");
-                if (base.l1_runs) {
-                    const cometi_layer1_knobs_t *k1 = &base.l1_knobs[base.l1_best];
-                    const float l1 = base.l1_ms[base.l1_best];
-                    printf("  layer1 (GEMM1 + combine): baseline %.3f ms, fused %.3f ms with %d combine blocks, %d "
-                           "splits%s (%.2fx); in turns: fused %.3f ms, our GEMM1 alone %.3f ms (fused / alone %.3f), "
-                           "y vs baseline %.1e%s\n", base.ms[P_LAYER1], l1, k1->combine_blocks, k1->n_splits,
-                           k1->tail || !k1->combine_blocks ? ", tail" : "", base.ms[P_LAYER1] / l1, base.l1_paired_ms, base.l1_gemm_alone_ms,
-                           base.l1_paired_ms / base.l1_gemm_alone_ms, base.l1_diff, base.l1_diff > 1e-2 ? "!" : "");
-                    cometi_knobs_t tuned = {base.l0_knobs[base.l0_best], *k1};
-                    char tuning[160];
-                    cometi_tuning_line(&cfg, ctx->nranks, &tuned, tuning, sizeof(tuning));
-                    printf("  tuning line for the best of both sweeps (COMET_TUNING_FILE): %s\n", tuning);
-                    printf("  layer1 sweep, ms by combine blocks x splits (t: last split on every SM after):");
-                    for (int i = 0; i < base.l1_runs; i++)
-                        printf(" %dx%d%s: %.3f", base.l1_knobs[i].combine_blocks, base.l1_knobs[i].n_splits,
-                               base.l1_knobs[i].tail || !base.l1_knobs[i].combine_blocks ? "t" : "", base.l1_ms[i]);
-                    printf("\n");
-                    if (json)
-                        fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer1\", \"baseline_layer1_ms\": "
-                                "%.4f, \"fused_ms\": %.4f, \"combine_blocks\": %d, \"splits\": %d, "
-                                "\"fused_in_turns_ms\": %.4f, \"gemm1_alone_in_turns_ms\": %.4f, "
-                                "\"diff_vs_baseline\": %.3g},\n  {\"case\": \"%s\", \"impl\": \"comet\", "
-                                "\"total_ms\": %.4f, \"best_knobs_total_ms\": %.4f, \"baseline_total_ms\": %.4f, "
-                                "\"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER1], l1, k1->combine_blocks,
-                                k1->n_splits, base.l1_paired_ms, base.l1_gemm_alone_ms, base.l1_diff, label,
-                                base.public_ms, base.whole_ms, base.ms[P_TOTAL], base.public_check);
-                }
-                if (json)
-                    fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer0\", \"baseline_layer0_ms\": %.4f, "
-                            "\"fused_ms\": %.4f, \"dispatch_blocks\": %d, \"dispatch_mode\": \"%s\", "
-                            "\"fused_in_turns_ms\": %.4f, \"gemm0_alone_in_turns_ms\": %.4f, \"route_alone_ms\": %.4f, "
-                            "\"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER0], l0, best->dispatch_blocks,
-                            dispatch_mode_name(best->dispatch_mode), base.l0_paired_ms, base.l0_gemm_alone_ms,
-                            base.l0_route_ms, base.l0_diff);
-            }
-        }
-        if (base.l0_runs && !(base.l0_diff <= 1e-2)) failed_check = 1;
-        if (base.l1_runs && !(base.l1_diff <= 1e-2)) failed_check = 1;
-        if (base.public_ms > 0 && !(base.public_check <= 1e-2)) failed_check = 1;
-        fflush(stdout);
     }
+    if (o->suite && ctx->rank == 0) {
+        printf("\nsuite, %d x %s: comet (comet_moe_forward, default settings) beside the baseline; the whole "
+               "layer beside our two GEMMs alone, in turns\n", ctx->nranks, prop.name);
+        printf("%-16s %6s %-9s %11s %9s %8s %10s %12s\n", "case", "tokens", "routing", "baseline ms", "comet ms",
+               "speedup", "GEMMs ms", "whole/GEMMs");
+        for (int i = 0; i < nrows; i++)
+            printf("%-16s %6d %-9s %11.3f %9.3f %7.2fx %10.3f %12.3f\n", rows[i].label, rows[i].tokens,
+                   routing_name(rows[i].routing), rows[i].baseline_ms, rows[i].comet_ms,
+                   rows[i].baseline_ms / rows[i].comet_ms, rows[i].gemms_ms, rows[i].whole_ms / rows[i].gemms_ms);
+    }
+    free(rows);
     if (json) {
         fprintf(json, "\n]\n");
         fclose(json);

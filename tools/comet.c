@@ -42,6 +42,8 @@ static void usage(FILE *f)
             "  --impl WHICH             baseline | comet | all                          [all]\n"
             "  --warmup N --iters N     untimed and timed calls                         [5, 20]\n"
             "  --no-check               skip the float64 check of sample tokens\n"
+            "  --suite                  every preset (or those of --preset) x 1024..16384 tokens x balanced and\n"
+            "                           skewed routing, comet's default settings, no sweeps; ends with a table\n"
             "  --json FILE              also write the results as JSON\n"
             "  --seed S                 inputs' seed                                    [from the clock]\n"
             "bandwidth flags:\n"
@@ -176,6 +178,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(f, "--no-check")) {
             o.check = 0;
             used = 0;
+        } else if (!strcmp(f, "--suite")) {
+            o.suite = 1;
+            used = 0;
         } else {
             fprintf(stderr, "comet: unknown flag \"%s\" (comet help lists them)\n", f);
             return 2;
@@ -197,7 +202,13 @@ int main(int argc, char **argv)
         return 2;
     }
     static char all_presets[] = "all";
-    if (!explicit_shape && parse_presets(preset_arg ? preset_arg : is_gemm ? all_presets : preset_default, &o))
+    for (int i = 2; o.suite && i < argc; i++)
+        if (!strcmp(argv[i], "--tokens") || !strcmp(argv[i], "--routing") || explicit_shape) {
+            fprintf(stderr, "comet: --suite runs 1024 to 16384 tokens, both routings, on presets: leave out %s\n",
+                    explicit_shape ? "--hidden/--ffn/--experts/--top-k" : argv[i]);
+            return 2;
+        }
+    if (!explicit_shape && parse_presets(preset_arg ? preset_arg : is_gemm || o.suite ? all_presets : preset_default, &o))
         return 2;
     if (is_gemm) {
         if (explicit_shape) {

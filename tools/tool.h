@@ -40,6 +40,7 @@ typedef struct tool_options {
     cometi_routing_t routing;
     double skew;
     int run_baseline, run_comet;
+    int suite;                       /* every preset x token count x routing, no sweeps */
     int warmup, iters;
     int check;                       /* float64 check of sample tokens */
     const char *json;
