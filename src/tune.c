@@ -129,6 +129,47 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
     return found;
 }
 
+int cometi_tuning_update(const char *path, const comet_moe_config_t *cfg, int world, const cometi_knobs_t *k,
+                         char *err, size_t err_len)
+{
+    char tmp[4096], line[512], mine[160];
+    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+    cometi_tuning_line(cfg, world, k, mine, sizeof(mine));
+    FILE *out = fopen(tmp, "w");
+    if (!out) {
+        snprintf(err, err_len, "tuning file %s: %s", tmp, strerror(errno));
+        return -1;
+    }
+    FILE *in = fopen(path, "r");
+    if (!in && errno != ENOENT) {
+        snprintf(err, err_len, "tuning file %s: %s", path, strerror(errno));
+        fclose(out);
+        remove(tmp);
+        return -1;
+    }
+    if (!in) fprintf(out, "# comet tuning file: world experts top_k hidden ffn max_tokens : dispatch_blocks "
+                          "bulk|stores combine_blocks splits static|dynamic tail|notail\n");
+    while (in && fgets(line, sizeof(line), in)) {
+        /* Same key: the first six fields, whatever the spacing. */
+        int f[6];
+        char sep[2];
+        if (sscanf(line, "%d %d %d %d %d %d %1[:]", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], sep) == 7 &&
+            f[0] == world && f[1] == cfg->num_experts && f[2] == cfg->top_k && f[3] == cfg->hidden &&
+            f[4] == cfg->ffn && f[5] == cfg->max_tokens)
+            continue;
+        fputs(line, out);
+        if (!strchr(line, '\n')) fputc('\n', out);
+    }
+    fprintf(out, "%s\n", mine);
+    if (in) fclose(in);
+    if (fclose(out) != 0 || rename(tmp, path) != 0) {
+        snprintf(err, err_len, "tuning file %s: %s", path, strerror(errno));
+        remove(tmp);
+        return -1;
+    }
+    return 0;
+}
+
 void cometi_tuning_line(const comet_moe_config_t *cfg, int world, const cometi_knobs_t *k, char *buf, size_t len)
 {
     snprintf(buf, len, "%d %d %d %d %d %d : %d %s %d %d %s %s", world, cfg->num_experts, cfg->top_k, cfg->hidden,

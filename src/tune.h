@@ -35,6 +35,13 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
 int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int world, cometi_knobs_t *out, char *err,
                          size_t err_len);
 
+/* Write the line for these settings into the tuning file at `path` (made if missing): it
+ * replaces the line of the same world, experts, top_k, hidden, ffn and max_tokens, and
+ * every other line (comments included) is kept. The file is replaced in one rename, so a
+ * reader never sees half of it. 0, or -1 with `err` set. */
+int cometi_tuning_update(const char *path, const comet_moe_config_t *cfg, int world, const cometi_knobs_t *k,
+                         char *err, size_t err_len);
+
 /* The tuning line for these settings (no newline); `buf` of at least 160 bytes. */
 void cometi_tuning_line(const comet_moe_config_t *cfg, int world, const cometi_knobs_t *k, char *buf, size_t len);
 

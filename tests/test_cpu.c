@@ -400,6 +400,27 @@ int test_tuning_file(void)
     unlink(path);
     CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), -1);
     CHECK_CONTAINS(err, "No such file");
+    /* Updates: a new file, a second shape, then the first shape again: replaced, not added. */
+    cfg.max_tokens = 8192;
+    CHECK_EQ(cometi_tuning_update(path, &cfg, 2, &k, err, sizeof(err)), 0);
+    comet_moe_config_t other = cfg;
+    other.max_tokens = 1024;
+    cometi_knobs_t k2 = k;
+    k2.l0.dispatch_blocks = 2;
+    CHECK_EQ(cometi_tuning_update(path, &other, 2, &k2, err, sizeof(err)), 0);
+    k.l0.dispatch_blocks = 20;
+    CHECK_EQ(cometi_tuning_update(path, &cfg, 2, &k, err, sizeof(err)), 0);
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), 1);
+    CHECK(memcmp(&k, &back, sizeof(k)) == 0);
+    CHECK_EQ(cometi_tuning_lookup(path, &other, 2, &back, err, sizeof(err)), 1);
+    CHECK_EQ(back.l0.dispatch_blocks, 2);
+    f = fopen(path, "r");
+    int lines = 0, comments = 0;
+    while (fgets(line, sizeof(line), f)) lines++, comments += line[0] == '#';
+    fclose(f);
+    CHECK_EQ(lines, 3); /* the header, one line per shape */
+    CHECK_EQ(comments, 1);
+    unlink(path);
     return 0;
 }
 

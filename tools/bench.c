@@ -742,6 +742,10 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                 char tuning[160];
                 cometi_tuning_line(cfg, ctx->nranks, &tuned, tuning, sizeof(tuning));
                 printf("  tuning line for the best of both sweeps (COMET_TUNING_FILE): %s\n", tuning);
+                char terr[512];
+                if (o->tune_out && cometi_tuning_update(o->tune_out, cfg, ctx->nranks, &tuned, terr, sizeof(terr)))
+                    FAIL_IF(1, "comet tune: %s", terr);
+                if (o->tune_out) printf("  written to %s\n", o->tune_out);
                 printf("  layer1 sweep, ms by combine blocks x splits (t: last split on every SM after):");
                 for (int i = 0; i < base.l1_runs; i++)
                     printf(" %dx%d%s: %.3f", base.l1_knobs[i].combine_blocks, base.l1_knobs[i].n_splits,

@@ -26,6 +26,9 @@ static void usage(FILE *f)
             "commands:\n"
             "  bench       time the MoE layer: comet beside the sequential baseline (default: mixtral-8x7b,\n"
             "              8192 tokens per GPU, every visible GPU)\n"
+            "  tune        bench's sweeps, and the best settings of each case written into a tuning file\n"
+            "              (--out FILE, [comet-tuning.txt]; bench's flags); comet_moe_forward loads it when\n"
+            "              COMET_TUNING_FILE names it\n"
             "  bandwidth   push (stores) and pull (loads) bandwidth between GPUs through symmetric memory\n"
             "  gemm        comet's grouped GEMM beside cuBLAS on one GPU: every preset's expert GEMMs\n"
             "              (rows as balanced EP=2 routing of --tokens gives) and 8192^3; --preset, --iters\n"
@@ -114,7 +117,8 @@ int main(int argc, char **argv)
         }
         return 0;
     }
-    int is_bench = !strcmp(cmd, "bench"), is_bw = !strcmp(cmd, "bandwidth"), is_gemm = !strcmp(cmd, "gemm");
+    int is_bench = !strcmp(cmd, "bench") || !strcmp(cmd, "tune"), is_bw = !strcmp(cmd, "bandwidth"),
+        is_gemm = !strcmp(cmd, "gemm");
     if (!is_bench && !is_bw && !is_gemm) {
         fprintf(stderr, "comet: unknown command \"%s\"\n\n", cmd);
         usage(stderr);
@@ -152,6 +156,7 @@ int main(int argc, char **argv)
         else if (!strcmp(f, "--mib")) bad = parse_int(f, v, 1, 16384, &o.mib);
         else if (!strcmp(f, "--timeout-ms")) bad = parse_int(f, v, 1, 3600000, &o.timeout_ms);
         else if (!strcmp(f, "--json")) o.json = v;
+        else if (!strcmp(f, "--out") && !strcmp(cmd, "tune")) o.tune_out = v;
         else if (!strcmp(f, "--id-file")) id_file = v;
         else if (!strcmp(f, "--seed")) o.seed = v ? strtoull(v, NULL, 0) : 0;
         else if (!strcmp(f, "--skew")) {
@@ -202,6 +207,13 @@ int main(int argc, char **argv)
         return 2;
     }
     static char all_presets[] = "all";
+    if (!strcmp(cmd, "tune")) {
+        if (o.suite || !o.run_baseline || !o.run_comet) {
+            fprintf(stderr, "comet tune: runs the sweeps beside the baseline: leave out --suite and --impl\n");
+            return 2;
+        }
+        if (!o.tune_out) o.tune_out = "comet-tuning.txt";
+    }
     for (int i = 2; o.suite && i < argc; i++)
         if (!strcmp(argv[i], "--tokens") || !strcmp(argv[i], "--routing") || explicit_shape) {
             fprintf(stderr, "comet: --suite runs 1024 to 16384 tokens, both routings, on presets: leave out %s\n",

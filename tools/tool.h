@@ -44,6 +44,7 @@ typedef struct tool_options {
     int warmup, iters;
     int check;                       /* float64 check of sample tokens */
     const char *json;
+    const char *tune_out;            /* comet tune: the tuning file the best settings go to */
     uint64_t seed;
     /* bandwidth */
     int mib;
