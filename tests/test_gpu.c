@@ -1380,3 +1380,105 @@ int test_gpu_forward_fused_matches_baseline(void)
     uint64_t seed = test_seed();
     return launch(2, forward_fused_rank, &seed, 280);
 }
+
+/* ---- 10,000 calls: changing routing and token counts, no drift, no leaks ---- */
+
+static long host_rss_pages(void)
+{
+    long size = 0, resident = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f) {
+        if (fscanf(f, "%ld %ld", &size, &resident) != 2) resident = 0;
+        fclose(f);
+    }
+    return resident;
+}
+
+static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    uint64_t rng = seed * 7 + 5;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 0, 0, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    fx.skip_reference = 1;
+    const int H = fx.cfg.hidden, M = fx.cfg.max_tokens, k = fx.cfg.top_k, E = fx.cfg.num_experts, me = ctx->rank;
+    int32_t *ids = malloc(sizeof(int32_t) * M * k);
+    float *w = malloc(sizeof(float) * M * k);
+    uint16_t *want = malloc((size_t)M * H * 2), *got = malloc((size_t)M * H * 2);
+    void *y_fused;
+    CUDA_OK(cudaMalloc(&y_fused, (size_t)M * H * 2));
+    size_t free_after_warmup = 0, free_now = 0, total = 0;
+    long rss_after_warmup = 0;
+    double worst = 0;
+    const int calls = 10000;
+    for (int call = 0; call < calls; call++) {
+        /* Both ranks draw the same token counts and routing kind; each its own routing. */
+        const int tokens[2] = {(int)(cometi_rand_next(&rng) % (M + 1)), (int)(cometi_rand_next(&rng) % (M + 1))};
+        const cometi_routing_t kind = (cometi_routing_t)(cometi_rand_next(&rng) % 4);
+        const int m = tokens[me % 2];
+        cometi_make_routing(kind, kind == COMETI_ROUTING_ONE_EXPERT ? (double)(call % E) : 8.0, m, k, E, seed + call,
+                            me, ids, w);
+        CUDA_OK(cudaMemcpy(fx.d_ids, ids, sizeof(int32_t) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(fx.d_w, w, sizeof(float) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cometi_fill_hash_bf16(fx.d_x, (size_t)m * H, seed + call, (uint64_t)me * M * H, 1.0f, 0));
+        comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+        a.num_tokens = m;
+        a.x = fx.d_x;
+        a.topk_ids = fx.d_ids;
+        a.topk_weights = fx.d_w;
+        a.weights.gate_up = fx.d_gate_up;
+        a.weights.down = fx.d_down;
+        a.y = y_fused;
+        a.impl = COMET_IMPL_FUSED;
+        const int check = call % 250 == 249;
+        if (check) CUDA_OK(cudaMemset(y_fused, 0xff, (size_t)M * H * 2));
+        comet_status_t st = comet_moe_forward(fx.moe, &a, 0);
+        if (st != COMET_SUCCESS) printf("call %d: %s\n", call, comet_moe_last_error(fx.moe));
+        CHECK_EQ(st, COMET_SUCCESS);
+        if (check) {
+            a.impl = COMET_IMPL_BASELINE;
+            a.y = fx.d_y;
+            CHECK_EQ(comet_moe_forward(fx.moe, &a, 0), COMET_SUCCESS);
+            CUDA_OK(cudaDeviceSynchronize());
+            CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+            CUDA_OK(cudaMemcpy(want, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(got, y_fused, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+            double num = 0, den = 0, row = 0;
+            add_error(got, want, NULL, (size_t)m, H, &num, &den, &row);
+            const double e = den > 0 ? sqrt(num / den) : sqrt(num);
+            if (!(e <= worst)) worst = e;
+            if (!(e < 1e-2) || !(row < 3e-2)) {
+                printf("call %d (%d tokens, routing %d): fused against the baseline %.3g (worst row %.3g)\n", call,
+                       m, (int)kind, e, row);
+                return 1;
+            }
+        }
+        if (call == 99) {
+            CUDA_OK(cudaDeviceSynchronize());
+            CUDA_OK(cudaMemGetInfo(&free_after_warmup, &total));
+            rss_after_warmup = host_rss_pages();
+        }
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+    CUDA_OK(cudaMemGetInfo(&free_now, &total));
+    const long rss_now = host_rss_pages(), page_kb = sysconf(_SC_PAGESIZE) / 1024;
+    printf("rank %d: %d calls, fused against the baseline every 250th: worst %.2e; device memory free after call "
+           "100: %zu MiB, at the end: %zu MiB; host resident: %ld KiB, then %ld KiB\n", me, calls, worst,
+           free_after_warmup >> 20, free_now >> 20, rss_after_warmup * page_kb, rss_now * page_kb);
+    /* Nothing may grow with the calls: 16 MiB of slack for allocator noise. */
+    CHECK(free_now + (16u << 20) >= free_after_warmup);
+    CHECK((rss_now - rss_after_warmup) * page_kb < 16 * 1024);
+    free(ids), free(w), free(want), free(got);
+    cudaFree(y_fused);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_forward_10000_calls(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, forward_calls_rank, &seed, 280);
+}
