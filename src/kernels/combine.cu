@@ -33,16 +33,29 @@ extern "C" comet_status_t cometi_launch_combine_tail(char *err, const cometi_com
                                                      int pull, cometi_async_error_t *async_err,
                                                      unsigned long long timeout_ns, cudaStream_t stream)
 {
-    int dev = 0, sm_count = 0, smem = 0;
+    /* Per device, once: its SMs, the most shared memory a block may have, and the kernel
+     * set to use it (one block per SM, every one resident: the record pull ends in a
+     * meeting). */
+    static struct {
+        int sm_count, smem;
+    } devices[64];
+    int dev = 0;
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
-    COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev),
-                           "cudaDeviceGetAttribute(SM count)"));
-    COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
-                           "cudaDeviceGetAttribute(shared memory per block)"));
-    /* One block per SM, every one resident (the record pull ends in a meeting). */
-    COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(combine_tail_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     smem),
-                           "cudaFuncSetAttribute(combine tail shared memory)"));
+    if (dev >= 64)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "combine tail: device %d: at most 64 devices per process", dev);
+    if (!devices[dev].sm_count) {
+        int sm_count = 0, smem = 0;
+        COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev),
+                               "cudaDeviceGetAttribute(SM count)"));
+        COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev),
+                               "cudaDeviceGetAttribute(shared memory per block)"));
+        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(combine_tail_kernel,
+                                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                               "cudaFuncSetAttribute(combine tail shared memory)"));
+        devices[dev].smem = smem;
+        devices[dev].sm_count = sm_count;
+    }
+    const int sm_count = devices[dev].sm_count, smem = devices[dev].smem;
     combine_tail_kernel<<<sm_count, TAIL_THREADS, smem, stream>>>(*c, (const __nv_bfloat16 *)rows, hidden, segs, groups,
                                                                   n_splits, tiles_per_split, split_done, pull,
                                                                   async_err, timeout_ns);
