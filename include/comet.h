@@ -210,7 +210,9 @@ typedef struct comet_moe_args {
  * y = MoE(x), enqueued on `stream`. Collective: every rank calls it, each with its own
  * tokens (num_tokens may differ between ranks) and the same impl. All pointers are
  * device pointers. The fused path never synchronizes the host; its first call allocates
- * its buffers (collective). The baseline path synchronizes the host with `stream` once
+ * its buffers (collective). After that first call, a fused call can be captured in a CUDA
+ * graph and replayed (the token count and pointers are fixed in the graph; the data in
+ * them may change between replays; every rank replays alike). The baseline path synchronizes the host with `stream` once
  * per call (to size its NCCL transfers, as Megatron-LM does). Consecutive calls must use
  * the same stream. Errors: COMET_INVALID_ARGUMENT (a field, or an expert id out of
  * range: the message names the token), COMET_NOT_SUPPORTED (an impl the config does not

@@ -1482,3 +1482,78 @@ int test_gpu_forward_10000_calls(void)
     uint64_t seed = test_seed();
     return launch(2, forward_calls_rank, &seed, 280);
 }
+
+/* ---- the fused forward captured in a CUDA graph and replayed ---- */
+
+/* One fused call (it creates the buffers: no allocation may be captured), then one call
+ * captured and replayed five times with new inputs in the same buffers: each replay's y
+ * against the baseline on those inputs. Replays count on the device (the route's call
+ * counter is in device memory), so the captured arguments stay right. */
+static int graph_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 0, 0, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    fx.skip_reference = 1;
+    const int H = fx.cfg.hidden, M = fx.cfg.max_tokens, me = ctx->rank;
+    moe_case_t c = cases[1]; /* random routing, token counts not multiples of 128 */
+    const int m = c.tokens[me % 2];
+    uint16_t *want = malloc((size_t)M * H * 2), *got = malloc((size_t)M * H * 2);
+    void *y_fused;
+    CUDA_OK(cudaMalloc(&y_fused, (size_t)M * H * 2));
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    comet_status_t st;
+    double err;
+    if (run_case(&fx, &c, seed, 0, &st, &err)) return 1; /* inputs in place */
+    comet_moe_args_t a = fused_args(&fx, &c);
+    a.y = y_fused;
+    a.impl = COMET_IMPL_FUSED;
+    COMET_OK(comet_moe_forward(fx.moe, &a, s), fx.comm); /* warm-up: creates the buffers */
+    CUDA_OK(cudaStreamSynchronize(s));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    st = comet_moe_forward(fx.moe, &a, s);
+    CUDA_OK(cudaStreamEndCapture(s, &graph));
+    if (st != COMET_SUCCESS) printf("captured call: %s\n", comet_moe_last_error(fx.moe));
+    CHECK_EQ(st, COMET_SUCCESS);
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    double worst = 0;
+    for (int replay = 0; replay < 5; replay++) {
+        /* New inputs (same token counts): the baseline writes its y into fx.d_y. */
+        if (run_case(&fx, &c, seed + 1000 + replay, 0, &st, &err)) return 1;
+        CHECK_EQ(st, COMET_SUCCESS);
+        CUDA_OK(cudaMemcpy(want, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemset(y_fused, 0xff, (size_t)M * H * 2));
+        CUDA_OK(cudaDeviceSynchronize());
+        CUDA_OK(cudaGraphLaunch(exec, s));
+        CUDA_OK(cudaStreamSynchronize(s));
+        CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+        CUDA_OK(cudaMemcpy(got, y_fused, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0, row = 0;
+        add_error(got, want, NULL, (size_t)m, H, &num, &den, &row);
+        const double e = den > 0 ? sqrt(num / den) : sqrt(num);
+        if (!(e <= worst)) worst = e;
+        if (!(e < 1e-2) || !(row < 3e-2)) {
+            printf("replay %d: against the baseline %.3g (worst row %.3g)\n", replay, e, row);
+            return 1;
+        }
+    }
+    printf("rank %d: 5 replays of a captured fused forward, against the baseline: worst %.2e\n", me, worst);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+    cudaFree(y_fused);
+    free(want), free(got);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_forward_graph_replay(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, graph_rank, &seed, 110);
+}

@@ -99,20 +99,27 @@ typedef struct peer_tables {
 /*
  * One block. 1) Push this rank's counts into slot [me] of every peer's table (the half
  *    for this call's parity, so a peer one call ahead cannot overwrite what is read).
- * 2) Raise flag [me] on every peer to this call's sequence number (release, system).
+ * 2) Raise flag [me] on every peer to this call's sequence number (release, system),
+ *    one more than the last call's, kept in device memory (*seq).
  * 3) Wait for every peer's flag (acquire, timeout).
  * 4) Build the plan: thread s < world does rank s's send offsets; thread d < world does
  *    rank d's receive segments (local source first). Rows are placed by place_rows_kernel.
  */
 static __global__ void __launch_bounds__(PLAN_THREADS)
 exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int E, int block_m,
-                     unsigned long long seq, const int32_t *local_counts, const int32_t *ids, int n,
+                     unsigned long long *seq_counter, const int32_t *local_counts, const int32_t *ids, int n,
                      cometi_route_dev_plan_t plan, unsigned long long timeout_ns, cometi_async_error_t *err)
 {
+    __shared__ int failed;
+    __shared__ unsigned long long seq_shared;
+    if (threadIdx.x == 0) {
+        failed = 0;
+        seq_shared = *seq_counter + 1;
+    }
+    __syncthreads();
+    const unsigned long long seq = seq_shared;
     const int half = (int)(seq & 1), per = E / world;
     const size_t table_ints = (size_t)2 * world * E;
-    __shared__ int failed;
-    if (threadIdx.x == 0) failed = 0;
     for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
         const int p = i / E, e = i % E;
         peers.base[p][(size_t)half * world * E + (size_t)me * E + e] = local_counts[e];
@@ -168,7 +175,10 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
         plan.local_rows[le] = plan.counts[me * E + e];
         for (int r = 0; r < rows; r += block_m) plan.expected[(start + r) / block_m] += min(block_m, rows - r);
     }
-    if (threadIdx.x == 0) *plan.failed = failed;
+    if (threadIdx.x == 0) {
+        *plan.failed = failed;
+        *seq_counter = seq; /* read only by the next call's kernel, after this one ends */
+    }
     if (threadIdx.x == 0 && local_counts[E] != -1 && atomicCAS(&err->id_claim, 0, 1) == 0) {
         err->id_rank = me;
         err->id_index = local_counts[E];
@@ -231,13 +241,14 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
                                     "cudaMalloc(route counts)"), fail);
     {
         /* 64-bit counters first (alignment), then segments, then the int32 arrays. */
-        size_t ints = (size_t)r->max_blocks * 2 + (size_t)per * 3 + (size_t)W * E * 3 + (size_t)E * 2 + W +
+        size_t ints = 2 + (size_t)r->max_blocks * 2 + (size_t)per * 3 + (size_t)W * E * 3 + (size_t)E * 2 + W +
                       (size_t)max_rows * 3 + (size_t)E * cometi_route_chunks(max_rows) + 1;
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->arena, sizeof(int32_t) * ints),
                                         "cudaMalloc(route plan)"), fail);
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->arena, 0, sizeof(int32_t) * ints),
                                         "clear route plan"), fail);
         int32_t *p = r->arena;
+        r->seq = (unsigned long long *)p, p += 2;
         r->plan.expected = (unsigned long long *)p, p += (size_t)r->max_blocks * 2;
         r->plan.local_segs = (cometi_segment_t *)p, p += (size_t)per * 2;
         r->plan.local_rows = p, p += per;
@@ -285,7 +296,7 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     memset(&peers, 0, sizeof(peers));
     for (int p = 0; p < r->world; p++) peers.base[p] = (int32_t *)r->table.peer[p];
     exchange_plan_kernel<<<1, PLAN_THREADS, 0, stream>>>(peers, (int32_t *)r->table.local, comm->rank, r->world, E,
-                                                        r->block_m, ++r->seq, r->local_counts, topk_ids, n, r->plan,
+                                                        r->block_m, r->seq, r->local_counts, topk_ids, n, r->plan,
                                                         (unsigned long long)comm->timeout_ms * 1000000ull,
                                                         comm->async_dev);
     COMETI_TRY(cometi_cuda(comm->err, cudaGetLastError(), "launch exchange_plan_kernel"));

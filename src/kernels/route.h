@@ -58,7 +58,8 @@ typedef struct cometi_route_dev {
     int32_t *arena;                 /* backs every array of `plan`, and chunk_counts */
     int32_t *chunk_counts;          /* route scratch: [E][cometi_route_chunks(max_rows)] */
     cometi_route_dev_plan_t plan;
-    unsigned long long seq;         /* calls so far: flags only grow, nothing is reset */
+    unsigned long long *seq;        /* device: calls so far (flags only grow, nothing is reset); kept
+                                     * on the device so that a captured CUDA graph counts on replay */
 } cometi_route_dev_t;
 
 /* Collective (allocates a symmetric window). max_rows = max tokens x top-k;
