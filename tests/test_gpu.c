@@ -63,6 +63,14 @@ static int launch(int nranks, cometi_rank_main_t fn, void *arg, int timeout_s)
         }                                                                                          \
     } while (0)
 
+/* Two ranks with the run's seed as their argument; a skip (saying why) without 2 GPUs. */
+static int launch_two_seeded(cometi_rank_main_t fn, int timeout_s)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(2, fn, &seed, timeout_s);
+}
+
 static double now_s(void)
 {
     struct timespec ts;
@@ -467,12 +475,7 @@ static int baseline_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return rc;
 }
 
-int test_gpu_baseline_vs_reference(void)
-{
-    if (!have_gpus(2)) return TEST_SKIP;
-    uint64_t seed = test_seed();
-    return launch(2, baseline_reference_rank, &seed, 280);
-}
+int test_gpu_baseline_vs_reference(void) { return launch_two_seeded(baseline_reference_rank, 280); }
 
 static int baseline_repeat_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
@@ -504,12 +507,7 @@ static int baseline_repeat_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_baseline_repeated_calls(void)
-{
-    if (!have_gpus(2)) return TEST_SKIP;
-    uint64_t seed = test_seed();
-    return launch(2, baseline_repeat_rank, &seed, 280);
-}
+int test_gpu_baseline_repeated_calls(void) { return launch_two_seeded(baseline_repeat_rank, 280); }
 
 static int bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
@@ -535,12 +533,7 @@ static int bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_baseline_bad_expert_id(void)
-{
-    if (!have_gpus(2)) return TEST_SKIP;
-    uint64_t seed = test_seed();
-    return launch(2, bad_id_rank, &seed, 100);
-}
+int test_gpu_baseline_bad_expert_id(void) { return launch_two_seeded(bad_id_rank, 100); }
 
 /* ---- the grouped GEMM against float64 ---- */
 
@@ -933,12 +926,7 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_route_matches_plan(void)
-{
-    if (!have_gpus(2)) return TEST_SKIP;
-    uint64_t seed = test_seed();
-    return launch(2, route_rank, &seed, 170);
-}
+int test_gpu_route_matches_plan(void) { return launch_two_seeded(route_rank, 170); }
 
 static int route_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
@@ -1137,12 +1125,7 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_layer0_matches_baseline(void)
-{
-    if (!have_gpus(2)) return TEST_SKIP;
-    uint64_t seed = test_seed();
-    return launch(2, layer0_rank, &seed, 280);
-}
+int test_gpu_layer0_matches_baseline(void) { return launch_two_seeded(layer0_rank, 280); }
 
 /* ---- the fused layer1 against the baseline's GEMM1 + all-to-all + combine ---- */
 
@@ -1253,12 +1236,7 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_layer1_matches_baseline(void)
-{
-    if (!have_gpus(2)) return TEST_SKIP;
-    uint64_t seed = test_seed();
-    return launch(2, layer1_rank, &seed, 280);
-}
+int test_gpu_layer1_matches_baseline(void) { return launch_two_seeded(layer1_rank, 280); }
 
 /* Rank 1 runs layer0 but never layer1: rank 0's combine must give up with COMET_TIMEOUT
  * (rank 1 waits on a flag nobody raises meanwhile, and times out too). */
@@ -1298,12 +1276,7 @@ static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_layer1_missing_peer_times_out(void)
-{
-    if (!have_gpus(2)) return TEST_SKIP;
-    uint64_t seed = test_seed();
-    return launch(2, layer1_missing_peer_rank, &seed, 100);
-}
+int test_gpu_layer1_missing_peer_times_out(void) { return launch_two_seeded(layer1_missing_peer_rank, 100); }
 
 /* ---- the public forward on the fused path ---- */
 
@@ -1374,12 +1347,7 @@ static int forward_fused_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_forward_fused_matches_baseline(void)
-{
-    if (!have_gpus(2)) return TEST_SKIP;
-    uint64_t seed = test_seed();
-    return launch(2, forward_fused_rank, &seed, 280);
-}
+int test_gpu_forward_fused_matches_baseline(void) { return launch_two_seeded(forward_fused_rank, 280); }
 
 /* ---- 10,000 calls: changing routing and token counts, no drift, no leaks ---- */
 
@@ -1476,12 +1444,7 @@ static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_forward_10000_calls(void)
-{
-    if (!have_gpus(2)) return TEST_SKIP;
-    uint64_t seed = test_seed();
-    return launch(2, forward_calls_rank, &seed, 280);
-}
+int test_gpu_forward_10000_calls(void) { return launch_two_seeded(forward_calls_rank, 280); }
 
 /* ---- the fused forward captured in a CUDA graph and replayed ---- */
 
@@ -1551,9 +1514,4 @@ static int graph_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_forward_graph_replay(void)
-{
-    if (!have_gpus(2)) return TEST_SKIP;
-    uint64_t seed = test_seed();
-    return launch(2, graph_rank, &seed, 110);
-}
+int test_gpu_forward_graph_replay(void) { return launch_two_seeded(graph_rank, 110); }
