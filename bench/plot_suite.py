@@ -1,22 +1,30 @@
 #!/usr/bin/env python3
-"""Plot `comet bench --suite --json FILE` results: two PNGs beside FILE.
+"""Plot `comet bench --suite --json FILE` results: two PNGs beside FILE, and the headline
+table (markdown) on stdout.
 
-  FILE-speedup.png    comet's speedup over the sequential baseline, per preset and token
-                      count, balanced and skewed routing side by side
+  FILE-speedup.png    comet's speedup over the sequential baseline (and over plain PyTorch,
+                      given its records), per preset and token count, balanced and skewed
+                      routing side by side
   FILE-breakdown.png  per case: the baseline's time, comet's, and our two GEMMs alone on
                       the same rows (what a perfect overlap would take), in ms
 
-Usage: python3 bench/plot_suite.py suite.json   (needs matplotlib: pip install matplotlib)
+Usage: python3 bench/plot_suite.py suite.json [suite-torch.json]
+(needs matplotlib: pip install matplotlib; the second file from
+`torchrun --nproc-per-node N bench/torch_peer.py --suite --json suite-torch.json`)
 """
 import json
 import sys
 from collections import defaultdict
 
 
-def load(path):
-    """Cases keyed by (preset, tokens, routing) with the baseline's and comet's figures."""
+def load(path, torch_path=None):
+    """Cases keyed by (preset, tokens, routing) with the baseline's, comet's and (if given)
+    plain PyTorch's figures."""
     with open(path) as f:
         records = json.load(f)
+    if torch_path:
+        with open(torch_path) as f:
+            records += json.load(f)
     cases = defaultdict(dict)
     gpu, ranks = "", 0
     for r in records:
@@ -28,17 +36,43 @@ def load(path):
             key = (r["case"], r["tokens_per_rank"], r["routing"])
             cases[key]["comet_ms"] = r["total_ms"]
             cases[key]["gemms_ms"] = r.get("gemms_alone_in_turns_ms", 0)
+        elif r.get("impl") == "torch":
+            cases[(r["case"], r["tokens_per_rank"], r["routing"])]["torch_ms"] = r["median_ms"]["total"]
     complete = {k: v for k, v in cases.items() if "baseline_ms" in v and v.get("comet_ms", 0) > 0}
     if not complete:
         sys.exit(f"{path}: no case has both a baseline and a comet record (was it written by comet bench --suite?)")
     return complete, gpu, ranks
 
 
+def table(cases, title):
+    """The headline table, markdown: one row per case."""
+    has_torch = any("torch_ms" in c for c in cases.values())
+    print(f"comet on {title}: `comet_moe_forward` with its default settings\n")
+    head = "| preset | tokens per GPU | routing | baseline ms | comet ms | vs baseline |"
+    rule = "|---|---:|---|---:|---:|---:|"
+    if has_torch:
+        head += " PyTorch ms | vs PyTorch |"
+        rule += "---:|---:|"
+    head += " our GEMMs alone ms | comet / GEMMs |"
+    rule += "---:|---:|"
+    print(head)
+    print(rule)
+    for (preset, tokens, routing), c in sorted(cases.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+        row = f"| {preset} | {tokens} | {routing} | {c['baseline_ms']:.3f} | {c['comet_ms']:.3f} | " \
+              f"{c['baseline_ms'] / c['comet_ms']:.2f}x |"
+        if has_torch:
+            t = c.get("torch_ms")
+            row += f" {t:.3f} | {t / c['comet_ms']:.2f}x |" if t else " | |"
+        g = c.get("gemms_ms", 0)
+        row += f" {g:.3f} | {c['comet_ms'] / g:.3f} |" if g > 0 else " | |"
+        print(row)
+
+
 def main():
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
     path = sys.argv[1]
-    cases, gpu, ranks = load(path)
+    cases, gpu, ranks = load(path, sys.argv[2] if len(sys.argv) == 3 else None)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,26 +84,33 @@ def main():
     title = f"{ranks} x {gpu}" if ranks else gpu
     base = path[:-5] if path.endswith(".json") else path
 
-    # Speedup over the baseline: one panel per preset, token counts on x, one bar per routing.
-    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.6), sharey=True, squeeze=False)
+    # Speedup over the baseline (and over PyTorch): one panel per preset, token counts on x,
+    # one bar per routing.
+    against = [("baseline_ms", "the baseline")]
+    if any("torch_ms" in c for c in cases.values()):
+        against.append(("torch_ms", "plain PyTorch"))
+    fig, axes = plt.subplots(len(against), len(presets), figsize=(4.2 * len(presets), 3.6 * len(against)),
+                             sharey="row", squeeze=False)
     width = 0.8 / len(routings)
-    for ax, preset in zip(axes[0], presets):
-        for i, routing in enumerate(routings):
-            xs, ys = [], []
-            for j, t in enumerate(tokens):
-                c = cases.get((preset, t, routing))
-                if c:
-                    xs.append(j + (i - (len(routings) - 1) / 2) * width)
-                    ys.append(c["baseline_ms"] / c["comet_ms"])
-            bars = ax.bar(xs, ys, width, label=routing)
-            ax.bar_label(bars, fmt="%.2f", fontsize=7)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
-        ax.set_xlabel("tokens per GPU")
-        ax.set_title(preset, fontsize=10)
-    axes[0][0].set_ylabel("speedup over the baseline")
+    for row, (field, name) in enumerate(against):
+        for ax, preset in zip(axes[row], presets):
+            for i, routing in enumerate(routings):
+                xs, ys = [], []
+                for j, t in enumerate(tokens):
+                    c = cases.get((preset, t, routing))
+                    if c and c.get(field):
+                        xs.append(j + (i - (len(routings) - 1) / 2) * width)
+                        ys.append(c[field] / c["comet_ms"])
+                bars = ax.bar(xs, ys, width, label=routing)
+                ax.bar_label(bars, fmt="%.2f", fontsize=7)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
+            ax.set_title(preset, fontsize=10)
+            if row == len(against) - 1:
+                ax.set_xlabel("tokens per GPU")
+        axes[row][0].set_ylabel(f"speedup over {name}")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"comet beside the sequential baseline, {title}", fontsize=11)
+    fig.suptitle(f"comet's speedup over {' and over '.join(n for _, n in against)}, {title}", fontsize=11)
     fig.tight_layout()
     fig.savefig(base + "-speedup.png", dpi=120)
 
@@ -99,7 +140,8 @@ def main():
     fig.suptitle(f"time per MoE layer, {title}", fontsize=11)
     fig.tight_layout()
     fig.savefig(base + "-breakdown.png", dpi=120)
-    print(base + "-speedup.png", base + "-breakdown.png")
+    table(cases, title)
+    print(f"\nplots: {base}-speedup.png {base}-breakdown.png")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,14 @@ phase with CUDA events and prints the columns `comet bench` prints, so comet's s
 is a ratio measured on the same GPUs in the same sitting.
 
     torchrun --nproc-per-node 2 bench/torch_peer.py --preset all --tokens 8192
+    torchrun --nproc-per-node 2 bench/torch_peer.py --suite --json bench/suite-torch.json
+
+--suite runs every preset (or those of --preset) at 1024..16384 tokens per GPU with
+balanced and skewed routing, as `comet bench --suite` does; --json writes records in
+the format of comet bench's baseline records (impl "torch"), for bench/plot_suite.py.
 """
 import argparse
+import json
 import os
 import statistics
 
@@ -88,30 +94,41 @@ def moe_layer(x, ids, weights, w13, w2, E, world, marks):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--preset", default="mixtral-8x7b", help="name, comma list, or all")
+    p.add_argument("--preset", help="name, comma list, or all [mixtral-8x7b; with --suite, all]")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--routing", default="balanced", choices=["balanced", "random", "skewed"])
     p.add_argument("--skew", type=float, default=8.0)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--suite", action="store_true", help="1024..16384 tokens x balanced, skewed")
+    p.add_argument("--json", help="also write the results to this file")
     a = p.parse_args()
+    if a.suite and (a.tokens != 8192 or a.routing != "balanced"):
+        p.error("--suite runs 1024 to 16384 tokens and both routings: leave out --tokens and --routing")
+    preset = a.preset or ("all" if a.suite else "mixtral-8x7b")
+    names = list(PRESETS) if preset == "all" else preset.split(",")
+    for name in names:
+        if name not in PRESETS:
+            p.error(f"--preset {name}: expected one of {', '.join(PRESETS)} or all")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
-    names = list(PRESETS) if a.preset == "all" else a.preset.split(",")
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1234 + rank)
-    for name in names:
+    cases = [(r, t, n) for r in ("balanced", "skewed") for t in (1024, 2048, 4096, 8192, 16384) for n in names] \
+        if a.suite else [(a.routing, a.tokens, n) for n in names]
+    records = []
+    for routing_kind, tokens, name in cases:
         E, k, H, Fd = PRESETS[name]
-        per, m = E // world, a.tokens
+        per, m = E // world, tokens
         w13 = torch.randn(per, 2 * Fd, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H ** 0.5
         w2 = torch.randn(per, H, Fd, device="cuda", dtype=torch.bfloat16, generator=gen) / Fd ** 0.5
         sets = []
         for _ in range(NSETS):
             x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-            ids, weights = routing(a.routing, a.skew, m, k, E, rank, gen)
+            ids, weights = routing(routing_kind, a.skew, m, k, E, rank, gen)
             sets.append((x, ids, weights))
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
         phases = {n: [] for n in ("total", "route", "a2a_out", "experts", "a2a_back", "combine")}
@@ -133,15 +150,23 @@ def main():
         total, route, a2a_out, experts, a2a_back, combine = med.tolist()
         if rank == 0:
             print(f"\n{name}: E={E} top-k={k} H={H} F={Fd}, {m} tokens per GPU, {world} x "
-                  f"{torch.cuda.get_device_name()} (EP={world}), routing {a.routing}, torch {torch.__version__}, "
+                  f"{torch.cuda.get_device_name()} (EP={world}), routing {routing_kind}, torch {torch.__version__}, "
                   f"median of {a.iters} calls, slowest rank")
             print(f"{'case':16} {'impl':9} {'tokens':>6} {'total ms':>9} {'dispatch':>9} {'experts':>9} "
                   f"{'combine':>9} {'comm alone':>10} {'GEMM alone':>10} {'TFLOP/s':>8}")
             tflops = flops.item() / world / (experts * 1e-3) / 1e12
             print(f"{name:16} {'torch':9} {m:6d} {total:9.3f} {route + a2a_out:9.3f} {experts:9.3f} "
                   f"{a2a_back + combine:9.3f} {a2a_out + a2a_back:10.3f} {experts:10.3f} {tflops:8.0f}", flush=True)
+            records.append({"case": name, "impl": "torch", "gpu": torch.cuda.get_device_name(), "ranks": world,
+                            "experts": E, "top_k": k, "hidden": H, "ffn": Fd, "tokens_per_rank": m,
+                            "routing": routing_kind, "skew": a.skew, "iters": a.iters, "torch": torch.__version__,
+                            "median_ms": {"total": total, "route": route, "dispatch_a2a": a2a_out,
+                                          "experts": experts, "combine_a2a": a2a_back, "combine": combine}})
         del w13, w2, sets
         torch.cuda.empty_cache()
+    if rank == 0 and a.json:
+        with open(a.json, "w") as f:
+            json.dump(records, f, indent=1)
     dist.destroy_process_group()
 
 
