@@ -135,8 +135,7 @@ comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_l
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
     if (c->kernel_splits == knobs->n_splits) return COMET_SUCCESS;
-    /* Column tiles per split as cometi_gemm_prepare cuts them (256 wide where they fit). */
-    const int tiles_per_split = l->hidden / (l->hidden % 256 == 0 ? 256 : 128) / knobs->n_splits;
+    const int tiles_per_split = l->hidden / cometi_gemm_tile_n(l->hidden) / knobs->n_splits;
     c->trace = l->trace + (size_t)COMETI_COMBINE_TRACE * comm->sm_count; /* the tail's own rows */
     return cometi_launch_combine_tail(comm->err, c, l->out, l->hidden, g.segs, g.groups, knobs->n_splits,
                                       tiles_per_split, l->split_done, knobs->combine_blocks == 0, comm->async_dev,

@@ -35,7 +35,7 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
     out->l0.dispatch_mode = COMETI_DISPATCH_BULK;
     /* Layer1: the tail (reading GEMM1's output back) against GEMM1. */
     const double gemm1_s = 2.0 * rows * F * H / MODEL_GEMM_FLOPS, tail_s = rows * H * 2 / MODEL_TAIL_BYTES;
-    const int tiles = cfg->hidden % 256 == 0 ? cfg->hidden / 256 : cfg->hidden / 128;
+    const int tiles = cfg->hidden / cometi_gemm_tile_n(cfg->hidden);
     out->l1.dynamic_tiles = 1;
     if (world > 1 && tail_s > MODEL_TAIL_SHARE * gemm1_s) {
         out->l1.combine_blocks = clamp(24, 1, sm_count > 1 ? sm_count / 5 : 1);

@@ -350,7 +350,7 @@ int test_cost_model_knobs(void)
         const int world = 1 << (cometi_rand_next(&rng) % 4), sms = 16 + (int)(cometi_rand_next(&rng) % 132);
         cometi_knobs_t k;
         cometi_model_knobs(&cfg, world, sms, &k);
-        const int tiles = cfg.hidden % 256 == 0 ? cfg.hidden / 256 : cfg.hidden / 128;
+        const int tiles = cfg.hidden / cometi_gemm_tile_n(cfg.hidden);
         CHECK(k.l0.dispatch_blocks >= 1 && k.l0.dispatch_blocks < sms);
         CHECK(k.l1.combine_blocks >= 0 && k.l1.combine_blocks < sms);
         CHECK(k.l1.n_splits >= 1 && k.l1.n_splits <= COMETI_MAX_SPLITS && tiles % k.l1.n_splits == 0);

@@ -335,7 +335,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     static const cometi_layer1_knobs_t sweep[] = {
         {0, 1, 1, 1},  {4, 2, 1, 1},  {4, 4, 1, 1},  {8, 2, 1, 1},  {8, 4, 1, 1},  {16, 2, 1, 1},
         {16, 4, 1, 1}, {24, 2, 1, 1}, {24, 4, 1, 1}, {8, 4, 1, 0},  {16, 2, 1, 0}, {24, 2, 1, 0}};
-    const int H = cfg->hidden, M = cfg->max_tokens, tiles = H % 256 == 0 ? H / 256 : H / 128;
+    const int H = cfg->hidden, M = cfg->max_tokens, tiles = H / cometi_gemm_tile_n(H);
     cometi_layer1_t l1;
     comet_status_t st = cometi_layer1_create(comm, cfg, l0, &l1);
     FAIL_IF(st != COMET_SUCCESS, "layer1 (%s): %s", label, comet_comm_last_error(comm));

@@ -654,7 +654,7 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     static_assert(sizeof(prepared_t) <= sizeof(cometi_gemm_prepared_t), "cometi_gemm_prepared_t is too small");
     static_assert(alignof(prepared_t) <= 128, "cometi_gemm_prepared_t is under-aligned");
     /* SwiGLU tiles are 128 output columns: 128 gate and 128 up columns of B. */
-    int block_n = g->swiglu ? 256 : g->block_n ? g->block_n : (g->n % 256 == 0 ? 256 : 128);
+    int block_n = g->swiglu ? 256 : g->block_n ? g->block_n : cometi_gemm_tile_n(g->n);
     const int out_n = g->swiglu ? block_n / 2 : block_n;
     if (g->swiglu && g->block_n && g->block_n != 256)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm block_n = %d with swiglu: only 256 (128 gate + 128 up "

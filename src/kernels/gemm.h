@@ -156,6 +156,10 @@ typedef struct cometi_gemm {
                                     * twice as long is a bug: report, leave (0: 10 s) */
 } cometi_gemm_t;
 
+/* Column tile width of a plain GEMM (no SwiGLU) with n columns when block_n is 0: 256
+ * where it divides n, else 128. Layer1's split counts and the cost model use it too. */
+static inline int cometi_gemm_tile_n(int n) { return n % 256 == 0 ? 256 : 128; }
+
 /* A checked GEMM with its tensor maps built, ready to launch (opaque). */
 #ifdef __cplusplus
 #define COMETI_ALIGN128 alignas(128)
