@@ -5,8 +5,9 @@ table (markdown) on stdout.
   FILE-speedup.png    comet's speedup over the sequential baseline (and over plain PyTorch,
                       given its records), per preset and token count, balanced and skewed
                       routing side by side
-  FILE-breakdown.png  per case: the baseline's time, comet's, and our two GEMMs alone on
-                      the same rows (what a perfect overlap would take), in ms
+  FILE-breakdown.png  per case: the baseline's time, comet's, and comet's again timed in
+                      turns with our two GEMMs alone on the same rows (what a perfect
+                      overlap would take), in ms
 
 Usage: python3 bench/plot_suite.py suite.json [suite-torch.json]
 (needs matplotlib: pip install matplotlib; the second file from
@@ -35,7 +36,10 @@ def load(path, torch_path=None):
         elif r.get("impl") == "comet" and "tokens_per_rank" in r:
             key = (r["case"], r["tokens_per_rank"], r["routing"])
             cases[key]["comet_ms"] = r["total_ms"]
+            # The overlap ratio comes from the pair timed in turns (the same clocks for both).
+            cases[key]["whole_turns_ms"] = r.get("whole_in_turns_ms", 0)
             cases[key]["gemms_ms"] = r.get("gemms_alone_in_turns_ms", 0)
+            cases[key]["cublas_ms"] = r.get("cublas_experts_in_turns_ms", 0)
         elif r.get("impl") == "torch":
             cases[(r["case"], r["tokens_per_rank"], r["routing"])]["torch_ms"] = r["median_ms"]["total"]
     complete = {k: v for k, v in cases.items() if "baseline_ms" in v and v.get("comet_ms", 0) > 0}
@@ -53,8 +57,12 @@ def table(cases, title):
     if has_torch:
         head += " PyTorch ms | vs PyTorch |"
         rule += "---:|---:|"
-    head += " our GEMMs alone ms | comet / GEMMs |"
-    rule += "---:|---:|"
+    has_cublas = any(c.get("cublas_ms", 0) > 0 for c in cases.values())
+    head += " in turns: comet ms | our GEMMs alone ms | comet / GEMMs |"
+    rule += "---:|---:|---:|"
+    if has_cublas:
+        head += " cuBLAS experts ms | our GEMMs / cuBLAS |"
+        rule += "---:|---:|"
     print(head)
     print(rule)
     for (preset, tokens, routing), c in sorted(cases.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
@@ -63,13 +71,16 @@ def table(cases, title):
         if has_torch:
             t = c.get("torch_ms")
             row += f" {t:.3f} | {t / c['comet_ms']:.2f}x |" if t else " | |"
-        g = c.get("gemms_ms", 0)
-        row += f" {g:.3f} | {c['comet_ms'] / g:.3f} |" if g > 0 else " | |"
+        g, whole = c.get("gemms_ms", 0), c.get("whole_turns_ms", 0)
+        row += f" {whole:.3f} | {g:.3f} | {whole / g:.3f} |" if g > 0 and whole > 0 else " | | |"
+        if has_cublas:
+            cb = c.get("cublas_ms", 0)
+            row += f" {cb:.3f} | {g / cb:.3f} |" if cb > 0 and g > 0 else " | |"
         print(row)
 
 
 def main():
-    if len(sys.argv) not in (2, 3):
+    if len(sys.argv) not in (2, 3) or sys.argv[1] in ("-h", "--help"):
         sys.exit(__doc__)
     path = sys.argv[1]
     cases, gpu, ranks = load(path, sys.argv[2] if len(sys.argv) == 3 else None)
@@ -117,7 +128,8 @@ def main():
     # Breakdown: baseline, comet, our GEMMs alone, per case (balanced and skewed rows).
     fig, axes = plt.subplots(len(routings), len(presets), figsize=(4.2 * len(presets), 3.4 * len(routings)),
                              squeeze=False)
-    series = [("baseline_ms", "baseline"), ("comet_ms", "comet"), ("gemms_ms", "our GEMMs alone")]
+    series = [("baseline_ms", "baseline"), ("comet_ms", "comet"), ("whole_turns_ms", "comet, in turns"),
+              ("gemms_ms", "our GEMMs alone, in turns")]
     width = 0.8 / len(series)
     for row, routing in enumerate(routings):
         for col, preset in enumerate(presets):
@@ -127,7 +139,7 @@ def main():
                 for j, t in enumerate(tokens):
                     c = cases.get((preset, t, routing))
                     if c and c.get(field, 0) > 0:
-                        xs.append(j + (i - 1) * width)
+                        xs.append(j + (i - (len(series) - 1) / 2) * width)
                         ys.append(c[field])
                 ax.bar(xs, ys, width, label=name)
             ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])

@@ -119,6 +119,7 @@ typedef struct case_result {
     double l1_diff;    /* y against the baseline's, every token */
     float whole_ms;    /* the whole fused layer (route, layer0, layer1) with the best knobs of each */
     float public_ms;   /* comet_moe_forward on the fused path, its default knobs */
+    float bound_cublas_ms; /* suite: the baseline's cuBLAS expert phase, in turns with the two below */
     float bound_whole_ms, bound_gemms_ms; /* suite: the whole layer (model's knobs) and our GEMM0 +
                                            * GEMM1 alone, in turns */
     double public_check; /* its y against the baseline's (input set 0), every token */
@@ -165,7 +166,8 @@ enum {
     L0_FUSED, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L0_ROUTE_ALONE, /* on the inputs, rotating */
     L1_FUSED, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC,                 /* on what layer0 left */
     WHOLE_BEST,   /* route, layer0 and layer1 with the given knobs, inputs rotating */
-    WHOLE_PUBLIC  /* comet_moe_forward on the fused path, inputs rotating */
+    WHOLE_PUBLIC, /* comet_moe_forward on the fused path, inputs rotating */
+    BASE_EXPERTS  /* the baseline's cuBLAS GEMM0, SwiGLU and GEMM1 on its last call's rows */
 };
 
 typedef struct timed_call {
@@ -186,7 +188,7 @@ typedef struct timed_call {
 static comet_status_t run_timed_call(const timed_call_t *c, int n)
 {
     comet_moe_args_t *a = c->a;
-    if (c->what < L1_FUSED || c->what >= WHOLE_BEST) {
+    if (c->what < L1_FUSED || (c->what >= WHOLE_BEST && c->what != BASE_EXPERTS)) {
         const int set = n % NSETS;
         a->x = c->x[set], a->topk_ids = c->ids[set], a->topk_weights = c->w[set];
     }
@@ -201,6 +203,7 @@ static comet_status_t run_timed_call(const timed_call_t *c, int n)
     case L1_GEMM_ALONE:
     case L1_GEMM_ALONE_DYNAMIC:
         return cometi_layer1_gemm_only(c->comm, c->l1, c->l0, a, c->what == L1_GEMM_ALONE_DYNAMIC, 0);
+    case BASE_EXPERTS: return cometi_baseline_experts(c->moe, c->moe->baseline, a, 0);
     case WHOLE_BEST: {
         comet_status_t st = cometi_layer0_run(c->comm, c->l0, a, c->k0, 0);
         return st != COMET_SUCCESS ? st : cometi_layer1_run(c->comm, c->l1, c->l0, a, c->k1, 0);
@@ -486,10 +489,11 @@ static int run_public_fused(const cometi_rank_ctx_t *ctx, const tool_options_t *
 
 /* The suite's measure of overlap: the whole fused layer with the cost model's settings
  * against our GEMM0 + SwiGLU and GEMM1 alone on the same rows (every SM, no communication:
- * what a perfect overlap would take), taken in turns on input set 0. */
-static int run_overlap_bound(const cometi_rank_ctx_t *ctx, comet_comm_t comm, const comet_moe_config_t *cfg,
-                             const char *label, comet_moe_args_t *a, void **x, int32_t **ids, float **w, int rounds,
-                             case_result_t *res)
+ * what a perfect overlap would take), and against the baseline's cuBLAS expert phase on the
+ * same routing (our GEMMs against cuBLAS under the same clocks), taken in turns on input set 0. */
+static int run_overlap_bound(const cometi_rank_ctx_t *ctx, comet_comm_t comm, comet_moe_t moe,
+                             const comet_moe_config_t *cfg, const char *label, comet_moe_args_t *a, void **x,
+                             int32_t **ids, float **w, int rounds, case_result_t *res)
 {
     cometi_layer0_t l0;
     cometi_layer1_t l1;
@@ -497,17 +501,23 @@ static int run_overlap_bound(const cometi_rank_ctx_t *ctx, comet_comm_t comm, co
     FAIL_IF(st != COMET_SUCCESS, "layer0 (%s): %s", label, comet_comm_last_error(comm));
     st = cometi_layer1_create(comm, cfg, &l0, &l1);
     FAIL_IF(st != COMET_SUCCESS, "layer1 (%s): %s", label, comet_comm_last_error(comm));
-    if (ctx->rank == 0) fprintf(stderr, "[bench] %s: the whole layer beside our GEMMs alone\n", label);
+    if (ctx->rank == 0) fprintf(stderr, "[bench] %s: the whole layer beside our GEMMs alone and cuBLAS's\n", label);
     cometi_knobs_t k;
     cometi_model_knobs(cfg, ctx->nranks, comm->sm_count, &k);
     void *y_base = a->y;
     CUDA_OK(cudaMalloc(&a->y, (size_t)cfg->max_tokens * cfg->hidden * 2 + 16));
-    const timed_call_t base = {WHOLE_BEST, comm, NULL, &l0, &l1, a, x, ids, w, &k.l0, &k.l1};
-    const int whats[5] = {WHOLE_BEST, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC};
-    float med[5];
-    if (time_in_turns(&base, whats, 5, rounds, med)) return 1;
+    /* One baseline call on input set 0 leaves its rows for BASE_EXPERTS. */
+    a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0], a->impl = COMET_IMPL_BASELINE;
+    st = comet_moe_forward(moe, a, 0);
+    FAIL_IF(st != COMET_SUCCESS, "forward (%s): %s", label, comet_moe_last_error(moe));
+    const timed_call_t base = {WHOLE_BEST, comm, moe, &l0, &l1, a, x, ids, w, &k.l0, &k.l1};
+    const int whats[6] = {WHOLE_BEST, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC,
+                          BASE_EXPERTS};
+    float med[6];
+    if (time_in_turns(&base, whats, 6, rounds, med)) return 1;
     res->bound_whole_ms = med[0];
     res->bound_gemms_ms = (med[1] < med[2] ? med[1] : med[2]) + (med[3] < med[4] ? med[3] : med[4]);
+    res->bound_cublas_ms = med[5];
     cudaFree(a->y);
     a->y = y_base;
     cometi_layer1_destroy(comm, &l1);
@@ -641,7 +651,7 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
     for (int i = 0; i < COMETI_NUM_MARKS; i++) cudaEventDestroy(marks[i]);
     if (o->run_comet && !o->suite && run_layer0(ctx, o, comm, moe, cfg, label, &a, x, ids, w, res)) return 1;
     if (o->run_comet && run_public_fused(ctx, o, comm, moe, cfg, label, &a, x, ids, w, res)) return 1;
-    if (o->run_comet && o->suite && run_overlap_bound(ctx, comm, cfg, label, &a, x, ids, w, o->iters, res)) return 1;
+    if (o->run_comet && o->suite && run_overlap_bound(ctx, comm, moe, cfg, label, &a, x, ids, w, o->iters, res)) return 1;
     for (int set = 0; set < NSETS; set++) cudaFree(x[set]), cudaFree(ids[set]), cudaFree(w[set]);
     cudaFree(gate_up), cudaFree(down), cudaFree(y);
     comet_moe_destroy(moe);
@@ -705,15 +715,17 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                        base.ms[P_TOTAL] / base.whole_ms);
             printf("; y vs baseline %.1e%s\n", base.public_check, base.public_check > 1e-2 ? "!" : "");
             if (base.bound_gemms_ms > 0)
-                printf("  in turns: the whole layer %.3f ms, our GEMM0 + GEMM1 alone %.3f ms (whole / GEMMs %.3f)\n",
-                       base.bound_whole_ms, base.bound_gemms_ms, base.bound_whole_ms / base.bound_gemms_ms);
+                printf("  in turns: the whole layer %.3f ms, our GEMM0 + GEMM1 alone %.3f ms (whole / GEMMs %.3f), "
+                       "the baseline's cuBLAS experts %.3f ms (our GEMMs / cuBLAS %.3f)\n", base.bound_whole_ms,
+                       base.bound_gemms_ms, base.bound_whole_ms / base.bound_gemms_ms, base.bound_cublas_ms,
+                       base.bound_gemms_ms / base.bound_cublas_ms);
             if (json)
                 fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"comet\", \"tokens_per_rank\": %d, "
                         "\"routing\": \"%s\", \"total_ms\": %.4f, \"best_knobs_total_ms\": %.4f, "
                         "\"baseline_total_ms\": %.4f, \"whole_in_turns_ms\": %.4f, \"gemms_alone_in_turns_ms\": "
-                        "%.4f, \"diff_vs_baseline\": %.3g}", label, cfg->max_tokens, routing_name(o->routing),
-                        base.public_ms, base.whole_ms, base.ms[P_TOTAL], base.bound_whole_ms, base.bound_gemms_ms,
-                        base.public_check);
+                        "%.4f, \"cublas_experts_in_turns_ms\": %.4f, \"diff_vs_baseline\": %.3g}", label, cfg->max_tokens,
+                        routing_name(o->routing), base.public_ms, base.whole_ms, base.ms[P_TOTAL], base.bound_whole_ms,
+                        base.bound_gemms_ms, base.bound_cublas_ms, base.public_check);
         }
         if (o->run_baseline && base.l0_runs) {
             const float l0 = base.l0_ms[base.l0_best];
@@ -780,7 +792,7 @@ typedef struct suite_row {
     char label[64];
     int tokens;
     cometi_routing_t routing;
-    float baseline_ms, comet_ms, whole_ms, gemms_ms;
+    float baseline_ms, comet_ms, whole_ms, gemms_ms, cublas_ms;
 } suite_row_t;
 
 int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
@@ -836,18 +848,21 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 r->comet_ms = base.public_ms;
                 r->whole_ms = base.bound_whole_ms;
                 r->gemms_ms = base.bound_gemms_ms;
+                r->cublas_ms = base.bound_cublas_ms;
             }
         }
     }
     if (o->suite && ctx->rank == 0) {
         printf("\nsuite, %d x %s: comet (comet_moe_forward, default settings) beside the baseline; the whole "
-               "layer beside our two GEMMs alone, in turns\n", ctx->nranks, prop.name);
-        printf("%-16s %6s %-9s %11s %9s %8s %10s %12s\n", "case", "tokens", "routing", "baseline ms", "comet ms",
-               "speedup", "GEMMs ms", "whole/GEMMs");
+               "layer beside our two GEMMs alone, and those beside the baseline's cuBLAS experts, in turns\n",
+               ctx->nranks, prop.name);
+        printf("%-16s %6s %-9s %11s %9s %8s %10s %12s %10s %12s\n", "case", "tokens", "routing", "baseline ms",
+               "comet ms", "speedup", "GEMMs ms", "whole/GEMMs", "cuBLAS ms", "GEMMs/cuBLAS");
         for (int i = 0; i < nrows; i++)
-            printf("%-16s %6d %-9s %11.3f %9.3f %7.2fx %10.3f %12.3f\n", rows[i].label, rows[i].tokens,
+            printf("%-16s %6d %-9s %11.3f %9.3f %7.2fx %10.3f %12.3f %10.3f %12.3f\n", rows[i].label, rows[i].tokens,
                    routing_name(rows[i].routing), rows[i].baseline_ms, rows[i].comet_ms,
-                   rows[i].baseline_ms / rows[i].comet_ms, rows[i].gemms_ms, rows[i].whole_ms / rows[i].gemms_ms);
+                   rows[i].baseline_ms / rows[i].comet_ms, rows[i].gemms_ms, rows[i].whole_ms / rows[i].gemms_ms,
+                   rows[i].cublas_ms, rows[i].gemms_ms / rows[i].cublas_ms);
     }
     free(rows);
     if (json) {

@@ -28,6 +28,7 @@ struct cometi_baseline {
     int32_t *counts_host; /* [world][E + 1] */
     int32_t *send_base_host;
     cometi_segment_t *segs_host;
+    int max_seg_rows;     /* the last call's largest local segment */
 };
 
 void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, const void **act)
@@ -118,13 +119,50 @@ static comet_status_t mark(comet_moe_t moe, int which, cudaStream_t stream)
 
 #define BF16 2
 
+/* GEMM0 (gate and up), SwiGLU, GEMM1: one cuBLAS call per expert and matrix, on the
+ * segments of the last forward call (the ACTIVATED mark between SwiGLU and GEMM1). */
+comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
+                                       cudaStream_t stream)
+{
+    char *err = moe->err;
+    const int per = moe->experts_per_rank, H = moe->cfg.hidden, F = moe->cfg.ffn;
+    COMETI_TRY(cublas_status(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
+    for (int le = 0; le < per; le++) {
+        const int rows = b->segs_host[le].rows;
+        if (!rows) continue;
+        const char *a = (const char *)b->recv + (size_t)b->segs_host[le].start * H * BF16;
+        char *h = (char *)b->h + (size_t)b->segs_host[le].start * 2 * F * BF16;
+        if (args->weights.gate_up) {
+            const char *w = (const char *)args->weights.gate_up + (size_t)le * 2 * F * H * BF16;
+            COMETI_TRY(cometi_cublas_rows(b->cublas, err, rows, 2 * F, H, a, w, h, 2 * F));
+        } else {
+            const char *wg = (const char *)args->weights.gate + (size_t)le * F * H * BF16;
+            const char *wu = (const char *)args->weights.up + (size_t)le * F * H * BF16;
+            COMETI_TRY(cometi_cublas_rows(b->cublas, err, rows, F, H, a, wg, h, 2 * F));
+            COMETI_TRY(cometi_cublas_rows(b->cublas, err, rows, F, H, a, wu, h + (size_t)F * BF16, 2 * F));
+        }
+    }
+    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu(b->h, b->act, F, b->segs, per, b->max_seg_rows, stream),
+                           "launch swiglu_kernel"));
+    COMETI_TRY(mark(moe, COMETI_MARK_ACTIVATED, stream));
+    for (int le = 0; le < per; le++) {
+        const int rows = b->segs_host[le].rows;
+        if (!rows) continue;
+        const char *a = (const char *)b->act + (size_t)b->segs_host[le].start * F * BF16;
+        const char *w = (const char *)args->weights.down + (size_t)le * H * F * BF16;
+        char *o = (char *)b->out + (size_t)b->segs_host[le].start * H * BF16;
+        COMETI_TRY(cometi_cublas_rows(b->cublas, err, rows, H, F, a, w, o, H));
+    }
+    return COMET_SUCCESS;
+}
+
 comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        cudaStream_t stream)
 {
     char *err = moe->err;
     const comet_moe_config_t *c = &moe->cfg;
     const int W = moe->comm->size, me = moe->comm->rank, E = c->num_experts, per = moe->experts_per_rank;
-    const int H = c->hidden, F = c->ffn, k = c->top_k, m = args->num_tokens, n = m * k;
+    const int H = c->hidden, k = c->top_k, m = args->num_tokens, n = m * k;
     ncclComm_t nccl = moe->comm->nccl;
     comet_status_t st;
 
@@ -198,34 +236,9 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "dispatch all-to-all"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_DISPATCHED, stream), out);
 
-    /* 3. Experts: GEMM0 (gate and up), SwiGLU, GEMM1, one cuBLAS call per expert and matrix. */
-    COMETI_TRY_GOTO(st, cublas_status(err, cublasSetStream(b->cublas, stream), "cublasSetStream"), out);
-    for (int le = 0; le < per; le++) {
-        int e = moe->first_expert + le, rows = (int)plan.seg_rows[e];
-        if (!rows) continue;
-        const char *a = (const char *)b->recv + plan.seg_start[e] * H * BF16;
-        char *h = (char *)b->h + plan.seg_start[e] * 2 * F * BF16;
-        if (args->weights.gate_up) {
-            const char *w = (const char *)args->weights.gate_up + (size_t)le * 2 * F * H * BF16;
-            COMETI_TRY_GOTO(st, cometi_cublas_rows(b->cublas, err, rows, 2 * F, H, a, w, h, 2 * F), out);
-        } else {
-            const char *wg = (const char *)args->weights.gate + (size_t)le * F * H * BF16;
-            const char *wu = (const char *)args->weights.up + (size_t)le * F * H * BF16;
-            COMETI_TRY_GOTO(st, cometi_cublas_rows(b->cublas, err, rows, F, H, a, wg, h, 2 * F), out);
-            COMETI_TRY_GOTO(st, cometi_cublas_rows(b->cublas, err, rows, F, H, a, wu, h + (size_t)F * BF16, 2 * F), out);
-        }
-    }
-    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_swiglu(b->h, b->act, F, b->segs, per, max_seg_rows, stream),
-                                    "launch swiglu_kernel"), out);
-    COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_ACTIVATED, stream), out);
-    for (int le = 0; le < per; le++) {
-        int e = moe->first_expert + le, rows = (int)plan.seg_rows[e];
-        if (!rows) continue;
-        const char *a = (const char *)b->act + plan.seg_start[e] * F * BF16;
-        const char *w = (const char *)args->weights.down + (size_t)le * H * F * BF16;
-        char *o = (char *)b->out + plan.seg_start[e] * H * BF16;
-        COMETI_TRY_GOTO(st, cometi_cublas_rows(b->cublas, err, rows, H, F, a, w, o, H), out);
-    }
+    /* 3. Experts. */
+    b->max_seg_rows = max_seg_rows;
+    COMETI_TRY_GOTO(st, cometi_baseline_experts(moe, b, args, stream), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_COMPUTED, stream), out);
 
     /* 4. Return: each chunk goes back to its source, landing where it left from. */

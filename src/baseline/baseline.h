@@ -37,6 +37,10 @@ void cometi_baseline_destroy(cometi_baseline_t *b);
 void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, const void **act);
 comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        cudaStream_t stream);
+/* The forward's expert phase alone (cuBLAS GEMM0, SwiGLU, cuBLAS GEMM1), again on the rows
+ * the last forward call received: the bench times it against our GEMMs on the same rows. */
+comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
+                                       cudaStream_t stream);
 
 /* C[rows][n] = A[rows][k] * W[n][k]^T through cuBLAS (bf16, fp32 accumulation), on the
  * handle's stream: what the baseline runs per expert. */
