@@ -119,6 +119,8 @@ typedef struct case_result {
     double l1_diff;    /* y against the baseline's, every token */
     float whole_ms;    /* the whole fused layer (route, layer0, layer1) with the best knobs of each */
     float public_ms;   /* comet_moe_forward on the fused path, its default knobs */
+    float tuned_turns_ms, model_turns_ms; /* the whole layer, sweeps' best against the model's, in turns */
+    cometi_knobs_t model_knobs;
     float bound_cublas_ms; /* suite: the baseline's cuBLAS expert phase, in turns with the two below */
     float bound_whole_ms, bound_gemms_ms; /* suite: the whole layer (model's knobs) and our GEMM0 +
                                            * GEMM1 alone, in turns */
@@ -166,6 +168,7 @@ enum {
     L0_FUSED, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L0_ROUTE_ALONE, /* on the inputs, rotating */
     L1_FUSED, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC,                 /* on what layer0 left */
     WHOLE_BEST,   /* route, layer0 and layer1 with the given knobs, inputs rotating */
+    WHOLE_MODEL,  /* the same with the cost model's knobs (`model`) */
     WHOLE_PUBLIC, /* comet_moe_forward on the fused path, inputs rotating */
     BASE_EXPERTS  /* the baseline's cuBLAS GEMM0, SwiGLU and GEMM1 on its last call's rows */
 };
@@ -182,6 +185,7 @@ typedef struct timed_call {
     float **w;
     const cometi_layer0_knobs_t *k0;
     const cometi_layer1_knobs_t *k1;
+    const cometi_knobs_t *model; /* WHOLE_MODEL's knobs */
 } timed_call_t;
 
 /* Call number n (from 0, warm-up included). */
@@ -207,6 +211,10 @@ static comet_status_t run_timed_call(const timed_call_t *c, int n)
     case WHOLE_BEST: {
         comet_status_t st = cometi_layer0_run(c->comm, c->l0, a, c->k0, 0);
         return st != COMET_SUCCESS ? st : cometi_layer1_run(c->comm, c->l1, c->l0, a, c->k1, 0);
+    }
+    case WHOLE_MODEL: {
+        comet_status_t st = cometi_layer0_run(c->comm, c->l0, a, &c->model->l0, 0);
+        return st != COMET_SUCCESS ? st : cometi_layer1_run(c->comm, c->l1, c->l0, a, &c->model->l1, 0);
     }
     default: {
         comet_status_t st = comet_moe_forward(c->moe, a, 0);
@@ -278,7 +286,7 @@ static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t 
                        float **w, const cometi_layer0_knobs_t *knobs, int warmup, int iters, int what,
                        float *out)
 {
-    const timed_call_t c = {what, comm, NULL, l0, NULL, a, x, ids, w, knobs, NULL};
+    const timed_call_t c = {what, comm, NULL, l0, NULL, a, x, ids, w, knobs, NULL, NULL};
     return time_calls(&c, warmup, iters, out);
 }
 
@@ -288,7 +296,7 @@ static int time_layer1(comet_comm_t comm, cometi_layer0_t *l0, cometi_layer1_t *
                        int32_t **ids, float **w, const cometi_layer0_knobs_t *k0, const cometi_layer1_knobs_t *k1,
                        int warmup, int iters, int what, float *out)
 {
-    const timed_call_t c = {what, comm, NULL, l0, l1, a, x, ids, w, k0, k1};
+    const timed_call_t c = {what, comm, NULL, l0, l1, a, x, ids, w, k0, k1, NULL};
     return time_calls(&c, warmup, iters, out);
 }
 
@@ -359,7 +367,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         res->l1_runs++;
     }
     const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
-    const timed_call_t turns = {L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, best};
+    const timed_call_t turns = {L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, best, NULL};
     if (fused_vs_alone(&turns, o->iters, &res->l1_paired_ms, &res->l1_gemm_alone_ms)) return 1;
     /* y on poisoned output against the baseline's, every token. */
     CUDA_OK(cudaMemset(y, 0xff, (size_t)M * H * 2));
@@ -377,6 +385,16 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                     &res->whole_ms))
         return 1;
     if (allreduce(comm, &res->whole_ms, 1, ncclMax)) return 1;
+    /* What `comet tune` writes against what the cost model picks, in turns on one input set. */
+    cometi_knobs_t model;
+    cometi_model_knobs(cfg, ctx->nranks, comm->sm_count, &model);
+    const timed_call_t pair = {WHOLE_BEST, comm, NULL, l0, &l1, a, x, ids, w, &res->l0_knobs[res->l0_best], best,
+                               &model};
+    const int whats[2] = {WHOLE_BEST, WHOLE_MODEL};
+    float med[2];
+    if (time_in_turns(&pair, whats, 2, o->iters, med)) return 1;
+    res->tuned_turns_ms = med[0], res->model_turns_ms = med[1];
+    res->model_knobs = model;
     a->y = y_base;
     cudaFree(y);
     cometi_layer1_destroy(comm, &l1);
@@ -410,7 +428,7 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         res->l0_runs++;
     }
     /* The ratio that matters, fused against our GEMM alone, from calls taken in turns. */
-    const timed_call_t turns = {L0_FUSED, comm, NULL, &l0, NULL, a, x, ids, w, &res->l0_knobs[res->l0_best], NULL};
+    const timed_call_t turns = {L0_FUSED, comm, NULL, &l0, NULL, a, x, ids, w, &res->l0_knobs[res->l0_best], NULL, NULL};
     if (fused_vs_alone(&turns, o->iters, &res->l0_paired_ms, &res->l0_gemm_alone_ms)) return 1;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0];
@@ -468,7 +486,7 @@ static int run_public_fused(const cometi_rank_ctx_t *ctx, const tool_options_t *
     f.impl = COMET_IMPL_FUSED;
     void *y_base = a->y;
     CUDA_OK(cudaMalloc(&f.y, (size_t)M * H * 2 + 16));
-    const timed_call_t c = {WHOLE_PUBLIC, comm, moe, NULL, NULL, &f, x, ids, w, NULL, NULL};
+    const timed_call_t c = {WHOLE_PUBLIC, comm, moe, NULL, NULL, &f, x, ids, w, NULL, NULL, NULL};
     if (time_calls(&c, o->warmup, o->iters, &res->public_ms)) return 1;
     if (allreduce(comm, &res->public_ms, 1, ncclMax)) return 1;
     /* y on input set 0, poisoned first, against the baseline's. */
@@ -510,7 +528,7 @@ static int run_overlap_bound(const cometi_rank_ctx_t *ctx, comet_comm_t comm, co
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0], a->impl = COMET_IMPL_BASELINE;
     st = comet_moe_forward(moe, a, 0);
     FAIL_IF(st != COMET_SUCCESS, "forward (%s): %s", label, comet_moe_last_error(moe));
-    const timed_call_t base = {WHOLE_BEST, comm, moe, &l0, &l1, a, x, ids, w, &k.l0, &k.l1};
+    const timed_call_t base = {WHOLE_BEST, comm, moe, &l0, &l1, a, x, ids, w, &k.l0, &k.l1, NULL};
     const int whats[6] = {WHOLE_BEST, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC,
                           BASE_EXPERTS};
     float med[6];
@@ -754,6 +772,12 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                 char tuning[160];
                 cometi_tuning_line(cfg, ctx->nranks, &tuned, tuning, sizeof(tuning));
                 printf("  tuning line for the best of both sweeps (COMET_TUNING_FILE): %s\n", tuning);
+                char model_line[160];
+                cometi_tuning_line(cfg, ctx->nranks, &base.model_knobs, model_line, sizeof(model_line));
+                const char *model_knobs = strchr(model_line, ':') ? strchr(model_line, ':') + 2 : model_line;
+                printf("  the whole layer in turns: these settings %.3f ms, the cost model's (%s) %.3f ms "
+                       "(tuned / model %.3f)\n", base.tuned_turns_ms, model_knobs,
+                       base.model_turns_ms, base.tuned_turns_ms / base.model_turns_ms);
                 char terr[512];
                 if (o->tune_out && cometi_tuning_update(o->tune_out, cfg, ctx->nranks, &tuned, terr, sizeof(terr)))
                     FAIL_IF(1, "comet tune: %s", terr);
@@ -767,8 +791,10 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                     fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer1\", \"baseline_layer1_ms\": "
                             "%.4f, \"fused_ms\": %.4f, \"combine_blocks\": %d, \"splits\": %d, "
                             "\"fused_in_turns_ms\": %.4f, \"gemm1_alone_in_turns_ms\": %.4f, "
-                            "\"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER1], l1, k1->combine_blocks,
-                            k1->n_splits, base.l1_paired_ms, base.l1_gemm_alone_ms, base.l1_diff);
+                            "\"diff_vs_baseline\": %.3g, \"whole_tuned_in_turns_ms\": %.4f, "
+                            "\"whole_model_in_turns_ms\": %.4f}", label, base.ms[P_LAYER1], l1, k1->combine_blocks,
+                            k1->n_splits, base.l1_paired_ms, base.l1_gemm_alone_ms, base.l1_diff,
+                            base.tuned_turns_ms, base.model_turns_ms);
             }
             if (json)
                 fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer0\", \"baseline_layer0_ms\": %.4f, "
