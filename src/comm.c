@@ -205,6 +205,7 @@ static const char *site_name(int site)
     case COMETI_SITE_ROUTE: return "the routing-count exchange";
     case COMETI_SITE_ARRIVAL: return "a GEMM tile waiting for its token rows";
     case COMETI_SITE_COMBINE: return "the combine waiting for its tokens' rows of a column split";
+    case COMETI_SITE_PUSH: return "the push's sum waiting for its tokens' rows to come home";
     case COMETI_SITE_GEMM: return "a GEMM pipeline wait (a bug in comet)";
     default: return "a device wait";
     }

@@ -51,6 +51,7 @@ typedef enum cometi_wait_site {
     COMETI_SITE_ROUTE = 4,     /* the routing-count exchange: a peer's counts never came */
     COMETI_SITE_ARRIVAL = 5,   /* a GEMM tile's token rows never all arrived */
     COMETI_SITE_COMBINE = 6,   /* layer1: a column split's rows never all came home */
+    COMETI_SITE_PUSH = 7,      /* layer1's push: its tokens' rows never all came home */
 } cometi_wait_site_t;
 
 /* Written by kernels into host-mapped memory, read by the host without a sync. */

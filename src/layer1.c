@@ -20,24 +20,29 @@ comet_status_t cometi_layer1_create(comet_comm_t comm, const comet_moe_config_t 
     l->slots_per_token = cfg->top_k < W ? cfg->top_k : W;
     const size_t rows = (size_t)l0->max_recv_rows;
     comet_status_t st;
-    COMETI_TRY_GOTO(st, cometi_window_create(comm, (size_t)cfg->max_tokens * l->slots_per_token * cfg->hidden * 2 + 16,
+    /* top_k slots per token: the push's; the combine uses the first slots_per_token. */
+    COMETI_TRY_GOTO(st, cometi_window_create(comm, (size_t)cfg->max_tokens * cfg->top_k * cfg->hidden * 2 + 16,
                                              &l->slots), fail);
-    COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(unsigned long long) * COMETI_MAX_SPLITS, &l->arrive), fail);
+    COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(unsigned long long) * (COMETI_MAX_SPLITS + 1), &l->arrive),
+                    fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->arrive.local, 0, l->arrive.bytes), "clear layer1 arrivals"),
                     fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->out, rows * cfg->hidden * 2), "cudaMalloc(GEMM1 output)"),
                     fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->meta, rows * sizeof(cometi_row_meta_t)),
                                     "cudaMalloc(layer1 row records)"), fail);
-    /* Counters: split_done, expected (two halves), then the kernel's words. */
-    const size_t counter_bytes = sizeof(unsigned long long) * 3 * COMETI_MAX_SPLITS +
-                                 sizeof(unsigned int) * COMETI_GEMM_SCHED_WORDS;
+    /* Counters: split_done, expected (two halves), the push's expected, then the kernel's
+     * words and the push sum's. */
+    const size_t counter_bytes = sizeof(unsigned long long) * (3 * COMETI_MAX_SPLITS + 1) +
+                                 sizeof(unsigned int) * (COMETI_GEMM_SCHED_WORDS + 1);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->split_done, counter_bytes),
                                     "cudaMalloc(layer1 counters)"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->split_done, 0, counter_bytes), "clear layer1 counters"),
                     fail);
     l->expected = l->split_done + COMETI_MAX_SPLITS;
-    l->sched = (unsigned int *)(l->expected + 2 * COMETI_MAX_SPLITS);
+    l->push_expected = l->expected + 2 * COMETI_MAX_SPLITS;
+    l->sched = (unsigned int *)(l->push_expected + 1);
+    l->push_done = l->sched + COMETI_GEMM_SCHED_WORDS;
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->trace, sizeof(unsigned long long) *
                                                           COMETI_COMBINE_TRACE * 2 * comm->sm_count),
                                     "cudaMalloc(layer1 trace)"), fail);
@@ -94,6 +99,48 @@ static cometi_gemm_t gemm1(comet_comm_t comm, const cometi_layer1_t *l, const co
     return g;
 }
 
+/* The push: GEMM1 on every SM, each tile's rows sent home from its epilogue, then the
+ * owner's sum. */
+static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0, const comet_moe_args_t *a,
+                               const cometi_layer1_knobs_t *knobs, cudaStream_t stream)
+{
+    cometi_gemm_t g = gemm1(comm, l, l0, a);
+    g.sched = knobs->dynamic_tiles ? l->sched : NULL;
+    g.push = 1;
+    g.epilogue = COMETI_EPILOGUE_TMA;
+    cometi_combine_t *c = &g.combine;
+    c->peers = l->peers;
+    c->counts = l0->route.plan.counts;
+    c->send_offset = l0->route.plan.send_offset;
+    c->recv_offset = l0->route.plan.recv_offset;
+    c->num_experts = l0->num_experts;
+    c->experts_per_rank = l0->num_experts / comm->size;
+    c->top_k = l0->top_k;
+    c->rank = comm->rank;
+    c->world = comm->size;
+    cometi_push_sum_t s;
+    memset(&s, 0, sizeof(s));
+    s.slots = l->slots.local;
+    s.arrive = (const unsigned long long *)l->arrive.local + COMETI_PUSH_COUNTER;
+    s.expected = l->push_expected;
+    s.done = l->push_done;
+    s.topk_ids = a->topk_ids;
+    s.pos = l0->route.plan.pos;
+    s.send_offset = l0->route.plan.send_offset;
+    s.weights = a->topk_weights;
+    s.y = a->y;
+    s.num_tokens = a->num_tokens;
+    s.top_k = l0->top_k;
+    s.hidden = l->hidden;
+    s.num_experts = l0->num_experts;
+    s.rank = comm->rank;
+    s.col_tiles = l->hidden / cometi_gemm_tile_n(l->hidden);
+    cometi_gemm_prepared_t prepared;
+    COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
+    COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
+    return cometi_launch_push_sum(comm->err, &s, comm->async_dev, g.timeout_ns, stream);
+}
+
 comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0,
                                  const comet_moe_args_t *a, const cometi_layer1_knobs_t *knobs, cudaStream_t stream)
 {
@@ -106,6 +153,10 @@ comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_l
     if ((uintptr_t)a->y % 16)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "y = %p: the fused layer needs 16-byte aligned rows",
                            a->y);
+    if (knobs->push && (knobs->combine_blocks || knobs->n_splits != 1))
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "push with %d combine blocks and %d splits: the push "
+                           "needs 0 combine blocks and 1 split", knobs->combine_blocks, knobs->n_splits);
+    if (knobs->push) return run_push(comm, l, l0, a, knobs, stream);
     cometi_gemm_t g = gemm1(comm, l, l0, a);
     g.n_splits = knobs->n_splits;
     g.split_done = l->split_done;

@@ -16,13 +16,17 @@ extern "C" {
 
 typedef struct cometi_layer1 {
     cometi_window_t slots;            /* [max_tokens][slots_per_token][hidden] bf16: this rank's tokens'
-                                       * rows, one per rank that computed some of its choices */
-    cometi_window_t arrive;           /* [COMETI_MAX_SPLITS] u64: rows summed into the slots, over all calls */
+                                       * rows, one per rank that computed some of its choices; with
+                                       * the push, [max_tokens * top_k][hidden], one per choice */
+    cometi_window_t arrive;           /* [COMETI_MAX_SPLITS + 1] u64: rows summed into the slots per
+                                       * split, then rows pushed, over all calls */
     cometi_combine_peer_t *peers;     /* [world] device table of every rank's windows */
     void *out;                        /* [max_recv_rows][hidden] bf16: GEMM1's output */
     cometi_row_meta_t *meta;          /* [max_recv_rows] records of the received rows */
     unsigned long long *split_done;   /* [COMETI_MAX_SPLITS] GEMM1 rows finished per split, over all calls */
     unsigned long long *expected;     /* [2][COMETI_MAX_SPLITS] what the combine waits for next */
+    unsigned long long *push_expected; /* [1] what the push's sum waits for next */
+    unsigned int *push_done;          /* [1] the push sum's blocks out, zero between calls */
     unsigned int *sched;              /* the kernel's counters, zero between calls */
     unsigned long long *trace;        /* [2][SMs][COMETI_COMBINE_TRACE]: the last call's combine timeline,
                                        * combine blocks then the tail kernel's blocks */
@@ -37,6 +41,11 @@ typedef struct cometi_layer1_knobs {
     int dynamic_tiles;  /* GEMM tiles from a shared counter, else the static split */
     int tail;           /* the last split's combine runs after the GEMM on every SM, not on
                          * the combine blocks (implied by combine_blocks = 0) */
+    int push;           /* GEMM1's epilogue sends each finished tile's rows to their token
+                         * owners (every choice its own slot, no pre-sum), and the owner sums
+                         * them after: the communication rides in the GEMM on no SM of its
+                         * own. Needs combine_blocks = 0 and n_splits = 1. Its sum order (by
+                         * choice) differs from the combine's (by rank), so its bits do too. */
 } cometi_layer1_knobs_t;
 
 /* Collective. Needs top_k <= COMETI_COMBINE_MAX_TOP_K and the layer0 of the same config. */

@@ -66,6 +66,13 @@ static int parse_word(const char *tok, const char *zero, const char *one, int *v
     return -1;
 }
 
+/* How layer1 ends: 0 notail, 1 tail, 2 push. */
+static int parse_layer1_word(const char *tok, int *v)
+{
+    if (tok && !strcmp(tok, "push")) return *v = 2, 0;
+    return parse_word(tok, "notail", "tail", v);
+}
+
 int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int world, cometi_knobs_t *out, char *err,
                          size_t err_len)
 {
@@ -76,7 +83,7 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
     }
     static const char *names[12] = {"world",           "experts", "top_k",          "hidden",
                                     "ffn",             "max_tokens", "dispatch_blocks", "copy (bulk|stores)",
-                                    "combine_blocks",  "splits",  "tiles (static|dynamic)", "tail (tail|notail)"};
+                                    "combine_blocks",  "splits",  "tiles (static|dynamic)", "layer1 (tail|notail|push)"};
     char line[512];
     int lineno = 0, found = 0;
     double best = 0;
@@ -93,7 +100,7 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
         if (n == 0) continue;
         if (n != 12) {
             snprintf(err, err_len, "tuning file %s line %d: %d fields, want 12 (world experts top_k hidden ffn "
-                     "max_tokens : dispatch_blocks bulk|stores combine_blocks splits static|dynamic tail|notail)",
+                     "max_tokens : dispatch_blocks bulk|stores combine_blocks splits static|dynamic tail|notail|push)",
                      path, lineno, n);
             fclose(f);
             return -1;
@@ -102,7 +109,7 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
         for (int i = 0; i < 12; i++) {
             const int bad = i == 7    ? parse_word(tok[i], "bulk", "stores", &v[i])
                             : i == 10 ? parse_word(tok[i], "static", "dynamic", &v[i])
-                            : i == 11 ? parse_word(tok[i], "notail", "tail", &v[i])
+                            : i == 11 ? parse_layer1_word(tok[i], &v[i])
                                       : parse_int(tok[i], i == 8 ? 0 : 1, &v[i]);
             if (bad) {
                 snprintf(err, err_len, "tuning file %s line %d: field %d (%s) = '%s' is not valid", path, lineno,
@@ -123,7 +130,8 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
         out->l1.combine_blocks = v[8];
         out->l1.n_splits = v[9];
         out->l1.dynamic_tiles = v[10];
-        out->l1.tail = v[11];
+        out->l1.tail = v[11] == 1;
+        out->l1.push = v[11] == 2;
     }
     fclose(f);
     return found;
@@ -148,7 +156,7 @@ int cometi_tuning_update(const char *path, const comet_moe_config_t *cfg, int wo
         return -1;
     }
     if (!in) fprintf(out, "# comet tuning file: world experts top_k hidden ffn max_tokens : dispatch_blocks "
-                          "bulk|stores combine_blocks splits static|dynamic tail|notail\n");
+                          "bulk|stores combine_blocks splits static|dynamic tail|notail|push\n");
     while (in && fgets(line, sizeof(line), in)) {
         /* Same key: the first six fields, whatever the spacing. */
         int f[6];
@@ -175,5 +183,6 @@ void cometi_tuning_line(const comet_moe_config_t *cfg, int world, const cometi_k
     snprintf(buf, len, "%d %d %d %d %d %d : %d %s %d %d %s %s", world, cfg->num_experts, cfg->top_k, cfg->hidden,
              cfg->ffn, cfg->max_tokens, k->l0.dispatch_blocks,
              k->l0.dispatch_mode == COMETI_DISPATCH_STORES ? "stores" : "bulk", k->l1.combine_blocks, k->l1.n_splits,
-             k->l1.dynamic_tiles ? "dynamic" : "static", k->l1.tail || !k->l1.combine_blocks ? "tail" : "notail");
+             k->l1.dynamic_tiles ? "dynamic" : "static",
+             k->l1.push ? "push" : k->l1.tail || !k->l1.combine_blocks ? "tail" : "notail");
 }

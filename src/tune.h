@@ -26,8 +26,8 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
 
 /*
  * Tuning file: text, one setting per line, '#' starts a comment:
- *   world experts top_k hidden ffn max_tokens : dispatch_blocks bulk|stores combine_blocks splits static|dynamic tail|notail
- * (what `comet bench` prints as "tuning line" for the best of its sweeps). A layer takes
+ *   world experts top_k hidden ffn max_tokens : dispatch_blocks bulk|stores combine_blocks splits static|dynamic tail|notail|push
+ * (the last field: how layer1 ends, see cometi_layer1_knobs_t; what `comet bench` prints as "tuning line" for the best of its sweeps). A layer takes
  * the line of its world, experts, top_k, hidden and ffn whose max_tokens is closest to
  * its own. Returns 1 and fills *out when a line matches, 0 when none does, -1 with `err`
  * naming the line and field when the file cannot be read or a line is malformed.

@@ -420,6 +420,19 @@ int test_tuning_file(void)
     fclose(f);
     CHECK_EQ(lines, 3); /* the header, one line per shape */
     CHECK_EQ(comments, 1);
+    /* Layer1's push is a word of its own in the last field, and comes back as written. */
+    cometi_knobs_t kp = k;
+    kp.l1.combine_blocks = 0, kp.l1.n_splits = 1, kp.l1.tail = 0, kp.l1.push = 1;
+    comet_moe_config_t third = cfg;
+    third.max_tokens = 4096;
+    cometi_tuning_line(&third, 2, &kp, line, sizeof(line));
+    CHECK_CONTAINS(line, ": 20 bulk 0 1 dynamic push");
+    CHECK_EQ(cometi_tuning_update(path, &third, 2, &kp, err, sizeof(err)), 0);
+    memset(&back, 0, sizeof(back));
+    CHECK_EQ(cometi_tuning_lookup(path, &third, 2, &back, err, sizeof(err)), 1);
+    CHECK(memcmp(&kp, &back, sizeof(kp)) == 0);
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), 1);
+    CHECK_EQ(back.l1.push, 0);
     unlink(path);
     return 0;
 }

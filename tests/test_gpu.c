@@ -1186,11 +1186,16 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
             CUDA_OK(cudaMemcpy(want, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
             const comet_moe_args_t a = fused_args(&fx, &c);
             /* 0-15 combine blocks (0: the tail kernel combines every split), 1, 2 or 4 splits,
-             * both tile schedules, the last split on the combine blocks or in the tail. */
+             * both tile schedules, the last split on the combine blocks or in the tail; every
+             * fifth call the push (rows sent home from GEMM1's epilogue). */
             const cometi_layer0_knobs_t k0 = {1 + calls % 8, COMETI_DISPATCH_BULK};
-            const cometi_layer1_knobs_t k1 = {calls % 16, 1 << (calls / 16 % 3), calls / 48 % 2, calls / 96 % 2};
+            const int push = calls % 5 == 2;
+            const cometi_layer1_knobs_t k1 = push ? (cometi_layer1_knobs_t){0, 1, calls / 48 % 2, 0, 1}
+                                                  : (cometi_layer1_knobs_t){calls % 16, 1 << (calls / 16 % 3),
+                                                                            calls / 48 % 2, calls / 96 % 2, 0};
             if (run_fused(&fx, &l0, &l1, &a, &k0, &k1)) {
-                printf("call %d (%s), %d combine blocks, %d splits\n", calls, c.name, k1.combine_blocks, k1.n_splits);
+                printf("call %d (%s), %d combine blocks, %d splits, push %d\n", calls, c.name, k1.combine_blocks,
+                       k1.n_splits, k1.push);
                 return 1;
             }
             CUDA_OK(cudaMemcpy(got, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
@@ -1208,14 +1213,17 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 if (!(ref_err < 1e-2) || !(row_ref < 3e-2)) return 1;
             }
             if (!(worst < 1e-2) || !(worst_row < 3e-2)) {
-                printf("call %d (%s, %d combine blocks, %d splits): y relative error %.3g (worst row %.3g)\n", calls,
-                       c.name, k1.combine_blocks, k1.n_splits, call_err, worst_row);
+                printf("call %d (%s, %d combine blocks, %d splits, push %d): y relative error %.3g (worst row "
+                       "%.3g)\n", calls, c.name, k1.combine_blocks, k1.n_splits, k1.push, call_err, worst_row);
                 return 1;
             }
-            /* The same inputs give the same bits, whatever the knobs. */
-            if (calls % 10 == 0) {
-                const cometi_layer1_knobs_t k2 = {(calls + 7) % 16, 1 << ((calls / 16 + 1) % 3), !k1.dynamic_tiles,
-                                                  !k1.tail};
+            /* The same inputs give the same bits, whatever the knobs (the push: whatever the
+             * tile schedule; its sum runs by choice, the combine's by rank). */
+            if (calls % 10 == 0 || calls % 10 == 7) {
+                const cometi_layer1_knobs_t k2 = push ? (cometi_layer1_knobs_t){0, 1, !k1.dynamic_tiles, 0, 1}
+                                                      : (cometi_layer1_knobs_t){(calls + 7) % 16,
+                                                                                1 << ((calls / 16 + 1) % 3),
+                                                                                !k1.dynamic_tiles, !k1.tail, 0};
                 if (run_fused(&fx, &l0, &l1, &a, &k0, &k2)) return 1;
                 CUDA_OK(cudaMemcpy(again, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
                 if (memcmp(got, again, (size_t)m * H * 2)) {
@@ -1227,8 +1235,8 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
             }
         }
     }
-    printf("rank %d: %d calls: y against the baseline's: worst call %.2e, worst row %.2e; against float64 %.2e; "
-           "%d repeats bit-identical\n", me, calls, worst, worst_row, worst_ref, repeats);
+    printf("rank %d: %d calls (%d with the push): y against the baseline's: worst call %.2e, worst row %.2e; against "
+           "float64 %.2e; %d repeats bit-identical\n", me, calls, calls / 5, worst, worst_row, worst_ref, repeats);
     free(want), free(got), free(again);
     cometi_layer1_destroy(fx.comm, &l1);
     cometi_layer0_destroy(fx.comm, &l0);
@@ -1238,8 +1246,10 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
 
 int test_gpu_layer1_matches_baseline(void) { return launch_two_seeded(layer1_rank, 280); }
 
-/* Rank 1 runs layer0 but never layer1: rank 0's combine must give up with COMET_TIMEOUT
- * (rank 1 waits on a flag nobody raises meanwhile, and times out too). */
+/* Rank 1 runs layer0 but never layer1: rank 0's combine (or the push's sum) must give up
+ * with COMET_TIMEOUT (rank 1 waits on a flag nobody raises meanwhile, and times out too). */
+static int missing_peer_push; /* set before the ranks fork */
+
 static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
@@ -1257,7 +1267,8 @@ static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(st, COMET_SUCCESS);
     const comet_moe_args_t a = fused_args(&fx, &cases[0]);
     const cometi_layer0_knobs_t k0 = {4, COMETI_DISPATCH_BULK};
-    const cometi_layer1_knobs_t k1 = {4, 2, 1, 0};
+    const cometi_layer1_knobs_t k1 = missing_peer_push ? (cometi_layer1_knobs_t){0, 1, 1, 0, 1}
+                                                       : (cometi_layer1_knobs_t){4, 2, 1, 0, 0};
     COMET_OK(cometi_layer0_run(fx.comm, &l0, &a, &k0, 0), fx.comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
@@ -1268,7 +1279,8 @@ static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const double took = now_s() - t0;
     CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_TIMEOUT);
     printf("rank %d: %.3f s: %s\n", ctx->rank, took, comet_comm_last_error(fx.comm));
-    if (ctx->rank == 0) CHECK_CONTAINS(comet_comm_last_error(fx.comm), "the combine waiting");
+    if (ctx->rank == 0)
+        CHECK_CONTAINS(comet_comm_last_error(fx.comm), missing_peer_push ? "the push's sum waiting" : "the combine waiting");
     CHECK(took < 5.0);
     /* The communicator is unusable now; destroying it aborts NCCL. */
     comet_comm_destroy(fx.comm);
@@ -1276,7 +1288,17 @@ static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_layer1_missing_peer_times_out(void) { return launch_two_seeded(layer1_missing_peer_rank, 100); }
+int test_gpu_layer1_missing_peer_times_out(void)
+{
+    missing_peer_push = 0;
+    return launch_two_seeded(layer1_missing_peer_rank, 100);
+}
+
+int test_gpu_layer1_push_missing_peer_times_out(void)
+{
+    missing_peer_push = 1;
+    return launch_two_seeded(layer1_missing_peer_rank, 100);
+}
 
 /* ---- the public forward on the fused path ---- */
 

@@ -300,6 +300,15 @@ static int time_layer1(comet_comm_t comm, cometi_layer0_t *l0, cometi_layer1_t *
     return time_calls(&c, warmup, iters, out);
 }
 
+/* A layer1 setting as the sweep line names it: "push" (or "push-static"), else combine
+ * blocks x splits, "t" when the last split's combine runs after the GEMM on every SM. */
+static const char *layer1_name(const cometi_layer1_knobs_t *k, char *buf, size_t len)
+{
+    if (k->push) snprintf(buf, len, "%s", k->dynamic_tiles ? "push" : "push-static");
+    else snprintf(buf, len, "%dx%d%s", k->combine_blocks, k->n_splits, k->tail || !k->combine_blocks ? "t" : "");
+    return buf;
+}
+
 /* COMET_TRACE=1: the last layer1 call's combine timeline on this rank, in us from the
  * first combine block's start (or the tail kernel's, with no combine blocks), median over
  * the blocks: the combine blocks' splits, then the tail kernel's. */
@@ -340,12 +349,14 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                       const comet_moe_config_t *cfg, const char *label, comet_moe_args_t *a, cometi_layer0_t *l0,
                       void **x, int32_t **ids, float **w, case_result_t *res)
 {
-    /* {combine blocks, splits, dynamic tiles, tail}: first the GEMM then the combine on every
-     * SM (no overlap), then combine blocks beside the GEMM with the last split's combine on
+    /* {combine blocks, splits, dynamic tiles, tail, push}: first the GEMM then the combine on
+     * every SM (no overlap), then the push (rows sent home from GEMM1's epilogue, on either
+     * tile schedule), then combine blocks beside the GEMM with the last split's combine on
      * every SM after it, then a few without that tail. */
     static const cometi_layer1_knobs_t sweep[] = {
-        {0, 1, 1, 1},  {4, 2, 1, 1},  {4, 4, 1, 1},  {8, 2, 1, 1},  {8, 4, 1, 1},  {16, 2, 1, 1},
-        {16, 4, 1, 1}, {24, 2, 1, 1}, {24, 4, 1, 1}, {8, 4, 1, 0},  {16, 2, 1, 0}, {24, 2, 1, 0}};
+        {0, 1, 1, 1, 0},  {0, 1, 1, 0, 1},  {0, 1, 0, 0, 1},  {4, 2, 1, 1, 0},  {4, 4, 1, 1, 0},
+        {8, 2, 1, 1, 0},  {8, 4, 1, 1, 0},  {16, 2, 1, 1, 0}, {16, 4, 1, 1, 0}, {24, 2, 1, 1, 0},
+        {24, 4, 1, 1, 0}, {8, 4, 1, 0, 0},  {16, 2, 1, 0, 0}, {24, 2, 1, 0, 0}};
     const int H = cfg->hidden, M = cfg->max_tokens, tiles = H / cometi_gemm_tile_n(H);
     cometi_layer1_t l1;
     comet_status_t st = cometi_layer1_create(comm, cfg, l0, &l1);
@@ -377,7 +388,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     CUDA_OK(cudaDeviceSynchronize());
     st = comet_comm_get_async_error(comm);
     FAIL_IF(st != COMET_SUCCESS, "layer1 (%s): %s", label, comet_comm_last_error(comm));
-    if (getenv("COMET_TRACE") && ctx->rank == 0 && print_layer1_trace(comm, &l1, best)) return 1;
+    if (getenv("COMET_TRACE") && !best->push && ctx->rank == 0 && print_layer1_trace(comm, &l1, best)) return 1;
     if (y_error(comm, y, y_base, (size_t)M * H, &res->l1_diff)) return 1;
     /* The whole fused layer, inputs rotating as in the baseline's timing. */
     if (ctx->rank == 0) fprintf(stderr, "[bench] %s: the whole fused layer\n", label);
@@ -763,11 +774,12 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
             if (base.l1_runs) {
                 const cometi_layer1_knobs_t *k1 = &base.l1_knobs[base.l1_best];
                 const float l1 = base.l1_ms[base.l1_best];
-                printf("  layer1 (GEMM1 + combine): baseline %.3f ms, fused %.3f ms with %d combine blocks, %d "
-                       "splits%s (%.2fx); in turns: fused %.3f ms, our GEMM1 alone %.3f ms (fused / alone %.3f), "
-                       "y vs baseline %.1e%s\n", base.ms[P_LAYER1], l1, k1->combine_blocks, k1->n_splits,
-                       k1->tail || !k1->combine_blocks ? ", tail" : "", base.ms[P_LAYER1] / l1, base.l1_paired_ms, base.l1_gemm_alone_ms,
-                       base.l1_paired_ms / base.l1_gemm_alone_ms, base.l1_diff, base.l1_diff > 1e-2 ? "!" : "");
+                char name[32];
+                printf("  layer1 (GEMM1 + combine): baseline %.3f ms, fused %.3f ms with %s (%.2fx); in turns: fused "
+                       "%.3f ms, our GEMM1 alone %.3f ms (fused / alone %.3f), y vs baseline %.1e%s\n",
+                       base.ms[P_LAYER1], l1, layer1_name(k1, name, sizeof(name)), base.ms[P_LAYER1] / l1,
+                       base.l1_paired_ms, base.l1_gemm_alone_ms, base.l1_paired_ms / base.l1_gemm_alone_ms,
+                       base.l1_diff, base.l1_diff > 1e-2 ? "!" : "");
                 cometi_knobs_t tuned = {base.l0_knobs[base.l0_best], *k1};
                 char tuning[160];
                 cometi_tuning_line(cfg, ctx->nranks, &tuned, tuning, sizeof(tuning));
@@ -782,18 +794,18 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                 if (o->tune_out && cometi_tuning_update(o->tune_out, cfg, ctx->nranks, &tuned, terr, sizeof(terr)))
                     FAIL_IF(1, "comet tune: %s", terr);
                 if (o->tune_out) printf("  written to %s\n", o->tune_out);
-                printf("  layer1 sweep, ms by combine blocks x splits (t: last split on every SM after):");
+                printf("  layer1 sweep, ms by combine blocks x splits (t: last split on every SM after; push: rows "
+                       "sent home from GEMM1's epilogue):");
                 for (int i = 0; i < base.l1_runs; i++)
-                    printf(" %dx%d%s: %.3f", base.l1_knobs[i].combine_blocks, base.l1_knobs[i].n_splits,
-                           base.l1_knobs[i].tail || !base.l1_knobs[i].combine_blocks ? "t" : "", base.l1_ms[i]);
+                    printf(" %s: %.3f", layer1_name(&base.l1_knobs[i], name, sizeof(name)), base.l1_ms[i]);
                 printf("\n");
                 if (json)
                     fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer1\", \"baseline_layer1_ms\": "
-                            "%.4f, \"fused_ms\": %.4f, \"combine_blocks\": %d, \"splits\": %d, "
+                            "%.4f, \"fused_ms\": %.4f, \"combine_blocks\": %d, \"splits\": %d, \"push\": %d, "
                             "\"fused_in_turns_ms\": %.4f, \"gemm1_alone_in_turns_ms\": %.4f, "
                             "\"diff_vs_baseline\": %.3g, \"whole_tuned_in_turns_ms\": %.4f, "
                             "\"whole_model_in_turns_ms\": %.4f}", label, base.ms[P_LAYER1], l1, k1->combine_blocks,
-                            k1->n_splits, base.l1_paired_ms, base.l1_gemm_alone_ms, base.l1_diff,
+                            k1->n_splits, k1->push, base.l1_paired_ms, base.l1_gemm_alone_ms, base.l1_diff,
                             base.tuned_turns_ms, base.model_turns_ms);
             }
             if (json)

@@ -2,7 +2,8 @@
  * combine.cu - layer1's tail kernel: the combine of the last column splits on every SM,
  * once the fused GEMM1 kernel is done (see combine.cuh). With nothing left to overlap,
  * the splits the GEMM finishes last are spread over the whole GPU instead of a few
- * combine blocks.
+ * combine blocks. And the push's owner side: the GEMM's epilogue sent every row home, the
+ * owner sums each token's rows into y.
  */
 #include <cuda_bf16.h>
 
@@ -60,4 +61,74 @@ extern "C" comet_status_t cometi_launch_combine_tail(char *err, const cometi_com
                                                                   n_splits, tiles_per_split, split_done, pull,
                                                                   async_err, timeout_ns);
     return cometi_cuda(err, cudaGetLastError(), "launch combine_tail_kernel");
+}
+
+/* The push's owner side (see cometi_push_sum_t): one thread per 8 columns of a token. */
+#define SUM_THREADS 256
+
+static __global__ void __launch_bounds__(SUM_THREADS)
+push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned long long timeout_ns)
+{
+    const unsigned long long per_call = (unsigned long long)s.num_tokens * s.top_k * s.col_tiles;
+    if (threadIdx.x == 0)
+        cometi_wait_geq(s.arrive, *s.expected + per_call, timeout_ns, err, COMETI_SITE_PUSH, -1, 0);
+    __syncthreads();
+    const int vecs = s.hidden / 8, k = s.top_k;
+    const int32_t *send_offset = s.send_offset + (size_t)s.rank * s.num_experts;
+    const size_t items = (size_t)s.num_tokens * vecs;
+    for (size_t it = (size_t)blockIdx.x * blockDim.x + threadIdx.x; it < items; it += (size_t)gridDim.x * blockDim.x) {
+        const int t = (int)(it / vecs), v = (int)(it % vecs);
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < k; j++) { /* choice order: the same sum every run */
+            const int i = t * k + j, at = send_offset[s.topk_ids[i]] + s.pos[i];
+            const float w = s.weights[i];
+            const uint4 x = __ldcg((const uint4 *)((const __nv_bfloat16 *)s.slots + (size_t)at * s.hidden) + v);
+            const __nv_bfloat162 *h = (const __nv_bfloat162 *)&x;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const float2 f = __bfloat1622float2(h[q]);
+                acc[2 * q] += w * f.x;
+                acc[2 * q + 1] += w * f.y;
+            }
+        }
+        uint4 out;
+        __nv_bfloat162 *o = (__nv_bfloat162 *)&out;
+#pragma unroll
+        for (int q = 0; q < 4; q++) o[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
+        ((uint4 *)((__nv_bfloat16 *)s.y + (size_t)t * s.hidden))[v] = out;
+    }
+    /* The last block out advances the total for the next call (every block has read it). */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(s.done, 1u) == gridDim.x - 1) {
+            *s.expected += per_call;
+            *s.done = 0;
+        }
+    }
+}
+
+extern "C" comet_status_t cometi_launch_push_sum(char *err, const cometi_push_sum_t *s, cometi_async_error_t *async_err,
+                                                 unsigned long long timeout_ns, cudaStream_t stream)
+{
+    if (s->hidden % 8 || s->top_k < 1 || s->num_tokens < 0 || s->col_tiles < 1 || (uintptr_t)s->y % 16 ||
+        (uintptr_t)s->slots % 16)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "push sum: hidden %d (a multiple of 8), top_k %d, tokens %d, "
+                           "column tiles %d, y and slots 16-byte aligned", s->hidden, s->top_k, s->num_tokens,
+                           s->col_tiles);
+    static int sm_counts[64];
+    int dev = 0;
+    COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
+    if (dev >= 64)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "push sum: device %d: at most 64 devices per process", dev);
+    if (!sm_counts[dev])
+        COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_counts[dev], cudaDevAttrMultiProcessorCount, dev),
+                               "cudaDeviceGetAttribute(SM count)"));
+    /* Enough blocks to fill the GPU several times over, at least one (it advances the total). */
+    const size_t items = (size_t)s->num_tokens * (s->hidden / 8);
+    size_t blocks = (items + SUM_THREADS - 1) / SUM_THREADS;
+    if (blocks > (size_t)sm_counts[dev] * 8) blocks = (size_t)sm_counts[dev] * 8;
+    if (blocks < 1) blocks = 1;
+    push_sum_kernel<<<(unsigned int)blocks, SUM_THREADS, 0, stream>>>(*s, async_err, timeout_ns);
+    return cometi_cuda(err, cudaGetLastError(), "launch push_sum_kernel");
 }

@@ -37,6 +37,13 @@
 #define THREADS 384
 #define TICKETS 4 /* tiles the producer may announce ahead of the consumers (dynamic schedule) */
 
+/* The epilogue's staging in shared memory for 128 rows of `on` columns: the TMA store's
+ * swizzled boxes, or (the push epilogue) plain rows of on * 2 + 16 bytes, the padding
+ * putting the 8 rows that one store instruction writes in different banks, then each
+ * row's destination (8 bytes). The two layouts share the space. */
+#define PUSH_ROW_BYTES(on) ((on) * 2 + 16)
+static __host__ __device__ constexpr uint32_t c_stage_bytes(int on) { return BM * PUSH_ROW_BYTES(on) + BM * 8; }
+
 /* ---- PTX: TMA tensor copies, wgmma bookkeeping (barriers and bulk copies: ptx.cuh) ---- */
 
 static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, int inner, int outer, uint64_t *bar)
@@ -90,6 +97,7 @@ typedef struct gemm_args {
     int gemm_blocks;
     unsigned int *sched; /* tiles taken, blocks done, pieces taken; NULL: static */
     int n_splits;                        /* column splits, tiles split-major (1: one split) */
+    int push;                            /* rows to their owners' slots (layer1 push; see gemm.h) */
     unsigned long long *split_done;      /* [n_splits] rows finished per split, or NULL */
     cometi_dispatch_t dispatch;
     int combine_blocks;                  /* the first blocks combine instead (they never compute) */
@@ -107,10 +115,10 @@ typedef struct tile {
 
 /* Tiles come in two phases (COMET's rescheduling): phase 0 holds the row tiles made only
  * of local rows (the head of each group), phase 1 the rest. Entry i = phase * groups + g;
- * first_tile[i] is its first tile, first_tile[2 * groups] the total; m_tiles[i] its row
- * tiles, which start at row tile m_tiles[g] in phase 1. */
-static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_tile, const int *m_tiles, int groups,
-                                                     int n_tiles, int group_m)
+ * first_tile[i] is its first tile, first_tile[2 * groups] the total. Entry i has
+ * (first_tile[i + 1] - first_tile[i]) / n_tiles row tiles; phase 1's start after phase 0's. */
+static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_tile, int groups, int n_tiles,
+                                                     int group_m)
 {
     int lo = 0, hi = 2 * groups - 1; /* the last entry whose first tile is <= t */
     while (lo < hi) {
@@ -118,7 +126,8 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
         if (first_tile[mid] <= t) lo = mid;
         else hi = mid - 1;
     }
-    const int g = lo % groups, mt = m_tiles[lo], m_first = lo >= groups ? m_tiles[g] : 0;
+    const int g = lo % groups, mt = (first_tile[lo + 1] - first_tile[lo]) / n_tiles;
+    const int m_first = lo >= groups ? (first_tile[g + 1] - first_tile[g]) / n_tiles : 0;
     int local = t - first_tile[lo];
     /* Bands of group_m row tiles; inside a band the row tile runs fastest. */
     int band = local / (group_m * n_tiles), band_rows = min(group_m, mt - band * group_m);
@@ -133,11 +142,11 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
 /* With n_splits > 1 the tiles go split by split (COMET's layer1 order: a column split is
  * finished for every row before the next starts); inside a split, the order above over
  * the split's columns. `per_split` tiles a split. */
-static __device__ __forceinline__ tile_t split_tile(int t, int per_split, const int *first_tile, const int *m_tiles,
-                                                    int groups, int split_tiles, int group_m)
+static __device__ __forceinline__ tile_t split_tile(int t, int per_split, const int *first_tile, int groups,
+                                                    int split_tiles, int group_m)
 {
     const int split = t / per_split;
-    tile_t r = decode_tile(t - split * per_split, first_tile, m_tiles, groups, split_tiles, group_m);
+    tile_t r = decode_tile(t - split * per_split, first_tile, groups, split_tiles, group_m);
     r.n += split * split_tiles;
     return r;
 }
@@ -325,14 +334,13 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     const int ON = SWIGLU ? BN / 2 : BN;
     /* Rows per tile: 128 shared by both consumers, or 64 for one (ping-pong). */
     const int TM = PINGPONG ? 64 : BM;
-    const uint32_t A_BYTES = TM * BK * 2, B_BYTES = BN * BK * 2, C_BYTES = TMA_EPILOGUE ? BM * ON * 2 : 0;
+    const uint32_t A_BYTES = TM * BK * 2, B_BYTES = BN * BK * 2, C_BYTES = TMA_EPILOGUE ? c_stage_bytes(ON) : 0;
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     unsigned char *sa = smem, *sb = smem + STAGES * A_BYTES, *sc = sb + STAGES * B_BYTES;
     uint64_t *full = (uint64_t *)(sc + C_BYTES), *empty = full + STAGES, *turn = empty + STAGES;
     uint64_t *ticket_full = turn + 2, *ticket_empty = ticket_full + TICKETS;
-    int *first_tile = (int *)(ticket_empty + TICKETS), *m_tiles = first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1;
-    int *tickets = m_tiles + 2 * COMETI_GEMM_MAX_GROUPS;
+    int *first_tile = (int *)(ticket_empty + TICKETS), *tickets = first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1;
     const int wg = threadIdx.x / 128, n_tiles = p.n / ON, k_blocks = p.k / BK, split_tiles = n_tiles / p.n_splits;
 
     /* Dispatch or combine blocks come first: blocks start in index order, so if an SM is
@@ -358,8 +366,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 const int local = p.local_rows ? min(mt, p.local_rows[g] / TM) : 0;
                 const int i = phase * p.groups + g;
                 first_tile[i] = total;
-                m_tiles[i] = phase ? mt - local : local;
-                total += m_tiles[i] * split_tiles;
+                total += (phase ? mt - local : local) * split_tiles;
             }
         }
         first_tile[2 * p.groups] = total;
@@ -401,7 +408,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 mbar_arrive(&ticket_full[s]);
             }
             if (t >= total) break;
-            tile_t tl = split_tile(t, per_split, first_tile, m_tiles, p.groups, split_tiles, p.group_m);
+            tile_t tl = split_tile(t, per_split, first_tile, p.groups, split_tiles, p.group_m);
             const int a_row = p.segs[tl.group].start + tl.m * TM;
             const int b_row = tl.group * p.b_group_rows + tl.n * ON;
             if (p.arrive) {
@@ -438,6 +445,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     int stage = 0;
     uint32_t phase = 0, turn_phase = 0;
     int pending_split = -1; /* TMA epilogue: the split of this warpgroup's last store, not yet counted */
+    unsigned int push_pending = 0; /* push: lane s of warp 0, rows of the last tile sent to rank s, not yet counted */
     for (int ordinal = 0;; ordinal++) {
         int t = block + ordinal * p.gemm_blocks;
         if (p.sched) {
@@ -461,7 +469,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             mbar_wait(&turn[half], turn_phase, p.err, p.timeout_ns);
             turn_phase ^= 1;
         }
-        tile_t tl = split_tile(t, per_split, first_tile, m_tiles, p.groups, split_tiles, p.group_m);
+        tile_t tl = split_tile(t, per_split, first_tile, p.groups, split_tiles, p.group_m);
         int prev = -1;
         for (int kb = 0; kb < k_blocks; kb++) {
             mbar_wait(&full[stage], phase, p.err, p.timeout_ns);
@@ -498,6 +506,72 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
 #define OUT(j, h, e)                                                                                           \
     (SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)]             \
             : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
+        if (TMA_EPILOGUE && p.push) {
+            /* Layer1's push: the tile's rows go straight to their token owners' slots, each
+             * row to the slot of its (token, choice) at that row's index in its owner's send
+             * order, by bulk copies from shared memory (over NVLink for other ranks). Warp 0
+             * of the warpgroup sends, two rows per lane, and counts a tile's rows per owner
+             * once its copies have landed, one tile late so the next tile's MMAs never wait. */
+            const cometi_combine_t *cb = &p.combine;
+            unsigned char *stage_p = sc + half * 64 * PUSH_ROW_BYTES(ON);
+            int2 *dest = (int2 *)(sc + BM * PUSH_ROW_BYTES(ON)) + half * 64;
+            if (warp == 0) bulk_wait_read(); /* this lane's copies of the last tile have read it */
+            warpgroup_sync(1 + half);
+            const int tid = threadIdx.x % 128;
+            if (tid < 64) {
+                int2 d = make_int2(-1, 0);
+                const int q = part + tid; /* row inside the group's segment */
+                if (q < seg.rows) {
+                    const int E = cb->num_experts, e = cb->rank * cb->experts_per_rank + tl.group;
+                    for (int u = 0; u < cb->world; u++) {
+                        const int s = (cb->rank + u) % cb->world, off = cb->recv_offset[s * E + e];
+                        if (q >= off && q < off + cb->counts[s * E + e]) {
+                            d = make_int2(s, cb->send_offset[s * E + e] + q - off);
+                            break;
+                        }
+                    }
+                }
+                dest[tid] = d;
+            }
+#pragma unroll
+            for (int j = 0; j < ON / 8; j++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = r_lo + 8 * h;
+                    __nv_bfloat162 v = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
+                    unsigned char *dst = stage_p + r * PUSH_ROW_BYTES(ON) + j * 16 + (lane % 4) * 4;
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&v) : "memory");
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> bulk reads */
+            warpgroup_sync(1 + half);
+            if (warp == 0) {
+                const int2 d0 = dest[lane], d1 = dest[lane + 32];
+                if (d0.x >= 0)
+                    bulk_store((__nv_bfloat16 *)cb->peers[d0.x].slots + (size_t)d0.y * p.n + tl.n * ON,
+                               stage_p + lane * PUSH_ROW_BYTES(ON), ON * 2);
+                if (d1.x >= 0)
+                    bulk_store((__nv_bfloat16 *)cb->peers[d1.x].slots + (size_t)d1.y * p.n + tl.n * ON,
+                               stage_p + (lane + 32) * PUSH_ROW_BYTES(ON), ON * 2);
+                bulk_commit();
+                unsigned int mine = 0;
+                for (int s = 0; s < cb->world; s++) {
+                    const unsigned int n = __popc(__ballot_sync(0xffffffffu, d0.x == s)) +
+                                           __popc(__ballot_sync(0xffffffffu, d1.x == s));
+                    if (lane == s) mine = n;
+                }
+                /* The last tile's copies have landed (all but the newest group): count them. */
+                asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+                __syncwarp();
+                if (push_pending) {
+                    __threadfence_system();
+                    cometi_red_release_sys_add(cb->peers[lane].arrive + COMETI_PUSH_COUNTER, push_pending);
+                }
+                push_pending = mine;
+            }
+            continue;
+        }
         if (TMA_EPILOGUE && !p.row_index && tl.m * TM + TM <= seg.rows) {
             /* Into shared memory as ON/64 boxes of 64 rows x 128 bytes, 128B-swizzled (the
              * 16-byte chunk index XOR the row's low 3 bits: conflict-free, and the layout the
@@ -567,6 +641,15 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 cometi_red_release_gpu_add(&p.split_done[tl.n / split_tiles], (unsigned long long)valid);
         }
     }
+    if (TMA_EPILOGUE && p.push && threadIdx.x % 128 < 32) {
+        bulk_wait(); /* every copy has landed, and shared memory outlived them */
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        __syncwarp();
+        if (push_pending) {
+            __threadfence_system();
+            cometi_red_release_sys_add(p.combine.peers[threadIdx.x % 32].arrive + COMETI_PUSH_COUNTER, push_pending);
+        }
+    }
     if (TMA_EPILOGUE && threadIdx.x % 128 == 0) {
         bulk_wait(); /* shared memory must outlive the stores */
         if (pending_split >= 0) {
@@ -614,9 +697,8 @@ static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, ui
 template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> static size_t smem_bytes(void)
 {
     const int on = SWIGLU ? BN / 2 : BN, tm = PINGPONG ? 64 : BM;
-    return 1024 + STAGES * (tm * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? BM * on * 2 : 0) +
-           (2 * STAGES + 2 + 2 * TICKETS) * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 + 2 * COMETI_GEMM_MAX_GROUPS * 4 +
-           TICKETS * 4;
+    return 1024 + STAGES * (tm * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? c_stage_bytes(on) : 0) +
+           (2 * STAGES + 2 + 2 * TICKETS) * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 + TICKETS * 4;
 }
 
 typedef struct maps {
@@ -762,6 +844,20 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
         if ((uintptr_t)c->y % 16 || g->n % 8)
             return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm combine: y must be 16-byte aligned (is %p)", c->y);
     }
+    if (g->push) {
+        const cometi_combine_t *c = &g->combine;
+        if (!tma_epilogue || g->swiglu || g->row_index || g->combine_blocks || g->split_done || args.n_splits != 1 ||
+            g->dispatch_blocks || g->arrive)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: needs the TMA epilogue, one split and no "
+                               "SwiGLU, row index, combine or dispatch blocks, split counters or arrival waits");
+        if (c->world < 1 || c->world > COMETI_MAX_RANKS || c->world > 32 || c->rank < 0 || c->rank >= c->world ||
+            c->experts_per_rank * c->world != c->num_experts || c->experts_per_rank != g->groups || !c->peers ||
+            !c->counts || !c->send_offset || !c->recv_offset)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: world %d, rank %d, experts %d / %d per rank "
+                               "(groups %d), or a NULL table", c->world, c->rank, c->num_experts, c->experts_per_rank,
+                               g->groups);
+    }
+    args.push = g->push != 0;
     const int side_blocks = g->dispatch_blocks + g->combine_blocks;
     /* GEMM blocks, then dispatch (or combine) blocks. */
     args.gemm_blocks = g->sms > 0 ? g->sms : sm_count - side_blocks;

@@ -25,6 +25,8 @@ typedef struct cometi_segment {
 #define COMETI_GEMM_SCHED_WORDS 5
 /* Column splits of a layer1 call (split_done and the combine's counters are this long). */
 #define COMETI_MAX_SPLITS 32
+/* Layer1's arrival counters: one per split, then this one, the rows pushed (see `push`). */
+#define COMETI_PUSH_COUNTER COMETI_MAX_SPLITS
 /* Choices of one token that the combine sums on one rank before sending (registers). */
 #define COMETI_COMBINE_MAX_TOP_K 8
 /* Timeline of a combine block: start, records pulled, then per split (the first 8): rows
@@ -80,8 +82,10 @@ typedef struct cometi_row_meta {
 /* One rank's windows the combine blocks reach, as mapped here (a device-memory table). */
 typedef struct cometi_combine_peer {
     const cometi_row_meta_t *meta; /* its rows' records, in its send order */
-    void *slots;                   /* [max_tokens][slots_per_token][hidden] bf16 */
-    unsigned long long *arrive;    /* [COMETI_MAX_SPLITS] rows summed into its slots, per split */
+    void *slots;                   /* [max_tokens][slots_per_token][hidden] bf16; the push puts
+                                    * [max_tokens * top_k][hidden] there instead */
+    unsigned long long *arrive;    /* [COMETI_MAX_SPLITS + 1] rows summed into its slots, per split,
+                                    * then rows pushed there (COMETI_PUSH_COUNTER) */
 } cometi_combine_peer_t;
 
 /* Combine blocks of the fused layer1 kernel: they do not compute. First they pull the
@@ -141,6 +145,14 @@ typedef struct cometi_gemm {
      * are in C. Never reset: readers wait for running totals. */
     int n_splits;                          /* 0 or 1: one split; must divide n / tile width */
     unsigned long long *split_done;        /* [n_splits], or NULL */
+    /* Layer1's push epilogue: no C; each finished tile's rows go straight to their token
+     * owners, row r of A (a choice (t, j) of rank s's tokens) to combine.peers[s].slots at
+     * row q = that choice's index in s's send order, by bulk copies over NVLink, and
+     * combine.peers[s].arrive[COMETI_PUSH_COUNTER] grows by the rows, once they have
+     * landed (system-scope release): by rows x column tiles per call. Uses the combine's
+     * peers table and route plan (counts, send_offset, recv_offset, experts, rank, world);
+     * needs the TMA epilogue, one split and no combine blocks. cometi_launch_push_sum sums. */
+    int push;
     int dispatch_blocks;                  /* blocks before the GEMM's that run `dispatch` */
     int combine_blocks;                   /* blocks before the GEMM's that run `combine` (needs
                                            * split_done; not with dispatch) */
@@ -181,6 +193,24 @@ comet_status_t cometi_launch_combine_tail(char *err, const cometi_combine_t *c, 
                                           int tiles_per_split, const unsigned long long *split_done, int pull,
                                           cometi_async_error_t *async_err, unsigned long long timeout_ns,
                                           cudaStream_t stream);
+
+/* The owner's side of the push: once every row of this rank's tokens has arrived
+ * (arrive[COMETI_PUSH_COUNTER] reaching *expected + num_tokens * top_k * col_tiles), y[t]
+ * = sum over j of weights[t][j] x slot of (t, j), in fp32, j in order (the same bits every
+ * run), on every SM; the last block advances *expected and zeroes *done. The slot of
+ * (t, j) is send_offset[rank][e] + pos[t * top_k + j], e = topk_ids[t][j] (the route plan). */
+typedef struct cometi_push_sum {
+    const void *slots;                 /* this rank's slots, [.][hidden] bf16 */
+    const unsigned long long *arrive;  /* this rank's push counter */
+    unsigned long long *expected;      /* [1] running total the wait aims at */
+    unsigned int *done;                /* [1] zeroed word */
+    const int32_t *topk_ids, *pos, *send_offset;
+    const float *weights;
+    void *y;
+    int num_tokens, top_k, hidden, num_experts, rank, col_tiles;
+} cometi_push_sum_t;
+comet_status_t cometi_launch_push_sum(char *err, const cometi_push_sum_t *s, cometi_async_error_t *async_err,
+                                      unsigned long long timeout_ns, cudaStream_t stream);
 
 /* Enqueue a prepared GEMM on `stream`. */
 comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepared_t *p, cudaStream_t stream);
