@@ -1,0 +1,212 @@
+"""CometSparseMoeBlock: a Mixtral-style sparse MoE block (router, top-k, SwiGLU experts)
+whose experts run through comet across the ranks of a communicator. Forward only.
+
+    block = CometSparseMoeBlock(comm, MoeConfig.preset("mixtral-8x7b", max_tokens=8192))
+    block.load_state_dict(full_state_dict)          # HF names, all experts; keeps this rank's
+    with torch.inference_mode():
+        y, router_logits = block(hidden_states)     # [..., H] bf16 -> same shape, [T, E]
+
+Names follow Hugging Face's MixtralSparseMoeBlock: gate.weight [E, H], experts.{i}.w1.weight
+[F, H] (gate projection), experts.{i}.w3.weight [F, H] (up), experts.{i}.w2.weight [H, F]
+(down), i the global expert id. Under expert parallelism rank r holds experts
+[r * E/EP, (r + 1) * E/EP) (comet.h); load_state_dict takes a state dict with all experts
+(or only this rank's) and copies this rank's into two packed buffers, the layout
+comet_moe_forward reads: w13 [E_local, 2F, H] (rows 0..F-1 w1, F..2F-1 w3) and
+w2 [E_local, H, F]. state_dict() gives back the router and this rank's experts under the
+same names.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .checks import BF16, check_tensor
+from ._capi import IMPL_NAMES as _IMPL_NAMES
+from .moe import Moe, parse_impl
+
+_EXPERT_KEY = re.compile(r"experts\.(\d+)\.(w1|w2|w3)\.weight")
+
+
+def mixtral_route(router_logits: torch.Tensor, top_k: int):
+    """Hugging Face Mixtral's routing: softmax over all experts in float32, the top_k
+    largest, renormalised to sum to 1 per token. Returns (topk_ids int32, topk_weights
+    float32), contiguous, as comet takes them (HF rounds the weights to the activation
+    dtype; here they stay float32)."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32).contiguous(), weights.contiguous()
+
+
+class CometSparseMoeBlock(nn.Module):
+    """Mixtral's sparse MoE block over comet (bf16, forward only).
+
+    CometSparseMoeBlock(comm, config) creates the comet layer (collective: every rank
+    of `comm` constructs its block at the same point); CometSparseMoeBlock(moe=layer)
+    wraps an existing comet_moe.Moe. impl: "auto" (default), "baseline" or "fused",
+    the same on every rank. Calls are collective: every rank calls forward the same
+    number of times, each with its own tokens (zero tokens is fine), at most
+    config.max_tokens per call."""
+
+    def __init__(self, comm=None, config=None, *, moe=None, impl="auto"):
+        super().__init__()
+        if (moe is None) == (comm is None or config is None):
+            raise TypeError("CometSparseMoeBlock: give comm and config, or moe (an existing comet_moe.Moe)")
+        self._owns_moe = moe is None
+        self.moe = Moe(comm, config) if moe is None else moe
+        cfg = self.moe.config
+        self.hidden_dim, self.ffn_dim = int(cfg.hidden), int(cfg.ffn)
+        self.num_experts, self.top_k = int(cfg.num_experts), int(cfg.top_k)
+        self.max_tokens = int(cfg.max_tokens)
+        self.first_expert, self.experts_per_rank = int(self.moe.first_expert), int(self.moe.experts_per_rank)
+        self.impl = impl
+        device = self.moe.comm.device
+        H, Fd, E_local = self.hidden_dim, self.ffn_dim, self.experts_per_rank
+        self.gate = nn.Linear(H, self.num_experts, bias=False, device=device, dtype=torch.bfloat16)
+        self.gate.weight.requires_grad_(False)
+        # Packed as comet reads them; not persistent: state_dict() names them the HF way.
+        self.register_buffer("w13", torch.zeros(E_local, 2 * Fd, H, device=device, dtype=torch.bfloat16),
+                             persistent=False)
+        self.register_buffer("w2", torch.zeros(E_local, H, Fd, device=device, dtype=torch.bfloat16),
+                             persistent=False)
+
+    @property
+    def impl(self) -> str:
+        """The path comet runs: "auto", "baseline" or "fused" (settable; the same on
+        every rank)."""
+        return _IMPL_NAMES[self._impl]
+
+    @impl.setter
+    def impl(self, value):
+        self._impl = parse_impl(value)
+
+    @property
+    def local_experts(self) -> range:
+        """Global ids of the experts this rank holds."""
+        return range(self.first_expert, self.first_expert + self.experts_per_rank)
+
+    # ---- forward ----
+
+    def _check_forward_only(self, hidden_states):
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or self.gate.weight.requires_grad):
+            raise RuntimeError("CometSparseMoeBlock is forward-only: comet computes no gradients. Call it under "
+                               "torch.no_grad() or torch.inference_mode() (hidden_states.requires_grad = "
+                               f"{hidden_states.requires_grad}, gate.weight.requires_grad = "
+                               f"{self.gate.weight.requires_grad})")
+
+    def forward(self, hidden_states: torch.Tensor, out=None):
+        """hidden_states [..., H] bf16, contiguous, on the communicator's device, at most
+        max_tokens rows in all. Returns (y of the same shape, router_logits [T, E] bf16),
+        as HF's MixtralSparseMoeBlock does. `out`: where to write y (same shape)."""
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(hidden_states).__name__}")
+        self._check_forward_only(hidden_states)
+        H = self.hidden_dim
+        shape = tuple(hidden_states.shape)
+        if len(shape) < 1 or shape[-1] != H:
+            raise ValueError(f"hidden_states.shape = {shape}: expected [..., hidden = {H}]")
+        tokens = hidden_states.numel() // H
+        if tokens > self.max_tokens:
+            raise ValueError(f"hidden_states has {tokens} tokens ({' x '.join(map(str, shape[:-1]))}): more than "
+                             f"config.max_tokens = {self.max_tokens}; create the layer with a larger max_tokens, "
+                             f"or split the batch (every rank must then make the same number of calls)")
+        dims = [(None, f"dim {i}") for i in range(len(shape) - 1)] + [(H, "hidden")]
+        device = str(self.moe.comm.device)
+        check_tensor("hidden_states", hidden_states, BF16, dims, device, 16)
+        if out is not None:
+            check_tensor("out", out, BF16, [(d, f"dim {i}") for i, d in enumerate(shape[:-1])] + [(H, "hidden")],
+                         device, 16)
+            out = out.view(tokens, H)
+        x = hidden_states.view(tokens, H)
+        router_logits = self.gate(x)
+        topk_ids, topk_weights = mixtral_route(router_logits, self.top_k)
+        y = self.forward_routed(x, topk_ids, topk_weights, out=out)
+        return y.view(shape), router_logits
+
+    def forward_routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out=None):
+        """The experts alone, for routing made elsewhere: x [M, H] bf16, topk_ids
+        [M, top_k] int32 global expert ids, topk_weights [M, top_k] float32. Returns y
+        [M, H] bf16 (written into `out` when given)."""
+        if isinstance(x, torch.Tensor):
+            self._check_forward_only(x)
+        return self.moe.forward(x, topk_ids, topk_weights, gate_up=self.w13, down=self.w2, out=out,
+                                impl=self._impl)
+
+    # ---- state dict: HF names outside, packed buffers inside ----
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        Fd = self.ffn_dim
+        w13 = self.w13 if keep_vars else self.w13.detach()
+        w2 = self.w2 if keep_vars else self.w2.detach()
+        for le, e in enumerate(self.local_experts):
+            destination[f"{prefix}experts.{e}.w1.weight"] = w13[le, :Fd]
+            destination[f"{prefix}experts.{e}.w3.weight"] = w13[le, Fd:]
+            destination[f"{prefix}experts.{e}.w2.weight"] = w2[le]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        H, Fd = self.hidden_dim, self.ffn_dim
+        rest, found = {}, set()
+        for key, value in state_dict.items():
+            if not key.startswith(prefix + "experts."):
+                rest[key] = value
+                continue
+            m = _EXPERT_KEY.fullmatch(key[len(prefix):])
+            if m is None or int(m[1]) >= self.num_experts:
+                if strict:
+                    unexpected_keys.append(key)
+                continue
+            e, name = int(m[1]), m[2]
+            le = e - self.first_expert
+            if not 0 <= le < self.experts_per_rank:
+                continue  # another rank's expert
+            want = (H, Fd) if name == "w2" else (Fd, H)
+            if tuple(value.shape) != want:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
+                                  f"the shape in CometSparseMoeBlock is {want} (hidden = {H}, ffn = {Fd})")
+                continue
+            with torch.no_grad():
+                if name == "w1":
+                    self.w13[le, :Fd].copy_(value)
+                elif name == "w3":
+                    self.w13[le, Fd:].copy_(value)
+                else:
+                    self.w2[le].copy_(value)
+            found.add((e, name))
+        if strict:
+            for e in self.local_experts:
+                for name in ("w1", "w2", "w3"):
+                    if (e, name) not in found:
+                        missing_keys.append(f"{prefix}experts.{e}.{name}.weight")
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def load_full_state_dict(self, state_dict, prefix: str = "", strict: bool = True):
+        """load_state_dict for the keys under `prefix` (e.g. "model.layers.0.block_sparse_moe."),
+        other keys ignored: all experts' weights may be there, this rank keeps its own."""
+        sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        return self.load_state_dict(sub, strict=strict)
+
+    # ---- lifetime ----
+
+    def close(self) -> None:
+        """Destroy the comet layer this block created (collective; before the
+        communicator's close()). Idempotent."""
+        if self._owns_moe:
+            self.moe.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden_dim}, ffn={self.ffn_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"local experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1}, "
+                f"max_tokens={self.max_tokens}, impl={self.impl}")

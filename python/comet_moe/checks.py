@@ -1,0 +1,104 @@
+"""The forward call's argument checks, made in Python before anything is launched.
+
+They read only what any tensor has (shape, dtype, device, is_contiguous(), data_ptr(),
+element_size(), numel(), stride()), so the CPU tests run them on small stand-in objects
+without torch or a GPU. A wrong dtype or a non-tensor raises TypeError; a wrong shape,
+device, layout, alignment or size raises ValueError. Each message names the argument,
+what it got and what it needs.
+
+No dtype is converted for the caller: an int64 topk_ids (what torch.topk returns) or a
+bf16 topk_weights is refused with the conversion to write, so no hidden copy or cast
+costs time on every call.
+"""
+from __future__ import annotations
+
+BF16, INT32, FLOAT32 = "torch.bfloat16", "torch.int32", "torch.float32"
+
+_CONVERT = {
+    INT32: "topk_ids.to(torch.int32)",
+    FLOAT32: "topk_weights.float()",
+    BF16: ".to(torch.bfloat16)",
+}
+
+
+def _is_tensor(t) -> bool:
+    return all(hasattr(t, a) for a in ("shape", "dtype", "device", "data_ptr", "is_contiguous"))
+
+
+def _numel(t) -> int:
+    n = 1
+    for d in t.shape:
+        n *= int(d)
+    return n
+
+
+def check_tensor(name: str, t, dtype: str, dims, device: str, align: int) -> None:
+    """One tensor: `dims` is a sequence of (size, label) with size None for any size;
+    `device` as str(torch.device) writes it ("cuda:0")."""
+    if not _is_tensor(t):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if str(t.dtype) != dtype:
+        how = _CONVERT[dtype] if name in ("topk_ids", "topk_weights") else f"{name}{_CONVERT[dtype]}"
+        raise TypeError(f"{name}.dtype = {t.dtype}: expected {dtype} (convert with {how})")
+    shape = tuple(int(d) for d in t.shape)
+    want = tuple(d for d, _ in dims)
+    if len(shape) != len(want) or any(w is not None and s != w for s, w in zip(shape, want)):
+        labels = ", ".join(label if d is None else f"{label} = {d}" for d, label in dims)
+        raise ValueError(f"{name}.shape = {shape}: expected [{labels}]")
+    if str(t.device) != device:
+        raise ValueError(f"{name} is on {t.device}: expected {device}, the communicator's device")
+    if not t.is_contiguous():
+        stride = tuple(t.stride()) if hasattr(t, "stride") else "?"
+        raise ValueError(f"{name} is not contiguous (shape {shape}, strides {stride}): pass {name}.contiguous()")
+    if _numel(t) and t.data_ptr() % align:
+        raise ValueError(f"{name}.data_ptr() = {t.data_ptr():#x}: must be {align}-byte aligned (a slice that "
+                         f"starts inside a row is not): pass {name}.clone()")
+
+
+def _span(t):
+    start = t.data_ptr()
+    return start, start + _numel(t) * t.element_size()
+
+
+def check_forward_args(cfg, experts_per_rank: int, device: str, x, topk_ids, topk_weights,
+                       gate_up, gate, up, down, out) -> int:
+    """Every argument of Moe.forward against the layer's config (hidden, ffn, top_k,
+    max_tokens) and this rank's expert count; returns num_tokens. `out` may be None."""
+    H, F, k, E_local = int(cfg.hidden), int(cfg.ffn), int(cfg.top_k), int(experts_per_rank)
+    if not _is_tensor(x):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if len(x.shape) != 2:
+        raise ValueError(f"x.shape = {tuple(int(d) for d in x.shape)}: expected [num_tokens, hidden = {H}] "
+                         f"(flatten the batch first: x.reshape(-1, {H}))")
+    m = int(x.shape[0])
+    if m > int(cfg.max_tokens):
+        raise ValueError(f"x.shape[0] = {m} tokens: more than config.max_tokens = {int(cfg.max_tokens)}; create "
+                         f"the layer with a larger max_tokens, or split the batch (every rank must then make "
+                         f"the same number of calls)")
+    check_tensor("x", x, BF16, [(m, "num_tokens"), (H, "hidden")], device, 16)
+    check_tensor("topk_ids", topk_ids, INT32, [(m, "num_tokens"), (k, "top_k")], device, 4)
+    check_tensor("topk_weights", topk_weights, FLOAT32, [(m, "num_tokens"), (k, "top_k")], device, 4)
+    if gate_up is not None and (gate is not None or up is not None):
+        raise ValueError("weights: give gate_up, or gate and up, not both")
+    if gate_up is not None:
+        check_tensor("gate_up", gate_up, BF16, [(E_local, "local experts"), (2 * F, "2 * ffn"), (H, "hidden")],
+                     device, 16)
+    elif gate is None or up is None:
+        raise ValueError(f"weights: {'gate' if gate is None else 'up'} is None: give gate_up [E_local, 2F, H], "
+                         f"or both gate and up [E_local, F, H]")
+    else:
+        for name, w in (("gate", gate), ("up", up)):
+            check_tensor(name, w, BF16, [(E_local, "local experts"), (F, "ffn"), (H, "hidden")], device, 16)
+    if down is None:
+        raise ValueError("weights: down is None: give down [E_local, H, F]")
+    check_tensor("down", down, BF16, [(E_local, "local experts"), (H, "hidden"), (F, "ffn")], device, 16)
+    if out is not None:
+        check_tensor("out", out, BF16, [(m, "num_tokens"), (H, "hidden")], device, 16)
+        if m:
+            lo, hi = _span(out)
+            for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+                a, b = _span(t)
+                if a < hi and lo < b:
+                    raise ValueError(f"out overlaps {name}: comet reads its inputs while it writes out; pass "
+                                     f"a separate output tensor")
+    return m

@@ -1,0 +1,92 @@
+"""The MoE layer's shape: comet_moe_config_t with its presets and validation.
+
+    cfg = MoeConfig.preset("mixtral-8x7b", max_tokens=8192)
+    cfg = MoeConfig(hidden=4096, ffn=14336, num_experts=8, top_k=2, max_tokens=8192)
+    cfg.validate(world_size=2)   # CometInvalidArgumentError naming the field, value, limit
+"""
+from __future__ import annotations
+
+import ctypes
+import operator
+
+from . import _capi
+from .errors import check
+
+_FIELDS = ("hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size", "tp_size")
+
+
+def _c_int(field: str, value) -> int:
+    """value as a C int, refusing what ctypes would silently truncate."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"MoeConfig.{field} = {value!r}: expected an int") from None
+    if not -2**31 <= v < 2**31:
+        raise ValueError(f"MoeConfig.{field} = {v}: does not fit a C int (-2^31..2^31-1)")
+    return v
+
+
+def presets() -> list:
+    """The names comet knows for MoeConfig.preset(), from the library."""
+    lib = _capi.load()
+    names, i = [], 0
+    while True:
+        name = lib.comet_moe_preset_name(i)
+        if name is None:
+            return names
+        names.append(_capi.text(name))
+        i += 1
+
+
+class MoeConfig(_capi.MoeConfigStruct):
+    """comet_moe_config_t. Fields: hidden (H, multiple of 64), ffn (F, one expert's FFN
+    size, multiple of 64; the fused path needs a multiple of 128), num_experts (E, all
+    ranks together), top_k, max_tokens (the most tokens one rank passes in one call),
+    ep_size and tp_size (0: choose from the world size; tp_size 1 only), dtype (bf16
+    only). size, magic and version are set as COMET_MOE_CONFIG_INIT sets them."""
+
+    def __init__(self, hidden: int = 0, ffn: int = 0, num_experts: int = 0, top_k: int = 0,
+                 max_tokens: int = 0, ep_size: int = 0, tp_size: int = 0):
+        values = dict(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
+                      ep_size=ep_size, tp_size=tp_size)
+        super().__init__(**{f: _c_int(f, v) for f, v in values.items()})
+
+    @classmethod
+    def preset(cls, name: str, max_tokens: int, **overrides) -> "MoeConfig":
+        """A named model's shape (see presets()), with max_tokens and any field of
+        `overrides` set. Unknown name: CometInvalidArgumentError listing the known ones."""
+        lib = _capi.load()
+        cfg = cls()
+        st = lib.comet_moe_config_preset(str(name).encode(), _c_int("max_tokens", max_tokens), ctypes.byref(cfg))
+        check(st, "comet_moe_config_preset", lambda: _capi.text(lib.comet_last_create_error()))
+        for field, value in overrides.items():
+            if field not in _FIELDS:
+                raise TypeError(f"MoeConfig.preset: unknown field {field!r}; fields: {', '.join(_FIELDS)}")
+            setattr(cfg, field, _c_int(field, value))
+        return cfg
+
+    def validate(self, world_size: int) -> "MoeConfig":
+        """Check the config against a world size without creating anything (no GPU
+        needed). Raises CometInvalidArgumentError (or CometNotSupportedError) with
+        comet's sentence naming the field, its value and the limit; returns self."""
+        lib = _capi.load()
+        msg = ctypes.create_string_buffer(512)
+        st = lib.comet_moe_config_validate(ctypes.byref(self), int(world_size), msg, len(msg))
+        check(st, "comet_moe_config_validate", lambda: _capi.text(msg.value))
+        return self
+
+    def copy(self) -> "MoeConfig":
+        other = MoeConfig()
+        ctypes.memmove(ctypes.byref(other), ctypes.byref(self), ctypes.sizeof(self))
+        return other
+
+    def as_dict(self) -> dict:
+        return {f: int(getattr(self, f)) for f in _FIELDS}
+
+    def __eq__(self, other):
+        return isinstance(other, _capi.MoeConfigStruct) and bytes(self) == bytes(other)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return "MoeConfig(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"

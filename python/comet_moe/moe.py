@@ -1,0 +1,162 @@
+"""The MoE layer (comet_moe_t): y = MoE(x) for this rank's tokens, with this rank's
+experts' weights, enqueued on the current torch CUDA stream.
+
+    moe = Moe(comm, MoeConfig.preset("mixtral-8x7b", max_tokens=8192))   # collective
+    y = moe.forward(x, topk_ids, topk_weights, gate_up=w13, down=w2)     # collective
+    moe.close()                                                           # before comm.close()
+
+Every rank calls forward the same number of times with the same impl, each with its own
+tokens (0 is fine). Tensors are passed by data_ptr(); forward checks them first (see
+checks.py) and raises TypeError / ValueError before anything is launched. A failure
+comet reports raises a CometError subclass with comet's message.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+
+from . import _capi
+from .checks import check_forward_args
+from .comm import Comm, _Box, _destroy_moe
+from .config import MoeConfig
+from .errors import check
+
+_IMPLS = {"auto": _capi.IMPL_AUTO, "baseline": _capi.IMPL_BASELINE, "fused": _capi.IMPL_FUSED}
+
+
+def parse_impl(impl) -> int:
+    """"auto" | "baseline" | "fused", or the COMET_IMPL_* value, as comet_impl_t."""
+    if isinstance(impl, str) and impl.lower() in _IMPLS:
+        return _IMPLS[impl.lower()]
+    if isinstance(impl, int) and not isinstance(impl, bool) and impl in _capi.IMPL_NAMES:
+        return impl
+    raise ValueError(f"impl = {impl!r}: expected 'auto', 'baseline' or 'fused' (or IMPL_AUTO, IMPL_BASELINE, "
+                     f"IMPL_FUSED)")
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+class Moe:
+    """comet_moe_t on a Comm. Rank r holds global experts [first_expert, first_expert +
+    experts_per_rank), first_expert = (r // tp_size) * experts_per_rank and
+    experts_per_rank = num_experts // ep_size (comet.h)."""
+
+    def __init__(self, comm: Comm, config: MoeConfig):
+        """comet_moe_create (collective): plans the layer and allocates its buffers for
+        max_tokens per rank. A bad config raises CometInvalidArgumentError with comet's
+        message."""
+        self._box = None
+        if not isinstance(comm, Comm):
+            raise TypeError(f"comm: expected a comet_moe.Comm, got {type(comm).__name__}")
+        if not isinstance(config, _capi.MoeConfigStruct):
+            raise TypeError(f"config: expected a comet_moe.MoeConfig, got {type(config).__name__}")
+        lib = _capi.load()
+        self.config = MoeConfig()
+        ctypes.memmove(ctypes.byref(self.config), ctypes.byref(config), ctypes.sizeof(config))
+        handle = ctypes.c_void_p()
+        ptr = comm._require()
+        with comm._on_device():
+            st = lib.comet_moe_create(ptr, ctypes.byref(self.config), ctypes.byref(handle))
+        check(st, "comet_moe_create", lambda: _capi.text(lib.comet_last_create_error()))
+        self.comm = comm  # kept alive while this layer is
+        self._lib = lib
+        self._box = _Box(handle.value)
+        comm._moe_boxes.append(self._box)
+        # As comet_moe_create resolves them (src/moe.c).
+        tp = self.config.tp_size or 1
+        self.ep_size = self.config.ep_size or comm.size // tp
+        self.experts_per_rank = self.config.num_experts // self.ep_size
+        self.ep_rank = comm.rank // tp
+        self.first_expert = self.ep_rank * self.experts_per_rank
+
+    @property
+    def local_experts(self) -> range:
+        """The global ids of the experts whose weights this rank passes."""
+        return range(self.first_expert, self.first_expert + self.experts_per_rank)
+
+    @property
+    def closed(self) -> bool:
+        return self._box is None or self._box.ptr is None
+
+    def forward(self, x, topk_ids, topk_weights, *, gate_up=None, gate=None, up=None, down=None, out=None,
+                impl="auto", stream=None):
+        """y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SwiGLU experts.
+
+        x: [M, H] bf16, M <= config.max_tokens. topk_ids: [M, top_k] int32 global expert
+        ids in [0, num_experts). topk_weights: [M, top_k] float32. Weights of this rank's
+        experts, bf16, nn.Linear's [out, in] layout, contiguous: gate_up [E_local, 2F, H]
+        (rows 0..F-1 gate = HF w1, F..2F-1 up = HF w3) or gate and up [E_local, F, H];
+        down [E_local, H, F] (HF w2). out: [M, H] bf16 (allocated when None). All on the
+        communicator's device. impl: "auto" (fused where the config allows: ffn a
+        multiple of 128, top_k <= 8; else the baseline), "baseline" or "fused"; every
+        rank must pass the same. stream: a torch.cuda.Stream or raw cudaStream_t (int);
+        default torch.cuda.current_stream(); consecutive calls must use the same stream.
+        Returns out. Not differentiable: no autograd graph is recorded."""
+        if self.closed:
+            raise RuntimeError("comet_moe.Moe: used after close() (or after its Comm was closed)")
+        code = parse_impl(impl)
+        m = check_forward_args(self.config, self.experts_per_rank, f"cuda:{self.comm.device_index}", x, topk_ids,
+                               topk_weights, gate_up, gate, up, down, out)
+        if out is None:
+            out = x.new_empty((m, int(self.config.hidden)))
+        if stream is None:
+            import torch
+            stream = torch.cuda.current_stream(self.comm.device_index).cuda_stream
+        elif hasattr(stream, "cuda_stream"):
+            stream = stream.cuda_stream
+        args = _capi.MoeArgsStruct()
+        args.num_tokens = m
+        args.x = _ptr(x)
+        args.topk_ids = _ptr(topk_ids)
+        args.topk_weights = _ptr(topk_weights)
+        args.weights.gate_up = _ptr(gate_up)
+        args.weights.gate = _ptr(gate)
+        args.weights.up = _ptr(up)
+        args.weights.down = _ptr(down)
+        args.y = _ptr(out)
+        args.impl = code
+        ptr = self._box.ptr
+        with self.comm._on_device():
+            st = self._lib.comet_moe_forward(ptr, ctypes.byref(args), ctypes.c_void_p(int(stream)))
+        check(st, "comet_moe_forward", lambda: _capi.text(self._lib.comet_moe_last_error(ptr)))
+        return out
+
+    __call__ = forward
+
+    def close(self) -> None:
+        """comet_moe_destroy (waits for the device). Call it on every rank before the
+        communicator's close(); Comm.close() closes layers still open. Idempotent."""
+        if self.closed:
+            return
+        box = self._box
+        try:
+            self.comm._moe_boxes.remove(box)
+        except ValueError:
+            pass
+        _destroy_moe(self.comm, box)
+
+    def __enter__(self):
+        return self
+
+    def __reduce_ex__(self, protocol):
+        # A copy would destroy the same C handle twice; a pickle cannot carry GPU state.
+        raise TypeError("comet_moe.Moe holds a C handle: it cannot be copied or pickled")
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        # Not at interpreter exit (see Comm.__del__).
+        if sys is None or sys.is_finalizing() or getattr(self, "_box", None) is None:
+            return
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self):
+        state = "closed" if self.closed else f"experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1} here"
+        return f"comet_moe.Moe({self.config!r}, {state})"
