@@ -1,6 +1,6 @@
 # comet - build libcomet (static and shared), the `comet` tool and the tests.
 #   make            build everything into build/
-#   make test       build and run the tests (GPU tests skip visibly without GPUs)
+#   make test       build and run the C and Python tests (GPU and torch tests skip visibly)
 #   make bench      build and run `comet bench` on every visible GPU
 #   make PTXAS_V=1  print the kernels' register, shared memory and spill report
 # NCCL >= 2.28 is found by scripts/find-nccl.sh ($NCCL_HOME, CUDA, system, Python package).
@@ -55,8 +55,9 @@ $(BUILD)/comet: $(TOOL_OBJ) $(BUILD)/libcomet.a
 $(BUILD)/comet_tests: $(TEST_OBJ) $(BUILD)/libcomet.a
 	$(CC) -o $@ $(TEST_OBJ) $(BUILD)/libcomet.a $(LDLIBS)
 
-test: $(BUILD)/comet_tests
-	$(BUILD)/comet_tests
+# The C tests, then the Python package's CPU tests; one closing line sums both.
+test: $(BUILD)/comet_tests $(BUILD)/libcomet.so
+	scripts/run-tests.sh
 
 bench: $(BUILD)/comet
 	$(BUILD)/comet bench
