@@ -126,8 +126,12 @@ class Moe:
     __call__ = forward
 
     def close(self) -> None:
-        """comet_moe_destroy (waits for the device). Call it on every rank before the
-        communicator's close(); Comm.close() closes layers still open. Idempotent."""
+        """comet_moe_destroy (waits for the device). Collective: every rank closes the
+        layer at the same point (the fused path's NCCL windows are deregistered together),
+        before the communicator's close(); Comm.close() closes layers still open.
+        Idempotent. Dropping the last reference closes it too, which is only safe where
+        every rank drops it at the same point (not in a reference cycle, which the garbage
+        collector breaks at a different time on each rank)."""
         if self.closed:
             return
         box = self._box
