@@ -1,0 +1,578 @@
+#!/usr/bin/env python3
+"""test_torch_gpu.py - the comet_moe package on GPUs: a communicator made from a
+torch.distributed process group, CometSparseMoeBlock against a plain-PyTorch Mixtral
+block written out here (float32, from the same bf16 weights) on random, skewed and
+one-expert routing, with both of comet's paths (baseline and fused, and auto), outputs
+poisoned with NaN before every call; and the error paths: wrong dtype, device, size or
+layout raise in Python before anything is launched, and an expert id out of range or a
+bad config raise CometError with comet's own message.
+
+    torchrun --nproc-per-node 2 python/tests/test_torch_gpu.py [-v]
+
+Needs 2 Hopper GPUs on one NVLink node, torch, and build/libcomet.so (`make`). Without
+them every test prints SKIP and says why. Rank 0 prints PASS/FAIL/SKIP per test (a test
+passes when it passed on every rank) and ends with "N passed, N failed, N skipped";
+every rank exits 1 when anything failed. A test that hangs is reported and the run
+stopped after its time limit.
+"""
+import os
+
+# Before anything can initialise NCCL: no NVLink multicast (NVLS) on the lent machines.
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import gc  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+H, FFN, E, TOP_K, MAX_TOKENS = 512, 256, 8, 2, 512  # ffn a multiple of 128: the fused path runs
+IMPLS = ("baseline", "fused", "auto")
+TEST_TIMEOUT_S = 180
+TESTS = []
+
+
+def test(fn):
+    TESTS.append(fn)
+    return fn
+
+
+class Failed(AssertionError):
+    pass
+
+
+def check(cond, msg):
+    if not cond:
+        raise Failed(msg)
+
+
+class Ctx:
+    """What every test gets: torch, the process group's ranks, the communicator, the
+    full (all experts) state dict on every rank, and a log of notes."""
+
+    def __init__(self, torch, dist, comet_moe, rank, world, local):
+        self.torch, self.dist, self.cm = torch, dist, comet_moe
+        self.rank, self.world, self.local = rank, world, local
+        self.device = torch.device("cuda", local)
+        self.notes, self.failures = [], []
+        self.comm = None
+        self.block = None
+        g = torch.Generator().manual_seed(1234)  # the same weights on every rank
+        sd = {"gate.weight": (torch.randn(E, H, generator=g) / H ** 0.5).to(torch.bfloat16)}
+        for e in range(E):
+            sd[f"experts.{e}.w1.weight"] = (torch.randn(FFN, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+            sd[f"experts.{e}.w3.weight"] = (torch.randn(FFN, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+            sd[f"experts.{e}.w2.weight"] = (torch.randn(H, FFN, generator=g) / FFN ** 0.5).to(torch.bfloat16)
+        self.full_sd = sd
+        # float32 copies on the GPU for the reference
+        self.ref_w = {k: v.to(self.device).float() for k, v in sd.items()}
+        self.gen = torch.Generator(device=self.device)
+        self.gen.manual_seed(99 + rank)
+
+    def note(self, msg):
+        self.notes.append(f"rank {self.rank}: {msg}")
+
+    def config(self, **changes):
+        cfg = self.cm.MoeConfig(hidden=H, ffn=FFN, num_experts=E, top_k=TOP_K, max_tokens=MAX_TOKENS)
+        for k, v in changes.items():
+            setattr(cfg, k, v)
+        return cfg
+
+    # ---- inputs ----
+
+    def tokens(self, m):
+        return self.torch.randn(m, H, device=self.device, dtype=self.torch.bfloat16, generator=self.gen)
+
+    def routing(self, m, kind, skew=16.0, expert=0):
+        """(topk_ids int32, topk_weights float32): 'random' (k distinct experts, uniform),
+        'skewed' (expert e drawn with weight skew^(-e/(E-1))) or 'one' (choice 0 is
+        `expert` for every token, the rest distinct and random)."""
+        torch = self.torch
+        w = torch.ones(E, device=self.device)
+        if kind == "skewed":
+            w = skew ** (-torch.arange(E, device=self.device, dtype=torch.float32) / (E - 1))
+        if m == 0:
+            ids = torch.empty(0, TOP_K, dtype=torch.int64, device=self.device)
+        elif kind == "one":
+            w[expert] = 0
+            rest = torch.multinomial(w.expand(m, E), TOP_K - 1, replacement=False, generator=self.gen)
+            ids = torch.cat([torch.full((m, 1), expert, device=self.device, dtype=torch.int64), rest], 1)
+        else:
+            ids = torch.multinomial(w.expand(m, E), TOP_K, replacement=False, generator=self.gen)
+        weights = torch.rand(m, TOP_K, device=self.device, generator=self.gen) + 0.1
+        return ids.to(torch.int32).contiguous(), (weights / weights.sum(1, keepdim=True)).contiguous()
+
+    def poisoned(self, m):
+        return self.torch.full((m, H), float("nan"), dtype=self.torch.bfloat16, device=self.device)
+
+    # ---- the plain-PyTorch reference ----
+
+    def reference_route(self, x, logits):
+        """Hugging Face Mixtral's router, written out. The top-k runs on the block's own
+        logits (bf16 ties would otherwise let two GEMMs pick different experts); the
+        logits are checked against F.linear's apart."""
+        torch, F = self.torch, self.torch.nn.functional
+        want = F.linear(x, self.full_sd["gate.weight"].to(self.device))
+        check(torch.allclose(logits.float(), want.float(), rtol=1e-2, atol=1e-2),
+              "router logits differ from F.linear(x, gate.weight)")
+        probs = F.softmax(logits, dim=1, dtype=torch.float)
+        w, ids = torch.topk(probs, TOP_K, dim=-1)
+        return ids, w / w.sum(dim=-1, keepdim=True)
+
+    def reference_experts(self, x, ids, weights):
+        """y[t] = sum_j w[t, j] * W2_e (silu(W1_e x) * (W3_e x)), e = ids[t, j], in float32
+        with every expert's weights (no expert parallelism, no communication)."""
+        torch, F = self.torch, self.torch.nn.functional
+        xf = x.float()
+        y = torch.zeros_like(xf)
+        for e in range(E):
+            tok, slot = (ids.long() == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            h = F.silu(xf[tok] @ self.ref_w[f"experts.{e}.w1.weight"].T) * (xf[tok] @ self.ref_w[f"experts.{e}.w3.weight"].T)
+            y.index_add_(0, tok, (h @ self.ref_w[f"experts.{e}.w2.weight"].T) * weights[tok, slot].float().unsqueeze(1))
+        return y
+
+    def compare(self, what, y, ref):
+        """No NaN (the poison is gone), relative error (L2) under 1e-2 over the call and
+        under 3e-2 on every row, as the C tests require. A miss is recorded, not raised,
+        so this rank goes on making the same collective calls as the others; the test
+        fails when it ends. Returns the relative error."""
+        torch = self.torch
+        if torch.isnan(y).any().item():
+            self.failures.append(f"{what}: NaN in the output (poison left, or computed)")
+            return float("inf")
+        if y.shape[0] == 0:
+            self.note(f"{what}: no tokens")
+            return 0.0
+        d = y.float() - ref
+        err = (d.norm() / ref.norm()).item()
+        rows = (d.norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30))
+        worst, where = rows.max(0)
+        if not err < 1e-2:
+            self.failures.append(f"{what}: relative error {err:.3g} (limit 1e-2)")
+        elif not worst.item() < 3e-2:
+            self.failures.append(f"{what}: row {where.item()} relative error {worst.item():.3g} (limit 3e-2)")
+        self.note(f"{what}: {y.shape[0]} tokens, relative error {err:.2e}, worst row {worst.item():.2e}")
+        return err
+
+
+def raises(exc_type, fn, *contains):
+    try:
+        fn()
+    except exc_type as e:
+        for s in contains:
+            check(s in str(e), f"{type(e).__name__} message {str(e)!r} lacks {s!r}")
+        return e
+    except Exception as e:
+        raise Failed(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}") from None
+    raise Failed(f"expected {exc_type.__name__}, nothing was raised")
+
+
+# ---- the tests, in the order they run (each rank runs each, in step) ----
+
+@test
+def comm_from_process_group(c):
+    cm, dist = c.cm, c.dist
+    c.comm = cm.Comm.from_process_group(timeout_ms=10000)
+    check(c.comm.rank == c.rank and c.comm.size == c.world, f"comm rank/size {c.comm.rank}/{c.comm.size}, "
+          f"process group {c.rank}/{c.world}")
+    check(c.comm.device_index == c.local, f"comm on cuda:{c.comm.device_index}, current device cuda:{c.local}")
+    c.note(f"{c.comm!r}, {cm.version()}, NCCL {cm.nccl_version()}, library {cm.library_path()}")
+    # The same over a gloo group (the id travels on the CPU), closed again at once.
+    gloo = dist.new_group(backend="gloo")
+    with cm.Comm.from_process_group(gloo, timeout_ms=10000) as other:
+        check(other.rank == c.rank and other.size == c.world, "comm over a gloo group: rank/size")
+    check(other.closed, "a comm used as a context manager is closed after it")
+
+
+@test
+def block_loads_this_ranks_experts(c):
+    torch = c.torch
+    c.block = c.cm.CometSparseMoeBlock(c.comm, c.config())
+    result = c.block.load_state_dict(c.full_sd)
+    check(not result.missing_keys and not result.unexpected_keys, f"load_state_dict: {result}")
+    per = E // c.world
+    check(list(c.block.local_experts) == list(range(c.rank * per, (c.rank + 1) * per)),
+          f"local experts {list(c.block.local_experts)}")
+    for le, e in enumerate(c.block.local_experts):
+        check(torch.equal(c.block.w13[le, :FFN].cpu(), c.full_sd[f"experts.{e}.w1.weight"]), f"expert {e} w1")
+        check(torch.equal(c.block.w13[le, FFN:].cpu(), c.full_sd[f"experts.{e}.w3.weight"]), f"expert {e} w3")
+        check(torch.equal(c.block.w2[le].cpu(), c.full_sd[f"experts.{e}.w2.weight"]), f"expert {e} w2")
+
+
+@test
+def block_matches_torch_random_routing(c):
+    torch = c.torch
+    m = (300, 77)[c.rank % 2]  # not multiples of 128, different on each rank
+    for impl in IMPLS:
+        c.block.impl = impl
+        x = c.tokens(m)
+        out = c.poisoned(m)
+        with torch.inference_mode():
+            y, logits = c.block(x, out=out)
+        torch.cuda.synchronize()
+        c.comm.check_async_error()
+        check(tuple(logits.shape) == (m, E) and logits.dtype == torch.bfloat16, f"{impl}: router logits "
+              f"{tuple(logits.shape)} {logits.dtype}")
+        ids, w = c.reference_route(x, logits)
+        check(y.data_ptr() == out.data_ptr(), f"{impl}: y is not the out tensor")
+        c.compare(f"{impl}, router's routing", y, c.reference_experts(x, ids, w))
+        # A 3-D batch is flattened and given back in its shape.
+        x3 = c.tokens(2 * 24).view(2, 24, H)
+        with torch.inference_mode():
+            y3, logits3 = c.block(x3)
+        torch.cuda.synchronize()
+        ids, w = c.reference_route(x3.view(-1, H), logits3)
+        check(tuple(y3.shape) == (2, 24, H), f"{impl}: 3-D output shape {tuple(y3.shape)}")
+        c.compare(f"{impl}, [2, 24, H] batch", y3.reshape(-1, H), c.reference_experts(x3.view(-1, H), ids, w))
+
+
+@test
+def block_matches_torch_skewed_routing(c):
+    torch = c.torch
+    cases = [("skewed x16", (200, 129), dict(kind="skewed", skew=16.0)),
+             ("every token to expert 6 (rank 1's)", (128, 300), dict(kind="one", expert=6)),
+             ("every token to expert 0 (rank 0's)", (64, 64), dict(kind="one", expert=0)),
+             ("a rank without tokens", (0, 200), dict(kind="random")),
+             ("max_tokens on every rank", (MAX_TOKENS, MAX_TOKENS), dict(kind="random"))]
+    for impl in IMPLS:
+        c.block.impl = impl
+        for name, ms, kw in cases:
+            m = ms[c.rank % 2]
+            x = c.tokens(m)
+            ids, w = c.routing(m, **kw)
+            out = c.poisoned(m)
+            with torch.inference_mode():
+                y = c.block.forward_routed(x, ids, w, out=out)
+            torch.cuda.synchronize()
+            c.comm.check_async_error()
+            c.compare(f"{impl}, {name}", y, c.reference_experts(x, ids, w))
+
+
+@test
+def many_calls_with_changing_token_counts(c):
+    torch = c.torch
+    g = torch.Generator().manual_seed(7)  # the same impl sequence on every rank
+    worst = 0.0
+    for i in range(30):
+        impl = IMPLS[int(torch.randint(0, 3, (1,), generator=g))]
+        c.block.impl = impl
+        m = int(torch.randint(0, MAX_TOKENS + 1, (1,), generator=c.gen, device=c.device).item())
+        x = c.tokens(m)
+        ids, w = c.routing(m, "skewed" if i % 2 else "random", skew=4.0)
+        out = c.poisoned(m)
+        with torch.inference_mode():
+            y = c.block.forward_routed(x, ids, w, out=out)
+        torch.cuda.synchronize()
+        c.comm.check_async_error()
+        before = len(c.notes)
+        worst = max(worst, c.compare(f"call {i} ({impl}, {m} tokens)", y, c.reference_experts(x, ids, w)))
+        del c.notes[before:]  # one line for all 30 below
+    c.note(f"30 calls, impls mixed, 0..{MAX_TOKENS} tokens: worst relative error {worst:.2e}")
+
+
+@test
+def two_blocks_on_one_comm(c):
+    """Two MoE layers over one communicator, called in turns, as the layers of a model
+    are (the fused path's buffers are per layer; the communicator's are shared)."""
+    torch = c.torch
+    with c.cm.CometSparseMoeBlock(c.comm, c.config()) as second:
+        g = torch.Generator().manual_seed(4321)
+        sd2 = {k: (v.float() + torch.randn(v.shape, generator=g) * 0.01).bfloat16() for k, v in c.full_sd.items()}
+        second.load_state_dict(sd2)
+        ref2 = {k: v.to(c.device).float() for k, v in sd2.items()}
+        m = (256, 100)[c.rank % 2]
+        for impl in IMPLS:
+            c.block.impl = second.impl = impl
+            for _ in range(3):
+                x = c.tokens(m)
+                ids, w = c.routing(m, "random")
+                out1, out2 = c.poisoned(m), c.poisoned(m)
+                with torch.inference_mode():
+                    y1 = c.block.forward_routed(x, ids, w, out=out1)
+                    y2 = second.forward_routed(y1, ids, w, out=out2)  # layer 2 reads layer 1's output
+                torch.cuda.synchronize()
+                c.comm.check_async_error()
+                c.compare(f"{impl}, layer 1", y1, c.reference_experts(x, ids, w))
+                saved, c.ref_w = c.ref_w, ref2
+                try:
+                    c.compare(f"{impl}, layer 2", y2, c.reference_experts(y1, ids, w))
+                finally:
+                    c.ref_w = saved
+
+
+@test
+def layer_takes_gate_and_up_apart(c):
+    torch = c.torch
+    with c.cm.Moe(c.comm, c.config()) as moe:
+        local = list(moe.local_experts)
+        sd = c.full_sd
+        gate = torch.stack([sd[f"experts.{e}.w1.weight"] for e in local]).to(c.device)
+        up = torch.stack([sd[f"experts.{e}.w3.weight"] for e in local]).to(c.device)
+        gate_up = torch.cat([gate, up], dim=1).contiguous()
+        down = torch.stack([sd[f"experts.{e}.w2.weight"] for e in local]).to(c.device)
+        m = (160, 96)[c.rank % 2]
+        for impl in IMPLS:
+            x = c.tokens(m)
+            ids, w = c.routing(m, "random")
+            ref = c.reference_experts(x, ids, w)
+            for name, kw in (("gate_up", dict(gate_up=gate_up)), ("gate and up", dict(gate=gate, up=up))):
+                out = c.poisoned(m)
+                y = moe.forward(x, ids, w, down=down, out=out, impl=impl, **kw)
+                torch.cuda.synchronize()
+                c.compare(f"Moe.forward, {impl}, {name}", y, ref)
+            y = moe(x, ids, w, gate_up=gate_up, down=down, impl=impl)  # out allocated
+            torch.cuda.synchronize()
+            c.compare(f"Moe.__call__, {impl}, out allocated", y, ref)
+    check(moe.closed, "a layer used as a context manager is closed after it")
+
+
+@test
+def wrong_arguments_raise_before_launch(c):
+    torch, cm, block = c.torch, c.cm, c.block
+    m = 64
+    x = c.tokens(m)
+    ids, w = c.routing(m, "random")
+    out = c.poisoned(m)
+    moe = block.moe
+    kw = dict(gate_up=block.w13, down=block.w2, out=out)
+    with torch.inference_mode():
+        raises(TypeError, lambda: moe.forward(x.half(), ids, w, **kw), "x.dtype = torch.float16",
+               "expected torch.bfloat16")
+        raises(TypeError, lambda: moe.forward(x, ids.long(), w, **kw), "topk_ids.dtype = torch.int64",
+               "expected torch.int32")
+        raises(TypeError, lambda: moe.forward(x, ids, w.bfloat16(), **kw), "topk_weights.dtype = torch.bfloat16")
+        raises(TypeError, lambda: block(x.float()), "hidden_states.dtype = torch.float32")
+        raises(ValueError, lambda: moe.forward(x.cpu(), ids, w, **kw), "x is on cpu", f"expected cuda:{c.local}")
+        if torch.cuda.device_count() > 1:
+            other = torch.device("cuda", (c.local + 1) % torch.cuda.device_count())
+            raises(ValueError, lambda: moe.forward(x, ids.to(other), w, **kw), f"topk_ids is on {other}",
+                   f"expected cuda:{c.local}")
+            raises(ValueError, lambda: block(x.to(other)), f"hidden_states is on {other}")
+        else:
+            c.note("one visible GPU per process: the other-GPU check is left out")
+        big = c.tokens(MAX_TOKENS + 1)
+        raises(ValueError, lambda: block(big), f"{MAX_TOKENS + 1} tokens", f"config.max_tokens = {MAX_TOKENS}")
+        big_ids, big_w = c.routing(MAX_TOKENS + 1, "random")
+        raises(ValueError, lambda: moe.forward(big, big_ids, big_w, gate_up=block.w13, down=block.w2),
+               f"x.shape[0] = {MAX_TOKENS + 1} tokens", f"config.max_tokens = {MAX_TOKENS}")
+        strided = torch.empty(H, m, dtype=torch.bfloat16, device=c.device).t()
+        raises(ValueError, lambda: moe.forward(strided, ids, w, **kw), "x is not contiguous")
+        raises(ValueError, lambda: block(strided), "hidden_states is not contiguous")
+        raises(ValueError, lambda: moe.forward(x, ids[:, :1].contiguous(), w, **kw), "topk_ids.shape = (64, 1)")
+        raises(ValueError, lambda: moe.forward(x, ids, w, gate_up=block.w13[:1], down=block.w2, out=out),
+               "gate_up.shape", f"local experts = {E // c.world}")
+        raises(ValueError, lambda: moe.forward(x, ids, w, **{**kw, "impl": "fastest"}), "impl = 'fastest'")
+    xg = x.float().requires_grad_(True).bfloat16()
+    raises(RuntimeError, lambda: block(xg), "forward-only", "torch.no_grad()")
+    torch.cuda.synchronize()
+    check(torch.isnan(out).all().item(), "the output was written by a call that raised")
+    # The ranks are still in step: a good call on every rank works.
+    with torch.inference_mode():
+        y = block.forward_routed(x, ids, w, out=out)
+    torch.cuda.synchronize()
+    c.compare("a good call after the refused ones", y, c.reference_experts(x, ids, w))
+
+
+@test
+def bad_config_raises_comets_message(c):
+    cm = c.cm
+    e = raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(hidden=100)), "comet_moe_create",
+               "config.hidden = 100", "multiple of 64")
+    check(e.status == 1 and e.status_name == "COMET_INVALID_ARGUMENT", f"status {e.status} {e.status_name}")
+    raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(num_experts=c.world * 4 + 1)),
+           f"must be divisible by ep_size = {c.world}")
+    raises(cm.CometNotSupportedError, lambda: cm.Moe(c.comm, c.config(tp_size=c.world)), "config.tp_size")
+
+
+@test
+def fused_path_refuses_ffn_not_multiple_of_128(c):
+    torch, cm = c.torch, c.cm
+    with cm.Moe(c.comm, c.config(ffn=192)) as moe:
+        g = torch.Generator().manual_seed(5)
+        gate_up = (torch.randn(moe.experts_per_rank, 2 * 192, H, generator=g) / H ** 0.5).bfloat16().to(c.device)
+        down = (torch.randn(moe.experts_per_rank, H, 192, generator=g) / 192 ** 0.5).bfloat16().to(c.device)
+        m = 100
+        x = c.tokens(m)
+        ids, w = c.routing(m, "random")
+        raises(cm.CometNotSupportedError, lambda: moe.forward(x, ids, w, gate_up=gate_up, down=down, impl="fused"),
+               "comet_moe_forward", "COMET_NOT_SUPPORTED", "config.ffn = 192", "multiple of 128")
+        # auto runs the baseline for this config. Every rank drew the same weights, so
+        # global expert e has the weights of local slot e % experts_per_rank everywhere.
+        out = c.poisoned(m)
+        y = moe.forward(x, ids, w, gate_up=gate_up, down=down, out=out, impl="auto")
+        torch.cuda.synchronize()
+        xf, F = x.float(), torch.nn.functional
+        ref = torch.zeros_like(xf)
+        for t in range(m):
+            for j in range(TOP_K):
+                le = int(ids[t, j]) % moe.experts_per_rank
+                h = F.silu(gate_up[le, :192].float() @ xf[t]) * (gate_up[le, 192:].float() @ xf[t])
+                ref[t] += w[t, j] * (down[le].float() @ h)
+        c.compare("auto with ffn 192 (the baseline)", y, ref)
+
+
+@test
+def expert_id_out_of_range_baseline(c):
+    torch, cm, block = c.torch, c.cm, c.block
+    block.impl = "baseline"
+    m = 64
+    x = c.tokens(m)
+    ids, w = c.routing(m, "random")
+    if c.rank == 1:
+        ids[5, 1] = E
+    with torch.inference_mode():
+        if c.rank == 1:
+            e = raises(cm.CometInvalidArgumentError, lambda: block.forward_routed(x, ids, w),
+                       "comet_moe_forward", f"topk_ids[5][1] = {E} on rank 1", f"[0, num_experts = {E})")
+        else:
+            e = raises(cm.CometRemoteError, lambda: block.forward_routed(x, ids, w), "COMET_REMOTE_ERROR",
+                       f"rank 1 passed an expert id out of [0, {E})")
+        c.note(f"baseline: {e}")
+        ids, w = c.routing(m, "random")
+        out = c.poisoned(m)
+        y = block.forward_routed(x, ids, w, out=out)
+    torch.cuda.synchronize()
+    c.compare("baseline, the call after the bad id", y, c.reference_experts(x, ids, w))
+
+
+@test
+def expert_id_out_of_range_fused(c):
+    torch, cm, block = c.torch, c.cm, c.block
+    block.impl = "fused"
+    m = 64
+    x = c.tokens(m)
+    ids, w = c.routing(m, "random")
+    if c.rank == 1:
+        ids[5, 1] = E
+    with torch.inference_mode():
+        block.forward_routed(x, ids, w)  # the fused path finds bad ids on the device
+    torch.cuda.synchronize()
+    if c.rank == 1:
+        e = raises(cm.CometInvalidArgumentError, lambda: c.comm.check_async_error(), "comet_comm_get_async_error",
+                   f"topk_ids entry {5 * TOP_K + 1} (token * top_k + choice) = {E}")
+        c.note(f"fused: {e}")
+    else:
+        c.comm.check_async_error()
+    c.comm.check_async_error()  # reported once
+    ids, w = c.routing(m, "random")
+    out = c.poisoned(m)
+    with torch.inference_mode():
+        y = block.forward_routed(x, ids, w, out=out)
+    torch.cuda.synchronize()
+    c.comm.check_async_error()
+    c.compare("fused, the call after the bad id", y, c.reference_experts(x, ids, w))
+
+
+@test
+def closing_order_and_use_after_close(c):
+    torch, cm = c.torch, c.cm
+    comm = cm.Comm.from_process_group(timeout_ms=10000)
+    moe = cm.Moe(comm, c.config(max_tokens=64))
+    block = cm.CometSparseMoeBlock(comm, c.config(max_tokens=64))
+    block.load_state_dict(c.full_sd)
+    x = c.tokens(32)
+    with torch.inference_mode():
+        y, _ = block(x)
+    torch.cuda.synchronize()
+    comm.close()  # closes both layers first, then the communicator
+    check(moe.closed and block.moe.closed and comm.closed, "comm.close() left a layer open")
+    raises(RuntimeError, lambda: moe.forward(x, *c.routing(32, "random"), gate_up=block.w13, down=block.w2),
+           "used after close")
+    with torch.inference_mode():
+        raises(RuntimeError, lambda: block(x), "used after close")
+    raises(RuntimeError, lambda: comm.check_async_error(), "used after close")
+    moe.close(), block.close(), comm.close()  # closing again does nothing
+    # Dropped without close(): __del__ destroys the layer, then the communicator (every
+    # rank drops them at the same point).
+    comm = cm.Comm.from_process_group(timeout_ms=10000)
+    moe = cm.Moe(comm, c.config(max_tokens=64))
+    del moe, comm
+    gc.collect()
+    c.note("layers and communicators closed in order, explicitly and by the garbage collector")
+
+
+@test
+def close_the_shared_communicator(c):
+    c.block.close()
+    check(c.block.moe.closed, "block.close() left its layer open")
+    c.comm.close()
+    check(c.comm.closed, "comm.close()")
+
+
+# ---- the runner ----
+
+def skip_all(reason):
+    for fn in TESTS:
+        print(f"SKIP {fn.__name__}: {reason}")
+    print(f"0 passed, 0 failed, {len(TESTS)} skipped")
+    return 0
+
+
+def main():
+    verbose = "-v" in sys.argv[1:]
+    is_rank0 = os.environ.get("RANK", "0") == "0"
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return skip_all("torch is not installed") if is_rank0 else 0
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return skip_all("needs 2 ranks: torchrun --nproc-per-node 2 python/tests/test_torch_gpu.py") if is_rank0 else 0
+    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not torch.cuda.is_available() or torch.cuda.device_count() <= local:
+        return skip_all(f"needs a GPU per rank; found {torch.cuda.device_count()}") if is_rank0 else 0
+    if torch.cuda.get_device_capability(local)[0] != 9:
+        return skip_all(f"needs Hopper GPUs (sm_90); found {torch.cuda.get_device_name(local)}") if is_rank0 else 0
+    try:
+        import comet_moe
+        comet_moe.version()
+    except Exception as e:  # noqa: BLE001 - no library means nothing can run
+        return skip_all(f"libcomet: {e}") if is_rank0 else 0
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference stays float32
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank = dist.get_rank()
+    results_group = dist.new_group(backend="gloo")  # results travel on the CPU, apart from the GPUs' work
+    c = Ctx(torch, dist, comet_moe, rank, world, local)
+    passed = failed = 0
+    for fn in TESTS:
+        name = fn.__name__
+        c.notes, c.failures = [], []
+        timer = threading.Timer(TEST_TIMEOUT_S, lambda n=name: (
+            print(f"FAIL {n}: rank {rank} still running after {TEST_TIMEOUT_S} s; stopping the run", flush=True),
+            os._exit(1)))
+        timer.daemon = True
+        start = time.monotonic()
+        timer.start()
+        try:
+            fn(c)
+            mine = (not c.failures, "".join(f"rank {rank}: {f}\n" for f in c.failures))
+        except Exception as e:  # noqa: BLE001 - reported as this test's failure
+            mine = (False, "".join(f"rank {rank}: {f}\n" for f in c.failures) +
+                    f"rank {rank}: {type(e).__name__}: {e}\n" + traceback.format_exc())
+        timer.cancel()
+        took = time.monotonic() - start
+        everyone = [None] * world
+        dist.all_gather_object(everyone, (mine, c.notes), group=results_group)
+        ok = all(r[0][0] for r in everyone)
+        passed, failed = passed + ok, failed + (not ok)
+        if rank == 0:
+            print(f"{'PASS' if ok else 'FAIL'} {name} ({took:.2f} s)", flush=True)
+            for (good, msg), notes in everyone:
+                for line in ([] if good else msg.rstrip().splitlines()) + (notes if verbose or not ok else []):
+                    print("    " + line, flush=True)
+    if rank == 0:
+        print(f"{passed} passed, {failed} failed, 0 skipped", flush=True)
+    dist.barrier(group=results_group)
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
