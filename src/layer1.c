@@ -31,6 +31,8 @@ comet_status_t cometi_layer1_create(comet_comm_t comm, const comet_moe_config_t 
                     fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->meta, rows * sizeof(cometi_row_meta_t)),
                                     "cudaMalloc(layer1 row records)"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->push_dest, rows * 8), "cudaMalloc(push destinations)"),
+                    fail);
     /* Counters: split_done, expected (two halves), the push's expected, then the kernel's
      * words and the push sum's. */
     const size_t counter_bytes = sizeof(unsigned long long) * (3 * COMETI_MAX_SPLITS + 1) +
@@ -73,6 +75,7 @@ void cometi_layer1_destroy(comet_comm_t comm, cometi_layer1_t *l)
     if (l->arrive.local) cometi_window_destroy(comm, &l->arrive);
     cudaFree(l->out);
     cudaFree(l->meta);
+    cudaFree(l->push_dest);
     cudaFree(l->split_done);
     cudaFree(l->peers);
     cudaFree(l->trace);
@@ -106,7 +109,7 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
 {
     cometi_gemm_t g = gemm1(comm, l, l0, a);
     g.sched = knobs->dynamic_tiles ? l->sched : NULL;
-    g.push = 1;
+    g.push_dest = l->push_dest;
     g.epilogue = COMETI_EPILOGUE_TMA;
     cometi_combine_t *c = &g.combine;
     c->peers = l->peers;
@@ -137,6 +140,7 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     s.col_tiles = l->hidden / cometi_gemm_tile_n(l->hidden);
     cometi_gemm_prepared_t prepared;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
+    COMETI_TRY(cometi_launch_push_dest(comm->err, c, g.segs, g.groups, g.a_rows, l->push_dest, stream));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
     return cometi_launch_push_sum(comm->err, &s, comm->async_dev, g.timeout_ns, stream);
 }

@@ -23,6 +23,7 @@ typedef struct cometi_layer1 {
     cometi_combine_peer_t *peers;     /* [world] device table of every rank's windows */
     void *out;                        /* [max_recv_rows][hidden] bf16: GEMM1's output */
     cometi_row_meta_t *meta;          /* [max_recv_rows] records of the received rows */
+    void *push_dest;                  /* [max_recv_rows] int2: where the push sends each row */
     unsigned long long *split_done;   /* [COMETI_MAX_SPLITS] GEMM1 rows finished per split, over all calls */
     unsigned long long *expected;     /* [2][COMETI_MAX_SPLITS] what the combine waits for next */
     unsigned long long *push_expected; /* [1] what the push's sum waits for next */

@@ -78,17 +78,33 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
     const size_t items = (size_t)s.num_tokens * vecs;
     for (size_t it = (size_t)blockIdx.x * blockDim.x + threadIdx.x; it < items; it += (size_t)gridDim.x * blockDim.x) {
         const int t = (int)(it / vecs), v = (int)(it % vecs);
+        /* Every choice's slot and weight, then every load, then the sum in choice order (the
+         * same bits every run): the loads are all in flight at once. */
+        int at[COMETI_COMBINE_MAX_TOP_K];
+        float w[COMETI_COMBINE_MAX_TOP_K];
+        uint4 x[COMETI_COMBINE_MAX_TOP_K];
+#pragma unroll
+        for (int j = 0; j < COMETI_COMBINE_MAX_TOP_K; j++) {
+            if (j >= k) break;
+            const int i = t * k + j;
+            at[j] = send_offset[s.topk_ids[i]] + s.pos[i];
+            w[j] = s.weights[i];
+        }
+#pragma unroll
+        for (int j = 0; j < COMETI_COMBINE_MAX_TOP_K; j++) {
+            if (j >= k) break;
+            x[j] = __ldcg((const uint4 *)((const __nv_bfloat16 *)s.slots + (size_t)at[j] * s.hidden) + v);
+        }
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int j = 0; j < k; j++) { /* choice order: the same sum every run */
-            const int i = t * k + j, at = send_offset[s.topk_ids[i]] + s.pos[i];
-            const float w = s.weights[i];
-            const uint4 x = __ldcg((const uint4 *)((const __nv_bfloat16 *)s.slots + (size_t)at * s.hidden) + v);
-            const __nv_bfloat162 *h = (const __nv_bfloat162 *)&x;
+#pragma unroll
+        for (int j = 0; j < COMETI_COMBINE_MAX_TOP_K; j++) {
+            if (j >= k) break;
+            const __nv_bfloat162 *h = (const __nv_bfloat162 *)&x[j];
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 const float2 f = __bfloat1622float2(h[q]);
-                acc[2 * q] += w * f.x;
-                acc[2 * q + 1] += w * f.y;
+                acc[2 * q] += w[j] * f.x;
+                acc[2 * q + 1] += w[j] * f.y;
             }
         }
         uint4 out;
@@ -111,9 +127,9 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
 extern "C" comet_status_t cometi_launch_push_sum(char *err, const cometi_push_sum_t *s, cometi_async_error_t *async_err,
                                                  unsigned long long timeout_ns, cudaStream_t stream)
 {
-    if (s->hidden % 8 || s->top_k < 1 || s->num_tokens < 0 || s->col_tiles < 1 || (uintptr_t)s->y % 16 ||
+    if (s->hidden % 8 || s->top_k < 1 || s->top_k > COMETI_COMBINE_MAX_TOP_K || s->num_tokens < 0 || s->col_tiles < 1 || (uintptr_t)s->y % 16 ||
         (uintptr_t)s->slots % 16)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "push sum: hidden %d (a multiple of 8), top_k %d, tokens %d, "
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "push sum: hidden %d (a multiple of 8), top_k %d (1..8), tokens %d, "
                            "column tiles %d, y and slots 16-byte aligned", s->hidden, s->top_k, s->num_tokens,
                            s->col_tiles);
     static int sm_counts[64];
@@ -131,4 +147,46 @@ extern "C" comet_status_t cometi_launch_push_sum(char *err, const cometi_push_su
     if (blocks < 1) blocks = 1;
     push_sum_kernel<<<(unsigned int)blocks, SUM_THREADS, 0, stream>>>(*s, async_err, timeout_ns);
     return cometi_cuda(err, cudaGetLastError(), "launch push_sum_kernel");
+}
+
+/* One thread per received row: the segment that holds it (segments are in row order; an
+ * empty one shares its start with the next, and the search takes the last), then the
+ * source whose part of the segment holds it (local first, then rank + 1, ...). */
+static __global__ void push_dest_kernel(const cometi_combine_t c, const cometi_segment_t *segs, int groups,
+                                        int64_t rows, int2 *dest)
+{
+    const int E = c.num_experts;
+    for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (int64_t)gridDim.x * blockDim.x) {
+        int lo = 0, hi = groups - 1;
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (segs[mid].start <= r) lo = mid;
+            else hi = mid - 1;
+        }
+        int2 d = make_int2(-1, 0);
+        const int64_t q = r - segs[lo].start;
+        if (q >= 0 && q < segs[lo].rows) {
+            const int e = c.rank * c.experts_per_rank + lo;
+            for (int u = 0; u < c.world; u++) {
+                const int s = (c.rank + u) % c.world, off = c.recv_offset[s * E + e];
+                if (q >= off && q < off + c.counts[s * E + e]) {
+                    d = make_int2(s, c.send_offset[s * E + e] + (int)q - off);
+                    break;
+                }
+            }
+        }
+        dest[r] = d;
+    }
+}
+
+extern "C" comet_status_t cometi_launch_push_dest(char *err, const cometi_combine_t *c, const cometi_segment_t *segs,
+                                                  int groups, int64_t rows, void *dest, cudaStream_t stream)
+{
+    if (groups < 1 || rows < 1 || !dest || (uintptr_t)dest % 8)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "push dest: groups %d, rows %lld (both >= 1), dest %p "
+                           "(8-byte aligned)", groups, (long long)rows, dest);
+    const int64_t blocks = (rows + 255) / 256;
+    push_dest_kernel<<<(unsigned int)(blocks < 1024 ? blocks : 1024), 256, 0, stream>>>(*c, segs, groups, rows,
+                                                                                           (int2 *)dest);
+    return cometi_cuda(err, cudaGetLastError(), "launch push_dest_kernel");
 }

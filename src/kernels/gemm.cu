@@ -39,10 +39,10 @@
 
 /* The epilogue's staging in shared memory for 128 rows of `on` columns: the TMA store's
  * swizzled boxes, or (the push epilogue) plain rows of on * 2 + 16 bytes, the padding
- * putting the 8 rows that one store instruction writes in different banks, then each
- * row's destination (8 bytes). The two layouts share the space. */
+ * putting the 8 rows that one store instruction writes in different banks. The two
+ * layouts share the space. */
 #define PUSH_ROW_BYTES(on) ((on) * 2 + 16)
-static __host__ __device__ constexpr uint32_t c_stage_bytes(int on) { return BM * PUSH_ROW_BYTES(on) + BM * 8; }
+static __host__ __device__ constexpr uint32_t c_stage_bytes(int on) { return BM * PUSH_ROW_BYTES(on); }
 
 /* ---- PTX: TMA tensor copies, wgmma bookkeeping (barriers and bulk copies: ptx.cuh) ---- */
 
@@ -97,7 +97,7 @@ typedef struct gemm_args {
     int gemm_blocks;
     unsigned int *sched; /* tiles taken, blocks done, pieces taken; NULL: static */
     int n_splits;                        /* column splits, tiles split-major (1: one split) */
-    int push;                            /* rows to their owners' slots (layer1 push; see gemm.h) */
+    const int2 *push_dest;               /* rows to their owners' slots (layer1 push; see gemm.h) */
     unsigned long long *split_done;      /* [n_splits] rows finished per split, or NULL */
     cometi_dispatch_t dispatch;
     int combine_blocks;                  /* the first blocks combine instead (they never compute) */
@@ -445,7 +445,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     int stage = 0;
     uint32_t phase = 0, turn_phase = 0;
     int pending_split = -1; /* TMA epilogue: the split of this warpgroup's last store, not yet counted */
-    unsigned int push_pending = 0; /* push: lane s of warp 0, rows of the last tile sent to rank s, not yet counted */
+    unsigned int push_sent = 0; /* push: lane s of warp 0, rows this warpgroup sent to rank s */
     for (int ordinal = 0;; ordinal++) {
         int t = block + ordinal * p.gemm_blocks;
         if (p.sched) {
@@ -506,33 +506,21 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
 #define OUT(j, h, e)                                                                                           \
     (SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)]             \
             : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
-        if (TMA_EPILOGUE && p.push) {
-            /* Layer1's push: the tile's rows go straight to their token owners' slots, each
-             * row to the slot of its (token, choice) at that row's index in its owner's send
-             * order, by bulk copies from shared memory (over NVLink for other ranks). Warp 0
-             * of the warpgroup sends, two rows per lane, and counts a tile's rows per owner
-             * once its copies have landed, one tile late so the next tile's MMAs never wait. */
+        if (TMA_EPILOGUE && p.push_dest) {
+            /* Layer1's push: the tile's rows go straight to their token owners' slots (see
+             * gemm.h) by bulk copies from shared memory, over NVLink for other ranks. Warp 0
+             * of the warpgroup sends, two rows per lane; the rows are counted once, at the
+             * block's end (the owner sums after the whole GEMM anyway), so no tile waits for
+             * its copies to land. */
             const cometi_combine_t *cb = &p.combine;
             unsigned char *stage_p = sc + half * 64 * PUSH_ROW_BYTES(ON);
-            int2 *dest = (int2 *)(sc + BM * PUSH_ROW_BYTES(ON)) + half * 64;
-            if (warp == 0) bulk_wait_read(); /* this lane's copies of the last tile have read it */
-            warpgroup_sync(1 + half);
-            const int tid = threadIdx.x % 128;
-            if (tid < 64) {
-                int2 d = make_int2(-1, 0);
-                const int q = part + tid; /* row inside the group's segment */
-                if (q < seg.rows) {
-                    const int E = cb->num_experts, e = cb->rank * cb->experts_per_rank + tl.group;
-                    for (int u = 0; u < cb->world; u++) {
-                        const int s = (cb->rank + u) % cb->world, off = cb->recv_offset[s * E + e];
-                        if (q >= off && q < off + cb->counts[s * E + e]) {
-                            d = make_int2(s, cb->send_offset[s * E + e] + q - off);
-                            break;
-                        }
-                    }
-                }
-                dest[tid] = d;
+            int2 d0 = make_int2(-1, 0), d1 = make_int2(-1, 0);
+            if (warp == 0) {
+                if (part + lane < seg.rows) d0 = p.push_dest[seg.start + part + lane];
+                if (part + lane + 32 < seg.rows) d1 = p.push_dest[seg.start + part + lane + 32];
+                bulk_wait_read(); /* this lane's copies of the last tile have read the staging */
             }
+            warpgroup_sync(1 + half);
 #pragma unroll
             for (int j = 0; j < ON / 8; j++) {
 #pragma unroll
@@ -546,7 +534,6 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> bulk reads */
             warpgroup_sync(1 + half);
             if (warp == 0) {
-                const int2 d0 = dest[lane], d1 = dest[lane + 32];
                 if (d0.x >= 0)
                     bulk_store((__nv_bfloat16 *)cb->peers[d0.x].slots + (size_t)d0.y * p.n + tl.n * ON,
                                stage_p + lane * PUSH_ROW_BYTES(ON), ON * 2);
@@ -554,21 +541,11 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                     bulk_store((__nv_bfloat16 *)cb->peers[d1.x].slots + (size_t)d1.y * p.n + tl.n * ON,
                                stage_p + (lane + 32) * PUSH_ROW_BYTES(ON), ON * 2);
                 bulk_commit();
-                unsigned int mine = 0;
                 for (int s = 0; s < cb->world; s++) {
                     const unsigned int n = __popc(__ballot_sync(0xffffffffu, d0.x == s)) +
                                            __popc(__ballot_sync(0xffffffffu, d1.x == s));
-                    if (lane == s) mine = n;
+                    if (lane == s) push_sent += n;
                 }
-                /* The last tile's copies have landed (all but the newest group): count them. */
-                asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
-                asm volatile("fence.proxy.async.global;" ::: "memory");
-                __syncwarp();
-                if (push_pending) {
-                    __threadfence_system();
-                    cometi_red_release_sys_add(cb->peers[lane].arrive + COMETI_PUSH_COUNTER, push_pending);
-                }
-                push_pending = mine;
             }
             continue;
         }
@@ -641,14 +618,13 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 cometi_red_release_gpu_add(&p.split_done[tl.n / split_tiles], (unsigned long long)valid);
         }
     }
-    if (TMA_EPILOGUE && p.push && threadIdx.x % 128 < 32) {
-        bulk_wait(); /* every copy has landed, and shared memory outlived them */
+    if (TMA_EPILOGUE && p.push_dest && threadIdx.x % 128 < 32) {
+        /* Every copy of this lane has landed (and shared memory outlived them), then each
+         * owner's count, one system-scope release per owner after the warp's copies. */
+        bulk_wait();
         asm volatile("fence.proxy.async.global;" ::: "memory");
         __syncwarp();
-        if (push_pending) {
-            __threadfence_system();
-            cometi_red_release_sys_add(p.combine.peers[threadIdx.x % 32].arrive + COMETI_PUSH_COUNTER, push_pending);
-        }
+        if (push_sent) cometi_red_release_sys_add(p.combine.peers[threadIdx.x % 32].arrive + COMETI_PUSH_COUNTER, push_sent);
     }
     if (TMA_EPILOGUE && threadIdx.x % 128 == 0) {
         bulk_wait(); /* shared memory must outlive the stores */
@@ -844,7 +820,7 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
         if ((uintptr_t)c->y % 16 || g->n % 8)
             return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm combine: y must be 16-byte aligned (is %p)", c->y);
     }
-    if (g->push) {
+    if (g->push_dest) {
         const cometi_combine_t *c = &g->combine;
         if (!tma_epilogue || g->swiglu || g->row_index || g->combine_blocks || g->split_done || args.n_splits != 1 ||
             g->dispatch_blocks || g->arrive)
@@ -857,7 +833,7 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
                                "(groups %d), or a NULL table", c->world, c->rank, c->num_experts, c->experts_per_rank,
                                g->groups);
     }
-    args.push = g->push != 0;
+    args.push_dest = (const int2 *)g->push_dest;
     const int side_blocks = g->dispatch_blocks + g->combine_blocks;
     /* GEMM blocks, then dispatch (or combine) blocks. */
     args.gemm_blocks = g->sms > 0 ? g->sms : sm_count - side_blocks;

@@ -146,13 +146,14 @@ typedef struct cometi_gemm {
     int n_splits;                          /* 0 or 1: one split; must divide n / tile width */
     unsigned long long *split_done;        /* [n_splits], or NULL */
     /* Layer1's push epilogue: no C; each finished tile's rows go straight to their token
-     * owners, row r of A (a choice (t, j) of rank s's tokens) to combine.peers[s].slots at
-     * row q = that choice's index in s's send order, by bulk copies over NVLink, and
-     * combine.peers[s].arrive[COMETI_PUSH_COUNTER] grows by the rows, once they have
-     * landed (system-scope release): by rows x column tiles per call. Uses the combine's
-     * peers table and route plan (counts, send_offset, recv_offset, experts, rank, world);
-     * needs the TMA epilogue, one split and no combine blocks. cometi_launch_push_sum sums. */
-    int push;
+     * owners, row r of A to combine.peers[push_dest[r].x].slots at row push_dest[r].y (a
+     * choice (t, j) of rank s's tokens: its index in s's send order; x < 0: padding, not
+     * sent), by bulk copies over NVLink, and combine.peers[s].arrive[COMETI_PUSH_COUNTER]
+     * grows by the rows once they have landed (system-scope release, at each block's end):
+     * by rows x column tiles per call. cometi_launch_push_dest fills push_dest. Needs the
+     * TMA epilogue, one split, no combine blocks, and the combine's peers table, rank and
+     * world. cometi_launch_push_sum sums. */
+    const void *push_dest; /* [a_rows] int2 (owner, slot row), or NULL */
     int dispatch_blocks;                  /* blocks before the GEMM's that run `dispatch` */
     int combine_blocks;                   /* blocks before the GEMM's that run `combine` (needs
                                            * split_done; not with dispatch) */
@@ -193,6 +194,12 @@ comet_status_t cometi_launch_combine_tail(char *err, const cometi_combine_t *c, 
                                           int tiles_per_split, const unsigned long long *split_done, int pull,
                                           cometi_async_error_t *async_err, unsigned long long timeout_ns,
                                           cudaStream_t stream);
+
+/* Where each row received goes home (see push_dest): for the rows of this rank's `groups`
+ * local segments, their source rank and index in its send order, from the route plan;
+ * -1 for the padding. [rows] int2 in device memory, rows >= every segment's end. */
+comet_status_t cometi_launch_push_dest(char *err, const cometi_combine_t *c, const cometi_segment_t *segs,
+                                       int groups, int64_t rows, void *dest, cudaStream_t stream);
 
 /* The owner's side of the push: once every row of this rank's tokens has arrived
  * (arrive[COMETI_PUSH_COUNTER] reaching *expected + num_tokens * top_k * col_tiles), y[t]
