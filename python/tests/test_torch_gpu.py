@@ -177,17 +177,12 @@ def raises(exc_type, fn, *contains):
 
 @test
 def comm_from_process_group(c):
-    cm, dist = c.cm, c.dist
+    cm = c.cm
     c.comm = cm.Comm.from_process_group(timeout_ms=10000)
     check(c.comm.rank == c.rank and c.comm.size == c.world, f"comm rank/size {c.comm.rank}/{c.comm.size}, "
           f"process group {c.rank}/{c.world}")
     check(c.comm.device_index == c.local, f"comm on cuda:{c.comm.device_index}, current device cuda:{c.local}")
     c.note(f"{c.comm!r}, {cm.version()}, NCCL {cm.nccl_version()}, library {cm.library_path()}")
-    # The same over a gloo group (the id travels on the CPU), closed again at once.
-    gloo = dist.new_group(backend="gloo")
-    with cm.Comm.from_process_group(gloo, timeout_ms=10000) as other:
-        check(other.rank == c.rank and other.size == c.world, "comm over a gloo group: rank/size")
-    check(other.closed, "a comm used as a context manager is closed after it")
 
 
 @test
@@ -467,6 +462,18 @@ def expert_id_out_of_range_fused(c):
     torch.cuda.synchronize()
     c.comm.check_async_error()
     c.compare("fused, the call after the bad id", y, c.reference_experts(x, ids, w))
+
+
+@test
+def comm_over_a_gloo_group(c):
+    """A second communicator beside the first, its id broadcast on the CPU through a gloo
+    group, closed again at once."""
+    cm = c.cm
+    gloo = c.dist.new_group(backend="gloo")
+    with cm.Comm.from_process_group(gloo, timeout_ms=10000) as other:
+        check(other.rank == c.rank and other.size == c.world, "comm over a gloo group: rank/size")
+        check(other.device_index == c.local, f"comm over a gloo group on cuda:{other.device_index}")
+    check(other.closed, "a comm used as a context manager is closed after it")
 
 
 @test
