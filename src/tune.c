@@ -16,8 +16,11 @@
 #define MODEL_GEMM_FLOPS 700e12
 #define MODEL_DISPATCH_BYTES_PER_SM 8e9
 #define MODEL_TAIL_BYTES 0.7e12
-/* Combine blocks beside GEMM1 won only where the tail would exceed half of GEMM1. */
-#define MODEL_TAIL_SHARE 0.5
+/* The push (rows sent home from GEMM1's epilogue, summed by the owner after) beat the tail
+ * where the tail reaches 0.39 and 0.71 of GEMM1 (qwen2-57b-a14b even, qwen2-moe-2.7b by
+ * 1.47x) and lost where it is 0.07 (mixtral-8x7b, by 6%); even at 0.16 (phi-3.5-moe).
+ * It also beat every setting with combine blocks beside the GEMM (docs/PERF.md, S5). */
+#define MODEL_PUSH_SHARE 0.3
 
 static int clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 
@@ -33,19 +36,14 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
     blocks = clamp(blocks + (blocks & 1), 4, 24); /* even; the measured range */
     out->l0.dispatch_blocks = clamp(blocks, 1, sm_count > 1 ? sm_count / 4 : 1);
     out->l0.dispatch_mode = COMETI_DISPATCH_BULK;
-    /* Layer1: the tail (reading GEMM1's output back) against GEMM1. */
+    /* Layer1: the tail (reading GEMM1's output back) against GEMM1: the push where the tail
+     * would be long, else GEMM1 on every SM, then the combine on every SM. */
     const double gemm1_s = 2.0 * rows * F * H / MODEL_GEMM_FLOPS, tail_s = rows * H * 2 / MODEL_TAIL_BYTES;
-    const int tiles = cfg->hidden / cometi_gemm_tile_n(cfg->hidden);
     out->l1.dynamic_tiles = 1;
-    if (world > 1 && tail_s > MODEL_TAIL_SHARE * gemm1_s) {
-        out->l1.combine_blocks = clamp(24, 1, sm_count > 1 ? sm_count / 5 : 1);
-        out->l1.n_splits = tiles % 2 == 0 ? 2 : 1;
-        out->l1.tail = 0;
-    } else {
-        out->l1.combine_blocks = 0;
-        out->l1.n_splits = 1;
-        out->l1.tail = 1;
-    }
+    out->l1.combine_blocks = 0;
+    out->l1.n_splits = 1;
+    out->l1.push = world > 1 && tail_s > MODEL_PUSH_SHARE * gemm1_s;
+    out->l1.tail = !out->l1.push;
 }
 
 /* One field of a tuning line: an int >= lo, or one of two words (0 or 1). */

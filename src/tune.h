@@ -20,8 +20,7 @@ typedef struct cometi_knobs {
 /* The cost model: settings for `cfg` on `world` GPUs of `sm_count` SMs, balanced routing
  * assumed. Layer0: enough dispatch blocks to push this rank's remote rows within GEMM0's
  * time at the copy rate dispatch blocks reach beside the GEMM. Layer1: the combine after
- * GEMM1 on every SM, unless that tail would be long against GEMM1 (then combine blocks
- * beside it, two splits). */
+ * GEMM1 on every SM, unless that tail would be long against GEMM1 (then the push). */
 void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, cometi_knobs_t *out);
 
 /*
