@@ -102,6 +102,18 @@ static comet_status_t comm_init(comet_comm_t comm, const comet_comm_config_t *co
     memset(comm->async_host, 0, sizeof(cometi_async_error_t));
     COMETI_TRY(cometi_cuda(err, cudaHostGetDevicePointer((void **)&comm->async_dev, comm->async_host, 0),
                            "cudaHostGetDevicePointer(async error word)"));
+    /* NCCL's device API is compiled into comet's kernels: its structures change between
+     * releases (2.28.3 headers against a 2.28.9 library fail in ncclDevCommCreate). A
+     * process can load another libnccl.so.2 first, PyTorch's for one. */
+    int nccl_runtime = 0;
+    COMETI_TRY(cometi_nccl(err, ncclGetVersion(&nccl_runtime), "ncclGetVersion"));
+    if (nccl_runtime != NCCL_VERSION_CODE)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "NCCL %d.%d.%d is loaded in this process, but comet was built "
+                           "against NCCL %d.%d.%d headers, and its device API must match: rebuild comet against "
+                           "the NCCL the process loads (make clean; make NCCL_HOME=<that NCCL>; for PyTorch's: "
+                           "NCCL_HOME=$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])'))",
+                           nccl_runtime / 10000, nccl_runtime / 100 % 100, nccl_runtime % 100, NCCL_MAJOR, NCCL_MINOR,
+                           NCCL_PATCH);
     COMETI_TRY(cometi_devcomm_create(comm));
     COMETI_TRY(cometi_window_create(comm, COMETI_CTRL_SLOTS * sizeof(unsigned long long), &comm->ctrl));
     COMETI_TRY(cometi_cuda(err, cudaMemset(comm->ctrl.local, 0, comm->ctrl.bytes), "clear control window"));

@@ -130,6 +130,7 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     s.topk_ids = a->topk_ids;
     s.pos = l0->route.plan.pos;
     s.send_offset = l0->route.plan.send_offset;
+    s.counts = l0->route.plan.counts;
     s.weights = a->topk_weights;
     s.y = a->y;
     s.num_tokens = a->num_tokens;

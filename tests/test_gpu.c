@@ -1246,6 +1246,68 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
 
 int test_gpu_layer1_matches_baseline(void) { return launch_two_seeded(layer1_rank, 280); }
 
+/* A bad expert id on the fused path, with the combine and with the push: the row is left
+ * out, the rank that passed it learns so (COMET_INVALID_ARGUMENT), no rank waits for the
+ * missing row, and the next call, with the id fixed, matches the baseline. */
+static int layer1_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 1024, 4, 2000};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    fx.skip_reference = 1;
+    cometi_layer0_t l0;
+    cometi_layer1_t l1;
+    COMET_OK(cometi_layer0_create(fx.comm, &fx.cfg, &l0), fx.comm);
+    COMET_OK(cometi_layer1_create(fx.comm, &fx.cfg, &l0, &l1), fx.comm);
+    const int H = fx.cfg.hidden, k = fx.cfg.top_k, me = ctx->rank;
+    const moe_case_t *c = &cases[0];
+    const int m = c->tokens[me % 2];
+    uint16_t *want = malloc((size_t)m * H * 2 + 2), *got = malloc((size_t)m * H * 2 + 2);
+    for (int push = 0; push < 2; push++) {
+        comet_status_t st;
+        double err;
+        if (run_case(&fx, c, seed + push, 0, &st, &err)) return 1;
+        CHECK_EQ(st, COMET_SUCCESS);
+        CUDA_OK(cudaMemcpy(want, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        const comet_moe_args_t a = fused_args(&fx, c);
+        const cometi_layer0_knobs_t k0 = {4, COMETI_DISPATCH_BULK};
+        const cometi_layer1_knobs_t k1 = push ? (cometi_layer1_knobs_t){0, 1, 1, 0, 1}
+                                              : (cometi_layer1_knobs_t){0, 1, 1, 1, 0};
+        int32_t good = 0;
+        const int32_t bad = fx.cfg.num_experts;
+        CHECK(m > 5);
+        if (me == 1) {
+            CUDA_OK(cudaMemcpy(&good, fx.d_ids + 5 * k + 1, sizeof(int32_t), cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(fx.d_ids + 5 * k + 1, &bad, sizeof(int32_t), cudaMemcpyHostToDevice));
+        }
+        COMET_OK(cometi_barrier_sync(fx.comm, "bad id planted"), fx.comm);
+        COMET_OK(cometi_layer0_run(fx.comm, &l0, &a, &k0, 0), fx.comm);
+        COMET_OK(cometi_layer1_run(fx.comm, &l1, &l0, &a, &k1, 0), fx.comm);
+        CUDA_OK(cudaDeviceSynchronize());
+        st = comet_comm_get_async_error(fx.comm);
+        printf("rank %d, %s: %s\n", me, push ? "push" : "combine",
+               st == COMET_SUCCESS ? "no error" : comet_comm_last_error(fx.comm));
+        CHECK_EQ(st, me == 1 ? COMET_INVALID_ARGUMENT : COMET_SUCCESS);
+        if (me == 1) CHECK_CONTAINS(comet_comm_last_error(fx.comm), "that row was left out");
+        if (me == 1) CUDA_OK(cudaMemcpy(fx.d_ids + 5 * k + 1, &good, sizeof(int32_t), cudaMemcpyHostToDevice));
+        if (run_fused(&fx, &l0, &l1, &a, &k0, &k1)) return 1;
+        CUDA_OK(cudaMemcpy(got, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0, row = 0;
+        add_error(got, want, NULL, (size_t)m, H, &num, &den, &row);
+        printf("rank %d, %s: the next call against the baseline %.2e (worst row %.2e)\n", me,
+               push ? "push" : "combine", sqrt(num / den), row);
+        CHECK(sqrt(num / den) < 1e-2 && row < 3e-2);
+    }
+    free(want), free(got);
+    cometi_layer1_destroy(fx.comm, &l1);
+    cometi_layer0_destroy(fx.comm, &l0);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_layer1_bad_expert_id(void) { return launch_two_seeded(layer1_bad_id_rank, 100); }
+
 /* Rank 1 runs layer0 but never layer1: rank 0's combine (or the push's sum) must give up
  * with COMET_TIMEOUT (rank 1 waits on a flag nobody raises meanwhile, and times out too). */
 static int missing_peer_push; /* set before the ranks fork */

@@ -69,9 +69,15 @@ extern "C" comet_status_t cometi_launch_combine_tail(char *err, const cometi_com
 static __global__ void __launch_bounds__(SUM_THREADS)
 push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned long long timeout_ns)
 {
-    const unsigned long long per_call = (unsigned long long)s.num_tokens * s.top_k * s.col_tiles;
-    if (threadIdx.x == 0)
+    /* Rows this rank sent this call (choices with a bad id were left out), each once per
+     * column tile. */
+    __shared__ unsigned long long per_call;
+    if (threadIdx.x == 0) {
+        unsigned long long rows = 0;
+        for (int e = 0; e < s.num_experts; e++) rows += (unsigned int)s.counts[(size_t)s.rank * s.num_experts + e];
+        per_call = rows * s.col_tiles;
         cometi_wait_geq(s.arrive, *s.expected + per_call, timeout_ns, err, COMETI_SITE_PUSH, -1, 0);
+    }
     __syncthreads();
     const int vecs = s.hidden / 8, k = s.top_k;
     const int32_t *send_offset = s.send_offset + (size_t)s.rank * s.num_experts;
@@ -86,14 +92,16 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
 #pragma unroll
         for (int j = 0; j < COMETI_COMBINE_MAX_TOP_K; j++) {
             if (j >= k) break;
-            const int i = t * k + j;
-            at[j] = send_offset[s.topk_ids[i]] + s.pos[i];
-            w[j] = s.weights[i];
+            const int i = t * k + j, e = s.topk_ids[i];
+            const bool ok = e >= 0 && e < s.num_experts; /* else the row was left out (reported) */
+            at[j] = ok ? send_offset[e] + s.pos[i] : -1;
+            w[j] = ok ? s.weights[i] : 0.0f;
         }
 #pragma unroll
         for (int j = 0; j < COMETI_COMBINE_MAX_TOP_K; j++) {
             if (j >= k) break;
-            x[j] = __ldcg((const uint4 *)((const __nv_bfloat16 *)s.slots + (size_t)at[j] * s.hidden) + v);
+            x[j] = at[j] >= 0 ? __ldcg((const uint4 *)((const __nv_bfloat16 *)s.slots + (size_t)at[j] * s.hidden) + v)
+                             : make_uint4(0, 0, 0, 0);
         }
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll

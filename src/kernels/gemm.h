@@ -202,16 +202,17 @@ comet_status_t cometi_launch_push_dest(char *err, const cometi_combine_t *c, con
                                        int groups, int64_t rows, void *dest, cudaStream_t stream);
 
 /* The owner's side of the push: once every row of this rank's tokens has arrived
- * (arrive[COMETI_PUSH_COUNTER] reaching *expected + num_tokens * top_k * col_tiles), y[t]
- * = sum over j of weights[t][j] x slot of (t, j), in fp32, j in order (the same bits every
- * run), on every SM; the last block advances *expected and zeroes *done. The slot of
- * (t, j) is send_offset[rank][e] + pos[t * top_k + j], e = topk_ids[t][j] (the route plan). */
+ * (arrive[COMETI_PUSH_COUNTER] reaching *expected + rows sent x col_tiles, rows sent being
+ * the route's counts[rank][.]: a choice with a bad expert id was left out), y[t] = sum over
+ * j of weights[t][j] x slot of (t, j), in fp32, j in order (the same bits every run), on
+ * every SM; the last block advances *expected and zeroes *done. The slot of (t, j) is
+ * send_offset[rank][e] + pos[t * top_k + j], e = topk_ids[t][j] (the route plan). */
 typedef struct cometi_push_sum {
     const void *slots;                 /* this rank's slots, [.][hidden] bf16 */
     const unsigned long long *arrive;  /* this rank's push counter */
     unsigned long long *expected;      /* [1] running total the wait aims at */
     unsigned int *done;                /* [1] zeroed word */
-    const int32_t *topk_ids, *pos, *send_offset;
+    const int32_t *topk_ids, *pos, *send_offset, *counts; /* plan arrays; counts, send_offset [world][E] */
     const float *weights;
     void *y;
     int num_tokens, top_k, hidden, num_experts, rank, col_tiles;
