@@ -76,7 +76,33 @@ def nccl_version() -> int:
     return v.value
 
 
-class Comm:
+class _Handle:
+    """What Comm and Moe share as owners of a C handle in `_box`: a context manager, no
+    copies, and close() from __del__ as a fallback only."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __reduce_ex__(self, protocol):
+        # A copy would destroy the same C handle twice; a pickle cannot carry GPU state.
+        raise TypeError(f"comet_moe.{type(self).__name__} holds a C handle: it cannot be copied or pickled")
+
+    def __del__(self):
+        # Not at interpreter exit: the CUDA runtime may be gone already, and a collective
+        # destroy on one rank alone would wait for the others until the timeout.
+        if sys is None or sys.is_finalizing() or getattr(self, "_box", None) is None:
+            return
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Comm(_Handle):
     """comet_comm_t: NCCL plus the symmetric memory comet's kernels use, on the CUDA
     device that was current when it was made (`device_index`). Creating and closing
     it are collective: every rank calls them, in the same order."""
@@ -204,27 +230,6 @@ class Comm:
         check(st, "comet_comm_destroy", "the communicator was freed (its detail message with it)")
         if first_error is not None:
             raise first_error
-
-    def __enter__(self):
-        return self
-
-    def __reduce_ex__(self, protocol):
-        # A copy would destroy the same C handle twice; a pickle cannot carry GPU state.
-        raise TypeError("comet_moe.Comm holds a C handle: it cannot be copied or pickled")
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        # Not at interpreter exit: the CUDA runtime may be gone already, and a collective
-        # destroy on one rank alone would wait for the others until the timeout.
-        if sys is None or sys.is_finalizing() or getattr(self, "_box", None) is None:
-            return
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         state = "closed" if self.closed else f"rank {self.rank} of {self.size} on cuda:{self.device_index}"

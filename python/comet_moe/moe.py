@@ -13,11 +13,10 @@ comet reports raises a CometError subclass with comet's message.
 from __future__ import annotations
 
 import ctypes
-import sys
 
 from . import _capi
 from .checks import check_forward_args
-from .comm import Comm, _Box, _destroy_moe
+from .comm import Comm, _Box, _Handle, _destroy_moe
 from .config import MoeConfig
 from .errors import check
 
@@ -38,7 +37,7 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-class Moe:
+class Moe(_Handle):
     """comet_moe_t on a Comm. Rank r holds global experts [first_expert, first_expert +
     experts_per_rank), first_expert = (r // tp_size) * experts_per_rank and
     experts_per_rank = num_experts // ep_size (comet.h)."""
@@ -140,26 +139,6 @@ class Moe:
         except ValueError:
             pass
         _destroy_moe(self.comm, box)
-
-    def __enter__(self):
-        return self
-
-    def __reduce_ex__(self, protocol):
-        # A copy would destroy the same C handle twice; a pickle cannot carry GPU state.
-        raise TypeError("comet_moe.Moe holds a C handle: it cannot be copied or pickled")
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        # Not at interpreter exit (see Comm.__del__).
-        if sys is None or sys.is_finalizing() or getattr(self, "_box", None) is None:
-            return
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         state = "closed" if self.closed else f"experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1} here"
