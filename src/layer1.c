@@ -102,6 +102,27 @@ static cometi_gemm_t gemm1(comet_comm_t comm, const cometi_layer1_t *l, const co
     return g;
 }
 
+/* What both ways of sending rows home read: the windows of every rank, the route plan,
+ * this call's tokens. */
+static void combine_tables(comet_comm_t comm, const cometi_layer1_t *l, const cometi_layer0_t *l0,
+                           const comet_moe_args_t *a, cometi_combine_t *c)
+{
+    c->peers = l->peers;
+    c->meta = l->meta;
+    c->counts = l0->route.plan.counts;
+    c->send_offset = l0->route.plan.send_offset;
+    c->recv_offset = l0->route.plan.recv_offset;
+    c->topk_ids = a->topk_ids;
+    c->y = a->y;
+    c->num_tokens = a->num_tokens;
+    c->num_experts = l0->num_experts;
+    c->experts_per_rank = l0->num_experts / comm->size;
+    c->top_k = l0->top_k;
+    c->slots_per_token = l->slots_per_token;
+    c->rank = comm->rank;
+    c->world = comm->size;
+}
+
 /* The push: GEMM1 on every SM, each tile's rows sent home from its epilogue, then the
  * owner's sum. */
 static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0, const comet_moe_args_t *a,
@@ -112,15 +133,7 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     g.push_dest = l->push_dest;
     g.epilogue = COMETI_EPILOGUE_TMA;
     cometi_combine_t *c = &g.combine;
-    c->peers = l->peers;
-    c->counts = l0->route.plan.counts;
-    c->send_offset = l0->route.plan.send_offset;
-    c->recv_offset = l0->route.plan.recv_offset;
-    c->num_experts = l0->num_experts;
-    c->experts_per_rank = l0->num_experts / comm->size;
-    c->top_k = l0->top_k;
-    c->rank = comm->rank;
-    c->world = comm->size;
+    combine_tables(comm, l, l0, a, c);
     cometi_push_sum_t s;
     memset(&s, 0, sizeof(s));
     s.slots = l->slots.local;
@@ -169,24 +182,11 @@ comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_l
     g.combine_blocks = knobs->combine_blocks;
     g.sched = knobs->dynamic_tiles ? l->sched : NULL;
     cometi_combine_t *c = &g.combine;
+    combine_tables(comm, l, l0, a, c);
     c->kernel_splits = knobs->combine_blocks ? knobs->n_splits - (knobs->tail != 0) : 0;
-    c->peers = l->peers;
-    c->meta = l->meta;
-    c->counts = l0->route.plan.counts;
-    c->send_offset = l0->route.plan.send_offset;
-    c->recv_offset = l0->route.plan.recv_offset;
-    c->topk_ids = a->topk_ids;
-    c->y = a->y;
     c->expected = l->expected;
     c->sync = l->sched + 3; /* the kernel's words 3 and 4, used on either schedule */
     c->trace = l->trace;
-    c->num_tokens = a->num_tokens;
-    c->num_experts = l0->num_experts;
-    c->experts_per_rank = l0->num_experts / comm->size;
-    c->top_k = l0->top_k;
-    c->slots_per_token = l->slots_per_token;
-    c->rank = comm->rank;
-    c->world = comm->size;
     cometi_gemm_prepared_t prepared;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
