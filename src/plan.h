@@ -26,39 +26,45 @@ extern "C" {
 #define COMETI_BLOCK_M 128
 
 /*
- * Routing plan for one forward call with EP = world, TP = 1.
+ * Routing plan for one forward call with EP x TP = world.
+ *
+ * Rank r is TP rank r % tp of EP group g = r / tp; there are groups = world / tp groups.
+ * Expert e lives on group owner(e) = e / experts_per_group, every rank of the group
+ * holding 1/tp of its ffn columns: a row for e goes to each of the group's tp ranks,
+ * which share one receive layout. With tp = 1 a group is a rank (EP = world).
  *
  * counts[s][e]: rows rank s sends to global expert e (one row per (token, choice)).
- * Expert e lives on rank owner(e) = e / experts_per_rank.
  *
- * Send side, on rank s: one contiguous chunk per expert, ordered by destination rank
- * and then by expert; inside a chunk the rows keep token order (t, then choice j).
+ * Send side, on rank s: one contiguous chunk per expert, ordered by destination group
+ * and then by expert; inside a chunk the rows keep token order (t, then choice j). The
+ * same chunk goes to every rank of the group.
  *
- * Receive side, on rank d: one segment per local expert, in expert order, each
- * starting at a multiple of block_m; inside a segment the rows of each source rank
- * are contiguous, local rank first (d, d+1, ..., d-1 mod world), so the GEMM can start
- * on local rows while remote ones are in flight.
+ * Receive side, on every rank of group g: one segment per expert of g, in expert order,
+ * each starting at a multiple of block_m; inside a segment the rows of each source rank
+ * are contiguous, sources in order from the group's first rank (g * tp, g * tp + 1, ...
+ * mod world): with tp = 1, the receiving rank's own rows first, so the GEMM can start on
+ * local rows while remote ones are in flight.
  */
 typedef struct cometi_route_plan {
-    int world, num_experts, experts_per_rank, block_m;
+    int world, tp, groups, num_experts, experts_per_group, block_m;
     int64_t *counts;      /* [world][E] copy of the input */
     int64_t *send_offset; /* [world][E] on rank s: first row of expert e's chunk */
-    int64_t *send_rows;   /* [world]    rows rank s sends in all */
-    int64_t *pair_rows;   /* [world][world] rows from s to d */
-    int64_t *seg_start;   /* [E] on owner(e): first row of e's segment */
+    int64_t *send_rows;   /* [world]    rows rank s sends in all (to each rank of their group) */
+    int64_t *pair_rows;   /* [world][groups] rows from s to (each rank of) group g */
+    int64_t *seg_start;   /* [E] on owner(e)'s ranks: first row of e's segment */
     int64_t *seg_rows;    /* [E] rows in e's segment (without padding) */
-    int64_t *recv_offset; /* [world][E] on owner(e): first row of source s's rows in e's segment */
-    int64_t *recv_rows;   /* [world]    padded rows rank d receives (its buffer's used size) */
+    int64_t *recv_offset; /* [world][E] on owner(e)'s ranks: first row of source s's rows in e's segment */
+    int64_t *recv_rows;   /* [groups]   padded rows each rank of group g receives (its buffer's used size) */
 } cometi_route_plan_t;
 
-/* Build the plan from counts[world][num_experts]. Returns 0, or -1 with `err` set
- * (bad sizes, negative counts, allocation failure). */
-int cometi_route_plan_build(cometi_route_plan_t *plan, const int64_t *counts, int world,
+/* Build the plan from counts[world][num_experts] for tp ranks per group. Returns 0, or
+ * -1 with `err` set (bad sizes, negative counts, allocation failure). */
+int cometi_route_plan_build(cometi_route_plan_t *plan, const int64_t *counts, int world, int tp,
                             int num_experts, int block_m, char *err, size_t err_len);
 void cometi_route_plan_free(cometi_route_plan_t *plan);
 
-/* Worst-case padded receive rows on one rank: every row of every rank comes here. */
-int64_t cometi_route_max_recv_rows(int world, int max_tokens, int top_k, int experts_per_rank,
+/* Worst-case padded receive rows on one rank: every row of every rank comes to its group. */
+int64_t cometi_route_max_recv_rows(int world, int max_tokens, int top_k, int experts_per_group,
                                    int block_m);
 
 /* counts[e] += rows of topk_ids[m][k] that go to expert e. Returns the index of the
@@ -67,7 +73,7 @@ int64_t cometi_route_count(const int32_t *topk_ids, int m, int k, int num_expert
                            int64_t *counts);
 
 /* For each (t, j) of rank `src`: its row in src's send buffer and its row in the
- * owner's receive buffer. Either output may be NULL. */
+ * receive buffer of the owner group's ranks. Either output may be NULL. */
 void cometi_route_positions(const cometi_route_plan_t *plan, int src, const int32_t *topk_ids,
                             int m, int k, int64_t *send_pos, int64_t *recv_pos);
 

@@ -26,28 +26,31 @@ void cometi_route_plan_free(cometi_route_plan_t *plan)
     memset(plan, 0, sizeof(*plan));
 }
 
-int cometi_route_plan_build(cometi_route_plan_t *plan, const int64_t *counts, int world,
+int cometi_route_plan_build(cometi_route_plan_t *plan, const int64_t *counts, int world, int tp,
                             int num_experts, int block_m, char *err, size_t err_len)
 {
     memset(plan, 0, sizeof(*plan));
-    if (world < 1 || num_experts < 1 || num_experts % world != 0 || block_m < 1) {
-        snprintf(err, err_len, "route plan: world %d, num_experts %d, block_m %d: need world >= 1, "
-                 "num_experts a positive multiple of world, block_m >= 1", world, num_experts, block_m);
+    if (world < 1 || tp < 1 || world % tp != 0 || num_experts < 1 || num_experts % (world / tp) != 0 ||
+        block_m < 1) {
+        snprintf(err, err_len, "route plan: world %d, tp %d, num_experts %d, block_m %d: need tp dividing world, "
+                 "num_experts a positive multiple of world / tp, block_m >= 1", world, tp, num_experts, block_m);
         return -1;
     }
-    const int W = world, E = num_experts, per = E / W;
+    const int W = world, G = world / tp, E = num_experts, per = E / G;
     plan->world = W;
+    plan->tp = tp;
+    plan->groups = G;
     plan->num_experts = E;
-    plan->experts_per_rank = per;
+    plan->experts_per_group = per;
     plan->block_m = block_m;
     plan->counts = calloc((size_t)W * E, sizeof(int64_t));
     plan->send_offset = calloc((size_t)W * E, sizeof(int64_t));
     plan->send_rows = calloc((size_t)W, sizeof(int64_t));
-    plan->pair_rows = calloc((size_t)W * W, sizeof(int64_t));
+    plan->pair_rows = calloc((size_t)W * G, sizeof(int64_t));
     plan->seg_start = calloc((size_t)E, sizeof(int64_t));
     plan->seg_rows = calloc((size_t)E, sizeof(int64_t));
     plan->recv_offset = calloc((size_t)W * E, sizeof(int64_t));
-    plan->recv_rows = calloc((size_t)W, sizeof(int64_t));
+    plan->recv_rows = calloc((size_t)G, sizeof(int64_t));
     if (!plan->counts || !plan->send_offset || !plan->send_rows || !plan->pair_rows ||
         !plan->seg_start || !plan->seg_rows || !plan->recv_offset || !plan->recv_rows) {
         cometi_route_plan_free(plan);
@@ -65,43 +68,44 @@ int cometi_route_plan_build(cometi_route_plan_t *plan, const int64_t *counts, in
             plan->counts[(size_t)s * E + e] = c;
         }
     }
-    /* Send side: destination-major, then expert order. Experts are numbered so that
-     * destination order and expert order agree: a running sum over e suffices. */
+    /* Send side: destination-group-major, then expert order. Experts are numbered so
+     * that group order and expert order agree: a running sum over e suffices. */
     for (int s = 0; s < W; s++) {
         int64_t off = 0;
         for (int e = 0; e < E; e++) {
             int64_t c = plan->counts[(size_t)s * E + e];
             plan->send_offset[(size_t)s * E + e] = off;
-            plan->pair_rows[(size_t)s * W + e / per] += c;
+            plan->pair_rows[(size_t)s * G + e / per] += c;
             off += c;
         }
         plan->send_rows[s] = off;
     }
-    /* Receive side: expert segments padded to block_m; local source first. */
-    for (int d = 0; d < W; d++) {
+    /* Receive side: expert segments padded to block_m; sources from the group's first
+     * rank on (with tp = 1: the receiving rank's own rows first). */
+    for (int g = 0; g < G; g++) {
         int64_t row = 0;
         for (int le = 0; le < per; le++) {
-            int e = d * per + le;
+            int e = g * per + le;
             plan->seg_start[e] = row;
             int64_t in_seg = 0;
             for (int i = 0; i < W; i++) {
-                int s = (d + i) % W;
+                int s = (g * tp + i) % W;
                 plan->recv_offset[(size_t)s * E + e] = in_seg;
                 in_seg += plan->counts[(size_t)s * E + e];
             }
             plan->seg_rows[e] = in_seg;
             row += round_up(in_seg, block_m);
         }
-        plan->recv_rows[d] = row;
+        plan->recv_rows[g] = row;
     }
     return 0;
 }
 
-int64_t cometi_route_max_recv_rows(int world, int max_tokens, int top_k, int experts_per_rank,
+int64_t cometi_route_max_recv_rows(int world, int max_tokens, int top_k, int experts_per_group,
                                    int block_m)
 {
-    /* All rows of all ranks, plus a partial tile of padding per local expert. */
-    return (int64_t)world * max_tokens * top_k + (int64_t)experts_per_rank * (block_m - 1);
+    /* All rows of all ranks, plus a partial tile of padding per expert of the group. */
+    return (int64_t)world * max_tokens * top_k + (int64_t)experts_per_group * (block_m - 1);
 }
 
 int64_t cometi_route_count(const int32_t *topk_ids, int m, int k, int num_experts, int64_t *counts)

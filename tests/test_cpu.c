@@ -138,7 +138,7 @@ int test_route_plan_known_answer(void)
     const int64_t counts[2 * 4] = {3, 0, 2, 5, /* rank 1 */ 1, 4, 0, 2};
     cometi_route_plan_t p;
     char err[256];
-    CHECK_EQ(cometi_route_plan_build(&p, counts, 2, 4, 4, err, sizeof(err)), 0);
+    CHECK_EQ(cometi_route_plan_build(&p, counts, 2, 1, 4, 4, err, sizeof(err)), 0);
     const int64_t send_offset[8] = {0, 3, 3, 5, 0, 1, 5, 5};
     const int64_t pair_rows[4] = {3, 7, 5, 2};
     const int64_t seg_start[4] = {0, 4, 0, 4}, seg_rows[4] = {4, 4, 2, 7};
@@ -165,24 +165,44 @@ int test_route_plan_known_answer(void)
     for (int i = 0; i < 10; i++) CHECK_EQ(send_pos[i], want_send[i]);
     for (int i = 0; i < 10; i++) CHECK_EQ(recv_pos[i], want_recv[i]);
     cometi_route_plan_free(&p);
+    /* The same counts as one group of two TP ranks: every expert on both ranks, one
+     * receive layout for the two, sources from the group's first rank. */
+    CHECK_EQ(cometi_route_plan_build(&p, counts, 2, 2, 4, 4, err, sizeof(err)), 0);
+    CHECK_EQ(p.groups, 1);
+    CHECK_EQ(p.experts_per_group, 4);
+    const int64_t tp_seg_start[4] = {0, 4, 8, 12}, tp_seg_rows[4] = {4, 4, 2, 7};
+    const int64_t tp_recv_offset[8] = {0, 0, 0, 0, 3, 0, 2, 5};
+    for (int i = 0; i < 8; i++) CHECK_EQ(p.send_offset[i], send_offset[i]);
+    CHECK_EQ(p.pair_rows[0], 10);
+    CHECK_EQ(p.pair_rows[1], 7);
+    for (int e = 0; e < 4; e++) CHECK_EQ(p.seg_start[e], tp_seg_start[e]);
+    for (int e = 0; e < 4; e++) CHECK_EQ(p.seg_rows[e], tp_seg_rows[e]);
+    for (int i = 0; i < 8; i++) CHECK_EQ(p.recv_offset[i], tp_recv_offset[i]);
+    CHECK_EQ(p.recv_rows[0], 20);
+    cometi_route_plan_free(&p);
     int64_t bad[2] = {1, -1};
-    CHECK_EQ(cometi_route_plan_build(&p, bad, 1, 2, 4, err, sizeof(err)), -1);
+    CHECK_EQ(cometi_route_plan_build(&p, bad, 1, 1, 2, 4, err, sizeof(err)), -1);
     CHECK_CONTAINS(err, "counts[0][1] = -1");
-    CHECK_EQ(cometi_route_plan_build(&p, bad, 2, 3, 4, err, sizeof(err)), -1);
+    CHECK_EQ(cometi_route_plan_build(&p, bad, 2, 1, 3, 4, err, sizeof(err)), -1);
     CHECK_CONTAINS(err, "num_experts 3");
+    CHECK_EQ(cometi_route_plan_build(&p, bad, 4, 3, 4, 4, err, sizeof(err)), -1);
+    CHECK_CONTAINS(err, "tp 3");
     return 0;
 }
 
 /* Every (rank, token, choice) lands on a distinct row of its expert's segment on the
- * owner, local rows first; segments are aligned and disjoint; send rows are a
- * permutation of 0..send_rows-1 grouped by destination. */
+ * owner group, the group's first rank's rows first (with TP = 1: local rows first);
+ * segments are aligned and disjoint; send rows are a permutation of 0..send_rows-1
+ * grouped by destination group. Over EP x TP layouts: 1x1, 2x1, 3x1, 4x1, 8x1, 1x2, 2x2,
+ * 4x2, 1x4, 2x4, 1x8. */
 int test_route_plan_random_invariants(void)
 {
     uint64_t rng = test_seed();
-    const int worlds[] = {1, 2, 3, 4, 8};
-    for (int wi = 0; wi < 5; wi++) {
+    const int layouts[][2] = {{1, 1}, {2, 1}, {3, 1}, {4, 1}, {8, 1}, {2, 2}, {4, 2}, {8, 2}, {4, 4}, {8, 4}, {8, 8}};
+    for (int li = 0; li < (int)(sizeof(layouts) / sizeof(layouts[0])); li++) {
         for (int trial = 0; trial < 20; trial++) {
-            const int W = worlds[wi], per = 1 + (int)(cometi_rand_next(&rng) % 4), E = W * per;
+            const int W = layouts[li][0], tp = layouts[li][1], G = W / tp;
+            const int per = 1 + (int)(cometi_rand_next(&rng) % 4), E = G * per;
             const int k = 1 + (int)(cometi_rand_next(&rng) % (E < 4 ? E : 4));
             const int block_m = (trial & 1) ? 128 : 8;
             int m[8];
@@ -198,22 +218,23 @@ int test_route_plan_random_invariants(void)
             }
             cometi_route_plan_t p;
             char err[256];
-            CHECK_EQ(cometi_route_plan_build(&p, counts, W, E, block_m, err, sizeof(err)), 0);
-            for (int d = 0; d < W; d++) {
+            CHECK_EQ(cometi_route_plan_build(&p, counts, W, tp, E, block_m, err, sizeof(err)), 0);
+            CHECK_EQ(p.groups, G);
+            for (int d = 0; d < G; d++) {
                 int64_t used = 0;
                 for (int le = 0; le < per; le++) {
                     int e = d * per + le;
                     CHECK_EQ(p.seg_start[e] % block_m, 0);
                     CHECK_EQ(p.seg_start[e], used);
                     used += (p.seg_rows[e] + block_m - 1) / block_m * block_m;
-                    CHECK_EQ(p.recv_offset[(size_t)d * E + e], 0); /* local first */
+                    CHECK_EQ(p.recv_offset[(size_t)d * tp * E + e], 0); /* the group's first rank first */
                 }
                 CHECK_EQ(p.recv_rows[d], used);
                 CHECK(used <= cometi_route_max_recv_rows(W, 300, k, per, block_m));
             }
-            /* Mark every receive row and every send row once. */
+            /* Mark every receive row (per group) and every send row once. */
             char *recv_seen[8], *send_seen[8];
-            for (int d = 0; d < W; d++) recv_seen[d] = calloc((size_t)p.recv_rows[d] + 1, 1);
+            for (int d = 0; d < G; d++) recv_seen[d] = calloc((size_t)p.recv_rows[d] + 1, 1);
             for (int s = 0; s < W; s++) {
                 send_seen[s] = calloc((size_t)p.send_rows[s] + 1, 1);
                 int64_t *sp = malloc(sizeof(int64_t) * (m[s] * k + 1)), *rp = malloc(sizeof(int64_t) * (m[s] * k + 1));
@@ -226,15 +247,15 @@ int test_route_plan_random_invariants(void)
                     CHECK(rp[i] >= p.seg_start[e] && rp[i] < p.seg_start[e] + p.seg_rows[e]);
                     CHECK(!recv_seen[d][rp[i]]);
                     recv_seen[d][rp[i]] = 1;
-                    if (s == d) CHECK(rp[i] < p.seg_start[e] + counts[(size_t)d * E + e]);
-                    /* Rows to destination d sit between the rows to d-1 and d+1. */
+                    if (s == d * tp) CHECK(rp[i] < p.seg_start[e] + counts[(size_t)s * E + e]);
+                    /* Rows to group d sit between the rows to d-1 and d+1. */
                     int64_t lo = p.send_offset[(size_t)s * E + d * per];
-                    CHECK(sp[i] >= lo && sp[i] < lo + p.pair_rows[(size_t)s * W + d]);
+                    CHECK(sp[i] >= lo && sp[i] < lo + p.pair_rows[(size_t)s * G + d]);
                 }
                 free(sp);
                 free(rp);
             }
-            for (int d = 0; d < W; d++) {
+            for (int d = 0; d < G; d++) {
                 int64_t marked = 0, want = 0;
                 for (int64_t r = 0; r < p.recv_rows[d]; r++) marked += recv_seen[d][r];
                 for (int le = 0; le < per; le++) want += p.seg_rows[d * per + le];

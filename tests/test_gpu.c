@@ -865,7 +865,7 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
         cometi_route_plan_t p;
         char err[256];
-        CHECK_EQ(cometi_route_plan_build(&p, counts, W, E, COMETI_BLOCK_M, err, sizeof(err)), 0);
+        CHECK_EQ(cometi_route_plan_build(&p, counts, W, 1, E, COMETI_BLOCK_M, err, sizeof(err)), 0);
         cometi_route_positions(&p, me, ids[me], m[me], k, want_send, want_pos);
         /* Layer1's records, in send order: the token's slot if the choice leads on its
          * rank, the receive row of the next choice there, the weight, this rank. */

@@ -193,7 +193,8 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     for (int r = 0; r < W; r++)
         for (int e = 0; e < E; e++) counts[(size_t)r * E + e] = b->counts_host[(size_t)r * (E + 1) + e];
     cometi_route_plan_t plan;
-    int bad = cometi_route_plan_build(&plan, counts, W, E, COMETI_BLOCK_M, err, COMETI_ERR_LEN);
+    int bad = cometi_route_plan_build(&plan, counts, W, 1 /* EP only so far */, E, COMETI_BLOCK_M, err,
+                                      COMETI_ERR_LEN);
     free(counts);
     if (bad) return COMET_INTERNAL_ERROR;
     int max_seg_rows = 0;
