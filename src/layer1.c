@@ -151,12 +151,15 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     s.hidden = l->hidden;
     s.num_experts = l0->num_experts;
     s.rank = comm->rank;
-    s.col_tiles = l->hidden / cometi_gemm_tile_n(l->hidden);
+    s.col_tiles = l->hidden / (g.block_n ? g.block_n : cometi_gemm_tile_n(l->hidden)); /* the GEMM's tile */
+    /* Everything checked before anything is enqueued: peers count what this GEMM sends. */
     cometi_gemm_prepared_t prepared;
+    unsigned int sum_blocks;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
+    COMETI_TRY(cometi_push_sum_prepare(comm->err, &s, &sum_blocks));
     COMETI_TRY(cometi_launch_push_dest(comm->err, c, g.segs, g.groups, g.a_rows, l->push_dest, stream));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
-    return cometi_launch_push_sum(comm->err, &s, comm->async_dev, g.timeout_ns, stream);
+    return cometi_launch_push_sum(comm->err, &s, sum_blocks, comm->async_dev, g.timeout_ns, stream);
 }
 
 comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0,

@@ -45,8 +45,9 @@ typedef struct cometi_layer1_knobs {
     int push;           /* GEMM1's epilogue sends each finished tile's rows to their token
                          * owners (every choice its own slot, no pre-sum), and the owner sums
                          * them after: the communication rides in the GEMM on no SM of its
-                         * own. Needs combine_blocks = 0 and n_splits = 1. Its sum order (by
-                         * choice) differs from the combine's (by rank), so its bits do too. */
+                         * own. Needs combine_blocks = 0 and n_splits = 1, and the same value
+                         * on every rank. Its sum order (by choice) differs from the
+                         * combine's (by rank), so its bits do too. */
 } cometi_layer1_knobs_t;
 
 /* Collective. Needs top_k <= COMETI_COMBINE_MAX_TOP_K and the layer0 of the same config. */

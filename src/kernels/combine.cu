@@ -126,20 +126,20 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
     if (threadIdx.x == 0) {
         __threadfence();
         if (atomicAdd(s.done, 1u) == gridDim.x - 1) {
+            __threadfence(); /* every block's read of the total is before this write */
             *s.expected += per_call;
             *s.done = 0;
         }
     }
 }
 
-extern "C" comet_status_t cometi_launch_push_sum(char *err, const cometi_push_sum_t *s, cometi_async_error_t *async_err,
-                                                 unsigned long long timeout_ns, cudaStream_t stream)
+extern "C" comet_status_t cometi_push_sum_prepare(char *err, const cometi_push_sum_t *s, unsigned int *blocks_out)
 {
-    if (s->hidden % 8 || s->top_k < 1 || s->top_k > COMETI_COMBINE_MAX_TOP_K || s->num_tokens < 0 || s->col_tiles < 1 || (uintptr_t)s->y % 16 ||
-        (uintptr_t)s->slots % 16)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "push sum: hidden %d (a multiple of 8), top_k %d (1..8), tokens %d, "
-                           "column tiles %d, y and slots 16-byte aligned", s->hidden, s->top_k, s->num_tokens,
-                           s->col_tiles);
+    if (s->hidden % 8 || s->top_k < 1 || s->top_k > COMETI_COMBINE_MAX_TOP_K || s->num_tokens < 0 ||
+        s->col_tiles < 1 || (uintptr_t)s->y % 16 || (uintptr_t)s->slots % 16)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "push sum: hidden %d (a multiple of 8), top_k %d (1..8), "
+                           "tokens %d, column tiles %d, y and slots 16-byte aligned", s->hidden, s->top_k,
+                           s->num_tokens, s->col_tiles);
     static int sm_counts[64];
     int dev = 0;
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
@@ -153,7 +153,15 @@ extern "C" comet_status_t cometi_launch_push_sum(char *err, const cometi_push_su
     size_t blocks = (items + SUM_THREADS - 1) / SUM_THREADS;
     if (blocks > (size_t)sm_counts[dev] * 8) blocks = (size_t)sm_counts[dev] * 8;
     if (blocks < 1) blocks = 1;
-    push_sum_kernel<<<(unsigned int)blocks, SUM_THREADS, 0, stream>>>(*s, async_err, timeout_ns);
+    *blocks_out = (unsigned int)blocks;
+    return COMET_SUCCESS;
+}
+
+extern "C" comet_status_t cometi_launch_push_sum(char *err, const cometi_push_sum_t *s, unsigned int blocks,
+                                                 cometi_async_error_t *async_err, unsigned long long timeout_ns,
+                                                 cudaStream_t stream)
+{
+    push_sum_kernel<<<blocks, SUM_THREADS, 0, stream>>>(*s, async_err, timeout_ns);
     return cometi_cuda(err, cudaGetLastError(), "launch push_sum_kernel");
 }
 

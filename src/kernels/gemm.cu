@@ -865,7 +865,7 @@ extern "C" comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepar
     const maps_t *m = &pr->maps;
     const gemm_args_t *args = &pr->args;
     const int blocks = pr->blocks;
-    /* The TMA epilogue's 64 KB staging leaves room for 3 stages at 128x256; ping-pong's
+    /* The TMA epilogue's 66 KB staging (64 KB of boxes, or the push's padded rows) leaves room for 3 stages at 128x256; ping-pong's
      * 64-row A tiles make stages smaller (40 KB). */
     if (pr->pingpong) {
         if (pr->swiglu)

@@ -217,8 +217,13 @@ typedef struct cometi_push_sum {
     void *y;
     int num_tokens, top_k, hidden, num_experts, rank, col_tiles;
 } cometi_push_sum_t;
-comet_status_t cometi_launch_push_sum(char *err, const cometi_push_sum_t *s, cometi_async_error_t *async_err,
-                                      unsigned long long timeout_ns, cudaStream_t stream);
+/* Check `s` and size the grid; nothing is enqueued. Call it before the GEMM whose rows
+ * the sum waits for: a sum that fails after that GEMM has run would leave the running
+ * total behind the counters. */
+comet_status_t cometi_push_sum_prepare(char *err, const cometi_push_sum_t *s, unsigned int *blocks);
+comet_status_t cometi_launch_push_sum(char *err, const cometi_push_sum_t *s, unsigned int blocks,
+                                      cometi_async_error_t *async_err, unsigned long long timeout_ns,
+                                      cudaStream_t stream);
 
 /* Enqueue a prepared GEMM on `stream`. */
 comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepared_t *p, cudaStream_t stream);
