@@ -1,25 +1,48 @@
 #!/usr/bin/env bash
-# device-run.sh - what one call on a lent 2 x H200 machine runs: build there, run the
-# whole test suite (GPU tests included), measure NVLink push/pull bandwidth, time our
-# grouped GEMM against cuBLAS, time the baseline on every preset, and run the PyTorch
-# peer on the same presets. Logs land in
-# $OUT (or ./out); the last lines printed are the summary tables.
-# Usage: scripts/device-run.sh [tests|bandwidth|gemm|bench|peer]...   (default: all)
+# device-run.sh - what one call on a lent 2 x H200 machine runs: build there (against
+# PyTorch's NCCL when torch is installed, so the Python package runs too: its device API
+# must match the NCCL the process loads), then the chosen steps. Logs land in $OUT (or
+# ./out); each step prints its summary last.
+# Usage: scripts/device-run.sh [STEP]...   (default: tests python bench)
+#   tests      the C test suite, GPU tests included (~4 min)
+#   python     the Python package's GPU tests and its example (torchrun, 2 ranks)
+#   bench      comet bench --preset all: sweeps, layer0/layer1 in turns, tuned vs model
+#   suite      comet bench --suite and the plain-PyTorch suite beside it (JSON in $OUT;
+#              then locally: python3 bench/plot_suite.py suite.json suite-torch.json)
+#   gemm       our grouped GEMM against cuBLAS on one GPU
+#   bandwidth  NVLink push and pull
+#   tune       comet tune --preset all into $OUT/tuning.txt
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-steps=${*:-tests bandwidth gemm bench peer}
+steps=${*:-tests python bench}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv > "$OUT/gpus.txt" 2>&1
-make -j16 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+torch_nccl=$(python3 -c "import torch, nvidia.nccl; print(list(nvidia.nccl.__path__)[0])" 2>/dev/null)
+if [ -n "$torch_nccl" ] && [ -z "${NCCL_HOME:-}" ]; then
+    export NCCL_HOME=$torch_nccl
+    grep -q "$torch_nccl" build/nccl.mk 2>/dev/null || make clean > /dev/null
+fi
+make -j32 > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+grep NCCL_VERSION build/nccl.mk
 for step in $steps; do
     case $step in
-    tests) build/comet_tests -v 2>&1 | tee "$OUT/tests.log" | grep -E "^(PASS|FAIL|SKIP|[0-9]+ passed)|^    .*(error|rank [0-9]:)" ;;
-    bandwidth) timeout 120 build/comet bandwidth 2>&1 | tee "$OUT/bandwidth.log" ;;
-    gemm) timeout 300 build/comet gemm 2>&1 | tee "$OUT/gemm.log" ;;
-    sass) cuobjdump --dump-sass build/src/kernels/gemm.o > "$OUT/gemm.sass" 2>&1; grep -c HGMMA "$OUT/gemm.sass" ;;
-    bench) timeout 300 build/comet bench --preset all --impl all --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" ;;
-    peer) timeout 240 torchrun --nproc-per-node 2 bench/torch_peer.py --preset all 2>&1 | tee "$OUT/peer.log" | grep -v "^\[" ;;
+    tests) timeout 420 build/comet_tests -v > "$OUT/tests.log" 2>&1
+           grep -E "^(FAIL|[0-9]+ passed)|growth" "$OUT/tests.log" ;;
+    python) timeout 150 torchrun --nproc-per-node 2 python/tests/test_torch_gpu.py -v > "$OUT/python.log" 2>&1
+            grep -E "^(FAIL|[0-9]+ passed)" "$OUT/python.log"
+            timeout 60 torchrun --nproc-per-node 2 python/examples/mixtral_block.py --preset mixtral-8x7b \
+                --tokens 4096 2>&1 | grep -v "^\[\|^W1\|^\*" | tail -4 ;;
+    bench) timeout 300 build/comet bench --preset all --no-check --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+           grep -E "comet   |layer1 \(|whole layer in turns" "$OUT/bench.log" ;;
+    suite) timeout 300 build/comet bench --suite --no-check --json "$OUT/suite.json" > "$OUT/suite.log" 2>&1
+           timeout 200 torchrun --nproc-per-node 2 bench/torch_peer.py --suite --json "$OUT/suite-torch.json" \
+               > "$OUT/suite-torch.log" 2>&1
+           grep -A42 "^suite," "$OUT/suite.log" ;;
+    gemm) CUDA_VISIBLE_DEVICES=0 timeout 300 build/comet gemm > "$OUT/gemm.log" 2>&1; grep -v "^\[" "$OUT/gemm.log" | tail -20 ;;
+    bandwidth) timeout 120 build/comet bandwidth 2>&1 | tee "$OUT/bandwidth.log" | tail -8 ;;
+    tune) timeout 300 build/comet tune --preset all --no-check --out "$OUT/tuning.txt" > "$OUT/tune.log" 2>&1
+          cat "$OUT/tuning.txt" ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
 done
