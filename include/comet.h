@@ -105,7 +105,8 @@ ncclComm_t comet_comm_nccl(comet_comm_t comm);
 /* Detail of the last failure of a call on this communicator; "" if none. */
 const char *comet_comm_last_error(comet_comm_t comm);
 
-/* The message of the last failed *_create call on this thread (the handle is NULL). */
+/* The message of the last failed *_create call on this thread (the handle is NULL), or
+ * of the last failed *_destroy call (the handle is gone). */
 const char *comet_last_create_error(void);
 
 /*

@@ -200,6 +200,8 @@ comet_status_t comet_comm_destroy(comet_comm_t comm)
         comm->devcomm = NULL;
     }
     if (st == COMET_SUCCESS) st = cometi_check_async(comm);
+    /* The handle goes now: its message moves to where comet_last_create_error() reads. */
+    snprintf(cometi_create_error_buffer(), COMETI_ERR_LEN, "%s", comm->err);
     comm_free(comm);
     return st;
 }

@@ -141,6 +141,8 @@ comet_status_t comet_moe_destroy(comet_moe_t moe)
     comet_status_t st = cometi_cuda(moe->err, cudaDeviceSynchronize(), "comet_moe_destroy: device sync");
     fused_destroy(moe);
     cometi_baseline_destroy(moe->baseline);
+    /* The handle goes now: a failure's message moves to where comet_last_create_error() reads. */
+    if (st != COMET_SUCCESS) snprintf(cometi_create_error_buffer(), COMETI_ERR_LEN, "%s", moe->err);
     free(moe);
     return st;
 }

@@ -226,8 +226,8 @@ class Comm(_Handle):
         ptr, self._box.ptr = self._box.ptr, None
         with self._on_device():
             st = self._lib.comet_comm_destroy(ptr)
-        # The handle is freed now, so comet's message for it cannot be read.
-        check(st, "comet_comm_destroy", "the communicator was freed (its detail message with it)")
+        # The handle is freed now; comet moved its message to comet_last_create_error().
+        check(st, "comet_comm_destroy", lambda: _capi.text(self._lib.comet_last_create_error()))
         if first_error is not None:
             raise first_error
 
@@ -243,4 +243,5 @@ def _destroy_moe(comm: Comm, box: _Box) -> None:
     ptr, box.ptr = box.ptr, None
     with comm._on_device():
         st = comm._lib.comet_moe_destroy(ptr)
-    check(st, "comet_moe_destroy", "the layer was freed (its detail message with it)")
+    # The handle is freed now; comet moved its message to comet_last_create_error().
+    check(st, "comet_moe_destroy", lambda: _capi.text(comm._lib.comet_last_create_error()))
