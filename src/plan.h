@@ -78,6 +78,26 @@ void cometi_route_positions(const cometi_route_plan_t *plan, int src, const int3
                             int m, int k, int64_t *send_pos, int64_t *recv_pos);
 
 /*
+ * The dispatch all-to-all of rank `me` as NCCL messages (one per non-empty (rank, expert)
+ * chunk), in an order that makes every pair's sends and receives match (NCCL pairs a
+ * group's sends and receives between two ranks in the order they are posted):
+ *   sends: each expert's chunk to every rank of its group, expert by expert; `offset` is
+ *          the chunk's first row in me's send buffer;
+ *   recvs: from each source rank, its chunks of the group's experts in expert order;
+ *          `offset` is the chunk's first row in the receive buffer.
+ * The return trip (each receiver's partial rows back to their source) is the same list
+ * with directions swapped; with tp > 1 the source takes one copy per TP rank of the
+ * group (peer % tp tells which). sends needs room for tp * num_experts entries, recvs
+ * for world * experts_per_group; the counts come back in *n_sends and *n_recvs.
+ */
+typedef struct cometi_a2a_msg {
+    int peer, expert;
+    int64_t offset, rows;
+} cometi_a2a_msg_t;
+void cometi_route_dispatch_messages(const cometi_route_plan_t *plan, int me, cometi_a2a_msg_t *sends, int *n_sends,
+                                    cometi_a2a_msg_t *recvs, int *n_recvs);
+
+/*
  * Layer1's sum per token and rank. A token's choices that land on one rank are summed
  * there first and sent home as one row; the owner sums one row per distinct rank, in the
  * order of the token's first choice on each (the same bits every call). For choice j of

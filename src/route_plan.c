@@ -122,6 +122,29 @@ int64_t cometi_route_count(const int32_t *topk_ids, int m, int k, int num_expert
     return first_bad;
 }
 
+void cometi_route_dispatch_messages(const cometi_route_plan_t *plan, int me, cometi_a2a_msg_t *sends, int *n_sends,
+                                    cometi_a2a_msg_t *recvs, int *n_recvs)
+{
+    const int W = plan->world, tp = plan->tp, E = plan->num_experts, per = plan->experts_per_group;
+    const int g_me = me / tp;
+    int ns = 0, nr = 0;
+    for (int e = 0; e < E; e++) {
+        const int64_t rows = plan->counts[(size_t)me * E + e];
+        for (int t = 0; t < tp && rows; t++)
+            sends[ns++] = (cometi_a2a_msg_t){(e / per) * tp + t, e, plan->send_offset[(size_t)me * E + e], rows};
+    }
+    for (int s = 0; s < W; s++) {
+        for (int le = 0; le < per; le++) {
+            const int e = g_me * per + le;
+            const int64_t rows = plan->counts[(size_t)s * E + e];
+            if (rows)
+                recvs[nr++] = (cometi_a2a_msg_t){s, e, plan->seg_start[e] + plan->recv_offset[(size_t)s * E + e], rows};
+        }
+    }
+    *n_sends = ns;
+    *n_recvs = nr;
+}
+
 void cometi_route_positions(const cometi_route_plan_t *plan, int src, const int32_t *topk_ids,
                             int m, int k, int64_t *send_pos, int64_t *recv_pos)
 {

@@ -275,6 +275,79 @@ int test_route_plan_random_invariants(void)
     return 0;
 }
 
+/* The dispatch as NCCL messages, over EP x TP layouts: between every two ranks the sends
+ * of one and the receives of the other come in the same order with the same experts and
+ * row counts (how NCCL pairs them); each chunk goes to every rank of its expert's group;
+ * the receives tile each segment of the group's layout exactly, the sends each chunk of
+ * the sender's buffer. */
+int test_route_dispatch_messages_match(void)
+{
+    uint64_t rng = test_seed();
+    const int layouts[][2] = {{1, 1}, {2, 1}, {4, 1}, {8, 1}, {2, 2}, {4, 2}, {8, 2}, {8, 4}, {8, 8}};
+    for (int li = 0; li < (int)(sizeof(layouts) / sizeof(layouts[0])); li++) {
+        for (int trial = 0; trial < 30; trial++) {
+            const int W = layouts[li][0], tp = layouts[li][1], G = W / tp;
+            const int per = 1 + (int)(cometi_rand_next(&rng) % 4), E = G * per;
+            int64_t *counts = calloc((size_t)W * E, sizeof(int64_t));
+            for (int i = 0; i < W * E; i++) /* some chunks empty */
+                counts[i] = cometi_rand_next(&rng) % 3 == 0 ? 0 : (int64_t)(cometi_rand_next(&rng) % 200);
+            cometi_route_plan_t p;
+            char err[256];
+            CHECK_EQ(cometi_route_plan_build(&p, counts, W, tp, E, 128, err, sizeof(err)), 0);
+            cometi_a2a_msg_t *sends[8], *recvs[8];
+            int ns[8], nr[8];
+            for (int r = 0; r < W; r++) {
+                sends[r] = malloc(sizeof(cometi_a2a_msg_t) * (size_t)(tp * E));
+                recvs[r] = malloc(sizeof(cometi_a2a_msg_t) * (size_t)(W * per));
+                cometi_route_dispatch_messages(&p, r, sends[r], &ns[r], recvs[r], &nr[r]);
+                /* Sends: each non-empty chunk tp times, to the ranks of its group, at its offset. */
+                int64_t sent = 0;
+                for (int i = 0; i < ns[r]; i++) {
+                    const cometi_a2a_msg_t *m = &sends[r][i];
+                    CHECK_EQ(m->peer / tp, m->expert / per);
+                    CHECK_EQ(m->offset, p.send_offset[(size_t)r * E + m->expert]);
+                    CHECK_EQ(m->rows, counts[(size_t)r * E + m->expert]);
+                    CHECK(m->rows > 0);
+                    sent += m->rows;
+                }
+                CHECK_EQ(sent, p.send_rows[r] * tp);
+                /* Receives: inside the segments of this rank's group, disjoint, covering them. */
+                int64_t *covered = calloc((size_t)E, sizeof(int64_t));
+                for (int i = 0; i < nr[r]; i++) {
+                    const cometi_a2a_msg_t *m = &recvs[r][i];
+                    CHECK_EQ(m->expert / per, r / tp);
+                    CHECK_EQ(m->offset, p.seg_start[m->expert] + p.recv_offset[(size_t)m->peer * E + m->expert]);
+                    CHECK(m->offset + m->rows <= p.seg_start[m->expert] + p.seg_rows[m->expert]);
+                    covered[m->expert] += m->rows;
+                }
+                for (int le = 0; le < per; le++) CHECK_EQ(covered[(r / tp) * per + le], p.seg_rows[(r / tp) * per + le]);
+                free(covered);
+            }
+            /* Every ordered pair: a's sends to b, in order, are b's receives from a, in order. */
+            for (int a = 0; a < W; a++) {
+                for (int b = 0; b < W; b++) {
+                    int i = 0, j = 0;
+                    for (;;) {
+                        while (i < ns[a] && sends[a][i].peer != b) i++;
+                        while (j < nr[b] && recvs[b][j].peer != a) j++;
+                        if (i == ns[a] || j == nr[b]) break;
+                        CHECK_EQ(sends[a][i].expert, recvs[b][j].expert);
+                        CHECK_EQ(sends[a][i].rows, recvs[b][j].rows);
+                        i++, j++;
+                    }
+                    while (i < ns[a] && sends[a][i].peer != b) i++;
+                    while (j < nr[b] && recvs[b][j].peer != a) j++;
+                    CHECK(i == ns[a] && j == nr[b]); /* neither side has a message left over */
+                }
+            }
+            for (int r = 0; r < W; r++) free(sends[r]), free(recvs[r]);
+            cometi_route_plan_free(&p);
+            free(counts);
+        }
+    }
+    return 0;
+}
+
 int test_route_count_rejects_bad_ids(void)
 {
     const int32_t ids[6] = {0, 1, 2, 8, -1, 3};
