@@ -157,7 +157,8 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     unsigned int sum_blocks;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     COMETI_TRY(cometi_push_sum_prepare(comm->err, &s, &sum_blocks));
-    COMETI_TRY(cometi_launch_push_dest(comm->err, c, g.segs, g.groups, g.a_rows, l->push_dest, stream));
+    COMETI_TRY(cometi_launch_push_dest(comm->err, c, g.segs, g.groups, g.a_rows,
+                                       l0->route.plan.recv_rows + comm->rank, l->push_dest, stream));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
     return cometi_launch_push_sum(comm->err, &s, sum_blocks, comm->async_dev, g.timeout_ns, stream);
 }

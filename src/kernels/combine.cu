@@ -169,9 +169,10 @@ extern "C" comet_status_t cometi_launch_push_sum(char *err, const cometi_push_su
  * empty one shares its start with the next, and the search takes the last), then the
  * source whose part of the segment holds it (local first, then rank + 1, ...). */
 static __global__ void push_dest_kernel(const cometi_combine_t c, const cometi_segment_t *segs, int groups,
-                                        int64_t rows, int2 *dest)
+                                        int64_t max_rows, const int32_t *used_rows, int2 *dest)
 {
     const int E = c.num_experts;
+    const int64_t rows = *used_rows < max_rows ? *used_rows : max_rows; /* past them: nothing the GEMM reads */
     for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (int64_t)gridDim.x * blockDim.x) {
         int lo = 0, hi = groups - 1;
         while (lo < hi) {
@@ -196,13 +197,14 @@ static __global__ void push_dest_kernel(const cometi_combine_t c, const cometi_s
 }
 
 extern "C" comet_status_t cometi_launch_push_dest(char *err, const cometi_combine_t *c, const cometi_segment_t *segs,
-                                                  int groups, int64_t rows, void *dest, cudaStream_t stream)
+                                                  int groups, int64_t rows, const int32_t *used_rows, void *dest,
+                                                  cudaStream_t stream)
 {
-    if (groups < 1 || rows < 1 || !dest || (uintptr_t)dest % 8)
+    if (groups < 1 || rows < 1 || !used_rows || !dest || (uintptr_t)dest % 8)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "push dest: groups %d, rows %lld (both >= 1), dest %p "
                            "(8-byte aligned)", groups, (long long)rows, dest);
     const int64_t blocks = (rows + 255) / 256;
     push_dest_kernel<<<(unsigned int)(blocks < 1024 ? blocks : 1024), 256, 0, stream>>>(*c, segs, groups, rows,
-                                                                                           (int2 *)dest);
+                                                                                           used_rows, (int2 *)dest);
     return cometi_cuda(err, cudaGetLastError(), "launch push_dest_kernel");
 }

@@ -66,6 +66,10 @@ static __device__ __forceinline__ void warpgroup_sync(int id)
     asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
 }
 
+/* A named barrier for one warp (ids 3..10: consumer warp 0..7), a synchronizing operation
+ * in PTX's memory model, which __syncwarp is not stated to be. */
+static __device__ __forceinline__ void warp_bar_sync(int id) { asm volatile("bar.sync %0, 32;" ::"r"(id) : "memory"); }
+
 /* Shared-memory matrix descriptor for a K-major tile with 128-byte swizzle: rows of 128
  * bytes, 8-row groups 1024 bytes apart (SBO), leading offset unused (1). */
 static __device__ __forceinline__ uint64_t smem_desc(const void *p)
@@ -445,7 +449,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     int stage = 0;
     uint32_t phase = 0, turn_phase = 0;
     int pending_split = -1; /* TMA epilogue: the split of this warpgroup's last store, not yet counted */
-    unsigned int push_sent = 0; /* push: lane s of warp 0, rows this warpgroup sent to rank s */
+    unsigned int push_sent = 0; /* push: lane s of each warp, rows that warp sent to rank s */
     for (int ordinal = 0;; ordinal++) {
         int t = block + ordinal * p.gemm_blocks;
         if (p.sched) {
@@ -508,19 +512,18 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
         if (TMA_EPILOGUE && p.push_dest) {
             /* Layer1's push: the tile's rows go straight to their token owners' slots (see
-             * gemm.h) by bulk copies from shared memory, over NVLink for other ranks. Warp 0
-             * of the warpgroup sends, two rows per lane; the rows are counted once, at the
-             * block's end (the owner sums after the whole GEMM anyway), so no tile waits for
-             * its copies to land. */
+             * gemm.h) by bulk copies from shared memory, over NVLink for other ranks. Each
+             * warp stages and sends its own 16 rows (lanes 0-15, a row each), so no warp
+             * waits for the others; the rows are counted once, at the block's end (the
+             * owner sums after the whole GEMM anyway), so no tile waits for its copies to
+             * land. */
             const cometi_combine_t *cb = &p.combine;
             unsigned char *stage_p = sc + half * 64 * PUSH_ROW_BYTES(ON);
-            int2 d0 = make_int2(-1, 0), d1 = make_int2(-1, 0);
-            if (warp == 0) {
-                if (part + lane < seg.rows) d0 = p.push_dest[seg.start + part + lane];
-                if (part + lane + 32 < seg.rows) d1 = p.push_dest[seg.start + part + lane + 32];
-                bulk_wait_read(); /* this lane's copies of the last tile have read the staging */
-            }
-            warpgroup_sync(1 + half);
+            const int mine = warp * 16 + lane; /* lanes 0-15: this warp's row `mine` */
+            int2 d = make_int2(-1, 0);
+            if (lane < 16 && part + mine < seg.rows) d = p.push_dest[seg.start + part + mine];
+            if (lane < 16) bulk_wait_read(); /* this lane's copy of the last tile has read the staging */
+            __syncwarp();
 #pragma unroll
             for (int j = 0; j < ON / 8; j++) {
 #pragma unroll
@@ -532,20 +535,14 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 }
             }
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> bulk reads */
-            warpgroup_sync(1 + half);
-            if (warp == 0) {
-                if (d0.x >= 0)
-                    bulk_store((__nv_bfloat16 *)cb->peers[d0.x].slots + (size_t)d0.y * p.n + tl.n * ON,
-                               stage_p + lane * PUSH_ROW_BYTES(ON), ON * 2);
-                if (d1.x >= 0)
-                    bulk_store((__nv_bfloat16 *)cb->peers[d1.x].slots + (size_t)d1.y * p.n + tl.n * ON,
-                               stage_p + (lane + 32) * PUSH_ROW_BYTES(ON), ON * 2);
-                bulk_commit();
-                for (int s = 0; s < cb->world; s++) {
-                    const unsigned int n = __popc(__ballot_sync(0xffffffffu, d0.x == s)) +
-                                           __popc(__ballot_sync(0xffffffffu, d1.x == s));
-                    if (lane == s) push_sent += n;
-                }
+            __syncwarp();
+            if (d.x >= 0)
+                bulk_store((__nv_bfloat16 *)cb->peers[d.x].slots + (size_t)d.y * p.n + tl.n * ON,
+                           stage_p + mine * PUSH_ROW_BYTES(ON), ON * 2);
+            if (lane < 16) bulk_commit();
+            for (int s = 0; s < cb->world; s++) {
+                const unsigned int n = __popc(__ballot_sync(0xffffffffu, d.x == s));
+                if (lane == s) push_sent += n;
             }
             continue;
         }
@@ -618,13 +615,13 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 cometi_red_release_gpu_add(&p.split_done[tl.n / split_tiles], (unsigned long long)valid);
         }
     }
-    if (TMA_EPILOGUE && p.push_dest && threadIdx.x % 128 < 32) {
-        /* Every copy of this lane has landed (and shared memory outlived them), then each
-         * owner's count, one system-scope release per owner after the warp's copies. */
+    if (TMA_EPILOGUE && p.push_dest) {
+        /* Every copy of this lane has landed (and shared memory outlived them); after the
+         * warp's barrier, lane s releases the warp's count for owner s at system scope. */
         bulk_wait();
         asm volatile("fence.proxy.async.global;" ::: "memory");
-        __syncwarp();
-        if (push_sent) cometi_red_release_sys_add(p.combine.peers[threadIdx.x % 32].arrive + COMETI_PUSH_COUNTER, push_sent);
+        warp_bar_sync(3 + half * 4 + warp);
+        if (push_sent) cometi_red_release_sys_add(p.combine.peers[lane].arrive + COMETI_PUSH_COUNTER, push_sent);
     }
     if (TMA_EPILOGUE && threadIdx.x % 128 == 0) {
         bulk_wait(); /* shared memory must outlive the stores */

@@ -197,9 +197,11 @@ comet_status_t cometi_launch_combine_tail(char *err, const cometi_combine_t *c, 
 
 /* Where each row received goes home (see push_dest): for the rows of this rank's `groups`
  * local segments, their source rank and index in its send order, from the route plan;
- * -1 for the padding. [rows] int2 in device memory, rows >= every segment's end. */
+ * -1 for the padding. dest: [rows] int2 in device memory, rows >= every segment's end;
+ * only the first *used_rows (device: this call's padded receive rows) are written. */
 comet_status_t cometi_launch_push_dest(char *err, const cometi_combine_t *c, const cometi_segment_t *segs,
-                                       int groups, int64_t rows, void *dest, cudaStream_t stream);
+                                       int groups, int64_t rows, const int32_t *used_rows, void *dest,
+                                       cudaStream_t stream);
 
 /* The owner's side of the push: once every row of this rank's tokens has arrived
  * (arrive[COMETI_PUSH_COUNTER] reaching *expected + rows sent x col_tiles, rows sent being
