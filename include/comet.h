@@ -131,7 +131,8 @@ typedef struct comet_moe_config {
     int top_k;       /* experts per token, 1..num_experts */
     int max_tokens;  /* the most tokens one rank passes in one forward call */
     int ep_size;     /* expert-parallel ranks; 0: world size / tp_size */
-    int tp_size;     /* tensor-parallel ranks inside an expert; 0: 1. Only 1 today. */
+    int tp_size;     /* tensor-parallel ranks inside an expert; 0: 1. Rank r is TP rank r % tp_size
+                      * of EP group r / tp_size; ffn must be a multiple of 64 x tp_size. */
     comet_dtype_t dtype; /* activations and weights; bf16 today */
 } comet_moe_config_t;
 
@@ -172,8 +173,11 @@ const char *comet_moe_last_error(comet_moe_t moe);
 /*
  * This rank's experts' weights, bf16, in the layout frameworks hold (nn.Linear's
  * [out][in], row-major, contiguous). This rank owns global experts
- * [ep_rank * E_local, (ep_rank + 1) * E_local), E_local = num_experts / ep_size.
- * Give either gate_up, or both gate and up.
+ * [ep_rank * E_local, (ep_rank + 1) * E_local), E_local = num_experts / ep_size,
+ * ep_rank = rank / tp_size. With tp_size > 1 it holds Fl = ffn / tp_size of each expert's
+ * ffn columns, [tp_rank * Fl, (tp_rank + 1) * Fl), tp_rank = rank % tp_size (Megatron-LM's
+ * expert tensor parallelism): those rows of gate and of up, those columns of down; F below
+ * is then Fl. Give either gate_up, or both gate and up.
  */
 typedef struct comet_moe_weights {
     const void *gate_up; /* [E_local][2F][H]: rows 0..F-1 gate, rows F..2F-1 up (vLLM's w13) */
@@ -183,8 +187,8 @@ typedef struct comet_moe_weights {
 } comet_moe_weights_t;
 
 typedef enum comet_impl {
-    COMET_IMPL_AUTO = 0,     /* the fused path where the config allows it (ffn a multiple of
-                              * 128, top_k <= 8), else the baseline */
+    COMET_IMPL_AUTO = 0,     /* the fused path where the config allows it (top_k <= 8), else
+                              * the baseline */
     COMET_IMPL_BASELINE = 1, /* sequential: NCCL all-to-all + cuBLAS, as Megatron-LM runs it */
     COMET_IMPL_FUSED = 2     /* tile-level overlap in persistent kernels (COMET_NOT_SUPPORTED
                               * where the config does not allow it) */

@@ -111,9 +111,9 @@ comet_status_t comet_moe_config_validate(const comet_moe_config_t *c, int world,
     if (c->num_experts % ep)
         return bad(msg, len, INVAL, "config.num_experts = %d: must be divisible by ep_size = %d", c->num_experts,
                    ep);
-    if (tp != 1)
-        return bad(msg, len, COMET_NOT_SUPPORTED, "config.tp_size = %d: this build supports only 1 "
-                   "(tensor-parallel experts are not built yet)", tp);
+    if (c->ffn % (64 * tp))
+        return bad(msg, len, INVAL, "config.ffn = %d: must be a multiple of 64 x tp_size = %d (each TP rank "
+                   "holds ffn / tp_size columns of every expert of its group)", c->ffn, 64 * tp);
     /* Row indices are int32 on the device: the worst-case receive buffer must fit. */
     int64_t rows = cometi_route_max_recv_rows(world, c->max_tokens, c->top_k, c->num_experts / ep,
                                               COMETI_BLOCK_M);

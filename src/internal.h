@@ -102,6 +102,7 @@ struct comet_moe {
     comet_comm_t comm;
     comet_moe_config_t cfg;
     int ep, tp, experts_per_rank, first_expert;
+    int ffn_local;                    /* ffn / tp: the columns of each expert this rank holds */
     int64_t max_recv_rows;            /* worst-case padded rows landing on this rank */
     char err[COMETI_ERR_LEN];
     struct cometi_baseline *baseline;
@@ -141,6 +142,10 @@ comet_status_t cometi_copy(char *err, void *dst, const void *src, size_t bytes, 
 /* dst[i] = cometi_hash_bf16(seed, index0 + i, scale) for i < n (bf16 elements). */
 cudaError_t cometi_fill_hash_bf16(void *dst, size_t n, uint64_t seed, uint64_t index0, float scale,
                                   cudaStream_t stream);
+/* The rows of a bigger tensor: dst[r][c] = cometi_hash_bf16(seed, index0 + r * src_stride + c,
+ * scale) for r < rows, c < cols (a TP rank's columns of a weight, say). */
+cudaError_t cometi_fill_hash_bf16_rows(void *dst, size_t rows, size_t cols, size_t src_stride, uint64_t seed,
+                                       uint64_t index0, float scale, cudaStream_t stream);
 
 /* ---- config.c ---- */
 /* The thread's buffer for messages of failed *_create calls (no handle to hold them). */

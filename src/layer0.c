@@ -11,25 +11,27 @@
 comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t *cfg, cometi_layer0_t *l)
 {
     memset(l, 0, sizeof(*l));
-    if (cfg->ffn % 128)
-        return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "config.ffn = %d: the fused layer needs a multiple of 128 "
-                           "(one SwiGLU tile is 128 activation columns)", cfg->ffn);
-    const int W = comm->size, per = cfg->num_experts / W;
+    const int W = comm->size, tp = cfg->tp_size > 0 ? cfg->tp_size : 1, per = cfg->num_experts / (W / tp);
+    if (cfg->ffn % (64 * tp)) /* config validation already says so */
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "config.ffn = %d: must be a multiple of 64 x tp_size "
+                           "= %d", cfg->ffn, 64 * tp);
     l->hidden = cfg->hidden;
-    l->ffn = cfg->ffn;
+    l->ffn = cfg->ffn / tp;
+    l->tp = tp;
+    l->experts_per_group = per;
     l->num_experts = cfg->num_experts;
     l->top_k = cfg->top_k;
     l->max_tokens = cfg->max_tokens;
     l->max_recv_rows = cometi_route_max_recv_rows(W, cfg->max_tokens, cfg->top_k, per, COMETI_BLOCK_M);
     comet_status_t st;
-    COMETI_TRY_GOTO(st, cometi_route_dev_create(comm, cfg->num_experts, cfg->max_tokens * cfg->top_k,
+    COMETI_TRY_GOTO(st, cometi_route_dev_create(comm, cfg->num_experts, tp, cfg->max_tokens * cfg->top_k,
                                                 l->max_recv_rows, COMETI_BLOCK_M, &l->route), fail);
     COMETI_TRY_GOTO(st, cometi_window_create(comm, (size_t)l->max_recv_rows * cfg->hidden * 2, &l->recv), fail);
     COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(unsigned long long) * l->route.max_blocks, &l->arrive),
                     fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->arrive.local, 0, l->arrive.bytes), "clear arrivals"),
                     fail);
-    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->act, (size_t)l->max_recv_rows * cfg->ffn * 2),
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->act, (size_t)l->max_recv_rows * l->ffn * 2),
                                     "cudaMalloc(layer0 activations)"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)),
                                     "cudaMalloc(tile counter)"), fail);
@@ -65,7 +67,7 @@ static cometi_gemm_t gemm0(comet_comm_t comm, const cometi_layer0_t *l, const co
     g.c = l->act;
     g.ldc = l->ffn;
     g.segs = l->route.plan.local_segs;
-    g.groups = l->num_experts / comm->size;
+    g.groups = l->experts_per_group;
     g.n = l->ffn;
     g.k = l->hidden;
     g.swiglu = 1;
@@ -104,7 +106,8 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     d->num_experts = l->num_experts;
     d->top_k = l->top_k;
     d->hidden = l->hidden;
-    d->experts_per_rank = l->num_experts / comm->size;
+    d->experts_per_group = l->experts_per_group;
+    d->tp = l->tp;
     d->rank = comm->rank;
     d->mode = knobs->dispatch_mode;
     for (int p = 0; p < comm->size; p++) {

@@ -21,7 +21,9 @@ typedef struct cometi_layer0 {
     cometi_window_t arrive; /* [max_recv_rows / 128] u64: rows arrived per block, over all calls */
     void *act;              /* [max_recv_rows][ffn] bf16: SwiGLU(GEMM0), expert-major, padded */
     unsigned int *sched;    /* the kernels' tile and piece counters, zero between calls */
-    int hidden, ffn, num_experts, top_k, max_tokens;
+    int hidden, num_experts, top_k, max_tokens;
+    int ffn;                /* this rank's columns of each expert: config.ffn / tp */
+    int tp, experts_per_group; /* EP x TP: rank r is TP rank r % tp of group r / tp (plan.h) */
     int64_t max_recv_rows;
 } cometi_layer0_t;
 
@@ -31,8 +33,10 @@ typedef struct cometi_layer0_knobs {
     int dispatch_mode;   /* COMETI_DISPATCH_* (kernels/gemm.h) */
 } cometi_layer0_knobs_t;
 
-/* Collective. The config must be valid; layer0 also needs ffn a multiple of 128 (one
- * SwiGLU tile is 128 activation columns). */
+/* Collective. The config must be valid (ffn / tp a multiple of 64: GEMM0's last SwiGLU
+ * tile of 128 activation columns may be half full), its tp_size resolved (>= 1). With
+ * TP > 1 a row goes to every rank of its expert's group, and each computes its ffn / tp
+ * columns. */
 comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t *cfg, cometi_layer0_t *l);
 void cometi_layer0_destroy(comet_comm_t comm, cometi_layer0_t *l);
 

@@ -20,8 +20,9 @@ comet_status_t cometi_layer1_create(comet_comm_t comm, const comet_moe_config_t 
     l->slots_per_token = cfg->top_k < W ? cfg->top_k : W;
     const size_t rows = (size_t)l0->max_recv_rows;
     comet_status_t st;
-    /* top_k slots per token: the push's; the combine uses the first slots_per_token. */
-    COMETI_TRY_GOTO(st, cometi_window_create(comm, (size_t)cfg->max_tokens * cfg->top_k * cfg->hidden * 2 + 16,
+    /* top_k x tp slots per token: the push's; the combine uses the first slots_per_token. */
+    l->tp = l0->tp;
+    COMETI_TRY_GOTO(st, cometi_window_create(comm, (size_t)cfg->max_tokens * cfg->top_k * l->tp * cfg->hidden * 2 + 16,
                                              &l->slots), fail);
     COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(unsigned long long) * (COMETI_MAX_SPLITS + 1), &l->arrive),
                     fail);
@@ -94,7 +95,7 @@ static cometi_gemm_t gemm1(comet_comm_t comm, const cometi_layer1_t *l, const co
     g.c = l->out;
     g.ldc = l->hidden;
     g.segs = l0->route.plan.local_segs;
-    g.groups = l0->num_experts / comm->size;
+    g.groups = l0->experts_per_group;
     g.n = l->hidden;
     g.k = l0->ffn;
     g.err = comm->async_dev;
@@ -116,7 +117,8 @@ static void combine_tables(comet_comm_t comm, const cometi_layer1_t *l, const co
     c->y = a->y;
     c->num_tokens = a->num_tokens;
     c->num_experts = l0->num_experts;
-    c->experts_per_rank = l0->num_experts / comm->size;
+    c->experts_per_group = l0->experts_per_group;
+    c->tp = l0->tp;
     c->top_k = l0->top_k;
     c->slots_per_token = l->slots_per_token;
     c->rank = comm->rank;
@@ -151,6 +153,7 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     s.hidden = l->hidden;
     s.num_experts = l0->num_experts;
     s.rank = comm->rank;
+    s.tp = l0->tp;
     s.col_tiles = l->hidden / (g.block_n ? g.block_n : cometi_gemm_tile_n(l->hidden)); /* the GEMM's tile */
     /* Everything checked before anything is enqueued: peers count what this GEMM sends. */
     cometi_gemm_prepared_t prepared;
@@ -158,7 +161,7 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     COMETI_TRY(cometi_push_sum_prepare(comm->err, &s, &sum_blocks));
     COMETI_TRY(cometi_launch_push_dest(comm->err, c, g.segs, g.groups, g.a_rows,
-                                       l0->route.plan.recv_rows + comm->rank, l->push_dest, stream));
+                                       l0->route.plan.recv_rows + comm->rank / l0->tp, l->push_dest, stream));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
     return cometi_launch_push_sum(comm->err, &s, sum_blocks, comm->async_dev, g.timeout_ns, stream);
 }
@@ -179,6 +182,10 @@ comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_l
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "push with %d combine blocks and %d splits: the push "
                            "needs 0 combine blocks and 1 split", knobs->combine_blocks, knobs->n_splits);
     if (knobs->push) return run_push(comm, l, l0, a, knobs, stream);
+    if (l->tp > 1)
+        return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "layer1 with tp_size = %d: only the push sends partial "
+                           "rows home (the combine blocks and the tail pre-sum per rank, which TP does not allow)",
+                           l->tp);
     cometi_gemm_t g = gemm1(comm, l, l0, a);
     g.n_splits = knobs->n_splits;
     g.split_done = l->split_done;

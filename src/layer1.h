@@ -17,7 +17,7 @@ extern "C" {
 typedef struct cometi_layer1 {
     cometi_window_t slots;            /* [max_tokens][slots_per_token][hidden] bf16: this rank's tokens'
                                        * rows, one per rank that computed some of its choices; with
-                                       * the push, [max_tokens * top_k][hidden], one per choice */
+                                       * the push, [max_tokens * top_k * tp][hidden], one per choice and TP rank */
     cometi_window_t arrive;           /* [COMETI_MAX_SPLITS + 1] u64: rows summed into the slots per
                                        * split, then rows pushed, over all calls */
     cometi_combine_peer_t *peers;     /* [world] device table of every rank's windows */
@@ -32,6 +32,7 @@ typedef struct cometi_layer1 {
     unsigned long long *trace;        /* [2][SMs][COMETI_COMBINE_TRACE]: the last call's combine timeline,
                                        * combine blocks then the tail kernel's blocks */
     int hidden, slots_per_token;
+    int tp;                           /* the push's slots hold tp partial rows per choice */
 } cometi_layer1_t;
 
 /* The run-time choices of one layer1 call; n_splits must be the same on every rank. */

@@ -123,6 +123,7 @@ comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *con
     moe->cfg.ep_size = moe->ep;
     moe->experts_per_rank = config->num_experts / moe->ep;
     moe->first_expert = comm->rank / moe->tp * moe->experts_per_rank;
+    moe->ffn_local = config->ffn / moe->tp;
     moe->max_recv_rows = cometi_route_max_recv_rows(comm->size, config->max_tokens, config->top_k,
                                                     moe->experts_per_rank, COMETI_BLOCK_M);
     st = cometi_baseline_create(moe, &moe->baseline);

@@ -27,11 +27,18 @@ static int clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; 
 void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, cometi_knobs_t *out)
 {
     memset(out, 0, sizeof(*out));
-    const double H = cfg->hidden, F = cfg->ffn, rows = (double)cfg->max_tokens * cfg->top_k; /* per rank */
+    const int tp = cfg->tp_size > 1 ? cfg->tp_size : 1;
+    /* Per rank, balanced: tp x M x k rows of ffn / tp columns each (the same FLOPs as EP),
+     * and each of this rank's M x k rows copied to the tp ranks of its group. */
+    const double H = cfg->hidden, F = (double)cfg->ffn / tp, rows = (double)cfg->max_tokens * cfg->top_k * tp;
     const double remote = world > 1 ? (double)(world - 1) / world : 0;
     /* Layer0: rows pushed to peers against GEMM0's time (gate and up: 2F columns). */
     const double gemm0_s = 2.0 * rows * 2 * F * H / MODEL_GEMM_FLOPS;
-    const double push_bytes = rows * remote * H * 2;
+    /* With TP the dispatch blocks copy every row to tp ranks, the local copy included: a TP
+     * rank after the group's first has no local rows at the head of its segments, so its
+     * first tiles wait for the copies too (2 x H200, EP 1 x TP 2: the best counts were 6-8
+     * blocks on mixtral-8x7b and 16 or more on phi-3.5-moe and qwen2-57b-a14b, run T3). */
+    const double push_bytes = rows * (tp > 1 ? 1.0 : remote) * H * 2;
     int blocks = (int)ceil(push_bytes / (gemm0_s * MODEL_DISPATCH_BYTES_PER_SM));
     blocks = clamp(blocks + (blocks & 1), 4, 24); /* even; the measured range */
     out->l0.dispatch_blocks = clamp(blocks, 1, sm_count > 1 ? sm_count / 4 : 1);
@@ -42,7 +49,8 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
     out->l1.dynamic_tiles = 1;
     out->l1.combine_blocks = 0;
     out->l1.n_splits = 1;
-    out->l1.push = world > 1 && tail_s > MODEL_PUSH_SHARE * gemm1_s;
+    /* With TP only the push can sum the partial rows (layer1.h). */
+    out->l1.push = tp > 1 || (world > 1 && tail_s > MODEL_PUSH_SHARE * gemm1_s);
     out->l1.tail = !out->l1.push;
 }
 
@@ -64,6 +72,26 @@ static int parse_word(const char *tok, const char *zero, const char *one, int *v
     return -1;
 }
 
+/* The world field: "W" (TP 1) or "WtpT" (W ranks, T per EP group). */
+static int parse_world(const char *tok, int *world, int *tp)
+{
+    char *end;
+    errno = 0;
+    long w = tok ? strtol(tok, &end, 10) : 0, t = 1;
+    if (!tok || errno || w < 1 || w > 1 << 20) return -1;
+    if (!strncmp(end, "tp", 2)) {
+        const char *t0 = end + 2;
+        t = strtol(t0, &end, 10);
+        if (end == t0 || t < 1 || t > w) return -1;
+    }
+    if (*end) return -1;
+    *world = (int)w;
+    *tp = (int)t;
+    return 0;
+}
+
+static int cfg_tp(const comet_moe_config_t *cfg) { return cfg->tp_size > 1 ? cfg->tp_size : 1; }
+
 /* How layer1 ends: 0 notail, 1 tail, 2 push. */
 static int parse_layer1_word(const char *tok, int *v)
 {
@@ -79,7 +107,7 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
         snprintf(err, err_len, "tuning file %s: %s", path, strerror(errno));
         return -1;
     }
-    static const char *names[12] = {"world",           "experts", "top_k",          "hidden",
+    static const char *names[12] = {"world[tpT]",      "experts", "top_k",          "hidden",
                                     "ffn",             "max_tokens", "dispatch_blocks", "copy (bulk|stores)",
                                     "combine_blocks",  "splits",  "tiles (static|dynamic)", "layer1 (tail|notail|push)"};
     char line[512];
@@ -103,9 +131,10 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
             fclose(f);
             return -1;
         }
-        int v[12];
+        int v[12], tp = 1;
         for (int i = 0; i < 12; i++) {
-            const int bad = i == 7    ? parse_word(tok[i], "bulk", "stores", &v[i])
+            const int bad = i == 0    ? parse_world(tok[i], &v[i], &tp)
+                            : i == 7  ? parse_word(tok[i], "bulk", "stores", &v[i])
                             : i == 10 ? parse_word(tok[i], "static", "dynamic", &v[i])
                             : i == 11 ? parse_layer1_word(tok[i], &v[i])
                                       : parse_int(tok[i], i == 8 ? 0 : 1, &v[i]);
@@ -116,7 +145,7 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
                 return -1;
             }
         }
-        if (v[0] != world || v[1] != cfg->num_experts || v[2] != cfg->top_k || v[3] != cfg->hidden ||
+        if (v[0] != world || tp != cfg_tp(cfg) || v[1] != cfg->num_experts || v[2] != cfg->top_k || v[3] != cfg->hidden ||
             v[4] != cfg->ffn)
             continue;
         const double distance = fabs(log((double)v[5] / (cfg->max_tokens > 0 ? cfg->max_tokens : 1)));
@@ -153,14 +182,14 @@ int cometi_tuning_update(const char *path, const comet_moe_config_t *cfg, int wo
         remove(tmp);
         return -1;
     }
-    if (!in) fprintf(out, "# comet tuning file: world experts top_k hidden ffn max_tokens : dispatch_blocks "
+    if (!in) fprintf(out, "# comet tuning file: world[tpT] experts top_k hidden ffn max_tokens : dispatch_blocks "
                           "bulk|stores combine_blocks splits static|dynamic tail|notail|push\n");
     while (in && fgets(line, sizeof(line), in)) {
         /* Same key: the first six fields, whatever the spacing. */
-        int f[6];
-        char sep[2];
-        if (sscanf(line, "%d %d %d %d %d %d %1[:]", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], sep) == 7 &&
-            f[0] == world && f[1] == cfg->num_experts && f[2] == cfg->top_k && f[3] == cfg->hidden &&
+        int f[6], tp = 0;
+        char sep[2], w[32];
+        if (sscanf(line, "%31s %d %d %d %d %d %1[:]", w, &f[1], &f[2], &f[3], &f[4], &f[5], sep) == 7 &&
+            !parse_world(w, &f[0], &tp) && tp == cfg_tp(cfg) && f[0] == world && f[1] == cfg->num_experts && f[2] == cfg->top_k && f[3] == cfg->hidden &&
             f[4] == cfg->ffn && f[5] == cfg->max_tokens)
             continue;
         fputs(line, out);
@@ -178,7 +207,10 @@ int cometi_tuning_update(const char *path, const comet_moe_config_t *cfg, int wo
 
 void cometi_tuning_line(const comet_moe_config_t *cfg, int world, const cometi_knobs_t *k, char *buf, size_t len)
 {
-    snprintf(buf, len, "%d %d %d %d %d %d : %d %s %d %d %s %s", world, cfg->num_experts, cfg->top_k, cfg->hidden,
+    char w[32];
+    if (cfg_tp(cfg) > 1) snprintf(w, sizeof(w), "%dtp%d", world, cfg_tp(cfg));
+    else snprintf(w, sizeof(w), "%d", world);
+    snprintf(buf, len, "%s %d %d %d %d %d : %d %s %d %d %s %s", w, cfg->num_experts, cfg->top_k, cfg->hidden,
              cfg->ffn, cfg->max_tokens, k->l0.dispatch_blocks,
              k->l0.dispatch_mode == COMETI_DISPATCH_STORES ? "stores" : "bulk", k->l1.combine_blocks, k->l1.n_splits,
              k->l1.dynamic_tiles ? "dynamic" : "static",

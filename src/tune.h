@@ -25,9 +25,11 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
 
 /*
  * Tuning file: text, one setting per line, '#' starts a comment:
- *   world experts top_k hidden ffn max_tokens : dispatch_blocks bulk|stores combine_blocks splits static|dynamic tail|notail|push
- * (the last field: how layer1 ends, see cometi_layer1_knobs_t; what `comet bench` prints as "tuning line" for the best of its sweeps). A layer takes
- * the line of its world, experts, top_k, hidden and ffn whose max_tokens is closest to
+ *   world[tpT] experts top_k hidden ffn max_tokens : dispatch_blocks bulk|stores combine_blocks splits static|dynamic tail|notail|push
+ * (the first field: the world size, with "tpT" after it for T > 1 tensor-parallel ranks
+ * per group, e.g. "2tp2"; the last: how layer1 ends, see cometi_layer1_knobs_t; what
+ * `comet bench` prints as "tuning line" for the best of its sweeps). A layer takes the
+ * line of its world, tp, experts, top_k, hidden and ffn whose max_tokens is closest to
  * its own. Returns 1 and fills *out when a line matches, 0 when none does, -1 with `err`
  * naming the line and field when the file cannot be read or a line is malformed.
  */
@@ -35,7 +37,7 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
                          size_t err_len);
 
 /* Write the line for these settings into the tuning file at `path` (made if missing): it
- * replaces the line of the same world, experts, top_k, hidden, ffn and max_tokens, and
+ * replaces the line of the same world, tp, experts, top_k, hidden, ffn and max_tokens, and
  * every other line (comments included) is kept. The file is replaced in one rename, so a
  * reader never sees half of it. 0, or -1 with `err` set. */
 int cometi_tuning_update(const char *path, const comet_moe_config_t *cfg, int world, const cometi_knobs_t *k,

@@ -80,7 +80,7 @@ int test_config_validation(void)
         {"max_tokens", 0, 2, COMET_INVALID_ARGUMENT, "config.max_tokens = 0"},
         {"ep_size", 3, 2, COMET_INVALID_ARGUMENT, "config.ep_size = 3 x tp_size = 1 = 3: must equal the world size 2"},
         {"tp_size", 3, 2, COMET_INVALID_ARGUMENT, "config.tp_size = 3: must divide the world size 2"},
-        {"tp_size", 2, 2, COMET_NOT_SUPPORTED, "config.tp_size = 2: this build supports only 1"},
+        {"tp_size", 2, 2, COMET_INVALID_ARGUMENT, "config.ffn = 192: must be a multiple of 64 x tp_size = 128"},
         {"dtype", 5, 2, COMET_INVALID_ARGUMENT, "config.dtype = 5"},
         {"world", 0, 0, COMET_INVALID_ARGUMENT, "world size 0"},
         {"size", 3, 2, COMET_INVALID_ARGUMENT, "COMET_MOE_CONFIG_INIT"},
@@ -106,6 +106,14 @@ int test_config_validation(void)
     }
     char msg[64];
     CHECK_EQ(comet_moe_config_validate(NULL, 2, msg, sizeof(msg)), COMET_INVALID_ARGUMENT);
+    /* EP x TP layouts the world allows: 1 x 2, and 2 x 2 of 4 (ffn 256: 128 columns per TP rank). */
+    comet_moe_config_t tp2 = base;
+    tp2.ffn = 256;
+    tp2.tp_size = 2;
+    CHECK_EQ(comet_moe_config_validate(&tp2, 2, msg, sizeof(msg)), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_config_validate(&tp2, 4, msg, sizeof(msg)), COMET_SUCCESS);
+    tp2.ep_size = 2;
+    CHECK_EQ(comet_moe_config_validate(&tp2, 2, msg, sizeof(msg)), COMET_INVALID_ARGUMENT);
     /* A huge max_tokens with many ranks and a large top_k overflows the row index. */
     comet_moe_config_t c = base;
     c.max_tokens = 1 << 20;
@@ -434,6 +442,20 @@ int test_cost_model_knobs(void)
         CHECK_EQ(k.l1.tail, want[i].tail);
         CHECK_EQ(k.l1.push, want[i].push);
     }
+    /* EP 1 x TP 2: every row copied to both ranks, the push always (run T3's best counts:
+     * mixtral 6-8, phi and qwen2-57b 16 or more, the most the sweep tried). */
+    static const struct { const char *preset; int dispatch; } want_tp[] = {
+        {"mixtral-8x7b", 8}, {"phi-3.5-moe", 14}, {"qwen2-57b-a14b", 24}};
+    for (int i = 0; i < 3; i++) {
+        comet_moe_config_t cfg;
+        CHECK_EQ(comet_moe_config_preset(want_tp[i].preset, 8192, &cfg), COMET_SUCCESS);
+        cfg.tp_size = 2;
+        cometi_knobs_t k;
+        cometi_model_knobs(&cfg, 2, 132, &k);
+        printf("%-16s TP 2: dispatch %d, push %d\n", want_tp[i].preset, k.l0.dispatch_blocks, k.l1.push);
+        CHECK_EQ(k.l0.dispatch_blocks, want_tp[i].dispatch);
+        CHECK_EQ(k.l1.push, 1);
+    }
     uint64_t rng = test_seed();
     for (int it = 0; it < 10000; it++) {
         comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT;
@@ -443,6 +465,8 @@ int test_cost_model_knobs(void)
         cfg.top_k = 1 + (int)(cometi_rand_next(&rng) % 8);
         cfg.max_tokens = 1 + (int)(cometi_rand_next(&rng) % 65536);
         const int world = 1 << (cometi_rand_next(&rng) % 4), sms = 16 + (int)(cometi_rand_next(&rng) % 132);
+        cfg.tp_size = 1 << (cometi_rand_next(&rng) % 4);
+        if (cfg.tp_size > world) cfg.tp_size = world;
         cometi_knobs_t k;
         cometi_model_knobs(&cfg, world, sms, &k);
         const int tiles = cfg.hidden / cometi_gemm_tile_n(cfg.hidden);
@@ -451,6 +475,7 @@ int test_cost_model_knobs(void)
         CHECK(k.l1.n_splits >= 1 && k.l1.n_splits <= COMETI_MAX_SPLITS && tiles % k.l1.n_splits == 0);
         CHECK(k.l1.combine_blocks > 0 || k.l1.tail || k.l1.push);
         CHECK(!k.l1.push || (k.l1.combine_blocks == 0 && k.l1.n_splits == 1 && world > 1));
+        CHECK(cfg.tp_size == 1 || k.l1.push); /* only the push sums TP partials */
     }
     return 0;
 }
@@ -529,6 +554,26 @@ int test_tuning_file(void)
     CHECK(memcmp(&kp, &back, sizeof(kp)) == 0);
     CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), 1);
     CHECK(memcmp(&k, &back, sizeof(k)) == 0); /* the other shape keeps its own line */
+    /* TP: the world field carries it ("2tp2"); a TP line is its own key, next to EP's. */
+    comet_moe_config_t tp2 = cfg;
+    tp2.tp_size = 2;
+    cometi_knobs_t kt = kp;
+    kt.l0.dispatch_blocks = 14;
+    cometi_tuning_line(&tp2, 2, &kt, line, sizeof(line));
+    CHECK_CONTAINS(line, "2tp2 64 4 2048 1408 8192 : 14 bulk");
+    CHECK_EQ(cometi_tuning_update(path, &tp2, 2, &kt, err, sizeof(err)), 0);
+    CHECK_EQ(cometi_tuning_lookup(path, &tp2, 2, &back, err, sizeof(err)), 1);
+    CHECK(memcmp(&kt, &back, sizeof(kt)) == 0);
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), 1);
+    CHECK(memcmp(&k, &back, sizeof(k)) == 0); /* EP's line untouched */
+    tp2.tp_size = 1; /* resolved 1 is the plain key */
+    CHECK_EQ(cometi_tuning_lookup(path, &tp2, 2, &back, err, sizeof(err)), 1);
+    CHECK(memcmp(&k, &back, sizeof(k)) == 0);
+    f = fopen(path, "a");
+    fprintf(f, "2tp3 64 4 2048 1408 8192 : 12 bulk 0 1 dynamic push\n");
+    fclose(f);
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), -1);
+    CHECK_CONTAINS(err, "field 1 (world[tpT]) = '2tp3'");
     unlink(path);
     return 0;
 }

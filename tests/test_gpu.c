@@ -279,9 +279,9 @@ typedef struct fixture {
     int skip_reference;                /* run_case: the baseline only, no reference */
 } fixture_t;
 
-/* Changes to the tiny preset (0: keep); the fused path needs ffn a multiple of 128. */
+/* Changes to the tiny preset (0: keep); the fused path needs ffn / tp a multiple of 128. */
 typedef struct fixture_shape {
-    int ffn, hidden, top_k, timeout_ms;
+    int ffn, hidden, top_k, timeout_ms, tp;
 } fixture_shape_t;
 
 static void fill_bf16(float *f, uint16_t *h, size_t n, double scale, uint64_t *rng)
@@ -303,6 +303,7 @@ static int fixture_open(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t se
     if (shape && shape->ffn) fx->cfg.ffn = shape->ffn;
     if (shape && shape->hidden) fx->cfg.hidden = shape->hidden;
     if (shape && shape->top_k) fx->cfg.top_k = shape->top_k;
+    if (shape && shape->tp) fx->cfg.tp_size = shape->tp;
     comet_status_t st = comet_moe_create(fx->comm, &fx->cfg, &fx->moe);
     if (st != COMET_SUCCESS) {
         printf("comet_moe_create: %s\n", comet_last_create_error());
@@ -310,10 +311,13 @@ static int fixture_open(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t se
     }
     const int E = fx->cfg.num_experts, H = fx->cfg.hidden, F = fx->cfg.ffn, M = fx->cfg.max_tokens,
               k = fx->cfg.top_k;
-    fx->per = E / ctx->nranks;
-    fx->first = ctx->rank * fx->per;
+    const int tp = fx->cfg.tp_size > 0 ? fx->cfg.tp_size : 1, t_rank = ctx->rank % tp, Fl = F / tp;
+    fx->per = E / (ctx->nranks / tp);
+    fx->first = ctx->rank / tp * fx->per;
     /* Every rank draws all experts' weights from the same seed, so each can compute the
-     * reference for its own tokens; it uploads only its own experts. */
+     * reference for its own tokens; it uploads only its own experts, and with TP only its
+     * ffn columns [t_rank * F / tp, (t_rank + 1) * F / tp): those rows of gate and of up,
+     * those columns of down. */
     uint64_t rng = seed;
     size_t n_gu = (size_t)E * 2 * F * H, n_dn = (size_t)E * H * F;
     fx->gate_up = malloc(sizeof(float) * n_gu);
@@ -321,22 +325,28 @@ static int fixture_open(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t se
     uint16_t *gu16 = malloc(2 * n_gu), *dn16 = malloc(2 * n_dn);
     fill_bf16(fx->gate_up, gu16, n_gu, 1.0 / sqrt(H), &rng);
     fill_bf16(fx->down, dn16, n_dn, 1.0 / sqrt(F), &rng);
-    size_t per_gu = (size_t)2 * F * H, per_dn = (size_t)H * F;
-    CUDA_OK(cudaMalloc(&fx->d_gate_up, 2 * per_gu * fx->per));
-    CUDA_OK(cudaMalloc(&fx->d_gate, per_gu * fx->per));
-    CUDA_OK(cudaMalloc(&fx->d_up, per_gu * fx->per));
-    CUDA_OK(cudaMalloc(&fx->d_down, 2 * per_dn * fx->per));
-    CUDA_OK(cudaMemcpy(fx->d_gate_up, gu16 + per_gu * fx->first, 2 * per_gu * fx->per, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(fx->d_down, dn16 + per_dn * fx->first, 2 * per_dn * fx->per, cudaMemcpyHostToDevice));
+    const size_t slice = (size_t)Fl * H; /* elements of one expert's gate (or up, or down) slice */
+    uint16_t *gu_mine = malloc(2 * 2 * slice * fx->per), *dn_mine = malloc(2 * slice * fx->per);
+    for (int le = 0; le < fx->per; le++) {
+        const uint16_t *g = gu16 + (size_t)2 * F * H * (fx->first + le), *d = dn16 + (size_t)H * F * (fx->first + le);
+        memcpy(gu_mine + 2 * slice * le, g + (size_t)t_rank * Fl * H, 2 * slice);
+        memcpy(gu_mine + 2 * slice * le + slice, g + ((size_t)F + (size_t)t_rank * Fl) * H, 2 * slice);
+        for (int h = 0; h < H; h++)
+            memcpy(dn_mine + slice * le + (size_t)h * Fl, d + (size_t)h * F + (size_t)t_rank * Fl, 2 * (size_t)Fl);
+    }
+    CUDA_OK(cudaMalloc(&fx->d_gate_up, 2 * 2 * slice * fx->per));
+    CUDA_OK(cudaMalloc(&fx->d_gate, 2 * slice * fx->per));
+    CUDA_OK(cudaMalloc(&fx->d_up, 2 * slice * fx->per));
+    CUDA_OK(cudaMalloc(&fx->d_down, 2 * slice * fx->per));
+    CUDA_OK(cudaMemcpy(fx->d_gate_up, gu_mine, 2 * 2 * slice * fx->per, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(fx->d_down, dn_mine, 2 * slice * fx->per, cudaMemcpyHostToDevice));
     /* The same weights as two tensors: gate rows and up rows of each expert. */
     for (int le = 0; le < fx->per; le++) {
-        const uint16_t *g = gu16 + per_gu * (fx->first + le);
-        CUDA_OK(cudaMemcpy((char *)fx->d_gate + (size_t)le * F * H * 2, g, (size_t)F * H * 2, cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy((char *)fx->d_up + (size_t)le * F * H * 2, g + (size_t)F * H, (size_t)F * H * 2,
-                           cudaMemcpyHostToDevice));
+        const uint16_t *g = gu_mine + 2 * slice * le;
+        CUDA_OK(cudaMemcpy((char *)fx->d_gate + 2 * slice * le, g, 2 * slice, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy((char *)fx->d_up + 2 * slice * le, g + slice, 2 * slice, cudaMemcpyHostToDevice));
     }
-    free(gu16);
-    free(dn16);
+    free(gu16), free(dn16), free(gu_mine), free(dn_mine);
     CUDA_OK(cudaMalloc(&fx->d_x, (size_t)M * H * 2));
     CUDA_OK(cudaMalloc(&fx->d_y, (size_t)M * H * 2));
     CUDA_OK(cudaMalloc((void **)&fx->d_ids, sizeof(int32_t) * M * k));
@@ -720,10 +730,18 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
         memcpy(gate16 + (size_t)g * n * k, b16 + (size_t)g * 2 * n * k, (size_t)n * k * 2);
         memcpy(up16 + (size_t)g * n * k, b16 + ((size_t)g * 2 + 1) * n * k, (size_t)n * k * 2);
     }
+    /* SwiGLU with n = 192 (a half-full last tile of 128 columns): each group's first 192
+     * gate rows, then its first 192 up rows. */
+    const int n_ragged = 192;
+    uint16_t *ragged16 = malloc((size_t)groups * 2 * n_ragged * k * 2);
+    for (int g = 0; g < groups; g++)
+        for (int half = 0; half < 2; half++)
+            memcpy(ragged16 + ((size_t)g * 2 + half) * n_ragged * k, b16 + ((size_t)g * 2 * n + (size_t)half * n) * k,
+                   (size_t)n_ragged * k * 2);
     for (int r = 0; r < rows; r++) scale[r] = (float)(0.25 + cometi_rand_unit(&rng));
     /* Scatter: reverse the rows; every third row dropped. */
     for (int r = 0; r < rows; r++) index[r] = r % 3 == 2 ? -1 : rows - 1 - r;
-    void *a, *b, *c, *gate, *up;
+    void *a, *b, *c, *gate, *up, *ragged;
     float *d_scale;
     int32_t *d_index;
     CUDA_OK(cudaMalloc(&a, na * 2));
@@ -731,6 +749,8 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMalloc(&gate, nb));
     CUDA_OK(cudaMalloc(&up, nb));
     CUDA_OK(cudaMalloc(&c, nc * 2));
+    CUDA_OK(cudaMalloc(&ragged, (size_t)groups * 2 * n_ragged * k * 2));
+    CUDA_OK(cudaMemcpy(ragged, ragged16, (size_t)groups * 2 * n_ragged * k * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMalloc((void **)&d_scale, sizeof(float) * rows));
     CUDA_OK(cudaMalloc((void **)&d_index, sizeof(int32_t) * rows));
     CUDA_OK(cudaMemcpy(a, a16, na * 2, cudaMemcpyHostToDevice));
@@ -739,21 +759,24 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemcpy(up, up16, nb, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_scale, scale, sizeof(float) * rows, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_index, index, sizeof(int32_t) * rows, cudaMemcpyHostToDevice));
-    const char *names[4] = {"swiglu, fused gate_up", "swiglu, gate and up apart", "row scale", "scatter"};
-    for (int mode = 0; mode < 4; mode++) {
+    const char *names[5] = {"swiglu, fused gate_up", "swiglu, gate and up apart", "row scale", "scatter",
+                            "swiglu, n 192 in ldc 256"};
+    for (int mode = 0; mode < 5; mode++) {
+        const int n_out = mode == 4 ? n_ragged : n; /* columns computed; C rows stay n apart */
         for (int variant = 0; variant < 4; variant++) {
             const int epi = variant & 1 ? COMETI_EPILOGUE_TMA : COMETI_EPILOGUE_DIRECT, pingpong = variant >= 2;
             if (mode == 3 && (epi == COMETI_EPILOGUE_TMA || pingpong)) continue; /* scatter: from registers */
             cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = groups,
-                               .n = n, .k = k, .epilogue = epi, .err = err_dev,
+                               .n = n_out, .k = k, .epilogue = epi, .err = err_dev,
                                .schedule = pingpong ? COMETI_SCHEDULE_PINGPONG : COMETI_SCHEDULE_COOPERATIVE};
             if (mode == 0) g.swiglu = 1;
             if (mode == 1) g.swiglu = 1, g.b = gate, g.b_up = up;
             if (mode == 2) g.row_scale = d_scale, g.block_n = 256;
             if (mode == 3) g.row_index = d_index, g.block_n = 128;
+            if (mode == 4) g.swiglu = 1, g.b = ragged;
             /* Without SwiGLU, B's groups are n rows apart: view the first n of each 2n as
              * a tensor of its own by using the gate copy. */
-            if (mode >= 2) g.b = gate;
+            if (mode == 2 || mode == 3) g.b = gate;
             CUDA_OK(cudaMemset(c, 0xff, nc * 2));
             char err[COMETI_ERR_LEN];
             comet_status_t st = cometi_gemm_run(err, &g, 0);
@@ -771,14 +794,16 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
                     if (dst < 0) continue;
                     written[dst] = 1;
                     double num = 0, den = 0;
-                    for (int j = 0; j < n; j++) {
+                    for (int j = 0; j < n_out; j++) {
                         double gsum = 0, usum = 0;
                         const float *wg = bf + ((size_t)gi * 2 * n + j) * k, *wu = wg + (size_t)n * k;
                         for (int q = 0; q < k; q++) {
                             gsum += (double)af[(size_t)src * k + q] * wg[q];
                             usum += (double)af[(size_t)src * k + q] * wu[q];
                         }
-                        double ref = mode <= 1 ? cometi_swiglu(gsum, usum) : mode == 2 ? scale[src] * gsum : gsum;
+                        double ref = mode <= 1 || mode == 4 ? cometi_swiglu(gsum, usum)
+                                     : mode == 2             ? scale[src] * gsum
+                                                             : gsum;
                         double d = cometi_bf16_to_float(c16[(size_t)dst * n + j]) - ref;
                         if (!isfinite(d)) d = INFINITY;
                         num += d * d;
@@ -786,6 +811,7 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
                     }
                     double e = sqrt(num / den);
                     if (!(e <= worst)) worst = e;
+                    for (int j = n_out; j < n; j++) CHECK_EQ(c16[(size_t)dst * n + j], 0xffff); /* past n: untouched */
                 }
             }
             /* Rows nobody stores to (padding, dropped) keep their poison. */
@@ -804,7 +830,9 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(cometi_gemm_run(err, &bad, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(err, "block_n = 128 with swiglu");
     free(a16), free(b16), free(c16), free(gate16), free(up16), free(af), free(bf), free(scale), free(index);
+    free(ragged16);
     cudaFree(a), cudaFree(b), cudaFree(gate), cudaFree(up), cudaFree(c), cudaFree(d_scale), cudaFree(d_index);
+    cudaFree(ragged);
     cudaFree(segs);
     return 0;
 }
@@ -822,15 +850,14 @@ int test_gpu_gemm_epilogues(void)
 #define ROUTE_K 2
 #define ROUTE_MAX_M 10000 /* up to 20000 rows: several of the route's 4096-row chunks */
 
-static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
+/* 300 calls of the device route with tp ranks per group against the C plan. */
+static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int tp)
 {
-    const uint64_t seed = *(uint64_t *)arg;
-    comet_comm_t comm;
-    if (open_comm(ctx, 10000, &comm)) return 1;
     const int W = ctx->nranks, me = ctx->rank, E = ROUTE_E, k = ROUTE_K;
+    const int groups = W / tp, per = E / groups;
     cometi_route_dev_t r;
-    COMET_OK(cometi_route_dev_create(comm, E, ROUTE_MAX_M * k,
-                                     cometi_route_max_recv_rows(W, ROUTE_MAX_M, k, E / W, COMETI_BLOCK_M),
+    COMET_OK(cometi_route_dev_create(comm, E, tp, ROUTE_MAX_M * k,
+                                     cometi_route_max_recv_rows(W, ROUTE_MAX_M, k, per, COMETI_BLOCK_M),
                                      COMETI_BLOCK_M, &r), comm);
     int32_t *ids[COMETI_MAX_RANKS], *d_ids;
     float *w = malloc(sizeof(float) * ROUTE_MAX_M * k), *my_w = malloc(sizeof(float) * ROUTE_MAX_M * k), *d_w;
@@ -865,12 +892,12 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
         cometi_route_plan_t p;
         char err[256];
-        CHECK_EQ(cometi_route_plan_build(&p, counts, W, 1, E, COMETI_BLOCK_M, err, sizeof(err)), 0);
+        CHECK_EQ(cometi_route_plan_build(&p, counts, W, tp, E, COMETI_BLOCK_M, err, sizeof(err)), 0);
         cometi_route_positions(&p, me, ids[me], m[me], k, want_send, want_pos);
         /* Layer1's records, in send order: the token's slot if the choice leads on its
          * rank, the receive row of the next choice there, the weight, this rank. */
         CUDA_OK(cudaMemcpy(meta, r.meta.local, sizeof(cometi_row_meta_t) * m[me] * k, cudaMemcpyDeviceToHost));
-        for (int i = 0; i < m[me] * k && call % 2 == 0; i++) {
+        for (int i = 0; i < m[me] * k && call % 2 == 0 && tp == 1; i++) { /* the combine's: EP only */
             const int t = i / k, kw = k < W ? k : W;
             int next;
             const int slot = cometi_choice_slot(ids[me] + (size_t)t * k, k, i % k, E, E / W, &next);
@@ -887,7 +914,7 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
         struct { const char *name; int32_t *dev; int64_t *host; int n; } arrays[] = {
             {"counts", r.plan.counts, p.counts, W * E},        {"send_offset", r.plan.send_offset, p.send_offset, W * E},
             {"seg_start", r.plan.seg_start, p.seg_start, E},   {"seg_rows", r.plan.seg_rows, p.seg_rows, E},
-            {"recv_offset", r.plan.recv_offset, p.recv_offset, W * E}, {"recv_rows", r.plan.recv_rows, p.recv_rows, W},
+            {"recv_offset", r.plan.recv_offset, p.recv_offset, W * E}, {"recv_rows", r.plan.recv_rows, p.recv_rows, groups},
             {"recv_pos", r.plan.recv_pos, want_pos, m[me] * k}};
         for (int a = 0; a < 7; a++) {
             CUDA_OK(cudaMemcpy(got, arrays[a].dev, sizeof(int32_t) * arrays[a].n, cudaMemcpyDeviceToHost));
@@ -900,8 +927,8 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
             }
         }
         /* Arrival totals per 128-row block of this rank's receive buffer, over all calls. */
-        for (int le = 0; le < E / W; le++) {
-            const int e = me * (E / W) + le;
+        for (int le = 0; le < per; le++) {
+            const int e = me / tp * per + le;
             for (int64_t row = 0; row < p.seg_rows[e]; row += COMETI_BLOCK_M)
                 expected[(p.seg_start[e] + row) / COMETI_BLOCK_M] +=
                     p.seg_rows[e] - row < COMETI_BLOCK_M ? (uint64_t)(p.seg_rows[e] - row) : COMETI_BLOCK_M;
@@ -916,12 +943,23 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
         cometi_route_plan_free(&p);
     }
     free(expected), free(got_expected);
-    printf("rank %d: %d calls with changing routing and token counts, device plan equal to the C plan\n", me, calls);
+    printf("rank %d, tp %d: %d calls with changing routing and token counts, device plan equal to the C plan\n", me,
+           tp, calls);
     for (int s = 0; s < W; s++) free(ids[s]);
     free(w), free(my_w), free(got), free(counts), free(want_pos), free(want_send), free(meta);
     cudaFree(d_ids);
     cudaFree(d_w);
     cometi_route_dev_destroy(comm, &r);
+    return 0;
+}
+
+static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    comet_comm_t comm;
+    if (open_comm(ctx, 10000, &comm)) return 1;
+    /* EP only, then every rank in one TP group (EP = 1, TP = world). */
+    if (route_check(ctx, comm, seed, 1) || route_check(ctx, comm, seed + 1, ctx->nranks)) return 1;
     COMET_OK(comet_comm_destroy(comm), comm);
     return 0;
 }
@@ -934,7 +972,7 @@ static int route_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     comet_comm_t comm;
     if (open_comm(ctx, 500, &comm)) return 1;
     cometi_route_dev_t r;
-    COMET_OK(cometi_route_dev_create(comm, ROUTE_E, 64, 64 * 2 + 16 * 127, COMETI_BLOCK_M, &r), comm);
+    COMET_OK(cometi_route_dev_create(comm, ROUTE_E, 1, 64, 64 * 2 + 16 * 127, COMETI_BLOCK_M, &r), comm);
     int32_t *d_ids;
     CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(int32_t) * 64));
     CUDA_OK(cudaMemset(d_ids, 0, sizeof(int32_t) * 64));
@@ -967,7 +1005,7 @@ static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     comet_comm_t comm;
     if (open_comm(ctx, 2000, &comm)) return 1;
     cometi_route_dev_t r;
-    COMET_OK(cometi_route_dev_create(comm, 8, 64, 64 + 8 * 127, COMETI_BLOCK_M, &r), comm);
+    COMET_OK(cometi_route_dev_create(comm, 8, 1, 64, 64 + 8 * 127, COMETI_BLOCK_M, &r), comm);
     int32_t ids[8] = {0, 1, 2, 3, 4, 9, 6, 7}, *d_ids;
     CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(ids)));
     CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
@@ -1044,7 +1082,7 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const uint64_t seed = *(uint64_t *)arg;
     uint64_t rng = seed * 3 + 1;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 0, 0, 0};
+    const fixture_shape_t shape = {256, 0, 0, 0, 1};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     cometi_layer0_t l0;
     COMET_OK(cometi_layer0_create(fx.comm, &fx.cfg, &l0), fx.comm);
@@ -1156,7 +1194,7 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
     uint64_t rng = seed * 5 + 3;
     fixture_t fx;
     /* Four column tiles (splits 1, 2, 4) and top-4 (up to four choices summed on one rank). */
-    const fixture_shape_t shape = {256, 1024, 4, 0};
+    const fixture_shape_t shape = {256, 1024, 4, 0, 1};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     cometi_layer0_t l0;
     cometi_layer1_t l1;
@@ -1253,7 +1291,7 @@ static int layer1_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 1024, 4, 2000};
+    const fixture_shape_t shape = {256, 1024, 4, 2000, 1};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     fx.skip_reference = 1;
     cometi_layer0_t l0;
@@ -1316,7 +1354,7 @@ static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 512, 0, 2000};
+    const fixture_shape_t shape = {256, 512, 0, 2000, 1};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     cometi_layer0_t l0;
     cometi_layer1_t l1;
@@ -1365,13 +1403,13 @@ int test_gpu_layer1_push_missing_peer_times_out(void)
 /* ---- the public forward on the fused path ---- */
 
 /* comet_moe_forward with COMET_IMPL_FUSED (and AUTO) against the baseline and float64 on
- * every case; on a config the fused path cannot run (ffn 192), FUSED is refused with a
- * message naming the field and AUTO runs the baseline. */
-static int forward_fused_rank(const cometi_rank_ctx_t *ctx, void *arg)
+ * every case; then an ffn whose last SwiGLU tile is half full (192 per rank) against the
+ * baseline, with AUTO taking the fused path; then a config the fused path cannot run
+ * (top_k 9 > 8): FUSED refused with a message naming the field, AUTO runs the baseline. */
+static int forward_vs_baseline(const cometi_rank_ctx_t *ctx, uint64_t seed, int tp)
 {
-    const uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 0, 0, 0};
+    const fixture_shape_t shape = {256, 0, 0, 0, tp};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     const int H = fx.cfg.hidden, M = fx.cfg.max_tokens, me = ctx->rank;
     uint16_t *want = malloc((size_t)M * H * 2), *got = malloc((size_t)M * H * 2), *again = malloc((size_t)M * H * 2);
@@ -1398,22 +1436,64 @@ static int forward_fused_rank(const cometi_rank_ctx_t *ctx, void *arg)
         add_error(got, want, NULL, (size_t)m, H, &num, &den, &row);
         if (m > 0) add_error(got, NULL, fx.ref, (size_t)m, H, &rnum, &rden, &rrow);
         const double err = den > 0 ? sqrt(num / den) : sqrt(num), ref_err = rden > 0 ? sqrt(rnum / rden) : 0;
-        printf("rank %d %-34s fused against the baseline %.2e, against float64 %.2e (baseline %.2e)\n", me,
-               cases[ci].name, err, ref_err, base_err);
-        if (!(err < 1e-2) || !(row < 3e-2) || !(ref_err < 1e-2) || !(rrow < 3e-2)) return 1;
+        printf("rank %d tp %d %-34s fused against the baseline %.2e, against float64 %.2e (baseline %.2e)\n", me,
+               tp, cases[ci].name, err, ref_err, base_err);
+        if (!(err < 1e-2) || !(row < 3e-2) || !(ref_err < 1e-2) || !(rrow < 3e-2) || !(base_err < 1e-2)) return 1;
     }
-    /* ffn 192 (not a multiple of 128), on a second layer over the same communicator (an
-     * NCCL unique id serves one communicator only). Its weights are the first layer's
-     * buffers read with F = 192: arbitrary values, the same for both calls compared. */
+    /* ffn 192 per rank, on a second layer over the same communicator (an NCCL unique id
+     * serves one communicator only), with weights of its own. */
     comet_moe_config_t cfg = fx.cfg;
-    cfg.ffn = 192;
+    cfg.ffn = 192 * tp;
     comet_moe_t moe2;
     CHECK_EQ(comet_moe_create(fx.comm, &cfg, &moe2), COMET_SUCCESS);
-    comet_moe_args_t a = fused_args(&fx, &cases[0]);
-    const int m = cases[0].tokens[me % 2];
+    comet_moe_args_t a = fused_args(&fx, &cases[1]); /* random routing, 300 and 77 tokens */
+    const int m = cases[1].tokens[me % 2];
+    void *gu2, *dn2;
+    const size_t slice = (size_t)fx.per * 192 * H;
+    CUDA_OK(cudaMalloc(&gu2, 2 * 2 * slice));
+    CUDA_OK(cudaMalloc(&dn2, 2 * slice));
+    CUDA_OK(cometi_fill_hash_bf16(gu2, 2 * slice, seed ^ 0x51, (uint64_t)me * 2 * slice, (float)(1.0 / sqrt(H)), 0));
+    CUDA_OK(cometi_fill_hash_bf16(dn2, slice, seed ^ 0x52, (uint64_t)me * slice, (float)(1.0 / sqrt(192.0)), 0));
+    a.weights.gate_up = gu2, a.weights.gate = a.weights.up = NULL, a.weights.down = dn2;
+    uint16_t *outs[3] = {want, got, again};
+    const comet_impl_t impls[3] = {COMET_IMPL_BASELINE, COMET_IMPL_FUSED, COMET_IMPL_AUTO};
+    for (int pass = 0; pass < 3; pass++) {
+        a.impl = impls[pass];
+        CUDA_OK(cudaMemset(fx.d_y, 0xff, (size_t)M * H * 2));
+        comet_status_t st = comet_moe_forward(moe2, &a, 0);
+        if (st != COMET_SUCCESS) printf("rank %d ffn %d: %s\n", me, cfg.ffn, comet_moe_last_error(moe2));
+        CHECK_EQ(st, COMET_SUCCESS);
+        CUDA_OK(cudaDeviceSynchronize());
+        CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+        CUDA_OK(cudaMemcpy(outs[pass], fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+    }
+    CHECK(memcmp(got, again, (size_t)m * H * 2) == 0); /* AUTO took the fused path */
+    double num = 0, den = 0, row = 0;
+    add_error(got, want, NULL, (size_t)m, H, &num, &den, &row);
+    const double err = den > 0 ? sqrt(num / den) : sqrt(num);
+    printf("rank %d tp %d: ffn %d (%d per rank, a half-full last SwiGLU tile): fused against the baseline %.2e\n", me,
+           tp, cfg.ffn, 192, err);
+    if (!(err < 1e-2) || !(row < 3e-2)) return 1;
+    CHECK_EQ(comet_moe_destroy(moe2), COMET_SUCCESS);
+    cudaFree(gu2), cudaFree(dn2);
+    /* top_k 9 of 16 experts: more choices than the fused combine sums (8). Routing with 9
+     * choices, weights again arbitrary (the first layer's buffers read as 16 experts of F
+     * 64 x tp per rank: they fit). */
+    cfg = fx.cfg;
+    cfg.num_experts = 16, cfg.top_k = 9, cfg.ffn = 64 * tp;
+    CHECK_EQ(comet_moe_create(fx.comm, &cfg, &moe2), COMET_SUCCESS);
+    int32_t *ids9, *h_ids = malloc(sizeof(int32_t) * 64 * 9);
+    float *w9, *h_w = malloc(sizeof(float) * 64 * 9);
+    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, 64, 9, 16, seed, me, h_ids, h_w);
+    CUDA_OK(cudaMalloc((void **)&ids9, sizeof(int32_t) * 64 * 9));
+    CUDA_OK(cudaMalloc((void **)&w9, sizeof(float) * 64 * 9));
+    CUDA_OK(cudaMemcpy(ids9, h_ids, sizeof(int32_t) * 64 * 9, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(w9, h_w, sizeof(float) * 64 * 9, cudaMemcpyHostToDevice));
+    a = fused_args(&fx, &cases[0]);
+    a.num_tokens = 64, a.topk_ids = ids9, a.topk_weights = w9;
     a.impl = COMET_IMPL_FUSED;
     CHECK_EQ(comet_moe_forward(moe2, &a, 0), COMET_NOT_SUPPORTED);
-    CHECK_CONTAINS(comet_moe_last_error(moe2), "config.ffn = 192");
+    CHECK_CONTAINS(comet_moe_last_error(moe2), "config.top_k = 9");
     char refused[COMETI_ERR_LEN];
     snprintf(refused, sizeof(refused), "%s", comet_moe_last_error(moe2));
     for (int pass = 0; pass < 2; pass++) {
@@ -1421,17 +1501,32 @@ static int forward_fused_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CUDA_OK(cudaMemset(fx.d_y, 0xff, (size_t)M * H * 2));
         CHECK_EQ(comet_moe_forward(moe2, &a, 0), COMET_SUCCESS);
         CUDA_OK(cudaDeviceSynchronize());
-        CUDA_OK(cudaMemcpy(pass ? again : got, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(pass ? again : got, fx.d_y, (size_t)64 * H * 2, cudaMemcpyDeviceToHost));
     }
-    CHECK(memcmp(got, again, (size_t)m * H * 2) == 0); /* AUTO ran the baseline */
-    printf("rank %d: ffn 192: FUSED refused (%s); AUTO gave the baseline's bits\n", me, refused);
+    CHECK(memcmp(got, again, (size_t)64 * H * 2) == 0); /* AUTO ran the baseline */
+    printf("rank %d: top_k 9: FUSED refused (%s); AUTO gave the baseline's bits\n", me, refused);
     CHECK_EQ(comet_moe_destroy(moe2), COMET_SUCCESS);
+    cudaFree(ids9), cudaFree(w9), free(h_ids), free(h_w);
     free(want), free(got), free(again);
     fixture_close(&fx);
     return 0;
 }
 
+static int forward_fused_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    return forward_vs_baseline(ctx, *(uint64_t *)arg, 1);
+}
+
 int test_gpu_forward_fused_matches_baseline(void) { return launch_two_seeded(forward_fused_rank, 280); }
+
+/* EP = 1, TP = 2 (issue 8): each rank holds half of every expert's ffn columns; both paths
+ * against float64 on every case, the fused one against the baseline too. */
+static int forward_tp_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    return forward_vs_baseline(ctx, *(uint64_t *)arg, ctx->nranks);
+}
+
+int test_gpu_forward_tp_matches_reference(void) { return launch_two_seeded(forward_tp_rank, 280); }
 
 /* ---- 10,000 calls: changing routing and token counts, no drift, no leaks ---- */
 
@@ -1466,7 +1561,7 @@ static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const uint64_t seed = *(uint64_t *)arg;
     uint64_t rng = seed * 7 + 5;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 0, 0, 0};
+    const fixture_shape_t shape = {256, 0, 0, 0, 1};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     fx.skip_reference = 1;
     const int H = fx.cfg.hidden, M = fx.cfg.max_tokens, k = fx.cfg.top_k, E = fx.cfg.num_experts, me = ctx->rank;
@@ -1565,7 +1660,7 @@ static int graph_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 0, 0, 0};
+    const fixture_shape_t shape = {256, 0, 0, 0, 1};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     fx.skip_reference = 1;
     const int H = fx.cfg.hidden, M = fx.cfg.max_tokens, me = ctx->rank;

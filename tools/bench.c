@@ -369,6 +369,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     res->l1_best = 0;
     for (size_t i = 0; i < sizeof(sweep) / sizeof(sweep[0]) && res->l1_runs < SWEEP_MAX; i++) {
         if (tiles % sweep[i].n_splits) continue;
+        if (cfg->tp_size > 1 && !sweep[i].push) continue; /* only the push sums TP partials */
         float ms;
         if (time_layer1(comm, l0, &l1, a, x, ids, w, NULL, &sweep[i], o->warmup, o->iters, L1_FUSED, &ms)) return 1;
         if (allreduce(comm, &ms, 1, ncclMax)) return 1;
@@ -418,11 +419,13 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                       const comet_moe_config_t *cfg, const char *label, comet_moe_args_t *a, void **x,
                       int32_t **ids, float **w, case_result_t *res)
 {
-    /* Bulk copies from 2 to 16 blocks; the store copy where it did best before (docs/PERF.md). */
+    /* Bulk copies from 2 to 24 blocks (TP copies every row twice); the store copy where it
+     * did best before (docs/PERF.md). */
     static const cometi_layer0_knobs_t sweep[] = {
         {2, COMETI_DISPATCH_BULK},  {3, COMETI_DISPATCH_BULK},  {4, COMETI_DISPATCH_BULK},
         {6, COMETI_DISPATCH_BULK},  {8, COMETI_DISPATCH_BULK},  {12, COMETI_DISPATCH_BULK},
-        {16, COMETI_DISPATCH_BULK}, {4, COMETI_DISPATCH_STORES}, {8, COMETI_DISPATCH_STORES}};
+        {16, COMETI_DISPATCH_BULK}, {20, COMETI_DISPATCH_BULK}, {24, COMETI_DISPATCH_BULK},
+        {4, COMETI_DISPATCH_STORES}, {8, COMETI_DISPATCH_STORES}};
     cometi_layer0_t l0;
     comet_status_t st = cometi_layer0_create(comm, cfg, &l0);
     FAIL_IF(st != COMET_SUCCESS, "layer0 (%s): %s", label, comet_comm_last_error(comm));
@@ -450,7 +453,7 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     CUDA_OK(cudaDeviceSynchronize());
     const void *b_recv, *b_act;
     cometi_baseline_buffers(moe->baseline, &b_recv, &b_act);
-    const int per = cfg->num_experts / ctx->nranks, F = cfg->ffn;
+    const int per = l0.experts_per_group, F = l0.ffn;
     cometi_segment_t *segs = malloc(sizeof(cometi_segment_t) * per);
     CUDA_OK(cudaMemcpy(segs, l0.route.plan.local_segs, sizeof(cometi_segment_t) * per, cudaMemcpyDeviceToHost));
     uint16_t *want = malloc((size_t)64 * F * 2), *got = malloc((size_t)64 * F * 2);
@@ -558,7 +561,10 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
                              const comet_moe_config_t *cfg, const char *label, case_result_t *res)
 {
     const int R = ctx->nranks, me = ctx->rank, E = cfg->num_experts, k = cfg->top_k, H = cfg->hidden,
-              F = cfg->ffn, M = cfg->max_tokens, per = E / R;
+              F = cfg->ffn, M = cfg->max_tokens;
+    /* EP x TP: this rank holds columns [t * Fl, (t + 1) * Fl) of its group's experts. */
+    const int tp = cfg->tp_size > 0 ? cfg->tp_size : 1, t = me % tp, Fl = F / tp, per = E / (R / tp),
+              first = me / tp * per;
     const seeds_t s = make_seeds(o->seed);
     comet_moe_t moe;
     comet_status_t st = comet_moe_create(comm, cfg, &moe);
@@ -567,13 +573,18 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
     void *gate_up, *down, *x[NSETS], *y;
     int32_t *ids[NSETS];
     float *w[NSETS];
-    CUDA_OK(cudaMalloc(&gate_up, (size_t)per * 2 * F * H * 2));
-    CUDA_OK(cudaMalloc(&down, (size_t)per * H * F * 2));
+    CUDA_OK(cudaMalloc(&gate_up, (size_t)per * 2 * Fl * H * 2));
+    CUDA_OK(cudaMalloc(&down, (size_t)per * H * Fl * 2));
     CUDA_OK(cudaMalloc(&y, (size_t)M * H * 2 + 16));
-    CUDA_OK(cometi_fill_hash_bf16(gate_up, (size_t)per * 2 * F * H, s.gate_up, (uint64_t)me * per * 2 * F * H,
-                                  (float)(1.0 / sqrt(H)), 0));
-    CUDA_OK(cometi_fill_hash_bf16(down, (size_t)per * H * F, s.down, (uint64_t)me * per * H * F,
-                                  (float)(1.0 / sqrt(F)), 0));
+    /* The weights are defined by their global index, so any slice is easy to fill and the
+     * float64 check rebuilds whole experts. Gate rows, then up rows, of each expert. */
+    for (int le = 0; le < per; le++)
+        for (int half = 0; half < 2; half++)
+            CUDA_OK(cometi_fill_hash_bf16((char *)gate_up + ((size_t)le * 2 + half) * Fl * H * 2, (size_t)Fl * H,
+                                          s.gate_up, ((uint64_t)(first + le) * 2 * F + (uint64_t)half * F +
+                                                      (uint64_t)t * Fl) * H, (float)(1.0 / sqrt(H)), 0));
+    CUDA_OK(cometi_fill_hash_bf16_rows(down, (size_t)per * H, Fl, F, s.down,
+                                       (uint64_t)first * H * F + (uint64_t)t * Fl, (float)(1.0 / sqrt(F)), 0));
     /* Routing of every rank, so this rank knows how many rows it receives (for FLOPs). */
     int32_t *ids_host = malloc(sizeof(int32_t) * ((size_t)M * k + 1));
     float *w_host = malloc(sizeof(float) * ((size_t)M * k + 1)), *w0_host = malloc(sizeof(float) * ((size_t)M * k + 1));
@@ -588,7 +599,7 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
             cometi_make_routing(o->routing, o->skew, M, k, E, s.routing[set], r, ids_host, w_host);
             int64_t *counts = calloc((size_t)E, sizeof(int64_t));
             cometi_route_count(ids_host, M, k, E, counts);
-            for (int e = me * per; e < (me + 1) * per; e++) rows_in += (double)counts[e] / NSETS;
+            for (int e = first; e < first + per; e++) rows_in += (double)counts[e] / NSETS;
             free(counts);
             if (r != me) continue;
             CUDA_OK(cudaMemcpy(ids[set], ids_host, sizeof(int32_t) * M * k, cudaMemcpyHostToDevice));
@@ -673,7 +684,7 @@ static int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t 
         res->ms[p] = median(times[p], o->iters);
         free(times[p]);
     }
-    float flops[2] = {(float)(rows_in * 6.0 * H * F), 0};
+    float flops[2] = {(float)(rows_in * 6.0 * H * Fl), 0};
     if (allreduce(comm, res->ms, P_COUNT, ncclMax)) return 1;
     if (allreduce(comm, flops, 1, ncclSum)) return 1;
     res->tflops = flops[0] / R / (res->ms[P_EXPERTS] * 1e-3) / 1e12;
@@ -699,9 +710,10 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                       int *records, int *failed_check, case_result_t *out)
 {
     if (ctx->rank == 0) {
-        printf("\n%s: E=%d top-k=%d H=%d F=%d, %d tokens per GPU, %d x %s (EP=%d), routing %s", label,
+        const int tp = cfg->tp_size > 0 ? cfg->tp_size : 1;
+        printf("\n%s: E=%d top-k=%d H=%d F=%d, %d tokens per GPU, %d x %s (EP=%d x TP=%d), routing %s", label,
                cfg->num_experts, cfg->top_k, cfg->hidden, cfg->ffn, cfg->max_tokens, ctx->nranks, prop->name,
-               ctx->nranks, routing_name(o->routing));
+               ctx->nranks / tp, tp, routing_name(o->routing));
         if (o->routing == COMETI_ROUTING_SKEWED) printf(" (skew %.3g)", o->skew);
         printf(", median of %d calls, slowest rank\n", o->iters);
         print_header();
@@ -722,9 +734,11 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                    base.ms[P_EXPERTS], base.tflops, check);
             if (json) {
                 fprintf(json, "%s  {\"case\": \"%s\", \"impl\": \"baseline\", \"gpu\": \"%s\", \"ranks\": %d, "
-                        "\"experts\": %d, \"top_k\": %d, \"hidden\": %d, \"ffn\": %d, \"tokens_per_rank\": %d, "
-                        "\"routing\": \"%s\", \"skew\": %g, \"iters\": %d, \"seed\": %llu, \"median_ms\": {",
-                        (*records)++ ? ",\n" : "", label, prop->name, ctx->nranks, cfg->num_experts, cfg->top_k, cfg->hidden,
+                        "\"tp\": %d, \"experts\": %d, \"top_k\": %d, \"hidden\": %d, \"ffn\": %d, "
+                        "\"tokens_per_rank\": %d, \"routing\": \"%s\", \"skew\": %g, \"iters\": %d, \"seed\": %llu, "
+                        "\"median_ms\": {",
+                        (*records)++ ? ",\n" : "", label, prop->name, ctx->nranks, cfg->tp_size > 0 ? cfg->tp_size : 1,
+                        cfg->num_experts, cfg->top_k, cfg->hidden,
                         cfg->ffn, cfg->max_tokens, routing_name(o->routing), o->skew, o->iters,
                         (unsigned long long)o->seed);
                 for (int p = 0; p < P_COUNT; p++)

@@ -3,7 +3,10 @@
  * routing counts on the host (one stream sync per call) to size its NCCL transfers
  * and its per-expert cuBLAS GEMMs. Rows travel straight into the expert-major,
  * BLOCK_M-padded receive layout of plan.h (one NCCL message per (rank, expert) chunk),
- * so no reordering kernel is needed on either side.
+ * so no reordering kernel is needed on either side. With TP > 1 (Megatron-LM's expert
+ * tensor parallelism): every chunk goes to each TP rank of its expert's group, which runs
+ * its ffn / tp columns; each sends its partial output rows back, and the source sums the
+ * tp partials of a choice in the weighted top-k sum.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,7 +26,9 @@ struct cometi_baseline {
     int32_t *send_pos;    /* [max_tokens * k] row of (t, j) in the send (and returned) buffer */
     int32_t *send_base;   /* [E] first send row of each expert's chunk */
     cometi_segment_t *segs; /* [E_local] */
-    void *send, *recv, *h, *act, *out, *back;
+    void *send, *recv, *h, *act, *out;
+    void *back;           /* [tp][max_tokens * k][hidden]: the rows returned by each TP rank */
+    cometi_a2a_msg_t *sends, *recvs; /* the dispatch's NCCL messages (host) */
     /* pinned host */
     int32_t *counts_host; /* [world][E + 1] */
     int32_t *send_base_host;
@@ -53,6 +58,8 @@ void cometi_baseline_destroy(cometi_baseline_t *b)
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) cudaFree(dev[i]);
     void *host[] = {b->counts_host, b->send_base_host, b->segs_host};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) cudaFreeHost(host[i]);
+    free(b->sends);
+    free(b->recvs);
     free(b);
 }
 
@@ -60,7 +67,7 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
 {
     char *err = moe->err;
     const comet_moe_config_t *c = &moe->cfg;
-    const int W = moe->comm->size, E = c->num_experts, H = c->hidden, F = c->ffn;
+    const int W = moe->comm->size, E = c->num_experts, H = c->hidden, F = moe->ffn_local, tp = moe->tp;
     const size_t rows_out = (size_t)c->max_tokens * c->top_k, rows_in = (size_t)moe->max_recv_rows;
     cometi_baseline_t *b = calloc(1, sizeof(*b));
     if (!b) return cometi_fail(err, COMET_OUT_OF_MEMORY, "baseline: out of host memory");
@@ -78,12 +85,18 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
         {&b->h, 2 * rows_in * 2 * F, "GEMM0 output"},
         {&b->act, 2 * rows_in * F, "SwiGLU output"},
         {&b->out, 2 * rows_in * H, "GEMM1 output"},
-        {&b->back, 2 * rows_out * H, "returned rows"},
+        {&b->back, 2 * rows_out * H * tp, "returned rows"},
     };
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) {
         char what[96];
         snprintf(what, sizeof(what), "baseline: cudaMalloc(%s, %zu bytes)", dev[i].what, dev[i].bytes);
         COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMalloc(dev[i].p, dev[i].bytes ? dev[i].bytes : 1), what), fail);
+    }
+    b->sends = malloc(sizeof(cometi_a2a_msg_t) * tp * E);
+    b->recvs = malloc(sizeof(cometi_a2a_msg_t) * W * moe->experts_per_rank);
+    if (!b->sends || !b->recvs) {
+        st = cometi_fail(err, COMET_OUT_OF_MEMORY, "baseline: out of host memory");
+        goto fail;
     }
     COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->counts_host, sizeof(int32_t) * W * (E + 1)),
                                     "baseline: cudaMallocHost(counts)"), fail);
@@ -125,7 +138,7 @@ comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, co
                                        cudaStream_t stream)
 {
     char *err = moe->err;
-    const int per = moe->experts_per_rank, H = moe->cfg.hidden, F = moe->cfg.ffn;
+    const int per = moe->experts_per_rank, H = moe->cfg.hidden, F = moe->ffn_local;
     COMETI_TRY(cublas_status(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
     for (int le = 0; le < per; le++) {
         const int rows = b->segs_host[le].rows;
@@ -193,8 +206,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     for (int r = 0; r < W; r++)
         for (int e = 0; e < E; e++) counts[(size_t)r * E + e] = b->counts_host[(size_t)r * (E + 1) + e];
     cometi_route_plan_t plan;
-    int bad = cometi_route_plan_build(&plan, counts, W, 1 /* EP only so far */, E, COMETI_BLOCK_M, err,
-                                      COMETI_ERR_LEN);
+    int bad = cometi_route_plan_build(&plan, counts, W, moe->tp, E, COMETI_BLOCK_M, err, COMETI_ERR_LEN);
     free(counts);
     if (bad) return COMET_INTERNAL_ERROR;
     int max_seg_rows = 0;
@@ -215,24 +227,18 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_ROUTED, stream), out);
 
     /* 2. Dispatch: one message per (peer, expert) chunk, straight into the padded
-     * expert-major layout. Both sides post chunks in expert order, which is how NCCL
-     * matches the sends and receives of one pair. */
+     * expert-major layout, each chunk to every TP rank of its group. Both sides post a
+     * pair's chunks in expert order, which is how NCCL matches them (plan.h). */
+    int n_sends, n_recvs;
+    cometi_route_dispatch_messages(&plan, me, b->sends, &n_sends, b->recvs, &n_recvs);
+    const size_t row_elems = (size_t)H, back_stride = (size_t)c->max_tokens * k * H;
     ncclResult_t r = ncclGroupStart();
-    for (int e = 0; e < E; e++) {
-        int64_t rows = plan.counts[(size_t)me * E + e];
-        if (rows && r == ncclSuccess)
-            r = ncclSend((char *)b->send + plan.send_offset[(size_t)me * E + e] * H * BF16, (size_t)rows * H,
-                     ncclBfloat16, e / per, nccl, stream);
-    }
-    for (int s = 0; s < W; s++) {
-        for (int le = 0; le < per; le++) {
-            int e = moe->first_expert + le;
-            int64_t rows = plan.counts[(size_t)s * E + e];
-            if (rows && r == ncclSuccess)
-                r = ncclRecv((char *)b->recv + (plan.seg_start[e] + plan.recv_offset[(size_t)s * E + e]) * H * BF16,
-                         (size_t)rows * H, ncclBfloat16, s, nccl, stream);
-        }
-    }
+    for (int i = 0; i < n_sends && r == ncclSuccess; i++)
+        r = ncclSend((char *)b->send + b->sends[i].offset * H * BF16, (size_t)b->sends[i].rows * row_elems,
+                     ncclBfloat16, b->sends[i].peer, nccl, stream);
+    for (int i = 0; i < n_recvs && r == ncclSuccess; i++)
+        r = ncclRecv((char *)b->recv + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * row_elems,
+                     ncclBfloat16, b->recvs[i].peer, nccl, stream);
     ncclResult_t end = ncclGroupEnd(); /* always close the group, even after a failed post */
     COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "dispatch all-to-all"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_DISPATCHED, stream), out);
@@ -242,30 +248,23 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     COMETI_TRY_GOTO(st, cometi_baseline_experts(moe, b, args, stream), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_COMPUTED, stream), out);
 
-    /* 4. Return: each chunk goes back to its source, landing where it left from. */
+    /* 4. Return: the same messages the other way; each chunk lands where it left from, in
+     * the copy of the TP rank that computed it. */
     r = ncclGroupStart();
-    for (int s = 0; s < W; s++) {
-        for (int le = 0; le < per; le++) {
-            int e = moe->first_expert + le;
-            int64_t rows = plan.counts[(size_t)s * E + e];
-            if (rows && r == ncclSuccess)
-                r = ncclSend((char *)b->out + (plan.seg_start[e] + plan.recv_offset[(size_t)s * E + e]) * H * BF16,
-                         (size_t)rows * H, ncclBfloat16, s, nccl, stream);
-        }
-    }
-    for (int e = 0; e < E; e++) {
-        int64_t rows = plan.counts[(size_t)me * E + e];
-        if (rows && r == ncclSuccess)
-            r = ncclRecv((char *)b->back + plan.send_offset[(size_t)me * E + e] * H * BF16, (size_t)rows * H,
-                     ncclBfloat16, e / per, nccl, stream);
-    }
+    for (int i = 0; i < n_recvs && r == ncclSuccess; i++)
+        r = ncclSend((char *)b->out + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * row_elems,
+                     ncclBfloat16, b->recvs[i].peer, nccl, stream);
+    for (int i = 0; i < n_sends && r == ncclSuccess; i++)
+        r = ncclRecv((char *)b->back + ((size_t)(b->sends[i].peer % moe->tp) * back_stride +
+                                        (size_t)b->sends[i].offset * H) * BF16,
+                     (size_t)b->sends[i].rows * row_elems, ncclBfloat16, b->sends[i].peer, nccl, stream);
     end = ncclGroupEnd();
     COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "combine all-to-all"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_RETURNED, stream), out);
 
     /* 5. Weighted top-k sum. */
-    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_combine(b->back, b->send_pos, args->topk_weights, m, k, H,
-                                                               args->y, stream), "launch combine_kernel"), out);
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_combine(b->back, moe->tp, back_stride, b->send_pos,
+                                                               args->topk_weights, m, k, H, args->y, stream), "launch combine_kernel"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_END, stream), out);
 out:
     cometi_route_plan_free(&plan);

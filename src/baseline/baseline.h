@@ -52,8 +52,10 @@ cudaError_t cometi_launch_permute(const void *x, const int32_t *ids, const int32
                                   int n, int k, int hidden, void *send, int32_t *send_pos, cudaStream_t stream);
 cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, const cometi_segment_t *segs, int num_segs,
                                  int max_rows, cudaStream_t stream);
-cudaError_t cometi_launch_combine(const void *back, const int32_t *send_pos, const float *w, int m, int k,
-                                  int hidden, void *y, cudaStream_t stream);
+/* y[t] = sum_j w[t][j] * sum_c back[c][send_pos[t][j]] over the tp copies c (each TP rank's
+ * partial rows, copy_stride elements apart), fp32, in order. */
+cudaError_t cometi_launch_combine(const void *back, int tp, size_t copy_stride, const int32_t *send_pos,
+                                  const float *w, int m, int k, int hidden, void *y, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

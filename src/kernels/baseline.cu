@@ -72,22 +72,27 @@ extern "C" cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, c
     return cudaGetLastError();
 }
 
-/* y[t] = sum_j w[t][j] * back[send_pos[t][j]] in fp32, j in order: same bits every run. */
-static __global__ void combine_kernel(const __nv_bfloat16 *back, const int32_t *send_pos, const float *w, int k,
-                                      int hidden, __nv_bfloat16 *y)
+/* y[t] = sum_j w[t][j] * (sum_c back[c][send_pos[t][j]]) in fp32, j and c in order: the
+ * same bits every run. With tp = 1 there is one copy. */
+static __global__ void combine_kernel(const __nv_bfloat16 *back, int tp, size_t copy_stride, const int32_t *send_pos,
+                                      const float *w, int k, int hidden, __nv_bfloat16 *y)
 {
     const int t = blockIdx.x;
     for (int h = threadIdx.x * 8; h < hidden; h += blockDim.x * 8) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int j = 0; j < k; j++) {
             const float wj = w[t * k + j];
-            uint4 v4 = *(const uint4 *)(back + (size_t)send_pos[t * k + j] * hidden + h);
-            const __nv_bfloat162 *v = (const __nv_bfloat162 *)&v4;
-            for (int q = 0; q < 4; q++) {
-                float2 f = __bfloat1622float2(v[q]);
-                acc[2 * q] += wj * f.x;
-                acc[2 * q + 1] += wj * f.y;
+            float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int c = 0; c < tp; c++) {
+                uint4 v4 = *(const uint4 *)(back + c * copy_stride + (size_t)send_pos[t * k + j] * hidden + h);
+                const __nv_bfloat162 *v = (const __nv_bfloat162 *)&v4;
+                for (int q = 0; q < 4; q++) {
+                    float2 f = __bfloat1622float2(v[q]);
+                    part[2 * q] += f.x;
+                    part[2 * q + 1] += f.y;
+                }
             }
+            for (int q = 0; q < 8; q++) acc[q] += wj * part[q];
         }
         uint4 o4;
         __nv_bfloat162 *o = (__nv_bfloat162 *)&o4;
@@ -96,12 +101,12 @@ static __global__ void combine_kernel(const __nv_bfloat16 *back, const int32_t *
     }
 }
 
-extern "C" cudaError_t cometi_launch_combine(const void *back, const int32_t *send_pos, const float *w, int m,
-                                             int k, int hidden, void *y, cudaStream_t stream)
+extern "C" cudaError_t cometi_launch_combine(const void *back, int tp, size_t copy_stride, const int32_t *send_pos,
+                                             const float *w, int m, int k, int hidden, void *y, cudaStream_t stream)
 {
     if (m == 0) return cudaSuccess;
     int threads = hidden / 8 < 256 ? hidden / 8 : 256;
-    combine_kernel<<<m, threads, 0, stream>>>((const __nv_bfloat16 *)back, send_pos, w, k, hidden,
+    combine_kernel<<<m, threads, 0, stream>>>((const __nv_bfloat16 *)back, tp, copy_stride, send_pos, w, k, hidden,
                                               (__nv_bfloat16 *)y);
     return cudaGetLastError();
 }

@@ -75,7 +75,7 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
     if (threadIdx.x == 0) {
         unsigned long long rows = 0;
         for (int e = 0; e < s.num_experts; e++) rows += (unsigned int)s.counts[(size_t)s.rank * s.num_experts + e];
-        per_call = rows * s.col_tiles;
+        per_call = rows * s.col_tiles * s.tp; /* every TP rank of the group sends its partial */
         cometi_wait_geq(s.arrive, *s.expected + per_call, timeout_ns, err, COMETI_SITE_PUSH, -1, 0);
     }
     __syncthreads();
@@ -97,22 +97,26 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
             at[j] = ok ? send_offset[e] + s.pos[i] : -1;
             w[j] = ok ? s.weights[i] : 0.0f;
         }
-#pragma unroll
-        for (int j = 0; j < COMETI_COMBINE_MAX_TOP_K; j++) {
-            if (j >= k) break;
-            x[j] = at[j] >= 0 ? __ldcg((const uint4 *)((const __nv_bfloat16 *)s.slots + (size_t)at[j] * s.hidden) + v)
-                             : make_uint4(0, 0, 0, 0);
-        }
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        /* With TP, choice j has tp partial rows (slots at * tp + c): the sum goes c by c. */
+        for (int c = 0; c < s.tp; c++) {
 #pragma unroll
-        for (int j = 0; j < COMETI_COMBINE_MAX_TOP_K; j++) {
-            if (j >= k) break;
-            const __nv_bfloat162 *h = (const __nv_bfloat162 *)&x[j];
+            for (int j = 0; j < COMETI_COMBINE_MAX_TOP_K; j++) {
+                if (j >= k) break;
+                x[j] = at[j] >= 0 ? __ldcg((const uint4 *)((const __nv_bfloat16 *)s.slots +
+                                                           ((size_t)at[j] * s.tp + c) * s.hidden) + v)
+                                 : make_uint4(0, 0, 0, 0);
+            }
 #pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const float2 f = __bfloat1622float2(h[q]);
-                acc[2 * q] += w[j] * f.x;
-                acc[2 * q + 1] += w[j] * f.y;
+            for (int j = 0; j < COMETI_COMBINE_MAX_TOP_K; j++) {
+                if (j >= k) break;
+                const __nv_bfloat162 *h = (const __nv_bfloat162 *)&x[j];
+#pragma unroll
+                for (int q = 0; q < 4; q++) {
+                    const float2 f = __bfloat1622float2(h[q]);
+                    acc[2 * q] += w[j] * f.x;
+                    acc[2 * q + 1] += w[j] * f.y;
+                }
             }
         }
         uint4 out;
@@ -136,10 +140,10 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
 extern "C" comet_status_t cometi_push_sum_prepare(char *err, const cometi_push_sum_t *s, unsigned int *blocks_out)
 {
     if (s->hidden % 8 || s->top_k < 1 || s->top_k > COMETI_COMBINE_MAX_TOP_K || s->num_tokens < 0 ||
-        s->col_tiles < 1 || (uintptr_t)s->y % 16 || (uintptr_t)s->slots % 16)
+        s->col_tiles < 1 || s->tp < 1 || (uintptr_t)s->y % 16 || (uintptr_t)s->slots % 16)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "push sum: hidden %d (a multiple of 8), top_k %d (1..8), "
-                           "tokens %d, column tiles %d, y and slots 16-byte aligned", s->hidden, s->top_k,
-                           s->num_tokens, s->col_tiles);
+                           "tokens %d, column tiles %d, tp %d (>= 1), y and slots 16-byte aligned", s->hidden,
+                           s->top_k, s->num_tokens, s->col_tiles, s->tp);
     static int sm_counts[64];
     int dev = 0;
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
@@ -183,11 +187,12 @@ static __global__ void push_dest_kernel(const cometi_combine_t c, const cometi_s
         int2 d = make_int2(-1, 0);
         const int64_t q = r - segs[lo].start;
         if (q >= 0 && q < segs[lo].rows) {
-            const int e = c.rank * c.experts_per_rank + lo;
+            const int e = c.rank / c.tp * c.experts_per_group + lo;
             for (int u = 0; u < c.world; u++) {
                 const int s = (c.rank + u) % c.world, off = c.recv_offset[s * E + e];
                 if (q >= off && q < off + c.counts[s * E + e]) {
-                    d = make_int2(s, c.send_offset[s * E + e] + (int)q - off);
+                    /* this TP rank's partial of the row: its own slot of the choice's tp */
+                    d = make_int2(s, (c.send_offset[s * E + e] + (int)q - off) * c.tp + c.rank % c.tp);
                     break;
                 }
             }

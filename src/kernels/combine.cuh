@@ -273,7 +273,7 @@ static __device__ int combine_setup(const cometi_combine_t *c, const cometi_segm
 static __device__ void combine_pull(const cometi_combine_t *c, const combine_block_t *b, unsigned int *meet,
                                     cometi_async_error_t *err, unsigned long long timeout_ns)
 {
-    const int W = c->world, E = c->num_experts, me = c->rank, per = c->experts_per_rank;
+    const int W = c->world, E = c->num_experts, me = c->rank, per = c->experts_per_group;
     const int thread = blockIdx.x * blockDim.x + threadIdx.x, threads = b->blocks * blockDim.x;
     int g = 0;
     for (int i = thread; i < b->received; i += threads) {
@@ -379,7 +379,7 @@ static __device__ void combine_split(const cometi_combine_t *c, combine_block_t 
         const int t = unit / chunks * 32 + lane, chunk = unit % chunks, off = chunk * COMBINE_SLOT_BYTES;
         row_sum_t mine;
         mine.n = t < c->num_tokens ? cometi_token_ranks(c->topk_ids + (size_t)t * c->top_k, c->top_k, c->num_experts,
-                                                        c->experts_per_rank)
+                                                        c->experts_per_group)
                                    : 0;
         mine.dst = (unsigned char *)((__nv_bfloat16 *)c->y + (size_t)t * hidden + c0) + off;
 #pragma unroll

@@ -53,6 +53,15 @@ static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap 
                  : "memory");
 }
 
+/* A box of a 3D tensor [outer2][outer][inner]: rows past `outer` come back as zeros. */
+static __device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap *map, int inner, int outer, int outer2,
+                                                   uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+                 ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(outer2), "r"(smem_u32(bar))
+                 : "memory");
+}
+
 static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, const void *src, int inner, int outer)
 {
     asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
@@ -93,7 +102,7 @@ static __device__ __forceinline__ float silu(float x) { return x / (1.0f + __exp
 typedef struct gemm_args {
     const cometi_segment_t *segs;
     int groups, n, k, ldc, group_m;
-    int b_group_rows, up_offset;      /* B rows per group; SwiGLU: where up rows start in map_up */
+    int b_group_rows;                 /* B rows per group (without SwiGLU) */
     const float *row_scale;
     const int32_t *row_index;
     const int32_t *local_rows;
@@ -245,7 +254,7 @@ static __device__ int seek_piece(const cometi_dispatch_t *d, piece_cursor_t *c, 
     const int E = d->num_experts, me = d->rank;
     while (c->e < E) {
         const int rows = d->counts[me * E + c->e];
-        if ((c->e / d->experts_per_rank != me) == remote && c->r0 < rows) {
+        if ((c->e / d->experts_per_group != me / d->tp) == remote && c->r0 < rows) {
             if (c->index == target) return 1;
             const int row = piece_first_row(d, c->e) + c->r0;
             c->r0 += min(rows - c->r0, BM - row % BM);
@@ -279,13 +288,17 @@ static __device__ void copy_pieces(const cometi_dispatch_t *d, bulk_ring_t *ring
             list = 1;
             if (!seek_piece(d, &cur[1], 1, i - local_pieces)) break;
         }
-        const int e = cur[list].e, r0 = cur[list].r0, dst = e / d->experts_per_rank;
+        const int e = cur[list].e, r0 = cur[list].r0, group = e / d->experts_per_group;
         const int row = piece_first_row(d, e) + r0, n_rows = min(d->counts[me * E + e] - r0, BM - row % BM);
         const int32_t *src_of = d->src_of + d->send_offset[me * E + e] + r0;
-        unsigned char *out = (unsigned char *)d->recv[dst] + (size_t)row * row_bytes;
-        if (ring) copy_piece_bulk(d, ring, src_of, n_rows, out, err, timeout_ns);
-        else copy_piece_stores(d, src_of, n_rows, (uint4 *)out);
-        if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / BM, (unsigned long long)n_rows);
+        /* To every TP rank of the group (the same rows, the same place), this rank first. */
+        for (int u = 0; u < d->tp; u++) {
+            const int dst = group * d->tp + (me + u) % d->tp;
+            unsigned char *out = (unsigned char *)d->recv[dst] + (size_t)row * row_bytes;
+            if (ring) copy_piece_bulk(d, ring, src_of, n_rows, out, err, timeout_ns);
+            else copy_piece_stores(d, src_of, n_rows, (uint4 *)out);
+            if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / BM, (unsigned long long)n_rows);
+        }
     }
 }
 
@@ -345,7 +358,10 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     uint64_t *full = (uint64_t *)(sc + C_BYTES), *empty = full + STAGES, *turn = empty + STAGES;
     uint64_t *ticket_full = turn + 2, *ticket_empty = ticket_full + TICKETS;
     int *first_tile = (int *)(ticket_empty + TICKETS), *tickets = first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1;
-    const int wg = threadIdx.x / 128, n_tiles = p.n / ON, k_blocks = p.k / BK, split_tiles = n_tiles / p.n_splits;
+    /* SwiGLU's last column tile may be half full (n a multiple of 64): its B rows past n
+     * load as zeros, and its columns past n are never stored. */
+    const int wg = threadIdx.x / 128, n_tiles = (p.n + ON - 1) / ON, k_blocks = p.k / BK,
+              split_tiles = n_tiles / p.n_splits;
 
     /* Dispatch or combine blocks come first: blocks start in index order, so if an SM is
      * busy it is a GEMM block (which waits on nobody's behalf) that starts late, not a
@@ -427,9 +443,14 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 mbar_wait(&empty[stage], phase ^ 1, p.err, p.timeout_ns);
                 mbar_expect_tx(&full[stage], A_BYTES + B_BYTES);
                 tma_load_2d(sa + stage * A_BYTES, &map_a, kb * BK, a_row, &full[stage]);
-                tma_load_2d(sb + stage * B_BYTES, &map_b, kb * BK, b_row, &full[stage]);
-                if (SWIGLU) /* the matching up rows fill the second half of the B tile */
-                    tma_load_2d(sb + stage * B_BYTES + ON * 128, &map_up, kb * BK, b_row + p.up_offset, &full[stage]);
+                if (SWIGLU) {
+                    /* Gate rows, then the matching up rows in the second half of the B tile,
+                     * each from a [groups][n][k] view, so a ragged last tile reads zeros. */
+                    tma_load_3d(sb + stage * B_BYTES, &map_b, kb * BK, tl.n * ON, tl.group, &full[stage]);
+                    tma_load_3d(sb + stage * B_BYTES + ON * 128, &map_up, kb * BK, tl.n * ON, tl.group, &full[stage]);
+                } else {
+                    tma_load_2d(sb + stage * B_BYTES, &map_b, kb * BK, b_row, &full[stage]);
+                }
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             t = p.sched ? next : t + p.gemm_blocks;
@@ -601,9 +622,11 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             __nv_bfloat16 *c = p.c + dst_row[h] * p.ldc + tl.n * ON + (lane % 4) * 2;
+            const int col0 = tl.n * ON + (lane % 4) * 2; /* a pair never straddles n (a multiple of 64) */
 #pragma unroll
             for (int j = 0; j < ON / 8; j++)
-                if (ok[h]) *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
+                if (ok[h] && (!SWIGLU || col0 + j * 8 < p.n))
+                    *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
         }
 #undef OUT
         if (p.split_done) {
@@ -649,22 +672,32 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled(void)
     return fn;
 }
 
-/* A 2D bf16 tensor [outer][inner] with rows `inner` elements apart, in boxes of
- * box_outer x 64 with 128-byte swizzle. */
-static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
-                               uint32_t box_outer, const char *what)
+/* A bf16 tensor [outer2][outer][inner] (outer2 = 1: 2D) with rows `row_elems` and
+ * matrices `mat_elems` elements apart, in boxes of box_outer x 64 with 128-byte swizzle.
+ * Boxes past `inner` or `outer` read zeros and store nothing there. */
+static comet_status_t make_map_3d(char *err, CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
+                                  uint64_t outer2, uint64_t row_elems, uint64_t mat_elems, uint32_t box_outer,
+                                  const char *what)
 {
     PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
     if (!encode) return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled is not available from the driver");
-    cuuint64_t dims[2] = {inner, outer}, strides[1] = {inner * 2};
-    cuuint32_t box[2] = {BK, box_outer}, elem[2] = {1, 1};
-    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, (void *)base, dims, strides, box, elem,
+    const cuuint32_t rank = outer2 > 1 ? 3 : 2;
+    cuuint64_t dims[3] = {inner, outer, outer2}, strides[2] = {row_elems * 2, mat_elems * 2};
+    cuuint32_t box[3] = {BK, box_outer, 1}, elem[3] = {1, 1, 1};
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, (void *)base, dims, strides, box, elem,
                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
-        return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled(%s: %llu x %llu, box %u x %d) failed: error %d",
-                           what, (unsigned long long)outer, (unsigned long long)inner, box_outer, BK, (int)r);
+        return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled(%s: %llu x %llu x %llu, box %u x %d) failed: "
+                           "error %d", what, (unsigned long long)outer2, (unsigned long long)outer,
+                           (unsigned long long)inner, box_outer, BK, (int)r);
     return COMET_SUCCESS;
+}
+
+static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
+                               uint32_t box_outer, const char *what)
+{
+    return make_map_3d(err, map, base, inner, outer, 1, inner, 0, box_outer, what);
 }
 
 template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> static size_t smem_bytes(void)
@@ -716,8 +749,10 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
                            "columns) is built", g->block_n);
     if (block_n != 128 && block_n != 256)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm block_n = %d: must be 128 or 256", block_n);
-    if (g->n <= 0 || g->n % out_n)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n = %d: must be a positive multiple of %d", g->n, out_n);
+    /* SwiGLU takes a half-full last column tile (the ffn of a TP rank, say 1408 / 2). */
+    const int n_unit = g->swiglu ? 64 : out_n, n_tiles = (g->n + out_n - 1) / out_n;
+    if (g->n <= 0 || g->n % n_unit)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n = %d: must be a positive multiple of %d", g->n, n_unit);
     if (g->k <= 0 || g->k % BK)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm k = %d: must be a positive multiple of %d", g->k, BK);
     if (g->groups < 1 || g->groups > COMETI_GEMM_MAX_GROUPS)
@@ -730,9 +765,9 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     if (g->b_up && !g->swiglu)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: b_up is for swiglu only");
     const int n_splits = g->n_splits ? g->n_splits : 1;
-    if (n_splits < 1 || (g->n / out_n) % n_splits)
+    if (n_splits < 1 || n_tiles % n_splits)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n_splits = %d: must divide the %d column tiles of %d "
-                           "columns", g->n_splits, g->n / out_n, out_n);
+                           "columns", g->n_splits, n_tiles, out_n);
     if (g->group_m < 0 || g->group_m > 64)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm group_m = %d: must be 0..64 (0: 8)", g->group_m);
     if (!g->err || !g->segs)
@@ -758,12 +793,19 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     if (pingpong && block_n != 256)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ping-pong schedule: built for block_n 256 only");
     COMETI_TRY(make_map(err, &m.a, g->a, (uint64_t)g->k, (uint64_t)g->a_rows, pingpong ? 64 : BM, "A"));
-    COMETI_TRY(make_map(err, &m.b, g->b, (uint64_t)g->k, (uint64_t)g->groups * b_group_rows, (uint32_t)out_n, "B"));
-    if (g->swiglu && g->b_up)
-        COMETI_TRY(make_map(err, &m.up, g->b_up, (uint64_t)g->k, (uint64_t)g->groups * g->n, (uint32_t)out_n, "B up"));
-    else if (g->swiglu)
-        m.up = m.b;
-    if (tma_epilogue) COMETI_TRY(make_map(err, &m.c, g->c, (uint64_t)g->ldc, (uint64_t)g->a_rows, 64, "C"));
+    if (g->swiglu) { /* [groups][n][k] views of the gate rows and of the up rows */
+        const void *up = g->b_up ? g->b_up : (const char *)g->b + (size_t)g->n * g->k * 2;
+        COMETI_TRY(make_map_3d(err, &m.b, g->b, (uint64_t)g->k, (uint64_t)g->n, (uint64_t)g->groups, (uint64_t)g->k,
+                               (uint64_t)b_group_rows * g->k, (uint32_t)out_n, "B gate"));
+        COMETI_TRY(make_map_3d(err, &m.up, up, (uint64_t)g->k, (uint64_t)g->n, (uint64_t)g->groups, (uint64_t)g->k,
+                               (uint64_t)b_group_rows * g->k, (uint32_t)out_n, "B up"));
+    } else {
+        COMETI_TRY(make_map(err, &m.b, g->b, (uint64_t)g->k, (uint64_t)g->groups * b_group_rows, (uint32_t)out_n,
+                            "B"));
+    }
+    /* C's columns end at n (a ragged last tile stores nothing past it), rows ldc apart. */
+    if (tma_epilogue)
+        COMETI_TRY(make_map_3d(err, &m.c, g->c, (uint64_t)g->n, (uint64_t)g->a_rows, 1, (uint64_t)g->ldc, 0, 64, "C"));
     gemm_args_t args;
     memset(&args, 0, sizeof(args));
     args.segs = g->segs;
@@ -773,7 +815,6 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     args.ldc = g->ldc;
     args.group_m = g->group_m ? g->group_m : 8;
     args.b_group_rows = b_group_rows;
-    args.up_offset = fused_up ? g->n : 0;
     args.row_scale = g->row_scale;
     args.row_index = g->row_index;
     args.local_rows = g->local_rows;
@@ -791,6 +832,9 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
     COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev),
                            "cudaDeviceGetAttribute(SM count)"));
+    if (g->dispatch_blocks && (g->dispatch.tp < 1 || g->dispatch.experts_per_group < 1))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: tp %d and experts per group %d must be >= 1",
+                           g->dispatch.tp, g->dispatch.experts_per_group);
     if (g->dispatch_blocks < 0 || (g->arrive && !g->expected) || (g->dispatch_blocks && !g->sched))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch_blocks = %d: must be >= 0, and > 0 needs "
                            "sched; arrive needs expected", g->dispatch_blocks);
@@ -809,11 +853,11 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
             return cometi_fail(err, COMET_NOT_SUPPORTED, "combine top_k = %d: 1..%d are built", c->top_k,
                                COMETI_COMBINE_MAX_TOP_K);
         if (c->world < 1 || c->world > COMETI_MAX_RANKS || c->rank < 0 || c->rank >= c->world ||
-            c->experts_per_rank * c->world != c->num_experts || c->num_tokens < 0 || !c->peers || !c->meta ||
+            c->tp != 1 || c->experts_per_group * c->world != c->num_experts || c->num_tokens < 0 || !c->peers || !c->meta ||
             !c->counts || !c->send_offset || !c->recv_offset || !c->expected || !c->sync || (c->num_tokens && (!c->topk_ids || !c->y)))
-            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm combine: world %d, rank %d, experts %d / %d per "
-                               "rank, tokens %d, or a NULL table", c->world, c->rank, c->num_experts,
-                               c->experts_per_rank, c->num_tokens);
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm combine: world %d, rank %d, tp %d (must be 1), "
+                               "experts %d / %d per rank, tokens %d, or a NULL table", c->world, c->rank, c->tp, c->num_experts,
+                               c->experts_per_group, c->num_tokens);
         if ((uintptr_t)c->y % 16 || g->n % 8)
             return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm combine: y must be 16-byte aligned (is %p)", c->y);
     }
@@ -824,11 +868,12 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
             return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: needs the TMA epilogue, one split and no "
                                "SwiGLU, row index, combine or dispatch blocks, split counters or arrival waits");
         if (c->world < 1 || c->world > COMETI_MAX_RANKS || c->world > 32 || c->rank < 0 || c->rank >= c->world ||
-            c->experts_per_rank * c->world != c->num_experts || c->experts_per_rank != g->groups || !c->peers ||
+            c->tp < 1 || c->world % c->tp || c->experts_per_group * (c->world / c->tp) != c->num_experts ||
+            c->experts_per_group != g->groups || !c->peers ||
             !c->counts || !c->send_offset || !c->recv_offset)
-            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: world %d, rank %d, experts %d / %d per rank "
-                               "(groups %d), or a NULL table", c->world, c->rank, c->num_experts, c->experts_per_rank,
-                               g->groups);
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: world %d, rank %d, tp %d, experts %d / %d per "
+                               "group (GEMM groups %d), or a NULL table", c->world, c->rank, c->tp, c->num_experts,
+                               c->experts_per_group, g->groups);
     }
     args.push_dest = (const int2 *)g->push_dest;
     const int side_blocks = g->dispatch_blocks + g->combine_blocks;

@@ -52,10 +52,10 @@ enum {
     COMETI_DISPATCH_STORES = 1 /* every lane, 16-byte loads and stores */
 };
 
-/* Dispatch blocks of the fused layer0 kernel: copy this rank's token rows into their
- * expert owners' receive buffers (local rows first), in pieces that each fill part of
- * one 128-row block of one owner, counting each piece's rows with one system-scope
- * release. Plan arrays are the device route's. */
+/* Dispatch blocks of the fused layer0 kernel: copy this rank's token rows into the
+ * receive buffers of every rank of their expert's group (local rows first), in pieces that
+ * each fill part of one 128-row block, counting each piece's rows with one system-scope
+ * release per receiver. Plan arrays are the device route's. */
 typedef struct cometi_dispatch {
     const void *x;                  /* [tokens][hidden] bf16 */
     const int32_t *src_of;          /* [n] send order -> (t, j) index */
@@ -63,7 +63,7 @@ typedef struct cometi_dispatch {
     const int32_t *send_offset;     /* [world][E] */
     const int32_t *seg_start;       /* [E] */
     const int32_t *recv_offset;     /* [world][E] */
-    int num_experts, top_k, hidden, experts_per_rank, rank;
+    int num_experts, top_k, hidden, experts_per_group, tp, rank; /* rank r is TP rank r % tp of group r / tp */
     int mode;                       /* COMETI_DISPATCH_*; x must be 16-byte aligned */
     void *recv[COMETI_MAX_RANKS];                 /* every rank's receive buffer, mapped here */
     unsigned long long *arrive[COMETI_MAX_RANKS]; /* every rank's arrival counters, mapped here */
@@ -111,7 +111,9 @@ typedef struct cometi_combine {
                                           * phase (see combine.cuh), or NULL */
     int kernel_splits;                   /* splits the GEMM kernel's combine blocks send (0 ..
                                           * n_splits); cometi_launch_combine_tail does the rest */
-    int num_tokens, num_experts, experts_per_rank, top_k, slots_per_token, rank, world;
+    int num_tokens, num_experts, experts_per_group, top_k, slots_per_token, rank, world;
+    int tp;                              /* ranks per EP group; the combine blocks and the tail need
+                                          * 1, the push any (each TP rank sends its partial rows) */
 } cometi_combine_t;
 
 typedef struct cometi_gemm {
@@ -123,7 +125,9 @@ typedef struct cometi_gemm {
     void *c;                       /* [a_rows][ldc] bf16; only the groups' rows are written */
     int ldc;                       /* elements, even */
     const cometi_segment_t *segs;  /* [groups], device memory */
-    int groups, n, k;              /* n a multiple of block_n, k a multiple of 64 */
+    int groups, n, k;              /* n a multiple of block_n (with swiglu, of 64: the last tile's
+                                    * columns past n are not computed from real rows, nor stored);
+                                    * k a multiple of 64 */
     int sms;                       /* persistent blocks, one per SM; 0: every SM */
     int block_n;                   /* 128 or 256; 0: 256 where n allows */
     int group_m;                   /* row tiles per band of the tile order (L2 reuse); 0: 8 */
@@ -147,8 +151,8 @@ typedef struct cometi_gemm {
     unsigned long long *split_done;        /* [n_splits], or NULL */
     /* Layer1's push epilogue: no C; each finished tile's rows go straight to their token
      * owners, row r of A to combine.peers[push_dest[r].x].slots at row push_dest[r].y (a
-     * choice (t, j) of rank s's tokens: its index in s's send order; x < 0: padding, not
-     * sent), by bulk copies over NVLink, and combine.peers[s].arrive[COMETI_PUSH_COUNTER]
+     * choice (t, j) of rank s's tokens: its index in s's send order, times tp plus this
+     * rank's TP rank; x < 0: padding, not sent), by bulk copies over NVLink, and combine.peers[s].arrive[COMETI_PUSH_COUNTER]
      * grows by the rows once they have landed (system-scope release, at each block's end):
      * by rows x column tiles per call. cometi_launch_push_dest fills push_dest. Needs the
      * TMA epilogue, one split, no combine blocks, and the combine's peers table, rank and
@@ -196,8 +200,9 @@ comet_status_t cometi_launch_combine_tail(char *err, const cometi_combine_t *c, 
                                           cudaStream_t stream);
 
 /* Where each row received goes home (see push_dest): for the rows of this rank's `groups`
- * local segments, their source rank and index in its send order, from the route plan;
- * -1 for the padding. dest: [rows] int2 in device memory, rows >= every segment's end;
+ * local segments, their source rank and slot: index in its send order x tp + this rank's
+ * TP rank (every TP rank of the group sends its partial row), from the route plan; -1 for
+ * the padding. dest: [rows] int2 in device memory, rows >= every segment's end;
  * only the first *used_rows (device: this call's padded receive rows) are written. */
 comet_status_t cometi_launch_push_dest(char *err, const cometi_combine_t *c, const cometi_segment_t *segs,
                                        int groups, int64_t rows, const int32_t *used_rows, void *dest,
@@ -218,6 +223,8 @@ typedef struct cometi_push_sum {
     const float *weights;
     void *y;
     int num_tokens, top_k, hidden, num_experts, rank, col_tiles;
+    int tp;                            /* TP ranks per group: choice (t, j) has tp partial rows, at
+                                        * slots slot * tp + c, c the sender's TP rank; summed c by c */
 } cometi_push_sum_t;
 /* Check `s` and size the grid; nothing is enqueued. Call it before the GEMM whose rows
  * the sum waits for: a sum that fails after that GEMM has run would leave the running

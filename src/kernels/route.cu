@@ -102,11 +102,12 @@ typedef struct peer_tables {
  * 2) Raise flag [me] on every peer to this call's sequence number (release, system),
  *    one more than the last call's, kept in device memory (*seq).
  * 3) Wait for every peer's flag (acquire, timeout).
- * 4) Build the plan: thread s < world does rank s's send offsets; thread d < world does
- *    rank d's receive segments (local source first). Rows are placed by place_rows_kernel.
+ * 4) Build the plan of plan.h for tp ranks per group: thread s < world does rank s's send
+ *    offsets; thread g < groups does group g's receive segments (sources from the group's
+ *    first rank on). Rows are placed by place_rows_kernel.
  */
 static __global__ void __launch_bounds__(PLAN_THREADS)
-exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int E, int block_m,
+exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int tp, int E, int block_m,
                      unsigned long long *seq_counter, const int32_t *local_counts, const int32_t *ids, int n,
                      cometi_route_dev_plan_t plan, unsigned long long timeout_ns, cometi_async_error_t *err)
 {
@@ -118,7 +119,7 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
     }
     __syncthreads();
     const unsigned long long seq = seq_shared;
-    const int half = (int)(seq & 1), per = E / world;
+    const int half = (int)(seq & 1), groups = world / tp, per = E / groups;
     const size_t table_ints = (size_t)2 * world * E;
     for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
         const int p = i / E, e = i % E;
@@ -148,7 +149,7 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
             plan.send_offset[s * E + e] = off;
             off += plan.counts[s * E + e];
         }
-    } else if (threadIdx.x >= 128 && threadIdx.x < 128 + world) { /* receive side of rank d */
+    } else if (threadIdx.x >= 128 && threadIdx.x < 128 + groups) { /* receive side of group d */
         const int d = threadIdx.x - 128;
         int row = 0;
         for (int le = 0; le < per; le++) {
@@ -156,7 +157,7 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
             plan.seg_start[e] = row;
             int in_seg = 0;
             for (int i = 0; i < world; i++) {
-                const int s = (d + i) % world;
+                const int s = (d * tp + i) % world;
                 plan.recv_offset[s * E + e] = in_seg;
                 in_seg += plan.counts[s * E + e];
             }
@@ -169,10 +170,12 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
     /* This rank as a receiver: its segments, its own rows in each, and how many rows each
      * 128-row block receives in this call (added to the running totals). */
     for (int le = threadIdx.x; le < per; le += blockDim.x) {
-        const int e = me * per + le, start = plan.seg_start[e], rows = plan.seg_rows[e];
+        const int e = me / tp * per + le, start = plan.seg_start[e], rows = plan.seg_rows[e];
         plan.local_segs[le].start = start;
         plan.local_segs[le].rows = rows;
-        plan.local_rows[le] = plan.counts[me * E + e];
+        /* This rank's own rows lead the segment unless, with TP, an earlier rank of the group
+         * sent some (the layout is the group's; those rows arrive over NVLink). */
+        plan.local_rows[le] = plan.recv_offset[me * E + e] == 0 ? plan.counts[me * E + e] : 0;
         for (int r = 0; r < rows; r += block_m) plan.expected[(start + r) / block_m] += min(block_m, rows - r);
     }
     if (threadIdx.x == 0) {
@@ -193,11 +196,11 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
  * (one block took 0.06 ms for 65536 rows), and with weights, its record for layer1 (in
  * send order; see cometi_choice_slot). Nothing is placed when the exchange failed. */
 static __global__ void place_rows_kernel(const int32_t *ids, const float *weights, int n, int k, int E, int me,
-                                         int world, cometi_route_dev_plan_t plan, cometi_row_meta_t *meta)
+                                         int world, int tp, cometi_route_dev_plan_t plan, cometi_row_meta_t *meta)
 {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    const int e = ids[i], per = E / world;
+    const int e = ids[i], per = E / (world / tp);
     const bool ok = e >= 0 && e < E && !*plan.failed;
     plan.recv_pos[i] = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + plan.pos[i] : -1;
     if (!ok) return;
@@ -220,11 +223,16 @@ static __global__ void place_rows_kernel(const int32_t *ids, const float *weight
     meta[at] = m;
 }
 
-extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows,
+extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int tp, int max_rows,
                                                   int64_t max_recv_rows, int block_m, cometi_route_dev_t *r)
 {
     memset(r, 0, sizeof(*r));
-    const int W = comm->size, E = num_experts, per = E / W;
+    const int W = comm->size, E = num_experts;
+    if (tp < 1 || W % tp || E % (W / tp))
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "route: tp %d must divide the world %d, and the "
+                           "groups the experts (%d)", tp, W, E);
+    const int per = E / (W / tp);
+    r->tp = tp;
     r->max_blocks = (int)((max_recv_rows + block_m - 1) / block_m);
     r->world = W;
     r->num_experts = E;
@@ -295,13 +303,13 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     peer_tables_t peers;
     memset(&peers, 0, sizeof(peers));
     for (int p = 0; p < r->world; p++) peers.base[p] = (int32_t *)r->table.peer[p];
-    exchange_plan_kernel<<<1, PLAN_THREADS, 0, stream>>>(peers, (int32_t *)r->table.local, comm->rank, r->world, E,
+    exchange_plan_kernel<<<1, PLAN_THREADS, 0, stream>>>(peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E,
                                                         r->block_m, r->seq, r->local_counts, topk_ids, n, r->plan,
                                                         (unsigned long long)comm->timeout_ms * 1000000ull,
                                                         comm->async_dev);
     COMETI_TRY(cometi_cuda(comm->err, cudaGetLastError(), "launch exchange_plan_kernel"));
     if (n > 0)
-        place_rows_kernel<<<(n + 255) / 256, 256, 0, stream>>>(topk_ids, weights, n, k, E, comm->rank, r->world, r->plan,
+        place_rows_kernel<<<(n + 255) / 256, 256, 0, stream>>>(topk_ids, weights, n, k, E, comm->rank, r->world, r->tp, r->plan,
                                                                weights ? (cometi_row_meta_t *)r->meta.local : NULL);
     return cometi_cuda(comm->err, cudaGetLastError(), "launch place_rows_kernel");
 }

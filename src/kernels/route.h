@@ -36,21 +36,22 @@ typedef struct cometi_route_dev_plan {
     int32_t *seg_start;   /* [E] */
     int32_t *seg_rows;    /* [E] */
     int32_t *recv_offset; /* [world][E] */
-    int32_t *recv_rows;   /* [world] */
+    int32_t *recv_rows;   /* [groups] */
     int32_t *recv_pos;    /* [max_rows] this rank's row (t, j) in its owner's receive buffer; -1: bad id */
     int32_t *pos;         /* [max_rows] rank of (t, j) among this rank's rows of its expert */
     int32_t *src_of;      /* [max_rows] send order (destination, expert, token) -> (t, j) index */
     int32_t *failed;      /* [1] this call's exchange timed out: nothing placed or sent */
     /* This rank as a receiver, for the fused GEMM: */
-    cometi_segment_t *local_segs;   /* [E / world] its experts' segments */
-    int32_t *local_rows;            /* [E / world] rows of each that come from this rank itself */
+    cometi_segment_t *local_segs;   /* [E / groups] its group's experts' segments */
+    int32_t *local_rows;            /* [E / groups] rows at the head of each that come from this rank
+                                     * itself (0 where another rank's rows lead: TP ranks after the first) */
     unsigned long long *expected;   /* [max_recv_rows / 128] rows each 128-row block of the receive
                                      * buffer has received over all calls so far, this one included:
                                      * arrival counters reach it when the block is complete */
 } cometi_route_dev_plan_t;
 
 typedef struct cometi_route_dev {
-    int world, num_experts, max_rows, block_m, max_blocks;
+    int world, tp, num_experts, max_rows, block_m, max_blocks; /* tp ranks per group (plan.h) */
     cometi_window_t table;          /* [2][world][E] int32 counts, then [world] u64 arrival flags */
     cometi_window_t meta;           /* [max_rows] this rank's rows' records for layer1, in send
                                      * order (written when the run is given weights) */
@@ -62,10 +63,10 @@ typedef struct cometi_route_dev {
                                      * on the device so that a captured CUDA graph counts on replay */
 } cometi_route_dev_t;
 
-/* Collective (allocates a symmetric window). max_rows = max tokens x top-k;
+/* Collective (allocates a symmetric window). tp: ranks per EP group; max_rows = max tokens x top-k;
  * max_recv_rows: the most padded rows one rank can receive (cometi_route_max_recv_rows). */
-comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int max_rows, int64_t max_recv_rows,
-                                       int block_m, cometi_route_dev_t *r);
+comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int tp, int max_rows,
+                                       int64_t max_recv_rows, int block_m, cometi_route_dev_t *r);
 void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *r);
 
 /* Collective, enqueued on `stream`, no host sync. A peer that never arrives gives
