@@ -8,12 +8,17 @@ whose experts run through comet across the ranks of a communicator. Forward only
 
 Names follow Hugging Face's MixtralSparseMoeBlock: gate.weight [E, H], experts.{i}.w1.weight
 [F, H] (gate projection), experts.{i}.w3.weight [F, H] (up), experts.{i}.w2.weight [H, F]
-(down), i the global expert id. Under expert parallelism rank r holds experts
-[r * E/EP, (r + 1) * E/EP) (comet.h); load_state_dict takes a state dict with all experts
-(or only this rank's) and copies this rank's into two packed buffers, the layout
-comet_moe_forward reads: w13 [E_local, 2F, H] (rows 0..F-1 w1, F..2F-1 w3) and
-w2 [E_local, H, F]. state_dict() gives back the router and this rank's experts under the
-same names.
+(down), i the global expert id. Rank r is TP rank t = r % TP of EP group g = r // TP
+(EP x TP = world size; TP = config.tp_size, 1 by default); group g holds experts
+[g * E/EP, (g + 1) * E/EP) (comet.h), and each of its ranks holds the ffn columns
+[t * Fl, (t + 1) * Fl) of them, Fl = F / TP (F itself when TP is 1). load_state_dict
+takes a state dict with all experts (or only this rank's), full HF shapes, and copies
+this rank's share into two packed buffers, the layout comet_moe_forward reads:
+w13 [E_local, 2Fl, H] (rows 0..Fl-1 w1 rows t*Fl.., Fl..2Fl-1 the same rows of w3) and
+w2 [E_local, H, Fl] (columns t*Fl.. of w2). With TP 1, state_dict() gives back the
+router and this rank's experts under the same names; with TP > 1 it raises
+NotImplementedError (a rank holds only a slice of each expert, which the HF names and
+shapes cannot carry; keep the full state dict it was loaded from).
 """
 from __future__ import annotations
 
@@ -28,6 +33,14 @@ from ._capi import IMPL_NAMES as _IMPL_NAMES
 from .moe import Moe, parse_impl
 
 _EXPERT_KEY = re.compile(r"experts\.(\d+)\.(w1|w2|w3)\.weight")
+
+
+def _tp_slice(name: str, value: torch.Tensor, tp_rank: int, ffn_local: int) -> torch.Tensor:
+    """The part of one expert's full HF weight that TP rank `tp_rank` holds (a view):
+    rows tp_rank*ffn_local..(tp_rank+1)*ffn_local-1 of w1 or w3 ([F, H]), those columns of
+    w2 ([H, F]). With one TP rank (ffn_local = F) the whole weight."""
+    lo, hi = tp_rank * ffn_local, (tp_rank + 1) * ffn_local
+    return value[:, lo:hi] if name == "w2" else value[lo:hi]
 
 
 def mixtral_route(router_logits: torch.Tensor, top_k: int):
@@ -49,7 +62,9 @@ class CometSparseMoeBlock(nn.Module):
     wraps an existing comet_moe.Moe. impl: "auto" (default), "baseline" or "fused",
     the same on every rank. Calls are collective: every rank calls forward the same
     number of times, each with its own tokens (zero tokens is fine), at most
-    config.max_tokens per call."""
+    config.max_tokens per call. Under tensor parallelism (config.tp_size > 1) every
+    rank still gets its own tokens' complete output; tp_size, tp_rank and ffn_local
+    (ffn // tp_size) say which slice of its experts this rank holds."""
 
     def __init__(self, comm=None, config=None, *, moe=None, impl="auto"):
         super().__init__()
@@ -62,15 +77,19 @@ class CometSparseMoeBlock(nn.Module):
         self.num_experts, self.top_k = int(cfg.num_experts), int(cfg.top_k)
         self.max_tokens = int(cfg.max_tokens)
         self.first_expert, self.experts_per_rank = int(self.moe.first_expert), int(self.moe.experts_per_rank)
+        self.tp_size = int(getattr(self.moe, "tp_size", 1))
+        self.tp_rank = int(getattr(self.moe, "tp_rank", 0))
+        self.ffn_local = int(getattr(self.moe, "ffn_local", self.ffn_dim // self.tp_size))
         self.impl = impl
         device = self.moe.comm.device
-        H, Fd, E_local = self.hidden_dim, self.ffn_dim, self.experts_per_rank
+        H, Fl, E_local = self.hidden_dim, self.ffn_local, self.experts_per_rank
         self.gate = nn.Linear(H, self.num_experts, bias=False, device=device, dtype=torch.bfloat16)
         self.gate.weight.requires_grad_(False)
-        # Packed as comet reads them; not persistent: state_dict() names them the HF way.
-        self.register_buffer("w13", torch.zeros(E_local, 2 * Fd, H, device=device, dtype=torch.bfloat16),
+        # Packed as comet reads them (this TP rank's ffn_local columns of each local
+        # expert); not persistent: state_dict() names them the HF way.
+        self.register_buffer("w13", torch.zeros(E_local, 2 * Fl, H, device=device, dtype=torch.bfloat16),
                              persistent=False)
-        self.register_buffer("w2", torch.zeros(E_local, H, Fd, device=device, dtype=torch.bfloat16),
+        self.register_buffer("w2", torch.zeros(E_local, H, Fl, device=device, dtype=torch.bfloat16),
                              persistent=False)
 
     @property
@@ -85,7 +104,7 @@ class CometSparseMoeBlock(nn.Module):
 
     @property
     def local_experts(self) -> range:
-        """Global ids of the experts this rank holds."""
+        """Global ids of the experts this rank holds (whole, or its TP slice of them)."""
         return range(self.first_expert, self.first_expert + self.experts_per_rank)
 
     # ---- forward ----
@@ -138,6 +157,12 @@ class CometSparseMoeBlock(nn.Module):
     # ---- state dict: HF names outside, packed buffers inside ----
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if self.tp_size > 1:
+            raise NotImplementedError(
+                f"CometSparseMoeBlock.state_dict() with tp_size = {self.tp_size}: this rank holds only ffn columns "
+                f"{self.tp_rank * self.ffn_local}..{(self.tp_rank + 1) * self.ffn_local - 1} of each expert, which "
+                f"the HF names and shapes cannot carry; keep the full state dict the block was loaded from "
+                f"(w13 and w2 are this rank's packed slices)")
         super()._save_to_state_dict(destination, prefix, keep_vars)
         Fd = self.ffn_dim
         w13 = self.w13 if keep_vars else self.w13.detach()
@@ -149,7 +174,7 @@ class CometSparseMoeBlock(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        H, Fd = self.hidden_dim, self.ffn_dim
+        H, Fd, Fl, t = self.hidden_dim, self.ffn_dim, self.ffn_local, self.tp_rank
         rest, found = {}, set()
         for key, value in state_dict.items():
             if not key.startswith(prefix + "experts."):
@@ -164,18 +189,21 @@ class CometSparseMoeBlock(nn.Module):
             le = e - self.first_expert
             if not 0 <= le < self.experts_per_rank:
                 continue  # another rank's expert
-            want = (H, Fd) if name == "w2" else (Fd, H)
+            want = (H, Fd) if name == "w2" else (Fd, H)  # the full expert, also under tensor parallelism
             if tuple(value.shape) != want:
+                tp = (f"; every rank loads the whole expert and keeps its ffn / tp_size = {Fl} columns"
+                      if self.tp_size > 1 else "")
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
-                                  f"the shape in CometSparseMoeBlock is {want} (hidden = {H}, ffn = {Fd})")
+                                  f"the shape in CometSparseMoeBlock is {want} (hidden = {H}, ffn = {Fd}{tp})")
                 continue
+            part = _tp_slice(name, value, t, Fl)
             with torch.no_grad():
                 if name == "w1":
-                    self.w13[le, :Fd].copy_(value)
+                    self.w13[le, :Fl].copy_(part)
                 elif name == "w3":
-                    self.w13[le, Fd:].copy_(value)
+                    self.w13[le, Fl:].copy_(part)
                 else:
-                    self.w2[le].copy_(value)
+                    self.w2[le].copy_(part)
             found.add((e, name))
         if strict:
             for e in self.local_experts:
@@ -187,7 +215,8 @@ class CometSparseMoeBlock(nn.Module):
 
     def load_full_state_dict(self, state_dict, prefix: str = "", strict: bool = True):
         """load_state_dict for the keys under `prefix` (e.g. "model.layers.0.block_sparse_moe."),
-        other keys ignored: all experts' weights may be there, this rank keeps its own."""
+        other keys ignored: all experts' weights may be there, this rank keeps its own
+        (its TP slice of them when tp_size > 1)."""
         sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         return self.load_state_dict(sub, strict=strict)
 
@@ -207,6 +236,10 @@ class CometSparseMoeBlock(nn.Module):
         return False
 
     def extra_repr(self) -> str:
+        tp = ""
+        if self.tp_size > 1:
+            lo = self.tp_rank * self.ffn_local
+            tp = f"tp={self.tp_size} (tp rank {self.tp_rank}: ffn columns {lo}..{lo + self.ffn_local - 1}), "
         return (f"hidden={self.hidden_dim}, ffn={self.ffn_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"local experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1}, "
+                f"local experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1}, {tp}"
                 f"max_tokens={self.max_tokens}, impl={self.impl}")

@@ -32,9 +32,10 @@ def _numel(t) -> int:
     return n
 
 
-def check_tensor(name: str, t, dtype: str, dims, device: str, align: int) -> None:
+def check_tensor(name: str, t, dtype: str, dims, device: str, align: int, hint: str = "") -> None:
     """One tensor: `dims` is a sequence of (size, label) with size None for any size;
-    `device` as str(torch.device) writes it ("cuda:0")."""
+    `device` as str(torch.device) writes it ("cuda:0"). `hint` is added to the message
+    of a wrong shape."""
     if not _is_tensor(t):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if str(t.dtype) != dtype:
@@ -44,7 +45,7 @@ def check_tensor(name: str, t, dtype: str, dims, device: str, align: int) -> Non
     want = tuple(d for d, _ in dims)
     if len(shape) != len(want) or any(w is not None and s != w for s, w in zip(shape, want)):
         labels = ", ".join(label if d is None else f"{label} = {d}" for d, label in dims)
-        raise ValueError(f"{name}.shape = {shape}: expected [{labels}]")
+        raise ValueError(f"{name}.shape = {shape}: expected [{labels}]{hint}")
     if str(t.device) != device:
         raise ValueError(f"{name} is on {t.device}: expected {device}, the communicator's device")
     if not t.is_contiguous():
@@ -61,10 +62,22 @@ def _span(t):
 
 
 def check_forward_args(cfg, experts_per_rank: int, device: str, x, topk_ids, topk_weights,
-                       gate_up, gate, up, down, out) -> int:
+                       gate_up, gate, up, down, out, *, ffn_local=None, tp_size=None) -> int:
     """Every argument of Moe.forward against the layer's config (hidden, ffn, top_k,
-    max_tokens) and this rank's expert count; returns num_tokens. `out` may be None."""
+    max_tokens), this rank's expert count and its share of ffn; returns num_tokens.
+    `out` may be None. tp_size: the resolved tensor-parallel size (default
+    cfg.tp_size, 0 read as 1); ffn_local: the ffn columns of each expert this rank holds
+    (default ffn // tp_size). The weights' ffn dimension is ffn_local: the whole ffn
+    when tp_size is 1, ffn / tp_size otherwise (the messages then say so)."""
     H, F, k, E_local = int(cfg.hidden), int(cfg.ffn), int(cfg.top_k), int(experts_per_rank)
+    tp = int(tp_size) if tp_size is not None else (int(cfg.tp_size) or 1)
+    Fl = int(ffn_local) if ffn_local is not None else F // tp
+    if tp == 1:
+        f_label, f2_label, f_sym, hint = "ffn", "2 * ffn", "F", ""
+    else:
+        f_label, f2_label, f_sym = "ffn / tp_size", "2 * ffn / tp_size", "F/tp"
+        hint = (f" (tp_size = {tp}: pass this rank's slice, ffn / tp_size = {Fl} of each expert's ffn = {F}: "
+                f"those rows of w1 and w3, those columns of w2)")
     if not _is_tensor(x):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if len(x.shape) != 2:
@@ -81,17 +94,17 @@ def check_forward_args(cfg, experts_per_rank: int, device: str, x, topk_ids, top
     if gate_up is not None and (gate is not None or up is not None):
         raise ValueError("weights: give gate_up, or gate and up, not both")
     if gate_up is not None:
-        check_tensor("gate_up", gate_up, BF16, [(E_local, "local experts"), (2 * F, "2 * ffn"), (H, "hidden")],
-                     device, 16)
+        check_tensor("gate_up", gate_up, BF16, [(E_local, "local experts"), (2 * Fl, f2_label), (H, "hidden")],
+                     device, 16, hint)
     elif gate is None or up is None:
-        raise ValueError(f"weights: {'gate' if gate is None else 'up'} is None: give gate_up [E_local, 2F, H], "
-                         f"or both gate and up [E_local, F, H]")
+        raise ValueError(f"weights: {'gate' if gate is None else 'up'} is None: give gate_up [E_local, 2{f_sym}, H], "
+                         f"or both gate and up [E_local, {f_sym}, H]")
     else:
         for name, w in (("gate", gate), ("up", up)):
-            check_tensor(name, w, BF16, [(E_local, "local experts"), (F, "ffn"), (H, "hidden")], device, 16)
+            check_tensor(name, w, BF16, [(E_local, "local experts"), (Fl, f_label), (H, "hidden")], device, 16, hint)
     if down is None:
-        raise ValueError("weights: down is None: give down [E_local, H, F]")
-    check_tensor("down", down, BF16, [(E_local, "local experts"), (H, "hidden"), (F, "ffn")], device, 16)
+        raise ValueError(f"weights: down is None: give down [E_local, H, {f_sym}]")
+    check_tensor("down", down, BF16, [(E_local, "local experts"), (H, "hidden"), (Fl, f_label)], device, 16, hint)
     if out is not None:
         check_tensor("out", out, BF16, [(m, "num_tokens"), (H, "hidden")], device, 16)
         if m:

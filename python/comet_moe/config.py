@@ -40,9 +40,10 @@ def presets() -> list:
 
 class MoeConfig(_capi.MoeConfigStruct):
     """comet_moe_config_t. Fields: hidden (H, multiple of 64), ffn (F, one expert's FFN
-    size, multiple of 64; the fused path needs a multiple of 128), num_experts (E, all
-    ranks together), top_k, max_tokens (the most tokens one rank passes in one call),
-    ep_size and tp_size (0: choose from the world size; tp_size 1 only), dtype (bf16
+    size, a multiple of 64 x tp_size), num_experts (E, all ranks together, divisible by ep_size), top_k, max_tokens
+    (the most tokens one rank passes in one call), ep_size and tp_size (expert- and
+    tensor-parallel ranks, ep_size x tp_size = the world size; tp_size 0 means 1, ep_size
+    0 means world size / tp_size; tp_size must divide the world size), dtype (bf16
     only). size, magic and version are set as COMET_MOE_CONFIG_INIT sets them."""
 
     def __init__(self, hidden: int = 0, ffn: int = 0, num_experts: int = 0, top_k: int = 0,

@@ -58,7 +58,7 @@ class CometRemoteError(CometError):
 
 class CometNotSupportedError(CometError):
     """COMET_NOT_SUPPORTED: a valid request this build cannot serve (e.g. the fused path
-    for an ffn that is not a multiple of 128, or tp_size > 1)."""
+    for top_k > 8)."""
 
 
 class CometInternalError(CometError):

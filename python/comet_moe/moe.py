@@ -1,5 +1,6 @@
 """The MoE layer (comet_moe_t): y = MoE(x) for this rank's tokens, with this rank's
-experts' weights, enqueued on the current torch CUDA stream.
+experts' weights (with tp_size > 1, its ffn / tp_size slice of its group's experts),
+enqueued on the current torch CUDA stream.
 
     moe = Moe(comm, MoeConfig.preset("mixtral-8x7b", max_tokens=8192))   # collective
     y = moe.forward(x, topk_ids, topk_weights, gate_up=w13, down=w2)     # collective
@@ -37,10 +38,27 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
+def _rank_layout(config, world: int, rank: int) -> dict:
+    """Where `rank` of `world` sits, as comet_moe_create resolves it (src/moe.c): tp_size
+    (0 read as 1), ep_size (0: world // tp_size), ep_rank = rank // tp_size (its EP group),
+    tp_rank = rank % tp_size, experts_per_rank = num_experts // ep_size, first_expert =
+    ep_rank * experts_per_rank and ffn_local = ffn // tp_size."""
+    tp = int(config.tp_size) or 1
+    ep = int(config.ep_size) or world // tp
+    per = int(config.num_experts) // ep
+    return dict(tp_size=tp, ep_size=ep, ep_rank=rank // tp, tp_rank=rank % tp, experts_per_rank=per,
+                first_expert=(rank // tp) * per, ffn_local=int(config.ffn) // tp)
+
+
 class Moe(_Handle):
-    """comet_moe_t on a Comm. Rank r holds global experts [first_expert, first_expert +
-    experts_per_rank), first_expert = (r // tp_size) * experts_per_rank and
-    experts_per_rank = num_experts // ep_size (comet.h)."""
+    """comet_moe_t on a Comm. With tp_size ranks per expert group (tensor parallelism
+    inside the experts; ep_size x tp_size = world size), rank r is TP rank
+    tp_rank = r % tp_size of EP group ep_rank = r // tp_size. The group holds global
+    experts [first_expert, first_expert + experts_per_rank), first_expert =
+    ep_rank * experts_per_rank, experts_per_rank = num_experts // ep_size; each rank of
+    the group holds ffn columns [tp_rank * ffn_local, (tp_rank + 1) * ffn_local) of each
+    of them, ffn_local = ffn // tp_size (comet.h). With tp_size 1 (the default) a rank
+    holds its experts whole."""
 
     def __init__(self, comm: Comm, config: MoeConfig):
         """comet_moe_create (collective): plans the layer and allocates its buffers for
@@ -64,15 +82,19 @@ class Moe(_Handle):
         self._box = _Box(handle.value)
         comm._moe_boxes.append(self._box)
         # As comet_moe_create resolves them (src/moe.c).
-        tp = self.config.tp_size or 1
-        self.ep_size = self.config.ep_size or comm.size // tp
-        self.experts_per_rank = self.config.num_experts // self.ep_size
-        self.ep_rank = comm.rank // tp
-        self.first_expert = self.ep_rank * self.experts_per_rank
+        layout = _rank_layout(self.config, comm.size, comm.rank)
+        self.tp_size = layout["tp_size"]
+        self.tp_rank = layout["tp_rank"]
+        self.ffn_local = layout["ffn_local"]
+        self.ep_size = layout["ep_size"]
+        self.ep_rank = layout["ep_rank"]
+        self.experts_per_rank = layout["experts_per_rank"]
+        self.first_expert = layout["first_expert"]
 
     @property
     def local_experts(self) -> range:
-        """The global ids of the experts whose weights this rank passes."""
+        """The global ids of the experts whose weights (whole, or this TP rank's
+        ffn_local columns of them) this rank passes."""
         return range(self.first_expert, self.first_expert + self.experts_per_rank)
 
     @property
@@ -85,11 +107,14 @@ class Moe(_Handle):
 
         x: [M, H] bf16, M <= config.max_tokens. topk_ids: [M, top_k] int32 global expert
         ids in [0, num_experts). topk_weights: [M, top_k] float32. Weights of this rank's
-        experts, bf16, nn.Linear's [out, in] layout, contiguous: gate_up [E_local, 2F, H]
-        (rows 0..F-1 gate = HF w1, F..2F-1 up = HF w3) or gate and up [E_local, F, H];
-        down [E_local, H, F] (HF w2). out: [M, H] bf16 (allocated when None). All on the
-        communicator's device. impl: "auto" (fused where the config allows: ffn a
-        multiple of 128, top_k <= 8; else the baseline), "baseline" or "fused"; every
+        experts, bf16, nn.Linear's [out, in] layout, contiguous, with Fl = ffn_local (F
+        when tp_size is 1): gate_up [E_local, 2Fl, H] (rows 0..Fl-1 gate = HF w1, Fl..2Fl-1
+        up = HF w3) or gate and up [E_local, Fl, H]; down [E_local, H, Fl] (HF w2). With
+        tp_size > 1 these are this TP rank's slice: rows tp_rank*Fl..(tp_rank+1)*Fl-1 of
+        w1 and w3, those columns of w2. out: [M, H] bf16 (allocated when None), the full
+        y of this rank's tokens (comet sums the TP ranks' partial results). All on the
+        communicator's device. impl: "auto" (fused where the config allows: top_k <= 8;
+        else the baseline), "baseline" or "fused"; every
         rank must pass the same. stream: a torch.cuda.Stream or raw cudaStream_t (int);
         default torch.cuda.current_stream(); consecutive calls must use the same stream.
         Returns out. Not differentiable: no autograd graph is recorded."""
@@ -97,7 +122,8 @@ class Moe(_Handle):
             raise RuntimeError("comet_moe.Moe: used after close() (or after its Comm was closed)")
         code = parse_impl(impl)
         m = check_forward_args(self.config, self.experts_per_rank, f"cuda:{self.comm.device_index}", x, topk_ids,
-                               topk_weights, gate_up, gate, up, down, out)
+                               topk_weights, gate_up, gate, up, down, out, ffn_local=self.ffn_local,
+                               tp_size=self.tp_size)
         if out is None:
             out = x.new_empty((m, int(self.config.hidden)))
         if stream is None:
@@ -141,5 +167,11 @@ class Moe(_Handle):
         _destroy_moe(self.comm, box)
 
     def __repr__(self):
-        state = "closed" if self.closed else f"experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1} here"
+        if self.closed:
+            state = "closed"
+        else:
+            state = f"experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1} here"
+            if self.tp_size > 1:
+                lo = self.tp_rank * self.ffn_local
+                state += f", tp rank {self.tp_rank} of {self.tp_size}: ffn columns {lo}..{lo + self.ffn_local - 1}"
         return f"comet_moe.Moe({self.config!r}, {state})"

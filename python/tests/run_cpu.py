@@ -376,8 +376,16 @@ def validate_failures_raise_with_comets_message():
     e = raises(comet_moe.CometInvalidArgumentError, lambda: bad.validate(2),
                "comet_moe_config_validate", "COMET_INVALID_ARGUMENT", "config.hidden = 100", "multiple of 64")
     check_eq((e.status, e.status_name), (1, "COMET_INVALID_ARGUMENT"), "status")
+    # Tensor parallelism: ep_size x tp_size = world, ffn a multiple of 64 x tp_size.
     tp = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64, tp_size=2)
-    raises(comet_moe.CometNotSupportedError, lambda: tp.validate(2), "COMET_NOT_SUPPORTED", "config.tp_size = 2")
+    check(tp.validate(2) is tp and tp.validate(4) is tp, "tp_size = 2 on 2 and 4 ranks (EP 1 and 2)")
+    tp.ffn = 192
+    raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "COMET_INVALID_ARGUMENT", "config.ffn = 192",
+           "tp_size")
+    tp = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64, tp_size=3)
+    raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "config.tp_size = 3")
+    tp = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64, ep_size=2, tp_size=2)
+    raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "ep_size = 2", "tp_size = 2")
     raises(comet_moe.CometInvalidArgumentError,
            lambda: comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=6, top_k=2, max_tokens=64).validate(4),
            "config.num_experts = 6", "ep_size = 4")
@@ -494,11 +502,15 @@ class FakeTensor:
 
 class ArgSet:
     """A valid set of forward arguments for MoeConfig(H=256, F=128, E=8, k=2,
-    max_tokens=64) on rank 0 of 2 (4 local experts), each at its own address."""
+    max_tokens=64) on rank 0 of 2 (4 local experts), each at its own address. tp=2:
+    the config has tp_size 2 and the weights are one TP rank's ffn / 2 = 64 columns
+    (on rank 0 of 4: EP 2 x TP 2, still 4 local experts)."""
     H, F, K, E_LOCAL, M = 256, 128, 2, 4, 40
 
-    def __init__(self, m=M, **changes):
-        H, F, K, E = self.H, self.F, self.K, self.E_LOCAL
+    def __init__(self, m=M, tp=1, **changes):
+        H, K, E = self.H, self.K, self.E_LOCAL
+        self.tp = tp
+        F = self.F // tp
         base = iter(range(0x10000000, 0x10000000 * 100, 0x10000000))
         self.kw = dict(
             x=FakeTensor((m, H), ptr=next(base)),
@@ -511,9 +523,10 @@ class ArgSet:
         )
         self.kw.update(changes)
 
-    def run(self):
-        cfg = comet_moe.MoeConfig(hidden=self.H, ffn=self.F, num_experts=8, top_k=self.K, max_tokens=64)
-        return checks.check_forward_args(cfg, self.E_LOCAL, "cuda:0", **self.kw)
+    def run(self, **resolved):
+        cfg = comet_moe.MoeConfig(hidden=self.H, ffn=self.F, num_experts=8, top_k=self.K, max_tokens=64,
+                                  tp_size=0 if self.tp == 1 else self.tp)
+        return checks.check_forward_args(cfg, self.E_LOCAL, "cuda:0", **self.kw, **resolved)
 
 
 @test
@@ -579,6 +592,50 @@ def forward_checks_refuse_wrong_devices_and_layouts():
            "out overlaps x")
 
 
+@test
+def forward_checks_take_the_tp_slice():
+    H, F = ArgSet.H, ArgSet.F  # tp 2: Fl = 64
+    check_eq(ArgSet(tp=2).run(), ArgSet.M, "tp 2: gate_up [4, 128, 256], down [4, 256, 64]")
+    check_eq(ArgSet(tp=2).run(ffn_local=64, tp_size=2), ArgSet.M, "tp 2, as Moe passes it resolved")
+    split = ArgSet(tp=2, gate_up=None, gate=FakeTensor((4, 64, H), ptr=0x90000000),
+                   up=FakeTensor((4, 64, H), ptr=0xA0000000))
+    check_eq(split.run(), ArgSet.M, "tp 2: gate and up [4, 64, 256] apart")
+    # The whole expert (full F) is refused, naming the dimension as ffn / tp_size.
+    raises(ValueError, lambda: ArgSet(tp=2, gate_up=FakeTensor((4, 2 * F, H))).run(),
+           "gate_up.shape = (4, 256, 256)", "2 * ffn / tp_size = 128", "tp_size = 2", "ffn = 128")
+    raises(ValueError, lambda: ArgSet(tp=2, down=FakeTensor((4, H, F))).run(),
+           "down.shape = (4, 256, 128)", "hidden = 256, ffn / tp_size = 64]")
+    raises(ValueError, lambda: ArgSet(tp=2, gate_up=None, gate=FakeTensor((4, F, H), ptr=0x90000000),
+                                      up=FakeTensor((4, 64, H), ptr=0xA0000000)).run(),
+           "gate.shape = (4, 128, 256)", "ffn / tp_size = 64")
+    raises(ValueError, lambda: ArgSet(tp=2, gate_up=None, gate=FakeTensor((4, 64, H))).run(), "up is None",
+           "[E_local, F/tp, H]")
+    raises(ValueError, lambda: ArgSet(tp=2, down=None).run(), "down is None", "[E_local, H, F/tp]")
+    # A config with tp_size 0 read as 1; the resolved values Moe passes win over the config.
+    e = raises(ValueError, lambda: ArgSet().run(tp_size=2, ffn_local=64), "2 * ffn / tp_size = 128")
+    check("tp_size" in str(e), "resolved tp_size named")
+    # tp_size 1 keeps the messages without tensor parallelism.
+    e = raises(ValueError, lambda: ArgSet(down=FakeTensor((4, H, 64))).run(), "hidden = 256, ffn = 128]")
+    check("tp_size" not in str(e), f"tp 1 message mentions tp_size: {e}")
+
+
+@test
+def rank_layout_under_tensor_parallelism():
+    from comet_moe.moe import _rank_layout
+    cfg = comet_moe.MoeConfig(hidden=256, ffn=512, num_experts=8, top_k=2, max_tokens=64, tp_size=2)
+    got = [_rank_layout(cfg, 4, r) for r in range(4)]
+    check_eq([(g["ep_size"], g["tp_size"], g["ep_rank"], g["tp_rank"], g["experts_per_rank"], g["first_expert"],
+               g["ffn_local"]) for g in got],
+             [(2, 2, 0, 0, 4, 0, 256), (2, 2, 0, 1, 4, 0, 256), (2, 2, 1, 0, 4, 4, 256), (2, 2, 1, 1, 4, 4, 256)],
+             "EP 2 x TP 2 on 4 ranks")
+    cfg.tp_size = 0
+    check_eq(_rank_layout(cfg, 2, 1), dict(tp_size=1, ep_size=2, ep_rank=1, tp_rank=0, experts_per_rank=4,
+                                           first_expert=4, ffn_local=512), "tp_size 0: EP only")
+    cfg.tp_size = 2
+    check_eq(_rank_layout(cfg, 2, 1), dict(tp_size=2, ep_size=1, ep_rank=0, tp_rank=1, experts_per_rank=8,
+                                           first_expert=0, ffn_local=256), "EP 1 x TP 2")
+
+
 # ---- with torch (on the CPU; skipped without it) ----
 
 class FakeComm:
@@ -588,15 +645,22 @@ class FakeComm:
 
 
 class FakeMoe:
-    """Stands in for comet_moe.Moe on the CPU: computes what comet_moe_forward computes,
-    from the packed layout comet.h describes, in float32, and counts its calls."""
+    """Stands in for comet_moe.Moe on the CPU: checks its arguments as Moe.forward does,
+    computes what comet_moe_forward computes, from the packed layout comet.h describes,
+    in float32, and counts its calls. With tp_size > 1 it gives this TP rank's partial
+    sum only (comet adds the other TP ranks' to it)."""
 
-    def __init__(self, torch, cfg, first_expert, experts_per_rank):
+    def __init__(self, torch, cfg, first_expert, experts_per_rank, tp_size=1, tp_rank=0):
         self.torch, self.config, self.comm = torch, cfg, FakeComm(torch)
         self.first_expert, self.experts_per_rank, self.calls = first_expert, experts_per_rank, []
+        self.tp_size, self.tp_rank, self.ffn_local = tp_size, tp_rank, int(cfg.ffn) // tp_size
 
     def forward(self, x, topk_ids, topk_weights, *, gate_up=None, gate=None, up=None, down=None, out=None, impl=0):
-        torch, Fd = self.torch, int(self.config.ffn)
+        torch, Fd = self.torch, self.ffn_local
+        checks.check_forward_args(self.config, self.experts_per_rank, "cpu", x, topk_ids, topk_weights, gate_up, gate,
+                                  up, down, out, ffn_local=self.ffn_local, tp_size=self.tp_size)
+        if gate_up is None:
+            gate_up = torch.cat([gate, up], dim=1)
         self.calls.append((tuple(x.shape), impl))
         y = torch.zeros(x.shape, dtype=torch.float32)
         for t in range(x.shape[0]):
@@ -699,6 +763,65 @@ def torch_block_keeps_local_experts_and_names_them_the_hf_way():
     prefixed["model.layers.3.self_attn.q_proj.weight"] = torch.zeros(1)
     check_eq(block.load_full_state_dict(prefixed, prefix="model.layers.3.block_sparse_moe.").missing_keys, [],
              "load_full_state_dict with a prefix")
+
+
+@test
+def torch_block_keeps_this_tp_ranks_slice():
+    torch = need_torch()
+    from comet_moe import CometSparseMoeBlock
+    from comet_moe.block import _tp_slice
+    w = torch.arange(6 * 4).view(6, 4)  # [F = 6, H = 4]
+    check_eq(_tp_slice("w1", w, 1, 3).tolist(), w[3:].tolist(), "_tp_slice of w1: rows")
+    check_eq(_tp_slice("w3", w, 0, 6).tolist(), w.tolist(), "_tp_slice with one TP rank: all")
+    w = torch.arange(4 * 6).view(4, 6)  # [H = 4, F = 6]
+    check_eq(_tp_slice("w2", w, 1, 3).tolist(), w[:, 3:].tolist(), "_tp_slice of w2: columns")
+    E, H, Fd, k, tp = 4, 64, 64, 2, 2
+    Fl = Fd // tp
+    cfg = comet_moe.MoeConfig(hidden=H, ffn=Fd, num_experts=E, top_k=k, max_tokens=16, tp_size=tp)
+    sd = hf_state_dict(torch, E, H, Fd, seed=3)
+    blocks = []
+    for t in range(tp):  # EP 1 x TP 2: both ranks hold every expert, half of ffn each
+        block = CometSparseMoeBlock(moe=FakeMoe(torch, cfg, 0, E, tp_size=tp, tp_rank=t), impl="fused")
+        result = block.load_state_dict(sd)
+        check_eq((result.missing_keys, result.unexpected_keys), ([], []), f"tp rank {t}: load of a full state dict")
+        check_eq((block.tp_size, block.tp_rank, block.ffn_local), (tp, t, Fl), f"tp rank {t}: attributes")
+        check_eq((tuple(block.w13.shape), tuple(block.w2.shape)), ((E, 2 * Fl, H), (E, H, Fl)), "packed shapes")
+        cols = slice(t * Fl, (t + 1) * Fl)
+        for e in range(E):
+            check(torch.equal(block.w13[e, :Fl], sd[f"experts.{e}.w1.weight"][cols]), f"tp {t}: expert {e} w1 rows")
+            check(torch.equal(block.w13[e, Fl:], sd[f"experts.{e}.w3.weight"][cols]), f"tp {t}: expert {e} w3 rows")
+            check(torch.equal(block.w2[e], sd[f"experts.{e}.w2.weight"][:, cols]), f"tp {t}: expert {e} w2 columns")
+        r = repr(block)
+        check(f"tp=2 (tp rank {t}: ffn columns {t * Fl}..{(t + 1) * Fl - 1})" in r, f"repr: {r}")
+        blocks.append(block)
+    check("tp=" not in repr(CometSparseMoeBlock(moe=FakeMoe(torch, cfg, 0, E))), "repr with tp 1 names no tp")
+    # The TP ranks' partial sums add up to HF Mixtral's output.
+    x = torch.randn(10, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.no_grad():
+        parts = [b(x)[0].float() for b in blocks]
+    want, _ = hf_mixtral_reference(torch, sd, x, k)
+    err = rel_err(parts[0] + parts[1], want)
+    check(err < 1e-2, f"sum of the TP partials against HF Mixtral written out: {err:.3g}")
+    note(f"EP 1 x TP 2, partials summed vs HF Mixtral (float32): relative error {err:.2e}")
+    # The layer's checks want the slice: the whole expert is refused, naming the dim.
+    ids, tw = comet_moe.mixtral_route(blocks[0].gate(x), k)
+    whole = torch.zeros(E, 2 * Fd, H, dtype=torch.bfloat16)
+    raises(ValueError, lambda: blocks[0].moe.forward(x, ids, tw, gate_up=whole, down=blocks[0].w2),
+           "gate_up.shape = (4, 128, 64)", "2 * ffn / tp_size = 64")
+    # The full HF shapes are still what load_state_dict takes: a slice is refused.
+    wrong = dict(sd)
+    wrong["experts.1.w1.weight"] = sd["experts.1.w1.weight"][:Fl]
+    raises(RuntimeError, lambda: blocks[1].load_state_dict(wrong), "size mismatch for experts.1.w1.weight",
+           "(32, 64)", "(64, 64)", "ffn / tp_size = 32")
+    # state_dict() cannot name a slice the HF way.
+    raises(NotImplementedError, lambda: blocks[0].state_dict(), "tp_size = 2", "ffn columns 0..31")
+    # EP 2 x TP 2 on 4 ranks: rank 3 holds experts 2..3, columns Fl..F-1.
+    block = CometSparseMoeBlock(moe=FakeMoe(torch, cfg, 2, 2, tp_size=tp, tp_rank=1))
+    check_eq(block.load_state_dict(sd).missing_keys, [], "rank 3 of EP 2 x TP 2: load")
+    check_eq(list(block.local_experts), [2, 3], "rank 3 of EP 2 x TP 2: local experts")
+    for le, e in enumerate((2, 3)):
+        check(torch.equal(block.w13[le, Fl:], sd[f"experts.{e}.w3.weight"][Fl:]), f"rank 3: expert {e} w3 rows")
+        check(torch.equal(block.w2[le], sd[f"experts.{e}.w2.weight"][:, Fl:]), f"rank 3: expert {e} w2 columns")
 
 
 @test

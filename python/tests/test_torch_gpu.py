@@ -3,7 +3,8 @@
 torch.distributed process group, CometSparseMoeBlock against a plain-PyTorch Mixtral
 block written out here (float32, from the same bf16 weights) on random, skewed and
 one-expert routing, with both of comet's paths (baseline and fused, and auto), outputs
-poisoned with NaN before every call; and the error paths: wrong dtype, device, size or
+poisoned with NaN before every call, also with tensor parallelism inside the experts
+(tp_size 2: each rank holds ffn / 2 columns of its experts); and the error paths: wrong dtype, device, size or
 layout raise in Python before anything is launched, and an expert id out of range or a
 bad config raise CometError with comet's own message.
 
@@ -328,6 +329,109 @@ def layer_takes_gate_and_up_apart(c):
 
 
 @test
+def tensor_parallel_block_matches_torch(c):
+    """tp_size 2 (on 2 GPUs: EP 1 x TP 2, every rank holds every expert, ffn / 2 = 128
+    columns of each): the block loads its slice from the full HF state dict and every
+    rank gets its own tokens' complete output, for each impl, against the same float32
+    reference; the layer takes gate and up apart too. Then ffn 384 (ffn / 2 = 192: GEMM0's
+    last SwiGLU tile half full): fused, auto and baseline against the reference."""
+    torch, cm, F = c.torch, c.cm, c.torch.nn.functional
+    tp = 2
+    if c.world % tp:
+        c.note(f"{c.world} ranks: tp_size {tp} needs an even world size; left out")
+        return
+    Fl, t, per = FFN // tp, c.rank % tp, E // (c.world // tp)
+    first = (c.rank // tp) * per
+    cols = slice(t * Fl, (t + 1) * Fl)
+    with cm.CometSparseMoeBlock(c.comm, c.config(tp_size=tp)) as block:
+        check((block.tp_size, block.tp_rank, block.ffn_local) == (tp, t, Fl),
+              f"tp_size, tp_rank, ffn_local = {block.tp_size}, {block.tp_rank}, {block.ffn_local}")
+        check(list(block.local_experts) == list(range(first, first + per)),
+              f"local experts {list(block.local_experts)}")
+        result = block.load_state_dict(c.full_sd)
+        check(not result.missing_keys and not result.unexpected_keys, f"load_state_dict: {result}")
+        check(tuple(block.w13.shape) == (per, 2 * Fl, H) and tuple(block.w2.shape) == (per, H, Fl),
+              f"packed shapes {tuple(block.w13.shape)}, {tuple(block.w2.shape)}")
+        for le, e in enumerate(block.local_experts):
+            sd = {n: c.full_sd[f"experts.{e}.{n}.weight"] for n in ("w1", "w2", "w3")}
+            check(torch.equal(block.w13[le, :Fl].cpu(), sd["w1"][cols]), f"expert {e}: w13 rows 0..Fl-1 = w1 rows")
+            check(torch.equal(block.w13[le, Fl:].cpu(), sd["w3"][cols]), f"expert {e}: w13 rows Fl.. = w3 rows")
+            check(torch.equal(block.w2[le].cpu(), sd["w2"][:, cols]), f"expert {e}: w2 columns")
+        cases = [("router's routing", (300, 77), None),
+                 ("skewed x16", (200, 129), dict(kind="skewed", skew=16.0)),
+                 ("every token to expert 6", (128, 300), dict(kind="one", expert=6)),
+                 ("a rank without tokens", (0, 200), dict(kind="random")),
+                 ("max_tokens on every rank", (MAX_TOKENS, MAX_TOKENS), dict(kind="random"))]
+        for impl in IMPLS:
+            block.impl = impl
+            for name, ms, kw in cases:
+                m = ms[c.rank % 2]
+                x = c.tokens(m)
+                out = c.poisoned(m)
+                if kw is None:
+                    with torch.inference_mode():
+                        y, logits = block(x, out=out)
+                    torch.cuda.synchronize()
+                    ids, w = c.reference_route(x, logits)
+                else:
+                    ids, w = c.routing(m, **kw)
+                    with torch.inference_mode():
+                        y = block.forward_routed(x, ids, w, out=out)
+                    torch.cuda.synchronize()
+                c.comm.check_async_error()
+                c.compare(f"tp {tp}, {impl}, {name}", y, c.reference_experts(x, ids, w))
+        # The whole expert where this rank's slice belongs: refused before launch, naming the dim.
+        x = c.tokens(64)
+        ids, w = c.routing(64, "random")
+        full = torch.zeros(per, 2 * FFN, H, dtype=torch.bfloat16, device=c.device)
+        with torch.inference_mode():
+            raises(ValueError, lambda: block.moe.forward(x, ids, w, gate_up=full, down=block.w2),
+                   f"gate_up.shape = ({per}, {2 * FFN}, {H})", f"2 * ffn / tp_size = {2 * Fl}")
+        raises(NotImplementedError, lambda: block.state_dict(), f"tp_size = {tp}")
+        # The layer alone, gate and up apart.
+        gate, up = block.w13[:, :Fl].contiguous(), block.w13[:, Fl:].contiguous()
+        m = (160, 96)[c.rank % 2]
+        for impl in ("baseline", "fused"):
+            x = c.tokens(m)
+            ids, w = c.routing(m, "random")
+            out = c.poisoned(m)
+            y = block.moe.forward(x, ids, w, gate=gate, up=up, down=block.w2, out=out, impl=impl)
+            torch.cuda.synchronize()
+            c.compare(f"tp {tp}, Moe.forward, {impl}, gate and up apart", y, c.reference_experts(x, ids, w))
+    # ffn 384: ffn / tp_size = 192, a half-full last tile of 128 activation columns.
+    F2 = 384
+    Fl2, cols2 = F2 // tp, slice(t * (F2 // tp), (t + 1) * (F2 // tp))
+    g = torch.Generator().manual_seed(6)  # the same full weights on every rank
+    w1 = (torch.randn(E, F2, H, generator=g) / H ** 0.5).bfloat16()
+    w3 = (torch.randn(E, F2, H, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, F2, generator=g) / F2 ** 0.5).bfloat16()
+    with cm.Moe(c.comm, c.config(ffn=F2, tp_size=tp)) as moe:
+        check(moe.ffn_local == Fl2, f"ffn_local {moe.ffn_local}")
+        mine = slice(first, first + per)
+        gate_up = torch.cat([w1[mine, cols2], w3[mine, cols2]], dim=1).contiguous().to(c.device)
+        down = w2[mine, :, cols2].contiguous().to(c.device)
+        m = 100
+        x = c.tokens(m)
+        ids, w = c.routing(m, "random")
+        ys = {}
+        for impl in ("fused", "auto", "baseline"):
+            out = c.poisoned(m)
+            ys[impl] = moe.forward(x, ids, w, gate_up=gate_up, down=down, out=out, impl=impl)
+        torch.cuda.synchronize()
+        check(torch.equal(ys["fused"], ys["auto"]), "auto took the fused path: the same bits")
+        xf = x.float()
+        ref = torch.zeros_like(xf)
+        w1f, w3f, w2f = (v.to(c.device).float() for v in (w1, w3, w2))
+        for e in range(E):
+            tok, slot = (ids.long() == e).nonzero(as_tuple=True)
+            if tok.numel():
+                h = F.silu(xf[tok] @ w1f[e].T) * (xf[tok] @ w3f[e].T)
+                ref.index_add_(0, tok, (h @ w2f[e].T) * w[tok, slot].unsqueeze(1))
+        for impl, y in ys.items():
+            c.compare(f"tp {tp}, {impl} with ffn {F2}", y, ref)
+
+
+@test
 def wrong_arguments_raise_before_launch(c):
     torch, cm, block = c.torch, c.cm, c.block
     m = 64
@@ -382,11 +486,14 @@ def bad_config_raises_comets_message(c):
     check(e.status == 1 and e.status_name == "COMET_INVALID_ARGUMENT", f"status {e.status} {e.status_name}")
     raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(num_experts=c.world * 4 + 1)),
            f"must be divisible by ep_size = {c.world}")
-    raises(cm.CometNotSupportedError, lambda: cm.Moe(c.comm, c.config(tp_size=c.world)), "config.tp_size")
+    raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(tp_size=c.world + 1)),
+           f"config.tp_size = {c.world + 1}", f"must divide the world size {c.world}")
+    raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(ffn=192, tp_size=2)), "config.ffn = 192",
+           "tp_size")
 
 
 @test
-def fused_path_refuses_ffn_not_multiple_of_128(c):
+def fused_path_runs_ffn_not_multiple_of_128(c):
     torch, cm = c.torch, c.cm
     with cm.Moe(c.comm, c.config(ffn=192)) as moe:
         g = torch.Generator().manual_seed(5)
@@ -395,12 +502,13 @@ def fused_path_refuses_ffn_not_multiple_of_128(c):
         m = 100
         x = c.tokens(m)
         ids, w = c.routing(m, "random")
-        raises(cm.CometNotSupportedError, lambda: moe.forward(x, ids, w, gate_up=gate_up, down=down, impl="fused"),
-               "comet_moe_forward", "COMET_NOT_SUPPORTED", "config.ffn = 192", "multiple of 128")
-        # auto runs the baseline for this config. Every rank drew the same weights, so
-        # global expert e has the weights of local slot e % experts_per_rank everywhere.
-        out = c.poisoned(m)
-        y = moe.forward(x, ids, w, gate_up=gate_up, down=down, out=out, impl="auto")
+        # ffn 192: GEMM0's last SwiGLU tile of 128 columns is half full. Every rank drew
+        # the same weights, so global expert e has the weights of local slot
+        # e % experts_per_rank everywhere.
+        ys = {}
+        for impl in ("fused", "baseline"):
+            out = c.poisoned(m)
+            ys[impl] = moe.forward(x, ids, w, gate_up=gate_up, down=down, out=out, impl=impl)
         torch.cuda.synchronize()
         xf, F = x.float(), torch.nn.functional
         ref = torch.zeros_like(xf)
@@ -409,7 +517,8 @@ def fused_path_refuses_ffn_not_multiple_of_128(c):
                 le = int(ids[t, j]) % moe.experts_per_rank
                 h = F.silu(gate_up[le, :192].float() @ xf[t]) * (gate_up[le, 192:].float() @ xf[t])
                 ref[t] += w[t, j] * (down[le].float() @ h)
-        c.compare("auto with ffn 192 (the baseline)", y, ref)
+        for impl, y in ys.items():
+            c.compare(f"{impl} with ffn 192", y, ref)
 
 
 @test
