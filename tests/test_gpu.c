@@ -1287,11 +1287,15 @@ int test_gpu_layer1_matches_baseline(void) { return launch_two_seeded(layer1_ran
 /* A bad expert id on the fused path, with the combine and with the push: the row is left
  * out, the rank that passed it learns so (COMET_INVALID_ARGUMENT), no rank waits for the
  * missing row, and the next call, with the id fixed, matches the baseline. */
+/* TP ranks per group of the layer1 error tests (set before the ranks fork): 1, or every
+ * rank in one group (then only the push, the ending that sums partial rows). */
+static int layer1_test_tp = 1;
+
 static int layer1_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 1024, 4, 2000, 1};
+    const fixture_shape_t shape = {256, 1024, 4, 2000, layer1_test_tp};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     fx.skip_reference = 1;
     cometi_layer0_t l0;
@@ -1302,7 +1306,7 @@ static int layer1_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const moe_case_t *c = &cases[0];
     const int m = c->tokens[me % 2];
     uint16_t *want = malloc((size_t)m * H * 2 + 2), *got = malloc((size_t)m * H * 2 + 2);
-    for (int push = 0; push < 2; push++) {
+    for (int push = layer1_test_tp > 1; push < 2; push++) {
         comet_status_t st;
         double err;
         if (run_case(&fx, c, seed + push, 0, &st, &err)) return 1;
@@ -1344,7 +1348,17 @@ static int layer1_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_layer1_bad_expert_id(void) { return launch_two_seeded(layer1_bad_id_rank, 100); }
+int test_gpu_layer1_bad_expert_id(void)
+{
+    layer1_test_tp = 1;
+    return launch_two_seeded(layer1_bad_id_rank, 100);
+}
+
+int test_gpu_layer1_tp_bad_expert_id(void)
+{
+    layer1_test_tp = 2;
+    return launch_two_seeded(layer1_bad_id_rank, 100);
+}
 
 /* Rank 1 runs layer0 but never layer1: rank 0's combine (or the push's sum) must give up
  * with COMET_TIMEOUT (rank 1 waits on a flag nobody raises meanwhile, and times out too). */
@@ -1354,7 +1368,7 @@ static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 512, 0, 2000, 1};
+    const fixture_shape_t shape = {256, 512, 0, 2000, layer1_test_tp};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     cometi_layer0_t l0;
     cometi_layer1_t l1;
@@ -1390,13 +1404,19 @@ static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
 
 int test_gpu_layer1_missing_peer_times_out(void)
 {
-    missing_peer_push = 0;
+    missing_peer_push = 0, layer1_test_tp = 1;
     return launch_two_seeded(layer1_missing_peer_rank, 100);
 }
 
 int test_gpu_layer1_push_missing_peer_times_out(void)
 {
-    missing_peer_push = 1;
+    missing_peer_push = 1, layer1_test_tp = 1;
+    return launch_two_seeded(layer1_missing_peer_rank, 100);
+}
+
+int test_gpu_layer1_tp_push_missing_peer_times_out(void)
+{
+    missing_peer_push = 1, layer1_test_tp = 2;
     return launch_two_seeded(layer1_missing_peer_rank, 100);
 }
 
@@ -1556,12 +1576,14 @@ static int memory_mark(memory_mark_t *m)
     return 0;
 }
 
+static int forward_calls_tp = 1; /* set before the ranks fork */
+
 static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
     uint64_t rng = seed * 7 + 5;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 0, 0, 0, 1};
+    const fixture_shape_t shape = {256, 0, 0, 0, forward_calls_tp};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     fx.skip_reference = 1;
     const int H = fx.cfg.hidden, M = fx.cfg.max_tokens, k = fx.cfg.top_k, E = fx.cfg.num_experts, me = ctx->rank;
@@ -1577,7 +1599,7 @@ static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
     long host_growth_pages = 0;
     int measuring = 0;
     double worst = 0;
-    const int calls = 10000;
+    const int calls = forward_calls_tp > 1 ? 2000 : 10000;
     for (int call = 0; call < calls; call++) {
         /* Both ranks draw the same token counts and routing kind; each its own routing. */
         const int tokens[2] = {(int)(cometi_rand_next(&rng) % (M + 1)), (int)(cometi_rand_next(&rng) % (M + 1))};
@@ -1636,9 +1658,9 @@ static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
     host_growth_pages += now.host_pages - stretch.host_pages;
     CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
     const long page_kb = sysconf(_SC_PAGESIZE) / 1024;
-    printf("rank %d: %d calls, fused against the baseline every 250th: worst %.2e; growth over the 9900 fused calls "
-           "after call 100 (baseline checks excluded): device %lld KiB, host resident %ld KiB\n", me, calls, worst,
-           device_growth >> 10, host_growth_pages * page_kb);
+    printf("rank %d, tp %d: %d calls, fused against the baseline every 250th: worst %.2e; growth over the %d fused "
+           "calls after call 100 (baseline checks excluded): device %lld KiB, host resident %ld KiB\n", me,
+           forward_calls_tp, calls, worst, calls - 100, device_growth >> 10, host_growth_pages * page_kb);
     /* Nothing may grow with the calls: 16 MiB of slack for allocator noise. */
     CHECK(device_growth < (16ll << 20));
     CHECK(host_growth_pages * page_kb < 16 * 1024);
@@ -1648,7 +1670,18 @@ static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_forward_10000_calls(void) { return launch_two_seeded(forward_calls_rank, 280); }
+int test_gpu_forward_10000_calls(void)
+{
+    forward_calls_tp = 1;
+    return launch_two_seeded(forward_calls_rank, 280);
+}
+
+/* The same with EP 1 x TP 2, 2000 calls. */
+int test_gpu_forward_tp_2000_calls(void)
+{
+    forward_calls_tp = 2;
+    return launch_two_seeded(forward_calls_rank, 280);
+}
 
 /* ---- the fused forward captured in a CUDA graph and replayed ---- */
 

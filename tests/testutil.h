@@ -93,9 +93,12 @@ uint64_t test_seed(void);
     X(gpu_layer1_missing_peer_times_out, 120)   \
     X(gpu_layer1_push_missing_peer_times_out, 120) \
     X(gpu_layer1_bad_expert_id, 120)            \
+    X(gpu_layer1_tp_push_missing_peer_times_out, 120) \
+    X(gpu_layer1_tp_bad_expert_id, 120)         \
     X(gpu_forward_fused_matches_baseline, 300)  \
     X(gpu_forward_tp_matches_reference, 300)    \
     X(gpu_forward_10000_calls, 300)            \
+    X(gpu_forward_tp_2000_calls, 300)          \
     X(gpu_forward_graph_replay, 120)
 
 #define DECLARE_TEST(name, timeout) int test_##name(void);
