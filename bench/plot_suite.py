@@ -27,12 +27,12 @@ def load(path, torch_path=None):
         with open(torch_path) as f:
             records += json.load(f)
     cases = defaultdict(dict)
-    gpu, ranks = "", 0
+    gpu, ranks, tp = "", 0, 1
     for r in records:
         if r.get("impl") == "baseline":
             key = (r["case"], r["tokens_per_rank"], r["routing"])
             cases[key]["baseline_ms"] = r["median_ms"]["total"]
-            gpu, ranks = r.get("gpu", gpu), r.get("ranks", ranks)
+            gpu, ranks, tp = r.get("gpu", gpu), r.get("ranks", ranks), r.get("tp", tp)
         elif r.get("impl") == "comet" and "tokens_per_rank" in r:
             key = (r["case"], r["tokens_per_rank"], r["routing"])
             cases[key]["comet_ms"] = r["total_ms"]
@@ -45,7 +45,7 @@ def load(path, torch_path=None):
     complete = {k: v for k, v in cases.items() if "baseline_ms" in v and v.get("comet_ms", 0) > 0}
     if not complete:
         sys.exit(f"{path}: no case has both a baseline and a comet record (was it written by comet bench --suite?)")
-    return complete, gpu, ranks
+    return complete, gpu, ranks, tp
 
 
 def table(cases, title):
@@ -83,7 +83,7 @@ def main():
     if len(sys.argv) not in (2, 3) or sys.argv[1] in ("-h", "--help"):
         sys.exit(__doc__)
     path = sys.argv[1]
-    cases, gpu, ranks = load(path, sys.argv[2] if len(sys.argv) == 3 else None)
+    cases, gpu, ranks, tp = load(path, sys.argv[2] if len(sys.argv) == 3 else None)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,6 +93,8 @@ def main():
     tokens = sorted({k[1] for k in cases})
     routings = sorted({k[2] for k in cases})
     title = f"{ranks} x {gpu}" if ranks else gpu
+    if tp > 1:
+        title += f" (EP {ranks // tp} x TP {tp})"
     base = path[:-5] if path.endswith(".json") else path
 
     # Speedup over the baseline (and over PyTorch): one panel per preset, token counts on x,
