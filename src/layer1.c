@@ -125,6 +125,12 @@ static void combine_tables(comet_comm_t comm, const cometi_layer1_t *l, const co
     c->world = comm->size;
 }
 
+static comet_status_t push_mark(comet_comm_t comm, const cometi_layer1_t *l, int which, cudaStream_t stream)
+{
+    if (!l->push_marks) return COMET_SUCCESS;
+    return cometi_cuda(comm->err, cudaEventRecord(l->push_marks[which], stream), "cudaEventRecord(push mark)");
+}
+
 /* The push: GEMM1 on every SM, each tile's rows sent home from its epilogue, then the
  * owner's sum. */
 static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0, const comet_moe_args_t *a,
@@ -160,10 +166,14 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     unsigned int sum_blocks;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     COMETI_TRY(cometi_push_sum_prepare(comm->err, &s, &sum_blocks));
+    COMETI_TRY(push_mark(comm, l, 0, stream));
     COMETI_TRY(cometi_launch_push_dest(comm->err, c, g.segs, g.groups, g.a_rows,
                                        l0->route.plan.recv_rows + comm->rank / l0->tp, l->push_dest, stream));
+    COMETI_TRY(push_mark(comm, l, 1, stream));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
-    return cometi_launch_push_sum(comm->err, &s, sum_blocks, comm->async_dev, g.timeout_ns, stream);
+    COMETI_TRY(push_mark(comm, l, 2, stream));
+    COMETI_TRY(cometi_launch_push_sum(comm->err, &s, sum_blocks, comm->async_dev, g.timeout_ns, stream));
+    return push_mark(comm, l, 3, stream);
 }
 
 comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0,

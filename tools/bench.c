@@ -342,6 +342,36 @@ static int print_layer1_trace(comet_comm_t comm, const cometi_layer1_t *l1, cons
     return 0;
 }
 
+/* Where the push's time goes: its destinations kernel, GEMM1 with the push epilogue (beside
+ * GEMM1 alone, timed in turns before), the owner's sum; medians of `iters` calls, the
+ * slowest rank's. */
+static int print_push_phases(const cometi_rank_ctx_t *ctx, comet_comm_t comm, cometi_layer0_t *l0, cometi_layer1_t *l1,
+                             comet_moe_args_t *a, int iters, float gemm_alone_ms)
+{
+    const cometi_layer1_knobs_t push = {0, 1, 1, 0, 1};
+    cudaEvent_t marks[4];
+    float *t[3], med[3];
+    for (int i = 0; i < 4; i++) CUDA_OK(cudaEventCreate(&marks[i]));
+    for (int i = 0; i < 3; i++) t[i] = malloc(sizeof(float) * iters);
+    l1->push_marks = marks;
+    for (int it = 0; it < iters; it++) {
+        FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
+        comet_status_t st = cometi_layer1_run(comm, l1, l0, a, &push, 0);
+        FAIL_IF(st != COMET_SUCCESS, "layer1 push: %s", comet_comm_last_error(comm));
+        CUDA_OK(cudaEventSynchronize(marks[3]));
+        for (int i = 0; i < 3; i++) CUDA_OK(cudaEventElapsedTime(&t[i][it], marks[i], marks[i + 1]));
+    }
+    l1->push_marks = NULL;
+    FAIL_IF(comet_comm_get_async_error(comm) != COMET_SUCCESS, "layer1 push: %s", comet_comm_last_error(comm));
+    for (int i = 0; i < 3; i++) med[i] = median(t[i], iters), free(t[i]);
+    for (int i = 0; i < 4; i++) cudaEventDestroy(marks[i]);
+    if (allreduce(comm, med, 3, ncclMax)) return 1;
+    if (ctx->rank == 0)
+        printf("  push phases (median ms, slowest rank): destinations %.3f, GEMM1 with the push epilogue %.3f (GEMM1 "
+               "alone %.3f, in turns), the owner's sum %.3f\n", med[0], med[1], gemm_alone_ms, med[2]);
+    return 0;
+}
+
 /* The fused layer1 on the rows layer0 left (input set 0, whose baseline output is in
  * a->y): a sweep of combine blocks x column splits, our GEMM1 alone in turns with the
  * best, y against the baseline's on every token; then the whole fused layer. */
@@ -381,6 +411,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
     const timed_call_t turns = {L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, best, NULL};
     if (fused_vs_alone(&turns, o->iters, &res->l1_paired_ms, &res->l1_gemm_alone_ms)) return 1;
+    if (!o->suite && print_push_phases(ctx, comm, l0, &l1, a, o->iters, res->l1_gemm_alone_ms)) return 1;
     /* y on poisoned output against the baseline's, every token. */
     CUDA_OK(cudaMemset(y, 0xff, (size_t)M * H * 2));
     FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
