@@ -72,27 +72,6 @@ extern "C" comet_status_t cometi_launch_combine_tail(char *err, const cometi_com
 #define SUM_ITEMS 1024
 #define SUM_MAX_TOKENS 128 /* SUM_ITEMS / 8: rows of 64 columns */
 
-/* acc[0..7] += w x the 8 bf16 of v */
-static __device__ __forceinline__ void add_weighted(float *acc, float w, uint4 v)
-{
-    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const float2 f = __bfloat1622float2(h[q]);
-        acc[2 * q] += w * f.x;
-        acc[2 * q + 1] += w * f.y;
-    }
-}
-
-static __device__ __forceinline__ uint4 to_bf16x8(const float *acc)
-{
-    uint4 out;
-    __nv_bfloat162 *o = (__nv_bfloat162 *)&out;
-#pragma unroll
-    for (int q = 0; q < 4; q++) o[q] = __floats2bfloat162_rn(acc[2 * q], acc[2 * q + 1]);
-    return out;
-}
-
 static __global__ void __launch_bounds__(SUM_THREADS)
 push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned long long timeout_ns)
 {
@@ -141,12 +120,12 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
 #pragma unroll
                 for (int j = 0; j < COMETI_COMBINE_MAX_TOP_K; j++) {
                     if (j >= k) break;
-                    add_weighted(acc_a, w_s[ta][j], xa[j]);
-                    if (two) add_weighted(acc_b, w_s[tb][j], xb[j]);
+                    add_bf16x8(acc_a, xa[j], w_s[ta][j]); /* combine.cuh */
+                    if (two) add_bf16x8(acc_b, xb[j], w_s[tb][j]);
                 }
             }
-            ((uint4 *)((__nv_bfloat16 *)s.y + (size_t)(t0 + ta) * s.hidden))[va] = to_bf16x8(acc_a);
-            if (two) ((uint4 *)((__nv_bfloat16 *)s.y + (size_t)(t0 + tb) * s.hidden))[vb] = to_bf16x8(acc_b);
+            ((uint4 *)((__nv_bfloat16 *)s.y + (size_t)(t0 + ta) * s.hidden))[va] = pack_bf16x8(acc_a);
+            if (two) ((uint4 *)((__nv_bfloat16 *)s.y + (size_t)(t0 + tb) * s.hidden))[vb] = pack_bf16x8(acc_b);
         }
     }
     /* The last block out advances the total for the next call (every block has read it). */
