@@ -187,8 +187,8 @@ typedef struct comet_moe_weights {
 } comet_moe_weights_t;
 
 typedef enum comet_impl {
-    COMET_IMPL_AUTO = 0,     /* the fused path where the config allows it (top_k <= 8), else
-                              * the baseline */
+    COMET_IMPL_AUTO = 0,     /* the fused path where the config allows it (top_k <= 8; with
+                              * tp_size > 1, at most 32 ranks), else the baseline */
     COMET_IMPL_BASELINE = 1, /* sequential: NCCL all-to-all + cuBLAS, as Megatron-LM runs it */
     COMET_IMPL_FUSED = 2     /* tile-level overlap in persistent kernels (COMET_NOT_SUPPORTED
                               * where the config does not allow it) */

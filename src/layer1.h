@@ -49,8 +49,12 @@ typedef struct cometi_layer1_knobs {
                          * owners (every choice its own slot, no pre-sum), and the owner sums
                          * them after: the communication rides in the GEMM on no SM of its
                          * own. Needs combine_blocks = 0 and n_splits = 1, and the same value
-                         * on every rank. Its sum order (by choice) differs from the
-                         * combine's (by rank), so its bits do too. */
+                         * on every rank (comet_moe_forward's ranks compare their settings).
+                         * The only ending with TP > 1 (the others pre-sum per rank; they
+                         * return COMET_NOT_SUPPORTED, after layer0 has been enqueued: the
+                         * tuning file and the cost model never pick them with TP). Its sum
+                         * order (by choice) differs from the combine's (by rank), so its
+                         * bits do too. */
 } cometi_layer1_knobs_t;
 
 /* Collective. Needs top_k <= COMETI_COMBINE_MAX_TOP_K and the layer0 of the same config. */

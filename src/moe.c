@@ -37,22 +37,23 @@ static comet_status_t pick_knobs(comet_moe_t moe, struct cometi_fused *f)
             failed = 1;
         }
     }
-    const int mine[7] = {failed, k.l0.dispatch_blocks, k.l0.dispatch_mode, k.l1.combine_blocks, k.l1.n_splits,
-                         k.l1.dynamic_tiles, k.l1.tail};
+    enum { N = 8 };
+    const int mine[N] = {failed, k.l0.dispatch_blocks, k.l0.dispatch_mode, k.l1.combine_blocks, k.l1.n_splits,
+                         k.l1.dynamic_tiles, k.l1.tail, k.l1.push};
     int *all = malloc(sizeof(mine) * comm->size);
     if (!all) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "fused path: out of host memory");
-    comet_status_t st = cometi_allgather_ints(comm, mine, 7, all);
+    comet_status_t st = cometi_allgather_ints(comm, mine, N, all);
     if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "fused path: %.480s", comm->err);
     for (int r = 0; st == COMET_SUCCESS && r < comm->size; r++) {
         if (failed) st = COMET_INVALID_ARGUMENT; /* message already written */
-        else if (all[r * 7])
+        else if (all[r * N])
             st = cometi_fail(moe->err, COMET_REMOTE_ERROR, "fused path: rank %d could not read its tuning file "
                              "($COMET_TUNING_FILE)", r);
-        else if (memcmp(all + r * 7, mine, sizeof(mine)))
+        else if (memcmp(all + r * N, mine, sizeof(mine)))
             st = cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "fused path: rank %d picked other settings than rank "
-                             "%d (dispatch %d, combine %d x %d splits against %d, %d x %d): give every rank the "
-                             "same $COMET_TUNING_FILE", r, comm->rank, all[r * 7 + 1], all[r * 7 + 3],
-                             all[r * 7 + 4], mine[1], mine[3], mine[4]);
+                             "%d (dispatch %d, combine %d x %d splits, push %d against %d, %d x %d, push %d): give "
+                             "every rank the same $COMET_TUNING_FILE", r, comm->rank, all[r * N + 1], all[r * N + 3],
+                             all[r * N + 4], all[r * N + 7], mine[1], mine[3], mine[4], mine[7]);
     }
     free(all);
     f->k0 = k.l0;

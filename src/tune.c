@@ -148,6 +148,19 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
         if (v[0] != world || tp != cfg_tp(cfg) || v[1] != cfg->num_experts || v[2] != cfg->top_k || v[3] != cfg->hidden ||
             v[4] != cfg->ffn)
             continue;
+        /* Settings layer1 would refuse only after layer0's collective work: refused here. */
+        if (v[11] == 2 && (v[8] || v[9] != 1)) {
+            snprintf(err, err_len, "tuning file %s line %d: push with %d combine blocks and %d splits: the push "
+                     "needs 0 and 1", path, lineno, v[8], v[9]);
+            fclose(f);
+            return -1;
+        }
+        if (tp > 1 && v[11] != 2) {
+            snprintf(err, err_len, "tuning file %s line %d: tp %d with layer1 '%s': only the push sums the TP "
+                     "ranks' partial rows", path, lineno, tp, tok[11]);
+            fclose(f);
+            return -1;
+        }
         const double distance = fabs(log((double)v[5] / (cfg->max_tokens > 0 ? cfg->max_tokens : 1)));
         if (found && distance >= best) continue;
         found = 1;

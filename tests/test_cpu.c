@@ -574,6 +574,18 @@ int test_tuning_file(void)
     fclose(f);
     CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), -1);
     CHECK_CONTAINS(err, "field 1 (world[tpT]) = '2tp3'");
+    /* Settings layer1 would refuse after layer0 had run: refused when the file is read. */
+    f = fopen(path, "w");
+    fprintf(f, "2tp2 64 4 2048 1408 8192 : 12 bulk 0 1 dynamic tail\n");
+    fclose(f);
+    tp2.tp_size = 2;
+    CHECK_EQ(cometi_tuning_lookup(path, &tp2, 2, &back, err, sizeof(err)), -1);
+    CHECK_CONTAINS(err, "line 1: tp 2 with layer1 'tail': only the push");
+    f = fopen(path, "w");
+    fprintf(f, "2 64 4 2048 1408 8192 : 12 bulk 8 2 dynamic push\n");
+    fclose(f);
+    CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), -1);
+    CHECK_CONTAINS(err, "line 1: push with 8 combine blocks and 2 splits");
     unlink(path);
     return 0;
 }

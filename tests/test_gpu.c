@@ -759,14 +759,15 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemcpy(up, up16, nb, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_scale, scale, sizeof(float) * rows, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(d_index, index, sizeof(int32_t) * rows, cudaMemcpyHostToDevice));
-    const char *names[5] = {"swiglu, fused gate_up", "swiglu, gate and up apart", "row scale", "scatter",
-                            "swiglu, n 192 in ldc 256"};
-    for (int mode = 0; mode < 5; mode++) {
+    const char *names[6] = {"swiglu, fused gate_up", "swiglu, gate and up apart", "row scale", "scatter",
+                            "swiglu, n 192 in ldc 256", "swiglu, one group"};
+    for (int mode = 0; mode < 6; mode++) {
         const int n_out = mode == 4 ? n_ragged : n; /* columns computed; C rows stay n apart */
+        const int used_groups = mode == 5 ? 1 : groups; /* one expert per rank (EP = E) */
         for (int variant = 0; variant < 4; variant++) {
             const int epi = variant & 1 ? COMETI_EPILOGUE_TMA : COMETI_EPILOGUE_DIRECT, pingpong = variant >= 2;
             if (mode == 3 && (epi == COMETI_EPILOGUE_TMA || pingpong)) continue; /* scatter: from registers */
-            cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = groups,
+            cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = used_groups,
                                .n = n_out, .k = k, .epilogue = epi, .err = err_dev,
                                .schedule = pingpong ? COMETI_SCHEDULE_PINGPONG : COMETI_SCHEDULE_COOPERATIVE};
             if (mode == 0) g.swiglu = 1;
@@ -774,6 +775,7 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
             if (mode == 2) g.row_scale = d_scale, g.block_n = 256;
             if (mode == 3) g.row_index = d_index, g.block_n = 128;
             if (mode == 4) g.swiglu = 1, g.b = ragged;
+            if (mode == 5) g.swiglu = 1;
             /* Without SwiGLU, B's groups are n rows apart: view the first n of each 2n as
              * a tensor of its own by using the gate copy. */
             if (mode == 2 || mode == 3) g.b = gate;
@@ -787,7 +789,7 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
             CUDA_OK(cudaMemcpy(c16, c, nc * 2, cudaMemcpyDeviceToHost));
             double worst = 0;
             char *written = calloc((size_t)rows, 1);
-            for (int gi = 0; gi < groups; gi++) {
+            for (int gi = 0; gi < used_groups; gi++) {
                 for (int r = 0; r < sizes[gi]; r++) {
                     const int src = segs_host[gi].start + r;
                     const int dst = mode == 3 ? index[src] : src;
@@ -801,7 +803,7 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
                             gsum += (double)af[(size_t)src * k + q] * wg[q];
                             usum += (double)af[(size_t)src * k + q] * wu[q];
                         }
-                        double ref = mode <= 1 || mode == 4 ? cometi_swiglu(gsum, usum)
+                        double ref = mode <= 1 || mode >= 4 ? cometi_swiglu(gsum, usum)
                                      : mode == 2             ? scale[src] * gsum
                                                              : gsum;
                         double d = cometi_bf16_to_float(c16[(size_t)dst * n + j]) - ref;

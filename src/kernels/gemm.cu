@@ -672,16 +672,17 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled(void)
     return fn;
 }
 
-/* A bf16 tensor [outer2][outer][inner] (outer2 = 1: 2D) with rows `row_elems` and
- * matrices `mat_elems` elements apart, in boxes of box_outer x 64 with 128-byte swizzle.
- * Boxes past `inner` or `outer` read zeros and store nothing there. */
+/* A bf16 tensor [outer2][outer][inner] with rows `row_elems` and matrices `mat_elems`
+ * elements apart (mat_elems 0: a 2D tensor [outer][inner]; otherwise 3D even when
+ * outer2 is 1, since the kernel's loads from it are 3D), in boxes of box_outer x 64 with
+ * 128-byte swizzle. Boxes past `inner` or `outer` read zeros and store nothing there. */
 static comet_status_t make_map_3d(char *err, CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
                                   uint64_t outer2, uint64_t row_elems, uint64_t mat_elems, uint32_t box_outer,
                                   const char *what)
 {
     PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
     if (!encode) return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled is not available from the driver");
-    const cuuint32_t rank = outer2 > 1 ? 3 : 2;
+    const cuuint32_t rank = mat_elems ? 3 : 2;
     cuuint64_t dims[3] = {inner, outer, outer2}, strides[2] = {row_elems * 2, mat_elems * 2};
     cuuint32_t box[3] = {BK, box_outer, 1}, elem[3] = {1, 1, 1};
     CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, (void *)base, dims, strides, box, elem,
@@ -697,7 +698,7 @@ static comet_status_t make_map_3d(char *err, CUtensorMap *map, const void *base,
 static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
                                uint32_t box_outer, const char *what)
 {
-    return make_map_3d(err, map, base, inner, outer, 1, inner, 0, box_outer, what);
+    return make_map_3d(err, map, base, inner, outer, 1, inner, 0, box_outer, what); /* 2D */
 }
 
 template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> static size_t smem_bytes(void)

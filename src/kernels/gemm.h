@@ -209,11 +209,12 @@ comet_status_t cometi_launch_push_dest(char *err, const cometi_combine_t *c, con
                                        cudaStream_t stream);
 
 /* The owner's side of the push: once every row of this rank's tokens has arrived
- * (arrive[COMETI_PUSH_COUNTER] reaching *expected + rows sent x col_tiles, rows sent being
- * the route's counts[rank][.]: a choice with a bad expert id was left out), y[t] = sum over
- * j of weights[t][j] x slot of (t, j), in fp32, j in order (the same bits every run), on
- * every SM; the last block advances *expected and zeroes *done. The slot of (t, j) is
- * send_offset[rank][e] + pos[t * top_k + j], e = topk_ids[t][j] (the route plan). */
+ * (arrive[COMETI_PUSH_COUNTER] reaching *expected + rows sent x col_tiles x tp, rows sent
+ * being the route's counts[rank][.]: a choice with a bad expert id was left out), y[t] =
+ * sum over TP ranks c, then choices j, of weights[t][j] x slot (at * tp + c) of (t, j), in
+ * fp32, in that order (the same bits every run), on every SM; the last block advances
+ * *expected and zeroes *done. `at` of (t, j) is send_offset[rank][e] + pos[t * top_k + j],
+ * e = topk_ids[t][j] (the route plan). */
 typedef struct cometi_push_sum {
     const void *slots;                 /* this rank's slots, [.][hidden] bf16 */
     const unsigned long long *arrive;  /* this rank's push counter */
