@@ -231,13 +231,13 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
      * pair's chunks in expert order, which is how NCCL matches them (plan.h). */
     int n_sends, n_recvs;
     cometi_route_dispatch_messages(&plan, me, b->sends, &n_sends, b->recvs, &n_recvs);
-    const size_t row_elems = (size_t)H, back_stride = (size_t)c->max_tokens * k * H;
+    const size_t back_stride = (size_t)c->max_tokens * k * H; /* elements between TP ranks' copies */
     ncclResult_t r = ncclGroupStart();
     for (int i = 0; i < n_sends && r == ncclSuccess; i++)
-        r = ncclSend((char *)b->send + b->sends[i].offset * H * BF16, (size_t)b->sends[i].rows * row_elems,
+        r = ncclSend((char *)b->send + b->sends[i].offset * H * BF16, (size_t)b->sends[i].rows * H,
                      ncclBfloat16, b->sends[i].peer, nccl, stream);
     for (int i = 0; i < n_recvs && r == ncclSuccess; i++)
-        r = ncclRecv((char *)b->recv + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * row_elems,
+        r = ncclRecv((char *)b->recv + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * H,
                      ncclBfloat16, b->recvs[i].peer, nccl, stream);
     ncclResult_t end = ncclGroupEnd(); /* always close the group, even after a failed post */
     COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "dispatch all-to-all"), out);
@@ -252,12 +252,12 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
      * the copy of the TP rank that computed it. */
     r = ncclGroupStart();
     for (int i = 0; i < n_recvs && r == ncclSuccess; i++)
-        r = ncclSend((char *)b->out + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * row_elems,
+        r = ncclSend((char *)b->out + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * H,
                      ncclBfloat16, b->recvs[i].peer, nccl, stream);
     for (int i = 0; i < n_sends && r == ncclSuccess; i++)
         r = ncclRecv((char *)b->back + ((size_t)(b->sends[i].peer % moe->tp) * back_stride +
                                         (size_t)b->sends[i].offset * H) * BF16,
-                     (size_t)b->sends[i].rows * row_elems, ncclBfloat16, b->sends[i].peer, nccl, stream);
+                     (size_t)b->sends[i].rows * H, ncclBfloat16, b->sends[i].peer, nccl, stream);
     end = ncclGroupEnd();
     COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "combine all-to-all"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_RETURNED, stream), out);
