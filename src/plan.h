@@ -129,6 +129,30 @@ static inline COMETI_HD int cometi_choice_slot(const int32_t *ids, int k, int j,
     return lead ? slot : -1;
 }
 
+/*
+ * Layer1's push, for row q of expert e's receive segment on TP rank t_rank of e's group:
+ * the source rank whose rows hold it (its return value; -1 when q is past the segment's
+ * rows: padding) and, in *slot, the row of the source's slots this rank's partial goes to:
+ * (the row's index in the source's send order) x tp + t_rank. Arrays of the plan, int32 as
+ * the device route keeps them: counts, send_offset, recv_offset [world][E]; the search
+ * starts at first_source (this rank: its own rows lead the segment most often). Shared by
+ * push_dest_kernel and the CPU tests.
+ */
+static inline COMETI_HD int cometi_push_slot(const int32_t *counts, const int32_t *send_offset,
+                                             const int32_t *recv_offset, int world, int num_experts, int e,
+                                             int64_t q, int tp, int t_rank, int first_source, int64_t *slot)
+{
+    for (int u = 0; u < world; u++) {
+        const int s = (first_source + u) % world;
+        const int64_t off = recv_offset[(size_t)s * num_experts + e];
+        if (q >= off && q < off + counts[(size_t)s * num_experts + e]) {
+            *slot = (send_offset[(size_t)s * num_experts + e] + q - off) * tp + t_rank;
+            return s;
+        }
+    }
+    return -1;
+}
+
 /* Distinct ranks among a token's valid choices: the slots its owner sums (the leads). */
 static inline COMETI_HD int cometi_token_ranks(const int32_t *ids, int k, int num_experts, int experts_per_rank)
 {

@@ -356,6 +356,75 @@ int test_route_dispatch_messages_match(void)
     return 0;
 }
 
+/* Layer1's push slots (cometi_push_slot, what push_dest_kernel runs) over EP x TP layouts
+ * up to 8 ranks: every row received by every TP rank of a group goes to the source that
+ * sent it, at (its send position) x tp + the TP rank, so each owner's slots are hit once
+ * each, by every (row, TP rank); padding goes nowhere. */
+int test_push_slots_cover_every_partial(void)
+{
+    uint64_t rng = test_seed();
+    const int layouts[][2] = {{1, 1}, {2, 1}, {4, 1}, {8, 1}, {2, 2}, {4, 2}, {8, 2}, {8, 4}, {8, 8}};
+    for (int li = 0; li < (int)(sizeof(layouts) / sizeof(layouts[0])); li++) {
+        for (int trial = 0; trial < 10; trial++) {
+            const int W = layouts[li][0], tp = layouts[li][1], G = W / tp, k = 1 + (int)(cometi_rand_next(&rng) % 4);
+            const int per = 1 + (int)(cometi_rand_next(&rng) % 4), E = G * per, kk = k < E ? k : E;
+            int32_t *ids[8];
+            int m[8];
+            int64_t *counts = calloc((size_t)W * E, sizeof(int64_t));
+            for (int r = 0; r < W; r++) {
+                m[r] = (int)(cometi_rand_next(&rng) % 300);
+                ids[r] = malloc(sizeof(int32_t) * ((size_t)m[r] * kk + 1));
+                float *w = malloc(sizeof(float) * ((size_t)m[r] * kk + 1));
+                cometi_make_routing(COMETI_ROUTING_RANDOM, 1, m[r], kk, E, rng + trial, r, ids[r], w);
+                free(w);
+                cometi_route_count(ids[r], m[r], kk, E, counts + (size_t)r * E);
+            }
+            cometi_route_plan_t p;
+            char err[256];
+            CHECK_EQ(cometi_route_plan_build(&p, counts, W, tp, E, 128, err, sizeof(err)), 0);
+            int32_t *c32 = malloc(sizeof(int32_t) * W * E), *so32 = malloc(sizeof(int32_t) * W * E),
+                    *ro32 = malloc(sizeof(int32_t) * W * E);
+            for (int i = 0; i < W * E; i++)
+                c32[i] = (int32_t)p.counts[i], so32[i] = (int32_t)p.send_offset[i], ro32[i] = (int32_t)p.recv_offset[i];
+            /* hits[s][slot]: how often the owner s's slot was written this call */
+            unsigned char *hits[8];
+            for (int s = 0; s < W; s++) hits[s] = calloc((size_t)m[s] * kk * tp + 1, 1);
+            for (int s = 0; s < W; s++) {
+                int64_t *send_pos = malloc(sizeof(int64_t) * ((size_t)m[s] * kk + 1));
+                int64_t *recv_pos = malloc(sizeof(int64_t) * ((size_t)m[s] * kk + 1));
+                cometi_route_positions(&p, s, ids[s], m[s], kk, send_pos, recv_pos);
+                for (int i = 0; i < m[s] * kk; i++) {
+                    const int e = ids[s][i], g = e / per;
+                    for (int t = 0; t < tp; t++) { /* every rank of the group, each from its own rank first */
+                        const int r = g * tp + t;
+                        int64_t slot = -1;
+                        const int src = cometi_push_slot(c32, so32, ro32, W, E, e, recv_pos[i] - p.seg_start[e], tp,
+                                                         t, r, &slot);
+                        CHECK_EQ(src, s);
+                        CHECK_EQ(slot, send_pos[i] * tp + t);
+                        CHECK(slot >= 0 && slot < (int64_t)m[s] * kk * tp);
+                        hits[s][slot]++;
+                    }
+                }
+                free(send_pos), free(recv_pos);
+            }
+            for (int s = 0; s < W; s++)
+                for (int64_t i = 0; i < (int64_t)m[s] * kk * tp; i++) CHECK_EQ(hits[s][i], 1);
+            /* Padding rows of a segment (past its rows, before the next 128-row boundary) go nowhere. */
+            for (int e = 0; e < E; e++) {
+                int64_t slot;
+                const int64_t padded = (p.seg_rows[e] + 127) / 128 * 128;
+                for (int64_t q = p.seg_rows[e]; q < padded; q++)
+                    CHECK_EQ(cometi_push_slot(c32, so32, ro32, W, E, e, q, tp, 0, 0, &slot), -1);
+            }
+            for (int s = 0; s < W; s++) free(hits[s]), free(ids[s]);
+            free(c32), free(so32), free(ro32), free(counts);
+            cometi_route_plan_free(&p);
+        }
+    }
+    return 0;
+}
+
 int test_route_count_rejects_bad_ids(void)
 {
     const int32_t ids[6] = {0, 1, 2, 8, -1, 3};

@@ -63,6 +63,7 @@ uint64_t test_seed(void);
     X(route_plan_known_answer, 10)              \
     X(route_plan_random_invariants, 60)         \
     X(route_dispatch_messages_match, 60)        \
+    X(push_slots_cover_every_partial, 60)       \
     X(route_count_rejects_bad_ids, 10)          \
     X(choice_slots, 10)                         \
     X(cost_model_knobs, 10)                     \

@@ -192,14 +192,10 @@ static __global__ void push_dest_kernel(const cometi_combine_t c, const cometi_s
         const int64_t q = r - segs[lo].start;
         if (q >= 0 && q < segs[lo].rows) {
             const int e = c.rank / c.tp * c.experts_per_group + lo;
-            for (int u = 0; u < c.world; u++) {
-                const int s = (c.rank + u) % c.world, off = c.recv_offset[s * E + e];
-                if (q >= off && q < off + c.counts[s * E + e]) {
-                    /* this TP rank's partial of the row: its own slot of the choice's tp */
-                    d = make_int2(s, (c.send_offset[s * E + e] + (int)q - off) * c.tp + c.rank % c.tp);
-                    break;
-                }
-            }
+            int64_t slot = 0;
+            const int s = cometi_push_slot(c.counts, c.send_offset, c.recv_offset, c.world, E, e, q, c.tp,
+                                           c.rank % c.tp, c.rank, &slot);
+            if (s >= 0) d = make_int2(s, (int)slot); /* this TP rank's partial: its own slot of the choice's tp */
         }
         dest[r] = d;
     }
