@@ -4,10 +4,11 @@ plain PyTorch, on every GPU of the launch.
 
     torchrun --nproc-per-node 2 python/examples/mixtral_block.py
     torchrun --nproc-per-node 8 python/examples/mixtral_block.py --preset qwen2-moe-2.7b --tokens 8192
+    torchrun --nproc-per-node 2 python/examples/mixtral_block.py --tp 2   # tensor-parallel experts
 
 Each rank builds CometSparseMoeBlock on a communicator made from the torch.distributed
 process group, loads random weights given as a full Hugging Face-style state dict (every
-expert; the block keeps its own rank's), runs it on its own tokens, and compares y with a
+expert; the block keeps its own rank's, or with --tp its slice of its group's), runs it on its own tokens, and compares y with a
 plain-PyTorch Mixtral block that holds every expert on each GPU (bf16, no communication:
 the simplest correct reference, not a fast expert-parallel one; bench/torch_peer.py is
 that). Prints the time per call of both (median, slowest rank).
@@ -80,6 +81,7 @@ def main():
     p.add_argument("--tokens", type=int, default=4096, help="tokens per GPU per call")
     p.add_argument("--impl", default="auto", choices=["auto", "baseline", "fused"])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per expert (EP = GPUs / tp)")
     a = p.parse_args()
 
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -89,12 +91,13 @@ def main():
     device = torch.device("cuda", local)
 
     config = comet_moe.MoeConfig.preset(a.preset, max_tokens=a.tokens)
+    config.tp_size = a.tp
     config.validate(world)  # CometInvalidArgumentError naming the field, e.g. experts not divisible by world
     E, H, Fd, k = config.num_experts, config.hidden, config.ffn, config.top_k
     comm = comet_moe.Comm.from_process_group()
     block = comet_moe.CometSparseMoeBlock(comm, config, impl=a.impl)
     sd = random_state_dict(E, H, Fd, device, seed=2024)
-    block.load_state_dict(sd)  # keeps experts [rank * E/world, (rank + 1) * E/world)
+    block.load_state_dict(sd)  # keeps its EP group's experts (and with TP its ffn columns of them)
 
     x = torch.randn(a.tokens, H, device=device, dtype=torch.bfloat16,
                     generator=torch.Generator(device=device).manual_seed(rank))
@@ -110,7 +113,8 @@ def main():
     comet_ms, torch_ms, err = stats.tolist()
     if rank == 0:
         print(f"{a.preset}: E={E} top-k={k} H={H} F={Fd}, {a.tokens} tokens per GPU, {world} x "
-              f"{torch.cuda.get_device_name()}, comet {comet_moe.version()}, torch {torch.__version__}")
+              f"{torch.cuda.get_device_name()} (EP {world // a.tp} x TP {a.tp}), comet {comet_moe.version()}, "
+              f"torch {torch.__version__}")
         print(f"comet block (impl {block.impl}):           {comet_ms:8.3f} ms per call (median of {a.iters}, "
               f"slowest rank)")
         print(f"plain PyTorch, every expert on each GPU: {torch_ms:8.3f} ms per call")
