@@ -5,7 +5,7 @@
 # ./out); each step prints its summary last.
 # Usage: scripts/device-run.sh [STEP]...   (default: tests python bench)
 #   tests      the C test suite, GPU tests included (~4 min)
-#   python     the Python package's GPU tests and its example (torchrun, 2 ranks)
+#   python     the Python package's GPU tests and its example at TP 1 and 2 (torchrun, 2 ranks)
 #   bench      comet bench --preset all: sweeps, layer0/layer1 in turns, tuned vs model
 #   suite      comet bench --suite and the plain-PyTorch suite beside it (JSON in $OUT;
 #              then locally: python3 bench/plot_suite.py suite.json suite-torch.json)
@@ -31,8 +31,10 @@ for step in $steps; do
            grep -E "^(FAIL|[0-9]+ passed)|growth" "$OUT/tests.log" ;;
     python) timeout 150 torchrun --nproc-per-node 2 python/tests/test_torch_gpu.py -v > "$OUT/python.log" 2>&1
             grep -E "^(FAIL|[0-9]+ passed)" "$OUT/python.log"
-            timeout 60 torchrun --nproc-per-node 2 python/examples/mixtral_block.py --preset mixtral-8x7b \
-                --tokens 4096 2>&1 | grep -v "^\[\|^W1\|^\*" | tail -4 ;;
+            for tp in 1 2; do
+                timeout 60 torchrun --nproc-per-node 2 python/examples/mixtral_block.py --preset mixtral-8x7b \
+                    --tokens 4096 --tp $tp 2>&1 | grep -v "^\[\|^W1\|^\*" | tail -4
+            done ;;
     bench) timeout 300 build/comet bench --preset all --no-check --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
            grep -E "comet   |layer1 \(|whole layer in turns" "$OUT/bench.log" ;;
     suite) timeout 300 build/comet bench --suite --no-check --json "$OUT/suite.json" > "$OUT/suite.log" 2>&1
