@@ -59,6 +59,9 @@ comet_status_t cometi_layer1_create(comet_comm_t comm, const comet_moe_config_t 
             table[p].slots = l->slots.peer[p];
             table[p].arrive = (unsigned long long *)l->arrive.peer[p];
         }
+        COMETI_TRY_GOTO(st, cometi_gemm_push_maps_create(comm->err, l->slots.peer, W, l->tp, comm->rank % l->tp,
+                                                         (int64_t)cfg->max_tokens * cfg->top_k, cfg->hidden,
+                                                         &l->push_maps), fail);
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->peers, sizeof(table[0]) * W),
                                         "cudaMalloc(layer1 peer table)"), fail);
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemcpy(l->peers, table, sizeof(table[0]) * W,
@@ -80,6 +83,7 @@ void cometi_layer1_destroy(comet_comm_t comm, cometi_layer1_t *l)
     cudaFree(l->out);
     cudaFree(l->meta);
     cudaFree(l->push_dest);
+    cudaFree(l->push_maps);
     cudaFree(l->split_done);
     cudaFree(l->peers);
     cudaFree(l->trace);
@@ -142,6 +146,7 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     cometi_gemm_t g = gemm1(comm, l, l0, a);
     g.sched = knobs->dynamic_tiles ? l->sched : NULL;
     g.push_dest = l->push_dest;
+    g.push_maps = l->push_maps;
     g.epilogue = COMETI_EPILOGUE_TMA;
     cometi_combine_t *c = &g.combine;
     combine_tables(comm, l, l0, a, c);

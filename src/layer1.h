@@ -24,6 +24,7 @@ typedef struct cometi_layer1 {
     void *out;                        /* [max_recv_rows][hidden] bf16: GEMM1's output */
     cometi_row_meta_t *meta;          /* [max_recv_rows] records of the received rows */
     void *push_dest;                  /* [max_recv_rows] int2: where the push sends each row */
+    void *push_maps;                  /* [world] tensor maps of every rank's slots (the push's stores) */
     unsigned long long *split_done;   /* [COMETI_MAX_SPLITS] GEMM1 rows finished per split, over all calls */
     unsigned long long *expected;     /* [2][COMETI_MAX_SPLITS] what the combine waits for next */
     unsigned long long *push_expected; /* [1] what the push's sum waits for next */

@@ -111,6 +111,7 @@ typedef struct gemm_args {
     unsigned int *sched; /* tiles taken, blocks done, pieces taken; NULL: static */
     int n_splits;                        /* column splits, tiles split-major (1: one split) */
     const int2 *push_dest;               /* rows to their owners' slots (layer1 push; see gemm.h) */
+    const CUtensorMap *push_maps;        /* [world] each owner's slots, in global memory */
     unsigned long long *split_done;      /* [n_splits] rows finished per split, or NULL */
     cometi_dispatch_t dispatch;
     int combine_blocks;                  /* the first blocks combine instead (they never compute) */
@@ -533,29 +534,54 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
         if (TMA_EPILOGUE && p.push_dest) {
             /* Layer1's push: the tile's rows go straight to their token owners' slots (see
-             * gemm.h) by bulk copies from shared memory, over NVLink for other ranks. Each
-             * warp stages and sends its own 16 rows (lanes 0-15, a row each), so no warp
-             * waits for the others; the rows are counted once, at the block's end (the
-             * owner sums after the whole GEMM anyway), so no tile waits for its copies to
-             * land. */
+             * gemm.h), over NVLink for other ranks. If this warpgroup's 64 rows all go to
+             * consecutive slots of one owner (one chunk), thread 0 sends them as tensor
+             * stores of swizzled boxes, like C's; otherwise each warp stages and sends its
+             * own 16 rows (lanes 0-15, one bulk copy each). The rows are counted once, at
+             * the block's end (the owner sums after the whole GEMM anyway), so no tile
+             * waits for its copies to land. */
             const cometi_combine_t *cb = &p.combine;
-            unsigned char *stage_p = sc + half * 64 * PUSH_ROW_BYTES(ON);
-            const int mine = warp * 16 + lane; /* lanes 0-15: this warp's row `mine` */
+            unsigned char *stage_p = sc + half * 64 * PUSH_ROW_BYTES(ON); /* 1024-aligned: 64 x 528 or 64 x 272 */
+            int2 first = make_int2(-1, 0), last = first;
+            if (part + 64 <= seg.rows) {
+                first = p.push_dest[seg.start + part];
+                last = p.push_dest[seg.start + part + 63];
+            }
+            /* One segment holds one chunk per source rank, so one owner at both ends of a
+             * full part means one chunk: slots tp apart. */
+            const bool whole = first.x >= 0 && last.x == first.x && last.y - first.y == 63 * cb->tp;
+            const int mine = warp * 16 + lane; /* per row: lanes 0-15, this warp's row `mine` */
             int2 d = make_int2(-1, 0);
-            if (lane < 16 && part + mine < seg.rows) d = p.push_dest[seg.start + part + mine];
-            if (lane < 16) bulk_wait_read(); /* this lane's copy of the last tile has read the staging */
-            __syncwarp();
+            if (!whole && lane < 16 && part + mine < seg.rows) d = p.push_dest[seg.start + part + mine];
+            /* Every copy of the last tile has read the staging (the two layouts overlap
+             * across warps). */
+            bulk_wait_read();
+            warpgroup_sync(1 + half);
 #pragma unroll
             for (int j = 0; j < ON / 8; j++) {
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     const int r = r_lo + 8 * h;
                     __nv_bfloat162 v = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
-                    unsigned char *dst = stage_p + r * PUSH_ROW_BYTES(ON) + j * 16 + (lane % 4) * 4;
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&v) : "memory");
+                    const uint32_t off = whole ? (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4)
+                                               : r * PUSH_ROW_BYTES(ON) + j * 16;
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(stage_p + off + (lane % 4) * 4)),
+                                 "r"(*(uint32_t *)&v) : "memory");
                 }
             }
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> bulk reads */
+            if (whole) {
+                warpgroup_sync(1 + half);
+                if (threadIdx.x % 128 == 0) {
+                    const int row = (first.y - cb->rank % cb->tp) / cb->tp; /* in the map's rows */
+#pragma unroll
+                    for (int box = 0; box < ON / 64; box++)
+                        tma_store_2d(&p.push_maps[first.x], stage_p + box * 8192, tl.n * ON + box * 64, row);
+                    bulk_commit();
+                }
+                if (warp == 0 && lane == first.x) push_sent += 64;
+                continue;
+            }
             __syncwarp();
             if (d.x >= 0)
                 bulk_store((__nv_bfloat16 *)cb->peers[d.x].slots + (size_t)d.y * p.n + tl.n * ON,
@@ -699,6 +725,31 @@ static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, ui
                                uint32_t box_outer, const char *what)
 {
     return make_map_3d(err, map, base, inner, outer, 1, inner, 0, box_outer, what); /* 2D */
+}
+
+extern "C" comet_status_t cometi_gemm_push_maps_create(char *err, void *const *peer_slots, int world, int tp,
+                                                       int t_rank, int64_t slot_rows, int hidden, void **maps)
+{
+    *maps = NULL;
+    if (world < 1 || world > COMETI_MAX_RANKS || tp < 1 || t_rank < 0 || t_rank >= tp || slot_rows < 1 ||
+        hidden < 64 || hidden % 64)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "push maps: world %d (1..%d), tp %d, TP rank %d, %lld slot "
+                           "rows, hidden %d (a multiple of 64)", world, COMETI_MAX_RANKS, tp, t_rank,
+                           (long long)slot_rows, hidden);
+    CUtensorMap table[COMETI_MAX_RANKS];
+    for (int p = 0; p < world; p++) /* this TP rank's column of each choice's tp partial rows */
+        COMETI_TRY(make_map_3d(err, &table[p], (const char *)peer_slots[p] + (size_t)t_rank * hidden * 2,
+                               (uint64_t)hidden, (uint64_t)slot_rows, 1, (uint64_t)tp * hidden, 0, 64, "push slots"));
+    void *dev = NULL;
+    COMETI_TRY(cometi_cuda(err, cudaMalloc(&dev, sizeof(CUtensorMap) * world), "cudaMalloc(push tensor maps)"));
+    comet_status_t st = cometi_cuda(err, cudaMemcpy(dev, table, sizeof(CUtensorMap) * world, cudaMemcpyHostToDevice),
+                                    "copy push tensor maps");
+    if (st != COMET_SUCCESS) {
+        cudaFree(dev);
+        return st;
+    }
+    *maps = dev;
+    return COMET_SUCCESS;
 }
 
 template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> static size_t smem_bytes(void)
@@ -865,9 +916,10 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     if (g->push_dest) {
         const cometi_combine_t *c = &g->combine;
         if (!tma_epilogue || g->swiglu || g->row_index || g->combine_blocks || g->split_done || args.n_splits != 1 ||
-            g->dispatch_blocks || g->arrive)
-            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: needs the TMA epilogue, one split and no "
-                               "SwiGLU, row index, combine or dispatch blocks, split counters or arrival waits");
+            g->dispatch_blocks || g->arrive || !g->push_maps || (uintptr_t)g->push_maps % 64)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: needs the TMA epilogue, one split, the "
+                               "owners' tensor maps (64-byte aligned) and no SwiGLU, row index, combine or dispatch "
+                               "blocks, split counters or arrival waits");
         if (c->world < 1 || c->world > COMETI_MAX_RANKS || c->world > 32 || c->rank < 0 || c->rank >= c->world ||
             c->tp < 1 || c->world % c->tp || c->experts_per_group * (c->world / c->tp) != c->num_experts ||
             c->experts_per_group != g->groups || !c->peers ||
@@ -877,6 +929,7 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
                                c->experts_per_group, g->groups);
     }
     args.push_dest = (const int2 *)g->push_dest;
+    args.push_maps = (const CUtensorMap *)g->push_maps;
     const int side_blocks = g->dispatch_blocks + g->combine_blocks;
     /* GEMM blocks, then dispatch (or combine) blocks. */
     args.gemm_blocks = g->sms > 0 ? g->sms : sm_count - side_blocks;

@@ -156,8 +156,12 @@ typedef struct cometi_gemm {
      * grows by the rows once they have landed (system-scope release, at each block's end):
      * by rows x column tiles per call. cometi_launch_push_dest fills push_dest. Needs the
      * TMA epilogue, one split, no combine blocks, and the combine's peers table, rank and
-     * world. cometi_launch_push_sum sums. */
+     * world. cometi_launch_push_sum sums. A warpgroup's 64 rows that all go to one owner's
+     * consecutive slots (one (source, expert) chunk: most of them) leave as tensor stores
+     * through push_maps instead of one bulk copy per row, so the SM's TMA unit is not
+     * queueing 64 small copies ahead of the next tile's loads. */
     const void *push_dest; /* [a_rows] int2 (owner, slot row), or NULL */
+    const void *push_maps; /* with push_dest: cometi_gemm_push_maps_create's maps */
     int dispatch_blocks;                  /* blocks before the GEMM's that run `dispatch` */
     int combine_blocks;                   /* blocks before the GEMM's that run `combine` (needs
                                            * split_done; not with dispatch) */
@@ -186,6 +190,13 @@ static inline int cometi_gemm_tile_n(int n) { return n % 256 == 0 ? 256 : 128; }
 typedef struct cometi_gemm_prepared {
     COMETI_ALIGN128 unsigned char bytes[4096]; /* tensor maps need 128-byte alignment */
 } cometi_gemm_prepared_t;
+
+/* The push's tensor maps, one per owner rank p: its slots as mapped here (peer_slots[p]),
+ * seen as `slot_rows` rows of `hidden` bf16 that hold this rank's partials, t_rank's
+ * column of every tp (rows tp x hidden apart). Device memory in *maps (cudaFree it);
+ * collective nowhere, encoded on the host and copied once. */
+comet_status_t cometi_gemm_push_maps_create(char *err, void *const *peer_slots, int world, int tp, int t_rank,
+                                            int64_t slot_rows, int hidden, void **maps);
 
 /* Check every field and build the tensor maps; nothing is enqueued. Errors name the
  * field and the limit. Lets a caller fail before it starts work other ranks depend on. */
