@@ -66,7 +66,7 @@ static comet_status_t bad(char *msg, size_t len, comet_status_t st, const char *
 }
 
 #define MAX_DIM 65536
-#define MAX_EXPERTS 1024
+#define MAX_EXPERTS COMETI_MAX_EXPERTS
 #define MAX_TOP_K 32
 #define MAX_TOKENS (1 << 20)
 

@@ -20,6 +20,7 @@ extern "C" {
 #define COMETI_ERR_LEN 512
 /* One NVLink node: NVL72 is the largest domain where every rank is load/store reachable. */
 #define COMETI_MAX_RANKS 72
+#define COMETI_MAX_EXPERTS 1024 /* config.num_experts (the dispatch's piece table holds this many) */
 #define COMETI_DEFAULT_TIMEOUT_MS 5000
 
 /* Record a formatted message in `err` (COMETI_ERR_LEN bytes) and return `status`. */

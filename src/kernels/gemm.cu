@@ -203,6 +203,7 @@ static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const int32
  * writes before the generic release). */
 #define BULK_SLOTS 12
 #define BULK_LAG 10
+#define SRC_BATCH 8
 
 typedef struct bulk_ring {
     unsigned char *slots; /* BULK_SLOTS rows */
@@ -215,82 +216,102 @@ static __device__ void copy_piece_bulk(const cometi_dispatch_t *d, bulk_ring_t *
                                        unsigned char *out, cometi_async_error_t *err, unsigned long long timeout_ns)
 {
     const uint32_t rb = ring->row_bytes;
-    for (int q = 0; q < n_rows + BULK_LAG; q++) {
-        if (q < n_rows) {
-            const int s = q % BULK_SLOTS;
-            /* Stores issued so far: rows < q - LAG. The one that used slot s (row q - SLOTS)
-             * has read it once at most SLOTS - LAG - 1 newer ones are still reading. */
-            asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(BULK_SLOTS - BULK_LAG - 1) : "memory");
-            mbar_expect_tx(&ring->full[s], rb);
-            bulk_load(ring->slots + (size_t)s * rb, (const unsigned char *)d->x + (size_t)(src_of[q] / d->top_k) * rb,
-                      rb, &ring->full[s]);
+    /* The rows' token indices come SRC_BATCH at a time, the next batch's loads in flight
+     * while this one's rows are issued: one load per row ahead of its copy made every row
+     * wait for a trip to L2, about 4 KB per microsecond per worker. */
+    int src[SRC_BATCH], next[SRC_BATCH];
+#pragma unroll
+    for (int i = 0; i < SRC_BATCH; i++) src[i] = i < n_rows ? src_of[i] : 0;
+    for (int q0 = 0; q0 < n_rows + BULK_LAG; q0 += SRC_BATCH) {
+#pragma unroll
+        for (int i = 0; i < SRC_BATCH; i++) next[i] = q0 + SRC_BATCH + i < n_rows ? src_of[q0 + SRC_BATCH + i] : 0;
+#pragma unroll
+        for (int i = 0; i < SRC_BATCH; i++) {
+            const int q = q0 + i;
+            if (q < n_rows) {
+                const int s = q % BULK_SLOTS;
+                /* Stores issued so far: rows < q - LAG. The one that used slot s (row q - SLOTS)
+                 * has read it once at most SLOTS - LAG - 1 newer ones are still reading. */
+                asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(BULK_SLOTS - BULK_LAG - 1) : "memory");
+                mbar_expect_tx(&ring->full[s], rb);
+                bulk_load(ring->slots + (size_t)s * rb, (const unsigned char *)d->x + (size_t)(src[i] / d->top_k) * rb,
+                          rb, &ring->full[s]);
+            }
+            const int r = q - BULK_LAG;
+            if (r >= 0 && r < n_rows) {
+                const int s = r % BULK_SLOTS;
+                mbar_wait(&ring->full[s], ring->parity >> s & 1, err, timeout_ns);
+                ring->parity ^= 1u << s;
+                bulk_store(out + (size_t)r * rb, ring->slots + (size_t)s * rb, rb);
+                bulk_commit();
+            }
         }
-        const int r = q - BULK_LAG;
-        if (r >= 0) {
-            const int s = r % BULK_SLOTS;
-            mbar_wait(&ring->full[s], ring->parity >> s & 1, err, timeout_ns);
-            ring->parity ^= 1u << s;
-            bulk_store(out + (size_t)r * rb, ring->slots + (size_t)s * rb, rb);
-            bulk_commit();
-        }
+#pragma unroll
+        for (int i = 0; i < SRC_BATCH; i++) src[i] = next[i];
     }
     bulk_wait();
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
-/* Position in one list of pieces (0: to experts this rank owns, 1: to the others), in
- * expert order. */
-typedef struct piece_cursor {
-    int e, r0, index; /* expert, first row of the piece in this rank's rows for e, piece number */
-} piece_cursor_t;
+/* Pieces: each (source rank, expert) chunk of rows, cut where the receiver's 128-row
+ * blocks end (a block counts its arrivals). Two lists, in expert order: 0, the pieces to
+ * experts this rank's group owns (the first GEMM tiles need those rows), 1, the others.
+ * piece_table[list][e] (in shared memory) is the number of the list's pieces before
+ * expert e, built once per block, so a worker finds its claimed piece by a binary search
+ * (walking the plan from its last piece took a few dependent loads per piece passed, and
+ * the other workers' pieces lie between). */
+#define PIECE_TABLE_BYTES (2 * (COMETI_MAX_EXPERTS + 1) * 4 + 120) /* 8320: keeps the rings 128-byte aligned */
 
 static __device__ __forceinline__ int piece_first_row(const cometi_dispatch_t *d, int e)
 {
     return d->seg_start[e] + d->recv_offset[d->rank * d->num_experts + e];
 }
 
-/* Move the cursor forward to piece `target` of its list; 0 if the list ends first. */
-static __device__ int seek_piece(const cometi_dispatch_t *d, piece_cursor_t *c, int remote, int target)
+static __device__ void build_piece_table(const cometi_dispatch_t *d, int *table)
 {
     const int E = d->num_experts, me = d->rank;
-    while (c->e < E) {
-        const int rows = d->counts[me * E + c->e];
-        if ((c->e / d->experts_per_group != me / d->tp) == remote && c->r0 < rows) {
-            if (c->index == target) return 1;
-            const int row = piece_first_row(d, c->e) + c->r0;
-            c->r0 += min(rows - c->r0, BM - row % BM);
-            c->index++;
-        } else {
-            c->e++;
-            c->r0 = 0;
-        }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) { /* pieces of expert e, for now */
+        const int rows = d->counts[me * E + e], head = BM - piece_first_row(d, e) % BM;
+        const int n = rows == 0 ? 0 : 1 + (max(0, rows - head) + BM - 1) / BM;
+        const int remote = e / d->experts_per_group != me / d->tp;
+        table[remote * (E + 1) + e + 1] = n;
+        table[(1 - remote) * (E + 1) + e + 1] = 0;
     }
-    return 0;
+    __syncthreads();
+    if (threadIdx.x < 2) { /* prefix sums, one list each */
+        int *t = table + threadIdx.x * (E + 1), sum = 0;
+        t[0] = 0;
+        for (int e = 1; e <= E; e++) t[e] = sum += t[e];
+    }
+    __syncthreads();
 }
 
-/* Claim pieces from one shared counter, in one order: every local piece (the first GEMM
- * tiles need those rows), then every remote one. Piece i past the local list's end is
- * remote piece i - (local pieces). Copies with the bulk ring if there is one, else with
- * the warp's stores (then every lane takes part and lane 0 claims). */
-static __device__ void copy_pieces(const cometi_dispatch_t *d, bulk_ring_t *ring, unsigned int *counter,
-                                   cometi_async_error_t *err, unsigned long long timeout_ns)
+/* Claim pieces from one shared counter: piece i is list 0's piece i, or past that list's
+ * end list 1's piece i - (list 0's pieces). Copies with the bulk ring if there is one,
+ * else with the warp's stores (then every lane takes part and lane 0 claims). */
+static __device__ void copy_pieces(const cometi_dispatch_t *d, const int *table, bulk_ring_t *ring,
+                                   unsigned int *counter, cometi_async_error_t *err, unsigned long long timeout_ns)
 {
     const int lane = threadIdx.x % 32, E = d->num_experts, me = d->rank;
     const uint32_t row_bytes = (uint32_t)d->hidden * 2, mask = ring ? 1u : 0xffffffffu;
-    piece_cursor_t cur[2] = {{0, 0, 0}, {0, 0, 0}};
-    int local_pieces = -1; /* known once the local list has been walked to its end */
+    const int local_pieces = table[E];
     for (;;) {
         int i = 0;
         if (lane == 0) i = (int)atomicAdd(counter, 1u);
         i = __shfl_sync(mask, i, 0);
-        int list = 0;
-        if (local_pieces < 0 && !seek_piece(d, &cur[0], 0, i)) local_pieces = cur[0].index;
-        if (local_pieces >= 0) {
-            list = 1;
-            if (!seek_piece(d, &cur[1], 1, i - local_pieces)) break;
+        const int list = i >= local_pieces;
+        const int *t = table + list * (E + 1);
+        if (list) i -= local_pieces;
+        if (i >= t[E]) break;
+        int lo = 0, hi = E - 1; /* the last expert whose first piece is <= i: it has piece i */
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) / 2;
+            if (t[mid] <= i) lo = mid;
+            else hi = mid - 1;
         }
-        const int e = cur[list].e, r0 = cur[list].r0, group = e / d->experts_per_group;
-        const int row = piece_first_row(d, e) + r0, n_rows = min(d->counts[me * E + e] - r0, BM - row % BM);
+        const int e = lo, j = i - t[e], first = piece_first_row(d, e), head = BM - first % BM;
+        const int r0 = j == 0 ? 0 : head + (j - 1) * BM, row = first + r0;
+        const int n_rows = min(d->counts[me * E + e] - r0, BM - row % BM), group = e / d->experts_per_group;
         const int32_t *src_of = d->src_of + d->send_offset[me * E + e] + r0;
         /* To every TP rank of the group (the same rows, the same place), this rank first. */
         for (int u = 0; u < d->tp; u++) {
@@ -309,10 +330,13 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const uint32_t row_bytes = (uint32_t)d->hidden * 2;
     /* Bulk workers: as many warps as the block's shared memory holds rings for (barriers
-     * in the first 1 KB); none means rows too wide for a ring: copy with stores. */
+     * in the first 1 KB, then the piece table); none means rows too wide for a ring: copy
+     * with stores. */
     uint32_t smem_size;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(smem_size));
-    const int ring_bytes = BULK_SLOTS * row_bytes, usable = (int)smem_size - 2048;
+    int *table = (int *)(smem + 1024);
+    build_piece_table(d, table); /* every thread of the block */
+    const int ring_bytes = BULK_SLOTS * row_bytes, usable = (int)smem_size - 2048 - PIECE_TABLE_BYTES;
     const int bulk = d->mode != COMETI_DISPATCH_STORES && usable >= ring_bytes;
     const int workers = bulk ? min(min((int)(blockDim.x / 32), 1024 / (8 * BULK_SLOTS)), usable / ring_bytes)
                              : blockDim.x / 32;
@@ -324,14 +348,14 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
     }
     bulk_ring_t ring;
     if (bulk) {
-        ring.slots = smem + 1024 + (size_t)warp * ring_bytes;
+        ring.slots = smem + 1024 + PIECE_TABLE_BYTES + (size_t)warp * ring_bytes;
         ring.full = (uint64_t *)smem + warp * BULK_SLOTS;
         ring.parity = 0;
         ring.row_bytes = row_bytes;
         for (int s = 0; s < BULK_SLOTS; s++) mbar_init(&ring.full[s], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    copy_pieces(d, bulk ? &ring : NULL, counter, err, timeout_ns);
+    copy_pieces(d, table, bulk ? &ring : NULL, counter, err, timeout_ns);
     /* The ring's shared memory may become GEMM stages next. */
     if (bulk) {
         for (int s = 0; s < BULK_SLOTS; s++)
@@ -496,6 +520,19 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             turn_phase ^= 1;
         }
         tile_t tl = split_tile(t, per_split, first_tile, p.groups, split_tiles, p.group_m);
+        /* The push's destinations of this warpgroup's rows, loaded before the mainloop so
+         * the epilogue does not start with a trip to L2: both ends of the part (is it one
+         * chunk?) and, for lanes 0-15, row warp * 16 + lane. */
+        int2 push_first = make_int2(-1, 0), push_last = push_first, push_mine = push_first;
+        if (TMA_EPILOGUE && p.push_dest) {
+            const cometi_segment_t sg = p.segs[tl.group];
+            const int part = tl.m * TM + (PINGPONG ? 0 : half * 64), mine = warp * 16 + lane;
+            if (part + 64 <= sg.rows) {
+                push_first = p.push_dest[sg.start + part];
+                push_last = p.push_dest[sg.start + part + 63];
+            }
+            if (lane < 16 && part + mine < sg.rows) push_mine = p.push_dest[sg.start + part + mine];
+        }
         int prev = -1;
         for (int kb = 0; kb < k_blocks; kb++) {
             mbar_wait(&full[stage], phase, p.err, p.timeout_ns);
@@ -542,17 +579,12 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
              * waits for its copies to land. */
             const cometi_combine_t *cb = &p.combine;
             unsigned char *stage_p = sc + half * 64 * PUSH_ROW_BYTES(ON); /* 1024-aligned: 64 x 528 or 64 x 272 */
-            int2 first = make_int2(-1, 0), last = first;
-            if (part + 64 <= seg.rows) {
-                first = p.push_dest[seg.start + part];
-                last = p.push_dest[seg.start + part + 63];
-            }
+            const int2 first = push_first;
             /* One segment holds one chunk per source rank, so one owner at both ends of a
              * full part means one chunk: slots tp apart. */
-            const bool whole = first.x >= 0 && last.x == first.x && last.y - first.y == 63 * cb->tp;
+            const bool whole = first.x >= 0 && push_last.x == first.x && push_last.y - first.y == 63 * cb->tp;
             const int mine = warp * 16 + lane; /* per row: lanes 0-15, this warp's row `mine` */
-            int2 d = make_int2(-1, 0);
-            if (!whole && lane < 16 && part + mine < seg.rows) d = p.push_dest[seg.start + part + mine];
+            const int2 d = whole ? make_int2(-1, 0) : push_mine;
             /* Every copy of the last tile has read the staging (the two layouts overlap
              * across warps). */
             bulk_wait_read();
