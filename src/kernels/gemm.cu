@@ -44,6 +44,14 @@
 #define PUSH_ROW_BYTES(on) ((on) * 2 + 16)
 static __host__ __device__ constexpr uint32_t c_stage_bytes(int on) { return BM * PUSH_ROW_BYTES(on); }
 
+/* Where 16-byte chunk j (8 columns) of staged row r goes among the TMA store's boxes of 64
+ * rows x 128 bytes, 128B-swizzled: the chunk index XOR the row's low 3 bits (conflict-free,
+ * and the layout the store reads). */
+static __device__ __forceinline__ uint32_t swizzled_chunk(int j, int r)
+{
+    return (uint32_t)((j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4));
+}
+
 /* ---- PTX: TMA tensor copies, wgmma bookkeeping (barriers and bulk copies: ptx.cuh) ---- */
 
 static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, int inner, int outer, uint64_t *bar)
@@ -595,8 +603,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 for (int h = 0; h < 2; h++) {
                     const int r = r_lo + 8 * h;
                     __nv_bfloat162 v = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
-                    const uint32_t off = whole ? (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4)
-                                               : r * PUSH_ROW_BYTES(ON) + j * 16;
+                    const uint32_t off = whole ? swizzled_chunk(j, r) : r * PUSH_ROW_BYTES(ON) + j * 16;
                     asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(stage_p + off + (lane % 4) * 4)),
                                  "r"(*(uint32_t *)&v) : "memory");
                 }
@@ -626,9 +633,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             continue;
         }
         if (TMA_EPILOGUE && !p.row_index && tl.m * TM + TM <= seg.rows) {
-            /* Into shared memory as ON/64 boxes of 64 rows x 128 bytes, 128B-swizzled (the
-             * 16-byte chunk index XOR the row's low 3 bits: conflict-free, and the layout the
-             * TMA store reads), then one thread stores the boxes asynchronously. */
+            /* Into shared memory as ON/64 swizzled boxes (swizzled_chunk), then one thread
+             * stores the boxes asynchronously. */
             unsigned char *stage_c = sc + half * (64 * ON * 2);
             if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the previous tile's store has read it */
             warpgroup_sync(1 + half);
@@ -638,7 +644,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 for (int h = 0; h < 2; h++) {
                     const int r = r_lo + 8 * h;
                     __nv_bfloat162 v = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
-                    unsigned char *dst = stage_c + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4) + (lane % 4) * 4;
+                    unsigned char *dst = stage_c + swizzled_chunk(j, r) + (lane % 4) * 4;
                     asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&v) : "memory");
                 }
             }
