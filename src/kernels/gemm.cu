@@ -922,6 +922,9 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
     COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev),
                            "cudaDeviceGetAttribute(SM count)"));
+    if (g->dispatch_blocks && (g->dispatch.num_experts < 1 || g->dispatch.num_experts > COMETI_MAX_EXPERTS))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: %d experts (1..%d: the piece table's size)",
+                           g->dispatch.num_experts, COMETI_MAX_EXPERTS);
     if (g->dispatch_blocks && (g->dispatch.tp < 1 || g->dispatch.experts_per_group < 1))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: tp %d and experts per group %d must be >= 1",
                            g->dispatch.tp, g->dispatch.experts_per_group);
