@@ -356,13 +356,43 @@ int test_route_dispatch_messages_match(void)
     return 0;
 }
 
+/* The push epilogue's shortcut: a full 64-row part with one owner at both ends and slots
+ * 63 x tp apart is sent as tensor stores to 64 consecutive rows of that owner's map. True
+ * only if every row of the part goes there; the map row must lie inside the owner's send
+ * rows. Returns the number of such parts, or -1. */
+static int64_t whole_parts_checked(const cometi_route_plan_t *p, const int32_t *c32, const int32_t *so32,
+                                   const int32_t *ro32, int W, int tp, int E, int per, const int *m, int kk)
+{
+    int64_t wholes = 0;
+    for (int r = 0; r < W; r++) {
+        const int g = r / tp, t_rank = r % tp;
+        for (int le = 0; le < per; le++) {
+            const int e = g * per + le;
+            for (int64_t part = 0; part + 64 <= p->seg_rows[e]; part += 64) {
+                int dx[64];
+                int64_t dy[64];
+                for (int q = 0; q < 64; q++)
+                    dx[q] = cometi_push_slot(c32, so32, ro32, W, E, e, part + q, tp, t_rank, r, &dy[q]);
+                if (!(dx[0] >= 0 && dx[63] == dx[0] && dy[63] - dy[0] == 63 * tp)) continue;
+                wholes++;
+                for (int q = 0; q < 64; q++)
+                    if (dx[q] != dx[0] || dy[q] != dy[0] + q * tp) return -1;
+                if ((dy[0] - t_rank) % tp || (dy[0] - t_rank) / tp + 63 >= (int64_t)m[dx[0]] * kk) return -1;
+            }
+        }
+    }
+    return wholes;
+}
+
 /* Layer1's push slots (cometi_push_slot, what push_dest_kernel runs) over EP x TP layouts
  * up to 8 ranks: every row received by every TP rank of a group goes to the source that
  * sent it, at (its send position) x tp + the TP rank, so each owner's slots are hit once
- * each, by every (row, TP rank); padding goes nowhere. */
+ * each, by every (row, TP rank); padding goes nowhere; and the epilogue's whole parts
+ * (whole_parts_checked) are what they claim, on plans that have some. */
 int test_push_slots_cover_every_partial(void)
 {
     uint64_t rng = test_seed();
+    int64_t wholes = 0;
     const int layouts[][2] = {{1, 1}, {2, 1}, {4, 1}, {8, 1}, {2, 2}, {4, 2}, {8, 2}, {8, 4}, {8, 8}};
     for (int li = 0; li < (int)(sizeof(layouts) / sizeof(layouts[0])); li++) {
         for (int trial = 0; trial < 10; trial++) {
@@ -417,11 +447,16 @@ int test_push_slots_cover_every_partial(void)
                 for (int64_t q = p.seg_rows[e]; q < padded; q++)
                     CHECK_EQ(cometi_push_slot(c32, so32, ro32, W, E, e, q, tp, 0, 0, &slot), -1);
             }
+            const int64_t w = whole_parts_checked(&p, c32, so32, ro32, W, tp, E, per, m, kk);
+            if (w < 0) printf("layout %d x tp %d, trial %d: a whole part is not one chunk\n", W / tp, tp, trial);
+            CHECK(w >= 0);
+            wholes += w;
             for (int s = 0; s < W; s++) free(hits[s]), free(ids[s]);
             free(c32), free(so32), free(ro32), free(counts);
             cometi_route_plan_free(&p);
         }
     }
+    CHECK(wholes > 0); /* the shortcut was exercised */
     return 0;
 }
 
