@@ -588,46 +588,19 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
 #define OUT(j, h, e)                                                                                           \
     (SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)]             \
             : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
-        if (TMA_EPILOGUE && p.push_dest) {
-            /* Layer1's push: the tile's rows go straight to their token owners' slots (see
-             * gemm.h), over NVLink for other ranks. If this warpgroup's 64 rows all go to
-             * consecutive slots of one owner (one chunk: one owner at both ends of a full
-             * part, since a segment holds one chunk per source rank), they are staged like
-             * C's boxes and thread 0 sends them as tensor stores; otherwise (two chunks
-             * meet, or a group's last rows) every thread stores its fragments straight to
-             * their rows, keeping the copies off the SM's TMA unit (64 small bulk copies
-             * there held the next tile's loads back). The rows are counted once, at the
-             * block's end (the owner sums after the whole GEMM anyway), so no tile waits
-             * for its stores to land. */
+        /* Layer1's push: the tile's rows go straight to their token owners' slots (see
+         * gemm.h), over NVLink for other ranks. If this warpgroup's 64 rows all go to
+         * consecutive slots of one owner (one chunk: one owner at both ends of a full part,
+         * since a segment holds one chunk per source rank), they leave like C's boxes,
+         * through that owner's map (below); otherwise (two chunks meet, or a group's last
+         * rows) every thread stores its fragments straight to their rows, keeping the
+         * copies off the SM's TMA unit (64 small bulk copies there held the next tile's
+         * loads back). The rows are counted once, at the block's end (the owner sums after
+         * the whole GEMM anyway), so no tile waits for its stores to land. */
+        const bool push_whole = TMA_EPILOGUE && p.push_dest && push_first.x >= 0 && push_last.x == push_first.x &&
+                                push_last.y - push_first.y == 63 * p.combine.tp;
+        if (TMA_EPILOGUE && p.push_dest && !push_whole) {
             const cometi_combine_t *cb = &p.combine;
-            const int2 first = push_first;
-            if (first.x >= 0 && push_last.x == first.x && push_last.y - first.y == 63 * cb->tp) {
-                unsigned char *stage_p = sc + half * (64 * ON * 2);
-                if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the last tensor stores have read it */
-                warpgroup_sync(1 + half);
-#pragma unroll
-                for (int j = 0; j < ON / 8; j++) {
-#pragma unroll
-                    for (int h = 0; h < 2; h++) {
-                        const int r = r_lo + 8 * h;
-                        __nv_bfloat162 v = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
-                        asm volatile("st.shared.b32 [%0], %1;"
-                                     ::"r"(smem_u32(stage_p + swizzled_chunk(j, r) + (lane % 4) * 4)),
-                                     "r"(*(uint32_t *)&v) : "memory");
-                    }
-                }
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
-                warpgroup_sync(1 + half);
-                if (threadIdx.x % 128 == 0) {
-                    const int row = (first.y - cb->rank % cb->tp) / cb->tp; /* in the map's rows */
-#pragma unroll
-                    for (int box = 0; box < ON / 64; box++)
-                        tma_store_2d(&p.push_maps[first.x], stage_p + box * 8192, tl.n * ON + box * 64, row);
-                    bulk_commit();
-                }
-                if (warp == 0 && lane == first.x) push_sent += 64; /* thread 0 sent them */
-                continue;
-            }
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 const int2 d = push_row[h];
@@ -645,9 +618,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             }
             continue;
         }
-        if (TMA_EPILOGUE && !p.row_index && tl.m * TM + TM <= seg.rows) {
+        if (push_whole || (TMA_EPILOGUE && !p.push_dest && !p.row_index && tl.m * TM + TM <= seg.rows)) {
             /* Into shared memory as ON/64 swizzled boxes (swizzled_chunk), then one thread
-             * stores the boxes asynchronously. */
+             * stores the boxes asynchronously: to C, or to a push part's owner. */
             unsigned char *stage_c = sc + half * (64 * ON * 2);
             if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the previous tile's store has read it */
             warpgroup_sync(1 + half);
@@ -664,10 +637,13 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
             warpgroup_sync(1 + half);
             if (threadIdx.x % 128 == 0) {
-                const int row = seg.start + part;
+                const int t_rank = p.combine.rank % p.combine.tp;
+                const CUtensorMap *map = push_whole ? &p.push_maps[push_first.x] : &map_c;
+                const int row = push_whole ? (push_first.y - t_rank) / p.combine.tp /* in the map's rows */
+                                           : seg.start + part;
 #pragma unroll
                 for (int box = 0; box < ON / 64; box++)
-                    tma_store_2d(&map_c, stage_c + box * 8192, tl.n * ON + box * 64, row);
+                    tma_store_2d(map, stage_c + box * 8192, tl.n * ON + box * 64, row);
                 bulk_commit();
                 if (p.split_done) {
                     /* The split's readers load these rows with ordinary loads: a store must
@@ -684,6 +660,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                     pending_split = split;
                 }
             }
+            if (push_whole && warp == 0 && lane == push_first.x) push_sent += 64; /* thread 0 sent them */
             continue;
         }
         /* Straight from registers; rows past the group's end are padding, rows whose index
