@@ -38,11 +38,8 @@
 #define TICKETS 4 /* tiles the producer may announce ahead of the consumers (dynamic schedule) */
 
 /* The epilogue's staging in shared memory for 128 rows of `on` columns: the TMA store's
- * swizzled boxes, or (the push epilogue) plain rows of on * 2 + 16 bytes, the padding
- * putting the 8 rows that one store instruction writes in different banks. The two
- * layouts share the space. */
-#define PUSH_ROW_BYTES(on) ((on) * 2 + 16)
-static __host__ __device__ constexpr uint32_t c_stage_bytes(int on) { return BM * PUSH_ROW_BYTES(on); }
+ * swizzled boxes (C's, or the push's whole parts), 64 rows per consumer warpgroup. */
+static __host__ __device__ constexpr uint32_t c_stage_bytes(int on) { return BM * on * 2; }
 
 /* Where 16-byte chunk j (8 columns) of staged row r goes among the TMA store's boxes of 64
  * rows x 128 bytes, 128B-swizzled: the chunk index XOR the row's low 3 bits (conflict-free,
@@ -408,6 +405,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     if ((int)blockIdx.x < dispatch_blocks) {
         /* Pieces are claimed from counter 2; once done, the block computes too. */
         dispatch_rows(&p.dispatch, smem, p.sched + 2, p.err, p.timeout_ns);
+        /* The piece table's generic writes, before the GEMM's tensor loads reuse the space. */
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
     }
     const int block = blockIdx.x - dispatch_blocks; /* among the GEMM blocks (static schedule) */
@@ -499,6 +498,16 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, half = wg - 1;
+    if (TMA_EPILOGUE && p.push_dest && threadIdx.x % 128 == 0) {
+        /* The push's maps live in global memory, written by the host (cudaMemcpy): the thread
+         * that stores through them acquires them into the tensormap proxy first (CUDA
+         * programming guide, "tensor map in global memory"). */
+        for (int r = 0; r < p.combine.world; r++) {
+            asm volatile("fence.proxy.tensormap::generic.acquire.sys [%0], 128;" ::"l"((uint64_t)&p.push_maps[r])
+                         : "memory");
+            asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&p.push_maps[r]) : "memory");
+        }
+    }
     float acc[BN / 2];
     int stage = 0;
     uint32_t phase = 0, turn_phase = 0;
@@ -530,16 +539,18 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         tile_t tl = split_tile(t, per_split, first_tile, p.groups, split_tiles, p.group_m);
         /* The push's destinations of this warpgroup's rows, loaded before the mainloop so
          * the epilogue does not start with a trip to L2: both ends of the part (is it one
-         * chunk?) and, for lanes 0-15, row warp * 16 + lane. */
-        int2 push_first = make_int2(-1, 0), push_last = push_first, push_mine = push_first;
+         * chunk?) and this thread's two fragment rows. */
+        int2 push_first = make_int2(-1, 0), push_last = push_first, push_row[2] = {push_first, push_first};
         if (TMA_EPILOGUE && p.push_dest) {
             const cometi_segment_t sg = p.segs[tl.group];
-            const int part = tl.m * TM + (PINGPONG ? 0 : half * 64), mine = warp * 16 + lane;
+            const int part = tl.m * TM + (PINGPONG ? 0 : half * 64), r_lo = warp * 16 + lane / 4;
             if (part + 64 <= sg.rows) {
                 push_first = p.push_dest[sg.start + part];
                 push_last = p.push_dest[sg.start + part + 63];
             }
-            if (lane < 16 && part + mine < sg.rows) push_mine = p.push_dest[sg.start + part + mine];
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                if (part + r_lo + 8 * h < sg.rows) push_row[h] = p.push_dest[sg.start + part + r_lo + 8 * h];
         }
         int prev = -1;
         for (int kb = 0; kb < k_blocks; kb++) {
@@ -577,64 +588,39 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
 #define OUT(j, h, e)                                                                                           \
     (SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)]             \
             : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
-        if (TMA_EPILOGUE && p.push_dest) {
-            /* Layer1's push: the tile's rows go straight to their token owners' slots (see
-             * gemm.h), over NVLink for other ranks. If this warpgroup's 64 rows all go to
-             * consecutive slots of one owner (one chunk), thread 0 sends them as tensor
-             * stores of swizzled boxes, like C's; otherwise each warp stages and sends its
-             * own 16 rows (lanes 0-15, one bulk copy each). The rows are counted once, at
-             * the block's end (the owner sums after the whole GEMM anyway), so no tile
-             * waits for its copies to land. */
+        /* Layer1's push: the tile's rows go straight to their token owners' slots (see
+         * gemm.h), over NVLink for other ranks. If this warpgroup's 64 rows all go to
+         * consecutive slots of one owner (one chunk: one owner at both ends of a full part,
+         * since a segment holds one chunk per source rank), they leave like C's boxes,
+         * through that owner's map (below); otherwise (two chunks meet, or a group's last
+         * rows) every thread stores its fragments straight to their rows, keeping the
+         * copies off the SM's TMA unit (64 small bulk copies there held the next tile's
+         * loads back). The rows are counted once, at the block's end (the owner sums after
+         * the whole GEMM anyway), so no tile waits for its stores to land. */
+        const bool push_whole = TMA_EPILOGUE && p.push_dest && push_first.x >= 0 && push_last.x == push_first.x &&
+                                push_last.y - push_first.y == 63 * p.combine.tp;
+        if (TMA_EPILOGUE && p.push_dest && !push_whole) {
             const cometi_combine_t *cb = &p.combine;
-            unsigned char *stage_p = sc + half * 64 * PUSH_ROW_BYTES(ON); /* 1024-aligned: 64 x 528 or 64 x 272 */
-            const int2 first = push_first;
-            /* One segment holds one chunk per source rank, so one owner at both ends of a
-             * full part means one chunk: slots tp apart. */
-            const bool whole = first.x >= 0 && push_last.x == first.x && push_last.y - first.y == 63 * cb->tp;
-            const int mine = warp * 16 + lane; /* per row: lanes 0-15, this warp's row `mine` */
-            const int2 d = whole ? make_int2(-1, 0) : push_mine;
-            /* Every copy of the last tile has read the staging (the two layouts overlap
-             * across warps). */
-            bulk_wait_read();
-            warpgroup_sync(1 + half);
 #pragma unroll
-            for (int j = 0; j < ON / 8; j++) {
+            for (int h = 0; h < 2; h++) {
+                const int2 d = push_row[h];
+                if (d.x >= 0) {
+                    __nv_bfloat16 *c = (__nv_bfloat16 *)cb->peers[d.x].slots + (size_t)d.y * p.n + tl.n * ON +
+                                       (lane % 4) * 2;
 #pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int r = r_lo + 8 * h;
-                    __nv_bfloat162 v = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
-                    const uint32_t off = whole ? swizzled_chunk(j, r) : r * PUSH_ROW_BYTES(ON) + j * 16;
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(stage_p + off + (lane % 4) * 4)),
-                                 "r"(*(uint32_t *)&v) : "memory");
+                    for (int j = 0; j < ON / 8; j++)
+                        *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
                 }
-            }
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> bulk reads */
-            if (whole) {
-                warpgroup_sync(1 + half);
-                if (threadIdx.x % 128 == 0) {
-                    const int row = (first.y - cb->rank % cb->tp) / cb->tp; /* in the map's rows */
-#pragma unroll
-                    for (int box = 0; box < ON / 64; box++)
-                        tma_store_2d(&p.push_maps[first.x], stage_p + box * 8192, tl.n * ON + box * 64, row);
-                    bulk_commit();
+                for (int s = 0; s < cb->world; s++) { /* a row is four lanes' */
+                    const unsigned int n = __popc(__ballot_sync(0xffffffffu, lane % 4 == 0 && d.x == s));
+                    if (lane == s) push_sent += n;
                 }
-                if (warp == 0 && lane == first.x) push_sent += 64;
-                continue;
-            }
-            __syncwarp();
-            if (d.x >= 0)
-                bulk_store((__nv_bfloat16 *)cb->peers[d.x].slots + (size_t)d.y * p.n + tl.n * ON,
-                           stage_p + mine * PUSH_ROW_BYTES(ON), ON * 2);
-            if (lane < 16) bulk_commit();
-            for (int s = 0; s < cb->world; s++) {
-                const unsigned int n = __popc(__ballot_sync(0xffffffffu, d.x == s));
-                if (lane == s) push_sent += n;
             }
             continue;
         }
-        if (TMA_EPILOGUE && !p.row_index && tl.m * TM + TM <= seg.rows) {
+        if (push_whole || (TMA_EPILOGUE && !p.push_dest && !p.row_index && tl.m * TM + TM <= seg.rows)) {
             /* Into shared memory as ON/64 swizzled boxes (swizzled_chunk), then one thread
-             * stores the boxes asynchronously. */
+             * stores the boxes asynchronously: to C, or to a push part's owner. */
             unsigned char *stage_c = sc + half * (64 * ON * 2);
             if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the previous tile's store has read it */
             warpgroup_sync(1 + half);
@@ -651,10 +637,13 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
             warpgroup_sync(1 + half);
             if (threadIdx.x % 128 == 0) {
-                const int row = seg.start + part;
+                const int t_rank = p.combine.rank % p.combine.tp;
+                const CUtensorMap *map = push_whole ? &p.push_maps[push_first.x] : &map_c;
+                const int row = push_whole ? (push_first.y - t_rank) / p.combine.tp /* in the map's rows */
+                                           : seg.start + part;
 #pragma unroll
                 for (int box = 0; box < ON / 64; box++)
-                    tma_store_2d(&map_c, stage_c + box * 8192, tl.n * ON + box * 64, row);
+                    tma_store_2d(map, stage_c + box * 8192, tl.n * ON + box * 64, row);
                 bulk_commit();
                 if (p.split_done) {
                     /* The split's readers load these rows with ordinary loads: a store must
@@ -671,6 +660,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                     pending_split = split;
                 }
             }
+            if (push_whole && warp == 0 && lane == push_first.x) push_sent += 64; /* thread 0 sent them */
             continue;
         }
         /* Straight from registers; rows past the group's end are padding, rows whose index
@@ -703,8 +693,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         }
     }
     if (TMA_EPILOGUE && p.push_dest) {
-        /* Every copy of this lane has landed (and shared memory outlived them); after the
-         * warp's barrier, lane s releases the warp's count for owner s at system scope. */
+        /* Every tensor store of this thread has landed (and shared memory outlived them),
+         * and the warp's own stores are before its barrier; then lane s releases the warp's
+         * count for owner s at system scope. */
         bulk_wait();
         asm volatile("fence.proxy.async.global;" ::: "memory");
         warp_bar_sync(3 + half * 4 + warp);
@@ -1002,7 +993,7 @@ extern "C" comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepar
     const maps_t *m = &pr->maps;
     const gemm_args_t *args = &pr->args;
     const int blocks = pr->blocks;
-    /* The TMA epilogue's 66 KB staging (64 KB of boxes, or the push's padded rows) leaves room for 3 stages at 128x256; ping-pong's
+    /* The TMA epilogue's 64 KB staging of boxes leaves room for 3 stages at 128x256; ping-pong's
      * 64-row A tiles make stages smaller (40 KB). */
     if (pr->pingpong) {
         if (pr->swiglu)

@@ -152,14 +152,14 @@ typedef struct cometi_gemm {
     /* Layer1's push epilogue: no C; each finished tile's rows go straight to their token
      * owners, row r of A to combine.peers[push_dest[r].x].slots at row push_dest[r].y (a
      * choice (t, j) of rank s's tokens: its index in s's send order, times tp plus this
-     * rank's TP rank; x < 0: padding, not sent), by bulk copies over NVLink, and combine.peers[s].arrive[COMETI_PUSH_COUNTER]
+     * rank's TP rank; x < 0: padding, not sent), over NVLink for other ranks, and combine.peers[s].arrive[COMETI_PUSH_COUNTER]
      * grows by the rows once they have landed (system-scope release, at each block's end):
      * by rows x column tiles per call. cometi_launch_push_dest fills push_dest. Needs the
      * TMA epilogue, one split, no combine blocks, and the combine's peers table, rank and
      * world. cometi_launch_push_sum sums. A warpgroup's 64 rows that all go to one owner's
      * consecutive slots (one (source, expert) chunk: most of them) leave as tensor stores
-     * through push_maps instead of one bulk copy per row, so the SM's TMA unit is not
-     * queueing 64 small copies ahead of the next tile's loads. */
+     * through push_maps; other parts are stored by every thread straight from its
+     * accumulator fragments (4-byte stores), keeping small copies off the SM's TMA unit. */
     const void *push_dest; /* [a_rows] int2 (owner, slot row), or NULL */
     const void *push_maps; /* with push_dest: cometi_gemm_push_maps_create's maps */
     int dispatch_blocks;                  /* blocks before the GEMM's that run `dispatch` */
