@@ -13,44 +13,60 @@
 #define ROUTE_THREADS 1024
 
 /*
- * Stable positions in two steps, so the work spreads over E x chunks blocks instead of
- * E blocks that each walk every id (that took 0.15 ms at 64 experts x 65536 rows).
- * chunk_rank_kernel, block (e, c): each row of chunk c that goes to e gets its rank among
- * those rows (token order); the chunk's count goes to chunk_counts[e][c]. Block (0, c)
- * also records the first id outside [0, E).
+ * Stable positions in two steps, over the chunks of COMETI_ROUTE_CHUNK rows.
+ * chunk_rank_kernel, block c: each row of chunk c gets its rank among the chunk's rows of
+ * its expert (token order), and chunk_counts[e][c] the chunk's count of expert e. Warp w
+ * takes RANK_ROUNDS x 32 consecutive rows, all their ids loaded at once; in each round
+ * __match_any_sync finds the lanes with the same expert, and the warp's running count per
+ * expert (shared memory) gives the rows before. Then the warps' counts become their
+ * starts. (Block (e, c) per expert, each walking the chunk for its one expert, took
+ * 15 us at 64 experts x 65536 rows.) Rows with an id outside [0, E) get no position;
+ * the first one's index goes to first_bad.
  */
-static __global__ void __launch_bounds__(ROUTE_THREADS)
+#define RANK_THREADS 256
+#define RANK_WARPS (RANK_THREADS / 32)
+#define RANK_ROUNDS (COMETI_ROUTE_CHUNK / RANK_THREADS) /* rows per lane */
+static_assert(COMETI_ROUTE_CHUNK % RANK_THREADS == 0 && RANK_WARPS * COMETI_MAX_EXPERTS * 4 <= 48 * 1024,
+              "a chunk is whole rounds; the warps' counts fit the default shared memory");
+
+static __global__ void __launch_bounds__(RANK_THREADS)
 chunk_rank_kernel(const int32_t *ids, int n, int num_experts, int chunks, int32_t *chunk_counts, int32_t *pos,
                   unsigned int *first_bad)
 {
-    __shared__ int warp_sums[ROUTE_THREADS / 32];
-    const int e = blockIdx.x, c = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int end = min(n, (c + 1) * COMETI_ROUTE_CHUNK);
-    int base = 0;
-    for (int start = c * COMETI_ROUTE_CHUNK; start < end; start += ROUTE_THREADS) {
-        int i = start + threadIdx.x;
-        int id = i < end ? ids[i] : -1;
-        if (e == 0 && i < end && (id < 0 || id >= num_experts)) atomicMin(first_bad, (unsigned int)i);
-        int hit = id == e;
-        unsigned int ballot = __ballot_sync(0xffffffffu, hit);
-        int before_in_warp = __popc(ballot & ((1u << lane) - 1u));
-        if (lane == 0) warp_sums[warp] = __popc(ballot);
-        __syncthreads();
-        if (warp == 0) {
-            int v = warp_sums[lane];
-            for (int d = 1; d < 32; d <<= 1) {
-                int u = __shfl_up_sync(0xffffffffu, v, d);
-                if (lane >= d) v += u;
-            }
-            warp_sums[lane] = v; /* inclusive prefix over warps */
-        }
-        __syncthreads();
-        int before = base + (warp ? warp_sums[warp - 1] : 0) + before_in_warp;
-        if (hit) pos[i] = before;
-        base += warp_sums[ROUTE_THREADS / 32 - 1];
-        __syncthreads();
+    extern __shared__ int warp_count[]; /* [RANK_WARPS][E]: the warp's rows of each expert so far */
+    const int c = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32, E = num_experts;
+    for (int i = threadIdx.x; i < RANK_WARPS * E; i += RANK_THREADS) warp_count[i] = 0;
+    const int base = c * COMETI_ROUTE_CHUNK + warp * 32 * RANK_ROUNDS + lane; /* this lane's first row */
+    int id[RANK_ROUNDS], before[RANK_ROUNDS];
+#pragma unroll
+    for (int r = 0; r < RANK_ROUNDS; r++) id[r] = base + 32 * r < n ? ids[base + 32 * r] : -1;
+    __syncthreads();
+    int *mine = warp_count + warp * E;
+#pragma unroll
+    for (int r = 0; r < RANK_ROUNDS; r++) {
+        const bool ok = id[r] >= 0 && id[r] < E;
+        if (!ok && base + 32 * r < n) atomicMin(first_bad, (unsigned int)(base + 32 * r));
+        const unsigned int same = __match_any_sync(0xffffffffu, id[r]);
+        const int seen = ok ? mine[id[r]] : 0;
+        before[r] = seen + __popc(same & ((1u << lane) - 1u));
+        __syncwarp();
+        if (ok && lane == __ffs(same) - 1) mine[id[r]] = seen + __popc(same);
+        __syncwarp();
     }
-    if (threadIdx.x == 0) chunk_counts[(size_t)e * chunks + c] = base;
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += RANK_THREADS) { /* warps' counts -> their starts */
+        int sum = 0;
+        for (int w = 0; w < RANK_WARPS; w++) {
+            const int t = warp_count[w * E + e];
+            warp_count[w * E + e] = sum;
+            sum += t;
+        }
+        chunk_counts[(size_t)e * chunks + c] = sum;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < RANK_ROUNDS; r++)
+        if (id[r] >= 0 && id[r] < E) pos[base + 32 * r] = before[r] + mine[id[r]];
 }
 
 /* Block c: adds to each of its rows the rows of the same expert in earlier chunks; the
@@ -82,8 +98,8 @@ extern "C" cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_ex
     cudaError_t e = cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned int), stream);
     if (e != cudaSuccess) return e;
     const int chunks = cometi_route_chunks(n);
-    chunk_rank_kernel<<<dim3(num_experts, chunks), ROUTE_THREADS, 0, stream>>>(ids, n, num_experts, chunks,
-                                                                               chunk_counts, pos, first_bad);
+    chunk_rank_kernel<<<chunks, RANK_THREADS, sizeof(int) * RANK_WARPS * num_experts, stream>>>(
+        ids, n, num_experts, chunks, chunk_counts, pos, first_bad);
     chunk_offset_kernel<<<chunks, ROUTE_THREADS, sizeof(int) * num_experts, stream>>>(ids, n, num_experts, chunks,
                                                                                      chunk_counts, pos, counts);
     return cudaGetLastError();
@@ -104,13 +120,18 @@ typedef struct peer_tables {
  * 3) Wait for every peer's flag (acquire, timeout).
  * 4) Build the plan of plan.h for tp ranks per group: thread s < world does rank s's send
  *    offsets; thread g < groups does group g's receive segments (sources from the group's
- *    first rank on). Rows are placed by place_rows_kernel.
+ *    first rank on). Rows are placed by place_rows_kernel. Those two walks are serial, so
+ *    they read the counts from shared memory when world x E fits (counts_in_smem: the
+ *    dynamic shared memory holds them): from global memory each step waited for L2 (the
+ *    kernel took 24 us at 64 experts, 17-18 with shared memory; docs/PERF.md V3).
  */
 static __global__ void __launch_bounds__(PLAN_THREADS)
 exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int tp, int E, int block_m,
                      unsigned long long *seq_counter, const int32_t *local_counts, const int32_t *ids, int n,
-                     cometi_route_dev_plan_t plan, unsigned long long timeout_ns, cometi_async_error_t *err)
+                     cometi_route_dev_plan_t plan, int counts_in_smem, unsigned long long timeout_ns,
+                     cometi_async_error_t *err)
 {
+    extern __shared__ int32_t counts_s[]; /* [world * E] when counts_in_smem */
     __shared__ int failed;
     __shared__ unsigned long long seq_shared;
     if (threadIdx.x == 0) {
@@ -134,20 +155,24 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
         if (!cometi_wait_geq(mine_flag, seq, timeout_ns, err, COMETI_SITE_ROUTE, threadIdx.x, threadIdx.x))
             failed = 1;
     }
-    __syncthreads();
-    __threadfence_system();
+    __syncthreads(); /* the waiting threads' acquires, then the barrier: the peers' counts are visible */
     /* Without every peer's counts of this call the plan would be stale: make it empty, so
      * this rank sends nothing and computes nothing, and peers time out cleanly instead of
      * receiving rows in wrong places. The timeout is already recorded. */
     const volatile int32_t *counts = mine + (size_t)half * world * E;
-    for (int i = threadIdx.x; i < world * E; i += blockDim.x) plan.counts[i] = failed ? 0 : counts[i];
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+        const int32_t v = failed ? 0 : counts[i];
+        plan.counts[i] = v;
+        if (counts_in_smem) counts_s[i] = v;
+    }
     __syncthreads();
+    const int32_t *cnt = counts_in_smem ? counts_s : plan.counts;
     if (threadIdx.x < world) { /* send side of rank s: destination-major = expert order */
         const int s = threadIdx.x;
         int off = 0;
         for (int e = 0; e < E; e++) {
             plan.send_offset[s * E + e] = off;
-            off += plan.counts[s * E + e];
+            off += cnt[s * E + e];
         }
     } else if (threadIdx.x >= 128 && threadIdx.x < 128 + groups) { /* receive side of group d */
         const int d = threadIdx.x - 128;
@@ -159,7 +184,7 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
             for (int i = 0; i < world; i++) {
                 const int s = (d * tp + i) % world;
                 plan.recv_offset[s * E + e] = in_seg;
-                in_seg += plan.counts[s * E + e];
+                in_seg += cnt[s * E + e];
             }
             plan.seg_rows[e] = in_seg;
             row += (in_seg + block_m - 1) / block_m * block_m;
@@ -168,15 +193,21 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
     }
     __syncthreads();
     /* This rank as a receiver: its segments, its own rows in each, and how many rows each
-     * 128-row block receives in this call (added to the running totals). */
-    for (int le = threadIdx.x; le < per; le += blockDim.x) {
+     * 128-row block receives in this call (added to the running totals), `sub` threads per
+     * segment taking every sub-th block. */
+    const int sub = per < (int)blockDim.x ? (int)blockDim.x / per : 1;
+    for (int i = threadIdx.x; i < per * sub; i += blockDim.x) {
+        const int le = i / sub, u = i % sub;
         const int e = me / tp * per + le, start = plan.seg_start[e], rows = plan.seg_rows[e];
-        plan.local_segs[le].start = start;
-        plan.local_segs[le].rows = rows;
-        /* This rank's own rows lead the segment unless, with TP, an earlier rank of the group
-         * sent some (the layout is the group's; those rows arrive over NVLink). */
-        plan.local_rows[le] = plan.recv_offset[me * E + e] == 0 ? plan.counts[me * E + e] : 0;
-        for (int r = 0; r < rows; r += block_m) plan.expected[(start + r) / block_m] += min(block_m, rows - r);
+        if (u == 0) {
+            plan.local_segs[le].start = start;
+            plan.local_segs[le].rows = rows;
+            /* This rank's own rows lead the segment unless, with TP, an earlier rank of the
+             * group sent some (the layout is the group's; those rows arrive over NVLink). */
+            plan.local_rows[le] = plan.recv_offset[me * E + e] == 0 ? cnt[me * E + e] : 0;
+        }
+        for (int r = u * block_m; r < rows; r += sub * block_m)
+            plan.expected[(start + r) / block_m] += min(block_m, rows - r);
     }
     if (threadIdx.x == 0) {
         *plan.failed = failed;
@@ -303,10 +334,12 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     peer_tables_t peers;
     memset(&peers, 0, sizeof(peers));
     for (int p = 0; p < r->world; p++) peers.base[p] = (int32_t *)r->table.peer[p];
-    exchange_plan_kernel<<<1, PLAN_THREADS, 0, stream>>>(peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E,
-                                                        r->block_m, r->seq, r->local_counts, topk_ids, n, r->plan,
-                                                        (unsigned long long)comm->timeout_ms * 1000000ull,
-                                                        comm->async_dev);
+    /* The counts in shared memory where they fit the default 48 KB (world x E <= 12272). */
+    const size_t counts_bytes = sizeof(int32_t) * (size_t)r->world * E;
+    const int counts_in_smem = counts_bytes <= 48 * 1024 - 64;
+    exchange_plan_kernel<<<1, PLAN_THREADS, counts_in_smem ? counts_bytes : 0, stream>>>(
+        peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m, r->seq, r->local_counts, topk_ids,
+        n, r->plan, counts_in_smem, (unsigned long long)comm->timeout_ms * 1000000ull, comm->async_dev);
     COMETI_TRY(cometi_cuda(comm->err, cudaGetLastError(), "launch exchange_plan_kernel"));
     if (n > 0)
         place_rows_kernel<<<(n + 255) / 256, 256, 0, stream>>>(topk_ids, weights, n, k, E, comm->rank, r->world, r->tp, r->plan,
