@@ -1,0 +1,116 @@
+"""Where one comet_moe_forward's time goes, kernel by kernel, on every rank: the forward
+runs under torch.profiler (CUPTI sees libcomet's kernels too), and each kernel's median
+duration over the calls is printed, with the route's kernels summed. Calls are taken
+one at a time (barrier, call, sync), so each rank's exchange kernel also holds its wait
+for the slower rank: the rank with the shorter exchange shows the route's own cost.
+
+    torchrun --nproc-per-node 2 bench/trace_forward.py
+    torchrun --nproc-per-node 2 bench/trace_forward.py --preset qwen2-57b-a14b --tokens 1024 8192
+
+Needs build/libcomet.so (`make`, built against PyTorch's NCCL: scripts/device-run.sh
+shows how). Routing: the block's router on random activations (about balanced).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before anything initialises NCCL
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import comet_moe  # noqa: E402
+from comet_moe.block import mixtral_route  # noqa: E402
+
+# Kernel name fragments -> short names, in launch order.
+KERNELS = [("Memset", "memset"), ("chunk_rank", "rank"), ("chunk_offset", "offset"), ("exchange_plan", "exchange"),
+           ("place_rows", "place"), ("grouped_gemm_kernel<256, 3, true, true", "gemm0"), ("push_dest", "dest"),
+           ("grouped_gemm_kernel<256, 3, true, false", "gemm1"), ("combine_tail", "tail"), ("push_sum", "sum")]
+ROUTE = ("memset", "rank", "offset", "exchange", "place")
+
+
+def random_block(comm, preset, tokens, device):
+    cfg = comet_moe.MoeConfig.preset(preset, max_tokens=tokens)
+    block = comet_moe.CometSparseMoeBlock(comm, cfg, impl="fused")
+    E, H, Fd = cfg.num_experts, cfg.hidden, cfg.ffn
+    g = torch.Generator(device=device).manual_seed(7)
+    sd = {"gate.weight": torch.randn(E, H, device=device, dtype=torch.bfloat16, generator=g) / H ** 0.5}
+    for e in range(E):
+        for name, shape in (("w1", (Fd, H)), ("w3", (Fd, H)), ("w2", (H, Fd))):
+            sd[f"experts.{e}.{name}.weight"] = torch.randn(*shape, device=device, dtype=torch.bfloat16,
+                                                           generator=g) / shape[1] ** 0.5
+    block.load_state_dict(sd)
+    return block, cfg
+
+
+def kernel_medians(block, x, ids, w, calls):
+    with torch.inference_mode():
+        for _ in range(5):
+            block.forward_routed(x, ids, w)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                dist.barrier()
+                torch.cuda.synchronize()
+                block.forward_routed(x, ids, w)
+                torch.cuda.synchronize()
+                time.sleep(0.002)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    durations = {}
+    for e in events:
+        if e.get("cat") not in ("kernel", "gpu_memset"):
+            continue
+        for fragment, short in KERNELS:
+            if fragment in e.get("name", ""):
+                durations.setdefault(short, []).append(e["dur"])
+    return {short: statistics.median(durations[short]) for _, short in KERNELS if short in durations}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", nargs="+", default=["qwen2-moe-2.7b", "qwen2-57b-a14b", "mixtral-8x7b"])
+    p.add_argument("--tokens", nargs="+", type=int, default=[1024, 8192])
+    p.add_argument("--calls", type=int, default=10)
+    a = p.parse_args()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", local)
+    comm = comet_moe.Comm.from_process_group()
+    lines = []
+    for preset in a.preset:
+        for tokens in a.tokens:
+            block, cfg = random_block(comm, preset, tokens, device)
+            x = torch.randn(tokens, cfg.hidden, device=device, dtype=torch.bfloat16,
+                            generator=torch.Generator(device=device).manual_seed(rank))
+            ids, w = mixtral_route(torch.nn.functional.linear(x, block.gate.weight), cfg.top_k)
+            med = kernel_medians(block, x, ids, w, a.calls)
+            route = sum(med.get(k, 0.0) for k in ROUTE)
+            lines.append(f"{preset:15s} {tokens:6d} rank {rank}: " + " ".join(f"{k} {v:.1f}" for k, v in med.items())
+                         + f" | route {route:.1f} us")
+            block.close()
+    comm.check_async_error(synchronize=True)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, lines)
+    if rank == 0:
+        print(f"median us per kernel over {a.calls} calls, {world} x {torch.cuda.get_device_name()}, "
+              f"comet {comet_moe.version()}")
+        for i in range(len(lines)):
+            for r in range(world):
+                print(gathered[r][i])
+    comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
