@@ -21,8 +21,10 @@
  * 1.47x) and lost where it is 0.07 (mixtral-8x7b, by 6%); even at 0.16 (phi-3.5-moe).
  * It also beat every setting with combine blocks beside the GEMM (docs/PERF.md, S5).
  * Since its epilogue sends whole parts as tensor stores (U3) it wins at 0.16 too (phi,
- * 2%) and still loses at 0.07 (mixtral, 3.5%). */
-#define MODEL_PUSH_SHARE 0.1
+ * 2%), and since the other parts are stored from registers (V1) at 0.07 (mixtral: 1.6%
+ * on the whole layer in turns, V4). The threshold keeps the tail for shapes with even
+ * less to send. */
+#define MODEL_PUSH_SHARE 0.05
 
 static int clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 

@@ -282,6 +282,33 @@ static int fused_vs_alone(const timed_call_t *fused, int rounds, float *fused_ms
     return 0;
 }
 
+/* A sweep's calls run back to back, each setting at the clocks its own power draw allows
+ * (the GPUs run at their power limit), so its order can be off: the two best settings are
+ * timed again, each in turns with the GEMM alone, and the lower ratio wins (docs/PERF.md
+ * V4). `second` differs from `first` only in its knobs, or is NULL. Returns which won (0,
+ * 1), -1 on failure; the winner's times in *fused_ms and *alone_ms (maxima over ranks, so
+ * every rank picks the same). */
+static int better_in_turns(const timed_call_t *first, const timed_call_t *second, int rounds, float *fused_ms,
+                           float *alone_ms)
+{
+    if (fused_vs_alone(first, rounds, fused_ms, alone_ms)) return -1;
+    if (!second) return 0;
+    float f2, a2;
+    if (fused_vs_alone(second, rounds, &f2, &a2)) return -1;
+    if (f2 / a2 >= *fused_ms / *alone_ms) return 0;
+    *fused_ms = f2, *alone_ms = a2;
+    return 1;
+}
+
+/* The sweep's second best, -1 if it had one run. */
+static int runner_up(const float *ms, int runs, int best)
+{
+    int second = -1;
+    for (int i = 0; i < runs; i++)
+        if (i != best && (second < 0 || ms[i] < ms[second])) second = i;
+    return second;
+}
+
 static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t *a, void **x, int32_t **ids,
                        float **w, const cometi_layer0_knobs_t *knobs, int warmup, int iters, int what,
                        float *out)
@@ -408,9 +435,16 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         if (ms < res->l1_ms[res->l1_best]) res->l1_best = res->l1_runs;
         res->l1_runs++;
     }
+    const int second = runner_up(res->l1_ms, res->l1_runs, res->l1_best);
+    const timed_call_t first_turns = {L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, &res->l1_knobs[res->l1_best],
+                                      NULL};
+    timed_call_t second_turns = first_turns;
+    if (second >= 0) second_turns.k1 = &res->l1_knobs[second];
+    const int pick = better_in_turns(&first_turns, second >= 0 ? &second_turns : NULL, o->iters, &res->l1_paired_ms,
+                                     &res->l1_gemm_alone_ms);
+    if (pick < 0) return 1;
+    if (pick) res->l1_best = second;
     const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
-    const timed_call_t turns = {L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, best, NULL};
-    if (fused_vs_alone(&turns, o->iters, &res->l1_paired_ms, &res->l1_gemm_alone_ms)) return 1;
     if (!o->suite && print_push_phases(ctx, comm, l0, &l1, a, o->iters, res->l1_gemm_alone_ms)) return 1;
     /* y on poisoned output against the baseline's, every token. */
     CUDA_OK(cudaMemset(y, 0xff, (size_t)M * H * 2));
@@ -473,8 +507,15 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         res->l0_runs++;
     }
     /* The ratio that matters, fused against our GEMM alone, from calls taken in turns. */
-    const timed_call_t turns = {L0_FUSED, comm, NULL, &l0, NULL, a, x, ids, w, &res->l0_knobs[res->l0_best], NULL, NULL};
-    if (fused_vs_alone(&turns, o->iters, &res->l0_paired_ms, &res->l0_gemm_alone_ms)) return 1;
+    const int second = runner_up(res->l0_ms, res->l0_runs, res->l0_best);
+    const timed_call_t first_turns = {L0_FUSED, comm, NULL, &l0, NULL, a, x, ids, w, &res->l0_knobs[res->l0_best],
+                                      NULL, NULL};
+    timed_call_t second_turns = first_turns;
+    if (second >= 0) second_turns.k0 = &res->l0_knobs[second];
+    const int pick = better_in_turns(&first_turns, second >= 0 ? &second_turns : NULL, o->iters, &res->l0_paired_ms,
+                                     &res->l0_gemm_alone_ms);
+    if (pick < 0) return 1;
+    if (pick) res->l0_best = second;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0];
     st = comet_moe_forward(moe, a, 0);
