@@ -13,6 +13,7 @@ shows how). Routing: the block's router on random activations (about balanced).
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -29,11 +30,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import comet_moe  # noqa: E402
 from comet_moe.block import mixtral_route  # noqa: E402
 
-# Kernel name fragments -> short names, in launch order.
+# Kernel name fragments -> short names, in launch order. The grouped GEMM is GEMM0 when its
+# SWIGLU template argument (the fourth) is true, else GEMM1.
 KERNELS = [("Memset", "memset"), ("chunk_rank", "rank"), ("chunk_offset", "offset"), ("exchange_plan", "exchange"),
-           ("place_rows", "place"), ("grouped_gemm_kernel<256, 3, true, true", "gemm0"), ("push_dest", "dest"),
-           ("grouped_gemm_kernel<256, 3, true, false", "gemm1"), ("combine_tail", "tail"), ("push_sum", "sum")]
+           ("place_rows", "place"), ("gemm0", "gemm0"), ("push_dest", "dest"), ("gemm1", "gemm1"),
+           ("combine_tail", "tail"), ("push_sum", "sum")]
 ROUTE = ("memset", "rank", "offset", "exchange", "place")
+GEMM = re.compile(r"grouped_gemm_kernel<\d+, \d+, \w+, (\w+), \w+>")
+
+
+def kernel_key(name):
+    """The fragment KERNELS matches for a kernel's name: gemm0 / gemm1 for the GEMM."""
+    m = GEMM.search(name)
+    return ("gemm0" if m.group(1) == "true" else "gemm1") if m else name
 
 
 def random_block(comm, preset, tokens, device):
@@ -64,13 +73,15 @@ def kernel_medians(block, x, ids, w, calls):
                 time.sleep(0.002)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     durations = {}
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memset"):
             continue
+        key = kernel_key(e.get("name", ""))
         for fragment, short in KERNELS:
-            if fragment in e.get("name", ""):
+            if fragment in key:
                 durations.setdefault(short, []).append(e["dur"])
     return {short: statistics.median(durations[short]) for _, short in KERNELS if short in durations}
 

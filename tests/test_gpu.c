@@ -852,10 +852,10 @@ int test_gpu_gemm_epilogues(void)
 #define ROUTE_K 2
 #define ROUTE_MAX_M 10000 /* up to 20000 rows: several of the route's 4096-row chunks */
 
-/* 300 calls of the device route with tp ranks per group against the C plan. */
-static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int tp)
+/* `calls` calls of the device route with E experts and tp ranks per group against the C plan. */
+static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int tp, int E, int calls)
 {
-    const int W = ctx->nranks, me = ctx->rank, E = ROUTE_E, k = ROUTE_K;
+    const int W = ctx->nranks, me = ctx->rank, k = ROUTE_K;
     const int groups = W / tp, per = E / groups;
     cometi_route_dev_t r;
     COMET_OK(cometi_route_dev_create(comm, E, tp, ROUTE_MAX_M * k,
@@ -870,7 +870,6 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
     cometi_row_meta_t *meta = malloc(sizeof(cometi_row_meta_t) * ROUTE_MAX_M * k);
     int32_t *got = malloc(sizeof(int32_t) * (W * E * 3 + E * 2 + W + ROUTE_MAX_M * k));
     int64_t *counts = malloc(sizeof(int64_t) * W * E), *want_pos = malloc(sizeof(int64_t) * ROUTE_MAX_M * k);
-    const int calls = 300;
     uint64_t *expected = calloc((size_t)r.max_blocks, sizeof(uint64_t)), *got_expected = malloc(8 * (size_t)r.max_blocks);
     for (int call = 0; call < calls; call++) {
         /* Every rank draws every rank's routing, so each can build the whole plan. */
@@ -945,8 +944,8 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
         cometi_route_plan_free(&p);
     }
     free(expected), free(got_expected);
-    printf("rank %d, tp %d: %d calls with changing routing and token counts, device plan equal to the C plan\n", me,
-           tp, calls);
+    printf("rank %d, tp %d, %d experts: %d calls with changing routing and token counts, device plan equal to the C "
+           "plan\n", me, tp, E, calls);
     for (int s = 0; s < W; s++) free(ids[s]);
     free(w), free(my_w), free(got), free(counts), free(want_pos), free(want_send), free(meta);
     cudaFree(d_ids);
@@ -960,8 +959,12 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const uint64_t seed = *(uint64_t *)arg;
     comet_comm_t comm;
     if (open_comm(ctx, 10000, &comm)) return 1;
-    /* EP only, then every rank in one TP group (EP = 1, TP = world). */
-    if (route_check(ctx, comm, seed, 1) || route_check(ctx, comm, seed + 1, ctx->nranks)) return 1;
+    /* EP only, then every rank in one TP group (EP = 1, TP = world), then the most experts
+     * a config may have (most of them with a few rows or none: many distinct ids per warp
+     * round in the rank kernel). */
+    if (route_check(ctx, comm, seed, 1, ROUTE_E, 300) || route_check(ctx, comm, seed + 1, ctx->nranks, ROUTE_E, 300) ||
+        route_check(ctx, comm, seed + 2, 1, COMETI_MAX_EXPERTS, 40))
+        return 1;
     COMET_OK(comet_comm_destroy(comm), comm);
     return 0;
 }

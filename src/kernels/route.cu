@@ -1,8 +1,9 @@
 /*
- * route.cu - routing kernels: stable per-expert positions and counts (route_kernel),
- * and the device route (exchange_plan_kernel), which swaps counts with every peer
- * through symmetric memory and builds the routing plan of plan.h on the GPU. The plan
- * must match cometi_route_plan_build exactly; a GPU test compares them.
+ * route.cu - routing kernels: stable per-expert positions and counts (chunk_rank_kernel,
+ * chunk_offset_kernel), and the device route (exchange_plan_kernel, place_rows_kernel),
+ * which swaps counts with every peer through symmetric memory and builds the routing
+ * plan of plan.h on the GPU. The plan must match cometi_route_plan_build exactly; a GPU
+ * test compares them.
  */
 #include <stdint.h>
 #include <string.h>
@@ -95,6 +96,7 @@ extern "C" cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_ex
                                            int32_t *pos, unsigned int *first_bad, int32_t *chunk_counts,
                                            cudaStream_t stream)
 {
+    if (num_experts < 1 || num_experts > COMETI_MAX_EXPERTS) return cudaErrorInvalidValue; /* the ranks' shared memory */
     cudaError_t e = cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned int), stream);
     if (e != cudaSuccess) return e;
     const int chunks = cometi_route_chunks(n);
@@ -259,6 +261,8 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
 {
     memset(r, 0, sizeof(*r));
     const int W = comm->size, E = num_experts;
+    if (E < 1 || E > COMETI_MAX_EXPERTS)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "route: %d experts (1..%d)", E, COMETI_MAX_EXPERTS);
     if (tp < 1 || W % tp || E % (W / tp))
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "route: tp %d must divide the world %d, and the "
                            "groups the experts (%d)", tp, W, E);
