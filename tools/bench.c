@@ -261,7 +261,10 @@ static int time_in_turns(const timed_call_t *base, const int *whats, int n, int 
         for (int v = 0; v < n; v++) {
             timed_call_t c = *base;
             c.what = whats[v];
-            if (time_calls(&c, 0, 1, &t[v * rounds + i])) return 1;
+            if (time_calls(&c, 0, 1, &t[v * rounds + i])) {
+                free(t);
+                return 1;
+            }
         }
     }
     for (int v = 0; v < n; v++) med[v] = median(t + v * rounds, rounds);
