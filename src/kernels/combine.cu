@@ -63,14 +63,25 @@ extern "C" comet_status_t cometi_launch_combine_tail(char *err, const cometi_com
     return cometi_cuda(err, cudaGetLastError(), "launch combine_tail_kernel");
 }
 
-/* The push's owner side (see cometi_push_sum_t). A block takes a few tokens at a time
- * (SUM_ITEMS 16-byte column chunks in all): first their choices' slots and weights into
- * shared memory, once per token, then every thread sums two chunks at once with all their
- * loads in flight. (One thread per chunk, each looking up its token's slots itself, ran at
- * 1.1-1.8 TB/s: three dependent loads before each slot's.) */
+/* The push's owner side (see cometi_push_sum_t). A block takes a few tokens at a time:
+ * first their choices' slots and weights into shared memory, once per token, then every
+ * thread sums two 16-byte column chunks at once with all their loads in flight. (One
+ * thread per chunk, each looking up its token's slots itself, ran at 1.1-1.8 TB/s: three
+ * dependent loads before each slot's.) A step reads about SUM_READS chunks (k rows per
+ * output chunk), so the table's dependent loads and the barriers are paid per 128 KB read
+ * whatever top-k is: with a fixed 1024 output chunks per step, top-2 and top-4 steps read
+ * only 32-64 KB and ran at 2.4-2.8 TB/s where top-8 ran at 3.8 (docs/PERF.md V3). With TP a
+ * step reads tp partial rows per choice: tp x 128 KB. */
 #define SUM_THREADS 256
-#define SUM_ITEMS 1024
-#define SUM_MAX_TOKENS 128 /* SUM_ITEMS / 8: rows of 64 columns */
+#define SUM_READS 8192     /* 16-byte chunks read per step: 128 KB */
+#define SUM_MAX_TOKENS 128 /* the tables' tokens per step */
+
+/* Tokens per step: SUM_READS / top_k output chunks, whole tokens, 1..SUM_MAX_TOKENS. */
+static __host__ __device__ inline int sum_step_tokens(int vecs, int top_k)
+{
+    const int t = SUM_READS / top_k / vecs;
+    return t < 1 ? 1 : t > SUM_MAX_TOKENS ? SUM_MAX_TOKENS : t;
+}
 
 static __global__ void __launch_bounds__(SUM_THREADS)
 push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned long long timeout_ns)
@@ -87,7 +98,7 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
         cometi_wait_geq(s.arrive, *s.expected + per_call, timeout_ns, err, COMETI_SITE_PUSH, -1, 0);
     }
     const int vecs = s.hidden / 8, k = s.top_k;
-    const int step = max(1, min(SUM_MAX_TOKENS, SUM_ITEMS / vecs)); /* tokens per step */
+    const int step = s.step;
     const int32_t *send_offset = s.send_offset + (size_t)s.rank * s.num_experts;
     const __nv_bfloat16 *slots = (const __nv_bfloat16 *)s.slots;
     for (int t0 = blockIdx.x * step; t0 < s.num_tokens; t0 += gridDim.x * step) {
@@ -140,7 +151,7 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
     }
 }
 
-extern "C" comet_status_t cometi_push_sum_prepare(char *err, const cometi_push_sum_t *s, unsigned int *blocks_out)
+extern "C" comet_status_t cometi_push_sum_prepare(char *err, cometi_push_sum_t *s, unsigned int *blocks_out)
 {
     if (s->hidden % 8 || s->top_k < 1 || s->top_k > COMETI_COMBINE_MAX_TOP_K || s->num_tokens < 0 ||
         s->col_tiles < 1 || s->tp < 1 || (uintptr_t)s->y % 16 || (uintptr_t)s->slots % 16)
@@ -155,9 +166,12 @@ extern "C" comet_status_t cometi_push_sum_prepare(char *err, const cometi_push_s
     if (!sm_counts[dev])
         COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_counts[dev], cudaDevAttrMultiProcessorCount, dev),
                                "cudaDeviceGetAttribute(SM count)"));
-    /* Enough blocks to fill the GPU a few times over, at least one (it advances the total). */
-    const int vecs = s->hidden / 8, step = vecs >= SUM_ITEMS ? 1 : SUM_ITEMS / vecs < SUM_MAX_TOKENS ? SUM_ITEMS / vecs
-                                                                                                   : SUM_MAX_TOKENS;
+    /* Steps of about SUM_READS chunks, but small enough for two blocks per SM where the
+     * tokens allow (a few tokens with big steps would leave SMs idle); enough blocks to fill
+     * the GPU a few times over, at least one (it advances the total). */
+    const int fill = (int)(((int64_t)s->num_tokens + 2 * sm_counts[dev] - 1) / (2 * sm_counts[dev]));
+    const int step = max(1, min(sum_step_tokens(s->hidden / 8, s->top_k), fill));
+    s->step = step;
     size_t blocks = ((size_t)s->num_tokens + step - 1) / step;
     if (blocks > (size_t)sm_counts[dev] * 4) blocks = (size_t)sm_counts[dev] * 4;
     if (blocks < 1) blocks = 1;
@@ -169,6 +183,9 @@ extern "C" comet_status_t cometi_launch_push_sum(char *err, const cometi_push_su
                                                  cometi_async_error_t *async_err, unsigned long long timeout_ns,
                                                  cudaStream_t stream)
 {
+    if (s->step < 1 || s->step > SUM_MAX_TOKENS)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "push sum: step %d (1..%d): not prepared "
+                           "(cometi_push_sum_prepare sets it)", s->step, SUM_MAX_TOKENS);
     push_sum_kernel<<<blocks, SUM_THREADS, 0, stream>>>(*s, async_err, timeout_ns);
     return cometi_cuda(err, cudaGetLastError(), "launch push_sum_kernel");
 }

@@ -237,11 +237,12 @@ typedef struct cometi_push_sum {
     int num_tokens, top_k, hidden, num_experts, rank, col_tiles;
     int tp;                            /* TP ranks per group: choice (t, j) has tp partial rows, at
                                         * slots slot * tp + c, c the sender's TP rank; summed c by c */
+    int step;                          /* tokens a block takes at a time: set by the prepare */
 } cometi_push_sum_t;
-/* Check `s` and size the grid; nothing is enqueued. Call it before the GEMM whose rows
- * the sum waits for: a sum that fails after that GEMM has run would leave the running
- * total behind the counters. */
-comet_status_t cometi_push_sum_prepare(char *err, const cometi_push_sum_t *s, unsigned int *blocks);
+/* Check `s`, size the grid and set s->step; nothing is enqueued. Call it before the GEMM
+ * whose rows the sum waits for: a sum that fails after that GEMM has run would leave the
+ * running total behind the counters. */
+comet_status_t cometi_push_sum_prepare(char *err, cometi_push_sum_t *s, unsigned int *blocks);
 comet_status_t cometi_launch_push_sum(char *err, const cometi_push_sum_t *s, unsigned int blocks,
                                       cometi_async_error_t *async_err, unsigned long long timeout_ns,
                                       cudaStream_t stream);
