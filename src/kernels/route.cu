@@ -120,20 +120,42 @@ typedef struct peer_tables {
  * 2) Raise flag [me] on every peer to this call's sequence number (release, system),
  *    one more than the last call's, kept in device memory (*seq).
  * 3) Wait for every peer's flag (acquire, timeout).
- * 4) Build the plan of plan.h for tp ranks per group: thread s < world does rank s's send
- *    offsets; thread g < groups does group g's receive segments (sources from the group's
- *    first rank on). Rows are placed by place_rows_kernel. Those two walks are serial, so
- *    they read the counts from shared memory when world x E fits (counts_in_smem: the
- *    dynamic shared memory holds them): from global memory each step waited for L2 (the
- *    kernel took 24 us at 64 experts, 17-18 with shared memory; docs/PERF.md V3).
+ * 4) Build the plan of plan.h for tp ranks per group, with no serial walk: one thread per
+ *    expert sums its segment over the sources (in the group's order) and pads it; then one
+ *    warp per source scans that source's counts into its send offsets, and one warp per
+ *    group scans its padded segments into their starts. Rows are placed by
+ *    place_rows_kernel. The counts come from shared memory when world x E fits beside the
+ *    padded sizes (counts_in_smem). The serial walks this replaced ran at one warp's
+ *    latency, with two integer divisions per step: 17 us of the kernel at 64 experts
+ *    (docs/PERF.md V3, X2).
  */
-static __global__ void __launch_bounds__(PLAN_THREADS)
+/* Exclusive prefix sums of in[0..n) into out[0..n) (may be in) by one warp; the total. */
+static __device__ __forceinline__ int warp_exclusive_scan(const int32_t *in, int32_t *out, int n)
+{
+    const int lane = threadIdx.x % 32;
+    int carry = 0;
+    for (int base = 0; base < n; base += 32) {
+        const int i = base + lane, v = i < n ? in[i] : 0;
+        int incl = v;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int t = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += t;
+        }
+        if (i < n) out[i] = carry + incl - v;
+        carry += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    return carry;
+}
+
+static __global__ void __launch_bounds__(PLAN_THREADS, 1)
 exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int tp, int E, int block_m,
                      unsigned long long *seq_counter, const int32_t *local_counts, const int32_t *ids, int n,
                      cometi_route_dev_plan_t plan, int counts_in_smem, unsigned long long timeout_ns,
                      cometi_async_error_t *err)
 {
-    extern __shared__ int32_t counts_s[]; /* [world * E] when counts_in_smem */
+    /* [world * E] counts when counts_in_smem, then [E] padded segment sizes -> starts */
+    extern __shared__ int32_t counts_s[];
     __shared__ int failed;
     __shared__ unsigned long long seq_shared;
     if (threadIdx.x == 0) {
@@ -169,29 +191,30 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
     }
     __syncthreads();
     const int32_t *cnt = counts_in_smem ? counts_s : plan.counts;
-    if (threadIdx.x < world) { /* send side of rank s: destination-major = expert order */
-        const int s = threadIdx.x;
-        int off = 0;
-        for (int e = 0; e < E; e++) {
-            plan.send_offset[s * E + e] = off;
-            off += cnt[s * E + e];
+    int32_t *seg_start_s = counts_s + (counts_in_smem ? world * E : 0);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) { /* expert e's segment, sources from its group's first rank */
+        const int first = e / per * tp;
+        int in_seg = 0;
+        for (int i = 0; i < world; i++) {
+            const int s = first + i < world ? first + i : first + i - world;
+            plan.recv_offset[s * E + e] = in_seg;
+            in_seg += cnt[s * E + e];
         }
-    } else if (threadIdx.x >= 128 && threadIdx.x < 128 + groups) { /* receive side of group d */
-        const int d = threadIdx.x - 128;
-        int row = 0;
-        for (int le = 0; le < per; le++) {
-            const int e = d * per + le;
-            plan.seg_start[e] = row;
-            int in_seg = 0;
-            for (int i = 0; i < world; i++) {
-                const int s = (d * tp + i) % world;
-                plan.recv_offset[s * E + e] = in_seg;
-                in_seg += cnt[s * E + e];
-            }
-            plan.seg_rows[e] = in_seg;
-            row += (in_seg + block_m - 1) / block_m * block_m;
+        plan.seg_rows[e] = in_seg;
+        seg_start_s[e] = (in_seg + block_m - 1) / block_m * block_m;
+    }
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int job = warp; job < world + groups; job += blockDim.x / 32) {
+        if (job < world) { /* send side of rank s: destination-major = expert order */
+            warp_exclusive_scan(cnt + job * E, plan.send_offset + job * E, E);
+        } else { /* receive side of group d: padded segments one after another */
+            const int d = job - world;
+            const int rows = warp_exclusive_scan(seg_start_s + d * per, seg_start_s + d * per, per);
+            __syncwarp();
+            for (int i = lane; i < per; i += 32) plan.seg_start[d * per + i] = seg_start_s[d * per + i];
+            if (lane == 0) plan.recv_rows[d] = rows;
         }
-        plan.recv_rows[d] = row;
     }
     __syncthreads();
     /* This rank as a receiver: its segments, its own rows in each, and how many rows each
@@ -200,7 +223,7 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
     const int sub = per < (int)blockDim.x ? (int)blockDim.x / per : 1;
     for (int i = threadIdx.x; i < per * sub; i += blockDim.x) {
         const int le = i / sub, u = i % sub;
-        const int e = me / tp * per + le, start = plan.seg_start[e], rows = plan.seg_rows[e];
+        const int e = me / tp * per + le, start = seg_start_s[e], rows = plan.seg_rows[e];
         if (u == 0) {
             plan.local_segs[le].start = start;
             plan.local_segs[le].rows = rows;
@@ -338,10 +361,11 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     peer_tables_t peers;
     memset(&peers, 0, sizeof(peers));
     for (int p = 0; p < r->world; p++) peers.base[p] = (int32_t *)r->table.peer[p];
-    /* The counts in shared memory where they fit the default 48 KB (world x E <= 12272). */
-    const size_t counts_bytes = sizeof(int32_t) * (size_t)r->world * E;
-    const int counts_in_smem = counts_bytes <= 48 * 1024 - 64;
-    exchange_plan_kernel<<<1, PLAN_THREADS, counts_in_smem ? counts_bytes : 0, stream>>>(
+    /* The padded segment sizes in shared memory, and the counts too where they fit beside
+     * them in the default 48 KB (world x E <= 12272 - E). */
+    const size_t counts_bytes = sizeof(int32_t) * (size_t)r->world * E, sizes_bytes = sizeof(int32_t) * (size_t)E;
+    const int counts_in_smem = counts_bytes + sizes_bytes <= 48 * 1024 - 64;
+    exchange_plan_kernel<<<1, PLAN_THREADS, (counts_in_smem ? counts_bytes : 0) + sizes_bytes, stream>>>(
         peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m, r->seq, r->local_counts, topk_ids,
         n, r->plan, counts_in_smem, (unsigned long long)comm->timeout_ms * 1000000ull, comm->async_dev);
     COMETI_TRY(cometi_cuda(comm->err, cudaGetLastError(), "launch exchange_plan_kernel"));
