@@ -127,7 +127,7 @@ typedef struct peer_tables {
  *    place_rows_kernel. The counts come from shared memory when world x E fits beside the
  *    padded sizes (counts_in_smem). The serial walks this replaced ran at one warp's
  *    latency, with two integer divisions per step: 17 us of the kernel at 64 experts
- *    (docs/PERF.md V3, X2).
+ *    (docs/PERF.md V3, W3-W4).
  */
 /* Exclusive prefix sums of in[0..n) into out[0..n) (may be in) by one warp; the total. */
 static __device__ __forceinline__ int warp_exclusive_scan(const int32_t *in, int32_t *out, int n)
