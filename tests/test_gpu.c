@@ -853,7 +853,8 @@ int test_gpu_gemm_epilogues(void)
 #define ROUTE_MAX_M 10000 /* up to 20000 rows: several of the route's 4096-row chunks */
 
 /* `calls` calls of the device route with E experts and tp ranks per group against the C plan. */
-static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int tp, int E, int calls)
+static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int tp, int E, int calls,
+                       int global_counts)
 {
     const int W = ctx->nranks, me = ctx->rank, k = ROUTE_K;
     const int groups = W / tp, per = E / groups;
@@ -861,6 +862,7 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
     COMET_OK(cometi_route_dev_create(comm, E, tp, ROUTE_MAX_M * k,
                                      cometi_route_max_recv_rows(W, ROUTE_MAX_M, k, per, COMETI_BLOCK_M),
                                      COMETI_BLOCK_M, &r), comm);
+    if (global_counts) r.counts_in_smem = 0; /* the path of world x E too large for shared memory */
     int32_t *ids[COMETI_MAX_RANKS], *d_ids;
     float *w = malloc(sizeof(float) * ROUTE_MAX_M * k), *my_w = malloc(sizeof(float) * ROUTE_MAX_M * k), *d_w;
     for (int s = 0; s < W; s++) ids[s] = malloc(sizeof(int32_t) * ROUTE_MAX_M * k);
@@ -944,8 +946,8 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
         cometi_route_plan_free(&p);
     }
     free(expected), free(got_expected);
-    printf("rank %d, tp %d, %d experts: %d calls with changing routing and token counts, device plan equal to the C "
-           "plan\n", me, tp, E, calls);
+    printf("rank %d, tp %d, %d experts, counts in %s memory: %d calls with changing routing and token counts, device "
+           "plan equal to the C plan\n", me, tp, E, global_counts ? "global" : "shared", calls);
     for (int s = 0; s < W; s++) free(ids[s]);
     free(w), free(my_w), free(got), free(counts), free(want_pos), free(want_send), free(meta);
     cudaFree(d_ids);
@@ -961,9 +963,13 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
     if (open_comm(ctx, 10000, &comm)) return 1;
     /* EP only, then every rank in one TP group (EP = 1, TP = world), then the most experts
      * a config may have (most of them with a few rows or none: many distinct ids per warp
-     * round in the rank kernel). */
-    if (route_check(ctx, comm, seed, 1, ROUTE_E, 300) || route_check(ctx, comm, seed + 1, ctx->nranks, ROUTE_E, 300) ||
-        route_check(ctx, comm, seed + 2, 1, COMETI_MAX_EXPERTS, 40))
+     * round in the rank kernel), then the exchange reading the counts from global memory
+     * (where world x E is too large for shared memory: more ranks than here). */
+    if (route_check(ctx, comm, seed, 1, ROUTE_E, 300, 0) ||
+        route_check(ctx, comm, seed + 1, ctx->nranks, ROUTE_E, 300, 0) ||
+        route_check(ctx, comm, seed + 2, 1, COMETI_MAX_EXPERTS, 40, 0) ||
+        route_check(ctx, comm, seed + 3, 1, ROUTE_E, 100, 1) ||
+        route_check(ctx, comm, seed + 4, ctx->nranks, COMETI_MAX_EXPERTS, 20, 1))
         return 1;
     COMET_OK(comet_comm_destroy(comm), comm);
     return 0;

@@ -296,6 +296,9 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
     r->num_experts = E;
     r->max_rows = max_rows;
     r->block_m = block_m;
+    /* The exchange's padded segment sizes live in shared memory, and the counts too where
+     * they fit beside them in the default 48 KB (world x E <= 12272 - E). */
+    r->counts_in_smem = sizeof(int32_t) * ((size_t)W * E + E) <= 48 * 1024 - 64;
     size_t table_bytes = sizeof(int32_t) * 2 * W * E + sizeof(unsigned long long) * W;
     COMETI_TRY(cometi_window_create(comm, table_bytes, &r->table));
     comet_status_t st;
@@ -361,10 +364,8 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     peer_tables_t peers;
     memset(&peers, 0, sizeof(peers));
     for (int p = 0; p < r->world; p++) peers.base[p] = (int32_t *)r->table.peer[p];
-    /* The padded segment sizes in shared memory, and the counts too where they fit beside
-     * them in the default 48 KB (world x E <= 12272 - E). */
     const size_t counts_bytes = sizeof(int32_t) * (size_t)r->world * E, sizes_bytes = sizeof(int32_t) * (size_t)E;
-    const int counts_in_smem = counts_bytes + sizes_bytes <= 48 * 1024 - 64;
+    const int counts_in_smem = r->counts_in_smem;
     exchange_plan_kernel<<<1, PLAN_THREADS, (counts_in_smem ? counts_bytes : 0) + sizes_bytes, stream>>>(
         peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m, r->seq, r->local_counts, topk_ids,
         n, r->plan, counts_in_smem, (unsigned long long)comm->timeout_ms * 1000000ull, comm->async_dev);
