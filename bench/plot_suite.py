@@ -40,6 +40,7 @@ def load(path, torch_path=None):
             cases[key]["whole_turns_ms"] = r.get("whole_in_turns_ms", 0)
             cases[key]["gemms_ms"] = r.get("gemms_alone_in_turns_ms", 0)
             cases[key]["cublas_ms"] = r.get("cublas_experts_in_turns_ms", 0)
+            cases[key]["baseline_turns_ms"] = r.get("baseline_in_turns_ms", 0)
         elif r.get("impl") == "torch":
             cases[(r["case"], r["tokens_per_rank"], r["routing"])]["torch_ms"] = r["median_ms"]["total"]
     complete = {k: v for k, v in cases.items() if "baseline_ms" in v and v.get("comet_ms", 0) > 0}
@@ -58,8 +59,14 @@ def table(cases, title):
         head += " PyTorch ms | vs PyTorch |"
         rule += "---:|---:|"
     has_cublas = any(c.get("cublas_ms", 0) > 0 for c in cases.values())
-    head += " in turns: comet ms | our GEMMs alone ms | comet / GEMMs |"
-    rule += "---:|---:|---:|"
+    has_base_turns = any(c.get("baseline_turns_ms", 0) > 0 for c in cases.values())
+    head += " in turns: comet ms |"
+    rule += "---:|"
+    if has_base_turns:
+        head += " baseline ms | vs baseline |"
+        rule += "---:|---:|"
+    head += " our GEMMs alone ms | comet / GEMMs |"
+    rule += "---:|---:|"
     if has_cublas:
         head += " cuBLAS experts ms | our GEMMs / cuBLAS |"
         rule += "---:|---:|"
@@ -72,7 +79,11 @@ def table(cases, title):
             t = c.get("torch_ms")
             row += f" {t:.3f} | {t / c['comet_ms']:.2f}x |" if t else " | |"
         g, whole = c.get("gemms_ms", 0), c.get("whole_turns_ms", 0)
-        row += f" {whole:.3f} | {g:.3f} | {whole / g:.3f} |" if g > 0 and whole > 0 else " | | |"
+        row += f" {whole:.3f} |" if whole > 0 else " |"
+        if has_base_turns:
+            b = c.get("baseline_turns_ms", 0)
+            row += f" {b:.3f} | {b / whole:.2f}x |" if b > 0 and whole > 0 else " | |"
+        row += f" {g:.3f} | {whole / g:.3f} |" if g > 0 and whole > 0 else " | |"
         if has_cublas:
             cb = c.get("cublas_ms", 0)
             row += f" {cb:.3f} | {g / cb:.3f} |" if cb > 0 and g > 0 else " | |"

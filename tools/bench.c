@@ -122,6 +122,7 @@ typedef struct case_result {
     float tuned_turns_ms, model_turns_ms; /* the whole layer, sweeps' best against the model's, in turns */
     cometi_knobs_t model_knobs;
     float bound_cublas_ms; /* suite: the baseline's cuBLAS expert phase, in turns with the two below */
+    float bound_baseline_ms; /* suite: the whole baseline, in turns with the same */
     float bound_whole_ms, bound_gemms_ms; /* suite: the whole layer (model's knobs) and our GEMM0 +
                                            * GEMM1 alone, in turns */
     double public_check; /* its y against the baseline's (input set 0), every token */
@@ -170,6 +171,7 @@ enum {
     WHOLE_BEST,   /* route, layer0 and layer1 with the given knobs, inputs rotating */
     WHOLE_MODEL,  /* the same with the cost model's knobs (`model`) */
     WHOLE_PUBLIC, /* comet_moe_forward on the fused path, inputs rotating */
+    BASE_WHOLE,   /* comet_moe_forward on the baseline path, inputs rotating */
     BASE_EXPERTS  /* the baseline's cuBLAS GEMM0, SwiGLU and GEMM1 on its last call's rows */
 };
 
@@ -208,6 +210,11 @@ static comet_status_t run_timed_call(const timed_call_t *c, int n)
     case L1_GEMM_ALONE_DYNAMIC:
         return cometi_layer1_gemm_only(c->comm, c->l1, c->l0, a, c->what == L1_GEMM_ALONE_DYNAMIC, 0);
     case BASE_EXPERTS: return cometi_baseline_experts(c->moe, c->moe->baseline, a, 0);
+    case BASE_WHOLE: {
+        comet_moe_args_t b = *a;
+        b.impl = COMET_IMPL_BASELINE;
+        return comet_moe_forward(c->moe, &b, 0);
+    }
     case WHOLE_BEST: {
         comet_status_t st = cometi_layer0_run(c->comm, c->l0, a, c->k0, 0);
         return st != COMET_SUCCESS ? st : cometi_layer1_run(c->comm, c->l1, c->l0, a, c->k1, 0);
@@ -596,8 +603,11 @@ static int run_public_fused(const cometi_rank_ctx_t *ctx, const tool_options_t *
 
 /* The suite's measure of overlap: the whole fused layer with the cost model's settings
  * against our GEMM0 + SwiGLU and GEMM1 alone on the same rows (every SM, no communication:
- * what a perfect overlap would take), and against the baseline's cuBLAS expert phase on the
- * same routing (our GEMMs against cuBLAS under the same clocks), taken in turns on input set 0. */
+ * what a perfect overlap would take), against the baseline's cuBLAS expert phase on the
+ * same routing (our GEMMs against cuBLAS under the same clocks), and against the whole
+ * baseline, taken in turns on input set 0. Timed back to back instead, the sequential
+ * baseline's communication phases let the GPUs cool, and its GEMMs clock higher than the
+ * fused layer's (docs/PERF.md W5): in turns, drift falls on both alike. */
 static int run_overlap_bound(const cometi_rank_ctx_t *ctx, comet_comm_t comm, comet_moe_t moe,
                              const comet_moe_config_t *cfg, const char *label, comet_moe_args_t *a, void **x,
                              int32_t **ids, float **w, int rounds, case_result_t *res)
@@ -618,13 +628,14 @@ static int run_overlap_bound(const cometi_rank_ctx_t *ctx, comet_comm_t comm, co
     st = comet_moe_forward(moe, a, 0);
     FAIL_IF(st != COMET_SUCCESS, "forward (%s): %s", label, comet_moe_last_error(moe));
     const timed_call_t base = {WHOLE_BEST, comm, moe, &l0, &l1, a, x, ids, w, &k.l0, &k.l1, NULL};
-    const int whats[6] = {WHOLE_BEST, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC,
-                          BASE_EXPERTS};
-    float med[6];
-    if (time_in_turns(&base, whats, 6, rounds, med)) return 1;
+    const int whats[7] = {WHOLE_BEST, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC,
+                          BASE_EXPERTS, BASE_WHOLE};
+    float med[7];
+    if (time_in_turns(&base, whats, 7, rounds, med)) return 1;
     res->bound_whole_ms = med[0];
     res->bound_gemms_ms = (med[1] < med[2] ? med[1] : med[2]) + (med[3] < med[4] ? med[3] : med[4]);
     res->bound_cublas_ms = med[5];
+    res->bound_baseline_ms = med[6];
     cudaFree(a->y);
     a->y = y_base;
     cometi_layer1_destroy(comm, &l1);
@@ -834,16 +845,18 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
             printf("; y vs baseline %.1e%s\n", base.public_check, base.public_check > 1e-2 ? "!" : "");
             if (base.bound_gemms_ms > 0)
                 printf("  in turns: the whole layer %.3f ms, our GEMM0 + GEMM1 alone %.3f ms (whole / GEMMs %.3f), "
-                       "the baseline's cuBLAS experts %.3f ms (our GEMMs / cuBLAS %.3f)\n", base.bound_whole_ms,
-                       base.bound_gemms_ms, base.bound_whole_ms / base.bound_gemms_ms, base.bound_cublas_ms,
-                       base.bound_gemms_ms / base.bound_cublas_ms);
+                       "the baseline's cuBLAS experts %.3f ms (our GEMMs / cuBLAS %.3f), the whole baseline %.3f ms "
+                       "(%.2fx)\n", base.bound_whole_ms, base.bound_gemms_ms, base.bound_whole_ms / base.bound_gemms_ms,
+                       base.bound_cublas_ms, base.bound_gemms_ms / base.bound_cublas_ms, base.bound_baseline_ms,
+                       base.bound_baseline_ms / base.bound_whole_ms);
             if (json)
                 fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"comet\", \"tokens_per_rank\": %d, "
                         "\"routing\": \"%s\", \"total_ms\": %.4f, \"best_knobs_total_ms\": %.4f, "
                         "\"baseline_total_ms\": %.4f, \"whole_in_turns_ms\": %.4f, \"gemms_alone_in_turns_ms\": "
-                        "%.4f, \"cublas_experts_in_turns_ms\": %.4f, \"diff_vs_baseline\": %.3g}", label, cfg->max_tokens,
-                        routing_name(o->routing), base.public_ms, base.whole_ms, base.ms[P_TOTAL], base.bound_whole_ms,
-                        base.bound_gemms_ms, base.bound_cublas_ms, base.public_check);
+                        "%.4f, \"cublas_experts_in_turns_ms\": %.4f, \"baseline_in_turns_ms\": %.4f, "
+                        "\"diff_vs_baseline\": %.3g}", label, cfg->max_tokens, routing_name(o->routing), base.public_ms,
+                        base.whole_ms, base.ms[P_TOTAL], base.bound_whole_ms, base.bound_gemms_ms, base.bound_cublas_ms,
+                        base.bound_baseline_ms, base.public_check);
         }
         if (o->run_baseline && base.l0_runs) {
             const float l0 = base.l0_ms[base.l0_best];
@@ -919,7 +932,7 @@ typedef struct suite_row {
     char label[64];
     int tokens;
     cometi_routing_t routing;
-    float baseline_ms, comet_ms, whole_ms, gemms_ms, cublas_ms;
+    float baseline_ms, comet_ms, whole_ms, gemms_ms, cublas_ms, baseline_turns_ms;
 } suite_row_t;
 
 int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
@@ -976,20 +989,22 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 r->whole_ms = base.bound_whole_ms;
                 r->gemms_ms = base.bound_gemms_ms;
                 r->cublas_ms = base.bound_cublas_ms;
+                r->baseline_turns_ms = base.bound_baseline_ms;
             }
         }
     }
     if (o->suite && ctx->rank == 0) {
-        printf("\nsuite, %d x %s: comet (comet_moe_forward, default settings) beside the baseline; the whole "
-               "layer beside our two GEMMs alone, and those beside the baseline's cuBLAS experts, in turns\n",
-               ctx->nranks, prop.name);
-        printf("%-16s %6s %-9s %11s %9s %8s %10s %12s %10s %12s\n", "case", "tokens", "routing", "baseline ms",
-               "comet ms", "speedup", "GEMMs ms", "whole/GEMMs", "cuBLAS ms", "GEMMs/cuBLAS");
+        printf("\nsuite, %d x %s: comet (comet_moe_forward, default settings) beside the baseline, back to back "
+               "and in turns; the whole layer beside our two GEMMs alone, and those beside the baseline's cuBLAS "
+               "experts, in turns\n", ctx->nranks, prop.name);
+        printf("%-16s %6s %-9s %11s %9s %8s %8s %10s %12s %10s %12s\n", "case", "tokens", "routing", "baseline ms",
+               "comet ms", "speedup", "in turns", "GEMMs ms", "whole/GEMMs", "cuBLAS ms", "GEMMs/cuBLAS");
         for (int i = 0; i < nrows; i++)
-            printf("%-16s %6d %-9s %11.3f %9.3f %7.2fx %10.3f %12.3f %10.3f %12.3f\n", rows[i].label, rows[i].tokens,
-                   routing_name(rows[i].routing), rows[i].baseline_ms, rows[i].comet_ms,
-                   rows[i].baseline_ms / rows[i].comet_ms, rows[i].gemms_ms, rows[i].whole_ms / rows[i].gemms_ms,
-                   rows[i].cublas_ms, rows[i].gemms_ms / rows[i].cublas_ms);
+            printf("%-16s %6d %-9s %11.3f %9.3f %7.2fx %7.2fx %10.3f %12.3f %10.3f %12.3f\n", rows[i].label,
+                   rows[i].tokens, routing_name(rows[i].routing), rows[i].baseline_ms, rows[i].comet_ms,
+                   rows[i].baseline_ms / rows[i].comet_ms, rows[i].baseline_turns_ms / rows[i].whole_ms,
+                   rows[i].gemms_ms, rows[i].whole_ms / rows[i].gemms_ms, rows[i].cublas_ms,
+                   rows[i].gemms_ms / rows[i].cublas_ms);
     }
     free(rows);
     if (json) {
