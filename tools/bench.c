@@ -260,12 +260,15 @@ static int time_calls(const timed_call_t *c, int warmup, int iters, float *out)
 
 /* The calls `whats` (on `base`'s objects, input set 0) taken in turns `rounds` times, so
  * that clock drift over the run (a few percent: docs/PERF.md) falls on all of them alike;
- * med[i] is the slowest rank's median of whats[i]. */
+ * med[i] is the slowest rank's median of whats[i]. Every other round goes in reverse order:
+ * a call's clocks depend on the call before it (one that waits on NVLink lets the GPU
+ * cool), and a fixed order would give each call the same predecessor every round. */
 static int time_in_turns(const timed_call_t *base, const int *whats, int n, int rounds, float *med)
 {
     float *t = malloc(sizeof(float) * n * rounds);
     for (int i = 0; i < rounds; i++) {
-        for (int v = 0; v < n; v++) {
+        for (int j = 0; j < n; j++) {
+            const int v = i % 2 ? n - 1 - j : j;
             timed_call_t c = *base;
             c.what = whats[v];
             if (time_calls(&c, 0, 1, &t[v * rounds + i])) {
@@ -605,9 +608,9 @@ static int run_public_fused(const cometi_rank_ctx_t *ctx, const tool_options_t *
  * against our GEMM0 + SwiGLU and GEMM1 alone on the same rows (every SM, no communication:
  * what a perfect overlap would take), against the baseline's cuBLAS expert phase on the
  * same routing (our GEMMs against cuBLAS under the same clocks), and against the whole
- * baseline, taken in turns on input set 0. Timed back to back instead, the sequential
- * baseline's communication phases let the GPUs cool, and its GEMMs clock higher than the
- * fused layer's (docs/PERF.md W5): in turns, drift falls on both alike. */
+ * baseline, taken in turns on input set 0: each timed back to back runs at its own steady
+ * clocks (the GPUs are power-limited), in turns the drift falls on all alike (docs/PERF.md
+ * W6-W7). */
 static int run_overlap_bound(const cometi_rank_ctx_t *ctx, comet_comm_t comm, comet_moe_t moe,
                              const comet_moe_config_t *cfg, const char *label, comet_moe_args_t *a, void **x,
                              int32_t **ids, float **w, int rounds, case_result_t *res)
