@@ -63,7 +63,7 @@ def table(cases, title):
     head += " in turns: comet ms |"
     rule += "---:|"
     if has_base_turns:
-        head += " baseline ms | vs baseline |"
+        head += " in turns: baseline ms | in turns: vs baseline |"
         rule += "---:|---:|"
     head += " our GEMMs alone ms | comet / GEMMs |"
     rule += "---:|---:|"

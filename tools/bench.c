@@ -213,7 +213,9 @@ static comet_status_t run_timed_call(const timed_call_t *c, int n)
     case BASE_WHOLE: {
         comet_moe_args_t b = *a;
         b.impl = COMET_IMPL_BASELINE;
-        return comet_moe_forward(c->moe, &b, 0);
+        comet_status_t st = comet_moe_forward(c->moe, &b, 0);
+        if (st != COMET_SUCCESS) fprintf(stderr, "comet_moe_forward (baseline): %s\n", comet_moe_last_error(c->moe));
+        return st;
     }
     case WHOLE_BEST: {
         comet_status_t st = cometi_layer0_run(c->comm, c->l0, a, c->k0, 0);
@@ -260,15 +262,27 @@ static int time_calls(const timed_call_t *c, int warmup, int iters, float *out)
 
 /* The calls `whats` (on `base`'s objects, input set 0) taken in turns `rounds` times, so
  * that clock drift over the run (a few percent: docs/PERF.md) falls on all of them alike;
- * med[i] is the slowest rank's median of whats[i]. Every other round goes in reverse order:
- * a call's clocks depend on the call before it (one that waits on NVLink lets the GPU
- * cool), and a fixed order would give each call the same predecessor every round. */
+ * med[i] is the slowest rank's median of whats[i]. Each round takes them in a shuffled
+ * order, the same on every rank (the calls are collective): a call's clocks depend on the
+ * call before it (one that waits on NVLink lets the GPU cool), and a fixed order would
+ * give each call the same predecessor every round. */
+#define TURNS_MAX 8
+
 static int time_in_turns(const timed_call_t *base, const int *whats, int n, int rounds, float *med)
 {
+    FAIL_IF(n < 1 || n > TURNS_MAX, "time_in_turns: %d calls (1..%d)", n, TURNS_MAX);
     float *t = malloc(sizeof(float) * n * rounds);
+    uint64_t rng = 0x636f6d6574ull; /* the same seed on every rank */
     for (int i = 0; i < rounds; i++) {
+        int order[TURNS_MAX];
+        for (int j = 0; j < n; j++) order[j] = j;
+        for (int j = n - 1; j > 0; j--) { /* Fisher-Yates */
+            const int r = (int)(cometi_rand_next(&rng) % (uint64_t)(j + 1)), tmp = order[j];
+            order[j] = order[r];
+            order[r] = tmp;
+        }
         for (int j = 0; j < n; j++) {
-            const int v = i % 2 ? n - 1 - j : j;
+            const int v = order[j];
             timed_call_t c = *base;
             c.what = whats[v];
             if (time_calls(&c, 0, 1, &t[v * rounds + i])) {
@@ -849,7 +863,7 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
             if (base.bound_gemms_ms > 0)
                 printf("  in turns: the whole layer %.3f ms, our GEMM0 + GEMM1 alone %.3f ms (whole / GEMMs %.3f), "
                        "the baseline's cuBLAS experts %.3f ms (our GEMMs / cuBLAS %.3f), the whole baseline %.3f ms "
-                       "(%.2fx)\n", base.bound_whole_ms, base.bound_gemms_ms, base.bound_whole_ms / base.bound_gemms_ms,
+                       "(the whole layer %.2fx faster)\n", base.bound_whole_ms, base.bound_gemms_ms, base.bound_whole_ms / base.bound_gemms_ms,
                        base.bound_cublas_ms, base.bound_gemms_ms / base.bound_cublas_ms, base.bound_baseline_ms,
                        base.bound_baseline_ms / base.bound_whole_ms);
             if (json)
@@ -997,9 +1011,9 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
         }
     }
     if (o->suite && ctx->rank == 0) {
-        printf("\nsuite, %d x %s: comet (comet_moe_forward, default settings) beside the baseline, back to back "
-               "and in turns; the whole layer beside our two GEMMs alone, and those beside the baseline's cuBLAS "
-               "experts, in turns\n", ctx->nranks, prop.name);
+        printf("\nsuite, %d x %s: comet (comet_moe_forward, default settings) beside the baseline back to back; "
+               "in turns, the fused layer with the cost model's settings beside the baseline, our two GEMMs alone, "
+               "and the baseline's cuBLAS experts\n", ctx->nranks, prop.name);
         printf("%-16s %6s %-9s %11s %9s %8s %8s %10s %12s %10s %12s\n", "case", "tokens", "routing", "baseline ms",
                "comet ms", "speedup", "in turns", "GEMMs ms", "whole/GEMMs", "cuBLAS ms", "GEMMs/cuBLAS");
         for (int i = 0; i < nrows; i++)

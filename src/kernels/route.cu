@@ -126,8 +126,8 @@ typedef struct peer_tables {
  *    group scans its padded segments into their starts. Rows are placed by
  *    place_rows_kernel. The counts come from shared memory when world x E fits beside the
  *    padded sizes (counts_in_smem). The serial walks this replaced ran at one warp's
- *    latency, with two integer divisions per step: 17 us of the kernel at 64 experts
- *    (docs/PERF.md V3, W3-W4).
+ *    latency (the receive side's with two integer divisions per step): the kernel took
+ *    16-19 us at 64 experts, 7-8 after (docs/PERF.md W3c, W4).
  */
 /* Exclusive prefix sums of in[0..n) into out[0..n) (may be in) by one warp; the total. */
 static __device__ __forceinline__ int warp_exclusive_scan(const int32_t *in, int32_t *out, int n)

@@ -61,8 +61,9 @@ typedef struct cometi_route_dev {
     cometi_route_dev_plan_t plan;
     unsigned long long *seq;        /* device: calls so far (flags only grow, nothing is reset); kept
                                      * on the device so that a captured CUDA graph counts on replay */
-    int counts_in_smem;             /* the exchange keeps world x E counts in shared memory (set at
-                                     * create where they fit; a test clears it to run the other path) */
+    int counts_in_smem;             /* the exchange keeps world x E counts in shared memory: set at
+                                     * create where they fit (a test clears it to run the other
+                                     * path; setting it where they do not fit fails the launch) */
 } cometi_route_dev_t;
 
 /* Collective (allocates a symmetric window). tp: ranks per EP group; max_rows = max tokens x top-k;
