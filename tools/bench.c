@@ -110,6 +110,7 @@ typedef struct case_result {
     int l0_runs, l0_best;
     cometi_layer0_knobs_t l0_knobs[SWEEP_MAX];
     float l0_ms[SWEEP_MAX], l0_gemm_alone_ms, l0_route_ms;
+    float l0_alone_each[2], l1_alone_each[2]; /* each GEMM alone on the static split, then the shared counter */
     float l0_paired_ms; /* the best knobs again, timed in turns with the GEMM alone */
     double l0_diff;    /* activations against the baseline's, sampled rows */
     /* The fused layer1, when run: */
@@ -297,15 +298,17 @@ static int time_in_turns(const timed_call_t *base, const int *whats, int n, int 
 }
 
 /* A fused call against our GEMM alone, in turns; the GEMM alone on the faster of its two
- * schedules (the static split is up to 4% faster on some shapes). `fused->what` is
- * L0_FUSED or L1_FUSED; the two after it are that GEMM alone on each schedule. */
-static int fused_vs_alone(const timed_call_t *fused, int rounds, float *fused_ms, float *alone_ms)
+ * schedules (the static split is up to 4% faster on some shapes; the fused kernels take
+ * tiles from the shared counter). `fused->what` is L0_FUSED or L1_FUSED; the two after it
+ * are that GEMM alone on each schedule, whose times go to each[0] (static) and each[1]. */
+static int fused_vs_alone(const timed_call_t *fused, int rounds, float *fused_ms, float *alone_ms, float *each)
 {
     const int whats[3] = {fused->what, fused->what + 1, fused->what + 2};
     float med[3];
     if (time_in_turns(fused, whats, 3, rounds, med)) return 1;
     *fused_ms = med[0];
     *alone_ms = med[1] < med[2] ? med[1] : med[2];
+    each[0] = med[1], each[1] = med[2];
     return 0;
 }
 
@@ -313,17 +316,17 @@ static int fused_vs_alone(const timed_call_t *fused, int rounds, float *fused_ms
  * (the GPUs run at their power limit), so its order can be off: the two best settings are
  * timed again, each in turns with the GEMM alone, and the lower ratio wins (docs/PERF.md
  * V4). `second` differs from `first` only in its knobs, or is NULL. Returns which won (0,
- * 1), -1 on failure; the winner's times in *fused_ms and *alone_ms (maxima over ranks, so
- * every rank picks the same). */
+ * 1), -1 on failure; the winner's times in *fused_ms, *alone_ms and each[2] (maxima over
+ * ranks, so every rank picks the same). */
 static int better_in_turns(const timed_call_t *first, const timed_call_t *second, int rounds, float *fused_ms,
-                           float *alone_ms)
+                           float *alone_ms, float *each)
 {
-    if (fused_vs_alone(first, rounds, fused_ms, alone_ms)) return -1;
+    if (fused_vs_alone(first, rounds, fused_ms, alone_ms, each)) return -1;
     if (!second) return 0;
-    float f2, a2;
-    if (fused_vs_alone(second, rounds, &f2, &a2)) return -1;
+    float f2, a2, e2[2];
+    if (fused_vs_alone(second, rounds, &f2, &a2, e2)) return -1;
     if (f2 / a2 >= *fused_ms / *alone_ms) return 0;
-    *fused_ms = f2, *alone_ms = a2;
+    *fused_ms = f2, *alone_ms = a2, each[0] = e2[0], each[1] = e2[1];
     return 1;
 }
 
@@ -468,7 +471,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     timed_call_t second_turns = first_turns;
     if (second >= 0) second_turns.k1 = &res->l1_knobs[second];
     const int pick = better_in_turns(&first_turns, second >= 0 ? &second_turns : NULL, o->iters, &res->l1_paired_ms,
-                                     &res->l1_gemm_alone_ms);
+                                     &res->l1_gemm_alone_ms, res->l1_alone_each);
     if (pick < 0) return 1;
     if (pick) res->l1_best = second;
     const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
@@ -540,7 +543,7 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     timed_call_t second_turns = first_turns;
     if (second >= 0) second_turns.k0 = &res->l0_knobs[second];
     const int pick = better_in_turns(&first_turns, second >= 0 ? &second_turns : NULL, o->iters, &res->l0_paired_ms,
-                                     &res->l0_gemm_alone_ms);
+                                     &res->l0_gemm_alone_ms, res->l0_alone_each);
     if (pick < 0) return 1;
     if (pick) res->l0_best = second;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
@@ -922,18 +925,21 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                     fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer1\", \"baseline_layer1_ms\": "
                             "%.4f, \"fused_ms\": %.4f, \"combine_blocks\": %d, \"splits\": %d, \"push\": %d, "
                             "\"fused_in_turns_ms\": %.4f, \"gemm1_alone_in_turns_ms\": %.4f, "
+                            "\"gemm1_alone_static_ms\": %.4f, \"gemm1_alone_shared_counter_ms\": %.4f, "
                             "\"diff_vs_baseline\": %.3g, \"whole_tuned_in_turns_ms\": %.4f, "
                             "\"whole_model_in_turns_ms\": %.4f}", label, base.ms[P_LAYER1], l1, k1->combine_blocks,
-                            k1->n_splits, k1->push, base.l1_paired_ms, base.l1_gemm_alone_ms, base.l1_diff,
-                            base.tuned_turns_ms, base.model_turns_ms);
+                            k1->n_splits, k1->push, base.l1_paired_ms, base.l1_gemm_alone_ms, base.l1_alone_each[0],
+                            base.l1_alone_each[1], base.l1_diff, base.tuned_turns_ms, base.model_turns_ms);
             }
             if (json)
                 fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer0\", \"baseline_layer0_ms\": %.4f, "
                         "\"fused_ms\": %.4f, \"dispatch_blocks\": %d, \"dispatch_mode\": \"%s\", "
-                        "\"fused_in_turns_ms\": %.4f, \"gemm0_alone_in_turns_ms\": %.4f, \"route_alone_ms\": %.4f, "
-                        "\"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER0], l0, best->dispatch_blocks,
-                        dispatch_mode_name(best->dispatch_mode), base.l0_paired_ms, base.l0_gemm_alone_ms,
-                        base.l0_route_ms, base.l0_diff);
+                        "\"fused_in_turns_ms\": %.4f, \"gemm0_alone_in_turns_ms\": %.4f, "
+                        "\"gemm0_alone_static_ms\": %.4f, \"gemm0_alone_shared_counter_ms\": %.4f, "
+                        "\"route_alone_ms\": %.4f, \"diff_vs_baseline\": %.3g}", label, base.ms[P_LAYER0], l0,
+                        best->dispatch_blocks, dispatch_mode_name(best->dispatch_mode), base.l0_paired_ms,
+                        base.l0_gemm_alone_ms, base.l0_alone_each[0], base.l0_alone_each[1], base.l0_route_ms,
+                        base.l0_diff);
         }
     }
     if (base.l0_runs && !(base.l0_diff <= 1e-2)) *failed_check = 1;
