@@ -977,6 +977,136 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
 
 int test_gpu_route_matches_plan(void) { return launch_two_seeded(route_rank, 170); }
 
+/* The device plan from given counts (cometi_route_plan_from_counts: the exchange's own
+ * build, without the exchange) against the C plan, on one GPU, at world sizes no lent
+ * machine has: up to COMETI_MAX_RANKS ranks, more sources and groups than the block has
+ * warps, every TP split, up to COMETI_MAX_EXPERTS experts, counts in shared and in global
+ * memory. Counts are random, a quarter of them zero. */
+static int plan_any_world_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)ctx;
+    uint64_t rng = *(uint64_t *)arg;
+    static const int layouts[][3] = { /* world, tp, experts */
+        {1, 1, 8},   {3, 1, 6},   {3, 3, 7},     {4, 2, 64},  {8, 1, 64},    {8, 4, 16},
+        {16, 2, 1024}, {40, 1, 80}, {64, 2, 1024}, {72, 1, 144}, {72, 8, 27}, {72, 72, 1024}};
+    const int block_m = COMETI_BLOCK_M;
+    int checked = 0;
+    for (size_t li = 0; li < sizeof(layouts) / sizeof(layouts[0]); li++) {
+        const int W = layouts[li][0], tp = layouts[li][1], E = layouts[li][2], groups = W / tp, per = E / groups;
+        int64_t *counts = malloc(sizeof(int64_t) * W * E);
+        int32_t *counts32 = malloc(sizeof(int32_t) * W * E), *got = malloc(sizeof(int32_t) * W * E);
+        for (int i = 0; i < W * E; i++) {
+            const uint64_t r = cometi_rand_next(&rng);
+            counts[i] = r % 4 == 0 ? 0 : (int64_t)(r >> 8) % 300;
+            counts32[i] = (int32_t)counts[i];
+        }
+        cometi_route_plan_t p;
+        char err[256];
+        CHECK_EQ(cometi_route_plan_build(&p, counts, W, tp, E, block_m, err, sizeof(err)), 0);
+        int64_t most = 0;
+        for (int g = 0; g < groups; g++) most = p.recv_rows[g] > most ? p.recv_rows[g] : most;
+        const int max_blocks = (int)(most / block_m) + 1;
+        cometi_route_dev_plan_t d;
+        memset(&d, 0, sizeof(d));
+        int32_t *d_counts;
+        CUDA_OK(cudaMalloc((void **)&d_counts, sizeof(int32_t) * W * E));
+        CUDA_OK(cudaMemcpy(d_counts, counts32, sizeof(int32_t) * W * E, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMalloc((void **)&d.counts, sizeof(int32_t) * W * E));
+        CUDA_OK(cudaMalloc((void **)&d.send_offset, sizeof(int32_t) * W * E));
+        CUDA_OK(cudaMalloc((void **)&d.recv_offset, sizeof(int32_t) * W * E));
+        CUDA_OK(cudaMalloc((void **)&d.seg_start, sizeof(int32_t) * E));
+        CUDA_OK(cudaMalloc((void **)&d.seg_rows, sizeof(int32_t) * E));
+        CUDA_OK(cudaMalloc((void **)&d.recv_rows, sizeof(int32_t) * groups));
+        CUDA_OK(cudaMalloc((void **)&d.local_segs, sizeof(cometi_segment_t) * per));
+        CUDA_OK(cudaMalloc((void **)&d.local_rows, sizeof(int32_t) * per));
+        CUDA_OK(cudaMalloc((void **)&d.expected, sizeof(unsigned long long) * max_blocks));
+        cometi_segment_t *segs = malloc(sizeof(cometi_segment_t) * per);
+        uint64_t *expected = malloc(8 * (size_t)max_blocks), *got_expected = malloc(8 * (size_t)max_blocks);
+        const int smem_fits = sizeof(int32_t) * ((size_t)W * E + E) <= 48 * 1024 - 64;
+        const int mes[3] = {0, W - 1, (int)(cometi_rand_next(&rng) % (uint64_t)W)};
+        for (int in_smem = 0; in_smem <= smem_fits; in_smem++) {
+            for (int mi = 0; mi < 3; mi++) {
+                const int me = mes[mi];
+                /* Poison what the kernel writes; expected[] is added to, so it starts at zero. */
+                CUDA_OK(cudaMemset(d.send_offset, 0xff, sizeof(int32_t) * W * E));
+                CUDA_OK(cudaMemset(d.recv_offset, 0xff, sizeof(int32_t) * W * E));
+                CUDA_OK(cudaMemset(d.seg_start, 0xff, sizeof(int32_t) * E));
+                CUDA_OK(cudaMemset(d.seg_rows, 0xff, sizeof(int32_t) * E));
+                CUDA_OK(cudaMemset(d.recv_rows, 0xff, sizeof(int32_t) * groups));
+                CUDA_OK(cudaMemset(d.local_segs, 0xff, sizeof(cometi_segment_t) * per));
+                CUDA_OK(cudaMemset(d.local_rows, 0xff, sizeof(int32_t) * per));
+                CUDA_OK(cudaMemset(d.expected, 0, sizeof(unsigned long long) * max_blocks));
+                CUDA_OK(cometi_route_plan_from_counts(d_counts, me, W, tp, E, block_m, &d, in_smem, 0));
+                CUDA_OK(cudaDeviceSynchronize());
+                struct { const char *name; int32_t *dev; int64_t *host; int n; } arrays[] = {
+                    {"counts", d.counts, p.counts, W * E},           {"send_offset", d.send_offset, p.send_offset, W * E},
+                    {"seg_start", d.seg_start, p.seg_start, E},      {"seg_rows", d.seg_rows, p.seg_rows, E},
+                    {"recv_offset", d.recv_offset, p.recv_offset, W * E}, {"recv_rows", d.recv_rows, p.recv_rows, groups}};
+                for (int a = 0; a < 6; a++) {
+                    CUDA_OK(cudaMemcpy(got, arrays[a].dev, sizeof(int32_t) * arrays[a].n, cudaMemcpyDeviceToHost));
+                    for (int i = 0; i < arrays[a].n; i++) {
+                        if (got[i] != arrays[a].host[i]) {
+                            printf("world %d tp %d E %d, rank %d, counts in %s memory: %s[%d] = %d on the GPU, %lld in "
+                                   "the C plan\n", W, tp, E, me, in_smem ? "shared" : "global", arrays[a].name, i,
+                                   got[i], (long long)arrays[a].host[i]);
+                            return 1;
+                        }
+                    }
+                }
+                /* This rank as a receiver: its segments, its own leading rows, and the rows
+                 * each 128-row block of its buffer receives. */
+                CUDA_OK(cudaMemcpy(segs, d.local_segs, sizeof(cometi_segment_t) * per, cudaMemcpyDeviceToHost));
+                CUDA_OK(cudaMemcpy(got, d.local_rows, sizeof(int32_t) * per, cudaMemcpyDeviceToHost));
+                memset(expected, 0, 8 * (size_t)max_blocks);
+                for (int le = 0; le < per; le++) {
+                    const int e = me / tp * per + le;
+                    const int64_t own = p.recv_offset[(size_t)me * E + e] == 0 ? p.counts[(size_t)me * E + e] : 0;
+                    if (segs[le].start != p.seg_start[e] || segs[le].rows != p.seg_rows[e] || got[le] != own) {
+                        printf("world %d tp %d E %d, rank %d: local segment %d = {%d, %d}, own rows %d; the C plan "
+                               "{%lld, %lld}, %lld\n", W, tp, E, me, le, segs[le].start, segs[le].rows, got[le],
+                               (long long)p.seg_start[e], (long long)p.seg_rows[e], (long long)own);
+                        return 1;
+                    }
+                    for (int64_t row = 0; row < p.seg_rows[e]; row += block_m)
+                        expected[(p.seg_start[e] + row) / block_m] +=
+                            p.seg_rows[e] - row < block_m ? (uint64_t)(p.seg_rows[e] - row) : (uint64_t)block_m;
+                }
+                CUDA_OK(cudaMemcpy(got_expected, d.expected, 8 * (size_t)max_blocks, cudaMemcpyDeviceToHost));
+                for (int b = 0; b < max_blocks; b++) {
+                    if (got_expected[b] != expected[b]) {
+                        printf("world %d tp %d E %d, rank %d: expected[%d] = %llu on the GPU, %llu from the C plan\n",
+                               W, tp, E, me, b, (unsigned long long)got_expected[b], (unsigned long long)expected[b]);
+                        return 1;
+                    }
+                }
+                checked++;
+            }
+        }
+        printf("world %d, tp %d, %d experts: the device plan equals the C plan on ranks %d, %d, %d (counts in %s)\n",
+               W, tp, E, mes[0], mes[1], mes[2], smem_fits ? "shared and global memory" : "global memory");
+        cometi_route_plan_free(&p);
+        free(counts), free(counts32), free(got), free(segs), free(expected), free(got_expected);
+        cudaFree(d_counts), cudaFree(d.counts), cudaFree(d.send_offset), cudaFree(d.recv_offset);
+        cudaFree(d.seg_start), cudaFree(d.seg_rows), cudaFree(d.recv_rows), cudaFree(d.local_segs);
+        cudaFree(d.local_rows), cudaFree(d.expected);
+    }
+    /* A layout the plan does not allow is refused, not run. */
+    cometi_route_dev_plan_t none;
+    memset(&none, 0, sizeof(none));
+    CHECK_EQ(cometi_route_plan_from_counts(NULL, 0, 4, 3, 8, block_m, &none, 0, 0), cudaErrorInvalidValue);
+    CHECK_EQ(cometi_route_plan_from_counts(NULL, 0, 4, 1, 6, block_m, &none, 0, 0), cudaErrorInvalidValue);
+    CHECK_EQ(cometi_route_plan_from_counts(NULL, 0, 72, 1, 1024, block_m, &none, 1, 0), cudaErrorInvalidValue);
+    printf("%d plans checked\n", checked);
+    return 0;
+}
+
+int test_gpu_route_plan_any_world(void)
+{
+    if (!have_gpus(1)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(1, plan_any_world_rank, &seed, 110);
+}
+
 static int route_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     (void)arg;

@@ -84,6 +84,7 @@ uint64_t test_seed(void);
     X(gpu_barrier_and_flags, 120)               \
     X(gpu_barrier_missing_peer_times_out, 120)  \
     X(gpu_route_matches_plan, 180)              \
+    X(gpu_route_plan_any_world, 120)            \
     X(gpu_route_missing_peer_times_out, 120)    \
     X(gpu_route_reports_bad_expert_id, 60)      \
     X(gpu_baseline_vs_reference, 300)           \

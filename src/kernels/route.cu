@@ -148,50 +148,14 @@ static __device__ __forceinline__ int warp_exclusive_scan(const int32_t *in, int
     return carry;
 }
 
-static __global__ void __launch_bounds__(PLAN_THREADS, 1)
-exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int tp, int E, int block_m,
-                     unsigned long long *seq_counter, const int32_t *local_counts, const int32_t *ids, int n,
-                     cometi_route_dev_plan_t plan, int counts_in_smem, unsigned long long timeout_ns,
-                     cometi_async_error_t *err)
+/* Step 4 of the exchange, by the whole block, once every count of this call is in cnt
+ * ([world][E], shared or global memory) and in plan.counts, and a barrier passed:
+ * seg_start_s is shared scratch of E ints. Ends with no barrier after the expected[]
+ * additions (nothing in the block reads them). */
+static __device__ void build_plan(const int32_t *cnt, int32_t *seg_start_s, int me, int world, int tp, int E,
+                                  int block_m, cometi_route_dev_plan_t plan)
 {
-    /* [world * E] counts when counts_in_smem, then [E] padded segment sizes -> starts */
-    extern __shared__ int32_t counts_s[];
-    __shared__ int failed;
-    __shared__ unsigned long long seq_shared;
-    if (threadIdx.x == 0) {
-        failed = 0;
-        seq_shared = *seq_counter + 1;
-    }
-    __syncthreads();
-    const unsigned long long seq = seq_shared;
-    const int half = (int)(seq & 1), groups = world / tp, per = E / groups;
-    const size_t table_ints = (size_t)2 * world * E;
-    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
-        const int p = i / E, e = i % E;
-        peers.base[p][(size_t)half * world * E + (size_t)me * E + e] = local_counts[e];
-    }
-    __syncthreads();
-    if (threadIdx.x < world) {
-        __threadfence_system();
-        unsigned long long *flag = (unsigned long long *)(peers.base[threadIdx.x] + table_ints) + me;
-        cometi_st_release_sys(flag, seq);
-        const unsigned long long *mine_flag = (const unsigned long long *)(mine + table_ints) + threadIdx.x;
-        if (!cometi_wait_geq(mine_flag, seq, timeout_ns, err, COMETI_SITE_ROUTE, threadIdx.x, threadIdx.x))
-            failed = 1;
-    }
-    __syncthreads(); /* the waiting threads' acquires, then the barrier: the peers' counts are visible */
-    /* Without every peer's counts of this call the plan would be stale: make it empty, so
-     * this rank sends nothing and computes nothing, and peers time out cleanly instead of
-     * receiving rows in wrong places. The timeout is already recorded. */
-    const volatile int32_t *counts = mine + (size_t)half * world * E;
-    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
-        const int32_t v = failed ? 0 : counts[i];
-        plan.counts[i] = v;
-        if (counts_in_smem) counts_s[i] = v;
-    }
-    __syncthreads();
-    const int32_t *cnt = counts_in_smem ? counts_s : plan.counts;
-    int32_t *seg_start_s = counts_s + (counts_in_smem ? world * E : 0);
+    const int groups = world / tp, per = E / groups;
     for (int e = threadIdx.x; e < E; e += blockDim.x) { /* expert e's segment, sources from its group's first rank */
         const int first = e / per * tp;
         int in_seg = 0;
@@ -234,6 +198,52 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
         for (int r = u * block_m; r < rows; r += sub * block_m)
             plan.expected[(start + r) / block_m] += min(block_m, rows - r);
     }
+}
+
+static __global__ void __launch_bounds__(PLAN_THREADS, 1)
+exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int tp, int E, int block_m,
+                     unsigned long long *seq_counter, const int32_t *local_counts, const int32_t *ids, int n,
+                     cometi_route_dev_plan_t plan, int counts_in_smem, unsigned long long timeout_ns,
+                     cometi_async_error_t *err)
+{
+    /* [world * E] counts when counts_in_smem, then [E] padded segment sizes -> starts */
+    extern __shared__ int32_t counts_s[];
+    __shared__ int failed;
+    __shared__ unsigned long long seq_shared;
+    if (threadIdx.x == 0) {
+        failed = 0;
+        seq_shared = *seq_counter + 1;
+    }
+    __syncthreads();
+    const unsigned long long seq = seq_shared;
+    const int half = (int)(seq & 1);
+    const size_t table_ints = (size_t)2 * world * E;
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+        const int p = i / E, e = i % E;
+        peers.base[p][(size_t)half * world * E + (size_t)me * E + e] = local_counts[e];
+    }
+    __syncthreads();
+    if (threadIdx.x < world) {
+        __threadfence_system();
+        unsigned long long *flag = (unsigned long long *)(peers.base[threadIdx.x] + table_ints) + me;
+        cometi_st_release_sys(flag, seq);
+        const unsigned long long *mine_flag = (const unsigned long long *)(mine + table_ints) + threadIdx.x;
+        if (!cometi_wait_geq(mine_flag, seq, timeout_ns, err, COMETI_SITE_ROUTE, threadIdx.x, threadIdx.x))
+            failed = 1;
+    }
+    __syncthreads(); /* the waiting threads' acquires, then the barrier: the peers' counts are visible */
+    /* Without every peer's counts of this call the plan would be stale: make it empty, so
+     * this rank sends nothing and computes nothing, and peers time out cleanly instead of
+     * receiving rows in wrong places. The timeout is already recorded. */
+    const volatile int32_t *counts = mine + (size_t)half * world * E;
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+        const int32_t v = failed ? 0 : counts[i];
+        plan.counts[i] = v;
+        if (counts_in_smem) counts_s[i] = v;
+    }
+    __syncthreads();
+    build_plan(counts_in_smem ? counts_s : plan.counts, counts_s + (counts_in_smem ? world * E : 0), me, world, tp, E,
+               block_m, plan);
     if (threadIdx.x == 0) {
         *plan.failed = failed;
         *seq_counter = seq; /* read only by the next call's kernel, after this one ends */
@@ -246,6 +256,35 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
         __threadfence_system();
         *(volatile int *)&err->id_reported = 1;
     }
+}
+
+/* The plan of rank `me` from counts already known (no exchange), as the exchange builds
+ * it: lets one GPU test the device plan at any world size. */
+static __global__ void __launch_bounds__(PLAN_THREADS, 1)
+plan_from_counts_kernel(const int32_t *counts, int me, int world, int tp, int E, int block_m,
+                        cometi_route_dev_plan_t plan, int counts_in_smem)
+{
+    extern __shared__ int32_t counts_s[]; /* as exchange_plan_kernel's */
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+        plan.counts[i] = counts[i];
+        if (counts_in_smem) counts_s[i] = counts[i];
+    }
+    __syncthreads();
+    build_plan(counts_in_smem ? counts_s : plan.counts, counts_s + (counts_in_smem ? world * E : 0), me, world, tp, E,
+               block_m, plan);
+}
+
+extern "C" cudaError_t cometi_route_plan_from_counts(const int32_t *counts, int me, int world, int tp, int E,
+                                                     int block_m, const cometi_route_dev_plan_t *plan,
+                                                     int counts_in_smem, cudaStream_t stream)
+{
+    const size_t bytes = sizeof(int32_t) * ((counts_in_smem ? (size_t)world * E : 0) + (size_t)E);
+    if (world < 1 || tp < 1 || world % tp || E < 1 || E > COMETI_MAX_EXPERTS || E % (world / tp) || me < 0 ||
+        me >= world || block_m < 1 || bytes > 48 * 1024 - 64)
+        return cudaErrorInvalidValue;
+    plan_from_counts_kernel<<<1, PLAN_THREADS, bytes, stream>>>(counts, me, world, tp, E, block_m, *plan,
+                                                                 counts_in_smem);
+    return cudaGetLastError();
 }
 
 /* Every row's place in its owner's receive buffer and in the send order, over many blocks

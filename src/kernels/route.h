@@ -72,6 +72,15 @@ comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int t
                                        int64_t max_recv_rows, int block_m, cometi_route_dev_t *r);
 void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *r);
 
+/* Test support: the plan of rank `me` that the exchange would build from counts
+ * [world][E] (device memory), with no exchange, into `plan`'s arrays (counts, send_offset,
+ * seg_start, seg_rows, recv_offset, recv_rows, local_segs, local_rows, and expected, which
+ * it adds to). counts_in_smem as in cometi_route_dev_t; cudaErrorInvalidValue for a layout
+ * the plan does not allow or counts that do not fit shared memory. */
+cudaError_t cometi_route_plan_from_counts(const int32_t *counts, int me, int world, int tp, int E, int block_m,
+                                          const cometi_route_dev_plan_t *plan, int counts_in_smem,
+                                          cudaStream_t stream);
+
 /* Collective, enqueued on `stream`, no host sync. A peer that never arrives gives
  * COMET_TIMEOUT through comet_comm_get_async_error(); an expert id out of range gives
  * COMET_INVALID_ARGUMENT there (its row is left out: recv_pos -1). With `weights`
