@@ -980,7 +980,7 @@ int test_gpu_route_matches_plan(void) { return launch_two_seeded(route_rank, 170
 /* The device plan from given counts (cometi_route_plan_from_counts: the exchange's own
  * build, without the exchange) against the C plan, on one GPU, at world sizes no lent
  * machine has: up to COMETI_MAX_RANKS ranks, more sources and groups than the block has
- * warps, every TP split, up to COMETI_MAX_EXPERTS experts, counts in shared and in global
+ * warps, several TP splits, up to COMETI_MAX_EXPERTS experts, counts in shared and in global
  * memory. Counts are random, a quarter of them zero. */
 static int plan_any_world_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
@@ -1028,6 +1028,7 @@ static int plan_any_world_rank(const cometi_rank_ctx_t *ctx, void *arg)
             for (int mi = 0; mi < 3; mi++) {
                 const int me = mes[mi];
                 /* Poison what the kernel writes; expected[] is added to, so it starts at zero. */
+                CUDA_OK(cudaMemset(d.counts, 0xff, sizeof(int32_t) * W * E));
                 CUDA_OK(cudaMemset(d.send_offset, 0xff, sizeof(int32_t) * W * E));
                 CUDA_OK(cudaMemset(d.recv_offset, 0xff, sizeof(int32_t) * W * E));
                 CUDA_OK(cudaMemset(d.seg_start, 0xff, sizeof(int32_t) * E));

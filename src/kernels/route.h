@@ -76,7 +76,8 @@ void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *r);
  * [world][E] (device memory), with no exchange, into `plan`'s arrays (counts, send_offset,
  * seg_start, seg_rows, recv_offset, recv_rows, local_segs, local_rows, and expected, which
  * it adds to). counts_in_smem as in cometi_route_dev_t; cudaErrorInvalidValue for a layout
- * the plan does not allow or counts that do not fit shared memory. */
+ * the plan does not allow or counts that do not fit shared memory. The device plan is
+ * int32: the counts' sums must fit (a route's always do). */
 cudaError_t cometi_route_plan_from_counts(const int32_t *counts, int me, int world, int tp, int E, int block_m,
                                           const cometi_route_dev_plan_t *plan, int counts_in_smem,
                                           cudaStream_t stream);
