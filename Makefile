@@ -24,7 +24,7 @@ NVCCFLAGS := -std=c++17 -O3 -g $(ARCH) -Xcompiler -fPIC,-Wall $(INCLUDES) $(if $
 LDLIBS    := -L$(CUDA_HOME)/lib64 -lcublas -lcudart -L$(NCCL_LIB) -l:libnccl.so.2 \
              -Wl,-rpath,$(NCCL_LIB) -Wl,-rpath,$(CUDA_HOME)/lib64 -lstdc++ -lm -lpthread -ldl -lrt
 
-LIB_C   := src/status.c src/config.c src/route_plan.c src/routing_gen.c src/reference.c src/comm.c src/moe.c src/layer0.c src/layer1.c src/tune.c src/launch.c \
+LIB_C   := src/status.c src/config.c src/route_plan.c src/routing_gen.c src/reference.c src/comm.c src/moe.c src/layer0.c src/layer1.c src/timeline.c src/tune.c src/launch.c \
            src/baseline/baseline.c
 LIB_CU  := src/kernels/symmetric.cu src/kernels/route.cu src/kernels/baseline.cu src/kernels/fill.cu \
            src/kernels/gemm.cu src/kernels/combine.cu

@@ -73,6 +73,7 @@ static cometi_gemm_t gemm0(comet_comm_t comm, const cometi_layer0_t *l, const co
     g.swiglu = 1;
     g.err = comm->async_dev;
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
+    g.tile_trace = l->tile_trace;
     return g;
 }
 

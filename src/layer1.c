@@ -107,6 +107,7 @@ static cometi_gemm_t gemm1(comet_comm_t comm, const cometi_layer1_t *l, const co
     g.k = l0->ffn;
     g.err = comm->async_dev;
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
+    g.tile_trace = l->tile_trace;
     return g;
 }
 

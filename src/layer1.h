@@ -32,6 +32,8 @@ typedef struct cometi_layer1 {
     unsigned int *sched;              /* the kernel's counters, zero between calls */
     unsigned long long *trace;        /* [2][SMs][COMETI_COMBINE_TRACE]: the last call's combine timeline,
                                        * combine blocks then the tail kernel's blocks */
+    unsigned long long *tile_trace;   /* NULL, or (benchmarks) GEMM1's tile timeline, fused or
+                                       * alone (kernels/gemm.h) */
     cudaEvent_t *push_marks;          /* [4] or NULL (benchmarks): recorded before the push's
                                        * destinations, its GEMM, its sum, and after the sum */
     int hidden, slots_per_token;

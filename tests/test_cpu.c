@@ -16,6 +16,8 @@
 #include "../src/internal.h"
 #include "../src/launch.h"
 #include "../src/plan.h"
+#include "../src/timeline.h"
+#include "../src/kernels/gemm.h"
 #include "../src/tune.h"
 #include "testutil.h"
 
@@ -691,6 +693,60 @@ int test_tuning_file(void)
     CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, &back, err, sizeof(err)), -1);
     CHECK_CONTAINS(err, "line 1: push with 8 combine blocks and 2 splits");
     unlink(path);
+    return 0;
+}
+
+/* A tile timeline made by hand: a dispatch block that waits for rows, a GEMM block with
+ * launch skew and a tail, a row left zero (a combine block); the parts add up to the span
+ * on every block, a block past the recorded tiles is counted, a bad row is named. */
+int test_timeline_accounting(void)
+{
+    enum { W = COMETI_TILE_TRACE_WORDS };
+    unsigned long long *t = calloc(3 * W, sizeof(unsigned long long));
+    CHECK(t);
+    /* block 0: starts at 1000, dispatches until 5000; tile 7 ready at once, done at 9000;
+     * tile 9 taken at 6000, its rows ready at 12000, done at 15000; ends at 15100. */
+    unsigned long long b0[] = {1000, 5000, 2, 15100, 7, 5000, 5000, 9000, 9, 6000, 12000, 15000};
+    /* block 1: starts at 1200, three tiles of 4000 us, the first one's rows at 1300. */
+    unsigned long long b1[] = {1200, 0, 3, 13400, 0, 1200, 1300, 5300, 2, 5000, 5000, 9300, 4, 9000, 9300, 13300};
+    memcpy(t, b0, sizeof(b0));
+    memcpy(t + W, b1, sizeof(b1));
+    char err[COMETI_ERR_LEN] = "";
+    cometi_timeline_t s;
+    CHECK_EQ(cometi_timeline_summarize(err, t, 3, &s), COMET_SUCCESS);
+    CHECK_EQ(s.blocks, 2);
+    CHECK_EQ(s.tiles, 5);
+    CHECK_EQ(s.truncated, 0);
+    CHECK_NEAR(s.span_us, 14.1, 1e-9);
+    CHECK_NEAR(s.launch_us, 0.1, 1e-9);   /* (0 + 200) / 2 ns */
+    CHECK_NEAR(s.dispatch_us, 2.0, 1e-9); /* (4000 + 0) / 2 */
+    CHECK_NEAR(s.wait_us, 1.55, 1e-9);    /* (3000 + 100) / 2 */
+    CHECK_NEAR(s.first_wait_us, 0.05, 1e-9); /* (0 + 100) / 2 */
+    CHECK_NEAR(s.tiles_us, 9.5, 1e-9);    /* (7000 + 12000) / 2 */
+    CHECK_NEAR(s.tail_us, 0.95, 1e-9);    /* (100 + 1800) / 2 */
+    CHECK_NEAR(s.launch_us + s.dispatch_us + s.wait_us + s.tiles_us + s.tail_us, s.span_us, 1e-9);
+    CHECK_NEAR(s.tile_us, 3.8, 1e-9);
+    /* Block 1 took more tiles than its row holds: the rest, to its end, counts as tiles. */
+    t[W + 2] = COMETI_TILE_TRACE_TILES + 5;
+    for (int i = 3; i < COMETI_TILE_TRACE_TILES; i++) { /* tiles 3.. of 100 ns each, from 13300 */
+        t[W + 4 + 4 * i + 2] = 13300 + 100ull * (i - 3);
+        t[W + 4 + 4 * i + 3] = 13300 + 100ull * (i - 2);
+    }
+    t[W + 3] = 13300 + 100ull * (COMETI_TILE_TRACE_TILES - 3) + 500; /* 5 untraced tiles */
+    CHECK_EQ(cometi_timeline_summarize(err, t, 3, &s), COMET_SUCCESS);
+    CHECK_EQ(s.truncated, 1);
+    CHECK_EQ(s.tiles, 2 + COMETI_TILE_TRACE_TILES + 5);
+    CHECK_NEAR(s.launch_us + s.dispatch_us + s.wait_us + s.tiles_us + s.tail_us, s.span_us, 1e-9);
+    /* A tile that ends before its rows were ready. */
+    t[W + 2] = 3;
+    t[W + 3] = 13400;
+    t[W + 4 + 3] = 1250;
+    CHECK_EQ(cometi_timeline_summarize(err, t, 3, &s), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "block 1's tile 0");
+    memset(t, 0, 3 * W * sizeof(unsigned long long));
+    CHECK_EQ(cometi_timeline_summarize(err, t, 3, &s), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "no block");
+    free(t);
     return 0;
 }
 

@@ -22,6 +22,7 @@
 #include "../src/layer0.h"
 #include "../src/layer1.h"
 #include "../src/baseline/baseline.h"
+#include "../src/timeline.h"
 #include "testutil.h"
 
 /* Skip (returning 0) unless `n` Hopper GPUs are visible. */
@@ -761,6 +762,12 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemcpy(d_index, index, sizeof(int32_t) * rows, cudaMemcpyHostToDevice));
     const char *names[6] = {"swiglu, fused gate_up", "swiglu, gate and up apart", "row scale", "scatter",
                             "swiglu, n 192 in ldc 256", "swiglu, one group"};
+    /* The cooperative runs also record their tile timeline (the bench's COMET_TRACE). */
+    int sms = 0;
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx->local_rank));
+    const size_t trace_words = (size_t)sms * COMETI_TILE_TRACE_WORDS;
+    unsigned long long *trace, *trace_host = malloc(trace_words * sizeof(unsigned long long));
+    CUDA_OK(cudaMalloc((void **)&trace, trace_words * sizeof(unsigned long long)));
     for (int mode = 0; mode < 6; mode++) {
         const int n_out = mode == 4 ? n_ragged : n; /* columns computed; C rows stay n apart */
         const int used_groups = mode == 5 ? 1 : groups; /* one expert per rank (EP = E) */
@@ -779,6 +786,8 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
             /* Without SwiGLU, B's groups are n rows apart: view the first n of each 2n as
              * a tensor of its own by using the gate copy. */
             if (mode == 2 || mode == 3) g.b = gate;
+            if (!pingpong) g.tile_trace = trace;
+            CUDA_OK(cudaMemset(trace, 0, trace_words * sizeof(unsigned long long)));
             CUDA_OK(cudaMemset(c, 0xff, nc * 2));
             char err[COMETI_ERR_LEN];
             comet_status_t st = cometi_gemm_run(err, &g, 0);
@@ -786,6 +795,26 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
             CHECK_EQ(st, COMET_SUCCESS);
             CUDA_OK(cudaDeviceSynchronize());
             CHECK_EQ(err_host->status, 0);
+            if (!pingpong) { /* every block has a consistent row, and every tile is in one */
+                CUDA_OK(cudaMemcpy(trace_host, trace, trace_words * sizeof(unsigned long long), cudaMemcpyDeviceToHost));
+                cometi_timeline_t tl;
+                st = cometi_timeline_summarize(err, trace_host, sms, &tl);
+                if (st != COMET_SUCCESS) printf("%s timeline: %s\n", names[mode], err);
+                CHECK_EQ(st, COMET_SUCCESS);
+                CHECK_EQ(tl.blocks, sms);
+                CHECK_EQ(tl.truncated, 0);
+                CHECK(tl.tiles > 0);
+                char *seen = calloc((size_t)tl.tiles, 1);
+                for (int blk = 0; blk < sms; blk++) {
+                    const unsigned long long *row = trace_host + (size_t)blk * COMETI_TILE_TRACE_WORDS;
+                    for (unsigned long long i = 0; i < row[2]; i++) {
+                        const unsigned long long tile = row[4 + 4 * i];
+                        CHECK(tile < (unsigned long long)tl.tiles && !seen[tile]);
+                        seen[tile] = 1;
+                    }
+                }
+                free(seen);
+            }
             CUDA_OK(cudaMemcpy(c16, c, nc * 2, cudaMemcpyDeviceToHost));
             double worst = 0;
             char *written = calloc((size_t)rows, 1);
@@ -832,9 +861,9 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(cometi_gemm_run(err, &bad, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(err, "block_n = 128 with swiglu");
     free(a16), free(b16), free(c16), free(gate16), free(up16), free(af), free(bf), free(scale), free(index);
-    free(ragged16);
+    free(ragged16), free(trace_host);
     cudaFree(a), cudaFree(b), cudaFree(gate), cudaFree(up), cudaFree(c), cudaFree(d_scale), cudaFree(d_index);
-    cudaFree(ragged);
+    cudaFree(ragged), cudaFree(trace);
     cudaFree(segs);
     return 0;
 }

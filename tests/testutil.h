@@ -68,6 +68,7 @@ uint64_t test_seed(void);
     X(choice_slots, 10)                         \
     X(cost_model_knobs, 10)                     \
     X(tuning_file, 10)                          \
+    X(timeline_accounting, 10)                  \
     X(routing_generators, 10)                   \
     X(reference_known_answer, 10)               \
     X(reference_properties, 30)                 \

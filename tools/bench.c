@@ -24,6 +24,7 @@
 #include "../src/baseline/baseline.h"
 #include "../src/layer0.h"
 #include "../src/layer1.h"
+#include "../src/timeline.h"
 #include "../src/tune.h"
 #include "tool.h"
 
@@ -429,6 +430,45 @@ static int print_push_phases(const cometi_rank_ctx_t *ctx, comet_comm_t comm, co
     return 0;
 }
 
+/* COMET_TRACE=1: where the fused kernel's time goes against our GEMM alone's (on the
+ * fused kernel's schedule, the shared counter): each the last of three calls with the
+ * GEMM kernel's tile timeline on (`*trace_slot`: layer0's or layer1's), cut per SM into
+ * launch, dispatch, row waits, tiles and tail (src/timeline.h). Every rank prints its own
+ * line: the ranks' routes differ. */
+static int print_tile_timelines(const cometi_rank_ctx_t *ctx, const timed_call_t *fused,
+                                unsigned long long **trace_slot, const char *layer, const char *gemm)
+{
+    const int sms = fused->comm->sm_count;
+    const size_t bytes = sizeof(unsigned long long) * COMETI_TILE_TRACE_WORDS * sms;
+    unsigned long long *dev, *host = malloc(bytes);
+    FAIL_IF(!host, "out of host memory");
+    CUDA_OK(cudaMalloc((void **)&dev, bytes));
+    cometi_timeline_t s[2];
+    for (int i = 0; i < 2; i++) {
+        timed_call_t c = *fused;
+        c.what = i ? fused->what + 2 : fused->what; /* L0/L1_GEMM_ALONE_DYNAMIC */
+        float ms;
+        CUDA_OK(cudaMemset(dev, 0, bytes));
+        *trace_slot = dev;
+        const int failed = time_calls(&c, 2, 1, &ms);
+        *trace_slot = NULL;
+        if (failed) return 1;
+        CUDA_OK(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost));
+        char err[COMETI_ERR_LEN];
+        FAIL_IF(cometi_timeline_summarize(err, host, sms, &s[i]) != COMET_SUCCESS, "%s tile timeline: %s", layer, err);
+    }
+    printf("  %s timeline, rank %d, us per SM: fused kernel %.0f = launch %.1f + dispatch %.1f + row waits %.1f "
+           "(first tile %.1f) + tiles %.0f (%lld, %.2f each) + tail %.1f | %s alone %.0f = launch %.1f + tiles %.0f (%lld, %.2f each) + "
+           "tail %.1f%s\n", layer, ctx->rank, s[0].span_us, s[0].launch_us, s[0].dispatch_us, s[0].wait_us,
+           s[0].first_wait_us, s[0].tiles_us, s[0].tiles, s[0].tile_us, s[0].tail_us, gemm, s[1].span_us, s[1].launch_us,
+           s[1].tiles_us, s[1].tiles, s[1].tile_us, s[1].tail_us,
+           s[0].truncated || s[1].truncated ? " (some blocks took more tiles than their rows hold)" : "");
+    fflush(stdout);
+    cudaFree(dev);
+    free(host);
+    return 0;
+}
+
 /* The fused layer1 on the rows layer0 left (input set 0, whose baseline output is in
  * a->y): a sweep of combine blocks x column splits, our GEMM1 alone in turns with the
  * best, y against the baseline's on every token; then the whole fused layer. */
@@ -476,6 +516,9 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     if (pick) res->l1_best = second;
     const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
     if (!o->suite && print_push_phases(ctx, comm, l0, &l1, a, o->iters, res->l1_gemm_alone_ms)) return 1;
+    timed_call_t traced = first_turns;
+    traced.k1 = best;
+    if (getenv("COMET_TRACE") && print_tile_timelines(ctx, &traced, &l1.tile_trace, "layer1", "GEMM1")) return 1;
     /* y on poisoned output against the baseline's, every token. */
     CUDA_OK(cudaMemset(y, 0xff, (size_t)M * H * 2));
     FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
@@ -546,6 +589,9 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                                      &res->l0_gemm_alone_ms, res->l0_alone_each);
     if (pick < 0) return 1;
     if (pick) res->l0_best = second;
+    timed_call_t traced = first_turns;
+    traced.k0 = &res->l0_knobs[res->l0_best];
+    if (getenv("COMET_TRACE") && print_tile_timelines(ctx, &traced, &l0.tile_trace, "layer0", "GEMM0")) return 1;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0];
     st = comet_moe_forward(moe, a, 0);

@@ -132,6 +132,7 @@ typedef struct gemm_args {
     unsigned long long timeout_ns;         /* pipeline waits */
     unsigned long long arrival_timeout_ns; /* waits for rows from peers (shorter: a missing
                                             * peer is reported as such, not as a stuck pipeline) */
+    unsigned long long *tile_trace;        /* see gemm.h, or NULL */
 } gemm_args_t;
 
 typedef struct tile {
@@ -403,6 +404,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
      * busy it is a GEMM block (which waits on nobody's behalf) that starts late, not a
      * block the others wait for. */
     const int dispatch_blocks = gridDim.x - p.gemm_blocks;
+    /* The tile timeline's row of this block (gemm.h), when asked for. */
+    unsigned long long *trace = p.tile_trace ? p.tile_trace + (size_t)blockIdx.x * COMETI_TILE_TRACE_WORDS : NULL;
+    const unsigned long long t_entry = trace ? cometi_globaltimer_ns() : 0;
     if (p.combine_blocks && (int)blockIdx.x < p.combine_blocks) {
         combine_rows(&p.combine, p.c, p.n, p.segs, p.groups, p.n_splits, split_tiles, p.split_done, p.combine_blocks,
                      smem, p.err, p.arrival_timeout_ns);
@@ -414,7 +418,11 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         /* The piece table's generic writes, before the GEMM's tensor loads reuse the space. */
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
+        if (trace && threadIdx.x == 0) trace[1] = cometi_globaltimer_ns();
+    } else if (trace && threadIdx.x == 0) {
+        trace[1] = 0;
     }
+    if (trace && threadIdx.x == 0) trace[0] = t_entry;
     const int block = blockIdx.x - dispatch_blocks; /* among the GEMM blocks (static schedule) */
     if (threadIdx.x == 0) {
         int total = 0;
@@ -466,6 +474,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 mbar_arrive(&ticket_full[s]);
             }
             if (t >= total) break;
+            unsigned long long *rec = trace && ordinal < COMETI_TILE_TRACE_TILES ? trace + 4 + 4 * ordinal : NULL;
+            if (rec) rec[0] = (unsigned long long)t, rec[1] = rec[2] = cometi_globaltimer_ns();
             tile_t tl = split_tile(t, per_split, first_tile, p.groups, split_tiles, p.group_m);
             const int a_row = p.segs[tl.group].start + tl.m * TM;
             const int b_row = tl.group * p.b_group_rows + tl.n * ON;
@@ -476,6 +486,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 cometi_wait_geq(p.arrive + blk, p.expected[blk], p.arrival_timeout_ns, p.err, COMETI_SITE_ARRIVAL, -1,
                                 blk);
                 asm volatile("fence.proxy.async.global;" ::: "memory");
+                if (rec) rec[2] = cometi_globaltimer_ns();
             }
             for (int kb = 0; kb < k_blocks; kb++) {
                 mbar_wait(&empty[stage], phase ^ 1, p.err, p.timeout_ns);
@@ -492,6 +503,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 if (++stage == STAGES) stage = 0, phase ^= 1;
             }
             t = p.sched ? next : t + p.gemm_blocks;
+            if (trace) trace[2] = (unsigned long long)ordinal + 1;
         }
         /* The last block to finish taking tickets resets the counters for the next call
          * (kernels on one stream do not overlap, so nobody reads them in between). */
@@ -519,7 +531,12 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     uint32_t phase = 0, turn_phase = 0;
     int pending_split = -1; /* TMA epilogue: the split of this warpgroup's last store, not yet counted */
     unsigned int push_sent = 0; /* push: lane s of each warp, rows that warp sent to rank s */
+    /* Timeline: one thread per tile notes when its epilogue is issued (at the top of the
+     * next turn, since the epilogue has several ways out). */
+    const bool recorder = trace && threadIdx.x % 128 == 0 && (PINGPONG || half == 0);
+    int traced = -1; /* this recorder's tile whose end is not noted yet */
     for (int ordinal = 0;; ordinal++) {
+        if (traced >= 0) trace[4 + 4 * traced + 3] = cometi_globaltimer_ns(), traced = -1;
         int t = block + ordinal * p.gemm_blocks;
         if (p.sched) {
             const int s = ordinal % TICKETS;
@@ -542,6 +559,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             mbar_wait(&turn[half], turn_phase, p.err, p.timeout_ns);
             turn_phase ^= 1;
         }
+        if (recorder && ordinal < COMETI_TILE_TRACE_TILES) traced = ordinal;
         tile_t tl = split_tile(t, per_split, first_tile, p.groups, split_tiles, p.group_m);
         /* The push's destinations of this warpgroup's rows, loaded before the mainloop so
          * the epilogue does not start with a trip to L2: both ends of the part (is it one
@@ -698,6 +716,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 cometi_red_release_gpu_add(&p.split_done[tl.n / split_tiles], (unsigned long long)valid);
         }
     }
+    if (recorder) trace[3] = cometi_globaltimer_ns();
     if (TMA_EPILOGUE && p.push_dest) {
         /* Every tensor store of this thread has landed (and shared memory outlived them),
          * and the warp's own stores are before its barrier; then lane s releases the warp's
@@ -915,6 +934,7 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     args.err = g->err;
     args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
     args.timeout_ns = 2 * args.arrival_timeout_ns;
+    args.tile_trace = g->tile_trace;
     int sm_count = 0, dev = 0;
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
     COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev),

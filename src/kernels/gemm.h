@@ -32,6 +32,13 @@ typedef struct cometi_segment {
 /* Timeline of a combine block: start, records pulled, then per split (the first 8): rows
  * ready in C, sent, this rank's rows home, summed into y; then the end. */
 #define COMETI_COMBINE_TRACE 36
+/* Tile timeline of a GEMM block (`tile_trace`), global-timer ns: [0] the block's start,
+ * [1] its dispatch done (dispatch blocks; else 0), [2] tiles it took, [3] its end; then
+ * for each of its first COMETI_TILE_TRACE_TILES tiles: the tile's index, when the
+ * producer took it, when its rows were ready (the arrival wait passed; the take time when
+ * there is none), and when the consumers had issued its epilogue. src/timeline.h reads it. */
+#define COMETI_TILE_TRACE_TILES 240
+#define COMETI_TILE_TRACE_WORDS (4 + 4 * COMETI_TILE_TRACE_TILES)
 
 enum {
     COMETI_EPILOGUE_AUTO = 0,   /* TMA where ldc and c allow it */
@@ -175,6 +182,9 @@ typedef struct cometi_gemm {
     cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
     unsigned long long timeout_ns; /* rows from peers must arrive within this; a pipeline wait
                                     * twice as long is a bug: report, leave (0: 10 s) */
+    unsigned long long *tile_trace; /* [blocks][COMETI_TILE_TRACE_WORDS] the call's tile timeline
+                                     * (cooperative schedule; combine blocks leave their rows
+                                     * alone), or NULL */
 } cometi_gemm_t;
 
 /* Column tile width of a plain GEMM (no SwiGLU) with n columns when block_n is 0: 256
