@@ -96,6 +96,7 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     g.expected = l->route.plan.expected;
     g.sms = comm->sm_count - dispatch_blocks;
     g.dispatch_blocks = dispatch_blocks;
+    g.head_copy = 1;
     g.sched = l->sched;
     cometi_dispatch_t *d = &g.dispatch;
     d->x = a->x;

@@ -279,6 +279,27 @@ static __device__ __forceinline__ int piece_first_row(const cometi_dispatch_t *d
     return d->seg_start[e] + d->recv_offset[d->rank * d->num_experts + e];
 }
 
+/* Piece i of a list (table: that list's prefix counts): its expert, first receive row,
+ * rows, and the offset of its first row in this rank's send order. */
+typedef struct piece {
+    int e, row, n_rows, send;
+} piece_t;
+
+static __device__ piece_t find_piece(const cometi_dispatch_t *d, const int *t, int i)
+{
+    const int E = d->num_experts;
+    int lo = 0, hi = E - 1; /* the last expert whose first piece is <= i: it has piece i */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (t[mid] <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    const int e = lo, j = i - t[e], first = piece_first_row(d, e), head = BM - first % BM;
+    const int r0 = j == 0 ? 0 : head + (j - 1) * BM, row = first + r0;
+    piece_t pc = {e, row, min(d->counts[d->rank * E + e] - r0, BM - row % BM), d->send_offset[d->rank * E + e] + r0};
+    return pc;
+}
+
 static __device__ void build_piece_table(const cometi_dispatch_t *d, int *table)
 {
     const int E = d->num_experts, me = d->rank;
@@ -306,25 +327,18 @@ static __device__ void copy_pieces(const cometi_dispatch_t *d, const int *table,
 {
     const int lane = threadIdx.x % 32, E = d->num_experts, me = d->rank;
     const uint32_t row_bytes = (uint32_t)d->hidden * 2, mask = ring ? 1u : 0xffffffffu;
-    const int local_pieces = table[E];
+    const int local_pieces = table[E], head = min(d->head_pieces, local_pieces); /* the GEMM blocks copy the head */
     for (;;) {
         int i = 0;
-        if (lane == 0) i = (int)atomicAdd(counter, 1u);
+        if (lane == 0) i = head + (int)atomicAdd(counter, 1u);
         i = __shfl_sync(mask, i, 0);
         const int list = i >= local_pieces;
         const int *t = table + list * (E + 1);
         if (list) i -= local_pieces;
         if (i >= t[E]) break;
-        int lo = 0, hi = E - 1; /* the last expert whose first piece is <= i: it has piece i */
-        while (lo < hi) {
-            const int mid = (lo + hi + 1) / 2;
-            if (t[mid] <= i) lo = mid;
-            else hi = mid - 1;
-        }
-        const int e = lo, j = i - t[e], first = piece_first_row(d, e), head = BM - first % BM;
-        const int r0 = j == 0 ? 0 : head + (j - 1) * BM, row = first + r0;
-        const int n_rows = min(d->counts[me * E + e] - r0, BM - row % BM), group = e / d->experts_per_group;
-        const int32_t *src_of = d->src_of + d->send_offset[me * E + e] + r0;
+        const piece_t pc = find_piece(d, t, i);
+        const int row = pc.row, n_rows = pc.n_rows, group = pc.e / d->experts_per_group;
+        const int32_t *src_of = d->src_of + pc.send;
         /* To every TP rank of the group (the same rows, the same place), this rank first. */
         for (int u = 0; u < d->tp; u++) {
             const int dst = group * d->tp + (me + u) % d->tp;
@@ -376,6 +390,53 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
     }
 }
 
+/* The head of the dispatch: its first `head_pieces` pieces of list 0 (this rank's own rows
+ * for the tiles that go first), copied by every GEMM block at the kernel's start, each a
+ * share of the rows, with its warps' stores: a few dispatch workers took about 60 us to
+ * copy them while the whole GPU waited (docs/PERF.md X3). Each block then counts its rows
+ * per 128-row block with one release each (after the block's barrier, which orders its
+ * threads' stores before the release). Needs tp 1: the rows go to this rank alone. */
+#define HEAD_MAX_PIECES 64
+
+static __device__ void copy_head(const cometi_dispatch_t *d, int gemm_block, int gemm_blocks, unsigned char *smem)
+{
+    int *table = (int *)(smem + 1024);
+    int4 *desc = (int4 *)(smem + 1024 + PIECE_TABLE_BYTES); /* receive row, rows, send offset, rows before */
+    int *total = (int *)(desc + HEAD_MAX_PIECES);
+    build_piece_table(d, table); /* every thread of the block */
+    const int E = d->num_experts, me = d->rank, head = min(d->head_pieces, table[E]);
+    if ((int)threadIdx.x < head) {
+        const piece_t pc = find_piece(d, table, threadIdx.x);
+        desc[threadIdx.x] = make_int4(pc.row, pc.n_rows, pc.send, 0);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int sum = 0;
+        for (int j = 0; j < head; j++) desc[j].w = sum, sum += desc[j].y;
+        *total = sum;
+    }
+    __syncthreads();
+    const int rows = *total, lo = (int)((long long)rows * gemm_block / gemm_blocks),
+              hi = (int)((long long)rows * (gemm_block + 1) / gemm_blocks);
+    const size_t row_bytes = (size_t)d->hidden * 2;
+    for (int q = lo + (int)threadIdx.x / 32; q < hi; q += blockDim.x / 32) {
+        int j = 0;
+        while (j + 1 < head && desc[j + 1].w <= q) j++;
+        const int r = q - desc[j].w;
+        copy_piece_stores(d, d->src_of + desc[j].z + r, 1,
+                          (uint4 *)((unsigned char *)d->recv[me] + (size_t)(desc[j].x + r) * row_bytes));
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < head) {
+        const int4 pc = desc[threadIdx.x];
+        const int a = max(lo, pc.w), b = min(hi, pc.w + pc.y);
+        if (b > a) cometi_red_release_sys_add(d->arrive[me] + pc.x / BM, (unsigned long long)(b - a));
+    }
+    /* The table's generic writes, before the GEMM's tensor loads reuse the space. */
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncthreads();
+}
+
 /* ---- the kernel ---- */
 
 template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG>
@@ -419,8 +480,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
         if (trace && threadIdx.x == 0) trace[1] = cometi_globaltimer_ns();
-    } else if (trace && threadIdx.x == 0) {
-        trace[1] = 0;
+    } else {
+        if (p.dispatch.head_pieces) copy_head(&p.dispatch, blockIdx.x - dispatch_blocks, p.gemm_blocks, smem);
+        if (trace && threadIdx.x == 0) trace[1] = p.dispatch.head_pieces ? cometi_globaltimer_ns() : 0;
     }
     if (trace && threadIdx.x == 0) trace[0] = t_entry;
     const int block = blockIdx.x - dispatch_blocks; /* among the GEMM blocks (static schedule) */
@@ -1002,6 +1064,13 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     if (args.gemm_blocks < 1)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm sms = %d with %d dispatch or combine blocks: no GEMM "
                            "block left", g->sms, side_blocks);
+    /* The head: the M blocks of the first two waves of tiles. A wave of gemm_blocks tiles
+     * covers a band of group_m row tiles, or more rows where a row has fewer column tiles
+     * than the wave (local tiles come first, group by group, row tile fastest). */
+    args.dispatch.head_pieces = 0;
+    if (g->head_copy && g->dispatch_blocks && g->dispatch.tp == 1) {
+        args.dispatch.head_pieces = min(HEAD_MAX_PIECES, 2 * (args.group_m + (args.gemm_blocks + n_tiles - 1) / n_tiles));
+    }
     prepared_t *pr = (prepared_t *)out->bytes;
     pr->maps = m;
     pr->args = args;

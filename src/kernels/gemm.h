@@ -72,6 +72,9 @@ typedef struct cometi_dispatch {
     const int32_t *recv_offset;     /* [world][E] */
     int num_experts, top_k, hidden, experts_per_group, tp, rank; /* rank r is TP rank r % tp of group r / tp */
     int mode;                       /* COMETI_DISPATCH_*; x must be 16-byte aligned */
+    int head_pieces;                /* set by cometi_gemm_prepare (head_copy): the first pieces of
+                                     * this rank's rows for its own experts, which the GEMM
+                                     * blocks copy at the kernel's start; workers take the rest */
     void *recv[COMETI_MAX_RANKS];                 /* every rank's receive buffer, mapped here */
     unsigned long long *arrive[COMETI_MAX_RANKS]; /* every rank's arrival counters, mapped here */
 } cometi_dispatch_t;
@@ -170,6 +173,10 @@ typedef struct cometi_gemm {
     const void *push_dest; /* [a_rows] int2 (owner, slot row), or NULL */
     const void *push_maps; /* with push_dest: cometi_gemm_push_maps_create's maps */
     int dispatch_blocks;                  /* blocks before the GEMM's that run `dispatch` */
+    int head_copy;                        /* with dispatch and tp 1: every GEMM block first copies a
+                                           * share of the rows the first two waves of tiles need
+                                           * (this rank's own, at the head of its segments), so
+                                           * those tiles do not wait for a few dispatch workers */
     int combine_blocks;                   /* blocks before the GEMM's that run `combine` (needs
                                            * split_done; not with dispatch) */
     unsigned int *sched;                  /* [COMETI_GEMM_SCHED_WORDS] zeroed device words: tiles
