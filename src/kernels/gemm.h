@@ -33,7 +33,8 @@ typedef struct cometi_segment {
  * ready in C, sent, this rank's rows home, summed into y; then the end. */
 #define COMETI_COMBINE_TRACE 36
 /* Tile timeline of a GEMM block (`tile_trace`), global-timer ns: [0] the block's start,
- * [1] its dispatch done (dispatch blocks; else 0), [2] tiles it took, [3] its end; then
+ * [1] its dispatch done (dispatch blocks; GEMM blocks: their share of the head copied, see
+ * head_copy; else 0), [2] tiles it took, [3] its end; then
  * for each of its first COMETI_TILE_TRACE_TILES tiles: the tile's index, when the
  * producer took it, when its rows were ready (the arrival wait passed; the take time when
  * there is none), and when the consumers had issued its epilogue. src/timeline.h reads it. */
