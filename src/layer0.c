@@ -37,6 +37,10 @@ comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t 
                                     "cudaMalloc(tile counter)"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)), "clear tile counter"),
                     fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->tail_ws, COMETI_GEMM_TAIL_BYTES(comm->sm_count)),
+                                    "cudaMalloc(GEMM last-wave workspace)"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->tail_ws, 0, COMETI_GEMM_TAIL_COUNTERS * 8),
+                                    "clear GEMM last-wave counters"), fail);
     /* Every rank's counters are zero before any rank adds to them. */
     COMETI_TRY_GOTO(st, cometi_barrier_sync(comm, "arrival counters cleared on every rank"), fail);
     return COMET_SUCCESS;
@@ -52,6 +56,7 @@ void cometi_layer0_destroy(comet_comm_t comm, cometi_layer0_t *l)
     if (l->arrive.local) cometi_window_destroy(comm, &l->arrive);
     cudaFree(l->act);
     cudaFree(l->sched);
+    cudaFree(l->tail_ws);
     memset(l, 0, sizeof(*l));
 }
 
@@ -74,6 +79,7 @@ static cometi_gemm_t gemm0(comet_comm_t comm, const cometi_layer0_t *l, const co
     g.err = comm->async_dev;
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
     g.tile_trace = l->tile_trace;
+    g.tail_ws = l->tail_ws;
     return g;
 }
 

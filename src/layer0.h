@@ -21,6 +21,7 @@ typedef struct cometi_layer0 {
     cometi_window_t arrive; /* [max_recv_rows / 128] u64: rows arrived per block, over all calls */
     void *act;              /* [max_recv_rows][ffn] bf16: SwiGLU(GEMM0), expert-major, padded */
     unsigned int *sched;    /* the kernels' tile and piece counters, zero between calls */
+    void *tail_ws;          /* the GEMMs' last-wave workspace (kernels/gemm.h), layer1's too */
     unsigned long long *tile_trace; /* NULL, or (benchmarks) where the GEMM kernel writes its
                                      * tile timeline (kernels/gemm.h), fused or alone */
     int hidden, num_experts, top_k, max_tokens;

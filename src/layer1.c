@@ -108,6 +108,7 @@ static cometi_gemm_t gemm1(comet_comm_t comm, const cometi_layer1_t *l, const co
     g.err = comm->async_dev;
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
     g.tile_trace = l->tile_trace;
+    g.tail_ws = l0->tail_ws; /* the kernels share a stream and never overlap */
     return g;
 }
 

@@ -21,7 +21,7 @@ extern "C" {
  * the kernel not). */
 typedef struct cometi_timeline {
     int blocks;            /* blocks with a row (combine blocks and unlaunched ones have none) */
-    long long tiles;       /* tiles taken, all blocks */
+    long long tiles;       /* tiles taken, all blocks (each part of a tile cut along k counts) */
     int truncated;         /* blocks that took more tiles than their rows hold: the time past
                             * their last recorded tile counts as tiles */
     double span_us, launch_us, dispatch_us, wait_us, tiles_us, tail_us;

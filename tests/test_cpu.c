@@ -750,6 +750,52 @@ int test_timeline_accounting(void)
     return 0;
 }
 
+/* The last wave's cut: known answers (skewed mixtral's GEMM1 on the hot rank: 416 tiles on
+ * 132 blocks), the cases that cut nothing, and on random inputs the plan's promises. */
+int test_gemm_tail_plan(void)
+{
+    cometi_tail_plan_t s = cometi_gemm_tail_plan(416, 132, 224, 1);
+    CHECK_EQ(s.first, 396);
+    CHECK_EQ(s.parts, 4);
+    CHECK_EQ(s.units, 396 + 20 * 4);
+    s = cometi_gemm_tail_plan(14, 6, 32, 1); /* 2 left over on 6 blocks: 3 parts each */
+    CHECK_EQ(s.first, 12);
+    CHECK_EQ(s.parts, 3);
+    CHECK_EQ(s.units, 18);
+    s = cometi_gemm_tail_plan(5, 132, 16, 1); /* under one wave; k allows 2 parts */
+    CHECK_EQ(s.first, 0);
+    CHECK_EQ(s.parts, 2);
+    CHECK_EQ(s.units, 10);
+    const int none[][4] = {{2048, 132, 224, 1}, /* 68 left over: more than half the blocks */
+                           {264, 132, 224, 1},  /* whole waves */
+                           {5, 132, 8, 1},      /* k too short for two parts of 8 steps */
+                           {416, 132, 224, 0},  /* off */
+                           {0, 132, 224, 1},    {7, 0, 224, 1}};
+    for (size_t i = 0; i < sizeof(none) / sizeof(none[0]); i++) {
+        s = cometi_gemm_tail_plan(none[i][0], none[i][1], none[i][2], none[i][3]);
+        CHECK_EQ(s.parts, 1);
+        CHECK_EQ(s.first, none[i][0]);
+        CHECK_EQ(s.units, none[i][0]);
+    }
+    uint64_t rng = test_seed();
+    for (int it = 0; it < 100000; it++) {
+        const int total = (int)(cometi_rand_next(&rng) % 5000), takers = 1 + (int)(cometi_rand_next(&rng) % 200),
+                  k_blocks = 1 + (int)(cometi_rand_next(&rng) % 300);
+        s = cometi_gemm_tail_plan(total, takers, k_blocks, 1);
+        CHECK(s.parts >= 1 && s.parts <= COMETI_TAIL_MAX_PARTS);
+        CHECK_EQ(s.units, s.first + (total - s.first) * s.parts);
+        if (s.parts == 1) {
+            CHECK_EQ(s.first, total);
+            continue;
+        }
+        CHECK_EQ(s.first % takers, 0);                             /* whole waves before the cut */
+        CHECK((total - s.first) * 2 <= takers);                     /* the last wave at most half full */
+        CHECK((total - s.first) * s.parts <= takers);               /* its units fit in one wave */
+        CHECK(s.parts * COMETI_TAIL_MIN_KBLOCKS <= k_blocks);       /* every part long enough */
+    }
+    return 0;
+}
+
 int test_routing_generators(void)
 {
     const int m = 4096, k = 2, E = 8;

@@ -706,6 +706,144 @@ int test_gpu_gemm_vs_reference(void)
     return launch(1, gemm_reference_rank, &seed, 110);
 }
 
+/* The last wave cut along k (tail_ws): shapes whose last wave is short, on the static split
+ * (6 and 40 blocks) and the shared counter (every SM), plain and SwiGLU, both epilogues.
+ * Each run is checked against float64, run again for the same bits (the parts add in a
+ * fixed order), timed by the tile timeline to count the units the plan promised (so a
+ * cut that silently did not happen fails), and leaves the workspace's counters at zero. */
+static int gemm_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    uint64_t rng = *(uint64_t *)arg;
+    cometi_async_error_t *err_host, *err_dev;
+    if (gemm_setup(ctx, &err_host, &err_dev)) return 1;
+    int sms = 0;
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx->local_rank));
+    const int groups = 4, sizes[4] = {300, 129, 0, 256}, k = 2048, n = 256; /* n: output columns */
+    cometi_segment_t segs_host[4];
+    const int rows = padded_segments(sizes, groups, segs_host);
+    cometi_segment_t *segs;
+    CUDA_OK(cudaMalloc((void **)&segs, sizeof(segs_host)));
+    CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(segs_host), cudaMemcpyHostToDevice));
+    /* B: [groups][2n][k], gate rows then up rows (SwiGLU); the plain GEMM uses the first n
+     * rows of each group through a [groups][n][k] copy. */
+    const size_t na = (size_t)rows * k, nb = (size_t)groups * 2 * n * k, nc = (size_t)rows * n;
+    uint16_t *a16 = malloc(na * 2), *b16 = malloc(nb * 2), *gate16 = malloc(nb), *c16 = malloc(nc * 2),
+             *again16 = malloc(nc * 2);
+    float *af = malloc(na * 4), *bf = malloc(nb * 4);
+    double *gate_ref = malloc(sizeof(double) * nc), *up_ref = malloc(sizeof(double) * nc);
+    fill_bf16(af, a16, na, 1.0, &rng);
+    fill_bf16(bf, b16, nb, 1.0 / 32, &rng);
+    for (int g = 0; g < groups; g++) memcpy(gate16 + (size_t)g * n * k, b16 + (size_t)g * 2 * n * k, (size_t)n * k * 2);
+    for (int g = 0; g < groups; g++)
+        for (int r = 0; r < sizes[g]; r++) {
+            const size_t row = (size_t)segs_host[g].start + r;
+            for (int j = 0; j < n; j++) {
+                double gs = 0, us = 0;
+                const float *wg = bf + ((size_t)g * 2 * n + j) * k, *wu = wg + (size_t)n * k;
+                for (int q = 0; q < k; q++) gs += (double)af[row * k + q] * wg[q], us += (double)af[row * k + q] * wu[q];
+                gate_ref[row * n + j] = gs;
+                up_ref[row * n + j] = us;
+            }
+        }
+    void *a, *b, *gate, *c, *ws;
+    unsigned int *sched;
+    unsigned long long *trace, *trace_host = malloc((size_t)sms * COMETI_TILE_TRACE_WORDS * 8);
+    CUDA_OK(cudaMalloc(&a, na * 2));
+    CUDA_OK(cudaMalloc(&b, nb * 2));
+    CUDA_OK(cudaMalloc(&gate, nb));
+    CUDA_OK(cudaMalloc(&c, nc * 2));
+    CUDA_OK(cudaMalloc(&ws, COMETI_GEMM_TAIL_BYTES(sms)));
+    CUDA_OK(cudaMemset(ws, 0, COMETI_GEMM_TAIL_COUNTERS * 8));
+    CUDA_OK(cudaMalloc((void **)&sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+    CUDA_OK(cudaMemset(sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+    CUDA_OK(cudaMalloc((void **)&trace, (size_t)sms * COMETI_TILE_TRACE_WORDS * 8));
+    CUDA_OK(cudaMemcpy(a, a16, na * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(b, b16, nb * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(gate, gate16, nb, cudaMemcpyHostToDevice));
+    /* {swiglu, block_n, blocks (0: every SM, shared counter), epilogue} */
+    const int variants[][4] = {{0, 256, 6, COMETI_EPILOGUE_TMA},    {0, 128, 6, COMETI_EPILOGUE_DIRECT},
+                               {0, 256, 40, COMETI_EPILOGUE_DIRECT}, {0, 256, 0, COMETI_EPILOGUE_TMA},
+                               {1, 256, 6, COMETI_EPILOGUE_TMA},    {1, 256, 40, COMETI_EPILOGUE_DIRECT},
+                               {1, 256, 0, COMETI_EPILOGUE_TMA}};
+    for (size_t v = 0; v < sizeof(variants) / sizeof(variants[0]); v++) {
+        const int swiglu = variants[v][0], block_n = variants[v][1], blocks = variants[v][2];
+        cometi_gemm_t g = {.a = a, .a_rows = rows, .b = swiglu ? b : gate, .c = c, .ldc = n, .segs = segs,
+                           .groups = groups, .n = n, .k = k, .sms = blocks, .block_n = block_n, .swiglu = swiglu,
+                           .epilogue = variants[v][3], .err = err_dev, .sched = blocks ? NULL : sched,
+                           .schedule = COMETI_SCHEDULE_COOPERATIVE, .tail_ws = ws, .tile_trace = trace};
+        /* What the plan promises: tiles = row tiles x column tiles (SwiGLU: 128 output columns). */
+        int m_tiles = 0;
+        for (int gi = 0; gi < groups; gi++) m_tiles += (sizes[gi] + 127) / 128;
+        const int tiles = m_tiles * (n / (swiglu ? 128 : block_n));
+        const cometi_tail_plan_t plan = cometi_gemm_tail_plan(tiles, blocks ? blocks : sms, k / 64, 1);
+        CHECK(plan.parts > 1); /* every variant is meant to cut */
+        for (int run = 0; run < 2; run++) {
+            CUDA_OK(cudaMemset(c, 0xff, nc * 2));
+            CUDA_OK(cudaMemset(trace, 0, (size_t)sms * COMETI_TILE_TRACE_WORDS * 8));
+            char err[COMETI_ERR_LEN];
+            comet_status_t st = cometi_gemm_run(err, &g, 0);
+            if (st != COMET_SUCCESS) printf("variant %zu: %s\n", v, err);
+            CHECK_EQ(st, COMET_SUCCESS);
+            CUDA_OK(cudaDeviceSynchronize());
+            CHECK_EQ(err_host->status, 0);
+            CUDA_OK(cudaMemcpy(run ? again16 : c16, c, nc * 2, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(trace_host, trace, (size_t)sms * COMETI_TILE_TRACE_WORDS * 8, cudaMemcpyDeviceToHost));
+            long long units = 0;
+            for (int blk = 0; blk < sms; blk++) units += (long long)trace_host[(size_t)blk * COMETI_TILE_TRACE_WORDS + 2];
+            if (units != plan.units) printf("variant %zu: %lld units taken, the plan has %d\n", v, units, plan.units);
+            CHECK_EQ(units, plan.units);
+            unsigned long long counters[COMETI_GEMM_TAIL_COUNTERS];
+            CUDA_OK(cudaMemcpy(counters, ws, sizeof(counters), cudaMemcpyDeviceToHost));
+            for (int i = 0; i < COMETI_GEMM_TAIL_COUNTERS; i++) CHECK_EQ(counters[i], 0);
+        }
+        CHECK(memcmp(c16, again16, nc * 2) == 0); /* the same bits */
+        double worst = 0;
+        for (int gi = 0; gi < groups; gi++)
+            for (int r = 0; r < (sizes[gi] + 127) / 128 * 128; r++) {
+                const size_t row = (size_t)segs_host[gi].start + r;
+                if (r >= sizes[gi]) { /* padding rows: untouched */
+                    for (int j = 0; j < n; j++) CHECK_EQ(c16[row * n + j], 0xffff);
+                    continue;
+                }
+                double num = 0, den = 0;
+                for (int j = 0; j < n; j++) {
+                    const double ref = swiglu ? cometi_swiglu(gate_ref[row * n + j], up_ref[row * n + j])
+                                              : gate_ref[row * n + j];
+                    double d = cometi_bf16_to_float(c16[row * n + j]) - ref;
+                    if (!isfinite(d)) d = INFINITY;
+                    num += d * d;
+                    den += ref * ref;
+                }
+                const double e = sqrt(num / den);
+                if (!(e <= worst)) worst = e;
+            }
+        printf("%s block_n %d, %d blocks%s, %s epilogue: %d tiles -> %d units (%d parts of the last %d), worst row "
+               "relative error %.2e\n", swiglu ? "swiglu" : "plain", block_n, blocks ? blocks : sms,
+               blocks ? "" : " (shared counter)", variants[v][3] == COMETI_EPILOGUE_TMA ? "TMA" : "direct", tiles,
+               plan.units, plan.parts, tiles - plan.first, worst);
+        CHECK(worst < 1e-2);
+    }
+    /* More blocks than SMs cannot share the workspace (a waiting part needs the others
+     * resident). */
+    cometi_gemm_t too_many = {.a = a, .a_rows = rows, .b = gate, .c = c, .ldc = n, .segs = segs, .groups = groups,
+                              .n = n, .k = k, .sms = sms + 1, .err = err_dev, .tail_ws = ws};
+    char err[COMETI_ERR_LEN];
+    CHECK_EQ(cometi_gemm_run(err, &too_many, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "tail_ws");
+    free(a16), free(b16), free(gate16), free(c16), free(again16), free(af), free(bf), free(gate_ref), free(up_ref);
+    free(trace_host);
+    cudaFree(a), cudaFree(b), cudaFree(gate), cudaFree(c), cudaFree(ws), cudaFree(sched), cudaFree(trace);
+    cudaFree(segs);
+    return 0;
+}
+
+int test_gpu_gemm_last_wave_cut(void)
+{
+    if (!have_gpus(1)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(1, gemm_cut_rank, &seed, 110);
+}
+
 /* SwiGLU (gate and up fused in one tensor, or two), a per-row scale, and rows stored
  * to an index, each against float64 with both epilogues. */
 static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)

@@ -69,6 +69,7 @@ uint64_t test_seed(void);
     X(cost_model_knobs, 10)                     \
     X(tuning_file, 10)                          \
     X(timeline_accounting, 10)                  \
+    X(gemm_tail_plan, 10)                       \
     X(routing_generators, 10)                   \
     X(reference_known_answer, 10)               \
     X(reference_properties, 30)                 \
@@ -81,6 +82,7 @@ uint64_t test_seed(void);
     X(gpu_flag_wait_times_out, 60)              \
     X(gpu_gemm_vs_reference, 120)               \
     X(gpu_gemm_epilogues, 120)                  \
+    X(gpu_gemm_last_wave_cut, 120)              \
     X(gpu_symmetric_push_pull_exact, 120)       \
     X(gpu_barrier_and_flags, 120)               \
     X(gpu_barrier_missing_peer_times_out, 120)  \

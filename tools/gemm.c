@@ -2,7 +2,8 @@
  * gemm.c - `comet gemm`: comet's grouped GEMM beside cuBLAS on one GPU, on every
  * preset's expert shapes (GEMM0: n = 2F, k = H; GEMM1: n = H, k = F; rows per expert as
  * balanced EP = 2 routing of 8192 tokens per GPU gives) and on 8192^3. Each variant's
- * output is checked against cuBLAS's on poisoned memory before it is timed.
+ * output is checked against cuBLAS's on poisoned memory before it is timed. Ours cuts a
+ * short last wave along k (tail_ws), as the fused layers do, unless a variant says not.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -134,7 +135,7 @@ static int run_cublas_swiglu(void *p, cudaStream_t s)
 
 /* GEMM0 with SwiGLU fused into the epilogue, against cuBLAS GEMM0 + the SwiGLU kernel. */
 static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_t cublas,
-                       cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int si)
+                       cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int si, void *tail_ws)
 {
     const int F = sh->n / 2;
     const size_t rows = (size_t)sh->groups * sh->rows;
@@ -163,7 +164,7 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
     run_ctx_t r;
     memset(&r, 0, sizeof(r));
     r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .c = act, .ldc = F, .segs = segs,
-                          .groups = sh->groups, .n = F, .k = sh->k, .swiglu = 1, .err = err_dev};
+                          .groups = sh->groups, .n = F, .k = sh->k, .swiglu = 1, .err = err_dev, .tail_ws = tail_ws};
     CUDA_OK(cudaMemset(act, 0xff, rows * F * 2));
     FAIL_IF(run_ours(&r, 0), "%s: ours with SwiGLU: %s", sh->name, r.err);
     CUDA_OK(cudaDeviceSynchronize());
@@ -231,6 +232,9 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemset(sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
     CUDA_OK(cudaMalloc((void **)&split_done, 2 * sizeof(unsigned long long)));
     CUDA_OK(cudaMemset(split_done, 0, 2 * sizeof(unsigned long long)));
+    void *tail_ws;                      /* the last wave's cut: counters zero between calls */
+    CUDA_OK(cudaMalloc(&tail_ws, COMETI_GEMM_TAIL_BYTES(prop.multiProcessorCount)));
+    CUDA_OK(cudaMemset(tail_ws, 0, COMETI_GEMM_TAIL_COUNTERS * 8));
     for (int si = 0; si < nshapes; si++) {
         const shape_t *sh = &shapes[si];
         const size_t rows = (size_t)sh->groups * sh->rows, nc = rows * sh->n;
@@ -251,18 +255,19 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
         uint16_t *ref = malloc(nc * 2), *got = malloc(nc * 2);
         CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
-        /* Variants {block_n, group_m, sms, epilogue, schedule, dynamic, splits}: cooperative
-         * 128x256, ping-pong 64x256 and cooperative 128x128 with the default epilogue; with
-         * COMET_GEMM_SWEEP=1 also epilogues, tile orders, grid sizes, the shared tile counter
-         * (layer0's schedule) and two column splits with their counts (layer1's order). */
+        /* Variants {block_n, group_m, sms, epilogue, schedule, dynamic, splits, no cut}:
+         * cooperative 128x256, ping-pong 64x256 and cooperative 128x128 with the default
+         * epilogue; with COMET_GEMM_SWEEP=1 also epilogues, tile orders, grid sizes, the
+         * shared tile counter (layer0's schedule), two column splits with their counts
+         * (layer1's order), and the first without the last wave's cut. */
         enum { A = COMETI_EPILOGUE_AUTO, D = COMETI_EPILOGUE_DIRECT, C = COMETI_SCHEDULE_COOPERATIVE,
                P = COMETI_SCHEDULE_PINGPONG };
-        static const int variants[][7] = {{256, 8, 0, A, C, 0, 0},   {256, 8, 0, A, P, 0, 0},
-                                          {128, 8, 0, A, C, 0, 0},   {256, 8, 0, D, C, 0, 0},
-                                          {128, 8, 0, D, C, 0, 0},   {256, 8, 0, D, P, 0, 0},
-                                          {256, 16, 0, A, C, 0, 0},  {256, 8, 128, A, C, 0, 0},
-                                          {256, 8, 128, A, P, 0, 0}, {256, 8, 0, A, C, 1, 0},
-                                          {256, 8, 0, A, C, 1, 2}};
+        static const int variants[][8] = {{256, 8, 0, A, C, 0, 0, 0},   {256, 8, 0, A, P, 0, 0, 0},
+                                          {128, 8, 0, A, C, 0, 0, 0},   {256, 8, 0, D, C, 0, 0, 0},
+                                          {128, 8, 0, D, C, 0, 0, 0},   {256, 8, 0, D, P, 0, 0, 0},
+                                          {256, 16, 0, A, C, 0, 0, 0},  {256, 8, 128, A, C, 0, 0, 0},
+                                          {256, 8, 128, A, P, 0, 0, 0}, {256, 8, 0, A, C, 1, 0, 0},
+                                          {256, 8, 0, A, C, 1, 2, 0},   {256, 8, 0, A, C, 0, 0, 1}};
         enum { NVARIANTS = sizeof(variants) / sizeof(variants[0]) };
         const int ndefault = 3, nvariants = sweep ? NVARIANTS : ndefault;
         float t_best = 1e30f, t_v[NVARIANTS];
@@ -274,7 +279,8 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
                                   .block_n = variants[v][0], .group_m = variants[v][1],
                                   .epilogue = variants[v][3], .schedule = variants[v][4], .err = err_dev,
                                   .sched = variants[v][5] ? sched : NULL, .n_splits = variants[v][6],
-                                  .split_done = variants[v][6] ? split_done : NULL};
+                                  .split_done = variants[v][6] ? split_done : NULL,
+                                  .tail_ws = variants[v][7] ? NULL : tail_ws};
             CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
             FAIL_IF(run_ours(&r, 0), "%s: ours-%d: %s", sh->name, variants[v][0], r.err);
             CUDA_OK(cudaDeviceSynchronize());
@@ -289,11 +295,12 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
             FAIL_IF(err_host->status, "%s: ours-%d: the GEMM pipeline stalled while timed", sh->name, variants[v][0]);
             if (v < ndefault && t_v[v] < t_best) t_best = t_v[v];
             if (sweep)
-                printf("  %-22s block_n %3d group_m %2d sms %3d %-6s %-9s %-7s splits %d: %6.0f TFLOP/s (min %.3f, "
-                       "max %.3f ms), diff %.1e\n", sh->name, variants[v][0], variants[v][1], variants[v][2],
+                printf("  %-22s block_n %3d group_m %2d sms %3d %-6s %-9s %-7s splits %d %-6s: %6.0f TFLOP/s (min "
+                       "%.3f, max %.3f ms), diff %.1e\n", sh->name, variants[v][0], variants[v][1], variants[v][2],
                        variants[v][3] == COMETI_EPILOGUE_DIRECT ? "direct" : "tma",
                        variants[v][4] == COMETI_SCHEDULE_PINGPONG ? "ping-pong" : "coop",
                        variants[v][5] ? "dynamic" : "static", variants[v][6] ? variants[v][6] : 1,
+                       variants[v][7] ? "no cut" : "cut",
                        2.0 * rows * sh->n * sh->k / (t_v[v] * 1e-3) / 1e12, lo, hi, d);
         }
         double flop = 2.0 * rows * sh->n * sh->k;
@@ -310,9 +317,9 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuB+act",
            "coop-256", "pp-256", "", "best/cuB", "diff");
     for (int si = 0; si < nshapes; si++)
-        if (strstr(shapes[si].name, "GEMM0")) bad |= time_swiglu(o, &shapes[si], cublas, err_host, err_dev, si);
+        if (strstr(shapes[si].name, "GEMM0")) bad |= time_swiglu(o, &shapes[si], cublas, err_host, err_dev, si, tail_ws);
     cublasDestroy(cublas);
-    cudaFree(sched), cudaFree(split_done);
+    cudaFree(sched), cudaFree(split_done), cudaFree(tail_ws);
     FAIL_IF(bad, "an output differed from cuBLAS by more than 1e-2 (marked WRONG)");
     return 0;
 }

@@ -83,6 +83,9 @@ static __device__ __forceinline__ void warpgroup_sync(int id)
 /* A named barrier for one warp (ids 3..10: consumer warp 0..7), a synchronizing operation
  * in PTX's memory model, which __syncwarp is not stated to be. */
 static __device__ __forceinline__ void warp_bar_sync(int id) { asm volatile("bar.sync %0, 32;" ::"r"(id) : "memory"); }
+/* Both consumer warpgroups of a cooperative tile (barrier 11: 1-2 are the warpgroups',
+ * 3-10 the warps'). */
+static __device__ __forceinline__ void consumers_sync(void) { asm volatile("bar.sync 11, 256;" ::: "memory"); }
 
 /* Shared-memory matrix descriptor for a K-major tile with 128-byte swizzle: rows of 128
  * bytes, 8-row groups 1024 bytes apart (SBO), leading offset unused (1). */
@@ -133,6 +136,7 @@ typedef struct gemm_args {
     unsigned long long arrival_timeout_ns; /* waits for rows from peers (shorter: a missing
                                             * peer is reported as such, not as a stuck pipeline) */
     unsigned long long *tile_trace;        /* see gemm.h, or NULL */
+    unsigned long long *tail_ws;           /* see gemm.h, or NULL */
 } gemm_args_t;
 
 typedef struct tile {
@@ -162,6 +166,34 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
     r.group = g;
     r.m = m_first + band * group_m + in_band % band_rows;
     r.n = in_band / band_rows;
+    return r;
+}
+
+/* The last wave cut along k (tail_ws set, cooperative schedule). When the tiles leave a
+ * last wave of at most half the blocks that take tiles, each of its tiles becomes a few
+ * units (cometi_gemm_tail_plan), so the wave's idle SMs share its work: on skewed mixtral GEMM1 the last of 3.15 waves of 166 us tiles held
+ * every other SM idle for a fifth of the kernel (docs/PERF.md X2). Units are tickets:
+ * first the whole tiles, then each cut tile's parts in order. A part other than the
+ * last stores its fp32 accumulators to the workspace and counts itself; the last part,
+ * taken after the others (tickets go in order, and on the static split a block's
+ * tickets grow), waits for them, adds their partials in part order (the same bits every
+ * run) and runs the tile's epilogue. Every block is resident, and a part waits only for
+ * parts with smaller tickets, which never wait: no deadlock. The plan is
+ * cometi_gemm_tail_plan (gemm.h). */
+typedef struct unit {
+    int tile, kb0, kb1; /* the tile, its k-blocks [kb0, kb1) */
+    int part;           /* -1: the whole tile; else which of the cut tile's parts */
+} unit_t;
+
+static __device__ __forceinline__ unit_t decode_unit(int u, const cometi_tail_plan_t *s, int k_blocks)
+{
+    unit_t r = {u, 0, k_blocks, -1};
+    if (u < s->first) return r;
+    const int x = (u - s->first) / s->parts, part = (u - s->first) - x * s->parts;
+    r.tile = s->first + x;
+    r.kb0 = part * k_blocks / s->parts;
+    r.kb1 = (part + 1) * k_blocks / s->parts;
+    r.part = part;
     return r;
 }
 
@@ -456,6 +488,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     uint64_t *full = (uint64_t *)(sc + C_BYTES), *empty = full + STAGES, *turn = empty + STAGES;
     uint64_t *ticket_full = turn + 2, *ticket_empty = ticket_full + TICKETS;
     int *first_tile = (int *)(ticket_empty + TICKETS), *tickets = first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1;
+    /* The last wave's cut, read from shared memory where needed (registers are short in
+     * the producer's 40). */
+    cometi_tail_plan_t *tail_smem = (cometi_tail_plan_t *)(tickets + TICKETS);
     /* SwiGLU's last column tile may be half full (n a multiple of 64): its B rows past n
      * load as zeros, and its columns past n are never stored. */
     const int wg = threadIdx.x / 128, n_tiles = (p.n + ON - 1) / ON, k_blocks = p.k / BK,
@@ -498,6 +533,11 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             }
         }
         first_tile[2 * p.groups] = total;
+        /* Blocks that take tiles: every non-combine block on the shared counter (dispatch
+         * blocks join once done), the GEMM blocks on the static split. */
+        *tail_smem = cometi_gemm_tail_plan(total * p.n_splits,
+                                           p.sched ? (int)gridDim.x - p.combine_blocks : p.gemm_blocks, k_blocks,
+                                           !PINGPONG && p.tail_ws);
         for (int s = 0; s < STAGES; s++) {
             mbar_init(&full[s], 1);
             mbar_init(&empty[s], PINGPONG ? 1 : 2); /* one arrive per consumer of the stage */
@@ -515,7 +555,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (SWIGLU) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_up) : "memory");
     }
     __syncthreads();
-    const int per_split = first_tile[2 * p.groups], total = per_split * p.n_splits;
+    const int per_split = first_tile[2 * p.groups];
+    const cometi_tail_plan_t *tail = tail_smem;
 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
@@ -528,17 +569,18 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         int t = p.sched ? (int)atomicAdd(&p.sched[0], 1u) : block;
         for (int ordinal = 0;; ordinal++) {
             int next = t;
-            if (p.sched && t < total) next = (int)atomicAdd(&p.sched[0], 1u);
+            if (p.sched && t < tail->units) next = (int)atomicAdd(&p.sched[0], 1u);
             if (p.sched) {
                 const int s = ordinal % TICKETS;
                 mbar_wait(&ticket_empty[s], (ordinal / TICKETS & 1) ^ 1, p.err, p.timeout_ns);
                 tickets[s] = t;
                 mbar_arrive(&ticket_full[s]);
             }
-            if (t >= total) break;
+            if (t >= tail->units) break;
             unsigned long long *rec = trace && ordinal < COMETI_TILE_TRACE_TILES ? trace + 4 + 4 * ordinal : NULL;
             if (rec) rec[0] = (unsigned long long)t, rec[1] = rec[2] = cometi_globaltimer_ns();
-            tile_t tl = split_tile(t, per_split, first_tile, p.groups, split_tiles, p.group_m);
+            const unit_t un = decode_unit(t, tail, k_blocks);
+            tile_t tl = split_tile(un.tile, per_split, first_tile, p.groups, split_tiles, p.group_m);
             const int a_row = p.segs[tl.group].start + tl.m * TM;
             const int b_row = tl.group * p.b_group_rows + tl.n * ON;
             if (p.arrive) {
@@ -550,7 +592,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 asm volatile("fence.proxy.async.global;" ::: "memory");
                 if (rec) rec[2] = cometi_globaltimer_ns();
             }
-            for (int kb = 0; kb < k_blocks; kb++) {
+            for (int kb = un.kb0; kb < un.kb1; kb++) {
                 mbar_wait(&empty[stage], phase ^ 1, p.err, p.timeout_ns);
                 mbar_expect_tx(&full[stage], A_BYTES + B_BYTES);
                 tma_load_2d(sa + stage * A_BYTES, &map_a, kb * BK, a_row, &full[stage]);
@@ -606,7 +648,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             t = tickets[s];
             mbar_arrive(&ticket_empty[s]);
         }
-        if (t >= total) break;
+        if (t >= tail->units) break;
         if (PINGPONG && (ordinal & 1) != half) {
             /* The other consumer's tile: step over its stages in the ring. */
             int next = stage + k_blocks;
@@ -622,7 +664,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             turn_phase ^= 1;
         }
         if (recorder && ordinal < COMETI_TILE_TRACE_TILES) traced = ordinal;
-        tile_t tl = split_tile(t, per_split, first_tile, p.groups, split_tiles, p.group_m);
+        const unit_t un = decode_unit(t, tail, k_blocks);
+        tile_t tl = split_tile(un.tile, per_split, first_tile, p.groups, split_tiles, p.group_m);
         /* The push's destinations of this warpgroup's rows, loaded before the mainloop so
          * the epilogue does not start with a trip to L2: both ends of the part (is it one
          * chunk?) and this thread's two fragment rows. */
@@ -639,14 +682,15 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 if (part + r_lo + 8 * h < sg.rows) push_row[h] = p.push_dest[sg.start + part + r_lo + 8 * h];
         }
         int prev = -1;
-        for (int kb = 0; kb < k_blocks; kb++) {
+        for (int kb = un.kb0; kb < un.kb1; kb++) {
             mbar_wait(&full[stage], phase, p.err, p.timeout_ns);
             const unsigned char *a = sa + stage * A_BYTES + (PINGPONG ? 0 : half * 64 * 128), *b = sb + stage * B_BYTES;
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < BK / 16; kk++) {
-                if (BN == 256) cometi_wgmma_m64n256k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), kb | kk);
-                else cometi_wgmma_m64n128k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), kb | kk);
+                const int accumulate = (kb - un.kb0) | kk;
+                if (BN == 256) cometi_wgmma_m64n256k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), accumulate);
+                else cometi_wgmma_m64n128k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), accumulate);
             }
             wgmma_commit();
             /* The previous step's MMAs are done once at most this one is in flight. */
@@ -658,6 +702,39 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (PINGPONG && threadIdx.x % 128 == 0) mbar_arrive(&turn[half ^ 1]); /* the other's turn */
         wgmma_wait<0>();
         if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
+        if (t >= tail->first) {
+            /* A part of a cut tile (see plan_tail): partials are [cut tile][part][BN/8][256
+             * threads] float4, so each store and load instruction is coalesced. (Decoded
+             * again from t: fewer registers live across the mainloop.) */
+            const unit_t cut = decode_unit(t, tail, k_blocks);
+            const int x = cut.tile - tail->first, tid = threadIdx.x - 128;
+            unsigned long long *count = p.tail_ws + x;
+            float4 *parts = (float4 *)(p.tail_ws + COMETI_GEMM_TAIL_COUNTERS) + (size_t)x * (tail->parts - 1) * (BN * 32);
+            if (cut.part < tail->parts - 1) {
+                float4 *mine = parts + (size_t)cut.part * (BN * 32);
+#pragma unroll
+                for (int i = 0; i < BN / 8; i++)
+                    __stcg(&mine[i * 256 + tid], make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+                __threadfence();
+                consumers_sync(); /* every thread's partials, then one count */
+                if (threadIdx.x == 128) cometi_red_release_gpu_add(count, 1ull);
+                continue;
+            }
+            if (threadIdx.x == 128) {
+                cometi_wait_geq(count, (unsigned long long)(tail->parts - 1), p.timeout_ns, p.err, COMETI_SITE_GEMM, -1,
+                                x);
+                *count = 0; /* for the next call: every other part has counted */
+            }
+            consumers_sync();
+            for (int q = 0; q < tail->parts - 1; q++) {
+                const float4 *theirs = parts + (size_t)q * (BN * 32);
+#pragma unroll
+                for (int i = 0; i < BN / 8; i++) {
+                    const float4 v = __ldcg(&theirs[i * 256 + tid]);
+                    acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
+                }
+            }
+        }
 
         /* Epilogue: fragment (j, q) of this thread is row warp*16 + lane/4 (+8 for q >= 2),
          * column j*8 + (lane%4)*2 (+1 for odd q) of this warpgroup's 64 x BN part. out(j, h, e)
@@ -872,7 +949,7 @@ template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> sta
 {
     const int on = SWIGLU ? BN / 2 : BN, tm = PINGPONG ? 64 : BM;
     return 1024 + STAGES * (tm * BK * 2 + BN * BK * 2) + (TMA_EPILOGUE ? c_stage_bytes(on) : 0) +
-           (2 * STAGES + 2 + 2 * TICKETS) * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 + TICKETS * 4;
+           (2 * STAGES + 2 + 2 * TICKETS) * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 + TICKETS * 4 + sizeof(cometi_tail_plan_t);
 }
 
 typedef struct maps {
@@ -997,6 +1074,7 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
     args.timeout_ns = 2 * args.arrival_timeout_ns;
     args.tile_trace = g->tile_trace;
+    args.tail_ws = (unsigned long long *)g->tail_ws;
     int sm_count = 0, dev = 0;
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
     COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, dev),
@@ -1064,6 +1142,11 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     if (args.gemm_blocks < 1)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm sms = %d with %d dispatch or combine blocks: no GEMM "
                            "block left", g->sms, side_blocks);
+    /* A cut tile's last part waits for the others: every block must be resident, and the
+     * workspace holds one part per SM. */
+    if (g->tail_ws && blocks > sm_count)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm tail_ws with %d blocks: at most %d (one per SM)", blocks,
+                           sm_count);
     /* The head: the M blocks of the first two waves of tiles. A wave of gemm_blocks tiles
      * covers a band of group_m row tiles, or more rows where a row has fewer column tiles
      * than the wave (local tiles come first, group by group, row tile fastest). */

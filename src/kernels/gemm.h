@@ -38,6 +38,10 @@ typedef struct cometi_segment {
  * for each of its first COMETI_TILE_TRACE_TILES tiles: the tile's index, when the
  * producer took it, when its rows were ready (the arrival wait passed; the take time when
  * there is none), and when the consumers had issued its epilogue. src/timeline.h reads it. */
+/* The last wave's cut (tail_ws): a count per cut tile (at most one per block), then fp32
+ * partials, 128 x 256 per part other than the last (at most one per block). */
+#define COMETI_GEMM_TAIL_COUNTERS 1024
+#define COMETI_GEMM_TAIL_BYTES(sms) (COMETI_GEMM_TAIL_COUNTERS * 8 + (size_t)(sms) * 128 * 256 * 4)
 #define COMETI_TILE_TRACE_TILES 240
 #define COMETI_TILE_TRACE_WORDS (4 + 4 * COMETI_TILE_TRACE_TILES)
 
@@ -190,10 +194,47 @@ typedef struct cometi_gemm {
     cometi_async_error_t *err;     /* where a stuck pipeline reports (host-mapped) */
     unsigned long long timeout_ns; /* rows from peers must arrive within this; a pipeline wait
                                     * twice as long is a bug: report, leave (0: 10 s) */
+    void *tail_ws;                  /* COMETI_GEMM_TAIL_BYTES(SMs), counters zeroed once, or NULL:
+                                     * with it, a last wave of at most half the blocks is cut
+                                     * along k into up to 4 parts per tile (cooperative
+                                     * schedule; the same bits every run; gemm.cu, plan_tail) */
     unsigned long long *tile_trace; /* [blocks][COMETI_TILE_TRACE_WORDS] the call's tile timeline
                                      * (cooperative schedule; combine blocks leave their rows
                                      * alone), or NULL */
 } cometi_gemm_t;
+
+#ifdef __CUDACC__
+#define COMETI_HOST_DEVICE __host__ __device__
+#else
+#define COMETI_HOST_DEVICE
+#endif
+
+/* The last wave's cut (tail_ws): `total` tiles taken by `takers` blocks, k_blocks steps of
+ * 64 each. If the last wave holds at most half the takers, each of its tiles becomes
+ * `parts` units (at most COMETI_TAIL_MAX_PARTS, each of at least COMETI_TAIL_MIN_KBLOCKS
+ * steps, no more than the takers hold): tiles [0, first) whole, then the cut tiles'
+ * parts, `units` tickets in all. parts 1: nothing cut. */
+#define COMETI_TAIL_MAX_PARTS 4
+#define COMETI_TAIL_MIN_KBLOCKS 8
+
+typedef struct cometi_tail_plan {
+    int first, parts, units;
+} cometi_tail_plan_t;
+
+static inline COMETI_HOST_DEVICE cometi_tail_plan_t cometi_gemm_tail_plan(int total, int takers, int k_blocks, int on)
+{
+    cometi_tail_plan_t s = {total, 1, total};
+    if (!on || total <= 0 || takers <= 0) return s;
+    const int rest = total % takers; /* the last wave's tiles (all of them below one wave) */
+    if (rest == 0 || 2 * rest > takers) return s;
+    int parts = takers / rest < COMETI_TAIL_MAX_PARTS ? takers / rest : COMETI_TAIL_MAX_PARTS;
+    if (k_blocks / COMETI_TAIL_MIN_KBLOCKS < parts) parts = k_blocks / COMETI_TAIL_MIN_KBLOCKS;
+    if (parts < 2) return s;
+    s.first = total - rest;
+    s.parts = parts;
+    s.units = s.first + rest * parts;
+    return s;
+}
 
 /* Column tile width of a plain GEMM (no SwiGLU) with n columns when block_n is 0: 256
  * where it divides n, else 128. Layer1's split counts and the cost model use it too. */
