@@ -108,7 +108,11 @@ static cometi_gemm_t gemm1(comet_comm_t comm, const cometi_layer1_t *l, const co
     g.err = comm->async_dev;
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
     g.tile_trace = l->tile_trace;
-    g.tail_ws = l0->tail_ws; /* the kernels share a stream and never overlap */
+    /* The last wave's cut (the kernels share a stream and never overlap). Which tiles it
+     * cuts depends on the blocks that take tiles and on the tile order, so the combine
+     * path, whose bits must not depend on its knobs (combine blocks, splits), goes
+     * without it: run_combine clears it. */
+    g.tail_ws = l0->tail_ws;
     return g;
 }
 
@@ -207,6 +211,7 @@ comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_l
                            "rows home (the combine blocks and the tail pre-sum per rank, which TP does not allow)",
                            l->tp);
     cometi_gemm_t g = gemm1(comm, l, l0, a);
+    g.tail_ws = NULL; /* the same bits whatever the knobs (gemm1) */
     g.n_splits = knobs->n_splits;
     g.split_done = l->split_done;
     g.sms = comm->sm_count - knobs->combine_blocks;

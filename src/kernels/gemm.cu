@@ -171,15 +171,18 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
 
 /* The last wave cut along k (tail_ws set, cooperative schedule). When the tiles leave a
  * last wave of at most half the blocks that take tiles, each of its tiles becomes a few
- * units (cometi_gemm_tail_plan), so the wave's idle SMs share its work: on skewed mixtral GEMM1 the last of 3.15 waves of 166 us tiles held
- * every other SM idle for a fifth of the kernel (docs/PERF.md X2). Units are tickets:
+ * units (cometi_gemm_tail_plan), so the wave's idle SMs share its work: on skewed
+ * mixtral GEMM1 the last of 3.15 waves of 166 us tiles held every other SM idle for a
+ * fifth of the kernel (docs/PERF.md X2). Units are tickets:
  * first the whole tiles, then each cut tile's parts in order. A part other than the
  * last stores its fp32 accumulators to the workspace and counts itself; the last part,
  * taken after the others (tickets go in order, and on the static split a block's
  * tickets grow), waits for them, adds their partials in part order (the same bits every
- * run) and runs the tile's epilogue. Every block is resident, and a part waits only for
- * parts with smaller tickets, which never wait: no deadlock. The plan is
- * cometi_gemm_tail_plan (gemm.h). */
+ * run) and runs the tile's epilogue. No deadlock, by induction on tickets: a block takes
+ * its tickets in increasing order, a last part waits only for parts with smaller tickets,
+ * which running blocks already hold, and nothing else a block waits on (stages, tickets,
+ * rows from the dispatch) depends on a larger ticket. The plan is cometi_gemm_tail_plan
+ * (gemm.h). */
 typedef struct unit {
     int tile, kb0, kb1; /* the tile, its k-blocks [kb0, kb1) */
     int part;           /* -1: the whole tile; else which of the cut tile's parts */
@@ -702,7 +705,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (PINGPONG && threadIdx.x % 128 == 0) mbar_arrive(&turn[half ^ 1]); /* the other's turn */
         wgmma_wait<0>();
         if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
-        if (t >= tail->first) {
+        if (!PINGPONG && t >= tail->first) {
             /* A part of a cut tile (see plan_tail): partials are [cut tile][part][BN/8][256
              * threads] float4, so each store and load instruction is coalesced. (Decoded
              * again from t: fewer registers live across the mainloop.) */
@@ -720,11 +723,11 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 if (threadIdx.x == 128) cometi_red_release_gpu_add(count, 1ull);
                 continue;
             }
-            if (threadIdx.x == 128) {
-                cometi_wait_geq(count, (unsigned long long)(tail->parts - 1), p.timeout_ns, p.err, COMETI_SITE_GEMM, -1,
-                                x);
-                *count = 0; /* for the next call: every other part has counted */
-            }
+            /* Zeroed for the next call once every other part has counted (after a failed
+             * wait it stays: the error is reported, and the workspace must be cleared). */
+            if (threadIdx.x == 128 && cometi_wait_geq(count, (unsigned long long)(tail->parts - 1), p.timeout_ns, p.err,
+                                                      COMETI_SITE_GEMM, -1, x))
+                *count = 0;
             consumers_sync();
             for (int q = 0; q < tail->parts - 1; q++) {
                 const float4 *theirs = parts + (size_t)q * (BN * 32);
@@ -1142,11 +1145,8 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     if (args.gemm_blocks < 1)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm sms = %d with %d dispatch or combine blocks: no GEMM "
                            "block left", g->sms, side_blocks);
-    /* A cut tile's last part waits for the others: every block must be resident, and the
-     * workspace holds one part per SM. */
-    if (g->tail_ws && blocks > sm_count)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm tail_ws with %d blocks: at most %d (one per SM)", blocks,
-                           sm_count);
+    /* The workspace holds one part per SM: a grid past the SMs goes without the cut. */
+    if (blocks > sm_count) args.tail_ws = NULL;
     /* The head: the M blocks of the first two waves of tiles. A wave of gemm_blocks tiles
      * covers a band of group_m row tiles, or more rows where a row has fewer column tiles
      * than the wave (local tiles come first, group by group, row tile fastest). */

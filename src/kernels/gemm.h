@@ -197,7 +197,11 @@ typedef struct cometi_gemm {
     void *tail_ws;                  /* COMETI_GEMM_TAIL_BYTES(SMs), counters zeroed once, or NULL:
                                      * with it, a last wave of at most half the blocks is cut
                                      * along k into up to 4 parts per tile (cooperative
-                                     * schedule; the same bits every run; gemm.cu, plan_tail) */
+                                     * schedule, grid within the SMs; gemm.cu). The same bits
+                                     * every run, but which tiles are cut, so their fp32 sums'
+                                     * order, depends on the blocks that take tiles and on the
+                                     * tile order (splits). After a reported pipeline error
+                                     * the counters must be zeroed again. */
     unsigned long long *tile_trace; /* [blocks][COMETI_TILE_TRACE_WORDS] the call's tile timeline
                                      * (cooperative schedule; combine blocks leave their rows
                                      * alone), or NULL */
