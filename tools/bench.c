@@ -516,9 +516,9 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     if (pick) res->l1_best = second;
     const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
     if (!o->suite && print_push_phases(ctx, comm, l0, &l1, a, o->iters, res->l1_gemm_alone_ms)) return 1;
-    timed_call_t traced = first_turns;
-    traced.k1 = best;
-    if (getenv("COMET_TRACE") && print_tile_timelines(ctx, &traced, &l1.tile_trace, "layer1", "GEMM1")) return 1;
+    if (getenv("COMET_TRACE") &&
+        print_tile_timelines(ctx, pick ? &second_turns : &first_turns, &l1.tile_trace, "layer1", "GEMM1"))
+        return 1;
     /* y on poisoned output against the baseline's, every token. */
     CUDA_OK(cudaMemset(y, 0xff, (size_t)M * H * 2));
     FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
@@ -589,9 +589,9 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                                      &res->l0_gemm_alone_ms, res->l0_alone_each);
     if (pick < 0) return 1;
     if (pick) res->l0_best = second;
-    timed_call_t traced = first_turns;
-    traced.k0 = &res->l0_knobs[res->l0_best];
-    if (getenv("COMET_TRACE") && print_tile_timelines(ctx, &traced, &l0.tile_trace, "layer0", "GEMM0")) return 1;
+    if (getenv("COMET_TRACE") &&
+        print_tile_timelines(ctx, pick ? &second_turns : &first_turns, &l0.tile_trace, "layer0", "GEMM0"))
+        return 1;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0];
     st = comet_moe_forward(moe, a, 0);
