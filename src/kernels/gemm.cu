@@ -428,7 +428,7 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
 /* The head of the dispatch: its first `head_pieces` pieces of list 0 (this rank's own rows
  * for the tiles that go first), copied by every GEMM block at the kernel's start, each a
  * share of the rows, with its warps' stores: a few dispatch workers took about 60 us to
- * copy them while the whole GPU waited (docs/PERF.md X3-X4). Each block then counts its rows
+ * copy them while the whole GPU waited (docs/PERF.md X2, X4). Each block then counts its rows
  * per 128-row block with one release each (after the block's barrier, which orders its
  * threads' stores before the release). Needs tp 1: the rows go to this rank alone. */
 #define HEAD_MAX_PIECES 64
