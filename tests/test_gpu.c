@@ -1771,42 +1771,50 @@ static int forward_vs_baseline(const cometi_rank_ctx_t *ctx, uint64_t seed, int 
                tp, cases[ci].name, err, ref_err, base_err);
         if (!(err < 1e-2) || !(row < 3e-2) || !(ref_err < 1e-2) || !(rrow < 3e-2) || !(base_err < 1e-2)) return 1;
     }
-    /* ffn 192 per rank, on a second layer over the same communicator (an NCCL unique id
-     * serves one communicator only), with weights of its own. */
+    /* Two more ffns per rank, each on a second layer over the same communicator (an NCCL
+     * unique id serves one communicator only), with weights of its own: 192, a half-full
+     * last SwiGLU tile; 2048, a GEMM1 long enough along k (32 steps) for its last wave to
+     * be cut (kernels/gemm.h, tail_ws). */
     comet_moe_config_t cfg = fx.cfg;
-    cfg.ffn = 192 * tp;
     comet_moe_t moe2;
-    CHECK_EQ(comet_moe_create(fx.comm, &cfg, &moe2), COMET_SUCCESS);
-    comet_moe_args_t a = fused_args(&fx, &cases[1]); /* random routing, 300 and 77 tokens */
-    const int m = cases[1].tokens[me % 2];
-    void *gu2, *dn2;
-    const size_t slice = (size_t)fx.per * 192 * H;
-    CUDA_OK(cudaMalloc(&gu2, 2 * 2 * slice));
-    CUDA_OK(cudaMalloc(&dn2, 2 * slice));
-    CUDA_OK(cometi_fill_hash_bf16(gu2, 2 * slice, seed ^ 0x51, (uint64_t)me * 2 * slice, (float)(1.0 / sqrt(H)), 0));
-    CUDA_OK(cometi_fill_hash_bf16(dn2, slice, seed ^ 0x52, (uint64_t)me * slice, (float)(1.0 / sqrt(192.0)), 0));
-    a.weights.gate_up = gu2, a.weights.gate = a.weights.up = NULL, a.weights.down = dn2;
-    uint16_t *outs[3] = {want, got, again};
-    const comet_impl_t impls[3] = {COMET_IMPL_BASELINE, COMET_IMPL_FUSED, COMET_IMPL_AUTO};
-    for (int pass = 0; pass < 3; pass++) {
-        a.impl = impls[pass];
-        CUDA_OK(cudaMemset(fx.d_y, 0xff, (size_t)M * H * 2));
-        comet_status_t st = comet_moe_forward(moe2, &a, 0);
-        if (st != COMET_SUCCESS) printf("rank %d ffn %d: %s\n", me, cfg.ffn, comet_moe_last_error(moe2));
-        CHECK_EQ(st, COMET_SUCCESS);
-        CUDA_OK(cudaDeviceSynchronize());
-        CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
-        CUDA_OK(cudaMemcpy(outs[pass], fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+    comet_moe_args_t a;
+    const int per_rank_ffn[2] = {192, 2048};
+    for (int fi = 0; fi < 2; fi++) {
+        const int f = per_rank_ffn[fi];
+        cfg = fx.cfg;
+        cfg.ffn = f * tp;
+        CHECK_EQ(comet_moe_create(fx.comm, &cfg, &moe2), COMET_SUCCESS);
+        a = fused_args(&fx, &cases[1]); /* random routing, 300 and 77 tokens */
+        const int m = cases[1].tokens[me % 2];
+        void *gu2, *dn2;
+        const size_t slice = (size_t)fx.per * f * H;
+        CUDA_OK(cudaMalloc(&gu2, 2 * 2 * slice));
+        CUDA_OK(cudaMalloc(&dn2, 2 * slice));
+        CUDA_OK(cometi_fill_hash_bf16(gu2, 2 * slice, seed ^ 0x51, (uint64_t)me * 2 * slice, (float)(1.0 / sqrt(H)), 0));
+        CUDA_OK(cometi_fill_hash_bf16(dn2, slice, seed ^ 0x52, (uint64_t)me * slice, (float)(1.0 / sqrt((double)f)), 0));
+        a.weights.gate_up = gu2, a.weights.gate = a.weights.up = NULL, a.weights.down = dn2;
+        uint16_t *outs[3] = {want, got, again};
+        const comet_impl_t impls[3] = {COMET_IMPL_BASELINE, COMET_IMPL_FUSED, COMET_IMPL_AUTO};
+        for (int pass = 0; pass < 3; pass++) {
+            a.impl = impls[pass];
+            CUDA_OK(cudaMemset(fx.d_y, 0xff, (size_t)M * H * 2));
+            comet_status_t st = comet_moe_forward(moe2, &a, 0);
+            if (st != COMET_SUCCESS) printf("rank %d ffn %d: %s\n", me, cfg.ffn, comet_moe_last_error(moe2));
+            CHECK_EQ(st, COMET_SUCCESS);
+            CUDA_OK(cudaDeviceSynchronize());
+            CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+            CUDA_OK(cudaMemcpy(outs[pass], fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        }
+        CHECK(memcmp(got, again, (size_t)m * H * 2) == 0); /* AUTO took the fused path */
+        double num = 0, den = 0, row = 0;
+        add_error(got, want, NULL, (size_t)m, H, &num, &den, &row);
+        const double err = den > 0 ? sqrt(num / den) : sqrt(num);
+        printf("rank %d tp %d: ffn %d (%d per rank%s): fused against the baseline %.2e\n", me, tp, cfg.ffn, f,
+               fi ? ", GEMM1's last wave cut" : ", a half-full last SwiGLU tile", err);
+        if (!(err < 1e-2) || !(row < 3e-2)) return 1;
+        CHECK_EQ(comet_moe_destroy(moe2), COMET_SUCCESS);
+        cudaFree(gu2), cudaFree(dn2);
     }
-    CHECK(memcmp(got, again, (size_t)m * H * 2) == 0); /* AUTO took the fused path */
-    double num = 0, den = 0, row = 0;
-    add_error(got, want, NULL, (size_t)m, H, &num, &den, &row);
-    const double err = den > 0 ? sqrt(num / den) : sqrt(num);
-    printf("rank %d tp %d: ffn %d (%d per rank, a half-full last SwiGLU tile): fused against the baseline %.2e\n", me,
-           tp, cfg.ffn, 192, err);
-    if (!(err < 1e-2) || !(row < 3e-2)) return 1;
-    CHECK_EQ(comet_moe_destroy(moe2), COMET_SUCCESS);
-    cudaFree(gu2), cudaFree(dn2);
     /* top_k 9 of 16 experts: more choices than the fused combine sums (8). Routing with 9
      * choices, weights again arbitrary (the first layer's buffers read as 16 experts of F
      * 64 x tp per rank: they fit). */
