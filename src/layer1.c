@@ -111,7 +111,7 @@ static cometi_gemm_t gemm1(comet_comm_t comm, const cometi_layer1_t *l, const co
     /* The last wave's cut (the kernels share a stream and never overlap). Which tiles it
      * cuts depends on the blocks that take tiles and on the tile order, so the combine
      * path, whose bits must not depend on its knobs (combine blocks, splits), goes
-     * without it: run_combine clears it. */
+     * without it: cometi_layer1_run clears it on that path. */
     g.tail_ws = l0->tail_ws;
     return g;
 }

@@ -706,9 +706,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         wgmma_wait<0>();
         if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&empty[prev]);
         if (!PINGPONG && t >= tail->first) {
-            /* A part of a cut tile (see plan_tail): partials are [cut tile][part][BN/8][256
-             * threads] float4, so each store and load instruction is coalesced. (Decoded
-             * again from t: fewer registers live across the mainloop.) */
+            /* A part of a cut tile (see cometi_gemm_tail_plan): partials are [cut tile]
+             * [part][BN/8][256 threads] float4, so each store and load instruction is
+             * coalesced. (Decoded again from t: fewer registers live across the mainloop.) */
             const unit_t cut = decode_unit(t, tail, k_blocks);
             const int x = cut.tile - tail->first, tid = threadIdx.x - 128;
             unsigned long long *count = p.tail_ws + x;
