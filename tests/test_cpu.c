@@ -751,7 +751,8 @@ int test_timeline_accounting(void)
 }
 
 /* The last wave's cut: known answers (skewed mixtral's GEMM1 on the hot rank: 416 tiles on
- * 132 blocks), the cases that cut nothing, and on random inputs the plan's promises. */
+ * 132 blocks; balanced mixtral's: 2048), the cases that cut nothing, and on random inputs
+ * the plan's promises against every other choice of parts. */
 int test_gemm_tail_plan(void)
 {
     cometi_tail_plan_t s = cometi_gemm_tail_plan(416, 132, 224, 1);
@@ -766,9 +767,19 @@ int test_gemm_tail_plan(void)
     CHECK_EQ(s.first, 0);
     CHECK_EQ(s.parts, 2);
     CHECK_EQ(s.units, 10);
-    const int none[][4] = {{2048, 132, 224, 1}, /* 68 left over: more than half the blocks */
+    s = cometi_gemm_tail_plan(2048, 132, 224, 1); /* 68 left over: 204 thirds in 2 rounds */
+    CHECK_EQ(s.first, 1980);
+    CHECK_EQ(s.parts, 3);
+    CHECK_EQ(s.units, 1980 + 68 * 3);
+    s = cometi_gemm_tail_plan(14336, 132, 64, 1); /* mixtral's GEMM0: 80 left over, in thirds */
+    CHECK_EQ(s.first, 14256);
+    CHECK_EQ(s.parts, 3);
+    CHECK_EQ(s.units, 14256 + 80 * 3);
+    const int none[][4] = {{130, 132, 224, 1},  /* nearly full: no count of parts shortens it */
+                           {95, 132, 224, 1},   /* 0.72 full: quarters need 285 partials, 264 slots */
                            {264, 132, 224, 1},  /* whole waves */
                            {5, 132, 8, 1},      /* k too short for two parts of 8 steps */
+                           {100, 132, 16, 1},   /* 2 parts, the most k allows, take 2 rounds */
                            {416, 132, 224, 0},  /* off */
                            {0, 132, 224, 1},    {7, 0, 224, 1}};
     for (size_t i = 0; i < sizeof(none) / sizeof(none[0]); i++) {
@@ -780,18 +791,29 @@ int test_gemm_tail_plan(void)
     uint64_t rng = test_seed();
     for (int it = 0; it < 100000; it++) {
         const int total = (int)(cometi_rand_next(&rng) % 5000), takers = 1 + (int)(cometi_rand_next(&rng) % 200),
-                  k_blocks = 1 + (int)(cometi_rand_next(&rng) % 300);
+                  k_blocks = 1 + (int)(cometi_rand_next(&rng) % 300), rest = total % takers;
         s = cometi_gemm_tail_plan(total, takers, k_blocks, 1);
         CHECK(s.parts >= 1 && s.parts <= COMETI_TAIL_MAX_PARTS);
         CHECK_EQ(s.units, s.first + (total - s.first) * s.parts);
+        /* Every feasible count of parts (1: no cut) and the last wave's length in tiles. */
+        double best = 1.0;
+        for (int p = 2; p <= COMETI_TAIL_MAX_PARTS; p++)
+            if (rest && p * COMETI_TAIL_MIN_KBLOCKS <= k_blocks && (size_t)rest * (p - 1) <= COMETI_GEMM_TAIL_SLOTS(takers)) {
+                const double len = (double)((rest * p + takers - 1) / takers) / p;
+                if (len < best) best = len;
+            }
         if (s.parts == 1) {
             CHECK_EQ(s.first, total);
+            CHECK(best == 1.0); /* nothing would have been shorter */
             continue;
         }
-        CHECK_EQ(s.first % takers, 0);                             /* whole waves before the cut */
-        CHECK((total - s.first) * 2 <= takers);                     /* the last wave at most half full */
-        CHECK((total - s.first) * s.parts <= takers);               /* its units fit in one wave */
-        CHECK(s.parts * COMETI_TAIL_MIN_KBLOCKS <= k_blocks);       /* every part long enough */
+        CHECK_EQ(s.first % takers, 0);                               /* whole waves before the cut */
+        CHECK_EQ(total - s.first, rest);
+        CHECK(s.parts * COMETI_TAIL_MIN_KBLOCKS <= k_blocks);         /* every part long enough */
+        CHECK((size_t)rest * (s.parts - 1) <= COMETI_GEMM_TAIL_SLOTS(takers)); /* partials fit */
+        const int rounds = (rest * s.parts + takers - 1) / takers;
+        CHECK(fabs((double)rounds / s.parts - best) < 1e-12);         /* the shortest */
+        if (2 * rest <= takers) CHECK_EQ(rounds, 1);                  /* a wave at most half full: one round */
     }
     return 0;
 }

@@ -706,8 +706,8 @@ int test_gpu_gemm_vs_reference(void)
     return launch(1, gemm_reference_rank, &seed, 110);
 }
 
-/* The last wave cut along k (tail_ws): shapes whose last wave is short, on the static split
- * (6 and 40 blocks) and the shared counter (every SM), plain and SwiGLU, both epilogues.
+/* The last wave cut along k (tail_ws): shapes whose last wave is not full, on the static split
+ * (6, 9, 11 and 40 blocks) and the shared counter (every SM), plain and SwiGLU, both epilogues.
  * Each run is checked against float64, run again for the same bits (the parts add in a
  * fixed order), timed by the tile timeline to count the units the plan promised (so a
  * cut that silently did not happen fails), and leaves the workspace's counters at zero. */
@@ -761,10 +761,14 @@ static int gemm_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemcpy(b, b16, nb * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(gate, gate16, nb, cudaMemcpyHostToDevice));
     /* {swiglu, block_n, blocks (0: every SM, shared counter), epilogue} */
+    /* 7 tiles (plain, block_n 256) or 14: on 6 blocks 1 or 2 left over, on 40 and every SM
+     * under one wave; on 11 and 9 blocks a last wave more than half full (7 of 11, 5 of 9),
+     * cut in thirds that take two rounds. */
     const int variants[][4] = {{0, 256, 6, COMETI_EPILOGUE_TMA},    {0, 128, 6, COMETI_EPILOGUE_DIRECT},
                                {0, 256, 40, COMETI_EPILOGUE_DIRECT}, {0, 256, 0, COMETI_EPILOGUE_TMA},
                                {1, 256, 6, COMETI_EPILOGUE_TMA},    {1, 256, 40, COMETI_EPILOGUE_DIRECT},
-                               {1, 256, 0, COMETI_EPILOGUE_TMA}};
+                               {1, 256, 0, COMETI_EPILOGUE_TMA},    {0, 256, 11, COMETI_EPILOGUE_TMA},
+                               {0, 128, 9, COMETI_EPILOGUE_DIRECT}, {1, 256, 9, COMETI_EPILOGUE_TMA}};
     for (size_t v = 0; v < sizeof(variants) / sizeof(variants[0]); v++) {
         const int swiglu = variants[v][0], block_n = variants[v][1], blocks = variants[v][2];
         cometi_gemm_t g = {.a = a, .a_rows = rows, .b = swiglu ? b : gate, .c = c, .ldc = n, .segs = segs,

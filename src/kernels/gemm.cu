@@ -170,10 +170,10 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
 }
 
 /* The last wave cut along k (tail_ws set, cooperative schedule). When the tiles leave a
- * last wave of at most half the blocks that take tiles, each of its tiles becomes a few
- * units (cometi_gemm_tail_plan), so the wave's idle SMs share its work: on skewed
- * mixtral GEMM1 the last of 3.15 waves of 166 us tiles held every other SM idle for a
- * fifth of the kernel (docs/PERF.md X2). Units are tickets:
+ * last wave that would hold some blocks idle, each of its tiles may become a few units
+ * (cometi_gemm_tail_plan), so the wave's idle SMs share its work: on skewed mixtral GEMM1
+ * the last of 3.15 waves of 166 us tiles held every other SM idle for a fifth of the
+ * kernel (docs/PERF.md X2). Units are tickets:
  * first the whole tiles, then each cut tile's parts in order. A part other than the
  * last stores its fp32 accumulators to the workspace and counts itself; the last part,
  * taken after the others (tickets go in order, and on the static split a block's

@@ -39,9 +39,10 @@ typedef struct cometi_segment {
  * producer took it, when its rows were ready (the arrival wait passed; the take time when
  * there is none), and when the consumers had issued its epilogue. src/timeline.h reads it. */
 /* The last wave's cut (tail_ws): a count per cut tile (at most one per block), then fp32
- * partials, 128 x 256 per part other than the last (at most one per block). */
+ * partials, 128 x 256 per part other than the last (at most two per block). */
 #define COMETI_GEMM_TAIL_COUNTERS 1024
-#define COMETI_GEMM_TAIL_BYTES(sms) (COMETI_GEMM_TAIL_COUNTERS * 8 + (size_t)(sms) * 128 * 256 * 4)
+#define COMETI_GEMM_TAIL_SLOTS(sms) (2 * (size_t)(sms))
+#define COMETI_GEMM_TAIL_BYTES(sms) (COMETI_GEMM_TAIL_COUNTERS * 8 + COMETI_GEMM_TAIL_SLOTS(sms) * 128 * 256 * 4)
 #define COMETI_TILE_TRACE_TILES 240
 #define COMETI_TILE_TRACE_WORDS (4 + 4 * COMETI_TILE_TRACE_TILES)
 
@@ -195,8 +196,8 @@ typedef struct cometi_gemm {
     unsigned long long timeout_ns; /* rows from peers must arrive within this; a pipeline wait
                                     * twice as long is a bug: report, leave (0: 10 s) */
     void *tail_ws;                  /* COMETI_GEMM_TAIL_BYTES(SMs), counters zeroed once, or NULL:
-                                     * with it, a last wave of at most half the blocks is cut
-                                     * along k into up to 4 parts per tile (cooperative
+                                     * with it, a last wave that would leave blocks idle may
+                                     * be cut along k into up to 4 parts per tile (cooperative
                                      * schedule, grid within the SMs; gemm.cu). The same bits
                                      * every run, but which tiles are cut, so their fp32 sums'
                                      * order, depends on the blocks that take tiles and on the
@@ -214,10 +215,14 @@ typedef struct cometi_gemm {
 #endif
 
 /* The last wave's cut (tail_ws): `total` tiles taken by `takers` blocks, k_blocks steps of
- * 64 each. If the last wave holds at most half the takers, each of its tiles becomes
- * `parts` units (at most COMETI_TAIL_MAX_PARTS, each of at least COMETI_TAIL_MIN_KBLOCKS
- * steps, no more than the takers hold): tiles [0, first) whole, then the cut tiles'
- * parts, `units` tickets in all. parts 1: nothing cut. */
+ * 64 each. The last wave's `rest` tiles may each become `parts` units (at most
+ * COMETI_TAIL_MAX_PARTS, each of at least COMETI_TAIL_MIN_KBLOCKS steps, their partials
+ * within the workspace's slots): its rest x parts units then take ceil(rest x parts /
+ * takers) rounds of 1/parts of a tile. The plan takes the shortest, the fewest parts on a
+ * tie, and cuts only if that is shorter than one whole tile: a wave at most half full
+ * goes in one round (2-4 parts), 68 tiles on 132 blocks in 2 rounds of thirds. Tiles
+ * [0, first) whole, then the cut tiles' parts, `units` tickets in all. parts 1: nothing
+ * cut. */
 #define COMETI_TAIL_MAX_PARTS 4
 #define COMETI_TAIL_MIN_KBLOCKS 8
 
@@ -230,13 +235,19 @@ static inline COMETI_HOST_DEVICE cometi_tail_plan_t cometi_gemm_tail_plan(int to
     cometi_tail_plan_t s = {total, 1, total};
     if (!on || total <= 0 || takers <= 0) return s;
     const int rest = total % takers; /* the last wave's tiles (all of them below one wave) */
-    if (rest == 0 || 2 * rest > takers) return s;
-    int parts = takers / rest < COMETI_TAIL_MAX_PARTS ? takers / rest : COMETI_TAIL_MAX_PARTS;
-    if (k_blocks / COMETI_TAIL_MIN_KBLOCKS < parts) parts = k_blocks / COMETI_TAIL_MIN_KBLOCKS;
-    if (parts < 2) return s;
+    if (rest == 0) return s;
+    int best_rounds = 1, best_parts = 1; /* the last wave lasts best_rounds / best_parts of a tile */
+    for (int parts = 2; parts <= COMETI_TAIL_MAX_PARTS; parts++) {
+        if (parts * COMETI_TAIL_MIN_KBLOCKS > k_blocks ||
+            (size_t)rest * (parts - 1) > COMETI_GEMM_TAIL_SLOTS(takers))
+            break;
+        const int rounds = (rest * parts + takers - 1) / takers;
+        if (rounds * best_parts < best_rounds * parts) best_rounds = rounds, best_parts = parts;
+    }
+    if (best_parts == 1) return s;
     s.first = total - rest;
-    s.parts = parts;
-    s.units = s.first + rest * parts;
+    s.parts = best_parts;
+    s.units = s.first + rest * best_parts;
     return s;
 }
 
