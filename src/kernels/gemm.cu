@@ -242,20 +242,24 @@ static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const int32
 }
 
 /* Bulk: one thread moves whole rows with the copy engine, through a ring of shared-memory
- * slots: a bulk load of row q into slot q % SLOTS (completing on that slot's mbarrier),
- * and LAG rows later a bulk store of it to the owner. A slot is loaded again only once
- * the store that last used it has read it (at most SLOTS - LAG - 1 stores may still be
- * reading), so about LAG rows are being loaded while the stores stream out. At the end
- * of the piece every store must have landed (wait_group 0, then the proxy fence: async
- * writes before the generic release). */
+ * slots in BULK_GROUPS groups of BULK_GROUP consecutive slots: the rows of a group of the
+ * piece are bulk-loaded one by one into a ring group (completing on its mbarrier), and
+ * BULK_LAG_GROUPS groups later stored to the owner with one bulk store, since the piece's
+ * receive rows are consecutive. The SM's copy engine takes its copies one at a time at
+ * about 95 ns each, whether 4 or 7 KB (docs/PERF.md X3, X8: neither ring depth nor
+ * workers moved a block's 35 GB/s), so fewer copies per row is what copies faster: 1.25
+ * per row here, 2 with a store per row. A ring group is loaded again only once the store
+ * that last used it has read it. At the end of the piece every store must have landed
+ * (wait_group 0, then the proxy fence: async writes before the generic release). */
 #define BULK_SLOTS 12
-#define BULK_LAG 10
-#define SRC_BATCH 8
+#define BULK_GROUP 4
+#define BULK_GROUPS (BULK_SLOTS / BULK_GROUP)
+#define BULK_LAG_GROUPS 1
 
 typedef struct bulk_ring {
     unsigned char *slots; /* BULK_SLOTS rows */
-    uint64_t *full;       /* BULK_SLOTS mbarriers */
-    uint32_t parity;      /* bit s: the phase slot s waits for next */
+    uint64_t *full;       /* BULK_GROUPS mbarriers */
+    uint32_t parity;      /* bit s: the phase ring group s waits for next */
     uint32_t row_bytes;
 } bulk_ring_t;
 
@@ -263,38 +267,39 @@ static __device__ void copy_piece_bulk(const cometi_dispatch_t *d, bulk_ring_t *
                                        unsigned char *out, cometi_async_error_t *err, unsigned long long timeout_ns)
 {
     const uint32_t rb = ring->row_bytes;
-    /* The rows' token indices come SRC_BATCH at a time, the next batch's loads in flight
+    const int groups = (n_rows + BULK_GROUP - 1) / BULK_GROUP;
+    /* The rows' token indices come a group at a time, the next group's loads in flight
      * while this one's rows are issued: one load per row ahead of its copy made every row
      * wait for a trip to L2, about 4 KB per microsecond per worker. */
-    int src[SRC_BATCH], next[SRC_BATCH];
+    int src[BULK_GROUP], next[BULK_GROUP];
 #pragma unroll
-    for (int i = 0; i < SRC_BATCH; i++) src[i] = i < n_rows ? src_of[i] : 0;
-    for (int q0 = 0; q0 < n_rows + BULK_LAG; q0 += SRC_BATCH) {
+    for (int i = 0; i < BULK_GROUP; i++) src[i] = i < n_rows ? src_of[i] : 0;
+    for (int g = 0; g < groups + BULK_LAG_GROUPS; g++) {
+        const int q0 = g * BULK_GROUP;
 #pragma unroll
-        for (int i = 0; i < SRC_BATCH; i++) next[i] = q0 + SRC_BATCH + i < n_rows ? src_of[q0 + SRC_BATCH + i] : 0;
+        for (int i = 0; i < BULK_GROUP; i++) next[i] = q0 + BULK_GROUP + i < n_rows ? src_of[q0 + BULK_GROUP + i] : 0;
+        if (g < groups) {
+            const int s = g % BULK_GROUPS, rows = min(BULK_GROUP, n_rows - q0);
+            /* Stores issued so far: groups < g - LAG. The one that used ring group s (group
+             * g - GROUPS) has read it once at most GROUPS - LAG - 1 newer ones are reading. */
+            asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(BULK_GROUPS - BULK_LAG_GROUPS - 1) : "memory");
+            mbar_expect_tx(&ring->full[s], rows * rb);
 #pragma unroll
-        for (int i = 0; i < SRC_BATCH; i++) {
-            const int q = q0 + i;
-            if (q < n_rows) {
-                const int s = q % BULK_SLOTS;
-                /* Stores issued so far: rows < q - LAG. The one that used slot s (row q - SLOTS)
-                 * has read it once at most SLOTS - LAG - 1 newer ones are still reading. */
-                asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(BULK_SLOTS - BULK_LAG - 1) : "memory");
-                mbar_expect_tx(&ring->full[s], rb);
-                bulk_load(ring->slots + (size_t)s * rb, (const unsigned char *)d->x + (size_t)(src[i] / d->top_k) * rb,
-                          rb, &ring->full[s]);
-            }
-            const int r = q - BULK_LAG;
-            if (r >= 0 && r < n_rows) {
-                const int s = r % BULK_SLOTS;
-                mbar_wait(&ring->full[s], ring->parity >> s & 1, err, timeout_ns);
-                ring->parity ^= 1u << s;
-                bulk_store(out + (size_t)r * rb, ring->slots + (size_t)s * rb, rb);
-                bulk_commit();
-            }
+            for (int i = 0; i < BULK_GROUP; i++)
+                if (i < rows)
+                    bulk_load(ring->slots + (size_t)(s * BULK_GROUP + i) * rb,
+                              (const unsigned char *)d->x + (size_t)(src[i] / d->top_k) * rb, rb, &ring->full[s]);
+        }
+        const int r = g - BULK_LAG_GROUPS;
+        if (r >= 0) {
+            const int s = r % BULK_GROUPS, rows = min(BULK_GROUP, n_rows - r * BULK_GROUP);
+            mbar_wait(&ring->full[s], ring->parity >> s & 1, err, timeout_ns);
+            ring->parity ^= 1u << s;
+            bulk_store(out + (size_t)r * BULK_GROUP * rb, ring->slots + (size_t)s * BULK_GROUP * rb, rows * rb);
+            bulk_commit();
         }
 #pragma unroll
-        for (int i = 0; i < SRC_BATCH; i++) src[i] = next[i];
+        for (int i = 0; i < BULK_GROUP; i++) src[i] = next[i];
     }
     bulk_wait();
     asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -399,7 +404,7 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
     build_piece_table(d, table); /* every thread of the block */
     const int ring_bytes = BULK_SLOTS * row_bytes, usable = (int)smem_size - 2048 - PIECE_TABLE_BYTES;
     const int bulk = d->mode != COMETI_DISPATCH_STORES && usable >= ring_bytes;
-    const int workers = bulk ? min(min((int)(blockDim.x / 32), 1024 / (8 * BULK_SLOTS)), usable / ring_bytes)
+    const int workers = bulk ? min(min((int)(blockDim.x / 32), 1024 / (8 * BULK_GROUPS)), usable / ring_bytes)
                              : blockDim.x / 32;
     /* A bulk worker is one thread; the warp's other lanes wait for it at the end. */
     if (warp >= workers) return;
@@ -410,16 +415,16 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
     bulk_ring_t ring;
     if (bulk) {
         ring.slots = smem + 1024 + PIECE_TABLE_BYTES + (size_t)warp * ring_bytes;
-        ring.full = (uint64_t *)smem + warp * BULK_SLOTS;
+        ring.full = (uint64_t *)smem + warp * BULK_GROUPS;
         ring.parity = 0;
         ring.row_bytes = row_bytes;
-        for (int s = 0; s < BULK_SLOTS; s++) mbar_init(&ring.full[s], 1);
+        for (int s = 0; s < BULK_GROUPS; s++) mbar_init(&ring.full[s], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     copy_pieces(d, table, bulk ? &ring : NULL, counter, err, timeout_ns);
     /* The ring's shared memory may become GEMM stages next. */
     if (bulk) {
-        for (int s = 0; s < BULK_SLOTS; s++)
+        for (int s = 0; s < BULK_GROUPS; s++)
             asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_u32(&ring.full[s])) : "memory");
         __syncwarp();
     }
