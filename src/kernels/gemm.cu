@@ -245,10 +245,11 @@ static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const int32
  * slots in BULK_GROUPS groups of BULK_GROUP consecutive slots: the rows of a group of the
  * piece are bulk-loaded one by one into a ring group (completing on its mbarrier), and
  * BULK_LAG_GROUPS groups later stored to the owner with one bulk store, since the piece's
- * receive rows are consecutive. The SM's copy engine takes its copies one at a time at
- * about 95 ns each, whether 4 or 7 KB (docs/PERF.md X3, X8: neither ring depth nor
- * workers moved a block's 35 GB/s), so fewer copies per row is what copies faster: 1.25
- * per row here, 2 with a store per row. A ring group is loaded again only once the store
+ * receive rows are consecutive. Neither ring depth nor workers per block moved a block's
+ * 35 GB/s (docs/PERF.md X3), which implies about 95 ns per copy for 4 and 7 KB rows alike:
+ * the SM's copy engine takes them one at a time. Fewer copies per row copy faster: 1.25
+ * here against 2 with a store per row made the dispatch-bound counts 3-12% faster (X8).
+ * A ring group is loaded again only once the store
  * that last used it has read it. At the end of the piece every store must have landed
  * (wait_group 0, then the proxy fence: async writes before the generic release). */
 #define BULK_SLOTS 12
