@@ -92,16 +92,24 @@ chunk_offset_kernel(const int32_t *ids, int n, int num_experts, int chunks, cons
     }
 }
 
+/* The chunks' ranks alone; chunk_offset_kernel, or the device route, adds the offsets. */
+static cudaError_t launch_chunk_ranks(const int32_t *ids, int n, int num_experts, int32_t *pos,
+                                      unsigned int *first_bad, int32_t *chunk_counts, cudaStream_t stream)
+{
+    if (num_experts < 1 || num_experts > COMETI_MAX_EXPERTS) return cudaErrorInvalidValue; /* the ranks' shared memory */
+    chunk_rank_kernel<<<cometi_route_chunks(n), RANK_THREADS, sizeof(int) * RANK_WARPS * num_experts, stream>>>(
+        ids, n, num_experts, cometi_route_chunks(n), chunk_counts, pos, first_bad);
+    return cudaGetLastError();
+}
+
 extern "C" cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_experts, int32_t *counts,
                                            int32_t *pos, unsigned int *first_bad, int32_t *chunk_counts,
                                            cudaStream_t stream)
 {
-    if (num_experts < 1 || num_experts > COMETI_MAX_EXPERTS) return cudaErrorInvalidValue; /* the ranks' shared memory */
     cudaError_t e = cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned int), stream);
+    if (e == cudaSuccess) e = launch_chunk_ranks(ids, n, num_experts, pos, first_bad, chunk_counts, stream);
     if (e != cudaSuccess) return e;
     const int chunks = cometi_route_chunks(n);
-    chunk_rank_kernel<<<chunks, RANK_THREADS, sizeof(int) * RANK_WARPS * num_experts, stream>>>(
-        ids, n, num_experts, chunks, chunk_counts, pos, first_bad);
     chunk_offset_kernel<<<chunks, ROUTE_THREADS, sizeof(int) * num_experts, stream>>>(ids, n, num_experts, chunks,
                                                                                      chunk_counts, pos, counts);
     return cudaGetLastError();
@@ -202,10 +210,24 @@ static __device__ void build_plan(const int32_t *cnt, int32_t *seg_start_s, int 
 
 static __global__ void __launch_bounds__(PLAN_THREADS, 1)
 exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int tp, int E, int block_m,
-                     unsigned long long *seq_counter, const int32_t *local_counts, const int32_t *ids, int n,
-                     cometi_route_dev_plan_t plan, int counts_in_smem, unsigned long long timeout_ns,
-                     cometi_async_error_t *err)
+                     unsigned long long *seq_counter, int32_t *local_counts, int32_t *chunk_counts, int chunks,
+                     const int32_t *ids, int n, cometi_route_dev_plan_t plan, int counts_in_smem,
+                     unsigned long long timeout_ns, cometi_async_error_t *err)
 {
+    /* This rank's counts from the chunks' (chunk_rank_kernel), and each chunk's count
+     * turned into the rows of its expert in earlier chunks, which place_rows_kernel adds
+     * to the chunk's ranks (what chunk_offset_kernel does for the baseline, one launch
+     * fewer). */
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int sum = 0;
+        for (int c = 0; c < chunks; c++) {
+            const int v = chunk_counts[(size_t)e * chunks + c];
+            chunk_counts[(size_t)e * chunks + c] = sum;
+            sum += v;
+        }
+        local_counts[e] = sum;
+    }
+    __syncthreads(); /* the counts, written by this block, read below by other threads */
     /* [world * E] counts when counts_in_smem, then [E] padded segment sizes -> starts */
     extern __shared__ int32_t counts_s[];
     __shared__ int failed;
@@ -248,13 +270,17 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
         *plan.failed = failed;
         *seq_counter = seq; /* read only by the next call's kernel, after this one ends */
     }
-    if (threadIdx.x == 0 && local_counts[E] != -1 && atomicCAS(&err->id_claim, 0, 1) == 0) {
-        err->id_rank = me;
-        err->id_index = local_counts[E];
-        err->id_value = ids[local_counts[E]];
-        err->id_limit = E;
-        __threadfence_system();
-        *(volatile int *)&err->id_reported = 1;
+    if (threadIdx.x == 0) {
+        const int first_bad = local_counts[E];
+        if (first_bad != -1 && atomicCAS(&err->id_claim, 0, 1) == 0) {
+            err->id_rank = me;
+            err->id_index = first_bad;
+            err->id_value = ids[first_bad];
+            err->id_limit = E;
+            __threadfence_system();
+            *(volatile int *)&err->id_reported = 1;
+        }
+        local_counts[E] = -1; /* for the next call's ranks (set so at create): no memset launch */
     }
 }
 
@@ -287,19 +313,30 @@ extern "C" cudaError_t cometi_route_plan_from_counts(const int32_t *counts, int 
     return cudaGetLastError();
 }
 
-/* Every row's place in its owner's receive buffer and in the send order, over many blocks
- * (one block took 0.06 ms for 65536 rows), and with weights, its record for layer1 (in
- * send order; see cometi_choice_slot). Nothing is placed when the exchange failed. */
+/* Every row's rank among this rank's rows of its expert (its chunk's rank plus the rows
+ * of earlier chunks, prefix[e][chunk] from the exchange), its place in its owner's receive
+ * buffer and in the send order, over many blocks (one block took 0.06 ms for 65536 rows),
+ * and with weights, its record for layer1 (in send order; see cometi_choice_slot).
+ * Nothing is placed when the exchange failed. */
+static __device__ __forceinline__ int row_rank(const int32_t *chunk_pos, const int32_t *prefix, int chunks, int i,
+                                               int e)
+{
+    return chunk_pos[i] + prefix[(size_t)e * chunks + i / COMETI_ROUTE_CHUNK];
+}
+
 static __global__ void place_rows_kernel(const int32_t *ids, const float *weights, int n, int k, int E, int me,
-                                         int world, int tp, cometi_route_dev_plan_t plan, cometi_row_meta_t *meta)
+                                         int world, int tp, const int32_t *chunk_pos, const int32_t *prefix,
+                                         int chunks, cometi_route_dev_plan_t plan, cometi_row_meta_t *meta)
 {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const int e = ids[i], per = E / (world / tp);
-    const bool ok = e >= 0 && e < E && !*plan.failed;
-    plan.recv_pos[i] = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + plan.pos[i] : -1;
+    const bool valid = e >= 0 && e < E, ok = valid && !*plan.failed;
+    const int pos = valid ? row_rank(chunk_pos, prefix, chunks, i, e) : 0;
+    if (valid) plan.pos[i] = pos;
+    plan.recv_pos[i] = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + pos : -1;
     if (!ok) return;
-    const int at = plan.send_offset[me * E + e] + plan.pos[i];
+    const int at = plan.send_offset[me * E + e] + pos;
     plan.src_of[at] = i;
     if (!meta) return;
     const int t = i / k, j = i % k;
@@ -309,7 +346,7 @@ static __global__ void place_rows_kernel(const int32_t *ids, const float *weight
     m.slot = slot >= 0 ? t * min(k, world) + slot : -1;
     if (next >= 0) { /* where the next choice lands: the same formula as recv_pos */
         const int en = ids[(size_t)t * k + next];
-        m.next = plan.seg_start[en] + plan.recv_offset[me * E + en] + plan.pos[(size_t)t * k + next];
+        m.next = plan.seg_start[en] + plan.recv_offset[me * E + en] + row_rank(chunk_pos, prefix, chunks, t * k + next, en);
     } else {
         m.next = -1;
     }
@@ -347,10 +384,13 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
                     fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->local_counts, sizeof(int32_t) * (E + 1)),
                                     "cudaMalloc(route counts)"), fail);
+    /* No bad id yet: each call's exchange resets it after reading it. */
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->local_counts + E, 0xff, sizeof(int32_t)),
+                                    "clear route first bad id"), fail);
     {
         /* 64-bit counters first (alignment), then segments, then the int32 arrays. */
         size_t ints = 2 + (size_t)r->max_blocks * 2 + (size_t)per * 3 + (size_t)W * E * 3 + (size_t)E * 2 + W +
-                      (size_t)max_rows * 3 + (size_t)E * cometi_route_chunks(max_rows) + 1;
+                      (size_t)max_rows * 4 + (size_t)E * cometi_route_chunks(max_rows) + 1;
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->arena, sizeof(int32_t) * ints),
                                         "cudaMalloc(route plan)"), fail);
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->arena, 0, sizeof(int32_t) * ints),
@@ -369,6 +409,7 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
         r->plan.recv_pos = p, p += max_rows;
         r->plan.pos = p, p += max_rows;
         r->plan.src_of = p, p += max_rows;
+        r->chunk_pos = p, p += max_rows;
         r->chunk_counts = p, p += (size_t)E * cometi_route_chunks(max_rows);
         r->plan.failed = p;
     }
@@ -396,21 +437,26 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     if (n > r->max_rows)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "route: %d tokens x top-k %d = %d rows: the plan "
                            "holds %d", m, k, n, r->max_rows);
-    COMETI_TRY(cometi_cuda(comm->err, cometi_launch_route(topk_ids, n, E, r->local_counts, r->plan.pos,
-                                                          (unsigned int *)(r->local_counts + E), r->chunk_counts,
-                                                          stream),
-                           "launch route kernels"));
+    /* Three kernels: the chunks' ranks (which note the first bad id; the exchange reads
+     * and resets it), the exchange with the plan, and the rows' places. */
+    const int chunks = cometi_route_chunks(n);
+    COMETI_TRY(cometi_cuda(comm->err, launch_chunk_ranks(topk_ids, n, E, r->chunk_pos,
+                                                         (unsigned int *)(r->local_counts + E), r->chunk_counts,
+                                                         stream),
+                           "launch chunk_rank_kernel"));
     peer_tables_t peers;
     memset(&peers, 0, sizeof(peers));
     for (int p = 0; p < r->world; p++) peers.base[p] = (int32_t *)r->table.peer[p];
     const size_t counts_bytes = sizeof(int32_t) * (size_t)r->world * E, sizes_bytes = sizeof(int32_t) * (size_t)E;
     const int counts_in_smem = r->counts_in_smem;
     exchange_plan_kernel<<<1, PLAN_THREADS, (counts_in_smem ? counts_bytes : 0) + sizes_bytes, stream>>>(
-        peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m, r->seq, r->local_counts, topk_ids,
-        n, r->plan, counts_in_smem, (unsigned long long)comm->timeout_ms * 1000000ull, comm->async_dev);
+        peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m, r->seq, r->local_counts,
+        r->chunk_counts, chunks, topk_ids, n, r->plan, counts_in_smem, (unsigned long long)comm->timeout_ms * 1000000ull,
+        comm->async_dev);
     COMETI_TRY(cometi_cuda(comm->err, cudaGetLastError(), "launch exchange_plan_kernel"));
     if (n > 0)
-        place_rows_kernel<<<(n + 255) / 256, 256, 0, stream>>>(topk_ids, weights, n, k, E, comm->rank, r->world, r->tp, r->plan,
-                                                               weights ? (cometi_row_meta_t *)r->meta.local : NULL);
+        place_rows_kernel<<<(n + 255) / 256, 256, 0, stream>>>(
+            topk_ids, weights, n, k, E, comm->rank, r->world, r->tp, r->chunk_pos, r->chunk_counts, chunks, r->plan,
+            weights ? (cometi_row_meta_t *)r->meta.local : NULL);
     return cometi_cuda(comm->err, cudaGetLastError(), "launch place_rows_kernel");
 }

@@ -55,9 +55,12 @@ typedef struct cometi_route_dev {
     cometi_window_t table;          /* [2][world][E] int32 counts, then [world] u64 arrival flags */
     cometi_window_t meta;           /* [max_rows] this rank's rows' records for layer1, in send
                                      * order (written when the run is given weights) */
-    int32_t *local_counts;          /* [E + 1]: this rank's counts, then the first bad id's index */
-    int32_t *arena;                 /* backs every array of `plan`, and chunk_counts */
-    int32_t *chunk_counts;          /* route scratch: [E][cometi_route_chunks(max_rows)] */
+    int32_t *local_counts;          /* [E + 1]: this rank's counts, then the first bad id's index (-1
+                                     * between calls: the exchange resets it) */
+    int32_t *arena;                 /* backs every array of `plan`, chunk_pos and chunk_counts */
+    int32_t *chunk_pos;             /* route scratch: [max_rows] each row's rank within its chunk */
+    int32_t *chunk_counts;          /* route scratch: [E][cometi_route_chunks(rows)], counts per chunk,
+                                     * then (the exchange) the rows of earlier chunks */
     cometi_route_dev_plan_t plan;
     unsigned long long *seq;        /* device: calls so far (flags only grow, nothing is reset); kept
                                      * on the device so that a captured CUDA graph counts on replay */
