@@ -178,11 +178,12 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
  * last stores its fp32 accumulators to the workspace and counts itself; the last part,
  * taken after the others (tickets go in order, and on the static split a block's
  * tickets grow), waits for them, adds their partials in part order (the same bits every
- * run) and runs the tile's epilogue. No deadlock, by induction on tickets: a block takes
- * its tickets in increasing order, a last part waits only for parts with smaller tickets,
- * which running blocks already hold, and nothing else a block waits on (stages, tickets,
- * rows from the dispatch) depends on a larger ticket. The plan is cometi_gemm_tail_plan
- * (gemm.h). */
+ * run) and runs the tile's epilogue. No deadlock, by induction on tickets: every block
+ * is resident (one per SM, the grid within the SMs) and takes its tickets in increasing
+ * order, a last part waits only for parts with smaller tickets, whose blocks reach them
+ * after only smaller tickets (over several rounds too), and nothing else a block waits on
+ * (stages, tickets, rows from the dispatch) depends on a larger ticket. The plan is
+ * cometi_gemm_tail_plan (gemm.h). */
 typedef struct unit {
     int tile, kb0, kb1; /* the tile, its k-blocks [kb0, kb1) */
     int part;           /* -1: the whole tile; else which of the cut tile's parts */
@@ -1151,7 +1152,9 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     if (args.gemm_blocks < 1)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm sms = %d with %d dispatch or combine blocks: no GEMM "
                            "block left", g->sms, side_blocks);
-    /* The workspace holds one part per SM: a grid past the SMs goes without the cut. */
+    /* The workspace holds two partials per SM (COMETI_GEMM_TAIL_SLOTS), and the plan's
+     * no-deadlock argument needs every block resident: a grid past the SMs goes without
+     * the cut. */
     if (blocks > sm_count) args.tail_ws = NULL;
     /* The head: the M blocks of the first two waves of tiles. A wave of gemm_blocks tiles
      * covers a band of group_m row tiles, or more rows where a row has fewer column tiles

@@ -106,6 +106,7 @@ extern "C" cudaError_t cometi_launch_route(const int32_t *ids, int n, int num_ex
                                            int32_t *pos, unsigned int *first_bad, int32_t *chunk_counts,
                                            cudaStream_t stream)
 {
+    if (num_experts < 1 || num_experts > COMETI_MAX_EXPERTS) return cudaErrorInvalidValue;
     cudaError_t e = cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned int), stream);
     if (e == cudaSuccess) e = launch_chunk_ranks(ids, n, num_experts, pos, first_bad, chunk_counts, stream);
     if (e != cudaSuccess) return e;
@@ -453,7 +454,10 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
         peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m, r->seq, r->local_counts,
         r->chunk_counts, chunks, topk_ids, n, r->plan, counts_in_smem, (unsigned long long)comm->timeout_ms * 1000000ull,
         comm->async_dev);
-    COMETI_TRY(cometi_cuda(comm->err, cudaGetLastError(), "launch exchange_plan_kernel"));
+    const cudaError_t launched = cudaGetLastError();
+    if (launched != cudaSuccess) /* the ranks may have noted a bad id that only the exchange resets */
+        cudaMemsetAsync(r->local_counts + E, 0xff, sizeof(int32_t), stream);
+    COMETI_TRY(cometi_cuda(comm->err, launched, "launch exchange_plan_kernel"));
     if (n > 0)
         place_rows_kernel<<<(n + 255) / 256, 256, 0, stream>>>(
             topk_ids, weights, n, k, E, comm->rank, r->world, r->tp, r->chunk_pos, r->chunk_counts, chunks, r->plan,
