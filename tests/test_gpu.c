@@ -1102,6 +1102,25 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
                 }
             }
         }
+        /* Each row's rank among this rank's rows of its expert (layer1's push reads it) and
+         * the send order (the dispatch reads it): the C plan's send position is the two. */
+        CUDA_OK(cudaMemcpy(got, r.plan.pos, sizeof(int32_t) * m[me] * k, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < m[me] * k; i++) {
+            const int64_t want = want_send[i] - p.send_offset[(size_t)me * E + ids[me][i]];
+            if (got[i] != want) {
+                printf("rank %d call %d: pos[%d] = %d on the GPU, %lld in the C plan\n", me, call, i, got[i],
+                       (long long)want);
+                return 1;
+            }
+        }
+        CUDA_OK(cudaMemcpy(got, r.plan.src_of, sizeof(int32_t) * m[me] * k, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < m[me] * k; i++) {
+            if (got[want_send[i]] != i) {
+                printf("rank %d call %d: src_of[%lld] = %d on the GPU, want %d\n", me, call, (long long)want_send[i],
+                       got[want_send[i]], i);
+                return 1;
+            }
+        }
         /* Arrival totals per 128-row block of this rank's receive buffer, over all calls. */
         for (int le = 0; le < per; le++) {
             const int e = me / tp * per + le;
