@@ -92,11 +92,11 @@ chunk_offset_kernel(const int32_t *ids, int n, int num_experts, int chunks, cons
     }
 }
 
-/* The chunks' ranks alone; chunk_offset_kernel, or the device route, adds the offsets. */
+/* The chunks' ranks alone; chunk_offset_kernel, or the device route, adds the offsets.
+ * Callers check num_experts (1..COMETI_MAX_EXPERTS: the ranks' shared memory). */
 static cudaError_t launch_chunk_ranks(const int32_t *ids, int n, int num_experts, int32_t *pos,
                                       unsigned int *first_bad, int32_t *chunk_counts, cudaStream_t stream)
 {
-    if (num_experts < 1 || num_experts > COMETI_MAX_EXPERTS) return cudaErrorInvalidValue; /* the ranks' shared memory */
     chunk_rank_kernel<<<cometi_route_chunks(n), RANK_THREADS, sizeof(int) * RANK_WARPS * num_experts, stream>>>(
         ids, n, num_experts, cometi_route_chunks(n), chunk_counts, pos, first_bad);
     return cudaGetLastError();
@@ -347,7 +347,8 @@ static __global__ void place_rows_kernel(const int32_t *ids, const float *weight
     m.slot = slot >= 0 ? t * min(k, world) + slot : -1;
     if (next >= 0) { /* where the next choice lands: the same formula as recv_pos */
         const int en = ids[(size_t)t * k + next];
-        m.next = plan.seg_start[en] + plan.recv_offset[me * E + en] + row_rank(chunk_pos, prefix, chunks, t * k + next, en);
+        m.next = plan.seg_start[en] + plan.recv_offset[me * E + en] +
+                 row_rank(chunk_pos, prefix, chunks, t * k + next, en);
     } else {
         m.next = -1;
     }
