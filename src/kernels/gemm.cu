@@ -250,9 +250,9 @@ static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const int32
  * 35 GB/s (docs/PERF.md X3), which implies about 95 ns per copy for 4 and 7 KB rows alike:
  * the SM's copy engine takes them one at a time. Fewer copies per row copy faster: 1.25
  * here against 2 with a store per row made the dispatch-bound counts 3-12% faster (X8).
- * A ring group is loaded again only once the store
- * that last used it has read it. At the end of the piece every store must have landed
- * (wait_group 0, then the proxy fence: async writes before the generic release). */
+ * A ring group is loaded again only once the store that last used it has read it. At the
+ * end of the piece every store must have landed (wait_group 0, then the proxy fence:
+ * async writes before the generic release). */
 #define BULK_SLOTS 12
 #define BULK_GROUP 4
 #define BULK_GROUPS (BULK_SLOTS / BULK_GROUP)
