@@ -1,8 +1,10 @@
 """Where one comet_moe_forward's time goes, kernel by kernel, on every rank: the forward
 runs under torch.profiler (CUPTI sees libcomet's kernels too), and each kernel's median
-duration over the calls is printed, with the route's kernels summed. Calls are taken
-one at a time (barrier, call, sync), so each rank's exchange kernel also holds its wait
-for the slower rank: the rank with the shorter exchange shows the route's own cost.
+duration over the calls is printed, with the route's kernels summed, and the forward's
+span on the GPU (first kernel's start to last kernel's end) with the time between its
+kernels. Calls are taken one at a time (barrier, call, sync), so each rank's exchange
+kernel also holds its wait for the slower rank: the rank with the shorter exchange shows
+the route's own cost.
 
     torchrun --nproc-per-node 2 bench/trace_forward.py
     torchrun --nproc-per-node 2 bench/trace_forward.py --preset qwen2-57b-a14b --tokens 1024 8192
@@ -75,7 +77,7 @@ def kernel_medians(block, x, ids, w, calls):
         prof.export_chrome_trace(f.name)
         with open(f.name) as trace:
             events = json.load(trace)["traceEvents"]
-    durations = {}
+    durations, ours = {}, []
     for e in events:
         if e.get("cat") not in ("kernel", "gpu_memset"):
             continue
@@ -83,7 +85,22 @@ def kernel_medians(block, x, ids, w, calls):
         for fragment, short in KERNELS:
             if fragment in key:
                 durations.setdefault(short, []).append(e["dur"])
-    return {short: statistics.median(durations[short]) for _, short in KERNELS if short in durations}
+                ours.append((e["ts"], e["ts"] + e["dur"]))
+    med = {short: statistics.median(durations[short]) for _, short in KERNELS if short in durations}
+    # One forward's span on the GPU, first kernel's start to last kernel's end: the calls
+    # are milliseconds apart, so a gap over 1 ms starts the next call.
+    spans, start, end = [], None, None
+    for ts, te in sorted(ours):
+        if start is not None and ts - end > 1000:
+            spans.append(end - start)
+            start = None
+        if start is None:
+            start, end = ts, te
+        end = max(end, te)
+    if start is not None:
+        spans.append(end - start)
+    med["span"] = statistics.median(spans) if spans else 0.0
+    return med
 
 
 def main():
@@ -107,8 +124,10 @@ def main():
             ids, w = mixtral_route(torch.nn.functional.linear(x, block.gate.weight), cfg.top_k)
             med = kernel_medians(block, x, ids, w, a.calls)
             route = sum(med.get(k, 0.0) for k in ROUTE)
+            span = med.pop("span")
+            gaps = span - sum(med.values())
             lines.append(f"{preset:15s} {tokens:6d} rank {rank}: " + " ".join(f"{k} {v:.1f}" for k, v in med.items())
-                         + f" | route {route:.1f} us")
+                         + f" | route {route:.1f}, span {span:.1f}, between kernels {gaps:.1f} us")
             block.close()
     comm.check_async_error(synchronize=True)
     gathered = [None] * world

@@ -1105,19 +1105,20 @@ int bandwidth_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaEventCreate(&e1));
     if (ctx->rank == 0)
         printf("%d x %s: each rank copies %d MiB to (push: remote stores) or from (pull: remote loads) rank+1, all "
-               "at once; GB/s per rank, median of %d, slowest rank\n%8s %10s %10s\n",
-               ctx->nranks, "GPU", o->mib, reps, "blocks", "push GB/s", "pull GB/s");
+               "at once (local: the same copy inside the rank's own memory); GB/s per rank, median of %d, slowest "
+               "rank\n%8s %10s %10s %11s\n",
+               ctx->nranks, "GPU", o->mib, reps, "blocks", "push GB/s", "pull GB/s", "local GB/s");
     const int block_counts[] = {1, 2, 4, 8, 16, 32, 66, 132};
     for (size_t bi = 0; bi < sizeof(block_counts) / sizeof(block_counts[0]); bi++) {
-        float gbs[2];
-        for (int dir = 0; dir < 2; dir++) {
+        float gbs[3];
+        for (int dir = 0; dir < 3; dir++) {
             float t[10];
             for (int r = 0; r < reps; r++) {
                 st = cometi_barrier(comm, 0);
                 FAIL_IF(st != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
                 CUDA_OK(cudaEventRecord(e0, 0));
                 void *dst = dir == 0 ? (char *)win.peer[peer] + bytes : (char *)win.local + bytes;
-                const void *src = dir == 0 ? win.local : win.peer[peer];
+                const void *src = dir == 1 ? win.peer[peer] : win.local;
                 st = cometi_copy(comm->err, dst, src, bytes, block_counts[bi], 0);
                 FAIL_IF(st != COMET_SUCCESS, "copy: %s", comm->err);
                 CUDA_OK(cudaEventRecord(e1, 0));
@@ -1127,10 +1128,24 @@ int bandwidth_rank(const cometi_rank_ctx_t *ctx, void *arg)
             gbs[dir] = (float)(bytes / (median(t, reps) * 1e-3) / 1e9);
         }
         /* The slowest rank: min over ranks of GB/s. */
-        float neg[2] = {-gbs[0], -gbs[1]};
-        if (allreduce(comm, neg, 2, ncclMax)) return 1;
-        if (ctx->rank == 0) printf("%8d %10.1f %10.1f\n", block_counts[bi], -neg[0], -neg[1]);
+        float neg[3] = {-gbs[0], -gbs[1], -gbs[2]};
+        if (allreduce(comm, neg, 3, ncclMax)) return 1;
+        if (ctx->rank == 0) printf("%8d %10.1f %10.1f %11.1f\n", block_counts[bi], -neg[0], -neg[1], -neg[2]);
     }
+    /* The push again through the copy engine (cudaMemcpyAsync into the peer's window): no SM. */
+    float t[10];
+    for (int r = 0; r < reps; r++) {
+        st = cometi_barrier(comm, 0);
+        FAIL_IF(st != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
+        CUDA_OK(cudaEventRecord(e0, 0));
+        CUDA_OK(cudaMemcpyAsync((char *)win.peer[peer] + bytes, win.local, bytes, cudaMemcpyDeviceToDevice, 0));
+        CUDA_OK(cudaEventRecord(e1, 0));
+        CUDA_OK(cudaEventSynchronize(e1));
+        CUDA_OK(cudaEventElapsedTime(&t[r], e0, e1));
+    }
+    float neg_ce = -(float)(bytes / (median(t, reps) * 1e-3) / 1e9);
+    if (allreduce(comm, &neg_ce, 1, ncclMax)) return 1;
+    if (ctx->rank == 0) printf("%8s %10.1f (the copy engine: cudaMemcpyAsync into the peer's window)\n", "-", -neg_ce);
     st = cometi_barrier(comm, 0);
     CUDA_OK(cudaDeviceSynchronize());
     st = comet_comm_get_async_error(comm);
