@@ -8,6 +8,7 @@ the route's own cost.
 
     torchrun --nproc-per-node 2 bench/trace_forward.py
     torchrun --nproc-per-node 2 bench/trace_forward.py --preset qwen2-57b-a14b --tokens 1024 8192
+    torchrun --nproc-per-node 2 bench/trace_forward.py --graph    # each call a CUDA graph replay
 
 Needs build/libcomet.so (`make`, built against PyTorch's NCCL: scripts/device-run.sh
 shows how). Routing: the block's router on random activations (about balanced).
@@ -61,16 +62,23 @@ def random_block(comm, preset, tokens, device):
     return block, cfg
 
 
-def kernel_medians(block, x, ids, w, calls):
+def kernel_medians(block, x, ids, w, calls, graph):
     with torch.inference_mode():
-        for _ in range(5):
-            block.forward_routed(x, ids, w)
+        out = block.forward_routed(x, ids, w)
+        for _ in range(4):
+            block.forward_routed(x, ids, w, out=out)
         torch.cuda.synchronize()
+        call = lambda: block.forward_routed(x, ids, w, out=out)  # noqa: E731
+        if graph:  # the forward captured once, each call a replay
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                block.forward_routed(x, ids, w, out=out)
+            call = g.replay
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 dist.barrier()
                 torch.cuda.synchronize()
-                block.forward_routed(x, ids, w)
+                call()
                 torch.cuda.synchronize()
                 time.sleep(0.002)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -108,6 +116,7 @@ def main():
     p.add_argument("--preset", nargs="+", default=["qwen2-moe-2.7b", "qwen2-57b-a14b", "mixtral-8x7b"])
     p.add_argument("--tokens", nargs="+", type=int, default=[1024, 8192])
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--graph", action="store_true", help="capture the forward in a CUDA graph; time its replays")
     a = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -122,7 +131,7 @@ def main():
             x = torch.randn(tokens, cfg.hidden, device=device, dtype=torch.bfloat16,
                             generator=torch.Generator(device=device).manual_seed(rank))
             ids, w = mixtral_route(torch.nn.functional.linear(x, block.gate.weight), cfg.top_k)
-            med = kernel_medians(block, x, ids, w, a.calls)
+            med = kernel_medians(block, x, ids, w, a.calls, a.graph)
             route = sum(med.get(k, 0.0) for k in ROUTE)
             span = med.pop("span")
             gaps = span - sum(med.values())
@@ -133,8 +142,8 @@ def main():
     gathered = [None] * world
     dist.all_gather_object(gathered, lines)
     if rank == 0:
-        print(f"median us per kernel over {a.calls} calls, {world} x {torch.cuda.get_device_name()}, "
-              f"comet {comet_moe.version()}")
+        print(f"median us per kernel over {a.calls} calls{' (CUDA graph replays)' if a.graph else ''}, {world} x "
+              f"{torch.cuda.get_device_name()}, comet {comet_moe.version()}")
         for i in range(len(lines)):
             for r in range(world):
                 print(gathered[r][i])
