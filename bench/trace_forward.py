@@ -9,9 +9,11 @@ the route's own cost.
     torchrun --nproc-per-node 2 bench/trace_forward.py
     torchrun --nproc-per-node 2 bench/trace_forward.py --preset qwen2-57b-a14b --tokens 1024 8192
     torchrun --nproc-per-node 2 bench/trace_forward.py --graph    # each call a CUDA graph replay
+    torchrun --nproc-per-node 2 bench/trace_forward.py --routing skewed --starts   # kernel@start
 
 Needs build/libcomet.so (`make`, built against PyTorch's NCCL: scripts/device-run.sh
-shows how). Routing: the block's router on random activations (about balanced).
+shows how). Routing: the block's router on random activations (about balanced), or
+--routing skewed.
 """
 import argparse
 import json
@@ -93,22 +95,23 @@ def kernel_medians(block, x, ids, w, calls, graph):
         for fragment, short in KERNELS:
             if fragment in key:
                 durations.setdefault(short, []).append(e["dur"])
-                ours.append((e["ts"], e["ts"] + e["dur"]))
+                ours.append((e["ts"], e["ts"] + e["dur"], short))
     med = {short: statistics.median(durations[short]) for _, short in KERNELS if short in durations}
     # One forward's span on the GPU, first kernel's start to last kernel's end: the calls
     # are milliseconds apart, so a gap over 1 ms starts the next call.
-    spans, start, end = [], None, None
-    for ts, te in sorted(ours):
+    spans, starts, start, end = [], {}, None, None
+    for ts, te, short in sorted(ours):
         if start is not None and ts - end > 1000:
             spans.append(end - start)
             start = None
         if start is None:
             start, end = ts, te
         end = max(end, te)
+        starts.setdefault(short, []).append(ts - start)
     if start is not None:
         spans.append(end - start)
     med["span"] = statistics.median(spans) if spans else 0.0
-    return med
+    return med, {short: statistics.median(v) for short, v in starts.items()}
 
 
 def main():
@@ -117,6 +120,11 @@ def main():
     p.add_argument("--tokens", nargs="+", type=int, default=[1024, 8192])
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--graph", action="store_true", help="capture the forward in a CUDA graph; time its replays")
+    p.add_argument("--routing", choices=("router", "skewed"), default="router",
+                   help="the block's router on random activations, or expert e drawn with weight skew^(-e/(E-1))")
+    p.add_argument("--skew", type=float, default=8.0)
+    p.add_argument("--starts", action="store_true",
+                   help="also each kernel's start, us after the call's first kernel on that rank (kernel@start)")
     a = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -130,19 +138,30 @@ def main():
             block, cfg = random_block(comm, preset, tokens, device)
             x = torch.randn(tokens, cfg.hidden, device=device, dtype=torch.bfloat16,
                             generator=torch.Generator(device=device).manual_seed(rank))
-            ids, w = mixtral_route(torch.nn.functional.linear(x, block.gate.weight), cfg.top_k)
-            med = kernel_medians(block, x, ids, w, a.calls, a.graph)
+            if a.routing == "skewed":
+                gen = torch.Generator(device=device).manual_seed(100 + rank)
+                E = cfg.num_experts
+                p_e = a.skew ** (-torch.arange(E, device=device, dtype=torch.float32) / max(E - 1, 1))
+                ids = torch.multinomial(p_e.expand(tokens, E), cfg.top_k, replacement=False, generator=gen)
+                ids = ids.to(torch.int32).contiguous()
+                w = torch.rand(tokens, cfg.top_k, device=device, generator=gen) + 0.1
+                w = (w / w.sum(1, keepdim=True)).contiguous()
+            else:
+                ids, w = mixtral_route(torch.nn.functional.linear(x, block.gate.weight), cfg.top_k)
+            med, starts = kernel_medians(block, x, ids, w, a.calls, a.graph)
             route = sum(med.get(k, 0.0) for k in ROUTE)
             span = med.pop("span")
             gaps = span - sum(med.values())
-            lines.append(f"{preset:15s} {tokens:6d} rank {rank}: " + " ".join(f"{k} {v:.1f}" for k, v in med.items())
+            lines.append(f"{preset:15s} {tokens:6d} rank {rank}: "
+                         + " ".join(f"{k} {v:.1f}" + (f"@{starts[k]:.0f}" if a.starts else "") for k, v in med.items())
                          + f" | route {route:.1f}, span {span:.1f}, between kernels {gaps:.1f} us")
             block.close()
     comm.check_async_error(synchronize=True)
     gathered = [None] * world
     dist.all_gather_object(gathered, lines)
     if rank == 0:
-        print(f"median us per kernel over {a.calls} calls{' (CUDA graph replays)' if a.graph else ''}, {world} x "
+        print(f"median us per kernel over {a.calls} calls{' (CUDA graph replays)' if a.graph else ''}, "
+              f"{a.routing} routing{f' (skew {a.skew:g})' if a.routing == 'skewed' else ''}, {world} x "
               f"{torch.cuda.get_device_name()}, comet {comet_moe.version()}")
         for i in range(len(lines)):
             for r in range(world):
