@@ -4,7 +4,7 @@
  * launcher, on this process as one rank.
  *
  *   comet bench      the MoE layer: comet beside the sequential baseline
- *   comet bandwidth  push and pull bandwidth between GPUs over NVLink
+ *   comet bandwidth  push and pull bandwidth between GPUs over NVLink (and a local copy)
  *   comet gemm       comet's grouped GEMM beside cuBLAS on the presets' expert shapes
  *   comet presets    the model shapes comet knows
  */
@@ -29,7 +29,8 @@ static void usage(FILE *f)
             "  tune        bench's sweeps, and the best settings of each case written into a tuning file\n"
             "              (--out FILE, [comet-tuning.txt]; bench's flags); comet_moe_forward loads it when\n"
             "              COMET_TUNING_FILE names it\n"
-            "  bandwidth   push (stores) and pull (loads) bandwidth between GPUs through symmetric memory\n"
+            "  bandwidth   push (stores) and pull (loads) bandwidth between GPUs through symmetric memory, the\n"
+            "              same copy in local memory, and the copy engine's push\n"
             "  gemm        comet's grouped GEMM beside cuBLAS on one GPU: every preset's expert GEMMs\n"
             "              (rows as balanced EP=2 routing of --tokens gives) and 8192^3; --preset, --iters\n"
             "  presets     list the model presets\n"
