@@ -122,7 +122,7 @@ def main():
     p.add_argument("--graph", action="store_true", help="capture the forward in a CUDA graph; time its replays")
     p.add_argument("--routing", choices=("router", "skewed"), default="router",
                    help="the block's router on random activations, or expert e drawn with weight skew^(-e/(E-1))")
-    p.add_argument("--skew", type=float, default=8.0)
+    p.add_argument("--skew", type=float, default=8.0, help="skewed: the first expert's weight over the last's")
     p.add_argument("--starts", action="store_true",
                    help="also each kernel's start, us after the call's first kernel on that rank (kernel@start)")
     a = p.parse_args()
