@@ -118,6 +118,8 @@ typedef struct case_result {
     int l1_runs, l1_best;
     cometi_layer1_knobs_t l1_knobs[SWEEP_MAX];
     float l1_ms[SWEEP_MAX], l1_gemm_alone_ms, l1_paired_ms;
+    float push_sum_ms; /* the push's owner's sum phase (its wait for the peers' rows included), 0 if not timed */
+    float copy_gbs;    /* this GPU's copy rate on every SM (bytes copied per second: half its traffic) */
     double l1_diff;    /* y against the baseline's, every token */
     float whole_ms;    /* the whole fused layer (route, layer0, layer1) with the best knobs of each */
     float public_ms;   /* comet_moe_forward on the fused path, its default knobs */
@@ -400,11 +402,41 @@ static int print_layer1_trace(comet_comm_t comm, const cometi_layer1_t *l1, cons
     return 0;
 }
 
+/* This GPU's memory rate: 256 MiB copied on every SM, median of 5, the slowest rank's. A
+ * floor for the memory-bound kernels beside the GEMMs (the owner's sum). */
+static int copy_rate(comet_comm_t comm, float *gbs)
+{
+    const size_t bytes = (size_t)256 << 20;
+    int sms = 0, dev = 0;
+    CUDA_OK(cudaGetDevice(&dev));
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    void *buf;
+    CUDA_OK(cudaMalloc(&buf, 2 * bytes));
+    CUDA_OK(cudaMemset(buf, 0, 2 * bytes));
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    float t[5];
+    for (int i = 0; i < 5; i++) {
+        CUDA_OK(cudaEventRecord(e0, 0));
+        FAIL_IF(cometi_copy(comm->err, (char *)buf + bytes, buf, bytes, sms, 0) != COMET_SUCCESS, "copy: %s",
+                comm->err);
+        CUDA_OK(cudaEventRecord(e1, 0));
+        CUDA_OK(cudaEventSynchronize(e1));
+        CUDA_OK(cudaEventElapsedTime(&t[i], e0, e1));
+    }
+    cudaEventDestroy(e0), cudaEventDestroy(e1), cudaFree(buf);
+    float neg = -(float)(bytes / (median(t, 5) * 1e-3) / 1e9);
+    if (allreduce(comm, &neg, 1, ncclMax)) return 1;
+    *gbs = -neg;
+    return 0;
+}
+
 /* Where the push's time goes: its destinations kernel, GEMM1 with the push epilogue (beside
  * GEMM1 alone, timed in turns before), the owner's sum; medians of `iters` calls, the
  * slowest rank's. */
 static int print_push_phases(const cometi_rank_ctx_t *ctx, comet_comm_t comm, cometi_layer0_t *l0, cometi_layer1_t *l1,
-                             comet_moe_args_t *a, int iters, float gemm_alone_ms)
+                             comet_moe_args_t *a, int iters, float gemm_alone_ms, float *sum_ms)
 {
     const cometi_layer1_knobs_t push = {0, 1, 1, 0, 1};
     cudaEvent_t marks[4];
@@ -424,9 +456,10 @@ static int print_push_phases(const cometi_rank_ctx_t *ctx, comet_comm_t comm, co
     for (int i = 0; i < 3; i++) med[i] = median(t[i], iters), free(t[i]);
     for (int i = 0; i < 4; i++) cudaEventDestroy(marks[i]);
     if (allreduce(comm, med, 3, ncclMax)) return 1;
+    *sum_ms = med[2];
     if (ctx->rank == 0)
         printf("  push phases (median ms, slowest rank): destinations %.3f, GEMM1 with the push epilogue %.3f (GEMM1 "
-               "alone %.3f, in turns), the owner's sum %.3f\n", med[0], med[1], gemm_alone_ms, med[2]);
+               "alone %.3f, in turns), the owner's sum with its wait for the peers' rows %.3f\n", med[0], med[1], gemm_alone_ms, med[2]);
     return 0;
 }
 
@@ -515,7 +548,9 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     if (pick < 0) return 1;
     if (pick) res->l1_best = second;
     const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
-    if (!o->suite && print_push_phases(ctx, comm, l0, &l1, a, o->iters, res->l1_gemm_alone_ms)) return 1;
+    if (!o->suite && print_push_phases(ctx, comm, l0, &l1, a, o->iters, res->l1_gemm_alone_ms, &res->push_sum_ms))
+        return 1;
+    if (!o->suite && copy_rate(comm, &res->copy_gbs)) return 1;
     if (getenv("COMET_TRACE") &&
         print_tile_timelines(ctx, pick ? &second_turns : &first_turns, &l1.tile_trace, "layer1", "GEMM1"))
         return 1;
@@ -951,6 +986,21 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                 cometi_knobs_t tuned = {base.l0_knobs[base.l0_best], *k1};
                 char tuning[160];
                 cometi_tuning_line(cfg, ctx->nranks, &tuned, tuning, sizeof(tuning));
+                if (base.copy_gbs > 0) {
+                    /* What no setting beats without hiding them: the route before layer0 (timed
+                     * alone) and the owner's sum after GEMM1, whose bytes (tp x top-k rows read
+                     * per token, one written) take at least their time at the GPU's copy rate
+                     * (reads and writes: twice the rate copied). */
+                    const int tp = cfg->tp_size > 0 ? cfg->tp_size : 1;
+                    const double sum_bytes = (double)cfg->max_tokens * cfg->hidden * 2 * (tp * cfg->top_k + 1);
+                    const double sum_ms = sum_bytes / (2.0 * base.copy_gbs * 1e9) * 1e3;
+                    const double gemms = base.l0_gemm_alone_ms + base.l1_gemm_alone_ms;
+                    printf("  floors unless hidden: the owner's sum reads and writes %.0f MB, at least %.3f ms at "
+                           "this GPU's %.0f GB/s copy rate; layer1 with the push / GEMM1 >= %.3f; the whole layer / "
+                           "the GEMMs >= (GEMMs + the route alone %.3f + the sum) / GEMMs = %.3f\n", sum_bytes / 1e6,
+                           sum_ms, base.copy_gbs, (base.l1_gemm_alone_ms + sum_ms) / base.l1_gemm_alone_ms,
+                           base.l0_route_ms, (gemms + base.l0_route_ms + sum_ms) / gemms);
+                }
                 printf("  tuning line for the best of both sweeps (COMET_TUNING_FILE): %s\n", tuning);
                 char model_line[160];
                 cometi_tuning_line(cfg, ctx->nranks, &base.model_knobs, model_line, sizeof(model_line));
@@ -973,9 +1023,10 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                             "\"fused_in_turns_ms\": %.4f, \"gemm1_alone_in_turns_ms\": %.4f, "
                             "\"gemm1_alone_static_ms\": %.4f, \"gemm1_alone_shared_counter_ms\": %.4f, "
                             "\"diff_vs_baseline\": %.3g, \"whole_tuned_in_turns_ms\": %.4f, "
-                            "\"whole_model_in_turns_ms\": %.4f}", label, base.ms[P_LAYER1], l1, k1->combine_blocks,
-                            k1->n_splits, k1->push, base.l1_paired_ms, base.l1_gemm_alone_ms, base.l1_alone_each[0],
-                            base.l1_alone_each[1], base.l1_diff, base.tuned_turns_ms, base.model_turns_ms);
+                            "\"whole_model_in_turns_ms\": %.4f, \"push_owner_sum_ms\": %.4f}", label,
+                            base.ms[P_LAYER1], l1, k1->combine_blocks, k1->n_splits, k1->push, base.l1_paired_ms,
+                            base.l1_gemm_alone_ms, base.l1_alone_each[0], base.l1_alone_each[1], base.l1_diff,
+                            base.tuned_turns_ms, base.model_turns_ms, base.push_sum_ms);
             }
             if (json)
                 fprintf(json, ",\n  {\"case\": \"%s\", \"impl\": \"layer0\", \"baseline_layer0_ms\": %.4f, "
