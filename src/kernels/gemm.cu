@@ -229,15 +229,16 @@ static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const int32
     for (int q = 0; q < n_rows; q++) {
         const uint4 *src = (const uint4 *)d->x + (size_t)(src_of[q] / d->top_k) * vecs;
         uint4 *o = out + (size_t)q * vecs;
-        int v = lane;
-        for (; v + 224 < vecs; v += 256) {
+        /* The last pass too keeps eight loads in flight (7 KB rows left six 16-byte round
+         * trips one after another): indices past the row repeat its last 16 bytes, stored
+         * where they came from. */
+        for (int v = lane; v < vecs; v += 256) {
             uint4 t[8];
 #pragma unroll
-            for (int u = 0; u < 8; u++) t[u] = src[v + 32 * u];
+            for (int u = 0; u < 8; u++) t[u] = src[min(v + 32 * u, vecs - 1)];
 #pragma unroll
-            for (int u = 0; u < 8; u++) o[v + 32 * u] = t[u];
+            for (int u = 0; u < 8; u++) o[min(v + 32 * u, vecs - 1)] = t[u];
         }
-        for (; v < vecs; v += 32) o[v] = src[v];
     }
     __syncwarp();
 }
