@@ -102,7 +102,7 @@ enum { P_TOTAL, P_ROUTE, P_A2A_OUT, P_EXPERTS, P_A2A_BACK, P_COMBINE, P_LAYER0, 
 static const char *phase_json[P_COUNT] = {"total", "route", "dispatch_a2a", "experts", "combine_a2a", "combine",
                                           "layer0_part", "layer1_part"};
 
-#define SWEEP_MAX 12
+#define SWEEP_MAX 16
 typedef struct case_result {
     float ms[P_COUNT]; /* medians, slowest rank */
     double tflops;     /* expert GEMMs, per GPU */
@@ -316,30 +316,29 @@ static int fused_vs_alone(const timed_call_t *fused, int rounds, float *fused_ms
 }
 
 /* A sweep's calls run back to back, each setting at the clocks its own power draw allows
- * (the GPUs run at their power limit), so its order can be off: the two best settings are
- * timed again, each in turns with the GEMM alone, and the lower ratio wins (docs/PERF.md
- * V4). `second` differs from `first` only in its knobs, or is NULL. Returns which won (0,
- * 1), -1 on failure; the winner's times in *fused_ms, *alone_ms and each[2] (maxima over
- * ranks, so every rank picks the same). */
-static int better_in_turns(const timed_call_t *first, const timed_call_t *second, int rounds, float *fused_ms,
-                           float *alone_ms, float *each)
+ * (the GPUs run at their power limit), so its order can be off (docs/PERF.md V4, Y8): the
+ * sweep's two best settings and the cost model's are timed again, each in turns with the
+ * GEMM alone, and the lowest ratio wins. `runs` and `ms` are the sweep's, `model` the
+ * cost model's run in it (or -1); `calls[i]` times run i. Returns the winning run, -1 on
+ * failure; its times in *fused_ms, *alone_ms and each[2] (maxima over ranks, so every
+ * rank picks the same). */
+static int best_in_turns(const timed_call_t *calls, const float *ms, int runs, int model, int rounds, float *fused_ms,
+                         float *alone_ms, float *each)
 {
-    if (fused_vs_alone(first, rounds, fused_ms, alone_ms, each)) return -1;
-    if (!second) return 0;
-    float f2, a2, e2[2];
-    if (fused_vs_alone(second, rounds, &f2, &a2, e2)) return -1;
-    if (f2 / a2 >= *fused_ms / *alone_ms) return 0;
-    *fused_ms = f2, *alone_ms = a2, each[0] = e2[0], each[1] = e2[1];
-    return 1;
-}
-
-/* The sweep's second best, -1 if it had one run. */
-static int runner_up(const float *ms, int runs, int best)
-{
-    int second = -1;
-    for (int i = 0; i < runs; i++)
-        if (i != best && (second < 0 || ms[i] < ms[second])) second = i;
-    return second;
+    int cand[3] = {-1, -1, model}, win = -1;
+    for (int i = 0; i < runs; i++) { /* the two fastest back to back */
+        if (cand[0] < 0 || ms[i] < ms[cand[0]]) cand[1] = cand[0], cand[0] = i;
+        else if (cand[1] < 0 || ms[i] < ms[cand[1]]) cand[1] = i;
+    }
+    for (int c = 0; c < 3; c++) {
+        const int r = cand[c];
+        if (r < 0 || (c == 2 && (r == cand[0] || r == cand[1]))) continue;
+        float f, al, e[2];
+        if (fused_vs_alone(&calls[r], rounds, &f, &al, e)) return -1;
+        if (win >= 0 && f / al >= *fused_ms / *alone_ms) continue;
+        win = r, *fused_ms = f, *alone_ms = al, each[0] = e[0], each[1] = e[1];
+    }
+    return win;
 }
 
 static int time_layer0(comet_comm_t comm, cometi_layer0_t *l0, comet_moe_args_t *a, void **x, int32_t **ids,
@@ -527,32 +526,37 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     if (ctx->rank == 0) fprintf(stderr, "[bench] %s: fused layer1, combine blocks x splits sweep\n", label);
     res->l1_runs = 0;
     res->l1_best = 0;
-    for (size_t i = 0; i < sizeof(sweep) / sizeof(sweep[0]) && res->l1_runs < SWEEP_MAX; i++) {
-        if (tiles % sweep[i].n_splits) continue;
-        if (cfg->tp_size > 1 && !sweep[i].push) continue; /* only the push sums TP partials */
+    /* The sweep, then the cost model's setting if the sweep lacks it. */
+    cometi_knobs_t model;
+    cometi_model_knobs(cfg, ctx->nranks, comm->sm_count, &model);
+    const size_t listed = sizeof(sweep) / sizeof(sweep[0]);
+    int model_run = -1;
+    for (size_t i = 0; i <= listed && res->l1_runs < SWEEP_MAX; i++) {
+        const cometi_layer1_knobs_t *k = i < listed ? &sweep[i] : &model.l1;
+        if (i == listed && model_run >= 0) break;
+        if (tiles % k->n_splits) continue;
+        if (cfg->tp_size > 1 && !k->push) continue; /* only the push sums TP partials */
+        if (!memcmp(k, &model.l1, sizeof(*k))) model_run = res->l1_runs;
         float ms;
-        if (time_layer1(comm, l0, &l1, a, x, ids, w, NULL, &sweep[i], o->warmup, o->iters, L1_FUSED, &ms)) return 1;
+        if (time_layer1(comm, l0, &l1, a, x, ids, w, NULL, k, o->warmup, o->iters, L1_FUSED, &ms)) return 1;
         if (allreduce(comm, &ms, 1, ncclMax)) return 1;
-        res->l1_knobs[res->l1_runs] = sweep[i];
+        res->l1_knobs[res->l1_runs] = *k;
         res->l1_ms[res->l1_runs] = ms;
         if (ms < res->l1_ms[res->l1_best]) res->l1_best = res->l1_runs;
         res->l1_runs++;
     }
-    const int second = runner_up(res->l1_ms, res->l1_runs, res->l1_best);
-    const timed_call_t first_turns = {L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, &res->l1_knobs[res->l1_best],
-                                      NULL};
-    timed_call_t second_turns = first_turns;
-    if (second >= 0) second_turns.k1 = &res->l1_knobs[second];
-    const int pick = better_in_turns(&first_turns, second >= 0 ? &second_turns : NULL, o->iters, &res->l1_paired_ms,
-                                     &res->l1_gemm_alone_ms, res->l1_alone_each);
-    if (pick < 0) return 1;
-    if (pick) res->l1_best = second;
+    timed_call_t calls[SWEEP_MAX];
+    for (int i = 0; i < res->l1_runs; i++)
+        calls[i] = (timed_call_t){L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, &res->l1_knobs[i], NULL};
+    res->l1_best = best_in_turns(calls, res->l1_ms, res->l1_runs, model_run, o->iters, &res->l1_paired_ms,
+                                 &res->l1_gemm_alone_ms, res->l1_alone_each);
+    if (res->l1_best < 0) return 1;
     const cometi_layer1_knobs_t *best = &res->l1_knobs[res->l1_best];
     if (!o->suite && print_push_phases(ctx, comm, l0, &l1, a, o->iters, res->l1_gemm_alone_ms, &res->push_sum_ms))
         return 1;
     if (!o->suite && copy_rate(comm, &res->copy_gbs)) return 1;
     if (getenv("COMET_TRACE") &&
-        print_tile_timelines(ctx, pick ? &second_turns : &first_turns, &l1.tile_trace, "layer1", "GEMM1"))
+        print_tile_timelines(ctx, &calls[res->l1_best], &l1.tile_trace, "layer1", "GEMM1"))
         return 1;
     /* y on poisoned output against the baseline's, every token. */
     CUDA_OK(cudaMemset(y, 0xff, (size_t)M * H * 2));
@@ -571,8 +575,6 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         return 1;
     if (allreduce(comm, &res->whole_ms, 1, ncclMax)) return 1;
     /* What `comet tune` writes against what the cost model picks, in turns on one input set. */
-    cometi_knobs_t model;
-    cometi_model_knobs(cfg, ctx->nranks, comm->sm_count, &model);
     const timed_call_t pair = {WHOLE_BEST, comm, NULL, l0, &l1, a, x, ids, w, &res->l0_knobs[res->l0_best], best,
                                &model};
     const int whats[2] = {WHOLE_BEST, WHOLE_MODEL};
@@ -605,27 +607,32 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     if (ctx->rank == 0) fprintf(stderr, "[bench] %s: fused layer0, dispatch blocks sweep\n", label);
     res->l0_runs = 0;
     res->l0_best = 0;
-    for (size_t i = 0; i < sizeof(sweep) / sizeof(sweep[0]); i++) {
+    /* The sweep, then the cost model's setting if the sweep lacks it. */
+    cometi_knobs_t model;
+    cometi_model_knobs(cfg, ctx->nranks, comm->sm_count, &model);
+    const size_t listed = sizeof(sweep) / sizeof(sweep[0]);
+    int model_run = -1;
+    for (size_t i = 0; i <= listed && res->l0_runs < SWEEP_MAX; i++) {
+        const cometi_layer0_knobs_t *k = i < listed ? &sweep[i] : &model.l0;
+        if (i == listed && model_run >= 0) break;
+        if (!memcmp(k, &model.l0, sizeof(*k))) model_run = res->l0_runs;
         float ms;
-        if (time_layer0(comm, &l0, a, x, ids, w, &sweep[i], o->warmup, o->iters, L0_FUSED, &ms)) return 1;
+        if (time_layer0(comm, &l0, a, x, ids, w, k, o->warmup, o->iters, L0_FUSED, &ms)) return 1;
         if (allreduce(comm, &ms, 1, ncclMax)) return 1;
-        res->l0_knobs[res->l0_runs] = sweep[i];
+        res->l0_knobs[res->l0_runs] = *k;
         res->l0_ms[res->l0_runs] = ms;
         if (ms < res->l0_ms[res->l0_best]) res->l0_best = res->l0_runs;
         res->l0_runs++;
     }
     /* The ratio that matters, fused against our GEMM alone, from calls taken in turns. */
-    const int second = runner_up(res->l0_ms, res->l0_runs, res->l0_best);
-    const timed_call_t first_turns = {L0_FUSED, comm, NULL, &l0, NULL, a, x, ids, w, &res->l0_knobs[res->l0_best],
-                                      NULL, NULL};
-    timed_call_t second_turns = first_turns;
-    if (second >= 0) second_turns.k0 = &res->l0_knobs[second];
-    const int pick = better_in_turns(&first_turns, second >= 0 ? &second_turns : NULL, o->iters, &res->l0_paired_ms,
-                                     &res->l0_gemm_alone_ms, res->l0_alone_each);
-    if (pick < 0) return 1;
-    if (pick) res->l0_best = second;
+    timed_call_t calls[SWEEP_MAX];
+    for (int i = 0; i < res->l0_runs; i++)
+        calls[i] = (timed_call_t){L0_FUSED, comm, NULL, &l0, NULL, a, x, ids, w, &res->l0_knobs[i], NULL, NULL};
+    res->l0_best = best_in_turns(calls, res->l0_ms, res->l0_runs, model_run, o->iters, &res->l0_paired_ms,
+                                 &res->l0_gemm_alone_ms, res->l0_alone_each);
+    if (res->l0_best < 0) return 1;
     if (getenv("COMET_TRACE") &&
-        print_tile_timelines(ctx, pick ? &second_turns : &first_turns, &l0.tile_trace, "layer0", "GEMM0"))
+        print_tile_timelines(ctx, &calls[res->l0_best], &l0.tile_trace, "layer0", "GEMM0"))
         return 1;
     /* Same inputs through both paths; compare up to 64 rows at each end of every segment. */
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0];
