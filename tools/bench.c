@@ -401,31 +401,46 @@ static int print_layer1_trace(comet_comm_t comm, const cometi_layer1_t *l1, cons
     return 0;
 }
 
+/* GB/s of the median of `reps` copies of `bytes`, each after a device barrier: by `blocks`
+ * SMs (cometi_copy), or with blocks 0 by the copy engine (cudaMemcpyAsync, no SM). */
+static int timed_copy(comet_comm_t comm, void *dst, const void *src, size_t bytes, int blocks, int reps,
+                      cudaEvent_t e0, cudaEvent_t e1, float *gbs)
+{
+    float t[16];
+    FAIL_IF(reps < 1 || reps > 16, "timed_copy: %d repetitions (1..16)", reps);
+    for (int r = 0; r < reps; r++) {
+        comet_status_t st = cometi_barrier(comm, 0);
+        FAIL_IF(st != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
+        CUDA_OK(cudaEventRecord(e0, 0));
+        if (blocks) {
+            st = cometi_copy(comm->err, dst, src, bytes, blocks, 0);
+            FAIL_IF(st != COMET_SUCCESS, "copy: %s", comm->err);
+        } else {
+            CUDA_OK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
+        }
+        CUDA_OK(cudaEventRecord(e1, 0));
+        CUDA_OK(cudaEventSynchronize(e1));
+        CUDA_OK(cudaEventElapsedTime(&t[r], e0, e1));
+    }
+    *gbs = (float)(bytes / (median(t, reps) * 1e-3) / 1e9);
+    return 0;
+}
+
 /* This GPU's memory rate: 256 MiB copied on every SM, median of 5, the slowest rank's. A
  * floor for the memory-bound kernels beside the GEMMs (the owner's sum). */
 static int copy_rate(comet_comm_t comm, float *gbs)
 {
     const size_t bytes = (size_t)256 << 20;
-    int sms = 0, dev = 0;
-    CUDA_OK(cudaGetDevice(&dev));
-    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     void *buf;
     CUDA_OK(cudaMalloc(&buf, 2 * bytes));
     CUDA_OK(cudaMemset(buf, 0, 2 * bytes));
     cudaEvent_t e0, e1;
     CUDA_OK(cudaEventCreate(&e0));
     CUDA_OK(cudaEventCreate(&e1));
-    float t[5];
-    for (int i = 0; i < 5; i++) {
-        CUDA_OK(cudaEventRecord(e0, 0));
-        FAIL_IF(cometi_copy(comm->err, (char *)buf + bytes, buf, bytes, sms, 0) != COMET_SUCCESS, "copy: %s",
-                comm->err);
-        CUDA_OK(cudaEventRecord(e1, 0));
-        CUDA_OK(cudaEventSynchronize(e1));
-        CUDA_OK(cudaEventElapsedTime(&t[i], e0, e1));
-    }
+    const int failed = timed_copy(comm, (char *)buf + bytes, buf, bytes, comm->sm_count, 5, e0, e1, gbs);
     cudaEventDestroy(e0), cudaEventDestroy(e1), cudaFree(buf);
-    float neg = -(float)(bytes / (median(t, 5) * 1e-3) / 1e9);
+    if (failed) return 1;
+    float neg = -*gbs;
     if (allreduce(comm, &neg, 1, ncclMax)) return 1;
     *gbs = -neg;
     return 0;
@@ -1140,31 +1155,6 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
     }
     comet_comm_destroy(comm);
     FAIL_IF(failed_check, "a float64 check of sample tokens failed (relative error over 1e-2, marked !)");
-    return 0;
-}
-
-/* GB/s of the median of `reps` copies of `bytes`, each after a device barrier: by `blocks`
- * SMs (cometi_copy), or with blocks 0 by the copy engine (cudaMemcpyAsync, no SM). */
-static int timed_copy(comet_comm_t comm, void *dst, const void *src, size_t bytes, int blocks, int reps,
-                      cudaEvent_t e0, cudaEvent_t e1, float *gbs)
-{
-    float t[16];
-    FAIL_IF(reps < 1 || reps > 16, "timed_copy: %d repetitions (1..16)", reps);
-    for (int r = 0; r < reps; r++) {
-        comet_status_t st = cometi_barrier(comm, 0);
-        FAIL_IF(st != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
-        CUDA_OK(cudaEventRecord(e0, 0));
-        if (blocks) {
-            st = cometi_copy(comm->err, dst, src, bytes, blocks, 0);
-            FAIL_IF(st != COMET_SUCCESS, "copy: %s", comm->err);
-        } else {
-            CUDA_OK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, 0));
-        }
-        CUDA_OK(cudaEventRecord(e1, 0));
-        CUDA_OK(cudaEventSynchronize(e1));
-        CUDA_OK(cudaEventElapsedTime(&t[r], e0, e1));
-    }
-    *gbs = (float)(bytes / (median(t, reps) * 1e-3) / 1e9);
     return 0;
 }
 
