@@ -184,6 +184,14 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
  * after only smaller tickets (over several rounds too), and nothing else a block waits on
  * (stages, tickets, rows from the dispatch) depends on a larger ticket. The plan is
  * cometi_gemm_tail_plan (gemm.h). */
+/* With dispatch blocks, in the last two rounds of tiles, how many k-steps before a tile's
+ * last load its block takes its next ticket: early enough that the atomic's round trip
+ * hides behind the stages still to compute, late enough that the ticket is not held while
+ * other blocks go idle (the fused qwen2-57b layer0's tail: 40-45 us per SM with the ticket
+ * taken a tile ahead, 25-29 with 8 steps; docs/PERF.md Z2). Taken late on every tile, it
+ * left qwen2-moe-2.7b's layer0 1.5% slower (Z6). */
+#define LATE_CLAIM_KBLOCKS 8
+
 typedef struct unit {
     int tile, kb0, kb1; /* the tile, its k-blocks [kb0, kb1) */
     int part;           /* -1: the whole tile; else which of the cut tile's parts */
@@ -576,11 +584,18 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         uint32_t phase = 0;
         /* Dynamic schedule: take a ticket (the next tile of the whole grid) one tile ahead,
          * so the atomic's latency hides behind this tile's loads, and pass each to the
-         * consumers through the ticket ring; the ticket past the end tells them to stop. */
+         * consumers through the ticket ring; the ticket past the end tells them to stop.
+         * Where blocks run out of phase (dispatch blocks join as they finish), a ticket held
+         * for a whole tile keeps the last tiles from the blocks that are free first: there,
+         * in the last two rounds, the ticket is taken LATE_CLAIM_KBLOCKS steps before this
+         * tile's last load. */
+        const bool staggered = p.sched && !p.combine_blocks && dispatch_blocks > 0;
+        const int late_from = tail->units - 2 * ((int)gridDim.x - p.combine_blocks);
         int t = p.sched ? (int)atomicAdd(&p.sched[0], 1u) : block;
         for (int ordinal = 0;; ordinal++) {
             int next = t;
-            if (p.sched && t < tail->units) next = (int)atomicAdd(&p.sched[0], 1u);
+            bool claimed = !p.sched || t >= tail->units;
+            if (!claimed && !(staggered && t >= late_from)) next = (int)atomicAdd(&p.sched[0], 1u), claimed = true;
             if (p.sched) {
                 const int s = ordinal % TICKETS;
                 mbar_wait(&ticket_empty[s], (ordinal / TICKETS & 1) ^ 1, p.err, p.timeout_ns);
@@ -604,6 +619,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 if (rec) rec[2] = cometi_globaltimer_ns();
             }
             for (int kb = un.kb0; kb < un.kb1; kb++) {
+                if (!claimed && kb >= un.kb1 - LATE_CLAIM_KBLOCKS) next = (int)atomicAdd(&p.sched[0], 1u), claimed = true;
                 mbar_wait(&empty[stage], phase ^ 1, p.err, p.timeout_ns);
                 mbar_expect_tx(&full[stage], A_BYTES + B_BYTES);
                 tma_load_2d(sa + stage * A_BYTES, &map_a, kb * BK, a_row, &full[stage]);
