@@ -32,9 +32,10 @@
         }                                                                                                    \
     } while (0)
 
-enum { P_BULK, P_BULK_LOADS, P_BULK_STORES, P_BULK_TOKENS, P_LSU, P_LSU_TOKENS, P_COUNT };
+enum { P_BULK, P_BULK_LOADS, P_BULK_STORES, P_BULK_SYS, P_BULK_GPU, P_BULK_TOKENS, P_LSU, P_LSU_TOKENS, P_COUNT };
 static const char *pattern_name[P_COUNT] = {"bulk rows (today)", "  its loads alone", "  its stores alone",
-                                            "bulk by token", "16-byte rows", "16-byte by token"};
+                                            "  + claim, sys count", "  + claim, gpu count", "bulk by token",
+                                            "16-byte rows", "16-byte by token"};
 
 #define SLOTS 12
 #define GROUP 4
@@ -50,6 +51,8 @@ typedef struct job {
     const int *src_of;      /* row -> token, rows in destination order */
     const int *pos;         /* token x k -> destination row */
     int rows, tokens, k, row_bytes;
+    unsigned int *claims;         /* P_BULK_SYS / GPU: a counter every piece claims from, as the dispatch's */
+    unsigned long long *arrive;   /* and 1024 counters beside the destination, one counted per piece */
 } job_t;
 
 static __device__ __forceinline__ uint32_t su32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
@@ -115,6 +118,14 @@ static __device__ void bulk_rows(const job_t *j, unsigned char *ring, uint64_t *
             }
         }
         bdrain();
+        if (P == P_BULK_SYS || P == P_BULK_GPU) {
+            /* What the dispatch does per piece besides copying: claim the next one (its
+             * index feeds the next piece's lookups), count this one's rows with a release. */
+            const unsigned int c = atomicAdd(j->claims, 1u);
+            unsigned long long *a = j->arrive + (p0 / PIECE + c) % 1024;
+            if (P == P_BULK_SYS) asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(a), "l"((unsigned long long)n) : "memory");
+            else asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(a), "l"((unsigned long long)n) : "memory");
+        }
     }
 }
 
@@ -195,13 +206,17 @@ static __device__ __forceinline__ unsigned long long now_ns(void)
 
 template <int P> static __device__ void copy_body(job_t j);
 
-/* Each block notes its start and end in stamps[2 * block]. */
+/* Each block notes its start and end in stamps[4 * block]: global timer, then SM clock. */
 template <int P> static __global__ void __launch_bounds__(THREADS, 1) copy_kernel(job_t j, unsigned long long *stamps)
 {
-    if (threadIdx.x == 0) stamps[2 * blockIdx.x] = now_ns();
+    const long long c0 = clock64();
+    if (threadIdx.x == 0) stamps[4 * blockIdx.x] = now_ns();
     copy_body<P>(j);
     __syncthreads();
-    if (threadIdx.x == 0) stamps[2 * blockIdx.x + 1] = now_ns();
+    if (threadIdx.x == 0) {
+        stamps[4 * blockIdx.x + 1] = now_ns();
+        stamps[4 * blockIdx.x + 2] = (unsigned long long)(clock64() - c0);
+    }
 }
 
 template <int P> static __device__ void copy_body(job_t j)
@@ -226,8 +241,9 @@ template <int P> static __device__ void copy_body(job_t j)
 }
 
 typedef void (*kernel_t)(job_t, unsigned long long *);
-static kernel_t kernels[P_COUNT] = {copy_kernel<P_BULK>, copy_kernel<P_BULK_LOADS>, copy_kernel<P_BULK_STORES>,
-                                    copy_kernel<P_BULK_TOKENS>, copy_kernel<P_LSU>, copy_kernel<P_LSU_TOKENS>};
+static kernel_t kernels[P_COUNT] = {copy_kernel<P_BULK>,     copy_kernel<P_BULK_LOADS>,  copy_kernel<P_BULK_STORES>,
+                                    copy_kernel<P_BULK_SYS>, copy_kernel<P_BULK_GPU>,    copy_kernel<P_BULK_TOKENS>,
+                                    copy_kernel<P_LSU>,      copy_kernel<P_LSU_TOKENS>};
 
 static uint64_t rng = 88172645463325252ull;
 static uint32_t next_u32(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return (uint32_t)rng; }
@@ -293,7 +309,16 @@ int main(int argc, char **argv)
         CK(cudaMemcpy(pos_d[i], pos, sizeof(int) * rows, cudaMemcpyHostToDevice));
         free(src_of), free(pos);
     }
-    unsigned long long *stamps_d, stamps[2 * MAX_BLOCKS];
+    unsigned long long *stamps_d, stamps[4 * MAX_BLOCKS];
+    unsigned int *claims;
+    unsigned long long *arrive[2] = {NULL, NULL};
+    CK(cudaMalloc(&claims, sizeof(unsigned int)));
+    CK(cudaMalloc(&arrive[0], 1024 * 8));
+    if (peer_ok) {
+        CK(cudaSetDevice(1));
+        CK(cudaMalloc(&arrive[1], 1024 * 8));
+        CK(cudaSetDevice(0));
+    }
     CK(cudaMalloc(&stamps_d, sizeof(stamps)));
     /* The GEMMs beside: one handle and stream per GPU, C = A B on 8192^3 bf16 (garbage in). */
     const int G = 8192, gemms = 8;
@@ -319,21 +344,24 @@ int main(int argc, char **argv)
     CK(cudaStreamCreateWithPriority(&cs, cudaStreamNonBlocking, hi_prio));
     const float one = 1.0f, zero = 0.0f;
     const int block_counts[3] = {1, 8, MAX_BLOCKS};
-    printf("row %d B, %d rows (65536 (token, choice) rows of 8192 tokens at k 8, 16384 at k 4); GB/s per block, median of 9\n",
+    printf("row %d B, %d rows (65536 (token, choice) rows of 8192 tokens at k 8, 16384 at k 4); GB/s per block, median of 9;\n"
+           "last column: bytes per SM clock at 8 blocks (clock64 over the block's span)\n",
            row_bytes, rows);
     for (int beside = 0; beside < 2; beside++) {
-        printf("%s\n%-20s %-6s %2s %10s %10s %10s\n", beside ? "beside cuBLAS GEMMs on every GPU:" : "alone:", "pattern", "dest",
-               "k", "1 block", "8 blocks", "16 blocks");
+        printf("%s\n%-20s %-6s %2s %10s %10s %10s %10s\n", beside ? "beside cuBLAS GEMMs on every GPU:" : "alone:", "pattern",
+               "dest", "k", "1 block", "8 blocks", "16 blocks", "B/clk (8)");
         for (int d = 0; d < (peer_ok ? 2 : 1); d++)
             for (int p = 0; p < P_COUNT; p++)
                 for (int i = 0; i < 2; i++) {
                     const int by_token = p == P_BULK_TOKENS || p == P_LSU_TOKENS;
                     if (!by_token && i) continue; /* the row patterns do not depend on k */
-                    job_t j = {x, d ? dst_peer : dst_local, src_of_d[i], pos_d[i], rows, rows / ks[i], ks[i], row_bytes};
+                    job_t j = {x,     d ? dst_peer : dst_local, src_of_d[i], pos_d[i], rows, rows / ks[i], ks[i], row_bytes,
+                               claims, arrive[d]};
+                    float per_clock = 0;
                     printf("%-20s %-6s %2s", pattern_name[p], d ? "peer" : "local", by_token ? (i ? "4" : "8") : "-");
                     for (int bc = 0; bc < 3; bc++) {
                         const int blocks = block_counts[bc];
-                        float gbs[9];
+                        float gbs[9], bpc[9];
                         for (int it = -2; it < 9; it++) {
                             if (beside)
                                 for (int g = 0; g < (peer_ok ? 2 : 1); g++) {
@@ -357,14 +385,20 @@ int main(int argc, char **argv)
                                 CK(cudaSetDevice(0));
                             }
                             CK(cudaMemcpy(stamps, stamps_d, sizeof(stamps), cudaMemcpyDeviceToHost));
-                            double sum = 0;
-                            for (int q = 0; q < blocks; q++) sum += (double)rows / MAX_BLOCKS * row_bytes / (double)(stamps[2 * q + 1] - stamps[2 * q]);
-                            if (it >= 0) gbs[it] = (float)(sum / blocks);
+                            double sum = 0, sum_c = 0;
+                            const double share = (double)rows / MAX_BLOCKS * row_bytes;
+                            for (int q = 0; q < blocks; q++) {
+                                sum += share / (double)(stamps[4 * q + 1] - stamps[4 * q]);
+                                sum_c += share / (double)stamps[4 * q + 2];
+                            }
+                            if (it >= 0) gbs[it] = (float)(sum / blocks), bpc[it] = (float)(sum_c / blocks);
                         }
                         qsort(gbs, 9, sizeof(float), cmp_float);
+                        qsort(bpc, 9, sizeof(float), cmp_float);
                         printf(" %10.1f", gbs[4]);
+                        if (blocks == 8) per_clock = bpc[4];
                     }
-                    printf("\n");
+                    printf(" %10.1f\n", per_clock);
                     fflush(stdout);
                 }
     }
