@@ -23,6 +23,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "../src/kernels/row_copy.cuh"
+
 #define CK(x)                                                                                                \
     do {                                                                                                     \
         cudaError_t e_ = (x);                                                                                \
@@ -162,21 +164,13 @@ static __device__ void bulk_tokens(const job_t *j, unsigned char *ring, uint64_t
     }
 }
 
-/* A warp per row, eight 16-byte loads in flight per lane before the stores (copy_piece_stores). */
+/* A warp per row, the dispatch's own 16-byte copy (copy_piece_stores). */
 static __device__ void lsu_rows(const job_t *j, int lo, int hi, int warp, int warps)
 {
-    const int lane = threadIdx.x % 32, vecs = j->row_bytes / 16;
-    for (int q = lo + warp; q < hi; q += warps) {
-        const uint4 *src = (const uint4 *)(j->x + (size_t)j->src_of[q] * j->row_bytes);
-        uint4 *o = (uint4 *)(j->dst + (size_t)q * j->row_bytes);
-        for (int v = lane; v < vecs; v += 256) {
-            uint4 t[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) t[u] = src[min(v + 32 * u, vecs - 1)];
-#pragma unroll
-            for (int u = 0; u < 8; u++) o[min(v + 32 * u, vecs - 1)] = t[u];
-        }
-    }
+    const int vecs = j->row_bytes / 16;
+    for (int q = lo + warp; q < hi; q += warps)
+        cometi_warp_copy_row((uint4 *)(j->dst + (size_t)q * j->row_bytes),
+                             (const uint4 *)(j->x + (size_t)j->src_of[q] * j->row_bytes), vecs);
 }
 
 /* A warp per token: its row into registers once (up to 16 x 16 bytes per lane), then k stores. */

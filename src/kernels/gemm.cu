@@ -31,6 +31,7 @@
 #include "ptx.cuh"
 #include "wgmma.cuh"
 #include "combine.cuh"
+#include "row_copy.cuh"
 
 #define BM 128
 #define BK 64
@@ -229,25 +230,12 @@ static __device__ __forceinline__ tile_t split_tile(int t, int per_split, const 
  * local experts go first, so local tiles can start at once. Workers take pieces
  * round-robin. Two ways to copy a piece (COMETI_DISPATCH_*): */
 
-/* Stores: the warp's lanes load and store 16 bytes at a time, eight loads in flight per
- * lane before the stores (a row copy is latency-bound: depth, not width, sets its speed). */
+/* Stores: the warp's lanes load and store 16 bytes at a time (row_copy.cuh). */
 static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const int32_t *src_of, int n_rows, uint4 *out)
 {
-    const int lane = threadIdx.x % 32, vecs = d->hidden / 8;
-    for (int q = 0; q < n_rows; q++) {
-        const uint4 *src = (const uint4 *)d->x + (size_t)(src_of[q] / d->top_k) * vecs;
-        uint4 *o = out + (size_t)q * vecs;
-        /* The last pass too keeps eight loads in flight (7 KB rows left six 16-byte round
-         * trips one after another): indices past the row repeat its last 16 bytes, stored
-         * where they came from. */
-        for (int v = lane; v < vecs; v += 256) {
-            uint4 t[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) t[u] = src[min(v + 32 * u, vecs - 1)];
-#pragma unroll
-            for (int u = 0; u < 8; u++) o[min(v + 32 * u, vecs - 1)] = t[u];
-        }
-    }
+    const int vecs = d->hidden / 8;
+    for (int q = 0; q < n_rows; q++)
+        cometi_warp_copy_row(out + (size_t)q * vecs, (const uint4 *)d->x + (size_t)(src_of[q] / d->top_k) * vecs, vecs);
     __syncwarp();
 }
 
