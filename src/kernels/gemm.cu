@@ -38,6 +38,14 @@
 #define THREADS 384
 #define TICKETS 4 /* tiles the producer may announce ahead of the consumers (dynamic schedule) */
 
+/* With dispatch blocks, in the last two rounds of tiles, how many k-steps before a tile's
+ * last load its block takes its next ticket: early enough that the atomic's round trip
+ * hides behind the stages still to compute, late enough that the ticket is not held while
+ * other blocks go idle (the fused qwen2-57b layer0's tail: 40-45 us per SM with the ticket
+ * taken a tile ahead, 25-29 with 8 steps; docs/PERF.md Z2). Taken late on every tile, it
+ * left qwen2-moe-2.7b's layer0 1.5% slower (Z6). */
+#define LATE_CLAIM_KBLOCKS 8
+
 /* The epilogue's staging in shared memory for 128 rows of `on` columns: the TMA store's
  * swizzled boxes (C's, or the push's whole parts), 64 rows per consumer warpgroup. */
 static __host__ __device__ constexpr uint32_t c_stage_bytes(int on) { return BM * on * 2; }
@@ -185,14 +193,6 @@ static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_til
  * after only smaller tickets (over several rounds too), and nothing else a block waits on
  * (stages, tickets, rows from the dispatch) depends on a larger ticket. The plan is
  * cometi_gemm_tail_plan (gemm.h). */
-/* With dispatch blocks, in the last two rounds of tiles, how many k-steps before a tile's
- * last load its block takes its next ticket: early enough that the atomic's round trip
- * hides behind the stages still to compute, late enough that the ticket is not held while
- * other blocks go idle (the fused qwen2-57b layer0's tail: 40-45 us per SM with the ticket
- * taken a tile ahead, 25-29 with 8 steps; docs/PERF.md Z2). Taken late on every tile, it
- * left qwen2-moe-2.7b's layer0 1.5% slower (Z6). */
-#define LATE_CLAIM_KBLOCKS 8
-
 typedef struct unit {
     int tile, kb0, kb1; /* the tile, its k-blocks [kb0, kb1) */
     int part;           /* -1: the whole tile; else which of the cut tile's parts */
