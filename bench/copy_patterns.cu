@@ -58,7 +58,10 @@ typedef struct job {
 } job_t;
 
 static __device__ __forceinline__ uint32_t su32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-static __device__ __forceinline__ void mb_init(uint64_t *b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(su32(b)) : "memory"); }
+static __device__ __forceinline__ void mb_init(uint64_t *b)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(su32(b)) : "memory");
+}
 static __device__ __forceinline__ void mb_expect(uint64_t *b, uint32_t n)
 {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(su32(b)), "r"(n) : "memory");
@@ -77,10 +80,14 @@ static __device__ __forceinline__ void bload(void *d, const void *s, uint32_t n,
 }
 static __device__ __forceinline__ void bstore(void *d, const void *s, uint32_t n)
 {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"((uint64_t)d), "r"(su32(s)), "r"(n) : "memory");
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 ::"l"((uint64_t)d), "r"(su32(s)), "r"(n) : "memory");
 }
 static __device__ __forceinline__ void bcommit(void) { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-template <int N> static __device__ __forceinline__ void bwait_read(void) { asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory"); }
+template <int N> static __device__ __forceinline__ void bwait_read(void)
+{
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
 static __device__ __forceinline__ void bdrain(void)
 {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -103,7 +110,8 @@ static __device__ void bulk_rows(const job_t *j, unsigned char *ring, uint64_t *
                 if (P != P_BULK_STORES) {
                     mb_expect(&full[s], rows * rb);
                     for (int i = 0; i < rows; i++)
-                        bload(ring + (size_t)(s * GROUP + i) * rb, j->x + (size_t)j->src_of[p0 + g * GROUP + i] * rb, rb, &full[s]);
+                        bload(ring + (size_t)(s * GROUP + i) * rb, j->x + (size_t)j->src_of[p0 + g * GROUP + i] * rb, rb,
+                              &full[s]);
                 }
             }
             const int r = g - 1;
@@ -125,8 +133,9 @@ static __device__ void bulk_rows(const job_t *j, unsigned char *ring, uint64_t *
              * index feeds the next piece's lookups), count this one's rows with a release. */
             const unsigned int c = atomicAdd(j->claims, 1u);
             unsigned long long *a = j->arrive + (p0 / PIECE + c) % 1024;
-            if (P == P_BULK_SYS) asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(a), "l"((unsigned long long)n) : "memory");
-            else asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(a), "l"((unsigned long long)n) : "memory");
+            const unsigned long long rows = (unsigned long long)n;
+            if (P == P_BULK_SYS) asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(a), "l"(rows) : "memory");
+            else asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(a), "l"(rows) : "memory");
         }
     }
 }
@@ -265,7 +274,11 @@ static void route(int tokens, int E, int k, int *src_of, int *pos)
     free(ex), free(start);
 }
 
-static int cmp_float(const void *a, const void *b) { return *(const float *)a < *(const float *)b ? -1 : *(const float *)a > *(const float *)b; }
+static int cmp_float(const void *a, const void *b)
+{
+    const float x = *(const float *)a, y = *(const float *)b;
+    return x < y ? -1 : x > y;
+}
 
 int main(int argc, char **argv)
 {
