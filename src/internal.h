@@ -30,6 +30,26 @@ comet_status_t cometi_fail(char *err, comet_status_t status, const char *fmt, ..
 comet_status_t cometi_cuda(char *err, cudaError_t e, const char *what);
 comet_status_t cometi_nccl(char *err, ncclResult_t r, const char *what);
 
+/* Launch settings for a kernel that may start before the kernel ahead of it in the stream
+ * has ended (programmatic dependent launch): it must call cometi_grid_wait() (ptx.cuh)
+ * before it reads what that kernel wrote. attr: room for one attribute. COMET_PDL=0 in
+ * the environment launches such kernels the ordinary way. */
+int cometi_pdl_enabled(void);
+static inline cudaLaunchConfig_t cometi_pdl_config(unsigned int grid, unsigned int block, size_t smem,
+                                                   cudaStream_t stream, cudaLaunchAttribute *attr)
+{
+    cudaLaunchConfig_t cfg; /* every field set below */
+    cfg.gridDim.x = grid, cfg.gridDim.y = cfg.gridDim.z = 1;
+    cfg.blockDim.x = block, cfg.blockDim.y = cfg.blockDim.z = 1;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = cometi_pdl_enabled() ? 1 : 0;
+    return cfg;
+}
+
 /* Pass a failure up, keeping the message already written. */
 #define COMETI_TRY(expr)                                                                   \
     do {                                                                                   \
@@ -141,6 +161,8 @@ comet_status_t cometi_copy(char *err, void *dst, const void *src, size_t bytes, 
 
 /* ---- fill.cu ---- */
 /* dst[i] = cometi_hash_bf16(seed, index0 + i, scale) for i < n (bf16 elements). */
+/* Keeps the stream busy for ns nanoseconds (fill.cu). */
+cudaError_t cometi_hold(unsigned long long ns, cudaStream_t stream);
 cudaError_t cometi_fill_hash_bf16(void *dst, size_t n, uint64_t seed, uint64_t index0, float scale,
                                   cudaStream_t stream);
 /* The rows of a bigger tensor: dst[r][c] = cometi_hash_bf16(seed, index0 + r * src_stride + c,

@@ -108,7 +108,11 @@ void cometi_route_dispatch_messages(const cometi_route_plan_t *plan, int me, com
 static inline COMETI_HD int cometi_choice_slot(const int32_t *ids, int k, int j, int num_experts,
                                                int experts_per_rank, int *next)
 {
+    /* One pass: each earlier choice's rank is set in `seen` (ranks below 128; a larger one,
+     * which no node has, is looked for among the earlier choices instead), so the GPU route
+     * does k loads and k divisions per row, not k^2 (docs/PERF.md). */
     const int rank = ids[j] / experts_per_rank;
+    uint64_t seen[2] = {0, 0};
     int slot = 0, lead = 1;
     *next = -1;
     for (int i = 0; i < k; i++) {
@@ -117,11 +121,15 @@ static inline COMETI_HD int cometi_choice_slot(const int32_t *ids, int k, int j,
         const int r = e / experts_per_rank;
         if (i < j) {
             if (r == rank) lead = 0;
-            /* a rank counts once, at its first choice */
-            int seen = 0;
-            for (int h = 0; h < i; h++)
-                if (ids[h] >= 0 && ids[h] < num_experts && ids[h] / experts_per_rank == r) seen = 1;
-            slot += !seen;
+            int was_seen = 0;
+            if (r < 128) {
+                was_seen = (int)(seen[r >> 6] >> (r & 63) & 1);
+                seen[r >> 6] |= 1ull << (r & 63);
+            } else {
+                for (int h = 0; h < i; h++)
+                    if (ids[h] >= 0 && ids[h] < num_experts && ids[h] / experts_per_rank == r) was_seen = 1;
+            }
+            slot += !was_seen; /* a rank counts once, at its first choice */
         } else if (r == rank && *next < 0) {
             *next = i;
         }

@@ -4,6 +4,7 @@
  */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "internal.h"
 
@@ -54,4 +55,14 @@ comet_status_t cometi_nccl(char *err, ncclResult_t r, const char *what)
 {
     if (r == ncclSuccess) return COMET_SUCCESS;
     return cometi_fail(err, COMET_NCCL_ERROR, "%s: %s", what, ncclGetErrorString(r));
+}
+
+int cometi_pdl_enabled(void)
+{
+    static int enabled = -1; /* read once; a benign race: every thread reads the same value */
+    if (enabled < 0) {
+        const char *v = getenv("COMET_PDL");
+        enabled = !(v && v[0] == '0');
+    }
+    return enabled;
 }

@@ -492,9 +492,21 @@ int test_choice_slots(void)
     CHECK_EQ(cometi_choice_slot(b, 4, 2, 8, 4, &next), 1);
     CHECK_EQ(next, -1);
     CHECK_EQ(cometi_choice_slot(b, 4, 3, 8, 4, &next), -1);
+    /* Ranks past 128 (one expert per rank): the slow path of the seen set. Ranks 200, 130,
+     * 200, 5, 130. */
+    const int32_t c[5] = {200, 130, 200, 5, 130};
+    CHECK_EQ(cometi_choice_slot(c, 5, 0, 300, 1, &next), 0);
+    CHECK_EQ(next, 2);
+    CHECK_EQ(cometi_choice_slot(c, 5, 1, 300, 1, &next), 1);
+    CHECK_EQ(next, 4);
+    CHECK_EQ(cometi_choice_slot(c, 5, 2, 300, 1, &next), -1);
+    CHECK_EQ(cometi_choice_slot(c, 5, 3, 300, 1, &next), 2);
+    CHECK_EQ(next, -1);
+    CHECK_EQ(cometi_choice_slot(c, 5, 4, 300, 1, &next), -1);
     uint64_t rng = test_seed();
-    for (int it = 0; it < 20000; it++) {
-        const int world = 1 + (int)(cometi_rand_next(&rng) % 8), per = 1 + (int)(cometi_rand_next(&rng) % 4);
+    for (int it = 0; it < 20000; it++) { /* a quarter with ranks on both sides of 128 */
+        const int world = it % 4 ? 1 + (int)(cometi_rand_next(&rng) % 8) : 100 + (int)(cometi_rand_next(&rng) % 100);
+        const int per = 1 + (int)(cometi_rand_next(&rng) % 4);
         const int E = world * per, k = 1 + (int)(cometi_rand_next(&rng) % 8);
         int32_t ids[8];
         for (int j = 0; j < k; j++) ids[j] = (int32_t)(cometi_rand_next(&rng) % (uint64_t)(E + 1)); /* E: invalid */
@@ -507,6 +519,7 @@ int test_choice_slots(void)
             const int slot = cometi_choice_slot(ids, k, j, E, per, &next);
             if (slot < 0) continue;
             leads++;
+            CHECK_EQ(slot, distinct - 1); /* the order of the ranks' first choices */
             CHECK(slot < (k < world ? k : world) && !slot_seen[slot]);
             slot_seen[slot] = 1;
             for (int c = j; c >= 0; cometi_choice_slot(ids, k, c, E, per, &next), c = next) {

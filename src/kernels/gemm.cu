@@ -510,6 +510,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     /* The tile timeline's row of this block (gemm.h), when asked for. */
     unsigned long long *trace = p.tile_trace ? p.tile_trace + (size_t)blockIdx.x * COMETI_TILE_TRACE_WORDS : NULL;
     const unsigned long long t_entry = trace ? cometi_globaltimer_ns() : 0;
+    cometi_grid_wait(); /* the route's plan, the inputs, the tile counters */
     if (p.combine_blocks && (int)blockIdx.x < p.combine_blocks) {
         combine_rows(&p.combine, p.c, p.n, p.segs, p.groups, p.n_splits, split_tiles, p.split_done, p.combine_blocks,
                      smem, p.err, p.arrival_timeout_ns);
@@ -528,18 +529,20 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     }
     if (trace && threadIdx.x == 0) trace[0] = t_entry;
     const int block = blockIdx.x - dispatch_blocks; /* among the GEMM blocks (static schedule) */
+    /* The tile table: each group's tile counts loaded by a thread each (thread 0 walking
+     * the groups' global sizes one after another took a few us before the first tile),
+     * then summed in shared memory by thread 0. */
+    for (int g = threadIdx.x; g < p.groups; g += blockDim.x) {
+        const int mt = (p.segs[g].rows + TM - 1) / TM;
+        const int local = p.local_rows ? min(mt, p.local_rows[g] / TM) : 0;
+        first_tile[g + 1] = local * split_tiles;
+        first_tile[p.groups + g + 1] = (mt - local) * split_tiles;
+    }
+    __syncthreads();
     if (threadIdx.x == 0) {
         int total = 0;
-        for (int phase = 0; phase < 2; phase++) {
-            for (int g = 0; g < p.groups; g++) {
-                const int mt = (p.segs[g].rows + TM - 1) / TM;
-                const int local = p.local_rows ? min(mt, p.local_rows[g] / TM) : 0;
-                const int i = phase * p.groups + g;
-                first_tile[i] = total;
-                total += (phase ? mt - local : local) * split_tiles;
-            }
-        }
-        first_tile[2 * p.groups] = total;
+        first_tile[0] = 0;
+        for (int i = 1; i <= 2 * p.groups; i++) first_tile[i] = total += first_tile[i];
         /* Blocks that take tiles: every non-combine block on the shared counter (dispatch
          * blocks join once done), the GEMM blocks on the static split. */
         *tail_smem = cometi_gemm_tail_plan(total * p.n_splits,
@@ -985,9 +988,12 @@ static comet_status_t launch(char *err, const maps_t *m, const gemm_args_t *args
                                "cudaFuncSetAttribute(grouped GEMM shared memory)"));
         if (dev < 64) configured |= 1ull << dev;
     }
-    grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG><<<blocks, THREADS, smem, stream>>>(
-        m->a, m->b, m->up, m->c, *args);
-    return cometi_cuda(err, cudaGetLastError(), "launch grouped_gemm_kernel");
+    cudaLaunchAttribute pdl[1];
+    const cudaLaunchConfig_t cfg = cometi_pdl_config(blocks, THREADS, smem, stream, pdl);
+    return cometi_cuda(err,
+                       cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG>, m->a,
+                                          m->b, m->up, m->c, *args),
+                       "launch grouped_gemm_kernel");
 }
 
 /* What cometi_gemm_prepared_t holds. */

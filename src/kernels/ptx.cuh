@@ -32,6 +32,16 @@ static __device__ __forceinline__ void cometi_red_release_gpu_add(unsigned long 
     asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/* Programmatic dependent launch: a kernel launched with programmatic stream serialization
+ * may start before the kernel ahead of it ends; cometi_grid_wait() returns once that kernel
+ * has ended and its writes are visible, and cometi_grid_launch_dependents() lets the next
+ * such kernel start. Both are no-ops for a kernel launched the ordinary way. */
+static __device__ __forceinline__ void cometi_grid_wait(void) { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+static __device__ __forceinline__ void cometi_grid_launch_dependents(void)
+{
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 static __device__ __forceinline__ unsigned long long cometi_globaltimer_ns(void)
 {
     unsigned long long t;
@@ -92,7 +102,7 @@ static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned l
             return 0;
         }
         __nanosleep(backoff);
-        if (backoff < 2048) backoff *= 2;
+        if (backoff < 256) backoff *= 2;
     }
 }
 

@@ -36,6 +36,7 @@ chunk_rank_kernel(const int32_t *ids, int n, int num_experts, int chunks, int32_
 {
     extern __shared__ int warp_count[]; /* [RANK_WARPS][E]: the warp's rows of each expert so far */
     const int c = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32, E = num_experts;
+    cometi_grid_launch_dependents(); /* the exchange may start: it waits for this kernel's end */
     for (int i = threadIdx.x; i < RANK_WARPS * E; i += RANK_THREADS) warp_count[i] = 0;
     const int base = c * COMETI_ROUTE_CHUNK + warp * 32 * RANK_ROUNDS + lane; /* this lane's first row */
     int id[RANK_ROUNDS], before[RANK_ROUNDS];
@@ -215,6 +216,8 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
                      const int32_t *ids, int n, cometi_route_dev_plan_t plan, int counts_in_smem,
                      unsigned long long timeout_ns, cometi_async_error_t *err)
 {
+    cometi_grid_wait(); /* chunk_rank_kernel's counts */
+    cometi_grid_launch_dependents();
     /* This rank's counts from the chunks' (chunk_rank_kernel), and each chunk's count
      * turned into the rows of its expert in earlier chunks, which place_rows_kernel adds
      * to the chunk's ranks (what chunk_offset_kernel does for the baseline, one launch
@@ -329,6 +332,8 @@ static __global__ void place_rows_kernel(const int32_t *ids, const float *weight
                                          int world, int tp, const int32_t *chunk_pos, const int32_t *prefix,
                                          int chunks, cometi_route_dev_plan_t plan, cometi_row_meta_t *meta)
 {
+    cometi_grid_wait(); /* the exchange's plan */
+    cometi_grid_launch_dependents();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
     const int e = ids[i], per = E / (world / tp);
@@ -451,17 +456,21 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     for (int p = 0; p < r->world; p++) peers.base[p] = (int32_t *)r->table.peer[p];
     const size_t counts_bytes = sizeof(int32_t) * (size_t)r->world * E, sizes_bytes = sizeof(int32_t) * (size_t)E;
     const int counts_in_smem = r->counts_in_smem;
-    exchange_plan_kernel<<<1, PLAN_THREADS, (counts_in_smem ? counts_bytes : 0) + sizes_bytes, stream>>>(
-        peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m, r->seq, r->local_counts,
-        r->chunk_counts, chunks, topk_ids, n, r->plan, counts_in_smem, (unsigned long long)comm->timeout_ms * 1000000ull,
-        comm->async_dev);
-    const cudaError_t launched = cudaGetLastError();
+    cudaLaunchAttribute pdl[1];
+    cudaLaunchConfig_t cfg = cometi_pdl_config(1, PLAN_THREADS, (counts_in_smem ? counts_bytes : 0) + sizes_bytes,
+                                               stream, pdl);
+    const cudaError_t launched = cudaLaunchKernelEx(
+        &cfg, exchange_plan_kernel, peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m,
+        r->seq, r->local_counts, r->chunk_counts, chunks, topk_ids, n, r->plan, counts_in_smem,
+        (unsigned long long)comm->timeout_ms * 1000000ull, comm->async_dev);
     if (launched != cudaSuccess) /* the ranks may have noted a bad id that only the exchange resets */
         cudaMemsetAsync(r->local_counts + E, 0xff, sizeof(int32_t), stream);
     COMETI_TRY(cometi_cuda(comm->err, launched, "launch exchange_plan_kernel"));
-    if (n > 0)
-        place_rows_kernel<<<(n + 255) / 256, 256, 0, stream>>>(
-            topk_ids, weights, n, k, E, comm->rank, r->world, r->tp, r->chunk_pos, r->chunk_counts, chunks, r->plan,
-            weights ? (cometi_row_meta_t *)r->meta.local : NULL);
-    return cometi_cuda(comm->err, cudaGetLastError(), "launch place_rows_kernel");
+    if (n == 0) return COMET_SUCCESS;
+    cfg = cometi_pdl_config((n + 255) / 256, 256, 0, stream, pdl);
+    return cometi_cuda(comm->err,
+                       cudaLaunchKernelEx(&cfg, place_rows_kernel, topk_ids, weights, n, k, E, comm->rank, r->world,
+                                          r->tp, (const int32_t *)r->chunk_pos, (const int32_t *)r->chunk_counts,
+                                          chunks, r->plan, weights ? (cometi_row_meta_t *)r->meta.local : NULL),
+                       "launch place_rows_kernel");
 }
