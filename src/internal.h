@@ -161,8 +161,6 @@ comet_status_t cometi_copy(char *err, void *dst, const void *src, size_t bytes, 
 
 /* ---- fill.cu ---- */
 /* dst[i] = cometi_hash_bf16(seed, index0 + i, scale) for i < n (bf16 elements). */
-/* Keeps the stream busy for ns nanoseconds (fill.cu). */
-cudaError_t cometi_hold(unsigned long long ns, cudaStream_t stream);
 cudaError_t cometi_fill_hash_bf16(void *dst, size_t n, uint64_t seed, uint64_t index0, float scale,
                                   cudaStream_t stream);
 /* The rows of a bigger tensor: dst[r][c] = cometi_hash_bf16(seed, index0 + r * src_stride + c,

@@ -110,7 +110,7 @@ static inline COMETI_HD int cometi_choice_slot(const int32_t *ids, int k, int j,
 {
     /* One pass: each earlier choice's rank is set in `seen` (ranks below 128; a larger one,
      * which no node has, is looked for among the earlier choices instead), so the GPU route
-     * does k loads and k divisions per row, not k^2 (docs/PERF.md). */
+     * does k loads and k divisions per row, not k^2 (docs/PERF.md Z13, Z14). */
     const int rank = ids[j] / experts_per_rank;
     uint64_t seen[2] = {0, 0};
     int slot = 0, lead = 1;
