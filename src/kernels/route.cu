@@ -328,35 +328,73 @@ static __device__ __forceinline__ int row_rank(const int32_t *chunk_pos, const i
     return chunk_pos[i] + prefix[(size_t)e * chunks + i / COMETI_ROUTE_CHUNK];
 }
 
+/* The token's choices lie in one warp when k divides 32 (blocks and warps start at
+ * multiples of 32, so at a token's first choice): each lane then reads the others' ranks
+ * and receive rows with shuffles, one division and no loads per choice, where
+ * cometi_choice_slot loads and divides k times (its records took 10 of place's 12 us on
+ * qwen2-57b: docs/PERF.md Z13). Lanes past n take part with no token. */
+static __device__ __forceinline__ cometi_row_meta_t warp_record(int rank, int recv, int j, int k, int t, int world)
+{
+    const int first = (int)(threadIdx.x % 32) - j;
+    uint64_t seen_lo = 0, seen_hi = 0; /* ranks below COMETI_MAX_RANKS (72) */
+    int slot = 0, lead = 1, next = -1;
+    for (int c = 0; c < k; c++) {
+        const int r = __shfl_sync(0xffffffffu, rank, first + c), at = __shfl_sync(0xffffffffu, recv, first + c);
+        if (r < 0 || c == j) continue; /* an invalid id, or this choice */
+        if (c < j) {
+            const uint64_t bit = 1ull << (r & 63);
+            const bool was_seen = (r < 64 ? seen_lo : seen_hi) & bit;
+            if (r < 64) seen_lo |= bit; else seen_hi |= bit;
+            slot += !was_seen; /* a rank counts once, at its first choice */
+            if (r == rank) lead = 0;
+        } else if (r == rank && next < 0) {
+            next = at;
+        }
+    }
+    cometi_row_meta_t m;
+    m.slot = lead ? t * min(k, world) + slot : -1;
+    m.next = next;
+    return m;
+}
+
 static __global__ void place_rows_kernel(const int32_t *ids, const float *weights, int n, int k, int E, int me,
                                          int world, int tp, const int32_t *chunk_pos, const int32_t *prefix,
                                          int chunks, cometi_route_dev_plan_t plan, cometi_row_meta_t *meta)
 {
     cometi_grid_wait(); /* the exchange's plan */
     cometi_grid_launch_dependents();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const int e = ids[i], per = E / (world / tp);
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, per = E / (world / tp);
+    const bool in = i < n, warp_records = meta && 32 % k == 0;
+    if (!in && !warp_records) return;
+    const int e = in ? ids[i] : -1;
     const bool valid = e >= 0 && e < E, ok = valid && !*plan.failed;
     const int pos = valid ? row_rank(chunk_pos, prefix, chunks, i, e) : 0;
     if (valid) plan.pos[i] = pos;
-    plan.recv_pos[i] = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + pos : -1;
-    if (!ok) return;
-    const int at = plan.send_offset[me * E + e] + pos;
-    plan.src_of[at] = i;
+    const int recv = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + pos : -1;
+    if (in) plan.recv_pos[i] = recv;
+    const int at = ok ? plan.send_offset[me * E + e] + pos : -1;
+    if (ok) plan.src_of[at] = i;
     if (!meta) return;
     const int t = i / k, j = i % k;
-    int next;
-    const int slot = cometi_choice_slot(ids + (size_t)t * k, k, j, E, per, &next);
     cometi_row_meta_t m;
-    m.slot = slot >= 0 ? t * min(k, world) + slot : -1;
-    if (next >= 0) { /* where the next choice lands: the same formula as recv_pos */
-        const int en = ids[(size_t)t * k + next];
-        m.next = plan.seg_start[en] + plan.recv_offset[me * E + en] +
-                 row_rank(chunk_pos, prefix, chunks, t * k + next, en);
+    if (warp_records) {
+        /* Every lane to the end: the shuffles need the whole warp. With ok false on one
+         * lane of a valid id, the exchange failed and no lane writes. */
+        m = warp_record(valid ? e / per : -1, recv, j, k, t, world);
     } else {
-        m.next = -1;
+        if (!ok) return;
+        int next;
+        const int slot = cometi_choice_slot(ids + (size_t)t * k, k, j, E, per, &next);
+        m.slot = slot >= 0 ? t * min(k, world) + slot : -1;
+        if (next >= 0) { /* where the next choice lands: the same formula as recv_pos */
+            const int en = ids[(size_t)t * k + next];
+            m.next = plan.seg_start[en] + plan.recv_offset[me * E + en] +
+                     row_rank(chunk_pos, prefix, chunks, t * k + next, en);
+        } else {
+            m.next = -1;
+        }
     }
+    if (!ok) return;
     m.weight = weights[i];
     m.src = me;
     meta[at] = m;
