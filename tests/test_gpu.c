@@ -1022,7 +1022,7 @@ int test_gpu_gemm_epilogues(void)
 /* ---- the device route against the C routing plan ---- */
 
 #define ROUTE_E 16
-#define ROUTE_MAX_M 10000 /* up to 20000 rows at top-2: several of the route's 4096-row chunks */
+#define ROUTE_MAX_M 10000 /* up to 20000 rows at top-2: several of the route's 2048-row chunks */
 
 /* `calls` calls of the device route with E experts, top-k and tp ranks per group against
  * the C plan. */

@@ -212,7 +212,8 @@ static __device__ void build_plan(const int32_t *cnt, int32_t *seg_start_s, int 
 
 static __global__ void __launch_bounds__(PLAN_THREADS, 1)
 exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int tp, int E, int block_m,
-                     unsigned long long *seq_counter, int32_t *local_counts, int32_t *chunk_counts, int chunks,
+                     unsigned long long *seq_counter, int32_t *local_counts, const int32_t *chunk_counts,
+                     int32_t *chunk_prefix, int chunks,
                      const int32_t *ids, int n, cometi_route_dev_plan_t plan, int counts_in_smem,
                      unsigned long long timeout_ns, cometi_async_error_t *err)
 {
@@ -223,11 +224,19 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
      * to the chunk's ranks (what chunk_offset_kernel does for the baseline, one launch
      * fewer). */
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        /* Eight loads in flight before their prefixes are stored (loads after a store to
+         * a maybe-aliased array would each wait for the one before). */
+        const int32_t *cnt = chunk_counts + (size_t)e * chunks;
         int sum = 0;
-        for (int c = 0; c < chunks; c++) {
-            const int v = chunk_counts[(size_t)e * chunks + c];
-            chunk_counts[(size_t)e * chunks + c] = sum;
-            sum += v;
+        for (int c0 = 0; c0 < chunks; c0 += 8) {
+            int v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = c0 + u < chunks ? cnt[c0 + u] : 0;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                if (c0 + u < chunks) chunk_prefix[(size_t)e * chunks + c0 + u] = sum;
+                sum += v[u];
+            }
         }
         local_counts[e] = sum;
     }
@@ -435,7 +444,7 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
     {
         /* 64-bit counters first (alignment), then segments, then the int32 arrays. */
         size_t ints = 2 + (size_t)r->max_blocks * 2 + (size_t)per * 3 + (size_t)W * E * 3 + (size_t)E * 2 + W +
-                      (size_t)max_rows * 4 + (size_t)E * cometi_route_chunks(max_rows) + 1;
+                      (size_t)max_rows * 4 + (size_t)E * cometi_route_chunks(max_rows) * 2 + 1;
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->arena, sizeof(int32_t) * ints),
                                         "cudaMalloc(route plan)"), fail);
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->arena, 0, sizeof(int32_t) * ints),
@@ -456,6 +465,7 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
         r->plan.src_of = p, p += max_rows;
         r->chunk_pos = p, p += max_rows;
         r->chunk_counts = p, p += (size_t)E * cometi_route_chunks(max_rows);
+        r->chunk_prefix = p, p += (size_t)E * cometi_route_chunks(max_rows);
         r->plan.failed = p;
     }
     /* Every table cleared before any peer writes into it. */
@@ -499,7 +509,8 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
                                                stream, pdl);
     const cudaError_t launched = cudaLaunchKernelEx(
         &cfg, exchange_plan_kernel, peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m,
-        r->seq, r->local_counts, r->chunk_counts, chunks, topk_ids, n, r->plan, counts_in_smem,
+        r->seq, r->local_counts, (const int32_t *)r->chunk_counts, r->chunk_prefix, chunks, topk_ids, n, r->plan,
+        counts_in_smem,
         (unsigned long long)comm->timeout_ms * 1000000ull, comm->async_dev);
     if (launched != cudaSuccess) /* the ranks may have noted a bad id that only the exchange resets */
         cudaMemsetAsync(r->local_counts + E, 0xff, sizeof(int32_t), stream);
@@ -508,7 +519,7 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     cfg = cometi_pdl_config((n + 255) / 256, 256, 0, stream, pdl);
     return cometi_cuda(comm->err,
                        cudaLaunchKernelEx(&cfg, place_rows_kernel, topk_ids, weights, n, k, E, comm->rank, r->world,
-                                          r->tp, (const int32_t *)r->chunk_pos, (const int32_t *)r->chunk_counts,
+                                          r->tp, (const int32_t *)r->chunk_pos, (const int32_t *)r->chunk_prefix,
                                           chunks, r->plan, weights ? (cometi_row_meta_t *)r->meta.local : NULL),
                        "launch place_rows_kernel");
 }
