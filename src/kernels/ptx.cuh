@@ -26,6 +26,20 @@ static __device__ __forceinline__ void cometi_red_release_sys_add(unsigned long 
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/* Relaxed system-scope access: an 8-byte word another GPU writes or reads whole (a value
+ * that carries its own call tag needs no flag and no fence). */
+static __device__ __forceinline__ unsigned long long cometi_ld_relaxed_sys(const unsigned long long *p)
+{
+    unsigned long long v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+static __device__ __forceinline__ void cometi_st_relaxed_sys(unsigned long long *p, unsigned long long v)
+{
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 /* For readers on this GPU only (another block of this kernel, or a later kernel). */
 static __device__ __forceinline__ void cometi_red_release_gpu_add(unsigned long long *p, unsigned long long v)
 {
@@ -99,6 +113,34 @@ static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned l
         if (cometi_other_wait_failed(err, waited, &next_poll)) return 0;
         if (waited > timeout_ns) {
             cometi_record_error(err, COMET_TIMEOUT, site, peer, slot, expected, v, waited);
+            return 0;
+        }
+        __nanosleep(backoff);
+        if (backoff < 256) backoff *= 2;
+    }
+}
+
+/*
+ * Spin until the word's high 32 bits equal tag (a tagged value, written whole by one
+ * 8-byte store), with cometi_wait_geq's timeout, backoff and reports (expected: the tag;
+ * seen: the tag found). Returns 1 with the word in *word, or 0.
+ */
+static __device__ int cometi_wait_tag(const unsigned long long *p, unsigned int tag, unsigned long long timeout_ns,
+                                      cometi_async_error_t *err, int site, int peer, int slot,
+                                      unsigned long long *word)
+{
+    unsigned long long start = cometi_globaltimer_ns(), next_poll = 0;
+    unsigned int backoff = 32;
+    for (;;) {
+        const unsigned long long v = cometi_ld_relaxed_sys(p);
+        if ((unsigned int)(v >> 32) == tag) {
+            *word = v;
+            return 1;
+        }
+        unsigned long long waited = cometi_globaltimer_ns() - start;
+        if (cometi_other_wait_failed(err, waited, &next_poll)) return 0;
+        if (waited > timeout_ns) {
+            cometi_record_error(err, COMET_TIMEOUT, site, peer, slot, tag, v >> 32, waited);
             return 0;
         }
         __nanosleep(backoff);

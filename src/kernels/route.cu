@@ -211,7 +211,7 @@ static __device__ void build_plan(const int32_t *cnt, int32_t *seg_start_s, int 
 }
 
 static __global__ void __launch_bounds__(PLAN_THREADS, 1)
-exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int tp, int E, int block_m,
+exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int world, int tp, int E, int block_m,
                      unsigned long long *seq_counter, int32_t *local_counts, const int32_t *chunk_counts,
                      int32_t *chunk_prefix, int chunks,
                      const int32_t *ids, int n, cometi_route_dev_plan_t plan, int counts_in_smem,
@@ -219,13 +219,46 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
 {
     cometi_grid_wait(); /* chunk_rank_kernel's counts */
     cometi_grid_launch_dependents();
-    /* This rank's counts from the chunks' (chunk_rank_kernel), and each chunk's count
-     * turned into the rows of its expert in earlier chunks, which place_rows_kernel adds
-     * to the chunk's ranks (what chunk_offset_kernel does for the baseline, one launch
-     * fewer). */
+    /* This rank's counts: each expert's chunk counts summed, eight loads in flight. */
+    __shared__ int32_t total_s[COMETI_MAX_EXPERTS];
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        /* Eight loads in flight before their prefixes are stored (loads after a store to
-         * a maybe-aliased array would each wait for the one before). */
+        const int32_t *cnt = chunk_counts + (size_t)e * chunks;
+        int sum = 0;
+        for (int c0 = 0; c0 < chunks; c0 += 8) {
+            int v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = c0 + u < chunks ? cnt[c0 + u] : 0;
+#pragma unroll
+            for (int u = 0; u < 8; u++) sum += v[u];
+        }
+        total_s[e] = sum;
+        local_counts[e] = sum;
+    }
+    /* [world * E] counts when counts_in_smem, then [E] padded segment sizes -> starts */
+    extern __shared__ int32_t counts_s[];
+    __shared__ int failed;
+    __shared__ unsigned long long seq_shared;
+    if (threadIdx.x == 0) {
+        failed = 0;
+        seq_shared = *seq_counter + 1;
+    }
+    __syncthreads();
+    const unsigned long long seq = seq_shared;
+    const int half = (int)(seq & 1);
+    /* Each count goes to every peer as one 8-byte word tagged with the call (never 0, and
+     * different from the last call that used this half), so a peer reads it as soon as it
+     * lands: no flag after it, no system fence before the flag. */
+    const unsigned int tag = (unsigned int)(seq % 0xffffffffull) + 1u;
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+        const int p = i / E, e = i % E;
+        unsigned long long *table = (unsigned long long *)peers.base[p];
+        cometi_st_relaxed_sys(table + (size_t)half * world * E + (size_t)me * E + e,
+                              (unsigned long long)tag << 32 | (unsigned int)total_s[e]);
+    }
+    /* While the peers' words cross NVLink, the last threads turn each chunk's count into
+     * the rows of its expert in earlier chunks, which place_rows_kernel adds to the chunk's
+     * ranks (what chunk_offset_kernel does for the baseline, one launch fewer). */
+    for (int e = (int)(blockDim.x - 1 - threadIdx.x); e < E; e += blockDim.x) {
         const int32_t *cnt = chunk_counts + (size_t)e * chunks;
         int sum = 0;
         for (int c0 = 0; c0 < chunks; c0 += 8) {
@@ -238,43 +271,25 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
                 sum += v[u];
             }
         }
-        local_counts[e] = sum;
     }
-    __syncthreads(); /* the counts, written by this block, read below by other threads */
-    /* [world * E] counts when counts_in_smem, then [E] padded segment sizes -> starts */
-    extern __shared__ int32_t counts_s[];
-    __shared__ int failed;
-    __shared__ unsigned long long seq_shared;
-    if (threadIdx.x == 0) {
-        failed = 0;
-        seq_shared = *seq_counter + 1;
-    }
-    __syncthreads();
-    const unsigned long long seq = seq_shared;
-    const int half = (int)(seq & 1);
-    const size_t table_ints = (size_t)2 * world * E;
+    /* The peers' counts of this call, as their words arrive. */
+    const unsigned long long *words = mine + (size_t)half * world * E;
     for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
-        const int p = i / E, e = i % E;
-        peers.base[p][(size_t)half * world * E + (size_t)me * E + e] = local_counts[e];
+        unsigned long long w = 0;
+        if (!cometi_wait_tag(words + i, tag, timeout_ns, err, COMETI_SITE_ROUTE, i / E, i % E, &w)) failed = 1;
+        const int32_t v = (int32_t)(unsigned int)w;
+        plan.counts[i] = v;
+        if (counts_in_smem) counts_s[i] = v;
     }
     __syncthreads();
-    if (threadIdx.x < world) {
-        __threadfence_system();
-        unsigned long long *flag = (unsigned long long *)(peers.base[threadIdx.x] + table_ints) + me;
-        cometi_st_release_sys(flag, seq);
-        const unsigned long long *mine_flag = (const unsigned long long *)(mine + table_ints) + threadIdx.x;
-        if (!cometi_wait_geq(mine_flag, seq, timeout_ns, err, COMETI_SITE_ROUTE, threadIdx.x, threadIdx.x))
-            failed = 1;
-    }
-    __syncthreads(); /* the waiting threads' acquires, then the barrier: the peers' counts are visible */
     /* Without every peer's counts of this call the plan would be stale: make it empty, so
      * this rank sends nothing and computes nothing, and peers time out cleanly instead of
      * receiving rows in wrong places. The timeout is already recorded. */
-    const volatile int32_t *counts = mine + (size_t)half * world * E;
-    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
-        const int32_t v = failed ? 0 : counts[i];
-        plan.counts[i] = v;
-        if (counts_in_smem) counts_s[i] = v;
+    if (failed) {
+        for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+            plan.counts[i] = 0;
+            if (counts_in_smem) counts_s[i] = 0;
+        }
     }
     __syncthreads();
     build_plan(counts_in_smem ? counts_s : plan.counts, counts_s + (counts_in_smem ? world * E : 0), me, world, tp, E,
@@ -427,9 +442,11 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
     r->max_rows = max_rows;
     r->block_m = block_m;
     /* The exchange's padded segment sizes live in shared memory, and the counts too where
-     * they fit beside them in the default 48 KB (world x E <= 12272 - E). */
-    r->counts_in_smem = sizeof(int32_t) * ((size_t)W * E + E) <= 48 * 1024 - 64;
-    size_t table_bytes = sizeof(int32_t) * 2 * W * E + sizeof(unsigned long long) * W;
+     * they fit beside them and this rank's totals in the default 48 KB (world x E <=
+     * 11248 - E). */
+    r->counts_in_smem =
+        sizeof(int32_t) * ((size_t)W * E + E + COMETI_MAX_EXPERTS) <= 48 * 1024 - 64;
+    size_t table_bytes = sizeof(unsigned long long) * 2 * W * E; /* [2][world][E] tagged counts */
     COMETI_TRY(cometi_window_create(comm, table_bytes, &r->table));
     comet_status_t st;
     COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(cometi_row_meta_t) * (size_t)(max_rows > 0 ? max_rows : 1),
@@ -508,7 +525,7 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     cudaLaunchConfig_t cfg = cometi_pdl_config(1, PLAN_THREADS, (counts_in_smem ? counts_bytes : 0) + sizes_bytes,
                                                stream, pdl);
     const cudaError_t launched = cudaLaunchKernelEx(
-        &cfg, exchange_plan_kernel, peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m,
+        &cfg, exchange_plan_kernel, peers, (unsigned long long *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m,
         r->seq, r->local_counts, (const int32_t *)r->chunk_counts, r->chunk_prefix, chunks, topk_ids, n, r->plan,
         counts_in_smem,
         (unsigned long long)comm->timeout_ms * 1000000ull, comm->async_dev);

@@ -52,7 +52,7 @@ typedef struct cometi_route_dev_plan {
 
 typedef struct cometi_route_dev {
     int world, tp, num_experts, max_rows, block_m, max_blocks; /* tp ranks per group (plan.h) */
-    cometi_window_t table;          /* [2][world][E] int32 counts, then [world] u64 arrival flags */
+    cometi_window_t table;          /* [2][world][E] u64 counts, each tagged with its call (high 32 bits) */
     cometi_window_t meta;           /* [max_rows] this rank's rows' records for layer1, in send
                                      * order (written when the run is given weights) */
     int32_t *local_counts;          /* [E + 1]: this rank's counts, then the first bad id's index (-1
