@@ -26,20 +26,6 @@ static __device__ __forceinline__ void cometi_red_release_sys_add(unsigned long 
     asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
-/* Relaxed system-scope access: an 8-byte word another GPU writes or reads whole (a value
- * that carries its own call tag needs no flag and no fence). */
-static __device__ __forceinline__ unsigned long long cometi_ld_relaxed_sys(const unsigned long long *p)
-{
-    unsigned long long v;
-    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
-
-static __device__ __forceinline__ void cometi_st_relaxed_sys(unsigned long long *p, unsigned long long v)
-{
-    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
 /* For readers on this GPU only (another block of this kernel, or a later kernel). */
 static __device__ __forceinline__ void cometi_red_release_gpu_add(unsigned long long *p, unsigned long long v)
 {
@@ -121,9 +107,10 @@ static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned l
 }
 
 /*
- * Spin until the word's high 32 bits equal tag (a tagged value, written whole by one
- * 8-byte store), with cometi_wait_geq's timeout, backoff and reports (expected: the tag;
- * seen: the tag found). Returns 1 with the word in *word, or 0.
+ * Spin until the word's high 32 bits equal tag (a value and the call it belongs to,
+ * written whole by one 8-byte release store: no flag after it), acquire, system scope,
+ * with cometi_wait_geq's timeout, backoff and reports (expected: the tag; seen: the tag
+ * found). Returns 1 with the word in *word, or 0.
  */
 static __device__ int cometi_wait_tag(const unsigned long long *p, unsigned int tag, unsigned long long timeout_ns,
                                       cometi_async_error_t *err, int site, int peer, int slot,
@@ -132,7 +119,7 @@ static __device__ int cometi_wait_tag(const unsigned long long *p, unsigned int 
     unsigned long long start = cometi_globaltimer_ns(), next_poll = 0;
     unsigned int backoff = 32;
     for (;;) {
-        const unsigned long long v = cometi_ld_relaxed_sys(p);
+        const unsigned long long v = cometi_ld_acquire_sys(p);
         if ((unsigned int)(v >> 32) == tag) {
             *word = v;
             return 1;

@@ -246,13 +246,15 @@ exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int 
     const unsigned long long seq = seq_shared;
     const int half = (int)(seq & 1);
     /* Each count goes to every peer as one 8-byte word tagged with the call (never 0, and
-     * different from the last call that used this half), so a peer reads it as soon as it
-     * lands: no flag after it, no system fence before the flag. */
+     * different from the last call that used this half), so a peer takes it as soon as it
+     * lands: no flag after the counts, so no wait for them to land before raising it. The
+     * release orders this rank's earlier work (its last call's reads of its receive
+     * buffer) before the count, as the flag did: a peer writes rows only after it. */
     const unsigned int tag = (unsigned int)(seq % 0xffffffffull) + 1u;
     for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
         const int p = i / E, e = i % E;
         unsigned long long *table = (unsigned long long *)peers.base[p];
-        cometi_st_relaxed_sys(table + (size_t)half * world * E + (size_t)me * E + e,
+        cometi_st_release_sys(table + (size_t)half * world * E + (size_t)me * E + e,
                               (unsigned long long)tag << 32 | (unsigned int)total_s[e]);
     }
     /* While the peers' words cross NVLink, the last threads turn each chunk's count into
