@@ -383,6 +383,8 @@ static __device__ __forceinline__ cometi_row_meta_t warp_record(int rank, int re
     return m;
 }
 
+static_assert(sizeof(cometi_row_meta_t) == 16, "a record is one 16-byte store");
+
 static __global__ void place_rows_kernel(const int32_t *ids, const float *weights, int n, int k, int E, int me,
                                          int world, int tp, const int32_t *chunk_pos, const int32_t *prefix,
                                          int chunks, cometi_route_dev_plan_t plan, cometi_row_meta_t *meta)
@@ -421,9 +423,8 @@ static __global__ void place_rows_kernel(const int32_t *ids, const float *weight
         }
     }
     if (!ok) return;
-    m.weight = weights[i];
-    m.src = me;
-    meta[at] = m;
+    /* One 16-byte store (the window and the records are 16-byte aligned), not four. */
+    *(int4 *)&meta[at] = make_int4(m.slot, m.next, __float_as_int(weights[i]), me);
 }
 
 extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int tp, int max_rows,
