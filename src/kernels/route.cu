@@ -126,11 +126,12 @@ typedef struct peer_tables {
 
 /*
  * One block. 1) Push this rank's counts into slot [me] of every peer's table (the half
- *    for this call's parity, so a peer one call ahead cannot overwrite what is read).
- * 2) Raise flag [me] on every peer to this call's sequence number (release, system),
+ *    for this call's parity, so a peer one call ahead cannot overwrite what is read),
+ *    each as one 8-byte word tagged with this call (release, system): the call number is
  *    one more than the last call's, kept in device memory (*seq).
- * 3) Wait for every peer's flag (acquire, timeout).
- * 4) Build the plan of plan.h for tp ranks per group, with no serial walk: one thread per
+ * 2) Wait for every peer's words of this call (acquire, timeout); meanwhile the last
+ *    threads write the chunk prefixes.
+ * 3) Build the plan of plan.h for tp ranks per group, with no serial walk: one thread per
  *    expert sums its segment over the sources (in the group's order) and pads it; then one
  *    warp per source scans that source's counts into its send offsets, and one warp per
  *    group scans its padded segments into their starts. Rows are placed by
@@ -276,9 +277,11 @@ exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int 
     }
     /* The peers' counts of this call, as their words arrive. */
     const unsigned long long *words = mine + (size_t)half * world * E;
+    bool dead = false; /* once a wait of this thread has failed, the rest are not waited for */
     for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
         unsigned long long w = 0;
-        if (!cometi_wait_tag(words + i, tag, timeout_ns, err, COMETI_SITE_ROUTE, i / E, i % E, &w)) failed = 1;
+        if (!dead && !cometi_wait_tag(words + i, tag, timeout_ns, err, COMETI_SITE_ROUTE, i / E, i % E, &w))
+            dead = true, failed = 1;
         const int32_t v = (int32_t)(unsigned int)w;
         plan.counts[i] = v;
         if (counts_in_smem) counts_s[i] = v;

@@ -63,7 +63,7 @@ typedef struct cometi_route_dev {
     int32_t *chunk_prefix;          /* route scratch: [E][chunks], rows of each expert in earlier chunks
                                      * (the exchange writes it from chunk_counts; place reads it) */
     cometi_route_dev_plan_t plan;
-    unsigned long long *seq;        /* device: calls so far (flags only grow, nothing is reset); kept
+    unsigned long long *seq;        /* device: calls so far (each call's counts carry it, nothing is reset); kept
                                      * on the device so that a captured CUDA graph counts on replay */
     int counts_in_smem;             /* the exchange keeps world x E counts in shared memory: set at
                                      * create where they fit (a test clears it to run the other
