@@ -112,7 +112,7 @@ static inline COMETI_HD int cometi_choice_slot(const int32_t *ids, int k, int j,
      * which no node has, is looked for among the earlier choices instead), so the GPU route
      * does k loads and k divisions per row, not k^2 (docs/PERF.md Z13, Z14). */
     const int rank = ids[j] / experts_per_rank;
-    uint64_t seen[2] = {0, 0};
+    uint64_t seen_lo = 0, seen_hi = 0; /* two scalars, not an array: registers on the GPU, not local memory */
     int slot = 0, lead = 1;
     *next = -1;
     for (int i = 0; i < k; i++) {
@@ -123,8 +123,9 @@ static inline COMETI_HD int cometi_choice_slot(const int32_t *ids, int k, int j,
             if (r == rank) lead = 0;
             int was_seen = 0;
             if (r < 128) {
-                was_seen = (int)(seen[r >> 6] >> (r & 63) & 1);
-                seen[r >> 6] |= 1ull << (r & 63);
+                const uint64_t bit = 1ull << (r & 63);
+                was_seen = ((r < 64 ? seen_lo : seen_hi) & bit) != 0;
+                if (r < 64) seen_lo |= bit; else seen_hi |= bit;
             } else {
                 for (int h = 0; h < i; h++)
                     if (ids[h] >= 0 && ids[h] < num_experts && ids[h] / experts_per_rank == r) was_seen = 1;

@@ -1022,14 +1022,14 @@ int test_gpu_gemm_epilogues(void)
 /* ---- the device route against the C routing plan ---- */
 
 #define ROUTE_E 16
-#define ROUTE_K 2
-#define ROUTE_MAX_M 10000 /* up to 20000 rows: several of the route's 4096-row chunks */
+#define ROUTE_MAX_M 10000 /* up to 20000 rows at top-2: several of the route's 2048-row chunks */
 
-/* `calls` calls of the device route with E experts and tp ranks per group against the C plan. */
-static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int tp, int E, int calls,
-                       int global_counts)
+/* `calls` calls of the device route with E experts, top-k and tp ranks per group against
+ * the C plan. */
+static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int tp, int E, int k,
+                       int calls, int global_counts)
 {
-    const int W = ctx->nranks, me = ctx->rank, k = ROUTE_K;
+    const int W = ctx->nranks, me = ctx->rank;
     const int groups = W / tp, per = E / groups;
     cometi_route_dev_t r;
     COMET_OK(cometi_route_dev_create(comm, E, tp, ROUTE_MAX_M * k,
@@ -1138,8 +1138,8 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
         cometi_route_plan_free(&p);
     }
     free(expected), free(got_expected);
-    printf("rank %d, tp %d, %d experts, counts in %s memory: %d calls with changing routing and token counts, device "
-           "plan equal to the C plan\n", me, tp, E, global_counts ? "global" : "shared", calls);
+    printf("rank %d, tp %d, %d experts, top-%d, counts in %s memory: %d calls with changing routing and token counts, "
+           "device plan equal to the C plan\n", me, tp, E, k, global_counts ? "global" : "shared", calls);
     for (int s = 0; s < W; s++) free(ids[s]);
     free(w), free(my_w), free(got), free(counts), free(want_pos), free(want_send), free(meta);
     cudaFree(d_ids);
@@ -1156,12 +1156,14 @@ static int route_rank(const cometi_rank_ctx_t *ctx, void *arg)
     /* EP only, then every rank in one TP group (EP = 1, TP = world), then the most experts
      * a config may have (most of them with a few rows or none: many distinct ids per warp
      * round in the rank kernel), then the exchange reading the counts from global memory
-     * (where world x E is too large for shared memory: more ranks than here). */
-    if (route_check(ctx, comm, seed, 1, ROUTE_E, 300, 0) ||
-        route_check(ctx, comm, seed + 1, ctx->nranks, ROUTE_E, 300, 0) ||
-        route_check(ctx, comm, seed + 2, 1, COMETI_MAX_EXPERTS, 40, 0) ||
-        route_check(ctx, comm, seed + 3, 1, ROUTE_E, 100, 1) ||
-        route_check(ctx, comm, seed + 4, ctx->nranks, COMETI_MAX_EXPERTS, 20, 1))
+     * (where world x E is too large for shared memory: more ranks than here).
+     * Top-2 and top-8 take the records' warp path (k divides 32), top-3 the per-row one. */
+    if (route_check(ctx, comm, seed, 1, ROUTE_E, 2, 300, 0) ||
+        route_check(ctx, comm, seed + 1, ctx->nranks, ROUTE_E, 2, 300, 0) ||
+        route_check(ctx, comm, seed + 2, 1, COMETI_MAX_EXPERTS, 2, 40, 0) ||
+        route_check(ctx, comm, seed + 3, 1, ROUTE_E, 2, 100, 1) ||
+        route_check(ctx, comm, seed + 4, ctx->nranks, COMETI_MAX_EXPERTS, 2, 20, 1) ||
+        route_check(ctx, comm, seed + 5, 1, ROUTE_E, 8, 60, 0) || route_check(ctx, comm, seed + 6, 1, ROUTE_E, 3, 60, 0))
         return 1;
     COMET_OK(comet_comm_destroy(comm), comm);
     return 0;

@@ -106,6 +106,35 @@ static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned l
     }
 }
 
+/*
+ * Spin until the word's high 32 bits equal tag (a value and the call it belongs to,
+ * written whole by one 8-byte release store: no flag after it), acquire, system scope,
+ * with cometi_wait_geq's timeout, backoff and reports (expected: the tag; seen: the tag
+ * found). Returns 1 with the word in *word, or 0.
+ */
+static __device__ int cometi_wait_tag(const unsigned long long *p, unsigned int tag, unsigned long long timeout_ns,
+                                      cometi_async_error_t *err, int site, int peer, int slot,
+                                      unsigned long long *word)
+{
+    unsigned long long start = cometi_globaltimer_ns(), next_poll = 0;
+    unsigned int backoff = 32;
+    for (;;) {
+        const unsigned long long v = cometi_ld_acquire_sys(p);
+        if ((unsigned int)(v >> 32) == tag) {
+            *word = v;
+            return 1;
+        }
+        unsigned long long waited = cometi_globaltimer_ns() - start;
+        if (cometi_other_wait_failed(err, waited, &next_poll)) return 0;
+        if (waited > timeout_ns) {
+            cometi_record_error(err, COMET_TIMEOUT, site, peer, slot, tag, v >> 32, waited);
+            return 0;
+        }
+        __nanosleep(backoff);
+        if (backoff < 256) backoff *= 2;
+    }
+}
+
 /* ---- shared-memory barriers and bulk copies (the GEMM's pipeline, dispatch, combine) ---- */
 
 static __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }

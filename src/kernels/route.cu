@@ -126,11 +126,12 @@ typedef struct peer_tables {
 
 /*
  * One block. 1) Push this rank's counts into slot [me] of every peer's table (the half
- *    for this call's parity, so a peer one call ahead cannot overwrite what is read).
- * 2) Raise flag [me] on every peer to this call's sequence number (release, system),
+ *    for this call's parity, so a peer one call ahead cannot overwrite what is read),
+ *    each as one 8-byte word tagged with this call (release, system): the call number is
  *    one more than the last call's, kept in device memory (*seq).
- * 3) Wait for every peer's flag (acquire, timeout).
- * 4) Build the plan of plan.h for tp ranks per group, with no serial walk: one thread per
+ * 2) Wait for every peer's words of this call (acquire, timeout); meanwhile the last
+ *    threads write the chunk prefixes.
+ * 3) Build the plan of plan.h for tp ranks per group, with no serial walk: one thread per
  *    expert sums its segment over the sources (in the group's order) and pads it; then one
  *    warp per source scans that source's counts into its send offsets, and one warp per
  *    group scans its padded segments into their starts. Rows are placed by
@@ -211,27 +212,29 @@ static __device__ void build_plan(const int32_t *cnt, int32_t *seg_start_s, int 
 }
 
 static __global__ void __launch_bounds__(PLAN_THREADS, 1)
-exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int tp, int E, int block_m,
-                     unsigned long long *seq_counter, int32_t *local_counts, int32_t *chunk_counts, int chunks,
+exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int world, int tp, int E, int block_m,
+                     unsigned long long *seq_counter, int32_t *local_counts, const int32_t *chunk_counts,
+                     int32_t *chunk_prefix, int chunks,
                      const int32_t *ids, int n, cometi_route_dev_plan_t plan, int counts_in_smem,
                      unsigned long long timeout_ns, cometi_async_error_t *err)
 {
     cometi_grid_wait(); /* chunk_rank_kernel's counts */
     cometi_grid_launch_dependents();
-    /* This rank's counts from the chunks' (chunk_rank_kernel), and each chunk's count
-     * turned into the rows of its expert in earlier chunks, which place_rows_kernel adds
-     * to the chunk's ranks (what chunk_offset_kernel does for the baseline, one launch
-     * fewer). */
+    /* This rank's counts: each expert's chunk counts summed, eight loads in flight. */
+    __shared__ int32_t total_s[COMETI_MAX_EXPERTS];
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const int32_t *cnt = chunk_counts + (size_t)e * chunks;
         int sum = 0;
-        for (int c = 0; c < chunks; c++) {
-            const int v = chunk_counts[(size_t)e * chunks + c];
-            chunk_counts[(size_t)e * chunks + c] = sum;
-            sum += v;
+        for (int c0 = 0; c0 < chunks; c0 += 8) {
+            int v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = c0 + u < chunks ? cnt[c0 + u] : 0;
+#pragma unroll
+            for (int u = 0; u < 8; u++) sum += v[u];
         }
+        total_s[e] = sum;
         local_counts[e] = sum;
     }
-    __syncthreads(); /* the counts, written by this block, read below by other threads */
     /* [world * E] counts when counts_in_smem, then [E] padded segment sizes -> starts */
     extern __shared__ int32_t counts_s[];
     __shared__ int failed;
@@ -243,29 +246,55 @@ exchange_plan_kernel(peer_tables_t peers, int32_t *mine, int me, int world, int 
     __syncthreads();
     const unsigned long long seq = seq_shared;
     const int half = (int)(seq & 1);
-    const size_t table_ints = (size_t)2 * world * E;
+    /* Each count goes to every peer as one 8-byte word tagged with the call (never 0, and
+     * different from the last call that used this half), so a peer takes it as soon as it
+     * lands: no flag after the counts, so no wait for them to land before raising it. The
+     * release orders this rank's earlier work (its last call's reads of its receive
+     * buffer) before the count, as the flag did: a peer writes rows only after it. */
+    const unsigned int tag = (unsigned int)(seq % 0xffffffffull) + 1u;
     for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
         const int p = i / E, e = i % E;
-        peers.base[p][(size_t)half * world * E + (size_t)me * E + e] = local_counts[e];
+        unsigned long long *table = (unsigned long long *)peers.base[p];
+        cometi_st_release_sys(table + (size_t)half * world * E + (size_t)me * E + e,
+                              (unsigned long long)tag << 32 | (unsigned int)total_s[e]);
+    }
+    /* While the peers' words cross NVLink, the last threads turn each chunk's count into
+     * the rows of its expert in earlier chunks, which place_rows_kernel adds to the chunk's
+     * ranks (what chunk_offset_kernel does for the baseline, one launch fewer). */
+    for (int e = (int)(blockDim.x - 1 - threadIdx.x); e < E; e += blockDim.x) {
+        const int32_t *cnt = chunk_counts + (size_t)e * chunks;
+        int sum = 0;
+        for (int c0 = 0; c0 < chunks; c0 += 8) {
+            int v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = c0 + u < chunks ? cnt[c0 + u] : 0;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                if (c0 + u < chunks) chunk_prefix[(size_t)e * chunks + c0 + u] = sum;
+                sum += v[u];
+            }
+        }
+    }
+    /* The peers' counts of this call, as their words arrive. */
+    const unsigned long long *words = mine + (size_t)half * world * E;
+    bool dead = false; /* once a wait of this thread has failed, the rest are not waited for */
+    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+        unsigned long long w = 0;
+        if (!dead && !cometi_wait_tag(words + i, tag, timeout_ns, err, COMETI_SITE_ROUTE, i / E, i % E, &w))
+            dead = true, failed = 1;
+        const int32_t v = (int32_t)(unsigned int)w;
+        plan.counts[i] = v;
+        if (counts_in_smem) counts_s[i] = v;
     }
     __syncthreads();
-    if (threadIdx.x < world) {
-        __threadfence_system();
-        unsigned long long *flag = (unsigned long long *)(peers.base[threadIdx.x] + table_ints) + me;
-        cometi_st_release_sys(flag, seq);
-        const unsigned long long *mine_flag = (const unsigned long long *)(mine + table_ints) + threadIdx.x;
-        if (!cometi_wait_geq(mine_flag, seq, timeout_ns, err, COMETI_SITE_ROUTE, threadIdx.x, threadIdx.x))
-            failed = 1;
-    }
-    __syncthreads(); /* the waiting threads' acquires, then the barrier: the peers' counts are visible */
     /* Without every peer's counts of this call the plan would be stale: make it empty, so
      * this rank sends nothing and computes nothing, and peers time out cleanly instead of
      * receiving rows in wrong places. The timeout is already recorded. */
-    const volatile int32_t *counts = mine + (size_t)half * world * E;
-    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
-        const int32_t v = failed ? 0 : counts[i];
-        plan.counts[i] = v;
-        if (counts_in_smem) counts_s[i] = v;
+    if (failed) {
+        for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+            plan.counts[i] = 0;
+            if (counts_in_smem) counts_s[i] = 0;
+        }
     }
     __syncthreads();
     build_plan(counts_in_smem ? counts_s : plan.counts, counts_s + (counts_in_smem ? world * E : 0), me, world, tp, E,
@@ -328,38 +357,77 @@ static __device__ __forceinline__ int row_rank(const int32_t *chunk_pos, const i
     return chunk_pos[i] + prefix[(size_t)e * chunks + i / COMETI_ROUTE_CHUNK];
 }
 
+/* The token's choices lie in one warp when k divides 32 (blocks and warps start at
+ * multiples of 32, so at a token's first choice): each lane then reads the others' ranks
+ * and receive rows with shuffles, one division and no loads per choice, where
+ * cometi_choice_slot loads and divides k times (its records took 10 of place's 12 us on
+ * qwen2-57b: docs/PERF.md Z13). Lanes past n take part with no token. */
+static __device__ __forceinline__ cometi_row_meta_t warp_record(int rank, int recv, int j, int k, int t, int world)
+{
+    const int first = (int)(threadIdx.x % 32) - j;
+    uint64_t seen_lo = 0, seen_hi = 0; /* ranks below COMETI_MAX_RANKS (72) */
+    int slot = 0, lead = 1, next = -1;
+    for (int c = 0; c < k; c++) {
+        const int r = __shfl_sync(0xffffffffu, rank, first + c), at = __shfl_sync(0xffffffffu, recv, first + c);
+        if (r < 0 || c == j) continue; /* an invalid id, or this choice */
+        if (c < j) {
+            const uint64_t bit = 1ull << (r & 63);
+            const bool was_seen = (r < 64 ? seen_lo : seen_hi) & bit;
+            if (r < 64) seen_lo |= bit; else seen_hi |= bit;
+            slot += !was_seen; /* a rank counts once, at its first choice */
+            if (r == rank) lead = 0;
+        } else if (r == rank && next < 0) {
+            next = at;
+        }
+    }
+    cometi_row_meta_t m;
+    m.slot = lead ? t * min(k, world) + slot : -1;
+    m.next = next;
+    return m;
+}
+
+static_assert(sizeof(cometi_row_meta_t) == 16, "a record is one 16-byte store");
+
 static __global__ void place_rows_kernel(const int32_t *ids, const float *weights, int n, int k, int E, int me,
                                          int world, int tp, const int32_t *chunk_pos, const int32_t *prefix,
                                          int chunks, cometi_route_dev_plan_t plan, cometi_row_meta_t *meta)
 {
     cometi_grid_wait(); /* the exchange's plan */
     cometi_grid_launch_dependents();
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    const int e = ids[i], per = E / (world / tp);
+    const int i = blockIdx.x * blockDim.x + threadIdx.x, per = E / (world / tp);
+    const bool in = i < n, warp_records = meta && 32 % k == 0;
+    if (!in && !warp_records) return;
+    const int e = in ? ids[i] : -1;
     const bool valid = e >= 0 && e < E, ok = valid && !*plan.failed;
     const int pos = valid ? row_rank(chunk_pos, prefix, chunks, i, e) : 0;
     if (valid) plan.pos[i] = pos;
-    plan.recv_pos[i] = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + pos : -1;
-    if (!ok) return;
-    const int at = plan.send_offset[me * E + e] + pos;
-    plan.src_of[at] = i;
+    const int recv = ok ? plan.seg_start[e] + plan.recv_offset[me * E + e] + pos : -1;
+    if (in) plan.recv_pos[i] = recv;
+    const int at = ok ? plan.send_offset[me * E + e] + pos : -1;
+    if (ok) plan.src_of[at] = i;
     if (!meta) return;
     const int t = i / k, j = i % k;
-    int next;
-    const int slot = cometi_choice_slot(ids + (size_t)t * k, k, j, E, per, &next);
     cometi_row_meta_t m;
-    m.slot = slot >= 0 ? t * min(k, world) + slot : -1;
-    if (next >= 0) { /* where the next choice lands: the same formula as recv_pos */
-        const int en = ids[(size_t)t * k + next];
-        m.next = plan.seg_start[en] + plan.recv_offset[me * E + en] +
-                 row_rank(chunk_pos, prefix, chunks, t * k + next, en);
+    if (warp_records) {
+        /* Every lane to the end: the shuffles need the whole warp. With ok false on one
+         * lane of a valid id, the exchange failed and no lane writes. */
+        m = warp_record(valid ? e / per : -1, recv, j, k, t, world);
     } else {
-        m.next = -1;
+        if (!ok) return;
+        int next;
+        const int slot = cometi_choice_slot(ids + (size_t)t * k, k, j, E, per, &next);
+        m.slot = slot >= 0 ? t * min(k, world) + slot : -1;
+        if (next >= 0) { /* where the next choice lands: the same formula as recv_pos */
+            const int en = ids[(size_t)t * k + next];
+            m.next = plan.seg_start[en] + plan.recv_offset[me * E + en] +
+                     row_rank(chunk_pos, prefix, chunks, t * k + next, en);
+        } else {
+            m.next = -1;
+        }
     }
-    m.weight = weights[i];
-    m.src = me;
-    meta[at] = m;
+    if (!ok) return;
+    /* One 16-byte store (the window and the records are 16-byte aligned), not four. */
+    *(int4 *)&meta[at] = make_int4(m.slot, m.next, __float_as_int(weights[i]), me);
 }
 
 extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_experts, int tp, int max_rows,
@@ -380,9 +448,11 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
     r->max_rows = max_rows;
     r->block_m = block_m;
     /* The exchange's padded segment sizes live in shared memory, and the counts too where
-     * they fit beside them in the default 48 KB (world x E <= 12272 - E). */
-    r->counts_in_smem = sizeof(int32_t) * ((size_t)W * E + E) <= 48 * 1024 - 64;
-    size_t table_bytes = sizeof(int32_t) * 2 * W * E + sizeof(unsigned long long) * W;
+     * they fit beside them and this rank's totals in the default 48 KB (world x E <=
+     * 11248 - E). */
+    r->counts_in_smem =
+        sizeof(int32_t) * ((size_t)W * E + E + COMETI_MAX_EXPERTS) <= 48 * 1024 - 64;
+    size_t table_bytes = sizeof(unsigned long long) * 2 * W * E; /* [2][world][E] tagged counts */
     COMETI_TRY(cometi_window_create(comm, table_bytes, &r->table));
     comet_status_t st;
     COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(cometi_row_meta_t) * (size_t)(max_rows > 0 ? max_rows : 1),
@@ -397,7 +467,7 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
     {
         /* 64-bit counters first (alignment), then segments, then the int32 arrays. */
         size_t ints = 2 + (size_t)r->max_blocks * 2 + (size_t)per * 3 + (size_t)W * E * 3 + (size_t)E * 2 + W +
-                      (size_t)max_rows * 4 + (size_t)E * cometi_route_chunks(max_rows) + 1;
+                      (size_t)max_rows * 4 + (size_t)E * cometi_route_chunks(max_rows) * 2 + 1;
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->arena, sizeof(int32_t) * ints),
                                         "cudaMalloc(route plan)"), fail);
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->arena, 0, sizeof(int32_t) * ints),
@@ -418,6 +488,7 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
         r->plan.src_of = p, p += max_rows;
         r->chunk_pos = p, p += max_rows;
         r->chunk_counts = p, p += (size_t)E * cometi_route_chunks(max_rows);
+        r->chunk_prefix = p, p += (size_t)E * cometi_route_chunks(max_rows);
         r->plan.failed = p;
     }
     /* Every table cleared before any peer writes into it. */
@@ -460,8 +531,9 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     cudaLaunchConfig_t cfg = cometi_pdl_config(1, PLAN_THREADS, (counts_in_smem ? counts_bytes : 0) + sizes_bytes,
                                                stream, pdl);
     const cudaError_t launched = cudaLaunchKernelEx(
-        &cfg, exchange_plan_kernel, peers, (int32_t *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m,
-        r->seq, r->local_counts, r->chunk_counts, chunks, topk_ids, n, r->plan, counts_in_smem,
+        &cfg, exchange_plan_kernel, peers, (unsigned long long *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m,
+        r->seq, r->local_counts, (const int32_t *)r->chunk_counts, r->chunk_prefix, chunks, topk_ids, n, r->plan,
+        counts_in_smem,
         (unsigned long long)comm->timeout_ms * 1000000ull, comm->async_dev);
     if (launched != cudaSuccess) /* the ranks may have noted a bad id that only the exchange resets */
         cudaMemsetAsync(r->local_counts + E, 0xff, sizeof(int32_t), stream);
@@ -470,7 +542,7 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     cfg = cometi_pdl_config((n + 255) / 256, 256, 0, stream, pdl);
     return cometi_cuda(comm->err,
                        cudaLaunchKernelEx(&cfg, place_rows_kernel, topk_ids, weights, n, k, E, comm->rank, r->world,
-                                          r->tp, (const int32_t *)r->chunk_pos, (const int32_t *)r->chunk_counts,
+                                          r->tp, (const int32_t *)r->chunk_pos, (const int32_t *)r->chunk_prefix,
                                           chunks, r->plan, weights ? (cometi_row_meta_t *)r->meta.local : NULL),
                        "launch place_rows_kernel");
 }

@@ -18,7 +18,7 @@ extern "C" {
 #endif
 
 /* Rows a block of the route ranks at once; the scratch holds E x chunks counts. */
-#define COMETI_ROUTE_CHUNK 4096
+#define COMETI_ROUTE_CHUNK 2048
 static inline int cometi_route_chunks(int max_rows)
 {
     return max_rows > 0 ? (max_rows + COMETI_ROUTE_CHUNK - 1) / COMETI_ROUTE_CHUNK : 1;
@@ -52,17 +52,18 @@ typedef struct cometi_route_dev_plan {
 
 typedef struct cometi_route_dev {
     int world, tp, num_experts, max_rows, block_m, max_blocks; /* tp ranks per group (plan.h) */
-    cometi_window_t table;          /* [2][world][E] int32 counts, then [world] u64 arrival flags */
+    cometi_window_t table;          /* [2][world][E] u64 counts, each tagged with its call (high 32 bits) */
     cometi_window_t meta;           /* [max_rows] this rank's rows' records for layer1, in send
                                      * order (written when the run is given weights) */
     int32_t *local_counts;          /* [E + 1]: this rank's counts, then the first bad id's index (-1
                                      * between calls: the exchange resets it) */
-    int32_t *arena;                 /* backs every array of `plan`, chunk_pos and chunk_counts */
+    int32_t *arena;                 /* backs every array of `plan`, chunk_pos, chunk_counts and chunk_prefix */
     int32_t *chunk_pos;             /* route scratch: [max_rows] each row's rank within its chunk */
-    int32_t *chunk_counts;          /* route scratch: [E][cometi_route_chunks(rows)], counts per chunk,
-                                     * then (the exchange) the rows of earlier chunks */
+    int32_t *chunk_counts;          /* route scratch: [E][cometi_route_chunks(rows)], counts per chunk */
+    int32_t *chunk_prefix;          /* route scratch: [E][chunks], rows of each expert in earlier chunks
+                                     * (the exchange writes it from chunk_counts; place reads it) */
     cometi_route_dev_plan_t plan;
-    unsigned long long *seq;        /* device: calls so far (flags only grow, nothing is reset); kept
+    unsigned long long *seq;        /* device: calls so far (each call's counts carry it, nothing is reset); kept
                                      * on the device so that a captured CUDA graph counts on replay */
     int counts_in_smem;             /* the exchange keeps world x E counts in shared memory: set at
                                      * create where they fit (a test clears it to run the other
