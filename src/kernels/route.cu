@@ -211,6 +211,25 @@ static __device__ void build_plan(const int32_t *cnt, int32_t *seg_start_s, int 
     }
 }
 
+/* One expert's chunk counts summed, eight loads in flight (loads after a store to a
+ * maybe-aliased array would each wait for the store before them); with prefix, each
+ * chunk's rows of the expert in earlier chunks too. */
+static __device__ __forceinline__ int sum_chunks(const int32_t *cnt, int chunks, int32_t *prefix)
+{
+    int sum = 0;
+    for (int c0 = 0; c0 < chunks; c0 += 8) {
+        int v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = c0 + u < chunks ? cnt[c0 + u] : 0;
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            if (prefix && c0 + u < chunks) prefix[c0 + u] = sum;
+            sum += v[u];
+        }
+    }
+    return sum;
+}
+
 static __global__ void __launch_bounds__(PLAN_THREADS, 1)
 exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int world, int tp, int E, int block_m,
                      unsigned long long *seq_counter, int32_t *local_counts, const int32_t *chunk_counts,
@@ -220,18 +239,10 @@ exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int 
 {
     cometi_grid_wait(); /* chunk_rank_kernel's counts */
     cometi_grid_launch_dependents();
-    /* This rank's counts: each expert's chunk counts summed, eight loads in flight. */
+    /* This rank's counts: each expert's chunk counts summed. */
     __shared__ int32_t total_s[COMETI_MAX_EXPERTS];
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const int32_t *cnt = chunk_counts + (size_t)e * chunks;
-        int sum = 0;
-        for (int c0 = 0; c0 < chunks; c0 += 8) {
-            int v[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) v[u] = c0 + u < chunks ? cnt[c0 + u] : 0;
-#pragma unroll
-            for (int u = 0; u < 8; u++) sum += v[u];
-        }
+        const int sum = sum_chunks(chunk_counts + (size_t)e * chunks, chunks, NULL);
         total_s[e] = sum;
         local_counts[e] = sum;
     }
@@ -261,20 +272,8 @@ exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int 
     /* While the peers' words cross NVLink, the last threads turn each chunk's count into
      * the rows of its expert in earlier chunks, which place_rows_kernel adds to the chunk's
      * ranks (what chunk_offset_kernel does for the baseline, one launch fewer). */
-    for (int e = (int)(blockDim.x - 1 - threadIdx.x); e < E; e += blockDim.x) {
-        const int32_t *cnt = chunk_counts + (size_t)e * chunks;
-        int sum = 0;
-        for (int c0 = 0; c0 < chunks; c0 += 8) {
-            int v[8];
-#pragma unroll
-            for (int u = 0; u < 8; u++) v[u] = c0 + u < chunks ? cnt[c0 + u] : 0;
-#pragma unroll
-            for (int u = 0; u < 8; u++) {
-                if (c0 + u < chunks) chunk_prefix[(size_t)e * chunks + c0 + u] = sum;
-                sum += v[u];
-            }
-        }
-    }
+    for (int e = (int)(blockDim.x - 1 - threadIdx.x); e < E; e += blockDim.x)
+        sum_chunks(chunk_counts + (size_t)e * chunks, chunks, chunk_prefix + (size_t)e * chunks);
     /* The peers' counts of this call, as their words arrive. */
     const unsigned long long *words = mine + (size_t)half * world * E;
     bool dead = false; /* once a wait of this thread has failed, the rest are not waited for */
