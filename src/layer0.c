@@ -41,6 +41,14 @@ comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t 
                                     "cudaMalloc(GEMM last-wave workspace)"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->tail_ws, 0, COMETI_GEMM_TAIL_COUNTERS * 8),
                                     "clear GEMM last-wave counters"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaStreamCreateWithFlags(&l->side, cudaStreamNonBlocking),
+                                    "create the first wave's stream"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaEventCreateWithFlags(&l->ranks_done, cudaEventDisableTiming),
+                                    "create an event"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaEventCreateWithFlags(&l->wave_done, cudaEventDisableTiming),
+                                    "create an event"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->wave_seg, sizeof(cometi_segment_t)),
+                                    "cudaMalloc(first wave segment)"), fail);
     /* Every rank's counters are zero before any rank adds to them. */
     COMETI_TRY_GOTO(st, cometi_barrier_sync(comm, "arrival counters cleared on every rank"), fail);
     return COMET_SUCCESS;
@@ -57,6 +65,10 @@ void cometi_layer0_destroy(comet_comm_t comm, cometi_layer0_t *l)
     cudaFree(l->act);
     cudaFree(l->sched);
     cudaFree(l->tail_ws);
+    if (l->side) cudaStreamDestroy(l->side);
+    if (l->ranks_done) cudaEventDestroy(l->ranks_done);
+    if (l->wave_done) cudaEventDestroy(l->wave_done);
+    cudaFree(l->wave_seg);
     memset(l, 0, sizeof(*l));
 }
 
@@ -96,8 +108,20 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     if ((uintptr_t)a->x % 16)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "x = %p: the fused layer needs 16-byte aligned rows",
                            a->x);
+    /* The first wave (tp 1): (SMs - COMETI_LAYER0_WAVE_FREE_SMS) / column tiles row blocks of
+     * the first expert, on the side stream, beside the exchange; the fused GEMM sees the
+     * segments without them. Its chunk table holds 256 route chunks (1M rows). */
+    const int n_tiles = (l->ffn + 127) / 128, free_sms = COMETI_LAYER0_WAVE_FREE_SMS;
+    int wave = 0;
+    if (l->tp == 1 && cometi_first_wave_enabled() && comm->sm_count > free_sms + dispatch_blocks &&
+        cometi_route_chunks(a->num_tokens * l->top_k) <= 256) {
+        wave = (comm->sm_count - free_sms) / n_tiles;
+        if (wave < 1) wave = 1;
+    }
+    l->route.plan.wave_blocks = wave;
     cometi_gemm_t g = gemm0(comm, l, a);
-    g.local_rows = l->route.plan.local_rows;
+    g.segs = l->route.plan.fused_segs;
+    g.local_rows = l->route.plan.fused_local_rows;
     g.arrive = (const unsigned long long *)l->arrive.local;
     g.expected = l->route.plan.expected;
     g.sms = comm->sm_count - dispatch_blocks;
@@ -118,6 +142,7 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     d->tp = l->tp;
     d->rank = comm->rank;
     d->mode = knobs->dispatch_mode;
+    d->wave_blocks = wave;
     for (int p = 0; p < comm->size; p++) {
         d->recv[p] = l->recv.peer[p];
         d->arrive[p] = (unsigned long long *)l->arrive.peer[p];
@@ -125,10 +150,29 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     /* Check everything before the route: once it has run, peers expect this rank's rows
      * and its arrival totals have grown, so failing after it would leave them waiting. The
      * plan's arrays are allocated once, so the GEMM can be described before they are filled. */
-    cometi_gemm_prepared_t prepared;
+    cometi_gemm_prepared_t prepared, wave_prepared;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
-    COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->topk_weights, a->num_tokens, l->top_k, stream));
-    return cometi_gemm_launch(comm->err, &prepared, stream);
+    if (wave) { /* static tiles, no shared counters or workspace: it runs beside the fused kernel */
+        cometi_gemm_t w = gemm0(comm, l, a);
+        w.segs = l->wave_seg;
+        w.groups = 1;
+        w.sms = wave * n_tiles < comm->sm_count - free_sms ? wave * n_tiles : comm->sm_count - free_sms;
+        w.tail_ws = NULL;
+        w.tile_trace = NULL;
+        COMETI_TRY(cometi_gemm_prepare(comm->err, &w, &wave_prepared));
+    }
+    COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->topk_weights, a->num_tokens, l->top_k,
+                                    wave ? l->ranks_done : NULL, stream));
+    if (wave) {
+        COMETI_TRY(cometi_cuda(comm->err, cudaStreamWaitEvent(l->side, l->ranks_done, 0), "fork the first wave"));
+        COMETI_TRY(cometi_first_rows(comm, &l->route, a->topk_ids, a->num_tokens, l->top_k, a->x, l->hidden,
+                                     l->recv.local, (unsigned long long *)l->arrive.local, l->wave_seg, l->side));
+        COMETI_TRY(cometi_gemm_launch(comm->err, &wave_prepared, l->side));
+        COMETI_TRY(cometi_cuda(comm->err, cudaEventRecord(l->wave_done, l->side), "record the first wave"));
+    }
+    COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
+    return wave ? cometi_cuda(comm->err, cudaStreamWaitEvent(stream, l->wave_done, 0), "join the first wave")
+                : COMET_SUCCESS;
 }
 
 comet_status_t cometi_layer0_gemm_only(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,

@@ -28,7 +28,17 @@ typedef struct cometi_layer0 {
     int ffn;                /* this rank's columns of each expert: config.ffn / tp */
     int tp, experts_per_group; /* EP x TP: rank r is TP rank r % tp of group r / tp (plan.h) */
     int64_t max_recv_rows;
+    /* The first wave on a stream of its own (tp 1): the rank's first expert's first row
+     * blocks, copied and computed while the route's exchange runs (cometi_first_rows). */
+    cudaStream_t side;
+    cudaEvent_t ranks_done, wave_done;
+    cometi_segment_t *wave_seg; /* device: {0, rows} of the first-wave GEMM */
 } cometi_layer0_t;
+
+/* SMs the first-wave GEMM leaves to the route's kernels and the fused kernel's first
+ * blocks; it takes (SMs - these) / column tiles row blocks. COMET_FIRST_WAVE=0: none. */
+#define COMETI_LAYER0_WAVE_FREE_SMS 32
+int cometi_first_wave_enabled(void);
 
 /* The run-time choices of one layer0 call (what the tuner picks). */
 typedef struct cometi_layer0_knobs {

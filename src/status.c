@@ -66,3 +66,13 @@ int cometi_pdl_enabled(void)
     }
     return enabled;
 }
+
+int cometi_first_wave_enabled(void)
+{
+    static int enabled = -1; /* read once, as cometi_pdl_enabled */
+    if (enabled < 0) {
+        const char *v = getenv("COMET_FIRST_WAVE");
+        enabled = !(v && v[0] == '0');
+    }
+    return enabled;
+}

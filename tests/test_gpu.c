@@ -1063,7 +1063,7 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
         CUDA_OK(cudaMemset(r.plan.recv_pos, 0xff, sizeof(int32_t) * ROUTE_MAX_M * k)); /* poison */
         CUDA_OK(cudaMemset(r.meta.local, 0xff, r.meta.bytes));
         /* Every other call without weights: then the records are not written. */
-        COMET_OK(cometi_route_dev_run(comm, &r, d_ids, call % 2 ? NULL : d_w, m[me], k, 0), comm);
+        COMET_OK(cometi_route_dev_run(comm, &r, d_ids, call % 2 ? NULL : d_w, m[me], k, NULL, 0), comm);
         CUDA_OK(cudaDeviceSynchronize());
         CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
         cometi_route_plan_t p;
@@ -1314,7 +1314,7 @@ static int route_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemset(d_ids, 0, sizeof(int32_t) * 64));
     double t0 = now_s();
     /* Rank 1 never routes; it waits on a flag nobody raises instead. */
-    if (ctx->rank == 0) COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 32, 2, 0), comm);
+    if (ctx->rank == 0) COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 32, 2, NULL, 0), comm);
     else COMET_OK(cometi_wait_flag(comm, 3, 1, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     double took = now_s() - t0;
@@ -1345,7 +1345,7 @@ static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     int32_t ids[8] = {0, 1, 2, 3, 4, 9, 6, 7}, *d_ids;
     CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(ids)));
     CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
-    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0), comm);
+    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, NULL, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_INVALID_ARGUMENT);
     printf("%s\n", comet_comm_last_error(comm));
@@ -1358,7 +1358,7 @@ static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
     ids[5] = 5;
     CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
-    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0), comm);
+    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, NULL, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
     CUDA_OK(cudaMemcpy(pos, r.plan.recv_pos, sizeof(pos), cudaMemcpyDeviceToHost));

@@ -25,6 +25,7 @@
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "gemm.h"
@@ -339,6 +340,16 @@ static __device__ piece_t find_piece(const cometi_dispatch_t *d, const int *t, i
     return pc;
 }
 
+/* List 0's leading pieces that the first-wave kernel has (cometi_first_rows): whole
+ * 128-row blocks of own rows at the head of this rank's first expert, which lead list 0
+ * and start at row 0 of this rank's receive buffer (tp 1), one piece per block. */
+static __device__ __forceinline__ int wave_pieces(const cometi_dispatch_t *d)
+{
+    if (!d->wave_blocks) return 0;
+    const int e0 = d->rank * d->experts_per_group; /* tp 1: the group is this rank */
+    return min(d->counts[d->rank * d->num_experts + e0] / BM, d->wave_blocks);
+}
+
 static __device__ void build_piece_table(const cometi_dispatch_t *d, int *table)
 {
     const int E = d->num_experts, me = d->rank;
@@ -366,7 +377,8 @@ static __device__ void copy_pieces(const cometi_dispatch_t *d, const int *table,
 {
     const int lane = threadIdx.x % 32, E = d->num_experts, me = d->rank;
     const uint32_t row_bytes = (uint32_t)d->hidden * 2, mask = ring ? 1u : 0xffffffffu;
-    const int local_pieces = table[E], head = min(d->head_pieces, local_pieces); /* the GEMM blocks copy the head */
+    /* The first-wave kernel has the first pieces, the GEMM blocks copy the head after them. */
+    const int local_pieces = table[E], head = min(wave_pieces(d) + d->head_pieces, local_pieces);
     for (;;) {
         int i = 0;
         if (lane == 0) i = head + (int)atomicAdd(counter, 1u);
@@ -443,9 +455,10 @@ static __device__ void copy_head(const cometi_dispatch_t *d, int gemm_block, int
     int4 *desc = (int4 *)(smem + 1024 + PIECE_TABLE_BYTES); /* receive row, rows, send offset, rows before */
     int *total = (int *)(desc + HEAD_MAX_PIECES);
     build_piece_table(d, table); /* every thread of the block */
-    const int E = d->num_experts, me = d->rank, head = min(d->head_pieces, table[E]);
+    const int E = d->num_experts, me = d->rank, skip = min(wave_pieces(d), table[E]),
+              head = min(d->head_pieces, table[E] - skip);
     if ((int)threadIdx.x < head) {
-        const piece_t pc = find_piece(d, table, threadIdx.x);
+        const piece_t pc = find_piece(d, table, skip + threadIdx.x);
         desc[threadIdx.x] = make_int4(pc.row, pc.n_rows, pc.send, 0);
     }
     __syncthreads();
@@ -1172,7 +1185,10 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
      * than the wave (local tiles come first, group by group, row tile fastest). */
     args.dispatch.head_pieces = 0;
     if (g->head_copy && g->dispatch_blocks && g->dispatch.tp == 1) {
-        args.dispatch.head_pieces = min(HEAD_MAX_PIECES, 2 * (args.group_m + (args.gemm_blocks + n_tiles - 1) / n_tiles));
+        int head = 2 * (args.group_m + (args.gemm_blocks + n_tiles - 1) / n_tiles);
+        if (g->dispatch.wave_blocks) head = 0; /* the first wave is the other kernel's; the workers have time */
+        if (getenv("COMET_HEAD_PIECES")) head = atoi(getenv("COMET_HEAD_PIECES")); /* experiment */
+        args.dispatch.head_pieces = min(HEAD_MAX_PIECES, head);
     }
     prepared_t *pr = (prepared_t *)out->bytes;
     pr->maps = m;

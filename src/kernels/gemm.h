@@ -81,6 +81,9 @@ typedef struct cometi_dispatch {
     int head_pieces;                /* set by cometi_gemm_prepare (head_copy): the first pieces of
                                      * this rank's rows for its own experts, which the GEMM
                                      * blocks copy at the kernel's start; workers take the rest */
+    int wave_blocks;                /* tp 1: the first-wave kernel copied and computes the first
+                                     * min(own rows / 128, wave_blocks) row blocks of this rank's
+                                     * first expert (cometi_first_rows): their pieces are skipped */
     void *recv[COMETI_MAX_RANKS];                 /* every rank's receive buffer, mapped here */
     unsigned long long *arrive[COMETI_MAX_RANKS]; /* every rank's arrival counters, mapped here */
 } cometi_dispatch_t;

@@ -10,6 +10,7 @@
 
 #include "route.h"
 #include "ptx.cuh"
+#include "row_copy.cuh"
 
 #define ROUTE_THREADS 1024
 
@@ -204,7 +205,14 @@ static __device__ void build_plan(const int32_t *cnt, int32_t *seg_start_s, int 
             plan.local_segs[le].rows = rows;
             /* This rank's own rows lead the segment unless, with TP, an earlier rank of the
              * group sent some (the layout is the group's; those rows arrive over NVLink). */
-            plan.local_rows[le] = plan.recv_offset[me * E + e] == 0 ? cnt[me * E + e] : 0;
+            const int own = plan.recv_offset[me * E + e] == 0 ? cnt[me * E + e] : 0;
+            plan.local_rows[le] = own;
+            /* The fused GEMM's view: without the first-wave kernel's row blocks (segment 0's
+             * first min(own / block_m, wave_blocks), all own rows: cometi_first_rows). */
+            const int skip = le == 0 ? min(own / block_m, plan.wave_blocks) * block_m : 0;
+            plan.fused_segs[le].start = start + skip;
+            plan.fused_segs[le].rows = rows - skip;
+            plan.fused_local_rows[le] = own - skip;
         }
         for (int r = u * block_m; r < rows; r += sub * block_m)
             plan.expected[(start + r) / block_m] += min(block_m, rows - r);
@@ -238,7 +246,9 @@ exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int 
                      unsigned long long timeout_ns, cometi_async_error_t *err)
 {
     cometi_grid_wait(); /* chunk_rank_kernel's counts */
-    cometi_grid_launch_dependents();
+    /* place_rows_kernel may start now, unless the first wave is on: its blocks would sit
+     * on SMs the first-wave GEMM needs until the peers' counts arrive. */
+    if (!plan.wave_blocks) cometi_grid_launch_dependents();
     /* This rank's counts: each expert's chunk counts summed. */
     __shared__ int32_t total_s[COMETI_MAX_EXPERTS];
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -466,7 +476,7 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
     {
         /* 64-bit counters first (alignment), then segments, then the int32 arrays. */
         size_t ints = 2 + (size_t)r->max_blocks * 2 + (size_t)per * 3 + (size_t)W * E * 3 + (size_t)E * 2 + W +
-                      (size_t)max_rows * 4 + (size_t)E * cometi_route_chunks(max_rows) * 2 + 1;
+                      (size_t)max_rows * 4 + (size_t)E * cometi_route_chunks(max_rows) * 2 + (size_t)per * 3 + 1;
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&r->arena, sizeof(int32_t) * ints),
                                         "cudaMalloc(route plan)"), fail);
         COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(r->arena, 0, sizeof(int32_t) * ints),
@@ -488,6 +498,8 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
         r->chunk_pos = p, p += max_rows;
         r->chunk_counts = p, p += (size_t)E * cometi_route_chunks(max_rows);
         r->chunk_prefix = p, p += (size_t)E * cometi_route_chunks(max_rows);
+        r->plan.fused_segs = (cometi_segment_t *)p, p += (size_t)per * 2;
+        r->plan.fused_local_rows = p, p += per;
         r->plan.failed = p;
     }
     /* Every table cleared before any peer writes into it. */
@@ -508,7 +520,8 @@ extern "C" void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *
 }
 
 extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids,
-                                               const float *weights, int m, int k, cudaStream_t stream)
+                                               const float *weights, int m, int k, cudaEvent_t ranks_done,
+                                               cudaStream_t stream)
 {
     const int n = m * k, E = r->num_experts;
     if (n > r->max_rows)
@@ -521,6 +534,7 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
                                                          (unsigned int *)(r->local_counts + E), r->chunk_counts,
                                                          stream),
                            "launch chunk_rank_kernel"));
+    if (ranks_done) COMETI_TRY(cometi_cuda(comm->err, cudaEventRecord(ranks_done, stream), "record the ranks' event"));
     peer_tables_t peers;
     memset(&peers, 0, sizeof(peers));
     for (int p = 0; p < r->world; p++) peers.base[p] = (int32_t *)r->table.peer[p];
@@ -544,4 +558,61 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
                                           r->tp, (const int32_t *)r->chunk_pos, (const int32_t *)r->chunk_prefix,
                                           chunks, r->plan, weights ? (cometi_row_meta_t *)r->meta.local : NULL),
                        "launch place_rows_kernel");
+}
+
+/* The first-wave kernel's rows (cometi_first_rows). Every thread looks at a row; a warp
+ * copies each of its lanes' rows of expert e0 whose place is below the limit. The limit
+ * is whole 128-row blocks of own rows, so each such block gets exactly 128 rows this
+ * call: block 0 adds them to the arrival totals at once (nothing in this call waits on
+ * those blocks; a later call's waits come after this stream has been joined). */
+#define FIRST_ROWS_THREADS 1024
+#define FIRST_ROWS_MAX_CHUNKS 256
+static __global__ void __launch_bounds__(FIRST_ROWS_THREADS)
+first_rows_kernel(const int32_t *ids, int n, int k, int e0, const int32_t *chunk_pos, const int32_t *chunk_counts,
+                  int chunks, int wave_blocks, const uint4 *x, int vecs, uint4 *recv, unsigned long long *arrive,
+                  cometi_segment_t *seg)
+{
+    __shared__ int before_s[FIRST_ROWS_MAX_CHUNKS], limit_s;
+    if (threadIdx.x == 0) { /* e0's own rows in earlier chunks, and the rows to copy */
+        int sum = 0;
+        for (int c = 0; c < chunks; c++) {
+            before_s[c] = sum;
+            sum += chunk_counts[(size_t)e0 * chunks + c];
+        }
+        limit_s = min(sum / COMETI_BLOCK_M, wave_blocks) * COMETI_BLOCK_M;
+        if (blockIdx.x == 0) seg->start = 0, seg->rows = limit_s;
+    }
+    __syncthreads();
+    const int limit = limit_s;
+    if (blockIdx.x == 0 && (int)threadIdx.x < limit / COMETI_BLOCK_M)
+        atomicAdd(arrive + threadIdx.x, (unsigned long long)COMETI_BLOCK_M);
+    for (int base = blockIdx.x * blockDim.x; base < n; base += gridDim.x * blockDim.x) {
+        const int i = base + threadIdx.x;
+        int pos = -1;
+        if (i < n && ids[i] == e0) {
+            pos = chunk_pos[i] + before_s[i / COMETI_ROUTE_CHUNK];
+            if (pos >= limit) pos = -1;
+        }
+        for (unsigned int want = __ballot_sync(0xffffffffu, pos >= 0); want; want &= want - 1) {
+            const int from = __ffs(want) - 1, p = __shfl_sync(0xffffffffu, pos, from),
+                      row = __shfl_sync(0xffffffffu, i, from);
+            cometi_warp_copy_row(recv + (size_t)p * vecs, x + (size_t)(row / k) * vecs, vecs);
+        }
+    }
+}
+
+extern "C" comet_status_t cometi_first_rows(comet_comm_t comm, const cometi_route_dev_t *r, const int32_t *topk_ids,
+                                            int m, int k, const void *x, int hidden, void *recv,
+                                            unsigned long long *arrive, cometi_segment_t *seg, cudaStream_t stream)
+{
+    const int n = m * k, chunks = cometi_route_chunks(n);
+    if (r->tp != 1 || r->plan.wave_blocks < 1 || chunks > FIRST_ROWS_MAX_CHUNKS || hidden % 8 || (uintptr_t)x % 16)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "first rows: tp %d (must be 1), %d wave blocks (>= 1), "
+                           "%d route chunks (<= %d), hidden %d (a multiple of 8), x %p (16-byte aligned)", r->tp,
+                           r->plan.wave_blocks, chunks, FIRST_ROWS_MAX_CHUNKS, hidden, x);
+    const int blocks = n > 0 ? (n + FIRST_ROWS_THREADS - 1) / FIRST_ROWS_THREADS : 1;
+    first_rows_kernel<<<blocks < comm->sm_count ? blocks : comm->sm_count, FIRST_ROWS_THREADS, 0, stream>>>(
+        topk_ids, n, k, comm->rank * (r->num_experts / r->world), r->chunk_pos, r->chunk_counts, chunks,
+        r->plan.wave_blocks, (const uint4 *)x, hidden / 8, (uint4 *)recv, arrive, seg);
+    return cometi_cuda(comm->err, cudaGetLastError(), "launch first_rows_kernel");
 }

@@ -45,6 +45,12 @@ typedef struct cometi_route_dev_plan {
     cometi_segment_t *local_segs;   /* [E / groups] its group's experts' segments */
     int32_t *local_rows;            /* [E / groups] rows at the head of each that come from this rank
                                      * itself (0 where another rank's rows lead: TP ranks after the first) */
+    /* The first-wave kernel (tp 1, layer0.c) computes the first min(own rows / 128,
+     * wave_blocks) row blocks of segment 0 on a stream of its own; the fused GEMM sees the
+     * segments without them. wave_blocks 0: none (fused_* equal local_*). */
+    int wave_blocks;
+    cometi_segment_t *fused_segs;   /* [E / groups] */
+    int32_t *fused_local_rows;      /* [E / groups] */
     unsigned long long *expected;   /* [max_recv_rows / 128] rows each 128-row block of the receive
                                      * buffer has received over all calls so far, this one included:
                                      * arrival counters reach it when the block is complete */
@@ -88,10 +94,22 @@ cudaError_t cometi_route_plan_from_counts(const int32_t *counts, int me, int wor
 
 /* Collective, enqueued on `stream`, no host sync. A peer that never arrives gives
  * COMET_TIMEOUT through comet_comm_get_async_error(); an expert id out of range gives
- * COMET_INVALID_ARGUMENT there (its row is left out: recv_pos -1). With `weights`
+ * COMET_INVALID_ARGUMENT there (its row is left out: recv_pos -1). ranks_done (or NULL)
+ * is recorded once the chunk ranks are launched (cometi_first_rows waits for it). With `weights`
  * ([m][k]), each row's layer1 record is written into `meta` too. */
 comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids,
-                                    const float *weights, int m, int k, cudaStream_t stream);
+                                    const float *weights, int m, int k, cudaEvent_t ranks_done,
+                                    cudaStream_t stream);
+
+/* The first-wave kernel's rows (tp 1), on the caller's stream once the chunk ranks of
+ * this call are done (ranks_done): this rank's own rows of its group's first expert e0,
+ * the first min(own / 128, r->plan.wave_blocks) x 128 of them, from x into row 0.. of its
+ * own receive buffer (segment 0 starts at 0 and its own rows lead it whatever the peers
+ * send), their 128-row blocks' arrivals counted, and *seg = {0, those rows} for the
+ * first-wave GEMM. */
+comet_status_t cometi_first_rows(comet_comm_t comm, const cometi_route_dev_t *r, const int32_t *topk_ids, int m,
+                                 int k, const void *x, int hidden, void *recv, unsigned long long *arrive,
+                                 cometi_segment_t *seg, cudaStream_t stream);
 
 #ifdef __cplusplus
 }
