@@ -41,8 +41,16 @@ comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t 
                                     "cudaMalloc(GEMM last-wave workspace)"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->tail_ws, 0, COMETI_GEMM_TAIL_COUNTERS * 8),
                                     "clear GEMM last-wave counters"), fail);
-    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaStreamCreateWithFlags(&l->side, cudaStreamNonBlocking),
-                                    "create the first wave's stream"), fail);
+    {
+        /* The highest priority: the block scheduler should place the first wave's GEMM
+         * blocks before the fused kernel's, which can wait for SMs. */
+        int least = 0, greatest = 0;
+        COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaDeviceGetStreamPriorityRange(&least, &greatest),
+                                        "cudaDeviceGetStreamPriorityRange"), fail);
+        COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaStreamCreateWithPriority(&l->side, cudaStreamNonBlocking,
+                                                                                greatest),
+                                        "create the first wave's stream"), fail);
+    }
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaEventCreateWithFlags(&l->ranks_done, cudaEventDisableTiming),
                                     "create an event"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaEventCreateWithFlags(&l->wave_done, cudaEventDisableTiming),
@@ -119,6 +127,8 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
         if (wave < 1) wave = 1;
     }
     l->route.plan.wave_blocks = wave;
+    if (wave && !cometi_first_rows_allowed(&l->route, a->num_tokens, l->top_k, a->x, l->hidden))
+        wave = l->route.plan.wave_blocks = 0; /* nothing may fail once the side stream has forked */
     cometi_gemm_t g = gemm0(comm, l, a);
     g.segs = l->route.plan.fused_segs;
     g.local_rows = l->route.plan.fused_local_rows;
@@ -163,16 +173,22 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     }
     COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->topk_weights, a->num_tokens, l->top_k,
                                     wave ? l->ranks_done : NULL, stream));
-    if (wave) {
-        COMETI_TRY(cometi_cuda(comm->err, cudaStreamWaitEvent(l->side, l->ranks_done, 0), "fork the first wave"));
-        COMETI_TRY(cometi_first_rows(comm, &l->route, a->topk_ids, a->num_tokens, l->top_k, a->x, l->hidden,
-                                     l->recv.local, (unsigned long long *)l->arrive.local, l->wave_seg, l->side));
-        COMETI_TRY(cometi_gemm_launch(comm->err, &wave_prepared, l->side));
-        COMETI_TRY(cometi_cuda(comm->err, cudaEventRecord(l->wave_done, l->side), "record the first wave"));
-    }
-    COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
-    return wave ? cometi_cuda(comm->err, cudaStreamWaitEvent(stream, l->wave_done, 0), "join the first wave")
-                : COMET_SUCCESS;
+    if (!wave) return cometi_gemm_launch(comm->err, &prepared, stream);
+    /* Forked: whatever fails from here, the side stream is joined before returning (an
+     * unjoined fork ends a graph capture with an error, and outside one the next call's
+     * route could overwrite what the side stream still reads). */
+    comet_status_t st = cometi_cuda(comm->err, cudaStreamWaitEvent(l->side, l->ranks_done, 0), "fork the first wave");
+    if (st == COMET_SUCCESS)
+        st = cometi_first_rows(comm, &l->route, a->topk_ids, a->num_tokens, l->top_k, a->x, l->hidden, l->recv.local,
+                               (unsigned long long *)l->arrive.local, l->wave_seg, l->side);
+    if (st == COMET_SUCCESS) st = cometi_gemm_launch(comm->err, &wave_prepared, l->side);
+    const comet_status_t recorded = cometi_cuda(comm->err, cudaEventRecord(l->wave_done, l->side),
+                                                "record the first wave");
+    if (st == COMET_SUCCESS) st = recorded;
+    if (st == COMET_SUCCESS) st = cometi_gemm_launch(comm->err, &prepared, stream);
+    const comet_status_t joined = cometi_cuda(comm->err, cudaStreamWaitEvent(stream, l->wave_done, 0),
+                                              "join the first wave");
+    return st != COMET_SUCCESS ? st : joined;
 }
 
 comet_status_t cometi_layer0_gemm_only(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,

@@ -1187,7 +1187,9 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     if (g->head_copy && g->dispatch_blocks && g->dispatch.tp == 1) {
         int head = 2 * (args.group_m + (args.gemm_blocks + n_tiles - 1) / n_tiles);
         if (g->dispatch.wave_blocks) head = 0; /* the first wave is the other kernel's; the workers have time */
-        if (getenv("COMET_HEAD_PIECES")) head = atoi(getenv("COMET_HEAD_PIECES")); /* experiment */
+        static int head_env = -2; /* experiment: COMET_HEAD_PIECES (0..64) replaces the head */
+        if (head_env == -2) head_env = getenv("COMET_HEAD_PIECES") ? atoi(getenv("COMET_HEAD_PIECES")) : -1;
+        if (head_env >= 0) head = head_env;
         args.dispatch.head_pieces = min(HEAD_MAX_PIECES, head);
     }
     prepared_t *pr = (prepared_t *)out->bytes;

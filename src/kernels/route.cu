@@ -209,10 +209,12 @@ static __device__ void build_plan(const int32_t *cnt, int32_t *seg_start_s, int 
             plan.local_rows[le] = own;
             /* The fused GEMM's view: without the first-wave kernel's row blocks (segment 0's
              * first min(own / block_m, wave_blocks), all own rows: cometi_first_rows). */
-            const int skip = le == 0 ? min(own / block_m, plan.wave_blocks) * block_m : 0;
-            plan.fused_segs[le].start = start + skip;
-            plan.fused_segs[le].rows = rows - skip;
-            plan.fused_local_rows[le] = own - skip;
+            if (plan.fused_segs) { /* NULL in a plan that only a test reads */
+                const int skip = le == 0 ? min(own / block_m, plan.wave_blocks) * block_m : 0;
+                plan.fused_segs[le].start = start + skip;
+                plan.fused_segs[le].rows = rows - skip;
+                plan.fused_local_rows[le] = own - skip;
+            }
         }
         for (int r = u * block_m; r < rows; r += sub * block_m)
             plan.expected[(start + r) / block_m] += min(block_m, rows - r);
@@ -601,17 +603,27 @@ first_rows_kernel(const int32_t *ids, int n, int k, int e0, const int32_t *chunk
     }
 }
 
+extern "C" int cometi_first_rows_allowed(const cometi_route_dev_t *r, int m, int k, const void *x, int hidden)
+{
+    return r->tp == 1 && r->plan.wave_blocks >= 1 && cometi_route_chunks(m * k) <= FIRST_ROWS_MAX_CHUNKS &&
+           hidden % 8 == 0 && (uintptr_t)x % 16 == 0;
+}
+
 extern "C" comet_status_t cometi_first_rows(comet_comm_t comm, const cometi_route_dev_t *r, const int32_t *topk_ids,
                                             int m, int k, const void *x, int hidden, void *recv,
                                             unsigned long long *arrive, cometi_segment_t *seg, cudaStream_t stream)
 {
     const int n = m * k, chunks = cometi_route_chunks(n);
-    if (r->tp != 1 || r->plan.wave_blocks < 1 || chunks > FIRST_ROWS_MAX_CHUNKS || hidden % 8 || (uintptr_t)x % 16)
+    if (!cometi_first_rows_allowed(r, m, k, x, hidden))
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "first rows: tp %d (must be 1), %d wave blocks (>= 1), "
                            "%d route chunks (<= %d), hidden %d (a multiple of 8), x %p (16-byte aligned)", r->tp,
                            r->plan.wave_blocks, chunks, FIRST_ROWS_MAX_CHUNKS, hidden, x);
-    const int blocks = n > 0 ? (n + FIRST_ROWS_THREADS - 1) / FIRST_ROWS_THREADS : 1;
-    first_rows_kernel<<<blocks < comm->sm_count ? blocks : comm->sm_count, FIRST_ROWS_THREADS, 0, stream>>>(
+    /* A warp per row: enough blocks for the rows to copy, and for the ids to look at. */
+    int blocks = n > 0 ? (n + FIRST_ROWS_THREADS - 1) / FIRST_ROWS_THREADS : 1;
+    const int for_rows = r->plan.wave_blocks * COMETI_BLOCK_M / (FIRST_ROWS_THREADS / 32);
+    if (blocks < for_rows) blocks = for_rows;
+    if (blocks > comm->sm_count) blocks = comm->sm_count;
+    first_rows_kernel<<<blocks, FIRST_ROWS_THREADS, 0, stream>>>(
         topk_ids, n, k, comm->rank * (r->num_experts / r->world), r->chunk_pos, r->chunk_counts, chunks,
         r->plan.wave_blocks, (const uint4 *)x, hidden / 8, (uint4 *)recv, arrive, seg);
     return cometi_cuda(comm->err, cudaGetLastError(), "launch first_rows_kernel");
