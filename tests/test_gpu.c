@@ -1023,6 +1023,7 @@ int test_gpu_gemm_epilogues(void)
 
 #define ROUTE_E 16
 #define ROUTE_MAX_M 10000 /* up to 20000 rows at top-2: several of the route's 2048-row chunks */
+#define ROUTE_MAX_GROUP_EXPERTS COMETI_MAX_EXPERTS /* experts of one group */
 
 /* `calls` calls of the device route with E experts, top-k and tp ranks per group against
  * the C plan. */
@@ -1062,7 +1063,9 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
         CUDA_OK(cudaMemcpy(d_w, my_w, sizeof(float) * m[me] * k, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemset(r.plan.recv_pos, 0xff, sizeof(int32_t) * ROUTE_MAX_M * k)); /* poison */
         CUDA_OK(cudaMemset(r.meta.local, 0xff, r.meta.bytes));
-        /* Every other call without weights: then the records are not written. */
+        /* Every other call without weights: then the records are not written. With tp 1,
+         * 0-3 first-wave row blocks: the fused GEMM's segments leave them out. */
+        r.plan.wave_blocks = tp == 1 ? call % 4 : 0;
         COMET_OK(cometi_route_dev_run(comm, &r, d_ids, call % 2 ? NULL : d_w, m[me], k, NULL, 0), comm);
         CUDA_OK(cudaDeviceSynchronize());
         CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
@@ -1135,6 +1138,27 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
                        (unsigned long long)got_expected[b], (unsigned long long)expected[b]);
                 return 1;
             }
+        /* The fused GEMM's segments: segment 0 without min(own rows / 128, wave_blocks)
+         * whole row blocks of this rank's own rows, which lead it; the others as they are. */
+        cometi_segment_t fused[ROUTE_MAX_GROUP_EXPERTS];
+        int32_t fused_local[ROUTE_MAX_GROUP_EXPERTS];
+        CHECK(per <= ROUTE_MAX_GROUP_EXPERTS);
+        CUDA_OK(cudaMemcpy(fused, r.plan.fused_segs, sizeof(cometi_segment_t) * per, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(fused_local, r.plan.fused_local_rows, sizeof(int32_t) * per, cudaMemcpyDeviceToHost));
+        for (int le = 0; le < per; le++) {
+            const int e = me / tp * per + le;
+            const int64_t own = p.recv_offset[(size_t)me * E + e] == 0 ? p.counts[(size_t)me * E + e] : 0;
+            const int64_t blocks = own / COMETI_BLOCK_M < r.plan.wave_blocks ? own / COMETI_BLOCK_M : r.plan.wave_blocks;
+            const int64_t skip = le == 0 ? blocks * COMETI_BLOCK_M : 0;
+            if (fused[le].start != p.seg_start[e] + skip || fused[le].rows != p.seg_rows[e] - skip ||
+                fused_local[le] != own - skip) {
+                printf("rank %d call %d, %d wave blocks: fused segment %d = {%d, %d}, %d own rows on the GPU; want "
+                       "{%lld, %lld}, %lld\n", me, call, r.plan.wave_blocks, le, fused[le].start, fused[le].rows,
+                       fused_local[le], (long long)(p.seg_start[e] + skip), (long long)(p.seg_rows[e] - skip),
+                       (long long)(own - skip));
+                return 1;
+            }
+        }
         cometi_route_plan_free(&p);
     }
     free(expected), free(got_expected);
