@@ -1186,7 +1186,8 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
     args.dispatch.head_pieces = 0;
     if (g->head_copy && g->dispatch_blocks && g->dispatch.tp == 1) {
         int head = 2 * (args.group_m + (args.gemm_blocks + n_tiles - 1) / n_tiles);
-        if (g->dispatch.wave_blocks) head = 0; /* the first wave is the other kernel's; the workers have time */
+        /* With a first wave the head follows its rows: with none, the fused kernel's first
+         * tiles waited for the dispatch workers (docs/PERF.md Z18, Z27). */
         static int head_env = -2; /* experiment: COMET_HEAD_PIECES (0..64) replaces the head */
         if (head_env == -2) head_env = getenv("COMET_HEAD_PIECES") ? atoi(getenv("COMET_HEAD_PIECES")) : -1;
         if (head_env >= 0) head = head_env;
