@@ -173,7 +173,7 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
         w.tile_trace = NULL;
         COMETI_TRY(cometi_gemm_prepare(comm->err, &w, &wave_prepared));
     }
-    COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->topk_weights, a->num_tokens, l->top_k,
+    COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->topk_weights, a->num_tokens, l->top_k, wave,
                                     wave ? l->ranks_done : NULL, stream));
     if (!wave) return cometi_gemm_launch(comm->err, &prepared, stream);
     /* Forked: whatever fails from here, the side stream is joined before returning (an

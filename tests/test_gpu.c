@@ -1063,10 +1063,13 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
         CUDA_OK(cudaMemcpy(d_w, my_w, sizeof(float) * m[me] * k, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemset(r.plan.recv_pos, 0xff, sizeof(int32_t) * ROUTE_MAX_M * k)); /* poison */
         CUDA_OK(cudaMemset(r.meta.local, 0xff, r.meta.bytes));
+        CUDA_OK(cudaMemset(r.plan.fused_segs, 0xff, sizeof(cometi_segment_t) * per));
+        CUDA_OK(cudaMemset(r.plan.fused_local_rows, 0xff, sizeof(int32_t) * per));
         /* Every other call without weights: then the records are not written. With tp 1,
-         * 0-3 first-wave row blocks: the fused GEMM's segments leave them out. */
-        r.plan.wave_blocks = tp == 1 ? call % 4 : 0;
-        COMET_OK(cometi_route_dev_run(comm, &r, d_ids, call % 2 ? NULL : d_w, m[me], k, NULL, 0), comm);
+         * 0-3 first-wave row blocks (changing apart from the routing kind, call % 4): the
+         * fused GEMM's segments leave them out. */
+        COMET_OK(cometi_route_dev_run(comm, &r, d_ids, call % 2 ? NULL : d_w, m[me], k, tp == 1 ? call / 4 % 4 : 0,
+                                      NULL, 0), comm);
         CUDA_OK(cudaDeviceSynchronize());
         CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
         cometi_route_plan_t p;
@@ -1338,7 +1341,7 @@ static int route_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemset(d_ids, 0, sizeof(int32_t) * 64));
     double t0 = now_s();
     /* Rank 1 never routes; it waits on a flag nobody raises instead. */
-    if (ctx->rank == 0) COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 32, 2, NULL, 0), comm);
+    if (ctx->rank == 0) COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 32, 2, 0, NULL, 0), comm);
     else COMET_OK(cometi_wait_flag(comm, 3, 1, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     double took = now_s() - t0;
@@ -1369,7 +1372,7 @@ static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     int32_t ids[8] = {0, 1, 2, 3, 4, 9, 6, 7}, *d_ids;
     CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(ids)));
     CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
-    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, NULL, 0), comm);
+    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0, NULL, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_INVALID_ARGUMENT);
     printf("%s\n", comet_comm_last_error(comm));
@@ -1382,7 +1385,7 @@ static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
     ids[5] = 5;
     CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
-    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, NULL, 0), comm);
+    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0, NULL, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
     CUDA_OK(cudaMemcpy(pos, r.plan.recv_pos, sizeof(pos), cudaMemcpyDeviceToHost));

@@ -210,7 +210,7 @@ static __device__ void build_plan(const int32_t *cnt, int32_t *seg_start_s, int 
             /* The fused GEMM's view: without the first-wave kernel's row blocks (segment 0's
              * first min(own / block_m, wave_blocks), all own rows: cometi_first_rows). */
             if (plan.fused_segs) { /* NULL in a plan that only a test reads */
-                const int skip = le == 0 ? min(own / block_m, plan.wave_blocks) * block_m : 0;
+                const int skip = le == 0 && tp == 1 ? min(own / block_m, plan.wave_blocks) * block_m : 0;
                 plan.fused_segs[le].start = start + skip;
                 plan.fused_segs[le].rows = rows - skip;
                 plan.fused_local_rows[le] = own - skip;
@@ -522,13 +522,17 @@ extern "C" void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *
 }
 
 extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids,
-                                               const float *weights, int m, int k, cudaEvent_t ranks_done,
-                                               cudaStream_t stream)
+                                               const float *weights, int m, int k, int wave_blocks,
+                                               cudaEvent_t ranks_done, cudaStream_t stream)
 {
     const int n = m * k, E = r->num_experts;
     if (n > r->max_rows)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "route: %d tokens x top-k %d = %d rows: the plan "
                            "holds %d", m, k, n, r->max_rows);
+    if (wave_blocks < 0 || (wave_blocks && r->tp != 1))
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "route: wave_blocks = %d: must be >= 0, and 0 with "
+                           "tp %d > 1", wave_blocks, r->tp);
+    r->plan.wave_blocks = wave_blocks; /* every call sets it: no call inherits the last one's */
     /* Three kernels: the chunks' ranks (which note the first bad id; the exchange reads
      * and resets it), the exchange with the plan, and the rows' places. */
     const int chunks = cometi_route_chunks(n);
@@ -566,7 +570,10 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
  * copies each of its lanes' rows of expert e0 whose place is below the limit. The limit
  * is whole 128-row blocks of own rows, so each such block gets exactly 128 rows this
  * call: block 0 adds them to the arrival totals at once (nothing in this call waits on
- * those blocks; a later call's waits come after this stream has been joined). */
+ * those blocks; a later call's waits come after this stream has been joined). If the
+ * exchange fails (a timeout), the plan is emptied and these additions have no expected
+ * rows behind them: the totals run 128 ahead per block, harmless only because a timeout
+ * leaves the communicator unusable (docs/ARCHITECTURE.md). */
 #define FIRST_ROWS_THREADS 1024
 #define FIRST_ROWS_MAX_CHUNKS 256
 static __global__ void __launch_bounds__(FIRST_ROWS_THREADS)
@@ -618,10 +625,8 @@ extern "C" comet_status_t cometi_first_rows(comet_comm_t comm, const cometi_rout
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "first rows: tp %d (must be 1), %d wave blocks (>= 1), "
                            "%d route chunks (<= %d), hidden %d (a multiple of 8), x %p (16-byte aligned)", r->tp,
                            r->plan.wave_blocks, chunks, FIRST_ROWS_MAX_CHUNKS, hidden, x);
-    /* A warp per row: enough blocks for the rows to copy, and for the ids to look at. */
+    /* A thread per id (a warp copies its lanes' rows), the blocks capped at the SMs. */
     int blocks = n > 0 ? (n + FIRST_ROWS_THREADS - 1) / FIRST_ROWS_THREADS : 1;
-    const int for_rows = r->plan.wave_blocks * COMETI_BLOCK_M / (FIRST_ROWS_THREADS / 32);
-    if (blocks < for_rows) blocks = for_rows;
     if (blocks > comm->sm_count) blocks = comm->sm_count;
     first_rows_kernel<<<blocks, FIRST_ROWS_THREADS, 0, stream>>>(
         topk_ids, n, k, comm->rank * (r->num_experts / r->world), r->chunk_pos, r->chunk_counts, chunks,

@@ -94,12 +94,14 @@ cudaError_t cometi_route_plan_from_counts(const int32_t *counts, int me, int wor
 
 /* Collective, enqueued on `stream`, no host sync. A peer that never arrives gives
  * COMET_TIMEOUT through comet_comm_get_async_error(); an expert id out of range gives
- * COMET_INVALID_ARGUMENT there (its row is left out: recv_pos -1). ranks_done (or NULL)
- * is recorded once the chunk ranks are launched (cometi_first_rows waits for it). With `weights`
+ * COMET_INVALID_ARGUMENT there (its row is left out: recv_pos -1). wave_blocks (tp 1;
+ * 0 without a first wave) goes into the plan for this call: the fused GEMM's segments
+ * leave out that many of the first expert's own row blocks. ranks_done (or NULL) is
+ * recorded once the chunk ranks are launched (cometi_first_rows waits for it). With `weights`
  * ([m][k]), each row's layer1 record is written into `meta` too. */
 comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids,
-                                    const float *weights, int m, int k, cudaEvent_t ranks_done,
-                                    cudaStream_t stream);
+                                    const float *weights, int m, int k, int wave_blocks,
+                                    cudaEvent_t ranks_done, cudaStream_t stream);
 
 /* The first-wave kernel's rows (tp 1), on the caller's stream once the chunk ranks of
  * this call are done (ranks_done): this rank's own rows of its group's first expert e0,
