@@ -116,17 +116,21 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     if ((uintptr_t)a->x % 16)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "x = %p: the fused layer needs 16-byte aligned rows",
                            a->x);
+    if (knobs->first_wave < -1)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "first wave = %d row blocks: must be -1 (none), 0 "
+                           "(automatic) or more", knobs->first_wave);
     /* The first wave (tp 1): (SMs - COMETI_LAYER0_WAVE_FREE_SMS) / column tiles row blocks of
      * the first expert, on the side stream, beside the exchange; the fused GEMM sees the
      * segments without them. Its chunk table holds 256 route chunks (512K rows). */
     const int n_tiles = (l->ffn + 127) / 128, free_sms = COMETI_LAYER0_WAVE_FREE_SMS;
     int wave = 0;
-    if (l->tp == 1 && cometi_first_wave_enabled() && comm->sm_count > free_sms + dispatch_blocks &&
-        cometi_route_chunks(a->num_tokens * l->top_k) <= 256) {
+    if (l->tp == 1 && knobs->first_wave >= 0 && cometi_first_wave_enabled() &&
+        comm->sm_count > free_sms + dispatch_blocks && cometi_route_chunks(a->num_tokens * l->top_k) <= 256) {
         /* Z27 (docs/PERF.md): 5 row blocks (qwen2-57b) and 9 (qwen2-moe-2.7b) gained, 2
          * (phi-3.5-moe, 50 column tiles) lost 0.8 point: off below 4. */
         wave = (comm->sm_count - free_sms) / n_tiles;
         if (wave < 4) wave = 0;
+        if (knobs->first_wave > 0) wave = knobs->first_wave;
     }
     l->route.plan.wave_blocks = wave;
     if (wave && !cometi_first_rows_allowed(&l->route, a->num_tokens, l->top_k, a->x, l->hidden))

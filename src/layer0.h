@@ -44,6 +44,8 @@ int cometi_first_wave_enabled(void);
 typedef struct cometi_layer0_knobs {
     int dispatch_blocks; /* SMs that copy rows; the rest compute */
     int dispatch_mode;   /* COMETI_DISPATCH_* (kernels/gemm.h) */
+    int first_wave;      /* tp 1: the first wave's row blocks: 0 automatic (on at 4 or more),
+                          * -1 none, n > 0 exactly n (tests) */
 } cometi_layer0_knobs_t;
 
 /* Collective. The config must be valid (ffn / tp a multiple of 64: GEMM0's last SwiGLU

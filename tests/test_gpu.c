@@ -1475,9 +1475,13 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
             if (st != COMET_SUCCESS) printf("baseline: %s\n", comet_moe_last_error(fx.moe));
             CHECK_EQ(st, COMET_SUCCESS);
             const comet_moe_args_t a = fused_args(&fx, &c);
-            /* Both copy modes, 1-24 dispatch blocks. */
-            const cometi_layer0_knobs_t knobs = {1 + calls % 24, calls / 24 % 2 ? COMETI_DISPATCH_STORES
-                                                                                : COMETI_DISPATCH_BULK};
+            /* Both copy modes, 1-24 dispatch blocks; the first wave automatic (50 row blocks
+             * at this ffn: every own row of the first expert), none, or 1-2 row blocks (own
+             * rows past it, in the skewed and all-to-one cases: the head after the wave). */
+            static const int waves[4] = {0, 1, 2, -1};
+            const cometi_layer0_knobs_t knobs = {1 + calls % 24,
+                                                 calls / 24 % 2 ? COMETI_DISPATCH_STORES : COMETI_DISPATCH_BULK,
+                                                 waves[calls / 48 % 4]};
             const int dispatch_blocks = knobs.dispatch_blocks;
             CUDA_OK(cudaMemset(l0.act, 0xff, (size_t)l0.max_recv_rows * F * 2)); /* poison */
             CUDA_OK(cudaMemset(l0.recv.local, 0xff, (size_t)l0.max_recv_rows * H * 2));
@@ -1486,7 +1490,8 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
             COMET_OK(cometi_layer0_run(fx.comm, &l0, &a, &knobs, 0), fx.comm);
             CUDA_OK(cudaDeviceSynchronize());
             if (comet_comm_get_async_error(fx.comm) != COMET_SUCCESS) {
-                printf("call %d (%s): %s\n", calls, c.name, comet_comm_last_error(fx.comm));
+                printf("call %d (%s, first wave %d): %s\n", calls, c.name, knobs.first_wave,
+                       comet_comm_last_error(fx.comm));
                 return 1;
             }
             CUDA_OK(cudaMemcpy(segs, l0.route.plan.local_segs, sizeof(cometi_segment_t) * per, cudaMemcpyDeviceToHost));
@@ -1512,8 +1517,9 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
             const double call_err = call_den > 0 ? sqrt(call_num / call_den) : sqrt(call_num);
             if (!(call_err <= worst)) worst = call_err;
             if (!(worst < 1e-2) || !(worst_row < 3e-2)) {
-                printf("call %d (%s, %d dispatch blocks, mode %d): activation relative error %.3g (worst row %.3g)\n",
-                       calls, c.name, dispatch_blocks, knobs.dispatch_mode, call_err, worst_row);
+                printf("call %d (%s, %d dispatch blocks, mode %d, first wave %d): activation relative error %.3g "
+                       "(worst row %.3g)\n", calls, c.name, dispatch_blocks, knobs.dispatch_mode, knobs.first_wave,
+                       call_err, worst_row);
                 return 1;
             }
         }
@@ -1589,7 +1595,7 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
             /* 0-15 combine blocks (0: the tail kernel combines every split), 1, 2 or 4 splits,
              * both tile schedules, the last split on the combine blocks or in the tail; every
              * fifth call the push (rows sent home from GEMM1's epilogue). */
-            const cometi_layer0_knobs_t k0 = {1 + calls % 8, COMETI_DISPATCH_BULK};
+            const cometi_layer0_knobs_t k0 = {1 + calls % 8, COMETI_DISPATCH_BULK, 0};
             const int push = calls % 5 == 2;
             const cometi_layer1_knobs_t k1 = push ? (cometi_layer1_knobs_t){0, 1, calls / 48 % 2, 0, 1}
                                                   : (cometi_layer1_knobs_t){calls % 16, 1 << (calls / 16 % 3),
@@ -1676,7 +1682,7 @@ static int layer1_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CHECK_EQ(st, COMET_SUCCESS);
         CUDA_OK(cudaMemcpy(want, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
         const comet_moe_args_t a = fused_args(&fx, c);
-        const cometi_layer0_knobs_t k0 = {4, COMETI_DISPATCH_BULK};
+        const cometi_layer0_knobs_t k0 = {4, COMETI_DISPATCH_BULK, 0};
         const cometi_layer1_knobs_t k1 = push ? (cometi_layer1_knobs_t){0, 1, 1, 0, 1}
                                               : (cometi_layer1_knobs_t){0, 1, 1, 1, 0};
         int32_t good = 0;
@@ -1743,7 +1749,7 @@ static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     if (run_case(&fx, &cases[0], seed, 0, &st, &err)) return 1;
     CHECK_EQ(st, COMET_SUCCESS);
     const comet_moe_args_t a = fused_args(&fx, &cases[0]);
-    const cometi_layer0_knobs_t k0 = {4, COMETI_DISPATCH_BULK};
+    const cometi_layer0_knobs_t k0 = {4, COMETI_DISPATCH_BULK, 0};
     const cometi_layer1_knobs_t k1 = missing_peer_push ? (cometi_layer1_knobs_t){0, 1, 1, 0, 1}
                                                        : (cometi_layer1_knobs_t){4, 2, 1, 0, 0};
     COMET_OK(cometi_layer0_run(fx.comm, &l0, &a, &k0, 0), fx.comm);

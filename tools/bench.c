@@ -612,10 +612,10 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     /* Bulk copies from 2 to 24 blocks (TP copies every row twice); the store copy where it
      * did best before (docs/PERF.md). */
     static const cometi_layer0_knobs_t sweep[] = {
-        {2, COMETI_DISPATCH_BULK},  {3, COMETI_DISPATCH_BULK},  {4, COMETI_DISPATCH_BULK},
-        {6, COMETI_DISPATCH_BULK},  {8, COMETI_DISPATCH_BULK},  {12, COMETI_DISPATCH_BULK},
-        {16, COMETI_DISPATCH_BULK}, {20, COMETI_DISPATCH_BULK}, {24, COMETI_DISPATCH_BULK},
-        {4, COMETI_DISPATCH_STORES}, {8, COMETI_DISPATCH_STORES}};
+        {2, COMETI_DISPATCH_BULK, 0},  {3, COMETI_DISPATCH_BULK, 0},  {4, COMETI_DISPATCH_BULK, 0},
+        {6, COMETI_DISPATCH_BULK, 0},  {8, COMETI_DISPATCH_BULK, 0},  {12, COMETI_DISPATCH_BULK, 0},
+        {16, COMETI_DISPATCH_BULK, 0}, {20, COMETI_DISPATCH_BULK, 0}, {24, COMETI_DISPATCH_BULK, 0},
+        {4, COMETI_DISPATCH_STORES, 0}, {8, COMETI_DISPATCH_STORES, 0}};
     cometi_layer0_t l0;
     comet_status_t st = cometi_layer0_create(comm, cfg, &l0);
     FAIL_IF(st != COMET_SUCCESS, "layer0 (%s): %s", label, comet_comm_last_error(comm));
