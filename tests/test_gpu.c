@@ -1047,6 +1047,18 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
     int32_t *got = malloc(sizeof(int32_t) * (W * E * 3 + E * 2 + W + ROUTE_MAX_M * k));
     int64_t *counts = malloc(sizeof(int64_t) * W * E), *want_pos = malloc(sizeof(int64_t) * ROUTE_MAX_M * k);
     uint64_t *expected = calloc((size_t)r.max_blocks, sizeof(uint64_t)), *got_expected = malloc(8 * (size_t)r.max_blocks);
+    /* The first wave's rows (tp 1): rows of 8 bf16 (one 16-byte vector) tagged with rank,
+     * token and call, copied into a receive buffer of the most wave rows (3 blocks). */
+    enum { WAVE_MAX = 3, WAVE_ROWS = WAVE_MAX * COMETI_BLOCK_M };
+    int32_t(*x_rows)[4] = malloc(sizeof(*x_rows) * ROUTE_MAX_M), (*wave_got)[4] = malloc(sizeof(*wave_got) * WAVE_ROWS);
+    void *d_x, *d_wave_recv;
+    unsigned long long *d_wave_arrive, wave_arrive[WAVE_MAX + 1];
+    cometi_segment_t *d_wave_seg, wave_seg;
+    CUDA_OK(cudaMalloc(&d_x, sizeof(*x_rows) * ROUTE_MAX_M));
+    CUDA_OK(cudaMalloc(&d_wave_recv, sizeof(*wave_got) * WAVE_ROWS));
+    CUDA_OK(cudaMalloc((void **)&d_wave_arrive, sizeof(wave_arrive)));
+    CUDA_OK(cudaMalloc((void **)&d_wave_seg, sizeof(wave_seg)));
+    int wave_calls = 0;
     for (int call = 0; call < calls; call++) {
         /* Every rank draws every rank's routing, so each can build the whole plan. */
         uint64_t rng = seed + 7919 * (uint64_t)call;
@@ -1162,11 +1174,64 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
                 return 1;
             }
         }
+        const int wave = r.plan.wave_blocks;
+        if (wave) { /* tp 1 */
+            CHECK(wave <= WAVE_MAX);
+            for (int t = 0; t < m[me]; t++)
+                x_rows[t][0] = me + 1, x_rows[t][1] = t, x_rows[t][2] = call, x_rows[t][3] = 0x5eed;
+            CUDA_OK(cudaMemcpy(d_x, x_rows, sizeof(*x_rows) * m[me], cudaMemcpyHostToDevice));
+            CUDA_OK(cudaMemset(d_wave_recv, 0xff, sizeof(*wave_got) * WAVE_ROWS)); /* poison */
+            CUDA_OK(cudaMemset(d_wave_arrive, 0, sizeof(wave_arrive)));
+            CUDA_OK(cudaMemset(d_wave_seg, 0xff, sizeof(wave_seg)));
+            CHECK(cometi_first_rows_allowed(&r, m[me], k, d_x, 8));
+            COMET_OK(cometi_first_rows(comm, &r, d_ids, m[me], k, d_x, 8, d_wave_recv, d_wave_arrive, d_wave_seg, 0),
+                     comm);
+            CUDA_OK(cudaMemcpy(wave_got, d_wave_recv, sizeof(*wave_got) * WAVE_ROWS, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(wave_arrive, d_wave_arrive, sizeof(wave_arrive), cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(&wave_seg, d_wave_seg, sizeof(wave_seg), cudaMemcpyDeviceToHost));
+            /* Whole blocks of this rank's own rows of its first expert, which lead its segment
+             * (tp 1: the group is this rank), each at its place in the plan; the rest untouched. */
+            const int e0 = me * per;
+            const int64_t own = p.counts[(size_t)me * E + e0];
+            const int limit = (int)((own / COMETI_BLOCK_M < wave ? own / COMETI_BLOCK_M : wave) * COMETI_BLOCK_M);
+            if (wave_seg.start != 0 || wave_seg.rows != limit) {
+                printf("rank %d call %d, %d wave blocks, %lld own rows: the wave segment {%d, %d}, want {0, %d}\n",
+                       me, call, wave, (long long)own, wave_seg.start, wave_seg.rows, limit);
+                return 1;
+            }
+            for (int b = 0; b <= WAVE_MAX; b++)
+                if (wave_arrive[b] != (b * COMETI_BLOCK_M < limit ? COMETI_BLOCK_M : 0u)) {
+                    printf("rank %d call %d: wave arrival counter %d = %llu with %d wave rows\n", me, call, b,
+                           wave_arrive[b], limit);
+                    return 1;
+                }
+            int copied = 0;
+            for (int i = 0; i < m[me] * k; i++) {
+                if (ids[me][i] != e0 || want_pos[i] >= limit) continue;
+                copied++;
+                if (memcmp(wave_got[want_pos[i]], x_rows[i / k], sizeof(*x_rows))) {
+                    printf("rank %d call %d: wave row %lld = {%d, %d, %d, %x}, want token %d's row\n", me, call,
+                           (long long)want_pos[i], wave_got[want_pos[i]][0], wave_got[want_pos[i]][1],
+                           wave_got[want_pos[i]][2], wave_got[want_pos[i]][3], i / k);
+                    return 1;
+                }
+            }
+            CHECK_EQ(copied, limit);
+            for (int row = limit; row < WAVE_ROWS; row++)
+                if (wave_got[row][0] != -1 || wave_got[row][3] != -1) {
+                    printf("rank %d call %d: wave row %d past the %d wave rows was written\n", me, call, row, limit);
+                    return 1;
+                }
+            wave_calls++;
+        }
         cometi_route_plan_free(&p);
     }
+    free(x_rows), free(wave_got);
+    cudaFree(d_x), cudaFree(d_wave_recv), cudaFree(d_wave_arrive), cudaFree(d_wave_seg);
     free(expected), free(got_expected);
     printf("rank %d, tp %d, %d experts, top-%d, counts in %s memory: %d calls with changing routing and token counts, "
-           "device plan equal to the C plan\n", me, tp, E, k, global_counts ? "global" : "shared", calls);
+           "device plan equal to the C plan; %d with a first wave, its rows in place\n", me, tp, E, k,
+           global_counts ? "global" : "shared", calls, wave_calls);
     for (int s = 0; s < W; s++) free(ids[s]);
     free(w), free(my_w), free(got), free(counts), free(want_pos), free(want_send), free(meta);
     cudaFree(d_ids);
