@@ -80,25 +80,32 @@ static __device__ __forceinline__ int cometi_other_wait_failed(const cometi_asyn
 }
 
 /*
- * Spin until *flag >= expected (acquire, system scope), backing off with nanosleep.
- * Gives up, records COMET_TIMEOUT and returns 0 after timeout_ns, or soon after another
- * wait of this communicator has failed (so one dead peer costs one timeout, not one per
- * waiting block; see cometi_other_wait_failed).
- * Returns 1 when the flag arrived.
+ * Spin on a 64-bit word (acquire, system scope), backing off with nanosleep, until it
+ * is met: with tag_high 0, word >= expected (a counter or flag); with tag_high 1, the
+ * word's high 32 bits equal expected (a value and the call it belongs to, written whole by
+ * one 8-byte release store, so no flag follows it). Gives up, records COMET_TIMEOUT
+ * (seen: the word, or its tag) and returns 0 after timeout_ns, or soon after another wait
+ * of this communicator has failed (so one dead peer costs one timeout, not one per
+ * waiting block; see cometi_other_wait_failed). Returns 1 with the word in *word (if not
+ * NULL) when it was met.
  */
-static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned long long expected,
-                                      unsigned long long timeout_ns, cometi_async_error_t *err,
-                                      int site, int peer, int slot)
+static __device__ __forceinline__ int cometi_wait_word(const unsigned long long *p, unsigned long long expected,
+                                                       int tag_high, unsigned long long timeout_ns,
+                                                       cometi_async_error_t *err, int site, int peer, int slot,
+                                                       unsigned long long *word)
 {
     unsigned long long start = cometi_globaltimer_ns(), next_poll = 0;
     unsigned int backoff = 32;
     for (;;) {
-        unsigned long long v = cometi_ld_acquire_sys(flag);
-        if (v >= expected) return 1;
+        const unsigned long long v = cometi_ld_acquire_sys(p), seen = tag_high ? v >> 32 : v;
+        if (tag_high ? seen == expected : seen >= expected) {
+            if (word) *word = v;
+            return 1;
+        }
         unsigned long long waited = cometi_globaltimer_ns() - start;
         if (cometi_other_wait_failed(err, waited, &next_poll)) return 0;
         if (waited > timeout_ns) {
-            cometi_record_error(err, COMET_TIMEOUT, site, peer, slot, expected, v, waited);
+            cometi_record_error(err, COMET_TIMEOUT, site, peer, slot, expected, seen, waited);
             return 0;
         }
         __nanosleep(backoff);
@@ -106,33 +113,21 @@ static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned l
     }
 }
 
-/*
- * Spin until the word's high 32 bits equal tag (a value and the call it belongs to,
- * written whole by one 8-byte release store: no flag after it), acquire, system scope,
- * with cometi_wait_geq's timeout, backoff and reports (expected: the tag; seen: the tag
- * found). Returns 1 with the word in *word, or 0.
- */
+/* Spin until *flag >= expected (cometi_wait_word). Returns 1 when it arrived, else 0. */
+static __device__ int cometi_wait_geq(const unsigned long long *flag, unsigned long long expected,
+                                      unsigned long long timeout_ns, cometi_async_error_t *err, int site, int peer,
+                                      int slot)
+{
+    return cometi_wait_word(flag, expected, 0, timeout_ns, err, site, peer, slot, NULL);
+}
+
+/* Spin until the word's high 32 bits equal tag (cometi_wait_word). Returns 1 with the
+ * word in *word, or 0. */
 static __device__ int cometi_wait_tag(const unsigned long long *p, unsigned int tag, unsigned long long timeout_ns,
                                       cometi_async_error_t *err, int site, int peer, int slot,
                                       unsigned long long *word)
 {
-    unsigned long long start = cometi_globaltimer_ns(), next_poll = 0;
-    unsigned int backoff = 32;
-    for (;;) {
-        const unsigned long long v = cometi_ld_acquire_sys(p);
-        if ((unsigned int)(v >> 32) == tag) {
-            *word = v;
-            return 1;
-        }
-        unsigned long long waited = cometi_globaltimer_ns() - start;
-        if (cometi_other_wait_failed(err, waited, &next_poll)) return 0;
-        if (waited > timeout_ns) {
-            cometi_record_error(err, COMET_TIMEOUT, site, peer, slot, tag, v >> 32, waited);
-            return 0;
-        }
-        __nanosleep(backoff);
-        if (backoff < 256) backoff *= 2;
-    }
+    return cometi_wait_word(p, tag, 1, timeout_ns, err, site, peer, slot, word);
 }
 
 /* ---- shared-memory barriers and bulk copies (the GEMM's pipeline, dispatch, combine) ---- */
