@@ -25,7 +25,6 @@
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "gemm.h"
@@ -1185,13 +1184,9 @@ extern "C" comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g,
      * than the wave (local tiles come first, group by group, row tile fastest). */
     args.dispatch.head_pieces = 0;
     if (g->head_copy && g->dispatch_blocks && g->dispatch.tp == 1) {
-        int head = 2 * (args.group_m + (args.gemm_blocks + n_tiles - 1) / n_tiles);
         /* With a first wave the head follows its rows: with none, the fused kernel's first
          * tiles waited for the dispatch workers (docs/PERF.md Z18, Z27). */
-        static int head_env = -2; /* experiment: COMET_HEAD_PIECES (0..64) replaces the head */
-        if (head_env == -2) head_env = getenv("COMET_HEAD_PIECES") ? atoi(getenv("COMET_HEAD_PIECES")) : -1;
-        if (head_env >= 0) head = head_env;
-        args.dispatch.head_pieces = min(HEAD_MAX_PIECES, head);
+        args.dispatch.head_pieces = min(HEAD_MAX_PIECES, 2 * (args.group_m + (args.gemm_blocks + n_tiles - 1) / n_tiles));
     }
     prepared_t *pr = (prepared_t *)out->bytes;
     pr->maps = m;
