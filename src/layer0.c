@@ -121,11 +121,12 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
                            "(automatic) or more", knobs->first_wave);
     /* The first wave (tp 1): (SMs - COMETI_LAYER0_WAVE_FREE_SMS) / column tiles row blocks of
      * the first expert, on the side stream, beside the exchange; the fused GEMM sees the
-     * segments without them. Its chunk table holds 256 route chunks (512K rows). */
+     * segments without them. cometi_first_rows_allowed says where it cannot run (more
+     * route chunks than its table holds, rows not 16-byte vectors): then none. */
     const int n_tiles = (l->ffn + 127) / 128, free_sms = COMETI_LAYER0_WAVE_FREE_SMS;
     int wave = 0;
     if (l->tp == 1 && knobs->first_wave >= 0 && cometi_first_wave_enabled() &&
-        comm->sm_count > free_sms + dispatch_blocks && cometi_route_chunks(a->num_tokens * l->top_k) <= 256) {
+        comm->sm_count > free_sms + dispatch_blocks) {
         /* Z27 (docs/PERF.md): 5 row blocks (qwen2-57b) and 9 (qwen2-moe-2.7b) gained, 2
          * (phi-3.5-moe, 50 column tiles) lost 0.8 point: off below 4. */
         wave = (comm->sm_count - free_sms) / n_tiles;
