@@ -133,9 +133,8 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
         if (wave < 4) wave = 0;
         if (knobs->first_wave > 0) wave = knobs->first_wave;
     }
-    l->route.plan.wave_blocks = wave;
-    if (wave && !cometi_first_rows_allowed(&l->route, a->num_tokens, l->top_k, a->x, l->hidden))
-        wave = l->route.plan.wave_blocks = 0; /* nothing may fail once the side stream has forked */
+    if (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x, l->hidden))
+        wave = 0; /* nothing may fail once the side stream has forked */
     cometi_gemm_t g = gemm0(comm, l, a);
     g.segs = l->route.plan.fused_segs;
     g.local_rows = l->route.plan.fused_local_rows;

@@ -610,9 +610,10 @@ first_rows_kernel(const int32_t *ids, int n, int k, int e0, const int32_t *chunk
     }
 }
 
-extern "C" int cometi_first_rows_allowed(const cometi_route_dev_t *r, int m, int k, const void *x, int hidden)
+extern "C" int cometi_first_rows_allowed(const cometi_route_dev_t *r, int wave_blocks, int m, int k, const void *x,
+                                         int hidden)
 {
-    return r->tp == 1 && r->plan.wave_blocks >= 1 && cometi_route_chunks(m * k) <= FIRST_ROWS_MAX_CHUNKS &&
+    return r->tp == 1 && wave_blocks >= 1 && cometi_route_chunks(m * k) <= FIRST_ROWS_MAX_CHUNKS &&
            hidden % 8 == 0 && (uintptr_t)x % 16 == 0;
 }
 
@@ -621,7 +622,7 @@ extern "C" comet_status_t cometi_first_rows(comet_comm_t comm, const cometi_rout
                                             unsigned long long *arrive, cometi_segment_t *seg, cudaStream_t stream)
 {
     const int n = m * k, chunks = cometi_route_chunks(n);
-    if (!cometi_first_rows_allowed(r, m, k, x, hidden))
+    if (!cometi_first_rows_allowed(r, r->plan.wave_blocks, m, k, x, hidden))
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "first rows: tp %d (must be 1), %d wave blocks (>= 1), "
                            "%d route chunks (<= %d), hidden %d (a multiple of 8), x %p (16-byte aligned)", r->tp,
                            r->plan.wave_blocks, chunks, FIRST_ROWS_MAX_CHUNKS, hidden, x);

@@ -109,9 +109,10 @@ comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, co
  * own receive buffer (segment 0 starts at 0 and its own rows lead it whatever the peers
  * send), their 128-row blocks' arrivals counted, and *seg = {0, those rows} for the
  * first-wave GEMM. */
-/* Whether cometi_first_rows takes these arguments (r->plan.wave_blocks set): checked
- * before the route, so that nothing fails after the side stream has forked. */
-int cometi_first_rows_allowed(const cometi_route_dev_t *r, int m, int k, const void *x, int hidden);
+/* Whether cometi_first_rows takes these arguments once the route has run with
+ * wave_blocks: checked before the route, so that nothing fails after the side stream has
+ * forked. */
+int cometi_first_rows_allowed(const cometi_route_dev_t *r, int wave_blocks, int m, int k, const void *x, int hidden);
 comet_status_t cometi_first_rows(comet_comm_t comm, const cometi_route_dev_t *r, const int32_t *topk_ids, int m,
                                  int k, const void *x, int hidden, void *recv, unsigned long long *arrive,
                                  cometi_segment_t *seg, cudaStream_t stream);
