@@ -29,6 +29,14 @@
 extern "C" {
 #endif
 
+/* What libcomet exports: the functions of this header and nothing else (the library is
+ * built with hidden visibility). */
+#if defined(__GNUC__)
+#define COMET_API __attribute__((visibility("default")))
+#else
+#define COMET_API
+#endif
+
 #define COMET_VERSION_MAJOR 0
 #define COMET_VERSION_MINOR 1
 #define COMET_VERSION_PATCH 0
@@ -51,10 +59,10 @@ typedef enum comet_status {
 } comet_status_t;
 
 /* A static string naming the status, e.g. "COMET_TIMEOUT: a device-side wait timed out". */
-const char *comet_status_string(comet_status_t status);
+COMET_API const char *comet_status_string(comet_status_t status);
 
 /* "0.1.0 (NCCL 2.28.9 at build time)". Static string. */
-const char *comet_version_string(void);
+COMET_API const char *comet_version_string(void);
 
 /* ------------------------------------------------------------------------------------ */
 /* Communicator: NCCL plus the symmetric memory comet's kernels read and write directly. */
@@ -82,7 +90,7 @@ typedef struct comet_comm_config {
  * COMET_CUDA_ERROR, COMET_OUT_OF_MEMORY. On failure *out is NULL; the message is
  * available from comet_last_create_error().
  */
-comet_status_t comet_comm_create(ncclComm_t nccl, const comet_comm_config_t *config,
+COMET_API comet_status_t comet_comm_create(ncclComm_t nccl, const comet_comm_config_t *config,
                                  comet_comm_t *out);
 
 /*
@@ -91,30 +99,30 @@ comet_status_t comet_comm_create(ncclComm_t nccl, const comet_comm_config_t *con
  * [0, nranks). The calling thread's current CUDA device is used. comet owns the NCCL
  * communicator and destroys it in comet_comm_destroy().
  */
-comet_status_t comet_comm_create_from_id(const ncclUniqueId *id, int nranks, int rank,
+COMET_API comet_status_t comet_comm_create_from_id(const ncclUniqueId *id, int nranks, int rank,
                                          const comet_comm_config_t *config, comet_comm_t *out);
 
 /* Collective. Frees everything comet allocated. NULL is a no-op. Waits for the device. */
-comet_status_t comet_comm_destroy(comet_comm_t comm);
+COMET_API comet_status_t comet_comm_destroy(comet_comm_t comm);
 
-int comet_comm_rank(comet_comm_t comm);
-int comet_comm_size(comet_comm_t comm);
+COMET_API int comet_comm_rank(comet_comm_t comm);
+COMET_API int comet_comm_size(comet_comm_t comm);
 /* The NCCL communicator underneath (the caller's, or the one comet created). */
-ncclComm_t comet_comm_nccl(comet_comm_t comm);
+COMET_API ncclComm_t comet_comm_nccl(comet_comm_t comm);
 
 /* Detail of the last failure of a call on this communicator; "" if none. */
-const char *comet_comm_last_error(comet_comm_t comm);
+COMET_API const char *comet_comm_last_error(comet_comm_t comm);
 
 /* The message of the last failed *_create call on this thread (the handle is NULL), or
  * of the last failed *_destroy call (the handle is gone). */
-const char *comet_last_create_error(void);
+COMET_API const char *comet_last_create_error(void);
 
 /*
  * Errors found by kernels after the launching call had returned: a device-side wait
  * that ran past timeout_ms gives COMET_TIMEOUT and a message naming the wait and the
  * peer. Does not synchronize; call it after synchronizing the stream to be sure.
  */
-comet_status_t comet_comm_get_async_error(comet_comm_t comm);
+COMET_API comet_status_t comet_comm_get_async_error(comet_comm_t comm);
 
 /* ------------------------------------------------------------------------------------ */
 /* The MoE layer. */
@@ -145,16 +153,16 @@ typedef struct comet_moe_config {
  * `max_tokens`; ep_size and tp_size are left 0 (choose from the world size).
  * Errors: COMET_INVALID_ARGUMENT for an unknown name (the message lists the known ones).
  */
-comet_status_t comet_moe_config_preset(const char *name, int max_tokens, comet_moe_config_t *out);
+COMET_API comet_status_t comet_moe_config_preset(const char *name, int max_tokens, comet_moe_config_t *out);
 /* The i-th preset's name, i from 0; NULL past the last. */
-const char *comet_moe_preset_name(int i);
+COMET_API const char *comet_moe_preset_name(int i);
 
 /*
  * Check a config against a world size without creating anything. On
  * COMET_INVALID_ARGUMENT, `msg` (if not NULL, `msg_len` bytes) gets a sentence naming
  * the field, its value and the limit.
  */
-comet_status_t comet_moe_config_validate(const comet_moe_config_t *config, int world_size,
+COMET_API comet_status_t comet_moe_config_validate(const comet_moe_config_t *config, int world_size,
                                          char *msg, size_t msg_len);
 
 typedef struct comet_moe *comet_moe_t;
@@ -164,11 +172,11 @@ typedef struct comet_moe *comet_moe_t;
  * worst routing (every row of every rank sent to this rank). Collective.
  * Errors: COMET_INVALID_ARGUMENT (config), COMET_OUT_OF_MEMORY, COMET_CUDA_ERROR.
  */
-comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *config,
+COMET_API comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *config,
                                 comet_moe_t *out);
 /* NULL is a no-op. Waits for the device. Call before comet_comm_destroy(). */
-comet_status_t comet_moe_destroy(comet_moe_t moe);
-const char *comet_moe_last_error(comet_moe_t moe);
+COMET_API comet_status_t comet_moe_destroy(comet_moe_t moe);
+COMET_API const char *comet_moe_last_error(comet_moe_t moe);
 
 /*
  * This rank's experts' weights, bf16, in the layout frameworks hold (nn.Linear's
@@ -224,7 +232,7 @@ typedef struct comet_moe_args {
  * allow), COMET_TIMEOUT (fused: a peer that stopped calling, reported by this call or
  * comet_comm_get_async_error()), COMET_NCCL_ERROR, COMET_CUDA_ERROR.
  */
-comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream);
+COMET_API comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

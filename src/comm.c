@@ -8,18 +8,12 @@
 #include <string.h>
 
 #include "internal.h"
+#include "params.h"
 
-static int env_int(const char *name, int fallback)
-{
-    const char *v = getenv(name);
-    if (!v || !*v) return fallback;
-    char *end;
-    long x = strtol(v, &end, 10);
-    return (*end == '\0' && x > 0 && x < (1L << 30)) ? (int)x : fallback;
-}
-
+/* The config, and the environment (params.h): a malformed variable stops the create. */
 static comet_status_t check_comm_config(const comet_comm_config_t *c, char *err)
 {
+    COMETI_TRY(cometi_params_load(err));
     if (!c) return COMET_SUCCESS;
     if (c->size != sizeof(comet_comm_config_t) || c->magic != COMET_STRUCT_MAGIC)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "comm config.size = %zu, config.magic = 0x%x: initialise "
@@ -96,7 +90,7 @@ static comet_status_t comm_init(comet_comm_t comm, const comet_comm_config_t *co
     COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&comm->sm_count, cudaDevAttrMultiProcessorCount, comm->device),
                            "cudaDeviceGetAttribute(SM count)"));
     comm->timeout_ms = config && config->timeout_ms ? config->timeout_ms
-                                                    : env_int("COMET_TIMEOUT_MS", COMETI_DEFAULT_TIMEOUT_MS);
+                                                    : (int)cometi_param_int(COMETI_PARAM_TIMEOUT_MS);
     COMETI_TRY(cometi_cuda(err, cudaHostAlloc((void **)&comm->async_host, sizeof(cometi_async_error_t),
                                               cudaHostAllocMapped), "cudaHostAlloc(async error word)"));
     memset(comm->async_host, 0, sizeof(cometi_async_error_t));

@@ -33,7 +33,7 @@ comet_status_t cometi_nccl(char *err, ncclResult_t r, const char *what);
 /* Launch settings for a kernel that may start before the kernel ahead of it in the stream
  * has ended (programmatic dependent launch): it must call cometi_grid_wait() (ptx.cuh)
  * before it reads what that kernel wrote. attr: room for one attribute. COMET_PDL=0 in
- * the environment launches such kernels the ordinary way. */
+ * the environment (params.h) launches such kernels the ordinary way. */
 int cometi_pdl_enabled(void);
 static inline cudaLaunchConfig_t cometi_pdl_config(unsigned int grid, unsigned int block, size_t smem,
                                                    cudaStream_t stream, cudaLaunchAttribute *attr)
@@ -148,26 +148,6 @@ comet_status_t cometi_barrier(comet_comm_t comm, cudaStream_t stream);
  * barrier). For set-up steps such as "every peer's window is cleared before anyone
  * writes into it". A missing peer gives COMET_TIMEOUT. */
 comet_status_t cometi_barrier_sync(comet_comm_t comm, const char *what);
-/* Wait on the device until this rank's control flag `slot` reaches `expected`. */
-comet_status_t cometi_wait_flag(comet_comm_t comm, int slot, unsigned long long expected,
-                                cudaStream_t stream);
-/* Raise `peer`'s control flag `slot` to `value` with a system-scope release store. */
-comet_status_t cometi_set_flag(comet_comm_t comm, int peer, int slot, unsigned long long value,
-                               cudaStream_t stream);
-/* Copy `bytes` (multiple of 16, 16-byte aligned) with `blocks` blocks of 16-byte stores;
- * either side may be a peer's window. Used for push and pull measurements. */
-comet_status_t cometi_copy(char *err, void *dst, const void *src, size_t bytes, int blocks,
-                           cudaStream_t stream);
-
-/* ---- fill.cu ---- */
-/* dst[i] = cometi_hash_bf16(seed, index0 + i, scale) for i < n (bf16 elements). */
-cudaError_t cometi_fill_hash_bf16(void *dst, size_t n, uint64_t seed, uint64_t index0, float scale,
-                                  cudaStream_t stream);
-/* The rows of a bigger tensor: dst[r][c] = cometi_hash_bf16(seed, index0 + r * src_stride + c,
- * scale) for r < rows, c < cols (a TP rank's columns of a weight, say). */
-cudaError_t cometi_fill_hash_bf16_rows(void *dst, size_t rows, size_t cols, size_t src_stride, uint64_t seed,
-                                       uint64_t index0, float scale, cudaStream_t stream);
-
 /* ---- config.c ---- */
 /* The thread's buffer for messages of failed *_create calls (no handle to hold them). */
 char *cometi_create_error_buffer(void);

@@ -9,14 +9,16 @@
 
 #include "internal.h"
 #include "baseline/baseline.h"
+#include "gemm_combine.h"
+#include "params.h"
 #include "tune.h"
 
 /* The fused path's buffers and the knobs it runs with. */
 struct cometi_fused {
-    cometi_layer0_t l0;
-    cometi_layer1_t l1;
-    cometi_layer0_knobs_t k0;
-    cometi_layer1_knobs_t k1;
+    cometi_dispatch_gemm_t l0;   /* layer0: x dispatched into GEMM0 + SwiGLU */
+    cometi_gemm_combine_t l1;    /* layer1: GEMM1, its rows combined at their owners */
+    cometi_dispatch_knobs_t k0;
+    cometi_combine_knobs_t k1;
 };
 
 /* The settings: the tuning file's line for this layer ($COMET_TUNING_FILE), else the
@@ -28,9 +30,9 @@ static comet_status_t pick_knobs(comet_moe_t moe, struct cometi_fused *f)
     comet_comm_t comm = moe->comm;
     cometi_knobs_t k;
     cometi_model_knobs(&moe->cfg, comm->size, comm->sm_count, &k);
-    const char *path = getenv("COMET_TUNING_FILE");
+    const char *path = cometi_param_str(COMETI_PARAM_TUNING_FILE);
     int failed = 0;
-    if (path && *path) {
+    if (*path) {
         char err[COMETI_ERR_LEN];
         if (cometi_tuning_lookup(path, &moe->cfg, comm->size, &k, err, sizeof(err)) < 0) {
             cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "$COMET_TUNING_FILE: %.440s", err);
@@ -71,10 +73,10 @@ static comet_status_t fused_create(comet_moe_t moe)
         free(f);
         return st;
     }
-    st = cometi_layer0_create(moe->comm, &moe->cfg, &f->l0);
+    st = cometi_dispatch_gemm_create(moe->comm, &moe->cfg, &f->l0);
     if (st == COMET_SUCCESS) {
-        st = cometi_layer1_create(moe->comm, &moe->cfg, &f->l0, &f->l1);
-        if (st != COMET_SUCCESS) cometi_layer0_destroy(moe->comm, &f->l0);
+        st = cometi_gemm_combine_create(moe->comm, &moe->cfg, &f->l0, &f->l1);
+        if (st != COMET_SUCCESS) cometi_dispatch_gemm_destroy(moe->comm, &f->l0);
     }
     if (st != COMET_SUCCESS) {
         snprintf(moe->err, COMETI_ERR_LEN, "fused path: %.480s", moe->comm->err);
@@ -89,8 +91,8 @@ static comet_status_t fused_create(comet_moe_t moe)
 static void fused_destroy(comet_moe_t moe)
 {
     if (!moe->fused) return;
-    cometi_layer1_destroy(moe->comm, &moe->fused->l1);
-    cometi_layer0_destroy(moe->comm, &moe->fused->l0);
+    cometi_gemm_combine_destroy(moe->comm, &moe->fused->l1);
+    cometi_dispatch_gemm_destroy(moe->comm, &moe->fused->l0);
     free(moe->fused);
     moe->fused = NULL;
 }
@@ -99,8 +101,8 @@ static comet_status_t fused_forward(comet_moe_t moe, const comet_moe_args_t *a, 
 {
     if (!moe->fused) COMETI_TRY(fused_create(moe));
     struct cometi_fused *f = moe->fused;
-    comet_status_t st = cometi_layer0_run(moe->comm, &f->l0, a, &f->k0, stream);
-    if (st == COMET_SUCCESS) st = cometi_layer1_run(moe->comm, &f->l1, &f->l0, a, &f->k1, stream);
+    comet_status_t st = cometi_dispatch_gemm_run(moe->comm, &f->l0, a, &f->k0, stream);
+    if (st == COMET_SUCCESS) st = cometi_gemm_combine_run(moe->comm, &f->l1, &f->l0, a, &f->k1, stream);
     if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "%.500s", moe->comm->err);
     return st;
 }

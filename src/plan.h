@@ -1,8 +1,7 @@
 /*
  * plan.h - host planning in plain C, no CUDA headers: the routing plan (who sends
- * which rows where, and the expert-major receive layout), bf16 conversion, and the
- * float64 CPU reference of the whole MoE layer. The CPU tests cover all of it; the
- * GPU kernels must agree with it exactly (routing) or within bf16 tolerance (math).
+ * which rows where, and the expert-major receive layout) and bf16 conversion. The CPU
+ * tests cover all of it; the GPU route must agree with it exactly.
  */
 #ifndef COMET_PLAN_H
 #define COMET_PLAN_H
@@ -24,6 +23,11 @@ extern "C" {
 /* Rows of a GEMM tile along M: each expert's receive segment is padded to this, so a
  * tile never spans two experts. */
 #define COMETI_BLOCK_M 128
+
+/* One group's rows (an expert's segment) in a grouped GEMM's A and C. */
+typedef struct cometi_segment {
+    int start, rows;
+} cometi_segment_t;
 
 /*
  * Routing plan for one forward call with EP x TP = world.
@@ -56,6 +60,15 @@ typedef struct cometi_route_plan {
     int64_t *recv_offset; /* [world][E] on owner(e)'s ranks: first row of source s's rows in e's segment */
     int64_t *recv_rows;   /* [groups]   padded rows each rank of group g receives (its buffer's used size) */
 } cometi_route_plan_t;
+
+/* The plan's tables as the device route keeps them (int32, the layout above), read by
+ * the kernels that move rows: the dispatch, the combine and the push. */
+typedef struct cometi_route_tables {
+    const int32_t *counts;      /* [world][E] */
+    const int32_t *send_offset; /* [world][E] */
+    const int32_t *seg_start;   /* [E] */
+    const int32_t *recv_offset; /* [world][E] */
+} cometi_route_tables_t;
 
 /* Build the plan from counts[world][num_experts] for tp ranks per group. Returns 0, or
  * -1 with `err` set (bad sizes, negative counts, allocation failure). */
@@ -110,7 +123,7 @@ static inline COMETI_HD int cometi_choice_slot(const int32_t *ids, int k, int j,
 {
     /* One pass: each earlier choice's rank is set in `seen` (ranks below 128; a larger one,
      * which no node has, is looked for among the earlier choices instead), so the GPU route
-     * does k loads and k divisions per row, not k^2 (docs/PERF.md Z13, Z14). */
+     * does k loads and k divisions per row, not k^2. */
     const int rank = ids[j] / experts_per_rank;
     uint64_t seen_lo = 0, seen_hi = 0; /* two scalars, not an array: registers on the GPU, not local memory */
     int slot = 0, lead = 1;
@@ -177,33 +190,6 @@ static inline COMETI_HD int cometi_token_ranks(const int32_t *ids, int k, int nu
     return ranks;
 }
 
-/* ---- synthetic routing, for tests and benchmarks ---- */
-
-typedef enum cometi_routing {
-    COMETI_ROUTING_BALANCED = 0, /* token g picks experts (g*k + j) mod E: every expert equally loaded */
-    COMETI_ROUTING_RANDOM = 1,   /* k distinct experts, uniform */
-    COMETI_ROUTING_SKEWED = 2,   /* k distinct experts, expert e drawn with weight skew^(-e/(E-1)) */
-    COMETI_ROUTING_ONE_EXPERT = 3 /* choice 0 of every token is expert `skew` (as an int); the rest uniform */
-} cometi_routing_t;
-
-/* Fill ids[m][k] and weights[m][k] (positive, each token's summing to 1) for rank
- * `rank` from `seed`; the same arguments give the same routing, and a token's experts
- * are distinct while k <= E. For SKEWED, `skew` is the ratio of the most to the least
- * loaded expert's expected load (>= 1). */
-void cometi_make_routing(cometi_routing_t kind, double skew, int m, int k, int num_experts, uint64_t seed,
-                         int rank, int32_t *ids, float *weights);
-
-/* splitmix64: a small, good, seedable generator for test and benchmark data. */
-static inline COMETI_HD uint64_t cometi_rand_next(uint64_t *state)
-{
-    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-/* Uniform in [0, 1). */
-static inline double cometi_rand_unit(uint64_t *state) { return (cometi_rand_next(state) >> 11) * 0x1.0p-53; }
-
 /* ---- bf16 ---- */
 static inline COMETI_HD float cometi_bf16_to_float(uint16_t h)
 {
@@ -221,38 +207,6 @@ static inline COMETI_HD uint16_t cometi_float_to_bf16(float f)
     uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
     return (uint16_t)((v.u + rounding) >> 16);
 }
-
-/* Element `index` of a synthetic tensor: uniform in [-scale, scale), rounded to bf16.
- * The GPU fill (fill.cu) gives the same bits, so the host can rebuild any element of
- * a full-size benchmark tensor to check results without copying the tensor back. */
-static inline COMETI_HD uint16_t cometi_hash_bf16(uint64_t seed, uint64_t index, float scale)
-{
-    uint64_t state = seed ^ (index * 0xd1b54a32d192ed03ull);
-    double u = (double)(cometi_rand_next(&state) >> 11) * (1.0 / 9007199254740992.0);
-    return cometi_float_to_bf16((float)((2.0 * u - 1.0) * scale));
-}
-
-/* ---- float64 reference ---- */
-
-/* One rank's tokens and all experts' weights, as floats (already rounded through bf16
- * when they stand for bf16 tensors). Weight layouts as in comet.h, for all E experts. */
-typedef struct cometi_ref_problem {
-    int hidden, ffn, num_experts, top_k, num_tokens;
-    const float *x;            /* [M][H] */
-    const int32_t *topk_ids;   /* [M][k] */
-    const float *topk_weights; /* [M][k] */
-    const float *gate_up;      /* [E][2F][H], gate rows first */
-    const float *down;         /* [E][H][F] */
-} cometi_ref_problem_t;
-
-/* y[t] = sum_j w[t][j] * down_e(silu(gate_e x_t) * (up_e x_t)), in float64. */
-void cometi_reference_moe(const cometi_ref_problem_t *p, double *y);
-
-/* silu(g) * u, the SwiGLU activation, in float64. */
-double cometi_swiglu(double gate, double up);
-
-/* ||out - ref|| / ||ref|| over n values; NaN or Inf anywhere in `out` gives +inf. */
-double cometi_rel_error(const float *out, const double *ref, size_t n);
 
 #ifdef __cplusplus
 }

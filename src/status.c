@@ -7,6 +7,7 @@
 #include <stdlib.h>
 
 #include "internal.h"
+#include "params.h"
 
 const char *comet_status_string(comet_status_t status)
 {
@@ -57,22 +58,4 @@ comet_status_t cometi_nccl(char *err, ncclResult_t r, const char *what)
     return cometi_fail(err, COMET_NCCL_ERROR, "%s: %s", what, ncclGetErrorString(r));
 }
 
-int cometi_pdl_enabled(void)
-{
-    static int enabled = -1; /* read once; a benign race: every thread reads the same value */
-    if (enabled < 0) {
-        const char *v = getenv("COMET_PDL");
-        enabled = !(v && v[0] == '0');
-    }
-    return enabled;
-}
-
-int cometi_first_wave_enabled(void)
-{
-    static int enabled = -1; /* read once, as cometi_pdl_enabled */
-    if (enabled < 0) {
-        const char *v = getenv("COMET_FIRST_WAVE");
-        enabled = !(v && v[0] == '0');
-    }
-    return enabled;
-}
+int cometi_pdl_enabled(void) { return cometi_param_int(COMETI_PARAM_PDL) != 0; }

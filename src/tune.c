@@ -1,5 +1,6 @@
 /*
- * tune.c - the fused path's settings: the cost model and the tuning file. See tune.h.
+ * tune.c - the fused path's settings: the cost model, the tuning file, and the rules for
+ * the first wave and the head. See tune.h.
  */
 #include <errno.h>
 #include <math.h>
@@ -9,7 +10,7 @@
 
 #include "tune.h"
 
-/* Rates measured on H200 (docs/PERF.md, 2026-11-29): our grouped GEMM at 650-790 TFLOP/s
+/* Rates measured on H200 (2026-11-29): our grouped GEMM at 650-790 TFLOP/s
  * on the presets; dispatch blocks copy about 8 GB/s per SM beside the GEMM (the fewest
  * blocks that kept layer0 within noise of its best); the combine on every SM after GEMM1
  * reads its output at about 0.7 TB/s (134 MB in 188-290 us). */
@@ -18,12 +19,10 @@
 #define MODEL_TAIL_BYTES 0.7e12
 /* The push (rows sent home from GEMM1's epilogue, summed by the owner after) beat the tail
  * where the tail reaches 0.39 and 0.71 of GEMM1 (qwen2-57b-a14b even, qwen2-moe-2.7b by
- * 1.47x) and lost where it is 0.07 (mixtral-8x7b, by 6%); even at 0.16 (phi-3.5-moe).
- * It also beat every setting with combine blocks beside the GEMM (docs/PERF.md, S5).
- * Since its epilogue sends whole parts as tensor stores (U3) it wins at 0.16 too (phi,
- * 2%), and since the other parts are stored from registers (V1) at 0.07 (mixtral: 1.6%
- * on the whole layer in turns, V4). The threshold keeps the tail for shapes with even
- * less to send. */
+ * 1.47x), and it beat every setting with combine blocks beside the GEMM. Once its epilogue
+ * sent whole parts as tensor stores it won at 0.16 too (phi-3.5-moe, 2%), and once the
+ * other parts were stored from registers at 0.07 (mixtral-8x7b: 1.6% on the whole layer,
+ * timed in turns). The threshold keeps the tail for shapes with even less to send. */
 #define MODEL_PUSH_SHARE 0.05
 
 static int clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
@@ -41,7 +40,7 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
     /* With TP the dispatch blocks copy every row to tp ranks, the local copy included: a TP
      * rank after the group's first has no local rows at the head of its segments, so its
      * first tiles wait for the copies too (2 x H200, EP 1 x TP 2: the best counts were 6-8
-     * blocks on mixtral-8x7b and 16 or more on phi-3.5-moe and qwen2-57b-a14b, run T3). */
+     * blocks on mixtral-8x7b and 16 or more on phi-3.5-moe and qwen2-57b-a14b). */
     const double push_bytes = rows * (tp > 1 ? 1.0 : remote) * H * 2;
     int blocks = (int)ceil(push_bytes / (gemm0_s * MODEL_DISPATCH_BYTES_PER_SM));
     blocks = clamp(blocks + (blocks & 1), 4, 24); /* even; the measured range */
@@ -232,4 +231,29 @@ void cometi_tuning_line(const comet_moe_config_t *cfg, int world, const cometi_k
              k->l0.dispatch_mode == COMETI_DISPATCH_STORES ? "stores" : "bulk", k->l1.combine_blocks, k->l1.n_splits,
              k->l1.dynamic_tiles ? "dynamic" : "static",
              k->l1.push ? "push" : k->l1.tail || !k->l1.combine_blocks ? "tail" : "notail");
+}
+
+int cometi_first_wave_blocks(int requested, int enabled, int tp, int sm_count, int dispatch_blocks, int col_tiles)
+{
+    if (tp != 1 || requested < 0 || !enabled || sm_count <= COMETI_FIRST_WAVE_FREE_SMS + dispatch_blocks ||
+        col_tiles < 1)
+        return 0;
+    if (requested > 0) return requested;
+    /* Idle SMs at a call's start cost their whole length, but a wave of a block or two
+     * (phi-3.5-moe's 50 column tiles leave room for 2) gave less than its second stream and
+     * its launch cost: on 2 x H200 it lost 0.8 point there and gained on 5 and 9 blocks
+     * (qwen2-57b-a14b, qwen2-moe-2.7b). */
+    const int wave = (sm_count - COMETI_FIRST_WAVE_FREE_SMS) / col_tiles;
+    return wave < COMETI_FIRST_WAVE_MIN_BLOCKS ? 0 : wave;
+}
+
+int cometi_head_pieces(int tp, int group_m, int gemm_blocks, int col_tiles)
+{
+    /* With TP the rows go to every rank of the group, which the head (this rank's own
+     * receive buffer alone) cannot do. The head follows the first wave's rows when there
+     * is one: without a head, the fused kernel's first tiles waited for the few dispatch
+     * workers. */
+    if (tp != 1 || col_tiles < 1) return 0;
+    const int pieces = 2 * (group_m + (gemm_blocks + col_tiles - 1) / col_tiles);
+    return pieces < COMETI_DISPATCH_HEAD_MAX_PIECES ? pieces : COMETI_DISPATCH_HEAD_MAX_PIECES;
 }

@@ -1,20 +1,51 @@
 /*
- * tune.h - how the fused path picks its run-time settings: a cost model from the layer's
- * sizes and rates measured on H200 (docs/PERF.md), or a tuning file that overrides it
- * ($COMET_TUNING_FILE). Host code only, no CUDA calls: the CPU tests cover it.
+ * tune.h - the fused path's settings and every heuristic that picks one: the settings of
+ * the two fused operators (what `comet tune` sweeps), the cost model that picks them from
+ * the layer's sizes and rates measured on H200, the tuning file that overrides it
+ * ($COMET_TUNING_FILE), and the smaller rules the operators follow (the first wave, the
+ * head). The operators execute what these pick. Host code only, no CUDA calls: the CPU
+ * tests cover it.
  */
 #ifndef COMET_TUNE_H
 #define COMET_TUNE_H
 
-#include "layer1.h"
+#include "internal.h"
+#include "kernels/dispatch.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
+/* The settings of one dispatch -> GEMM call (layer0). */
+typedef struct cometi_dispatch_knobs {
+    int dispatch_blocks; /* SMs that copy rows; the rest compute */
+    int dispatch_mode;   /* COMETI_DISPATCH_* (kernels/dispatch.h) */
+    int first_wave;      /* tp 1: the first wave's row blocks: 0 automatic (cometi_first_wave_blocks),
+                          * -1 none, n > 0 exactly n (tests) */
+} cometi_dispatch_knobs_t;
+
+/* The settings of one GEMM -> combine call (layer1); n_splits must be the same on every rank. */
+typedef struct cometi_combine_knobs {
+    int combine_blocks; /* SMs that combine beside the GEMM; the rest compute. 0: none, the
+                         * tail kernel combines every split after the GEMM (no overlap) */
+    int n_splits;       /* column splits of GEMM1 (divides hidden / 128 or hidden / 256) */
+    int dynamic_tiles;  /* GEMM tiles from a shared counter, else the static split */
+    int tail;           /* the last split's combine runs after the GEMM on every SM, not on
+                         * the combine blocks (implied by combine_blocks = 0) */
+    int push;           /* GEMM1's epilogue sends each finished tile's rows to their token
+                         * owners (every choice its own slot, no pre-sum), and the owner sums
+                         * them after: the communication rides in the GEMM on no SM of its
+                         * own. Needs combine_blocks = 0 and n_splits = 1, and the same value
+                         * on every rank (comet_moe_forward's ranks compare their settings).
+                         * The only ending with TP > 1 (the others pre-sum per rank; they
+                         * return COMET_NOT_SUPPORTED: the tuning file and the cost model never
+                         * pick them with TP). Its sum order (by choice) differs from the
+                         * combine's (by rank), so its bits do too. */
+} cometi_combine_knobs_t;
+
 typedef struct cometi_knobs {
-    cometi_layer0_knobs_t l0;
-    cometi_layer1_knobs_t l1;
+    cometi_dispatch_knobs_t l0;
+    cometi_combine_knobs_t l1;
 } cometi_knobs_t;
 
 /* The cost model: settings for `cfg` on `world` GPUs of `sm_count` SMs, balanced routing
@@ -45,6 +76,27 @@ int cometi_tuning_update(const char *path, const comet_moe_config_t *cfg, int wo
 
 /* The tuning line for these settings (no newline); `buf` of at least 160 bytes. */
 void cometi_tuning_line(const comet_moe_config_t *cfg, int world, const cometi_knobs_t *k, char *buf, size_t len);
+
+/* SMs the first-wave GEMM leaves to the route's kernels and the fused kernel's first
+ * blocks; it takes (SMs - these) / column tiles row blocks. */
+#define COMETI_FIRST_WAVE_FREE_SMS 32
+/* The fewest row blocks for which the first wave pays. */
+#define COMETI_FIRST_WAVE_MIN_BLOCKS 4
+
+/* The first wave of a dispatch -> GEMM call at tp 1 (layer0): this rank's own rows of its
+ * first expert, `return` whole 128-row blocks of them, copied and computed on a stream of
+ * its own while the route exchanges counts (0: none). `requested` is the knob (0
+ * automatic, -1 none, n > 0 exactly n); `enabled` is $COMET_FIRST_WAVE. Automatic: what
+ * (SMs - COMETI_FIRST_WAVE_FREE_SMS) take at once, on only from COMETI_FIRST_WAVE_MIN_BLOCKS
+ * blocks. */
+int cometi_first_wave_blocks(int requested, int enabled, int tp, int sm_count, int dispatch_blocks, int col_tiles);
+
+/* The head of a dispatch -> GEMM call at tp 1: the pieces of this rank's own rows that
+ * every GEMM block copies a share of at the kernel's start (the rows the first two waves
+ * of tiles need: a wave of gemm_blocks tiles covers a band of group_m row tiles, or more
+ * rows where a row has fewer column tiles than the wave), at most
+ * COMETI_DISPATCH_HEAD_MAX_PIECES. 0 with tp > 1. */
+int cometi_head_pieces(int tp, int group_m, int gemm_blocks, int col_tiles);
 
 #ifdef __cplusplus
 }

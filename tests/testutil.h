@@ -12,6 +12,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../harness/data.h"
+#include "../harness/reference.h"
+
 #define TEST_SKIP 77
 
 #define CHECK(cond)                                                                                \
@@ -68,6 +71,7 @@ uint64_t test_seed(void);
     X(choice_slots, 10)                         \
     X(cost_model_knobs, 10)                     \
     X(tuning_file, 10)                          \
+    X(first_wave_and_head_rules, 10)            \
     X(timeline_accounting, 10)                  \
     X(gemm_tail_plan, 10)                       \
     X(routing_generators, 10)                   \
@@ -79,6 +83,7 @@ uint64_t test_seed(void);
     X(launch_timeout_stops_ranks, 30)           \
     X(launch_external_env, 30)                  \
     X(api_rejects_bad_arguments, 10)            \
+    X(params_table, 30)                         \
     X(gpu_flag_wait_times_out, 60)              \
     X(gpu_gemm_vs_reference, 120)               \
     X(gpu_gemm_epilogues, 120)                  \

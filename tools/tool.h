@@ -8,7 +8,10 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "../src/launch.h"
+#include "../harness/data.h"
+#include "../harness/gpu.h"
+#include "../harness/launch.h"
+#include "../harness/reference.h"
 #include "../src/plan.h"
 
 #define TOOL_MAX_PRESETS 8
@@ -43,11 +46,14 @@ typedef struct tool_options {
     int suite;                       /* every preset x token count x routing, no sweeps */
     int warmup, iters;
     int check;                       /* float64 check of sample tokens */
+    int trace;                       /* --trace: where the fused kernels' time goes, per SM */
     const char *json;
     const char *tune_out;            /* comet tune: the tuning file the best settings go to */
     uint64_t seed;
     /* bandwidth */
     int mib;
+    /* gemm */
+    int sweep;                       /* --sweep: every variant of ours, a line each */
     /* both */
     int timeout_ms;
 } tool_options_t;

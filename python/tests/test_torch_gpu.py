@@ -8,13 +8,14 @@ poisoned with NaN before every call, also with tensor parallelism inside the exp
 layout raise in Python before anything is launched, and an expert id out of range or a
 bad config raise CometError with comet's own message.
 
-    torchrun --nproc-per-node 2 python/tests/test_torch_gpu.py [-v]
+    torchrun --nproc-per-node N python/tests/test_torch_gpu.py [-v]    (N >= 1; N = 2 runs all)
 
-Needs 2 Hopper GPUs on one NVLink node, torch, and build/libcomet.so (`make`). Without
-them every test prints SKIP and says why. Rank 0 prints PASS/FAIL/SKIP per test (a test
-passes when it passed on every rank) and ends with "N passed, N failed, N skipped";
-every rank exits 1 when anything failed. A test that hangs is reported and the run
-stopped after its time limit.
+Needs N Hopper GPUs on one NVLink node, torch, and build/libcomet.so (`make`); without
+torch or GPUs every test prints SKIP and says why, a library that does not load fails
+the run, and at one rank the tests that need two print SKIP. Rank 0 prints
+PASS/FAIL/SKIP per test (a test passes when it passed on every rank) and ends with "N
+passed, N failed, N skipped"; every rank exits 1 when anything failed. A test that
+hangs is reported and the run stopped after its time limit.
 """
 import os
 
@@ -44,6 +45,10 @@ def test(fn):
 
 class Failed(AssertionError):
     pass
+
+
+class Skip(Exception):
+    """Raised by a test that cannot run at this world size (the same on every rank)."""
 
 
 def check(cond, msg):
@@ -124,18 +129,19 @@ class Ctx:
         w, ids = torch.topk(probs, TOP_K, dim=-1)
         return ids, w / w.sum(dim=-1, keepdim=True)
 
-    def reference_experts(self, x, ids, weights):
+    def reference_experts(self, x, ids, weights, ref_w=None):
         """y[t] = sum_j w[t, j] * W2_e (silu(W1_e x) * (W3_e x)), e = ids[t, j], in float32
-        with every expert's weights (no expert parallelism, no communication)."""
-        torch, F = self.torch, self.torch.nn.functional
+        with every expert's weights (no expert parallelism, no communication): self.ref_w,
+        or `ref_w` in its form ({"experts.{e}.w1.weight": float32 on the GPU, ...})."""
+        torch, F, ref_w = self.torch, self.torch.nn.functional, self.ref_w if ref_w is None else ref_w
         xf = x.float()
         y = torch.zeros_like(xf)
         for e in range(E):
             tok, slot = (ids.long() == e).nonzero(as_tuple=True)
             if tok.numel() == 0:
                 continue
-            h = F.silu(xf[tok] @ self.ref_w[f"experts.{e}.w1.weight"].T) * (xf[tok] @ self.ref_w[f"experts.{e}.w3.weight"].T)
-            y.index_add_(0, tok, (h @ self.ref_w[f"experts.{e}.w2.weight"].T) * weights[tok, slot].float().unsqueeze(1))
+            h = F.silu(xf[tok] @ ref_w[f"experts.{e}.w1.weight"].T) * (xf[tok] @ ref_w[f"experts.{e}.w3.weight"].T)
+            y.index_add_(0, tok, (h @ ref_w[f"experts.{e}.w2.weight"].T) * weights[tok, slot].float().unsqueeze(1))
         return y
 
     def compare(self, what, y, ref):
@@ -232,7 +238,7 @@ def block_matches_torch_random_routing(c):
 def block_matches_torch_skewed_routing(c):
     torch = c.torch
     cases = [("skewed x16", (200, 129), dict(kind="skewed", skew=16.0)),
-             ("every token to expert 6 (rank 1's)", (128, 300), dict(kind="one", expert=6)),
+             (f"every token to expert 6 (rank {6 // (E // c.world)}'s)", (128, 300), dict(kind="one", expert=6)),
              ("every token to expert 0 (rank 0's)", (64, 64), dict(kind="one", expert=0)),
              ("a rank without tokens", (0, 200), dict(kind="random")),
              ("max_tokens on every rank", (MAX_TOKENS, MAX_TOKENS), dict(kind="random"))]
@@ -355,11 +361,7 @@ def two_blocks_on_one_comm(c):
                 torch.cuda.synchronize()
                 c.comm.check_async_error()
                 c.compare(f"{impl}, layer 1", y1, c.reference_experts(x, ids, w))
-                saved, c.ref_w = c.ref_w, ref2
-                try:
-                    c.compare(f"{impl}, layer 2", y2, c.reference_experts(y1, ids, w))
-                finally:
-                    c.ref_w = saved
+                c.compare(f"{impl}, layer 2", y2, c.reference_experts(y1, ids, w, ref2))
 
 
 @test
@@ -395,11 +397,10 @@ def tensor_parallel_block_matches_torch(c):
     rank gets its own tokens' complete output, for each impl, against the same float32
     reference; the layer takes gate and up apart too. Then ffn 384 (ffn / 2 = 192: GEMM0's
     last SwiGLU tile half full): fused, auto and baseline against the reference."""
-    torch, cm, F = c.torch, c.cm, c.torch.nn.functional
+    torch, cm = c.torch, c.cm
     tp = 2
     if c.world % tp:
-        c.note(f"{c.world} ranks: tp_size {tp} needs an even world size; left out")
-        return
+        raise Skip(f"needs 2 ranks (tp_size {tp}: an even world size; this one is {c.world})")
     Fl, t, per = FFN // tp, c.rank % tp, E // (c.world // tp)
     first = (c.rank // tp) * per
     cols = slice(t * Fl, (t + 1) * Fl)
@@ -479,14 +480,8 @@ def tensor_parallel_block_matches_torch(c):
             ys[impl] = moe.forward(x, ids, w, gate_up=gate_up, down=down, out=out, impl=impl)
         torch.cuda.synchronize()
         check(torch.equal(ys["fused"], ys["auto"]), "auto took the fused path: the same bits")
-        xf = x.float()
-        ref = torch.zeros_like(xf)
-        w1f, w3f, w2f = (v.to(c.device).float() for v in (w1, w3, w2))
-        for e in range(E):
-            tok, slot = (ids.long() == e).nonzero(as_tuple=True)
-            if tok.numel():
-                h = F.silu(xf[tok] @ w1f[e].T) * (xf[tok] @ w3f[e].T)
-                ref.index_add_(0, tok, (h @ w2f[e].T) * w[tok, slot].unsqueeze(1))
+        ref = c.reference_experts(x, ids, w, {f"experts.{e}.{n}.weight": v[e].to(c.device).float()
+                                              for n, v in (("w1", w1), ("w3", w3), ("w2", w2)) for e in range(E)})
         for impl, y in ys.items():
             c.compare(f"tp {tp}, {impl} with ffn {F2}", y, ref)
 
@@ -544,12 +539,14 @@ def bad_config_raises_comets_message(c):
     e = raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(hidden=100)), "comet_moe_create",
                "config.hidden = 100", "multiple of 64")
     check(e.status == 1 and e.status_name == "COMET_INVALID_ARGUMENT", f"status {e.status} {e.status_name}")
-    raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(num_experts=c.world * 4 + 1)),
-           f"must be divisible by ep_size = {c.world}")
     raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(tp_size=c.world + 1)),
            f"config.tp_size = {c.world + 1}", f"must divide the world size {c.world}")
-    raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(ffn=192, tp_size=2)), "config.ffn = 192",
-           "tp_size")
+    if c.world > 1:  # with one rank, every expert count divides by ep_size 1
+        raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(num_experts=c.world * 4 + 1)),
+               f"must be divisible by ep_size = {c.world}")
+    if c.world % 2 == 0:  # tp_size 2 needs an even world size
+        raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(ffn=192, tp_size=2)), "config.ffn = 192",
+               "tp_size")
 
 
 @test
@@ -570,13 +567,9 @@ def fused_path_runs_ffn_not_multiple_of_128(c):
             out = c.poisoned(m)
             ys[impl] = moe.forward(x, ids, w, gate_up=gate_up, down=down, out=out, impl=impl)
         torch.cuda.synchronize()
-        xf, F = x.float(), torch.nn.functional
-        ref = torch.zeros_like(xf)
-        for t in range(m):
-            for j in range(TOP_K):
-                le = int(ids[t, j]) % moe.experts_per_rank
-                h = F.silu(gate_up[le, :192].float() @ xf[t]) * (gate_up[le, 192:].float() @ xf[t])
-                ref[t] += w[t, j] * (down[le].float() @ h)
+        per = moe.experts_per_rank
+        ref = c.reference_experts(x, ids, w, {f"experts.{e}.{n}.weight": v.float() for e in range(E) for n, v in (
+            ("w1", gate_up[e % per, :192]), ("w3", gate_up[e % per, 192:]), ("w2", down[e % per]))})
         for impl, y in ys.items():
             c.compare(f"{impl} with ffn 192", y, ref)
 
@@ -585,18 +578,18 @@ def fused_path_runs_ffn_not_multiple_of_128(c):
 def expert_id_out_of_range_baseline(c):
     torch, cm, block = c.torch, c.cm, c.block
     block.impl = "baseline"
-    m = 64
+    m, bad = 64, min(1, c.world - 1)  # rank 1 passes the bad id; with one rank, rank 0 (no other rank to tell)
     x = c.tokens(m)
     ids, w = c.routing(m, "random")
-    if c.rank == 1:
+    if c.rank == bad:
         ids[5, 1] = E
     with torch.inference_mode():
-        if c.rank == 1:
+        if c.rank == bad:
             e = raises(cm.CometInvalidArgumentError, lambda: block.forward_routed(x, ids, w),
-                       "comet_moe_forward", f"topk_ids[5][1] = {E} on rank 1", f"[0, num_experts = {E})")
+                       "comet_moe_forward", f"topk_ids[5][1] = {E} on rank {bad}", f"[0, num_experts = {E})")
         else:
             e = raises(cm.CometRemoteError, lambda: block.forward_routed(x, ids, w), "COMET_REMOTE_ERROR",
-                       f"rank 1 passed an expert id out of [0, {E})")
+                       f"rank {bad} passed an expert id out of [0, {E})")
         c.note(f"baseline: {e}")
         ids, w = c.routing(m, "random")
         out = c.poisoned(m)
@@ -609,15 +602,15 @@ def expert_id_out_of_range_baseline(c):
 def expert_id_out_of_range_fused(c):
     torch, cm, block = c.torch, c.cm, c.block
     block.impl = "fused"
-    m = 64
+    m, bad = 64, min(1, c.world - 1)  # as in the baseline's test
     x = c.tokens(m)
     ids, w = c.routing(m, "random")
-    if c.rank == 1:
+    if c.rank == bad:
         ids[5, 1] = E
     with torch.inference_mode():
         block.forward_routed(x, ids, w)  # the fused path finds bad ids on the device
     torch.cuda.synchronize()
-    if c.rank == 1:
+    if c.rank == bad:
         e = raises(cm.CometInvalidArgumentError, lambda: c.comm.check_async_error(), "comet_comm_get_async_error",
                    f"topk_ids entry {5 * TOP_K + 1} (token * top_k + choice) = {E}")
         c.note(f"fused: {e}")
@@ -684,9 +677,7 @@ def close_the_shared_communicator(c):
 # ---- the runner ----
 
 def skip_all(reason):
-    for fn in TESTS:
-        print(f"SKIP {fn.__name__}: {reason}")
-    print(f"0 passed, 0 failed, {len(TESTS)} skipped")
+    print("".join(f"SKIP {fn.__name__}: {reason}\n" for fn in TESTS) + f"0 passed, 0 failed, {len(TESTS)} skipped")
     return 0
 
 
@@ -698,9 +689,9 @@ def main():
         import torch.distributed as dist
     except ImportError:
         return skip_all("torch is not installed") if is_rank0 else 0
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        return skip_all("needs 2 ranks: torchrun --nproc-per-node 2 python/tests/test_torch_gpu.py") if is_rank0 else 0
-    world, local = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if "RANK" not in os.environ:
+        return skip_all("needs torchrun: torchrun --nproc-per-node N python/tests/test_torch_gpu.py (N >= 1)")
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
     if not torch.cuda.is_available() or torch.cuda.device_count() <= local:
         return skip_all(f"needs a GPU per rank; found {torch.cuda.device_count()}") if is_rank0 else 0
     if torch.cuda.get_device_capability(local)[0] != 9:
@@ -708,15 +699,16 @@ def main():
     try:
         import comet_moe
         comet_moe.version()
-    except Exception as e:  # noqa: BLE001 - no library means nothing can run
-        return skip_all(f"libcomet: {e}") if is_rank0 else 0
+    except Exception as e:  # noqa: BLE001 - no library: nothing can run, and that is a failure
+        print(f"FAIL rank {os.environ['RANK']}: libcomet cannot be loaded: {type(e).__name__}: {e}", flush=True)
+        return 1
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference stays float32
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank = dist.get_rank()
     results_group = dist.new_group(backend="gloo")  # results travel on the CPU, apart from the GPUs' work
     c = Ctx(torch, dist, comet_moe, rank, world, local)
-    passed = failed = 0
+    count = {"pass": 0, "fail": 0, "skip": 0}
     for fn in TESTS:
         name = fn.__name__
         c.notes, c.failures = [], []
@@ -728,26 +720,32 @@ def main():
         timer.start()
         try:
             fn(c)
-            mine = (not c.failures, "".join(f"rank {rank}: {f}\n" for f in c.failures))
+            mine = ("pass", "")
+        except Skip as e:
+            mine = ("skip", str(e))
         except Exception as e:  # noqa: BLE001 - reported as this test's failure
-            mine = (False, "".join(f"rank {rank}: {f}\n" for f in c.failures) +
-                    f"rank {rank}: {type(e).__name__}: {e}\n" + traceback.format_exc())
+            mine = ("fail", f"rank {rank}: {type(e).__name__}: {e}\n" + traceback.format_exc())
+        if c.failures:  # recorded misses come first, and fail a test that raised Skip after them
+            mine = ("fail", "".join(f"rank {rank}: {f}\n" for f in c.failures) + mine[1] * (mine[0] == "fail"))
         timer.cancel()
         took = time.monotonic() - start
         everyone = [None] * world
         dist.all_gather_object(everyone, (mine, c.notes), group=results_group)
-        ok = all(r[0][0] for r in everyone)
-        passed, failed = passed + ok, failed + (not ok)
+        states = {r[0][0] for r in everyone}
+        state = states.pop() if len(states) == 1 else "fail"  # skipped on some ranks only: a failure
+        count[state] += 1
         if rank == 0:
-            print(f"{'PASS' if ok else 'FAIL'} {name} ({took:.2f} s)", flush=True)
-            for (good, msg), notes in everyone:
-                for line in ([] if good else msg.rstrip().splitlines()) + (notes if verbose or not ok else []):
+            print(f"SKIP {name}: {everyone[0][0][1]}" if state == "skip" else
+                  f"{state.upper()} {name} ({took:.2f} s)", flush=True)
+            for r, ((st, msg), notes) in enumerate(everyone):
+                why = msg.rstrip().splitlines() if st == "fail" else [f"rank {r} skipped it: {msg}"] if st == "skip" else []
+                for line in (why if state == "fail" else []) + (notes if verbose or state == "fail" else []):
                     print("    " + line, flush=True)
     if rank == 0:
-        print(f"{passed} passed, {failed} failed, 0 skipped", flush=True)
+        print(f"{count['pass']} passed, {count['fail']} failed, {count['skip']} skipped", flush=True)
     dist.barrier(group=results_group)
     dist.destroy_process_group()
-    return 1 if failed else 0
+    return 1 if count["fail"] else 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
  */
 #include <cuda_bf16.h>
 
-#include "gemm.h"
+#include "combine.h"
 #include "ptx.cuh"
 #include "combine.cuh"
 
@@ -70,7 +70,7 @@ extern "C" comet_status_t cometi_launch_combine_tail(char *err, const cometi_com
  * dependent loads before each slot's.) A step reads about SUM_READS chunks (k rows per
  * output chunk), so the table's dependent loads and the barriers are paid per 128 KB read
  * whatever top-k is: with a fixed 1024 output chunks per step, top-2 and top-4 steps read
- * only 32-64 KB and ran at 2.4-2.8 TB/s where top-8 ran at 3.8 (docs/PERF.md V3). With TP a
+ * only 32-64 KB and ran at 2.4-2.8 TB/s where top-8 ran at 3.8. With TP a
  * step reads tp partial rows per choice: tp x 128 KB. */
 #define SUM_THREADS 256
 #define SUM_READS 8192     /* 16-byte chunks read per step: 128 KB */
@@ -93,13 +93,13 @@ push_sum_kernel(const cometi_push_sum_t s, cometi_async_error_t *err, unsigned l
      * column tile and TP rank of the group. */
     if (threadIdx.x == 0) {
         unsigned long long rows = 0;
-        for (int e = 0; e < s.num_experts; e++) rows += (unsigned int)s.counts[(size_t)s.rank * s.num_experts + e];
+        for (int e = 0; e < s.num_experts; e++) rows += (unsigned int)s.plan.counts[(size_t)s.rank * s.num_experts + e];
         per_call = rows * s.col_tiles * s.tp; /* every TP rank of the group sends its partial */
         cometi_wait_geq(s.arrive, *s.expected + per_call, timeout_ns, err, COMETI_SITE_PUSH, -1, 0);
     }
     const int vecs = s.hidden / 8, k = s.top_k;
     const int step = s.step;
-    const int32_t *send_offset = s.send_offset + (size_t)s.rank * s.num_experts;
+    const int32_t *send_offset = s.plan.send_offset + (size_t)s.rank * s.num_experts;
     const __nv_bfloat16 *slots = (const __nv_bfloat16 *)s.slots;
     for (int t0 = blockIdx.x * step; t0 < s.num_tokens; t0 += gridDim.x * step) {
         const int nt = min(step, s.num_tokens - t0);
@@ -210,7 +210,7 @@ static __global__ void push_dest_kernel(const cometi_combine_t c, const cometi_s
         if (q >= 0 && q < segs[lo].rows) {
             const int e = c.rank / c.tp * c.experts_per_group + lo;
             int64_t slot = 0;
-            const int s = cometi_push_slot(c.counts, c.send_offset, c.recv_offset, c.world, E, e, q, c.tp,
+            const int s = cometi_push_slot(c.plan.counts, c.plan.send_offset, c.plan.recv_offset, c.world, E, e, q, c.tp,
                                            c.rank % c.tp, c.rank, &slot);
             if (s >= 0) d = make_int2(s, (int)slot); /* this TP rank's partial: its own slot of the choice's tp */
         }

@@ -5,7 +5,7 @@
  * split; the combine blocks send each finished split home, summed per token on this
  * rank, and sum what came home into y, while the GEMM blocks compute the next split. The
  * last split can only start once the GEMM is done, so it goes to the tail kernel, where
- * every SM shares it (on a few combine blocks it was the whole overhead: docs/PERF.md).
+ * every SM shares it (on a few combine blocks it was the whole overhead).
  * See cometi_combine_t.
  *
  * Both sums (a token's rows on this rank, weighted; an owner's slots) are "row sums": the
@@ -13,7 +13,7 @@
  * latency, so they go in parallel), then moves the rows through its ring of shared-memory
  * slots with bulk copies issued ahead of the sums, so many KB per SM are in flight (a
  * warp that loaded a row, summed and stored it before the next was bandwidth-starved:
- * 1.25-2.8x GEMM1 alone, docs/PERF.md).
+ * 1.25-2.8x GEMM1 alone).
  *
  * Ordering: the GEMM counts a split's rows in split_done with a GPU-scope release once
  * they are in C; one thread acquires, a block barrier follows, and the issuing lane fences
@@ -25,7 +25,7 @@
 #define COMET_COMBINE_CUH
 
 #include <cuda_bf16.h>
-#include "gemm.h"
+#include "combine.h"
 #include "ptx.cuh"
 
 #define COMBINE_SLOT_BYTES 2048  /* 1024 columns: longer rows go in pieces */
@@ -257,7 +257,7 @@ static __device__ int combine_setup(const cometi_combine_t *c, const cometi_segm
     }
     if (threadIdx.x < c->world) b->owner_rows[threadIdx.x] = 0;
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) atomicAdd(b->sent_total, (unsigned int)c->counts[me * E + e]);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) atomicAdd(b->sent_total, (unsigned int)c->plan.counts[me * E + e]);
     __syncthreads();
     b->received = b->first[groups];
     b->blocks = blocks;
@@ -281,9 +281,9 @@ static __device__ void combine_pull(const cometi_combine_t *c, const combine_blo
         int s = me, at = 0;
         for (int u = 0; u < W; u++) {
             s = (me + u) % W;
-            const int off = c->recv_offset[s * E + e];
-            if (q < off + c->counts[s * E + e]) {
-                at = c->send_offset[s * E + e] + q - off;
+            const int off = c->plan.recv_offset[s * E + e];
+            if (q < off + c->plan.counts[s * E + e]) {
+                at = c->plan.send_offset[s * E + e] + q - off;
                 break;
             }
         }

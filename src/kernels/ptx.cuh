@@ -2,10 +2,13 @@
  * ptx.cuh - the PTX wrappers comet's kernels share: system-scope acquire and release
  * for flags another GPU touches, the global timer, the timed wait every kernel uses
  * instead of a bare spin, and shared-memory barriers and bulk copies. All as asm
- * volatile with a "memory" clobber so the compiler neither caches nor reorders them.
+ * volatile with a "memory" clobber so the compiler neither caches nor reorders them; and
+ * the GEMM's tensor copies, named barriers and wgmma bookkeeping.
  */
 #ifndef COMET_PTX_CUH
 #define COMET_PTX_CUH
+
+#include <cuda.h>
 
 #include "../internal.h"
 
@@ -69,7 +72,7 @@ static __device__ void cometi_record_error(cometi_async_error_t *err, int status
 
 /* Whether another wait of this communicator has already failed. The word is in host
  * memory, so it is read only once a wait has lasted 1 ms, and then once per ms: polling
- * it over PCIe from many SMs slows everything (docs/PERF.md). *next_poll_ns starts at 0. */
+ * it over PCIe from many SMs slowed the whole pipeline 700-fold. *next_poll_ns starts at 0. */
 static __device__ __forceinline__ int cometi_other_wait_failed(const cometi_async_error_t *err,
                                                                unsigned long long waited_ns,
                                                                unsigned long long *next_poll_ns)
@@ -199,5 +202,58 @@ static __device__ __forceinline__ void bulk_commit(void) { asm volatile("cp.asyn
 static __device__ __forceinline__ void bulk_wait_read(void) { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 /* The stores issued so far are complete in global memory. */
 static __device__ __forceinline__ void bulk_wait(void) { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+/* ---- tensor copies (TMA), named barriers, wgmma bookkeeping (the GEMM) ---- */
+
+static __device__ __forceinline__ void tma_load_2d(void *dst, const CUtensorMap *map, int inner, int outer, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+/* A box of a 3D tensor [outer2][outer][inner]: rows past `outer` come back as zeros. */
+static __device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap *map, int inner, int outer, int outer2,
+                                                   uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+                 ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(outer2), "r"(smem_u32(bar))
+                 : "memory");
+}
+
+static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, const void *src, int inner, int outer)
+{
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
+                 ::"l"((uint64_t)map), "r"(inner), "r"(outer), "r"(smem_u32(src))
+                 : "memory");
+}
+
+/* Barrier for the 128 threads of one warpgroup (ids 1 and 2; 0 is __syncthreads). */
+static __device__ __forceinline__ void warpgroup_sync(int id)
+{
+    asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+
+/* A named barrier for one warp (ids 3..10: consumer warp 0..7), a synchronizing operation
+ * in PTX's memory model, which __syncwarp is not stated to be. */
+static __device__ __forceinline__ void warp_bar_sync(int id) { asm volatile("bar.sync %0, 32;" ::"r"(id) : "memory"); }
+/* Both consumer warpgroups of a cooperative tile (barrier 11: 1-2 are the warpgroups',
+ * 3-10 the warps'). */
+static __device__ __forceinline__ void consumers_sync(void) { asm volatile("bar.sync 11, 256;" ::: "memory"); }
+
+/* Shared-memory matrix descriptor for a K-major tile with 128-byte swizzle: rows of 128
+ * bytes, 8-row groups 1024 bytes apart (SBO), leading offset unused (1). */
+static __device__ __forceinline__ uint64_t smem_desc(const void *p)
+{
+    uint64_t addr = smem_u32(p);
+    return ((addr & 0x3ffff) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+static __device__ __forceinline__ void wgmma_fence(void) { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+static __device__ __forceinline__ void wgmma_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> static __device__ __forceinline__ void wgmma_wait(void)
+{
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
 
 #endif /* COMET_PTX_CUH */

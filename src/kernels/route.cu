@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "route.h"
+#include "combine.h"
 #include "ptx.cuh"
 #include "row_copy.cuh"
 
@@ -139,7 +140,7 @@ typedef struct peer_tables {
  *    place_rows_kernel. The counts come from shared memory when world x E fits beside the
  *    padded sizes (counts_in_smem). The serial walks this replaced ran at one warp's
  *    latency (the receive side's with two integer divisions per step): the kernel took
- *    16-19 us at 64 experts, 7-8 after (docs/PERF.md W3c, W4).
+ *    16-19 us at 64 experts, 7-8 after.
  */
 /* Exclusive prefix sums of in[0..n) into out[0..n) (may be in) by one warp; the total. */
 static __device__ __forceinline__ int warp_exclusive_scan(const int32_t *in, int32_t *out, int n)
@@ -372,7 +373,7 @@ static __device__ __forceinline__ int row_rank(const int32_t *chunk_pos, const i
  * multiples of 32, so at a token's first choice): each lane then reads the others' ranks
  * and receive rows with shuffles, one division and no loads per choice, where
  * cometi_choice_slot loads and divides k times (its records took 10 of place's 12 us on
- * qwen2-57b: docs/PERF.md Z13). Lanes past n take part with no token. */
+ * qwen2-57b). Lanes past n take part with no token. */
 static __device__ __forceinline__ cometi_row_meta_t warp_record(int rank, int recv, int j, int k, int t, int world)
 {
     const int first = (int)(threadIdx.x % 32) - j;

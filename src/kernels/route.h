@@ -11,7 +11,6 @@
 
 #include <stdint.h>
 #include "../internal.h"
-#include "gemm.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -55,6 +54,13 @@ typedef struct cometi_route_dev_plan {
                                      * buffer has received over all calls so far, this one included:
                                      * arrival counters reach it when the block is complete */
 } cometi_route_dev_plan_t;
+
+/* The tables the dispatch, the combine and the push read. */
+static inline cometi_route_tables_t cometi_route_tables(const cometi_route_dev_plan_t *p)
+{
+    cometi_route_tables_t t = {p->counts, p->send_offset, p->seg_start, p->recv_offset};
+    return t;
+}
 
 typedef struct cometi_route_dev {
     int world, tp, num_experts, max_rows, block_m, max_blocks; /* tp ranks per group (plan.h) */

@@ -1,9 +1,8 @@
 /*
  * symmetric.cu - symmetric memory over NCCL windows: NCCL's device communicator,
- * windows whose every rank's part is mapped into this process, the cross-rank
- * barrier and flag waits (each with a timeout), and the copy kernel used to measure
- * push and pull bandwidth. Peer addresses are resolved once, when a window is made,
- * so later kernels take plain pointers (and TMA maps can be built on them).
+ * windows whose every rank's part is mapped into this process, and the cross-rank
+ * barrier (with a timeout). Peer addresses are resolved once, when a window is made, so
+ * later kernels take plain pointers (and TMA maps can be built on them).
  */
 #include <string.h>
 
@@ -118,7 +117,7 @@ extern "C" void cometi_window_destroy(comet_comm_t comm, cometi_window_t *win)
     memset(win, 0, sizeof(*win));
 }
 
-/* ---- barrier and flags ---- */
+/* ---- the barrier ---- */
 
 typedef struct peer_slots {
     unsigned long long *ctrl[COMETI_MAX_RANKS]; /* each rank's control window, as mapped here */
@@ -134,18 +133,6 @@ static __global__ void barrier_kernel(peer_slots_t peers, unsigned long long *mi
     __threadfence_system(); /* what this stream wrote before the barrier is visible to all first */
     cometi_st_release_sys(peers.ctrl[p] + COMETI_CTRL_BARRIER + rank, seq);
     cometi_wait_geq(mine + COMETI_CTRL_BARRIER + p, seq, timeout_ns, err, COMETI_SITE_BARRIER, p, p);
-}
-
-static __global__ void wait_flag_kernel(const unsigned long long *flag, unsigned long long expected,
-                                        unsigned long long timeout_ns, cometi_async_error_t *err, int slot)
-{
-    cometi_wait_geq(flag, expected, timeout_ns, err, COMETI_SITE_FLAG, -1, slot);
-}
-
-static __global__ void set_flag_kernel(unsigned long long *flag, unsigned long long value)
-{
-    __threadfence_system();
-    cometi_st_release_sys(flag, value);
 }
 
 static unsigned long long timeout_ns(comet_comm_t comm) { return (unsigned long long)comm->timeout_ms * 1000000ull; }
@@ -167,53 +154,4 @@ extern "C" comet_status_t cometi_barrier_sync(comet_comm_t comm, const char *wha
     COMETI_TRY(cometi_barrier(comm, 0));
     COMETI_TRY(cometi_cuda(comm->err, cudaDeviceSynchronize(), what));
     return cometi_check_async(comm);
-}
-
-extern "C" comet_status_t cometi_wait_flag(comet_comm_t comm, int slot, unsigned long long expected,
-                                           cudaStream_t stream)
-{
-    if (slot < 0 || slot >= COMETI_CTRL_NFLAGS)
-        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "flag slot %d: must be 0..%d", slot,
-                           COMETI_CTRL_NFLAGS - 1);
-    const unsigned long long *flag = (const unsigned long long *)comm->ctrl.local + COMETI_CTRL_FLAGS + slot;
-    wait_flag_kernel<<<1, 1, 0, stream>>>(flag, expected, timeout_ns(comm), comm->async_dev, slot);
-    return cometi_cuda(comm->err, cudaGetLastError(), "launch wait_flag_kernel");
-}
-
-extern "C" comet_status_t cometi_set_flag(comet_comm_t comm, int peer, int slot, unsigned long long value,
-                                          cudaStream_t stream)
-{
-    if (slot < 0 || slot >= COMETI_CTRL_NFLAGS || peer < 0 || peer >= comm->size)
-        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "flag slot %d of rank %d: slot must be 0..%d, "
-                           "rank 0..%d", slot, peer, COMETI_CTRL_NFLAGS - 1, comm->size - 1);
-    unsigned long long *flag = (unsigned long long *)comm->ctrl.peer[peer] + COMETI_CTRL_FLAGS + slot;
-    set_flag_kernel<<<1, 1, 0, stream>>>(flag, value);
-    return cometi_cuda(comm->err, cudaGetLastError(), "launch set_flag_kernel");
-}
-
-/* ---- copies over NVLink ---- */
-
-/* 16-byte loads and stores, four in flight per thread before the first store. */
-static __global__ void __launch_bounds__(1024) copy_kernel(uint4 *dst, const uint4 *src, size_t n)
-{
-    size_t stride = (size_t)gridDim.x * blockDim.x;
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    for (; i + 3 * stride < n; i += 4 * stride) {
-        uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
-        dst[i] = a;
-        dst[i + stride] = b;
-        dst[i + 2 * stride] = c;
-        dst[i + 3 * stride] = d;
-    }
-    for (; i < n; i += stride) dst[i] = src[i];
-}
-
-extern "C" comet_status_t cometi_copy(char *err, void *dst, const void *src, size_t bytes, int blocks,
-                                      cudaStream_t stream)
-{
-    if (bytes % 16 || (uintptr_t)dst % 16 || (uintptr_t)src % 16 || blocks < 1)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "copy of %zu bytes with %d blocks: bytes and both "
-                           "addresses must be multiples of 16, blocks >= 1", bytes, blocks);
-    copy_kernel<<<blocks, 1024, 0, stream>>>((uint4 *)dst, (const uint4 *)src, bytes / 16);
-    return cometi_cuda(err, cudaGetLastError(), "launch copy_kernel");
 }

@@ -1,5 +1,5 @@
 /*
- * gemm.c - `comet gemm`: comet's grouped GEMM beside cuBLAS on one GPU, on every
+ * cmd_gemm.c - `comet gemm`: comet's grouped GEMM beside cuBLAS on one GPU, on every
  * preset's expert shapes (GEMM0: n = 2F, k = H; GEMM1: n = H, k = F; rows per expert as
  * balanced EP = 2 routing of 8192 tokens per GPU gives) and on 8192^3. Each variant's
  * output is checked against cuBLAS's on poisoned memory before it is timed. Ours cuts a
@@ -48,6 +48,7 @@ typedef int (*runner_t)(void *ctx, cudaStream_t s);
 
 typedef struct run_ctx {
     cometi_gemm_t g;
+    cometi_gemm_splits_t splits; /* g.splits points here when set */
     cublasHandle_t cublas;
     const shape_t *sh;
     const void *a, *b;
@@ -224,8 +225,7 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuBLAS",
            "coop-256", "pp-256", "coop-128", "best/cuB", "diff");
     int bad = 0;
-    const char *sweep_env = getenv("COMET_GEMM_SWEEP");
-    const int sweep = sweep_env && *sweep_env == '1';
+    const int sweep = o->sweep;
     unsigned int *sched;                /* the shared tile counter's words, zero between calls */
     unsigned long long *split_done;     /* running row counts of two column splits */
     CUDA_OK(cudaMalloc((void **)&sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
@@ -257,7 +257,7 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
         /* Variants {block_n, group_m, sms, epilogue, schedule, dynamic, splits, no cut}:
          * cooperative 128x256, ping-pong 64x256 and cooperative 128x128 with the default
-         * epilogue; with COMET_GEMM_SWEEP=1 also epilogues, tile orders, grid sizes, the
+         * epilogue; with --sweep also epilogues, tile orders, grid sizes, the
          * shared tile counter (layer0's schedule), two column splits with their counts
          * (layer1's order), and the first without the last wave's cut. */
         enum { A = COMETI_EPILOGUE_AUTO, D = COMETI_EPILOGUE_DIRECT, C = COMETI_SCHEDULE_COOPERATIVE,
@@ -278,9 +278,10 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
                                   .groups = sh->groups, .n = sh->n, .k = sh->k, .sms = variants[v][2],
                                   .block_n = variants[v][0], .group_m = variants[v][1],
                                   .epilogue = variants[v][3], .schedule = variants[v][4], .err = err_dev,
-                                  .sched = variants[v][5] ? sched : NULL, .n_splits = variants[v][6],
-                                  .split_done = variants[v][6] ? split_done : NULL,
+                                  .sched = variants[v][5] ? sched : NULL,
                                   .tail_ws = variants[v][7] ? NULL : tail_ws};
+            r.splits = (cometi_gemm_splits_t){.n_splits = variants[v][6], .split_done = split_done};
+            if (variants[v][6]) r.g.splits = &r.splits;
             CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
             FAIL_IF(run_ours(&r, 0), "%s: ours-%d: %s", sh->name, variants[v][0], r.err);
             CUDA_OK(cudaDeviceSynchronize());

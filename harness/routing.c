@@ -1,11 +1,11 @@
 /*
- * routing_gen.c - synthetic routing for tests and benchmarks: balanced, uniform
+ * routing.c - synthetic routing for tests and benchmarks: balanced, uniform
  * random, skewed expert load, and everything-to-one-expert; deterministic per seed.
  */
 #include <math.h>
 #include <stdlib.h>
 
-#include "plan.h"
+#include "data.h"
 
 static int already_chosen(const int32_t *ids, int j, int e)
 {

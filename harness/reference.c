@@ -5,7 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "plan.h"
+#include "reference.h"
 
 double cometi_swiglu(double gate, double up) { return gate / (1.0 + exp(-gate)) * up; }
 

@@ -5,7 +5,7 @@
  * reads x once per (token, choice) today). Also the 16-byte load/store path both ways.
  * Standalone (no NCCL): destination on this GPU or, with peer access, on GPU 1.
  *
- *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a bench/copy_patterns.cu -lcublas -o build/copy_patterns
+ *   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a dev/copy_patterns.cu -lcublas -o build/copy_patterns
  *   build/copy_patterns [row_bytes]
  *
  * Prints, per pattern, destination and block count, the GB/s each block delivers (rows x

@@ -5,7 +5,7 @@
  */
 #include <stdint.h>
 
-#include "../internal.h"
+#include "data.h"
 
 /* dst[r * cols + c] = hash(index0 + r * src_stride + c): rows of a larger tensor. */
 static __global__ void fill_hash_kernel(uint16_t *dst, size_t n, size_t cols, size_t src_stride, uint64_t seed,

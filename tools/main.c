@@ -1,5 +1,5 @@
 /*
- * comet.c - the command-line tool: parses a subcommand and its flags, then runs it
+ * main.c - the command-line tool: parses a subcommand and its flags, then runs it
  * on one process per GPU (forked here, before any CUDA call) or, under an external
  * launcher, on this process as one rank.
  *
@@ -32,7 +32,7 @@ static void usage(FILE *f)
             "  bandwidth   push (stores) and pull (loads) bandwidth between GPUs through symmetric memory, the\n"
             "              same copy in local memory, and the copy engine's push\n"
             "  gemm        comet's grouped GEMM beside cuBLAS on one GPU: every preset's expert GEMMs\n"
-            "              (rows as balanced EP=2 routing of --tokens gives) and 8192^3; --preset, --iters\n"
+            "              (rows as balanced EP=2 routing of --tokens gives) and 8192^3; --preset, --iters, --sweep\n"
             "  presets     list the model presets\n"
             "  version     print the version\n"
             "\n"
@@ -50,8 +50,14 @@ static void usage(FILE *f)
             "                           skewed routing, comet's default settings, no sweeps; ends with a table\n"
             "  --json FILE              also write the results as JSON\n"
             "  --seed S                 inputs' seed                                    [from the clock]\n"
+            "  --trace                  also print, on every rank, where the fused kernels' time goes per SM against\n"
+            "                           our GEMM alone's (launch, dispatch, waits for rows, tiles, tail), and with\n"
+            "                           combine blocks layer1's combine timeline\n"
             "bandwidth flags:\n"
             "  --mib N                  bytes per transfer, MiB                         [256]\n"
+            "gemm flags:\n"
+            "  --sweep                  also every variant of ours, a line each: epilogues, tile orders, grid sizes,\n"
+            "                           the shared tile counter, two column splits, no cut of the last wave\n"
             "common flags:\n"
             "  --ranks N                processes, one per GPU                          [every visible GPU]\n"
             "  --timeout-ms T           device-side wait limit                          [5000]\n"
@@ -186,6 +192,12 @@ int main(int argc, char **argv)
             used = 0;
         } else if (!strcmp(f, "--suite")) {
             o.suite = 1;
+            used = 0;
+        } else if (!strcmp(f, "--trace") && is_bench) {
+            o.trace = 1;
+            used = 0;
+        } else if (!strcmp(f, "--sweep") && is_gemm) {
+            o.sweep = 1;
             used = 0;
         } else {
             fprintf(stderr, "comet: unknown flag \"%s\" (comet help lists them)\n", f);

@@ -1,15 +1,16 @@
 /*
- * layer1.c - host side of the fused layer1: the slots and counters in symmetric memory,
- * the table of every rank's windows, and the one launch of a call. See layer1.h.
+ * gemm_combine.c - the host side of GEMM -> combine (the forward's layer1): the slots and
+ * counters in symmetric memory, the table of every rank's windows, and the launches of
+ * one call. See gemm_combine.h.
  */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
-#include "layer1.h"
+#include "gemm_combine.h"
 
-comet_status_t cometi_layer1_create(comet_comm_t comm, const comet_moe_config_t *cfg, const cometi_layer0_t *l0,
-                                    cometi_layer1_t *l)
+comet_status_t cometi_gemm_combine_create(comet_comm_t comm, const comet_moe_config_t *cfg, const cometi_dispatch_gemm_t *l0,
+                                    cometi_gemm_combine_t *l)
 {
     memset(l, 0, sizeof(*l));
     if (cfg->top_k > COMETI_COMBINE_MAX_TOP_K)
@@ -72,11 +73,11 @@ comet_status_t cometi_layer1_create(comet_comm_t comm, const comet_moe_config_t 
     COMETI_TRY_GOTO(st, cometi_barrier_sync(comm, "layer1 counters cleared on every rank"), fail);
     return COMET_SUCCESS;
 fail:
-    cometi_layer1_destroy(comm, l);
+    cometi_gemm_combine_destroy(comm, l);
     return st;
 }
 
-void cometi_layer1_destroy(comet_comm_t comm, cometi_layer1_t *l)
+void cometi_gemm_combine_destroy(comet_comm_t comm, cometi_gemm_combine_t *l)
 {
     if (l->slots.local) cometi_window_destroy(comm, &l->slots);
     if (l->arrive.local) cometi_window_destroy(comm, &l->arrive);
@@ -90,9 +91,8 @@ void cometi_layer1_destroy(comet_comm_t comm, cometi_layer1_t *l)
     memset(l, 0, sizeof(*l));
 }
 
-/* GEMM1 as the fused run and the GEMM-only run share it: act x down^T into `out`. */
-static cometi_gemm_t gemm1(comet_comm_t comm, const cometi_layer1_t *l, const cometi_layer0_t *l0,
-                           const comet_moe_args_t *a)
+cometi_gemm_t cometi_gemm_combine_gemm(comet_comm_t comm, const cometi_gemm_combine_t *l,
+                                       const cometi_dispatch_gemm_t *l0, const comet_moe_args_t *a)
 {
     cometi_gemm_t g;
     memset(&g, 0, sizeof(g));
@@ -111,21 +111,19 @@ static cometi_gemm_t gemm1(comet_comm_t comm, const cometi_layer1_t *l, const co
     /* The last wave's cut (the kernels share a stream and never overlap). Which tiles it
      * cuts depends on the blocks that take tiles and on the tile order, so the combine
      * path, whose bits must not depend on its knobs (combine blocks, splits), goes
-     * without it: cometi_layer1_run clears it on that path. */
+     * without it: cometi_gemm_combine_run clears it on that path. */
     g.tail_ws = l0->tail_ws;
     return g;
 }
 
 /* What both ways of sending rows home read: the windows of every rank, the route plan,
  * this call's tokens. */
-static void combine_tables(comet_comm_t comm, const cometi_layer1_t *l, const cometi_layer0_t *l0,
+static void combine_tables(comet_comm_t comm, const cometi_gemm_combine_t *l, const cometi_dispatch_gemm_t *l0,
                            const comet_moe_args_t *a, cometi_combine_t *c)
 {
     c->peers = l->peers;
     c->meta = l->meta;
-    c->counts = l0->route.plan.counts;
-    c->send_offset = l0->route.plan.send_offset;
-    c->recv_offset = l0->route.plan.recv_offset;
+    c->plan = cometi_route_tables(&l0->route.plan);
     c->topk_ids = a->topk_ids;
     c->y = a->y;
     c->num_tokens = a->num_tokens;
@@ -138,7 +136,7 @@ static void combine_tables(comet_comm_t comm, const cometi_layer1_t *l, const co
     c->world = comm->size;
 }
 
-static comet_status_t push_mark(comet_comm_t comm, const cometi_layer1_t *l, int which, cudaStream_t stream)
+static comet_status_t push_mark(comet_comm_t comm, const cometi_gemm_combine_t *l, int which, cudaStream_t stream)
 {
     if (!l->push_marks) return COMET_SUCCESS;
     return cometi_cuda(comm->err, cudaEventRecord(l->push_marks[which], stream), "cudaEventRecord(push mark)");
@@ -146,16 +144,19 @@ static comet_status_t push_mark(comet_comm_t comm, const cometi_layer1_t *l, int
 
 /* The push: GEMM1 on every SM, each tile's rows sent home from its epilogue, then the
  * owner's sum. */
-static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0, const comet_moe_args_t *a,
-                               const cometi_layer1_knobs_t *knobs, cudaStream_t stream)
+static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
+                               const comet_moe_args_t *a, const cometi_combine_knobs_t *knobs, cudaStream_t stream)
 {
-    cometi_gemm_t g = gemm1(comm, l, l0, a);
+    cometi_gemm_t g = cometi_gemm_combine_gemm(comm, l, l0, a);
     g.sched = knobs->dynamic_tiles ? l->sched : NULL;
-    g.push_dest = l->push_dest;
-    g.push_maps = l->push_maps;
     g.epilogue = COMETI_EPILOGUE_TMA;
-    cometi_combine_t *c = &g.combine;
+    cometi_gemm_push_t push;
+    memset(&push, 0, sizeof(push));
+    push.dest = l->push_dest;
+    push.maps = l->push_maps;
+    cometi_combine_t *c = &push.combine;
     combine_tables(comm, l, l0, a, c);
+    g.push = &push;
     cometi_push_sum_t s;
     memset(&s, 0, sizeof(s));
     s.slots = l->slots.local;
@@ -164,8 +165,7 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     s.done = l->push_done;
     s.topk_ids = a->topk_ids;
     s.pos = l0->route.plan.pos;
-    s.send_offset = l0->route.plan.send_offset;
-    s.counts = l0->route.plan.counts;
+    s.plan = cometi_route_tables(&l0->route.plan);
     s.weights = a->topk_weights;
     s.y = a->y;
     s.num_tokens = a->num_tokens;
@@ -190,8 +190,9 @@ static comet_status_t run_push(comet_comm_t comm, cometi_layer1_t *l, cometi_lay
     return push_mark(comm, l, 3, stream);
 }
 
-comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0,
-                                 const comet_moe_args_t *a, const cometi_layer1_knobs_t *knobs, cudaStream_t stream)
+comet_status_t cometi_gemm_combine_run(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
+                                       const comet_moe_args_t *a, const cometi_combine_knobs_t *knobs,
+                                       cudaStream_t stream)
 {
     if (knobs->combine_blocks < 0 || knobs->combine_blocks >= comm->sm_count)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "combine blocks = %d: must be 0..%d (the rest of the "
@@ -207,18 +208,21 @@ comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_l
                            "needs 0 combine blocks and 1 split", knobs->combine_blocks, knobs->n_splits);
     if (knobs->push) return run_push(comm, l, l0, a, knobs, stream);
     if (l->tp > 1)
-        return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "layer1 with tp_size = %d: only the push sends partial "
+        return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "GEMM -> combine with tp_size = %d: only the push sends partial "
                            "rows home (the combine blocks and the tail pre-sum per rank, which TP does not allow)",
                            l->tp);
-    cometi_gemm_t g = gemm1(comm, l, l0, a);
-    g.tail_ws = NULL; /* the same bits whatever the knobs (gemm1) */
-    g.n_splits = knobs->n_splits;
-    g.split_done = l->split_done;
+    cometi_gemm_t g = cometi_gemm_combine_gemm(comm, l, l0, a);
+    g.tail_ws = NULL; /* the same bits whatever the knobs (cometi_gemm_combine_gemm) */
     g.sms = comm->sm_count - knobs->combine_blocks;
-    g.combine_blocks = knobs->combine_blocks;
     g.sched = knobs->dynamic_tiles ? l->sched : NULL;
-    cometi_combine_t *c = &g.combine;
+    cometi_gemm_splits_t splits;
+    memset(&splits, 0, sizeof(splits));
+    splits.n_splits = knobs->n_splits;
+    splits.split_done = l->split_done;
+    splits.combine_blocks = knobs->combine_blocks;
+    cometi_combine_t *c = &splits.combine;
     combine_tables(comm, l, l0, a, c);
+    g.splits = &splits;
     c->kernel_splits = knobs->combine_blocks ? knobs->n_splits - (knobs->tail != 0) : 0;
     c->expected = l->expected;
     c->sync = l->sched + 3; /* the kernel's words 3 and 4, used on either schedule */
@@ -232,12 +236,4 @@ comet_status_t cometi_layer1_run(comet_comm_t comm, cometi_layer1_t *l, cometi_l
     return cometi_launch_combine_tail(comm->err, c, l->out, l->hidden, g.segs, g.groups, knobs->n_splits,
                                       tiles_per_split, l->split_done, knobs->combine_blocks == 0, comm->async_dev,
                                       g.timeout_ns, stream);
-}
-
-comet_status_t cometi_layer1_gemm_only(comet_comm_t comm, cometi_layer1_t *l, cometi_layer0_t *l0,
-                                       const comet_moe_args_t *a, int dynamic_tiles, cudaStream_t stream)
-{
-    cometi_gemm_t g = gemm1(comm, l, l0, a);
-    g.sched = dynamic_tiles ? l->sched : NULL;
-    return cometi_gemm_run(comm->err, &g, stream);
 }

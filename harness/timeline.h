@@ -6,7 +6,7 @@
 #ifndef COMET_TIMELINE_H
 #define COMET_TIMELINE_H
 
-#include "internal.h"
+#include "../src/internal.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -1,14 +1,16 @@
 /*
- * layer0.c - host side of the fused layer0: buffers in symmetric memory, and the two
- * launches of one call (device route, fused dispatch + GEMM0 + SwiGLU). See layer0.h.
+ * dispatch_gemm.c - the host side of dispatch -> GEMM (the forward's layer0): buffers in
+ * symmetric memory, and the launches of one call (the device route; the fused dispatch +
+ * GEMM0 + SwiGLU; beside the route, the first wave). See dispatch_gemm.h.
  */
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
-#include "layer0.h"
+#include "dispatch_gemm.h"
+#include "params.h"
 
-comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t *cfg, cometi_layer0_t *l)
+comet_status_t cometi_dispatch_gemm_create(comet_comm_t comm, const comet_moe_config_t *cfg, cometi_dispatch_gemm_t *l)
 {
     memset(l, 0, sizeof(*l));
     const int W = comm->size, tp = cfg->tp_size > 0 ? cfg->tp_size : 1, per = cfg->num_experts / (W / tp);
@@ -61,11 +63,11 @@ comet_status_t cometi_layer0_create(comet_comm_t comm, const comet_moe_config_t 
     COMETI_TRY_GOTO(st, cometi_barrier_sync(comm, "arrival counters cleared on every rank"), fail);
     return COMET_SUCCESS;
 fail:
-    cometi_layer0_destroy(comm, l);
+    cometi_dispatch_gemm_destroy(comm, l);
     return st;
 }
 
-void cometi_layer0_destroy(comet_comm_t comm, cometi_layer0_t *l)
+void cometi_dispatch_gemm_destroy(comet_comm_t comm, cometi_dispatch_gemm_t *l)
 {
     cometi_route_dev_destroy(comm, &l->route);
     if (l->recv.local) cometi_window_destroy(comm, &l->recv);
@@ -80,8 +82,7 @@ void cometi_layer0_destroy(comet_comm_t comm, cometi_layer0_t *l)
     memset(l, 0, sizeof(*l));
 }
 
-/* The GEMM0 + SwiGLU description shared by the fused run and the GEMM-only run. */
-static cometi_gemm_t gemm0(comet_comm_t comm, const cometi_layer0_t *l, const comet_moe_args_t *a)
+cometi_gemm_t cometi_dispatch_gemm_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t *l, const comet_moe_args_t *a)
 {
     cometi_gemm_t g;
     memset(&g, 0, sizeof(g));
@@ -100,11 +101,12 @@ static cometi_gemm_t gemm0(comet_comm_t comm, const cometi_layer0_t *l, const co
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
     g.tile_trace = l->tile_trace;
     g.tail_ws = l->tail_ws;
+    g.local_rows = l->route.plan.local_rows; /* the fused run's tile order */
     return g;
 }
 
-comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,
-                                 const cometi_layer0_knobs_t *knobs, cudaStream_t stream)
+comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
+                                        const cometi_dispatch_knobs_t *knobs, cudaStream_t stream)
 {
     const int dispatch_blocks = knobs->dispatch_blocks;
     if (dispatch_blocks < 1 || dispatch_blocks >= comm->sm_count)
@@ -119,38 +121,29 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     if (knobs->first_wave < -1)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "first wave = %d row blocks: must be -1 (none), 0 "
                            "(automatic) or more", knobs->first_wave);
-    /* The first wave (tp 1): (SMs - COMETI_LAYER0_WAVE_FREE_SMS) / column tiles row blocks of
-     * the first expert, on the side stream, beside the exchange; the fused GEMM sees the
-     * segments without them. cometi_first_rows_allowed says where it cannot run (more
-     * route chunks than its table holds, rows not 16-byte vectors): then none. */
-    const int n_tiles = (l->ffn + 127) / 128, free_sms = COMETI_LAYER0_WAVE_FREE_SMS;
-    int wave = 0;
-    if (l->tp == 1 && knobs->first_wave >= 0 && cometi_first_wave_enabled() &&
-        comm->sm_count > free_sms + dispatch_blocks) {
-        /* Z27 (docs/PERF.md): 5 row blocks (qwen2-57b) and 9 (qwen2-moe-2.7b) gained, 2
-         * (phi-3.5-moe, 50 column tiles) lost 0.8 point: off below 4. */
-        wave = (comm->sm_count - free_sms) / n_tiles;
-        if (wave < 4) wave = 0;
-        if (knobs->first_wave > 0) wave = knobs->first_wave;
-    }
+    /* The first wave (tp 1, tune.h): row blocks of the first expert on the side stream,
+     * beside the exchange; the fused GEMM sees the segments without them.
+     * cometi_first_rows_allowed says where it cannot run (more route chunks than its table
+     * holds, rows not 16-byte vectors): then none. */
+    const int col_tiles = (l->ffn + 127) / 128, gemm_blocks = comm->sm_count - dispatch_blocks;
+    int wave = cometi_first_wave_blocks(knobs->first_wave, (int)cometi_param_int(COMETI_PARAM_FIRST_WAVE), l->tp,
+                                        comm->sm_count, dispatch_blocks, col_tiles);
     if (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x, l->hidden))
         wave = 0; /* nothing may fail once the side stream has forked */
-    cometi_gemm_t g = gemm0(comm, l, a);
+    cometi_gemm_t g = cometi_dispatch_gemm_gemm(comm, l, a);
     g.segs = l->route.plan.fused_segs;
     g.local_rows = l->route.plan.fused_local_rows;
-    g.arrive = (const unsigned long long *)l->arrive.local;
-    g.expected = l->route.plan.expected;
-    g.sms = comm->sm_count - dispatch_blocks;
-    g.dispatch_blocks = dispatch_blocks;
-    g.head_copy = 1;
+    g.sms = gemm_blocks;
     g.sched = l->sched;
-    cometi_dispatch_t *d = &g.dispatch;
+    cometi_gemm_dispatch_t role;
+    memset(&role, 0, sizeof(role));
+    role.blocks = dispatch_blocks;
+    role.arrive = (const unsigned long long *)l->arrive.local;
+    role.expected = l->route.plan.expected;
+    cometi_dispatch_t *d = &role.rows;
     d->x = a->x;
     d->src_of = l->route.plan.src_of;
-    d->counts = l->route.plan.counts;
-    d->send_offset = l->route.plan.send_offset;
-    d->seg_start = l->route.plan.seg_start;
-    d->recv_offset = l->route.plan.recv_offset;
+    d->plan = cometi_route_tables(&l->route.plan);
     d->num_experts = l->num_experts;
     d->top_k = l->top_k;
     d->hidden = l->hidden;
@@ -159,20 +152,24 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     d->rank = comm->rank;
     d->mode = knobs->dispatch_mode;
     d->wave_blocks = wave;
+    d->head_pieces = cometi_head_pieces(l->tp, 8 /* the GEMM's default group_m */, gemm_blocks, col_tiles);
     for (int p = 0; p < comm->size; p++) {
         d->recv[p] = l->recv.peer[p];
         d->arrive[p] = (unsigned long long *)l->arrive.peer[p];
     }
+    g.dispatch = &role;
     /* Check everything before the route: once it has run, peers expect this rank's rows
      * and its arrival totals have grown, so failing after it would leave them waiting. The
      * plan's arrays are allocated once, so the GEMM can be described before they are filled. */
     cometi_gemm_prepared_t prepared, wave_prepared;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     if (wave) { /* static tiles, no shared counters or workspace: it runs beside the fused kernel */
-        cometi_gemm_t w = gemm0(comm, l, a);
+        cometi_gemm_t w = cometi_dispatch_gemm_gemm(comm, l, a);
+        const int free_sms = comm->sm_count - COMETI_FIRST_WAVE_FREE_SMS;
         w.segs = l->wave_seg;
         w.groups = 1;
-        w.sms = wave * n_tiles < comm->sm_count - free_sms ? wave * n_tiles : comm->sm_count - free_sms;
+        w.local_rows = NULL;
+        w.sms = wave * col_tiles < free_sms ? wave * col_tiles : free_sms;
         w.tail_ws = NULL;
         w.tile_trace = NULL;
         COMETI_TRY(cometi_gemm_prepare(comm->err, &w, &wave_prepared));
@@ -195,13 +192,4 @@ comet_status_t cometi_layer0_run(comet_comm_t comm, cometi_layer0_t *l, const co
     const comet_status_t joined = cometi_cuda(comm->err, cudaStreamWaitEvent(stream, l->wave_done, 0),
                                               "join the first wave");
     return st != COMET_SUCCESS ? st : joined;
-}
-
-comet_status_t cometi_layer0_gemm_only(comet_comm_t comm, cometi_layer0_t *l, const comet_moe_args_t *a,
-                                       int dynamic_tiles, cudaStream_t stream)
-{
-    cometi_gemm_t g = gemm0(comm, l, a);
-    g.local_rows = l->route.plan.local_rows; /* same tile order as the fused run */
-    g.sched = dynamic_tiles ? l->sched : NULL;
-    return cometi_gemm_run(comm->err, &g, stream);
 }

@@ -1,0 +1,170 @@
+"""cpu_args.py - run_cpu.py's tests of the forward call's argument checks, on small
+stand-in tensors (no torch needed), and of the rank layout under tensor parallelism.
+"""
+from __future__ import annotations
+
+import comet_moe
+from comet_moe import checks
+from run_cpu import check, check_eq, raises, test
+
+
+# ---- the forward call's checks, on stand-in tensors ----
+
+class FakeTensor:
+    """What checks.py reads of a tensor."""
+
+    def __init__(self, shape, dtype=checks.BF16, device="cuda:0", ptr=0x7F0000000000, contiguous=True, itemsize=None):
+        self.shape, self.dtype, self.device, self._ptr, self._contig = tuple(shape), dtype, device, ptr, contiguous
+        self._itemsize = itemsize or {checks.BF16: 2, checks.INT32: 4, checks.FLOAT32: 4}.get(dtype, 8)
+
+    def data_ptr(self):
+        return self._ptr
+
+    def is_contiguous(self):
+        return self._contig
+
+    def stride(self):
+        s, out = 1, []
+        for d in reversed(self.shape):
+            out.insert(0, s)
+            s *= d
+        return tuple(out) if self._contig else tuple(reversed(out))
+
+    def element_size(self):
+        return self._itemsize
+
+
+class ArgSet:
+    """A valid set of forward arguments for MoeConfig(H=256, F=128, E=8, k=2,
+    max_tokens=64) on rank 0 of 2 (4 local experts), each at its own address. tp=2:
+    the config has tp_size 2 and the weights are one TP rank's ffn / 2 = 64 columns
+    (on rank 0 of 4: EP 2 x TP 2, still 4 local experts)."""
+    H, F, K, E_LOCAL, M = 256, 128, 2, 4, 40
+
+    def __init__(self, m=M, tp=1, **changes):
+        H, K, E = self.H, self.K, self.E_LOCAL
+        self.tp = tp
+        F = self.F // tp
+        base = iter(range(0x10000000, 0x10000000 * 100, 0x10000000))
+        self.kw = dict(
+            x=FakeTensor((m, H), ptr=next(base)),
+            topk_ids=FakeTensor((m, K), checks.INT32, ptr=next(base)),
+            topk_weights=FakeTensor((m, K), checks.FLOAT32, ptr=next(base)),
+            gate_up=FakeTensor((E, 2 * F, H), ptr=next(base)),
+            gate=None, up=None,
+            down=FakeTensor((E, H, F), ptr=next(base)),
+            out=FakeTensor((m, H), ptr=next(base)),
+        )
+        self.kw.update(changes)
+
+    def run(self, **resolved):
+        cfg = comet_moe.MoeConfig(hidden=self.H, ffn=self.F, num_experts=8, top_k=self.K, max_tokens=64,
+                                  tp_size=0 if self.tp == 1 else self.tp)
+        return checks.check_forward_args(cfg, self.E_LOCAL, "cuda:0", **self.kw, **resolved)
+
+
+@test
+def forward_checks_accept_valid_arguments():
+    check_eq(ArgSet().run(), ArgSet.M, "num_tokens of a valid call")
+    check_eq(ArgSet(m=64).run(), 64, "exactly max_tokens")
+    check_eq(ArgSet(m=0, x=FakeTensor((0, 256), ptr=0), out=None).run(), 0, "no tokens (null data pointers)")
+    H, F = ArgSet.H, ArgSet.F
+    split = ArgSet(gate_up=None, gate=FakeTensor((4, F, H), ptr=0x90000000), up=FakeTensor((4, F, H), ptr=0xA0000000))
+    check_eq(split.run(), ArgSet.M, "gate and up apart")
+    check_eq(ArgSet(out=None).run(), ArgSet.M, "out allocated by forward")
+
+
+@test
+def forward_checks_refuse_wrong_dtypes():
+    raises(TypeError, lambda: ArgSet(x=FakeTensor((40, 256), "torch.float16")).run(),
+           "x.dtype = torch.float16", "expected torch.bfloat16", "x.to(torch.bfloat16)")
+    raises(TypeError, lambda: ArgSet(topk_ids=FakeTensor((40, 2), "torch.int64")).run(),
+           "topk_ids.dtype = torch.int64", "expected torch.int32", "topk_ids.to(torch.int32)")
+    raises(TypeError, lambda: ArgSet(topk_weights=FakeTensor((40, 2), checks.BF16)).run(),
+           "topk_weights.dtype = torch.bfloat16", "expected torch.float32")
+    raises(TypeError, lambda: ArgSet(down=FakeTensor((4, 256, 128), checks.FLOAT32)).run(), "down.dtype")
+    raises(TypeError, lambda: ArgSet(out=FakeTensor((40, 256), checks.FLOAT32)).run(), "out.dtype")
+    raises(TypeError, lambda: ArgSet(x=[[0.0] * 256] * 40).run(), "x: expected a torch.Tensor, got list")
+    raises(TypeError, lambda: ArgSet(topk_ids=None).run(), "topk_ids: expected a torch.Tensor, got NoneType")
+
+
+@test
+def forward_checks_refuse_wrong_shapes_and_sizes():
+    raises(ValueError, lambda: ArgSet(m=65).run(), "x.shape[0] = 65 tokens", "config.max_tokens = 64")
+    raises(ValueError, lambda: ArgSet(x=FakeTensor((40, 255))).run(), "x.shape = (40, 255)", "hidden = 256")
+    raises(ValueError, lambda: ArgSet(x=FakeTensor((2, 20, 256))).run(), "x.shape = (2, 20, 256)", "reshape(-1, 256)")
+    raises(ValueError, lambda: ArgSet(topk_ids=FakeTensor((40, 3), checks.INT32)).run(),
+           "topk_ids.shape = (40, 3)", "num_tokens = 40, top_k = 2")
+    raises(ValueError, lambda: ArgSet(topk_weights=FakeTensor((39, 2), checks.FLOAT32)).run(),
+           "topk_weights.shape = (39, 2)")
+    raises(ValueError, lambda: ArgSet(gate_up=FakeTensor((8, 256, 256))).run(),
+           "gate_up.shape = (8, 256, 256)", "local experts = 4")
+    raises(ValueError, lambda: ArgSet(down=FakeTensor((4, 128, 256))).run(), "down.shape = (4, 128, 256)",
+           "hidden = 256, ffn = 128")
+    raises(ValueError, lambda: ArgSet(out=FakeTensor((41, 256))).run(), "out.shape = (41, 256)")
+    raises(ValueError, lambda: ArgSet(gate=FakeTensor((4, 128, 256))).run(), "gate_up, or gate and up, not both")
+    raises(ValueError, lambda: ArgSet(gate_up=None, gate=FakeTensor((4, 128, 256))).run(), "up is None")
+    raises(ValueError, lambda: ArgSet(down=None).run(), "down is None")
+
+
+@test
+def forward_checks_refuse_wrong_devices_and_layouts():
+    raises(ValueError, lambda: ArgSet(x=FakeTensor((40, 256), device="cpu")).run(),
+           "x is on cpu", "expected cuda:0, the communicator's device")
+    raises(ValueError, lambda: ArgSet(topk_weights=FakeTensor((40, 2), checks.FLOAT32, device="cuda:1")).run(),
+           "topk_weights is on cuda:1")
+    raises(ValueError, lambda: ArgSet(gate_up=FakeTensor((4, 256, 256), device="cuda:1")).run(), "gate_up is on cuda:1")
+    raises(ValueError, lambda: ArgSet(x=FakeTensor((40, 256), contiguous=False)).run(),
+           "x is not contiguous", "x.contiguous()")
+    raises(ValueError, lambda: ArgSet(down=FakeTensor((4, 256, 128), contiguous=False)).run(), "down is not contiguous")
+    raises(ValueError, lambda: ArgSet(x=FakeTensor((40, 256), ptr=0x10000008)).run(),
+           "x.data_ptr() = 0x10000008", "16-byte aligned")
+    raises(ValueError, lambda: ArgSet(topk_ids=FakeTensor((40, 2), checks.INT32, ptr=0x20000002)).run(),
+           "4-byte aligned")
+    x = FakeTensor((40, 256), ptr=0x10000000)
+    raises(ValueError, lambda: ArgSet(x=x, out=FakeTensor((40, 256), ptr=0x10000000 + 256 * 2 * 8)).run(),
+           "out overlaps x")
+
+
+@test
+def forward_checks_take_the_tp_slice():
+    H, F = ArgSet.H, ArgSet.F  # tp 2: Fl = 64
+    check_eq(ArgSet(tp=2).run(), ArgSet.M, "tp 2: gate_up [4, 128, 256], down [4, 256, 64]")
+    check_eq(ArgSet(tp=2).run(ffn_local=64, tp_size=2), ArgSet.M, "tp 2, as Moe passes it resolved")
+    split = ArgSet(tp=2, gate_up=None, gate=FakeTensor((4, 64, H), ptr=0x90000000),
+                   up=FakeTensor((4, 64, H), ptr=0xA0000000))
+    check_eq(split.run(), ArgSet.M, "tp 2: gate and up [4, 64, 256] apart")
+    # The whole expert (full F) is refused, naming the dimension as ffn / tp_size.
+    raises(ValueError, lambda: ArgSet(tp=2, gate_up=FakeTensor((4, 2 * F, H))).run(),
+           "gate_up.shape = (4, 256, 256)", "2 * ffn / tp_size = 128", "tp_size = 2", "ffn = 128")
+    raises(ValueError, lambda: ArgSet(tp=2, down=FakeTensor((4, H, F))).run(),
+           "down.shape = (4, 256, 128)", "hidden = 256, ffn / tp_size = 64]")
+    raises(ValueError, lambda: ArgSet(tp=2, gate_up=None, gate=FakeTensor((4, F, H), ptr=0x90000000),
+                                      up=FakeTensor((4, 64, H), ptr=0xA0000000)).run(),
+           "gate.shape = (4, 128, 256)", "ffn / tp_size = 64")
+    raises(ValueError, lambda: ArgSet(tp=2, gate_up=None, gate=FakeTensor((4, 64, H))).run(), "up is None",
+           "[E_local, F/tp, H]")
+    raises(ValueError, lambda: ArgSet(tp=2, down=None).run(), "down is None", "[E_local, H, F/tp]")
+    # A config with tp_size 0 read as 1; the resolved values Moe passes win over the config.
+    e = raises(ValueError, lambda: ArgSet().run(tp_size=2, ffn_local=64), "2 * ffn / tp_size = 128")
+    check("tp_size" in str(e), "resolved tp_size named")
+    # tp_size 1 keeps the messages without tensor parallelism.
+    e = raises(ValueError, lambda: ArgSet(down=FakeTensor((4, H, 64))).run(), "hidden = 256, ffn = 128]")
+    check("tp_size" not in str(e), f"tp 1 message mentions tp_size: {e}")
+
+
+@test
+def rank_layout_under_tensor_parallelism():
+    from comet_moe.moe import _rank_layout
+    cfg = comet_moe.MoeConfig(hidden=256, ffn=512, num_experts=8, top_k=2, max_tokens=64, tp_size=2)
+    got = [_rank_layout(cfg, 4, r) for r in range(4)]
+    check_eq([(g["ep_size"], g["tp_size"], g["ep_rank"], g["tp_rank"], g["experts_per_rank"], g["first_expert"],
+               g["ffn_local"]) for g in got],
+             [(2, 2, 0, 0, 4, 0, 256), (2, 2, 0, 1, 4, 0, 256), (2, 2, 1, 0, 4, 4, 256), (2, 2, 1, 1, 4, 4, 256)],
+             "EP 2 x TP 2 on 4 ranks")
+    cfg.tp_size = 0
+    check_eq(_rank_layout(cfg, 2, 1), dict(tp_size=1, ep_size=2, ep_rank=1, tp_rank=0, experts_per_rank=4,
+                                           first_expert=4, ffn_local=512), "tp_size 0: EP only")
+    cfg.tp_size = 2
+    check_eq(_rank_layout(cfg, 2, 1), dict(tp_size=2, ep_size=1, ep_rank=0, tp_rank=1, experts_per_rank=8,
+                                           first_expert=0, ffn_local=256), "EP 1 x TP 2")

@@ -1,0 +1,413 @@
+"""cpu_capi.py - run_cpu.py's tests of the library and its ctypes mirror: libcomet loads
+and is found (or the error says how to get it), the mirror of comet.h (struct field
+order, sizes, offsets, the *_INIT initializers, enum values and every bound function's
+signature, all read from the header itself, no C compiler), comet's statuses as
+exceptions through real C calls that fail on a CPU, and the presets and configs.
+"""
+from __future__ import annotations
+
+import copy
+import ctypes
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import comet_moe
+from comet_moe import _capi, errors
+from comet_moe.moe import parse_impl
+from run_cpu import REPO, Skip, check, check_eq, note, raises, test
+
+HEADER = REPO / "include" / "comet.h"
+
+
+# ---- comet.h, read as text ----
+
+def header_text():
+    text = HEADER.read_text()
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    text = re.sub(r"//[^\n]*", " ", text)
+    return text.replace("\\\n", " ")
+
+
+def header_defines(text):
+    return {m[1]: m[2].strip() for m in re.finditer(r"^#define\s+(\w+)[ \t]+([^\n]*)$", text, flags=re.M)}
+
+
+def header_enums(text):
+    """{enumerator: value} over every typedef enum (implicit values counted)."""
+    values = {}
+    for m in re.finditer(r"typedef enum \w+ \{(.*?)\}", text, flags=re.S):
+        nxt = 0
+        for item in m[1].split(","):
+            item = item.strip()
+            if not item:
+                continue
+            name, _, value = item.partition("=")
+            nxt = int(value.strip(), 0) if value.strip() else nxt
+            values[name.strip()] = nxt
+            nxt += 1
+    return values
+
+
+ENUM_TYPES = {"comet_status_t", "comet_dtype_t", "comet_impl_t"}
+POINTER_TYPEDEFS = {"comet_comm_t", "comet_moe_t", "ncclComm_t", "cudaStream_t"}
+SCALARS = {"ptr": (8, 8), "size_t": (8, 8), "int": (4, 4), "uint": (4, 4)}  # LP64
+
+
+def kind_of(ctype):
+    """A C type as 'ptr', 'size_t', 'int', 'uint', or a struct typedef name."""
+    if "*" in ctype:
+        return "ptr"
+    words = ctype.replace("const", " ").split()
+    if words == ["unsigned", "int"]:
+        return "uint"
+    base = words[-1]
+    if base in POINTER_TYPEDEFS:
+        return "ptr"
+    if base == "int" or base in ENUM_TYPES:
+        return "int"
+    return base  # size_t, or a struct
+
+
+def header_structs(text):
+    """{typedef name: [(field, kind)]} for every typedef struct with a body."""
+    structs = {}
+    for m in re.finditer(r"typedef struct \w+ \{(.*?)\}\s*(\w+);", text, flags=re.S):
+        fields = []
+        for decl in m[1].split(";"):
+            decl = " ".join(decl.split())
+            if decl:
+                name = re.search(r"(\w+)$", decl)[1]
+                fields.append((name, kind_of(decl[: -len(name)])))
+        structs[m[2]] = fields
+    return structs
+
+
+def c_layout(structs, name):
+    """(size, align, {field: offset}) by the C rules, LP64."""
+    offset, align, offsets = 0, 1, {}
+    for field, kind in structs[name]:
+        size, a = SCALARS[kind] if kind in SCALARS else c_layout(structs, kind)[:2]
+        offset = (offset + a - 1) // a * a
+        offsets[field] = offset
+        offset += size
+        align = max(align, a)
+    return (offset + align - 1) // align * align, align, offsets
+
+
+def ctypes_kind(t):
+    if t in (ctypes.c_void_p, ctypes.c_char_p) or issubclass(t, ctypes._Pointer):
+        return "ptr"
+    if t is ctypes.c_size_t:
+        return "size_t"
+    if t is ctypes.c_int:
+        return "int"
+    if t is ctypes.c_uint:
+        return "uint"
+    return t
+
+
+MIRRORS = {
+    "comet_comm_config_t": _capi.CommConfigStruct,
+    "comet_moe_config_t": _capi.MoeConfigStruct,
+    "comet_moe_weights_t": _capi.MoeWeightsStruct,
+    "comet_moe_args_t": _capi.MoeArgsStruct,
+}
+# Sizes and offsets gcc gives on x86-64 (checked with offsetof on 2026-12-01), a second
+# witness beside the layout computed from the header.
+GCC_X86_64 = {
+    "comet_comm_config_t": (24, {"timeout_ms": 16}),
+    "comet_moe_config_t": (48, {"hidden": 16, "dtype": 44}),
+    "comet_moe_weights_t": (32, {"down": 24}),
+    "comet_moe_args_t": (96, {"num_tokens": 16, "x": 24, "topk_ids": 32, "topk_weights": 40, "weights": 48,
+                              "y": 80, "impl": 88}),
+}
+
+
+def leaves(struct):
+    out = []
+    for name, t in struct._fields_:
+        v = getattr(struct, name)
+        out.extend(leaves(v) if isinstance(v, ctypes.Structure) else [v])
+    return out
+
+
+# ---- the library ----
+
+@test
+def library_loads_and_names_its_version():
+    path = comet_moe.library_path()
+    check(Path(path).exists(), f"library_path() = {path}: no such file")
+    d = header_defines(header_text())
+    want = f"{d['COMET_VERSION_MAJOR']}.{d['COMET_VERSION_MINOR']}.{d['COMET_VERSION_PATCH']}"
+    v = comet_moe.version()
+    check(v.startswith(want + " "), f"version() = {v!r}, header says {want}")
+    check_eq(comet_moe.__version__, want, "comet_moe.__version__ against comet.h")
+    check_eq((_capi.VERSION_MAJOR, _capi.VERSION_MINOR, _capi.VERSION_PATCH),
+             tuple(int(d[f"COMET_VERSION_{p}"]) for p in ("MAJOR", "MINOR", "PATCH")), "_capi.VERSION_*")
+    check(comet_moe.nccl_version() >= 22800, f"NCCL {comet_moe.nccl_version()} loaded with libcomet, need >= 22800")
+    note(f"{path}: {v}")
+
+
+def run_python(code, env_changes, cwd=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("COMET_LIBRARY", "PYTHONPATH")}
+    env.update(env_changes)
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+
+
+@test
+def library_lookup_order_and_not_found_message():
+    probe = "import comet_moe; print(comet_moe.library_path())"
+    built = str(REPO / "build" / "libcomet.so")
+    # $COMET_LIBRARY first: a file, or a folder holding libcomet.so.
+    for value in (built, str(REPO / "build")):
+        r = run_python(probe, {"PYTHONPATH": str(REPO / "python"), "COMET_LIBRARY": value})
+        check_eq(r.returncode, 0, f"COMET_LIBRARY={value}: {r.stderr[-400:]}")
+        check_eq(r.stdout.strip(), built, f"COMET_LIBRARY={value}")
+    # A $COMET_LIBRARY that does not load is an error naming it, not a silent fallback.
+    r = run_python("import comet_moe; comet_moe.version()",
+                   {"PYTHONPATH": str(REPO / "python"), "COMET_LIBRARY": "/nonexistent/libcomet.so"})
+    check(r.returncode != 0 and "COMET_LIBRARY=/nonexistent/libcomet.so" in r.stderr,
+          f"bad COMET_LIBRARY: {r.stderr[-400:]}")
+    # The package alone, away from the repository: not found, and the message says what to do.
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(REPO / "python" / "comet_moe", Path(tmp) / "pkg" / "comet_moe",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        r = run_python("import comet_moe; comet_moe.version()", {"PYTHONPATH": str(Path(tmp) / "pkg"),
+                                                                  "LD_LIBRARY_PATH": ""}, cwd=tmp)
+        check(r.returncode != 0, "the package found a libcomet outside the repository")
+        for s in ("LibraryNotFoundError", "libcomet.so not found", "make", "COMET_LIBRARY"):
+            check(s in r.stderr, f"not-found message lacks {s!r}: {r.stderr[-600:]}")
+        # Importing still works without the library: it loads on first use.
+        r = run_python("import comet_moe; print('imported')", {"PYTHONPATH": str(Path(tmp) / "pkg")}, cwd=tmp)
+        check_eq(r.stdout.strip(), "imported", f"import without the library: {r.stderr[-400:]}")
+
+
+# ---- the mirror of comet.h ----
+
+@test
+def constants_and_enums_match_the_header():
+    text = header_text()
+    d = header_defines(text)
+    check_eq(int(d["COMET_STRUCT_MAGIC"].rstrip("uU"), 0), _capi.STRUCT_MAGIC, "COMET_STRUCT_MAGIC")
+    check_eq(int(d["COMET_API_VERSION"]), _capi.API_VERSION, "COMET_API_VERSION")
+    enums = header_enums(text)
+    statuses = {v: k for k, v in enums.items() if k.startswith("COMET_") and k[6:] in
+                {n[6:] for n in _capi.STATUS_NAMES.values()}}
+    check_eq(statuses, _capi.STATUS_NAMES, "comet_status_t values")
+    for name in ("COMET_IMPL_AUTO", "COMET_IMPL_BASELINE", "COMET_IMPL_FUSED", "COMET_DTYPE_BF16"):
+        check_eq(getattr(_capi, name[6:]), enums[name], name)
+    lib = _capi.load()
+    for code, name in _capi.STATUS_NAMES.items():
+        s = _capi.text(lib.comet_status_string(code))
+        check(s.startswith(name + ":"), f"comet_status_string({code}) = {s!r}, want {name}: ...")
+
+
+@test
+def struct_layouts_match_the_header():
+    if ctypes.sizeof(ctypes.c_void_p) != 8:
+        raise Skip("the layouts are checked for LP64 (64-bit Linux)")
+    structs = header_structs(header_text())
+    check_eq(set(structs), set(MIRRORS), "typedef structs in comet.h")
+    for cname, mirror in MIRRORS.items():
+        fields = structs[cname]
+        check_eq([f for f, _ in mirror._fields_], [f for f, _ in fields], f"{cname} field order")
+        for (field, kind), (_, t) in zip(fields, mirror._fields_):
+            want = kind if kind in SCALARS else MIRRORS[kind]
+            check_eq(ctypes_kind(t), want, f"{cname}.{field} type")
+        size, align, offsets = c_layout(structs, cname)
+        check_eq(ctypes.sizeof(mirror), size, f"sizeof({cname}) from the header")
+        check_eq(ctypes.alignment(mirror), align, f"alignment of {cname}")
+        for field, off in offsets.items():
+            check_eq(getattr(mirror, field).offset, off, f"offsetof({cname}, {field})")
+        gcc_size, gcc_offsets = GCC_X86_64[cname]
+        check_eq(ctypes.sizeof(mirror), gcc_size, f"sizeof({cname}) as gcc gives it")
+        for field, off in gcc_offsets.items():
+            check_eq(getattr(mirror, field).offset, off, f"offsetof({cname}, {field}) as gcc gives it")
+    check_eq(ctypes.sizeof(_capi.NcclUniqueId), 128, "sizeof(ncclUniqueId)")
+    nccl_mk = REPO / "build" / "nccl.mk"
+    if nccl_mk.exists():
+        inc = re.search(r"NCCL_INC := (\S+)", nccl_mk.read_text())
+        nccl_h = Path(inc[1]) / "nccl.h" if inc else None
+        if nccl_h and nccl_h.exists():
+            m = re.search(r"#define NCCL_UNIQUE_ID_BYTES (\d+)", nccl_h.read_text())
+            check_eq(int(m[1]), ctypes.sizeof(_capi.NcclUniqueId), f"NCCL_UNIQUE_ID_BYTES in {nccl_h}")
+            note(f"ncclUniqueId checked against {nccl_h}")
+
+
+@test
+def init_macros_match_new_structs():
+    text = header_text()
+    d = header_defines(text)
+    enums = header_enums(text)
+    constants = {"0": 0, "NULL": None, "COMET_STRUCT_MAGIC": _capi.STRUCT_MAGIC,
+                 "COMET_API_VERSION": _capi.API_VERSION, **enums}
+    inits = {k: v for k, v in d.items() if k.endswith("_INIT")}
+    check_eq(sorted(inits), ["COMET_COMM_CONFIG_INIT", "COMET_MOE_ARGS_INIT", "COMET_MOE_CONFIG_INIT"], "_INIT macros")
+    for macro, value in inits.items():
+        cname = "comet_" + macro[len("COMET_"):-len("_INIT")].lower() + "_t"
+        items = [s.strip() for s in value.replace("{", " ").replace("}", " ").split(",")]
+        got = leaves(MIRRORS[cname]())
+        check_eq(len(got), len(items), f"{macro}: values against the fields of a new {MIRRORS[cname].__name__}")
+        check_eq(items[:3], [f"sizeof({cname})", "COMET_STRUCT_MAGIC", "COMET_API_VERSION"], f"{macro} head")
+        check_eq(got[0], ctypes.sizeof(MIRRORS[cname]), f"{macro}: size field")
+        for i, (item, v) in enumerate(zip(items[1:], got[1:]), 1):
+            check_eq(v, constants[item], f"{macro} value {i} ({item})")
+
+
+PROTOTYPE = re.compile(r"([A-Za-z_][\w\s\*]*?)\b(comet_\w+)\s*\(([^;{)]*)\)\s*;")
+
+
+@test
+def function_signatures_match_the_header():
+    text = header_text()
+    protos = {}
+    for m in PROTOTYPE.finditer(text):
+        args = [] if m[3].strip() in ("", "void") else [a.strip() for a in m[3].split(",")]
+        protos[m[2]] = (kind_of(m[1]), [kind_of(re.sub(r"\w+$", "", a)) for a in args])
+    lib = _capi.load()
+    bound = {name: (r, a) for name, r, a in _capi._COMET_FUNCTIONS}
+    for name, (restype, argtypes) in bound.items():
+        check(name in protos, f"{name} is bound but not declared in comet.h")
+        want_ret, want_args = protos[name]
+        check_eq(ctypes_kind(restype), want_ret, f"{name} return type")
+        check_eq([ctypes_kind(t) for t in argtypes], want_args, f"{name} argument types")
+        fn = getattr(lib, name)
+        check(fn.restype is restype and list(fn.argtypes) == list(argtypes), f"{name}: signature not set on the handle")
+    unbound = sorted(set(protos) - set(bound))
+    if unbound:
+        note(f"declared in comet.h, not bound here: {', '.join(unbound)}")
+
+
+# ---- statuses as exceptions ----
+
+@test
+def status_codes_map_to_exception_classes():
+    for code, name in _capi.STATUS_NAMES.items():
+        if code == _capi.SUCCESS:
+            errors.check(code, "f", "never read")
+            continue
+        e = raises(errors.CometError, lambda: errors.check(code, "comet_f", "field = 3: the limit is 2"),
+                   "comet_f", name, "field = 3: the limit is 2")
+        check_eq((e.status, e.status_name, e.call, e.message), (code, name, "comet_f", "field = 3: the limit is 2"),
+                 f"attributes for {name}")
+        check(type(e) is errors.ERROR_CLASSES[code], f"{name} -> {type(e).__name__}")
+    check_eq(len(set(errors.ERROR_CLASSES.values())), len(_capi.STATUS_NAMES) - 1, "one class per status")
+    check(issubclass(comet_moe.CometTimeoutError, comet_moe.CometError), "CometTimeoutError is a CometError")
+    e = raises(errors.CometError, lambda: errors.check(42, "comet_f", ""), "unknown status 42")
+    check(type(e) is errors.CometError, "an unknown status is a plain CometError")
+    # An empty detail falls back to comet's status sentence.
+    raises(comet_moe.CometTimeoutError, lambda: errors.check(_capi.TIMEOUT, "comet_f", ""), "timed out")
+    calls = []
+    errors.check(_capi.SUCCESS, "f", lambda: calls.append(1))
+    check_eq(calls, [], "the message of a success is never read")
+
+
+@test
+def validate_failures_raise_with_comets_message():
+    bad = comet_moe.MoeConfig(hidden=100, ffn=256, num_experts=8, top_k=2, max_tokens=64)
+    e = raises(comet_moe.CometInvalidArgumentError, lambda: bad.validate(2),
+               "comet_moe_config_validate", "COMET_INVALID_ARGUMENT", "config.hidden = 100", "multiple of 64")
+    check_eq((e.status, e.status_name), (1, "COMET_INVALID_ARGUMENT"), "status")
+    # Tensor parallelism: ep_size x tp_size = world, ffn a multiple of 64 x tp_size.
+    tp = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64, tp_size=2)
+    check(tp.validate(2) is tp and tp.validate(4) is tp, "tp_size = 2 on 2 and 4 ranks (EP 1 and 2)")
+    tp.ffn = 192
+    raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "COMET_INVALID_ARGUMENT", "config.ffn = 192",
+           "tp_size")
+    tp = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64, tp_size=3)
+    raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "config.tp_size = 3")
+    tp = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64, ep_size=2, tp_size=2)
+    raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "ep_size = 2", "tp_size = 2")
+    raises(comet_moe.CometInvalidArgumentError,
+           lambda: comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=6, top_k=2, max_tokens=64).validate(4),
+           "config.num_experts = 6", "ep_size = 4")
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig.preset("tiny", 0).validate(1),
+           "config.max_tokens = 0")
+
+
+@test
+def config_struct_size_is_what_comet_expects():
+    # comet_moe_config_validate compares config.size with its own sizeof: a config made
+    # here (size = ctypes.sizeof) passing means the mirror has C's size; that the fields
+    # land where C reads them shows in the presets and the named fields of the failures.
+    cfg = comet_moe.MoeConfig(hidden=256, ffn=192, num_experts=8, top_k=2, max_tokens=512)
+    check_eq(cfg.size, ctypes.sizeof(_capi.MoeConfigStruct), "size field of a new config")
+    check(cfg.validate(2) is cfg, "validate returns the config")
+    check(cfg == comet_moe.MoeConfig.preset("tiny", 512), "the tiny preset, field for field")
+    cfg.size += 8
+    raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(2), f"config.size = {cfg.size}",
+           "COMET_MOE_CONFIG_INIT")
+    cfg = comet_moe.MoeConfig.preset("tiny", 512)
+    cfg.version = 99
+    raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(2), "config.version = 99")
+
+
+@test
+def comm_config_struct_reaches_comet():
+    # comet_comm_create_from_id checks its config before NCCL is touched: a timeout_ms of
+    # -1 is named, so size, magic, version and the timeout_ms offset all matched.
+    uid = bytes(128)
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.Comm(uid, 1, 0, timeout_ms=-1),
+           "comet_comm_create_from_id", "comm config.timeout_ms = -1")
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.Comm(uid, 2, 5), "rank = 5", "0..nranks-1 = 1")
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.Comm(uid, 0, 0), "nranks = 0")
+    raises(ValueError, lambda: comet_moe.Comm(b"short", 1, 0), "unique_id has 5 bytes", "128")
+
+
+@test
+def nccl_unique_id_through_libcomet():
+    try:
+        a, b = comet_moe.unique_id(), comet_moe.unique_id()
+    except comet_moe.CometNcclError as e:
+        raise Skip(f"NCCL cannot make an id on this machine: {e}") from None
+    check(isinstance(a, bytes) and len(a) == 128, f"unique_id() gave {type(a).__name__} of {len(a)} bytes")
+    check(any(a) and a != b, "two unique ids: empty, or equal")
+
+
+# ---- presets and configs ----
+
+@test
+def presets_from_the_library():
+    names = comet_moe.presets()
+    check_eq(names, ["mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b", "qwen2-moe-2.7b", "tiny"], "presets()")
+    m = comet_moe.MoeConfig.preset("mixtral-8x7b", max_tokens=8192)
+    check_eq(m.as_dict(), dict(hidden=4096, ffn=14336, num_experts=8, top_k=2, max_tokens=8192, ep_size=0,
+                               tp_size=0), "mixtral-8x7b")
+    check_eq((m.size, m.magic, m.version, m.dtype), (48, _capi.STRUCT_MAGIC, _capi.API_VERSION, 0), "header fields")
+    t = comet_moe.MoeConfig.preset("tiny", 100, ffn=256, top_k=4)
+    check_eq((t.hidden, t.ffn, t.num_experts, t.top_k, t.max_tokens), (256, 256, 8, 4, 100), "tiny with overrides")
+    check(t.copy() == t and t.copy() is not t, "copy() equals and is new")
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig.preset("mixtral", 10),
+           "comet_moe_config_preset", 'unknown preset "mixtral"', "known presets: mixtral-8x7b")
+    raises(TypeError, lambda: comet_moe.MoeConfig.preset("tiny", 10, hiden=64), "unknown field 'hiden'")
+    raises(ValueError, lambda: comet_moe.MoeConfig(max_tokens=2**31), "MoeConfig.max_tokens = 2147483648")
+    raises(TypeError, lambda: comet_moe.MoeConfig(hidden=4096.0), "MoeConfig.hidden = 4096.0", "int")
+
+
+@test
+def impl_names():
+    check_eq([parse_impl(v) for v in ("auto", "BASELINE", "fused", 0, 1, 2)], [0, 1, 2, 0, 1, 2], "parse_impl")
+    for bad in ("fast", 3, True, None):
+        raises(ValueError, lambda: parse_impl(bad), f"impl = {bad!r}")
+
+
+@test
+def layer_refuses_wrong_types_before_calling_comet():
+    cfg = comet_moe.MoeConfig.preset("tiny", 16)
+    raises(TypeError, lambda: comet_moe.Moe("comm", cfg), "comm: expected a comet_moe.Comm, got str")
+    # Handles are never copied (a copy would destroy them twice), and an object whose
+    # constructor failed closes as a no-op.
+    for cls in (comet_moe.Moe, comet_moe.Comm):
+        half_made = cls.__new__(cls)
+        half_made._box = None
+        raises(TypeError, lambda: copy.deepcopy(half_made), "cannot be copied or pickled")
+        raises(TypeError, lambda: pickle.dumps(half_made), "cannot be copied or pickled")
+        check(half_made.closed, f"{cls.__name__} without a handle reads as closed")
+        half_made.close()

@@ -1,0 +1,149 @@
+/*
+ * test_config.c - the public API's checks that need no GPU: status strings, the model
+ * presets, config validation (each bad field named in its message), and argument checks
+ * at the API before anything touches a GPU.
+ */
+#define _GNU_SOURCE
+#include "comet.h"
+#include "testutil.h"
+
+int test_status_strings(void)
+{
+    for (int s = COMET_SUCCESS; s <= COMET_INTERNAL_ERROR; s++) {
+        const char *str = comet_status_string((comet_status_t)s);
+        CHECK(strncmp(str, "COMET_", 6) == 0);
+        for (int q = COMET_SUCCESS; q < s; q++) CHECK(strcmp(str, comet_status_string((comet_status_t)q)) != 0);
+    }
+    CHECK_CONTAINS(comet_status_string((comet_status_t)1234), "unknown");
+    CHECK_CONTAINS(comet_status_string(COMET_TIMEOUT), "COMET_TIMEOUT");
+    CHECK_CONTAINS(comet_version_string(), "NCCL 2.");
+    return 0;
+}
+
+int test_config_presets(void)
+{
+    struct { const char *name; int e, k, h, f; } want[] = {
+        {"mixtral-8x7b", 8, 2, 4096, 14336}, {"phi-3.5-moe", 16, 2, 4096, 6400},
+        {"qwen2-57b-a14b", 64, 8, 3584, 2560}, {"qwen2-moe-2.7b", 64, 4, 2048, 1408}, {"tiny", 8, 2, 256, 192}};
+    int n = 0;
+    while (comet_moe_preset_name(n)) n++;
+    CHECK_EQ(n, 5);
+    for (int i = 0; i < 5; i++) {
+        comet_moe_config_t c;
+        CHECK_EQ(comet_moe_config_preset(want[i].name, 8192, &c), COMET_SUCCESS);
+        CHECK_EQ(c.num_experts, want[i].e);
+        CHECK_EQ(c.top_k, want[i].k);
+        CHECK_EQ(c.hidden, want[i].h);
+        CHECK_EQ(c.ffn, want[i].f);
+        CHECK_EQ(c.max_tokens, 8192);
+        for (int world = 1; world <= 8; world *= 2) {
+            char msg[256];
+            CHECK_EQ(comet_moe_config_validate(&c, world, msg, sizeof(msg)), COMET_SUCCESS);
+        }
+    }
+    comet_moe_config_t c;
+    CHECK_EQ(comet_moe_config_preset("mixtral", 8192, &c), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "unknown preset \"mixtral\"");
+    CHECK_CONTAINS(comet_last_create_error(), "qwen2-moe-2.7b");
+    return 0;
+}
+
+int test_config_validation(void)
+{
+    comet_moe_config_t base;
+    CHECK_EQ(comet_moe_config_preset("tiny", 512, &base), COMET_SUCCESS);
+    struct {
+        const char *field;
+        int value, world;
+        comet_status_t status;
+        const char *message;
+    } cases[] = {
+        {"hidden", 100, 2, COMET_INVALID_ARGUMENT, "config.hidden = 100"},
+        {"hidden", 0, 2, COMET_INVALID_ARGUMENT, "config.hidden = 0"},
+        {"ffn", -64, 2, COMET_INVALID_ARGUMENT, "config.ffn = -64"},
+        {"num_experts", 7, 2, COMET_INVALID_ARGUMENT, "config.num_experts = 7: must be divisible by ep_size = 2"},
+        {"num_experts", 5000, 2, COMET_INVALID_ARGUMENT, "config.num_experts = 5000"},
+        {"top_k", 9, 2, COMET_INVALID_ARGUMENT, "config.top_k = 9: must be 1..min(num_experts = 8"},
+        {"top_k", 0, 2, COMET_INVALID_ARGUMENT, "config.top_k = 0"},
+        {"max_tokens", 0, 2, COMET_INVALID_ARGUMENT, "config.max_tokens = 0"},
+        {"ep_size", 3, 2, COMET_INVALID_ARGUMENT, "config.ep_size = 3 x tp_size = 1 = 3: must equal the world size 2"},
+        {"tp_size", 3, 2, COMET_INVALID_ARGUMENT, "config.tp_size = 3: must divide the world size 2"},
+        {"tp_size", 2, 2, COMET_INVALID_ARGUMENT, "config.ffn = 192: must be a multiple of 64 x tp_size = 128"},
+        {"dtype", 5, 2, COMET_INVALID_ARGUMENT, "config.dtype = 5"},
+        {"world", 0, 0, COMET_INVALID_ARGUMENT, "world size 0"},
+        {"size", 3, 2, COMET_INVALID_ARGUMENT, "COMET_MOE_CONFIG_INIT"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        comet_moe_config_t c = base;
+        const char *f = cases[i].field;
+        int v = cases[i].value;
+        if (!strcmp(f, "hidden")) c.hidden = v;
+        else if (!strcmp(f, "ffn")) c.ffn = v;
+        else if (!strcmp(f, "num_experts")) c.num_experts = v;
+        else if (!strcmp(f, "top_k")) c.top_k = v;
+        else if (!strcmp(f, "max_tokens")) c.max_tokens = v;
+        else if (!strcmp(f, "ep_size")) c.ep_size = v;
+        else if (!strcmp(f, "tp_size")) c.tp_size = v;
+        else if (!strcmp(f, "dtype")) c.dtype = (comet_dtype_t)v;
+        else if (!strcmp(f, "size")) c.size = (size_t)v;
+        char msg[512] = "";
+        comet_status_t st = comet_moe_config_validate(&c, cases[i].world, msg, sizeof(msg));
+        if (st != cases[i].status) printf("case %zu (%s = %d): %s\n", i, f, v, msg);
+        CHECK_EQ(st, cases[i].status);
+        CHECK_CONTAINS(msg, cases[i].message);
+    }
+    char msg[64];
+    CHECK_EQ(comet_moe_config_validate(NULL, 2, msg, sizeof(msg)), COMET_INVALID_ARGUMENT);
+    /* EP x TP layouts the world allows: 1 x 2, and 2 x 2 of 4 (ffn 256: 128 columns per TP rank). */
+    comet_moe_config_t tp2 = base;
+    tp2.ffn = 256;
+    tp2.tp_size = 2;
+    CHECK_EQ(comet_moe_config_validate(&tp2, 2, msg, sizeof(msg)), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_config_validate(&tp2, 4, msg, sizeof(msg)), COMET_SUCCESS);
+    tp2.ep_size = 2;
+    CHECK_EQ(comet_moe_config_validate(&tp2, 2, msg, sizeof(msg)), COMET_INVALID_ARGUMENT);
+    /* A huge max_tokens with many ranks and a large top_k overflows the row index. */
+    comet_moe_config_t c = base;
+    c.max_tokens = 1 << 20;
+    c.num_experts = 72;
+    c.top_k = 32;
+    char big[512];
+    CHECK_EQ(comet_moe_config_validate(&c, 72, big, sizeof(big)), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(big, "config.max_tokens = 1048576");
+    return 0;
+}
+
+/* Argument checks that run before anything touches a GPU. */
+int test_api_rejects_bad_arguments(void)
+{
+    comet_comm_t comm = (comet_comm_t)0x1;
+    CHECK_EQ(comet_comm_create(NULL, NULL, &comm), COMET_INVALID_ARGUMENT);
+    CHECK(comm == NULL);
+    CHECK_CONTAINS(comet_last_create_error(), "nccl communicator is NULL");
+    CHECK_EQ(comet_comm_create((ncclComm_t)0x1, NULL, NULL), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "out is NULL");
+    comet_comm_config_t bad = COMET_COMM_CONFIG_INIT;
+    bad.timeout_ms = -5;
+    CHECK_EQ(comet_comm_create((ncclComm_t)0x1, &bad, &comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "timeout_ms = -5");
+    comet_comm_config_t raw;
+    memset(&raw, 0, sizeof(raw));
+    CHECK_EQ(comet_comm_create((ncclComm_t)0x1, &raw, &comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "COMET_COMM_CONFIG_INIT");
+    ncclUniqueId id;
+    memset(&id, 0, sizeof(id));
+    CHECK_EQ(comet_comm_create_from_id(&id, 2, 5, NULL, &comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "rank = 5: must be 0..nranks-1 = 1");
+    CHECK_EQ(comet_comm_create_from_id(&id, 0, 0, NULL, &comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "nranks = 0");
+    comet_moe_t moe = (comet_moe_t)0x1;
+    comet_moe_config_t c = COMET_MOE_CONFIG_INIT;
+    CHECK_EQ(comet_moe_create(NULL, &c, &moe), COMET_INVALID_ARGUMENT);
+    CHECK(moe == NULL);
+    CHECK_CONTAINS(comet_last_create_error(), "comm is NULL");
+    CHECK_EQ(comet_moe_forward(NULL, NULL, 0), COMET_INVALID_ARGUMENT);
+    CHECK_EQ(comet_comm_destroy(NULL), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_destroy(NULL), COMET_SUCCESS);
+    CHECK_EQ(comet_comm_get_async_error(NULL), COMET_INVALID_ARGUMENT);
+    return 0;
+}

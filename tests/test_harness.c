@@ -1,0 +1,321 @@
+/*
+ * test_harness.c - what the tests and the bench stand on (no GPU needed): the tile
+ * timeline's accounting, the synthetic routing generators, the float64 reference, and
+ * the launcher that runs one process per rank.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "comet.h"
+#include "../src/internal.h"
+#include "../harness/launch.h"
+#include "../src/plan.h"
+#include "../harness/timeline.h"
+#include "../src/kernels/gemm.h"
+#include "testutil.h"
+
+/* A tile timeline made by hand: a dispatch block that waits for rows, a GEMM block with
+ * launch skew and a tail, a row left zero (a combine block); the parts add up to the span
+ * on every block, a block past the recorded tiles is counted, a bad row is named. */
+int test_timeline_accounting(void)
+{
+    enum { W = COMETI_TILE_TRACE_WORDS };
+    unsigned long long *t = calloc(3 * W, sizeof(unsigned long long));
+    CHECK(t);
+    /* block 0: starts at 1000, dispatches until 5000; tile 7 ready at once, done at 9000;
+     * tile 9 taken at 6000, its rows ready at 12000, done at 15000; ends at 15100. */
+    unsigned long long b0[] = {1000, 5000, 2, 15100, 7, 5000, 5000, 9000, 9, 6000, 12000, 15000};
+    /* block 1: starts at 1200, three tiles of 4000 us, the first one's rows at 1300. */
+    unsigned long long b1[] = {1200, 0, 3, 13400, 0, 1200, 1300, 5300, 2, 5000, 5000, 9300, 4, 9000, 9300, 13300};
+    memcpy(t, b0, sizeof(b0));
+    memcpy(t + W, b1, sizeof(b1));
+    char err[COMETI_ERR_LEN] = "";
+    cometi_timeline_t s;
+    CHECK_EQ(cometi_timeline_summarize(err, t, 3, &s), COMET_SUCCESS);
+    CHECK_EQ(s.blocks, 2);
+    CHECK_EQ(s.tiles, 5);
+    CHECK_EQ(s.truncated, 0);
+    CHECK_NEAR(s.span_us, 14.1, 1e-9);
+    CHECK_NEAR(s.launch_us, 0.1, 1e-9);   /* (0 + 200) / 2 ns */
+    CHECK_NEAR(s.dispatch_us, 2.0, 1e-9); /* (4000 + 0) / 2 */
+    CHECK_NEAR(s.wait_us, 1.55, 1e-9);    /* (3000 + 100) / 2 */
+    CHECK_NEAR(s.first_wait_us, 0.05, 1e-9); /* (0 + 100) / 2 */
+    CHECK_NEAR(s.tiles_us, 9.5, 1e-9);    /* (7000 + 12000) / 2 */
+    CHECK_NEAR(s.tail_us, 0.95, 1e-9);    /* (100 + 1800) / 2 */
+    CHECK_NEAR(s.launch_us + s.dispatch_us + s.wait_us + s.tiles_us + s.tail_us, s.span_us, 1e-9);
+    CHECK_NEAR(s.tile_us, 3.8, 1e-9);
+    /* Block 1 took more tiles than its row holds: the rest, to its end, counts as tiles. */
+    t[W + 2] = COMETI_TILE_TRACE_TILES + 5;
+    for (int i = 3; i < COMETI_TILE_TRACE_TILES; i++) { /* tiles 3.. of 100 ns each, from 13300 */
+        t[W + 4 + 4 * i + 2] = 13300 + 100ull * (i - 3);
+        t[W + 4 + 4 * i + 3] = 13300 + 100ull * (i - 2);
+    }
+    t[W + 3] = 13300 + 100ull * (COMETI_TILE_TRACE_TILES - 3) + 500; /* 5 untraced tiles */
+    CHECK_EQ(cometi_timeline_summarize(err, t, 3, &s), COMET_SUCCESS);
+    CHECK_EQ(s.truncated, 1);
+    CHECK_EQ(s.tiles, 2 + COMETI_TILE_TRACE_TILES + 5);
+    CHECK_NEAR(s.launch_us + s.dispatch_us + s.wait_us + s.tiles_us + s.tail_us, s.span_us, 1e-9);
+    /* A tile that ends before its rows were ready. */
+    t[W + 2] = 3;
+    t[W + 3] = 13400;
+    t[W + 4 + 3] = 1250;
+    CHECK_EQ(cometi_timeline_summarize(err, t, 3, &s), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "block 1's tile 0");
+    memset(t, 0, 3 * W * sizeof(unsigned long long));
+    CHECK_EQ(cometi_timeline_summarize(err, t, 3, &s), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "no block");
+    free(t);
+    return 0;
+}
+
+int test_routing_generators(void)
+{
+    const int m = 4096, k = 2, E = 8;
+    int32_t *ids = malloc(sizeof(int32_t) * m * k);
+    float *w = malloc(sizeof(float) * m * k);
+    uint64_t seed = test_seed();
+    for (int kind = 0; kind < 4; kind++) {
+        cometi_make_routing((cometi_routing_t)kind, kind == 3 ? 5 : 16.0, m, k, E, seed, 1, ids, w);
+        int64_t counts[8] = {0};
+        CHECK_EQ(cometi_route_count(ids, m, k, E, counts), -1);
+        for (int t = 0; t < m; t++) {
+            CHECK(ids[t * k] != ids[t * k + 1]); /* distinct experts per token */
+            CHECK_NEAR(w[t * k] + w[t * k + 1], 1.0, 1e-6);
+            CHECK(w[t * k] > 0 && w[t * k + 1] > 0);
+        }
+        if (kind == COMETI_ROUTING_BALANCED)
+            for (int e = 0; e < E; e++) CHECK_EQ(counts[e], m * k / E);
+        if (kind == COMETI_ROUTING_SKEWED) CHECK(counts[0] > 4 * counts[E - 1]);
+        if (kind == COMETI_ROUTING_ONE_EXPERT) CHECK(counts[5] == m);
+    }
+    /* Same seed, same routing; another seed, another routing. */
+    int32_t *again = malloc(sizeof(int32_t) * m * k);
+    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, m, k, E, seed, 0, ids, w);
+    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, m, k, E, seed, 0, again, w);
+    CHECK(memcmp(ids, again, sizeof(int32_t) * m * k) == 0);
+    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, m, k, E, seed + 1, 0, again, w);
+    CHECK(memcmp(ids, again, sizeof(int32_t) * m * k) != 0);
+    free(again);
+    free(ids);
+    free(w);
+    return 0;
+}
+
+int test_reference_known_answer(void)
+{
+    /* H = 2, F = 1, two experts, computed by hand:
+     * expert 0: g = [1 0].x = 1, u = [0 1].x = 2, a = 2 silu(1), out = [a, -a]
+     * expert 1: g = [0 .5].x = 1, u = [1 1].x = 3, a = 3 silu(1), out = [2a, 0] */
+    const float x[2] = {1, 2};
+    const int32_t ids[2] = {0, 1};
+    const float w[2] = {0.25f, 0.75f};
+    const float gate_up[2 * 2 * 2] = {1, 0, /* up */ 0, 1, /* expert 1 gate */ 0, 0.5f, /* up */ 1, 1};
+    const float down[2 * 2 * 1] = {1, -1, /* expert 1 */ 2, 0};
+    cometi_ref_problem_t p = {2, 1, 2, 2, 1, x, ids, w, gate_up, down};
+    double y[2];
+    cometi_reference_moe(&p, y);
+    const double silu1 = 1.0 / (1.0 + exp(-1.0));
+    CHECK_NEAR(silu1, 0.7310585786300049, 1e-15);
+    CHECK_NEAR(y[0], 0.25 * 2 * silu1 + 0.75 * 2 * 3 * silu1, 1e-12);
+    CHECK_NEAR(y[0], 3.655292893150024, 1e-12);
+    CHECK_NEAR(y[1], -0.3655292893150024, 1e-12);
+    CHECK_NEAR(cometi_swiglu(0.0, 5.0), 0.0, 0);
+    return 0;
+}
+
+int test_reference_properties(void)
+{
+    const int H = 64, F = 64, E = 4, k = 2, M = 16;
+    uint64_t rng = test_seed();
+    float *x = malloc(sizeof(float) * M * H), *gu = malloc(sizeof(float) * E * 2 * F * H),
+          *dn = malloc(sizeof(float) * E * H * F), *w = malloc(sizeof(float) * M * k),
+          *w2 = malloc(sizeof(float) * M * k);
+    int32_t *ids = malloc(sizeof(int32_t) * M * k);
+    for (int i = 0; i < M * H; i++) x[i] = (float)(2 * cometi_rand_unit(&rng) - 1);
+    for (int i = 0; i < E * 2 * F * H; i++) gu[i] = (float)((2 * cometi_rand_unit(&rng) - 1) / 8);
+    for (int i = 0; i < E * H * F; i++) dn[i] = (float)((2 * cometi_rand_unit(&rng) - 1) / 8);
+    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, M, k, E, rng, 0, ids, w);
+    double *y = malloc(sizeof(double) * M * H), *y2 = malloc(sizeof(double) * M * H);
+    cometi_ref_problem_t p = {H, F, E, k, M, x, ids, w, gu, dn};
+    cometi_reference_moe(&p, y);
+    /* Linear in the routing weights: doubling them doubles y. */
+    for (int i = 0; i < M * k; i++) w2[i] = 2 * w[i];
+    p.topk_weights = w2;
+    cometi_reference_moe(&p, y2);
+    for (int i = 0; i < M * H; i++) CHECK_NEAR(y2[i], 2 * y[i], 1e-12 * (1 + fabs(y[i])));
+    /* Each token on its own gives the same row: tokens do not interact. */
+    p.topk_weights = w;
+    for (int t = 0; t < M; t += 5) {
+        cometi_ref_problem_t one = p;
+        one.num_tokens = 1;
+        one.x = x + (size_t)t * H;
+        one.topk_ids = ids + (size_t)t * k;
+        one.topk_weights = w + (size_t)t * k;
+        cometi_reference_moe(&one, y2);
+        for (int h = 0; h < H; h++) CHECK_NEAR(y2[h], y[(size_t)t * H + h], 1e-12);
+    }
+    /* rel_error: exact is 0, a NaN is infinite. */
+    float *yf = malloc(sizeof(float) * M * H);
+    for (int i = 0; i < M * H; i++) yf[i] = (float)y[i];
+    CHECK(cometi_rel_error(yf, y, (size_t)M * H) < 1e-6);
+    yf[7] = NAN;
+    CHECK(isinf(cometi_rel_error(yf, y, (size_t)M * H)));
+    free(x), free(gu), free(dn), free(w), free(w2), free(ids), free(y), free(y2), free(yf);
+    return 0;
+}
+
+/* ---- launcher ---- */
+
+typedef struct launch_probe {
+    int rank_seen[8];
+    int nranks_seen[8];
+    unsigned char id[8][sizeof(ncclUniqueId)];
+} launch_probe_t;
+
+static int record_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    launch_probe_t *p = arg;
+    p->rank_seen[ctx->rank] = ctx->rank + 100;
+    p->nranks_seen[ctx->rank] = ctx->nranks;
+    memcpy(p->id[ctx->rank], &ctx->id, sizeof(ncclUniqueId));
+    return 0;
+}
+
+int test_launch_all_ranks_succeed(void)
+{
+    launch_probe_t *p = mmap(NULL, sizeof(*p), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    CHECK(p != MAP_FAILED);
+    memset(p, 0, sizeof(*p));
+    char report[512];
+    int rc = cometi_launch_local(3, record_rank, p, 20, report, sizeof(report));
+    if (rc) printf("report: %s\n", report);
+    CHECK_EQ(rc, 0);
+    for (int r = 0; r < 3; r++) {
+        CHECK_EQ(p->rank_seen[r], r + 100);
+        CHECK_EQ(p->nranks_seen[r], 3);
+        CHECK(memcmp(p->id[r], p->id[0], sizeof(ncclUniqueId)) == 0);
+    }
+    static const unsigned char zero[sizeof(ncclUniqueId)];
+    CHECK(memcmp(p->id[0], zero, sizeof(zero)) != 0);
+    return 0;
+}
+
+static int rank1_fails(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    if (ctx->rank == 1) {
+        cometi_rank_reason("boom: the test made rank 1 fail");
+        return 3;
+    }
+    sleep(60); /* would hang the test if the launcher did not stop it */
+    return 0;
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+int test_launch_failed_rank_stops_others(void)
+{
+    char report[512];
+    double t0 = mono_s();
+    int rc = cometi_launch_local(4, rank1_fails, NULL, 0, report, sizeof(report));
+    double took = mono_s() - t0;
+    printf("report: %s (%.2f s)\n", report, took);
+    CHECK(rc != 0);
+    CHECK_CONTAINS(report, "rank 1 of 4 failed (exit code 3): boom: the test made rank 1 fail");
+    CHECK(took < 10);
+    return 0;
+}
+
+static int rank2_crashes(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    if (ctx->rank == 2) raise(SIGSEGV);
+    sleep(60);
+    return 0;
+}
+
+int test_launch_crashed_rank_is_reported(void)
+{
+    char report[512];
+    int rc = cometi_launch_local(3, rank2_crashes, NULL, 0, report, sizeof(report));
+    printf("report: %s\n", report);
+    CHECK(rc != 0);
+    CHECK_CONTAINS(report, "rank 2 of 3 failed (killed by signal 11");
+    return 0;
+}
+
+static int sleeps(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)ctx, (void)arg;
+    sleep(60);
+    return 0;
+}
+
+int test_launch_timeout_stops_ranks(void)
+{
+    char report[512];
+    double t0 = mono_s();
+    int rc = cometi_launch_local(2, sleeps, NULL, 1, report, sizeof(report));
+    CHECK(rc != 0);
+    CHECK_CONTAINS(report, "did not finish within 1 s");
+    CHECK(mono_s() - t0 < 10);
+    return 0;
+}
+
+static int returns_rank_plus_40(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    return 40 + ctx->rank + 10 * ctx->local_rank;
+}
+
+int test_launch_external_env(void)
+{
+    char report[512], path[256];
+    unsetenv("RANK");
+    setenv("WORLD_SIZE", "2", 1);
+    CHECK_EQ(cometi_launch_external("/tmp/x", returns_rank_plus_40, NULL, 5, report, sizeof(report)), 2);
+    CHECK_CONTAINS(report, "RANK=unset");
+    snprintf(path, sizeof(path), "/tmp/comet_test_id_%d", (int)getpid());
+    unlink(path);
+    setenv("RANK", "0", 1);
+    setenv("WORLD_SIZE", "1", 1);
+    setenv("LOCAL_RANK", "0", 1);
+    CHECK_EQ(cometi_launch_external(NULL, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 2);
+    CHECK_CONTAINS(report, "--id-file");
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 40);
+    /* The id file is there now: a second rank 0 refuses to reuse it, a rank 1 reads it. */
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 2);
+    CHECK_CONTAINS(report, "exists already");
+    setenv("RANK", "1", 1);
+    setenv("WORLD_SIZE", "2", 1);
+    setenv("LOCAL_RANK", "1", 1);
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 51);
+    unlink(path);
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 1, report, sizeof(report)), 1);
+    CHECK_CONTAINS(report, "did not appear within 1 s");
+    /* A file from another run (another run id) is never taken for this run's. */
+    setenv("RANK", "0", 1);
+    setenv("LOCAL_RANK", "0", 1);
+    setenv("COMET_RUN_ID", "run-a", 1);
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 40);
+    setenv("RANK", "1", 1);
+    setenv("LOCAL_RANK", "1", 1);
+    setenv("COMET_RUN_ID", "run-b", 1);
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 1, report, sizeof(report)), 1);
+    CHECK_CONTAINS(report, "is from another run (its tag \"COMET_RUN_ID=run-a\", ours \"COMET_RUN_ID=run-b\")");
+    setenv("COMET_RUN_ID", "run-a", 1);
+    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 51);
+    unlink(path);
+    unsetenv("COMET_RUN_ID");
+    return 0;
+}

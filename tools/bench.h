@@ -1,0 +1,103 @@
+/*
+ * bench.h - what the files of `comet bench` (and `comet tune`, `comet bandwidth`) share:
+ * the input sets, the phases a case reports, a case's results, the calls the timing
+ * runs, and the functions one file calls in another.
+ */
+#ifndef COMET_TOOLS_BENCH_H
+#define COMET_TOOLS_BENCH_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include <cuda_runtime_api.h>
+
+#include "comet.h"
+#include "../src/internal.h"
+#include "../src/dispatch_gemm.h"
+#include "../src/gemm_combine.h"
+#include "../src/tune.h"
+#include "tool.h"
+
+#define NSETS 3 /* input sets rotated between calls, so they do not sit in L2 */
+
+enum { P_TOTAL, P_ROUTE, P_A2A_OUT, P_EXPERTS, P_A2A_BACK, P_COMBINE, P_LAYER0, P_LAYER1, P_COUNT };
+
+#define SWEEP_MAX 16
+typedef struct case_result {
+    float ms[P_COUNT]; /* medians, slowest rank */
+    double tflops;     /* expert GEMMs, per GPU */
+    double check;      /* worst relative error of the sample tokens, -1 if not checked */
+    /* The fused layer0, when run: */
+    int l0_runs, l0_best;
+    cometi_dispatch_knobs_t l0_knobs[SWEEP_MAX];
+    float l0_ms[SWEEP_MAX], l0_gemm_alone_ms, l0_route_ms;
+    float l0_alone_each[2], l1_alone_each[2]; /* each GEMM alone on the static split, then the shared counter */
+    float l0_paired_ms; /* the best knobs again, timed in turns with the GEMM alone */
+    double l0_diff;    /* activations against the baseline's, sampled rows */
+    /* The fused layer1, when run: */
+    int l1_runs, l1_best;
+    cometi_combine_knobs_t l1_knobs[SWEEP_MAX];
+    float l1_ms[SWEEP_MAX], l1_gemm_alone_ms, l1_paired_ms;
+    float push_sum_ms; /* the push's owner's sum phase (its wait for the peers' rows included), 0 if not timed */
+    float copy_gbs;    /* this GPU's copy rate on every SM (bytes copied per second: half its traffic) */
+    double l1_diff;    /* y against the baseline's, every token */
+    float whole_ms;    /* the whole fused layer (route, layer0, layer1) with the best knobs of each */
+    float public_ms;   /* comet_moe_forward on the fused path, its default knobs */
+    float tuned_turns_ms, model_turns_ms; /* the whole layer, sweeps' best against the model's, in turns */
+    cometi_knobs_t model_knobs;
+    float bound_cublas_ms; /* suite: the baseline's cuBLAS expert phase, in turns with the two below */
+    float bound_baseline_ms; /* suite: the whole baseline, in turns with the same */
+    float bound_whole_ms, bound_gemms_ms; /* suite: the whole layer (model's knobs) and our GEMM0 +
+                                           * GEMM1 alone, in turns */
+    double public_check; /* its y against the baseline's (input set 0), every token */
+} case_result_t;
+
+/* What one timed call runs. */
+enum {
+    L0_FUSED, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L0_ROUTE_ALONE, /* on the inputs, rotating */
+    L1_FUSED, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC,                 /* on what layer0 left */
+    WHOLE_BEST,   /* route, layer0 and layer1 with the given knobs, inputs rotating */
+    WHOLE_MODEL,  /* the same with the cost model's knobs (`model`) */
+    WHOLE_PUBLIC, /* comet_moe_forward on the fused path, inputs rotating */
+    BASE_WHOLE,   /* comet_moe_forward on the baseline path, inputs rotating */
+    BASE_EXPERTS  /* the baseline's cuBLAS GEMM0, SwiGLU and GEMM1 on its last call's rows */
+};
+
+typedef struct timed_call {
+    int what;
+    comet_comm_t comm;
+    comet_moe_t moe;
+    cometi_dispatch_gemm_t *l0;
+    cometi_gemm_combine_t *l1;
+    comet_moe_args_t *a;
+    void **x;
+    int32_t **ids;
+    float **w;
+    const cometi_dispatch_knobs_t *k0;
+    const cometi_combine_knobs_t *k1;
+    const cometi_knobs_t *model; /* WHOLE_MODEL's knobs */
+} timed_call_t;
+
+/* bench_timing.c */
+float median(float *v, int n);
+int allreduce(comet_comm_t comm, float *v, int n, ncclRedOp_t op);
+int time_calls(const timed_call_t *c, int warmup, int iters, float *out);
+int time_in_turns(const timed_call_t *base, const int *whats, int n, int rounds, float *med);
+int best_in_turns(const timed_call_t *calls, const float *ms, int runs, int model, int rounds, float *fused_ms,
+                  float *alone_ms, float *each);
+int print_layer1_trace(comet_comm_t comm, const cometi_gemm_combine_t *l1, const cometi_combine_knobs_t *k);
+int copy_rate(comet_comm_t comm, float *gbs);
+int print_push_phases(const cometi_rank_ctx_t *ctx, comet_comm_t comm, cometi_dispatch_gemm_t *l0, cometi_gemm_combine_t *l1,
+                      comet_moe_args_t *a, int iters, float gemm_alone_ms, float *sum_ms);
+int print_tile_timelines(const cometi_rank_ctx_t *ctx, const timed_call_t *fused, unsigned long long **trace_slot,
+                         const char *layer, const char *gemm);
+
+/* bench_case.c */
+int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
+                      const comet_moe_config_t *cfg, const char *label, case_result_t *res);
+
+/* cmd_bandwidth.c */
+int timed_copy(comet_comm_t comm, void *dst, const void *src, size_t bytes, int blocks, int reps, cudaEvent_t e0,
+               cudaEvent_t e1, float *gbs);
+
+#endif /* COMET_TOOLS_BENCH_H */
