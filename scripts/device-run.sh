@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# device-run.sh - what one call on a lent 2 x H200 machine runs: build there (against
+# device-run.sh - what one run on a GPU machine does: build there (against
 # PyTorch's NCCL when torch is installed, so the Python package runs too: its device API
 # must match the NCCL the process loads), then the chosen steps. Logs land in $OUT (or
 # ./out); each step prints its summary last.
 # Usage: scripts/device-run.sh [STEP]...   (default: tests python bench)
 #   tests      the C test suite, GPU tests included (~4 min)
-#   python     the Python package's GPU tests and its example at TP 1 and 2 (torchrun, 2 ranks)
+#   python     the Python package's GPU tests (torchrun, a rank per GPU) and its example at TP 1
+#              and 2 (2 ranks)
 #   bench      comet bench --preset all: sweeps, layer0/layer1 in turns, tuned vs model
 #   suite      comet bench --suite and the plain-PyTorch suite beside it (JSON in $OUT;
 #              then locally: python3 bench/plot_suite.py suite.json suite-torch.json)
@@ -29,7 +30,8 @@ for step in $steps; do
     case $step in
     tests) timeout 420 build/comet_tests -v > "$OUT/tests.log" 2>&1
            grep -E "^(FAIL|[0-9]+ passed)|growth" "$OUT/tests.log" ;;
-    python) timeout 150 torchrun --nproc-per-node 2 python/tests/test_torch_gpu.py -v > "$OUT/python.log" 2>&1
+    python) timeout 150 torchrun --nproc-per-node "$(nvidia-smi -L | wc -l)" python/tests/test_torch_gpu.py -v \
+                > "$OUT/python.log" 2>&1
             grep -E "^(FAIL|[0-9]+ passed)" "$OUT/python.log"
             for tp in 1 2; do
                 timeout 60 torchrun --nproc-per-node 2 python/examples/mixtral_block.py --preset mixtral-8x7b \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# tp-run.sh - one call on a lent 2 x H200 machine for issue 8: the C tests and the Python
-# package's GPU tests (scripts/device-run.sh), then `comet bench --preset all` with
-# EP 1 x TP 2 and with EP 2 in the same call, their summaries last. Logs in $OUT.
+# tp-run.sh - on a machine with 2 GPUs: the C tests and the Python package's GPU tests
+# (scripts/device-run.sh), then `comet bench --preset all` with EP 1 x TP 2 and with EP 2
+# in the same run, their summaries last. Logs in $OUT.
 set -uo pipefail
 OUT=${OUT:-out}
 scripts/device-run.sh ${*:-tests python} || exit 1

@@ -42,6 +42,22 @@ int launch_two_seeded(cometi_rank_main_t fn, int timeout_s)
     return launch(2, fn, &seed, timeout_s);
 }
 
+/* min(2, visible Hopper GPUs) ranks with the run's seed as their argument; a skip (saying
+ * why) only without any GPU. */
+int launch_seeded(cometi_rank_main_t fn, int timeout_s)
+{
+    char why[256];
+    const int found = cometi_probe_gpus(why, sizeof(why));
+    if (found < 1) {
+        printf("needs a Hopper GPU, found none%s%s\n", why[0] ? ": " : "", why);
+        return TEST_SKIP;
+    }
+    const int nranks = found < 2 ? found : 2;
+    if (nranks == 1) printf("1 Hopper GPU visible%s%s: running at world 1\n", why[0] ? "; " : "", why);
+    uint64_t seed = test_seed();
+    return launch(nranks, fn, &seed, timeout_s);
+}
+
 double now_s(void)
 {
     struct timespec ts;

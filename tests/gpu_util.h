@@ -46,8 +46,13 @@ int launch(int nranks, cometi_rank_main_t fn, void *arg, int timeout_s);
         }                                                                                          \
     } while (0)
 
-/* Two ranks with the run's seed as their argument; a skip (saying why) without 2 GPUs. */
+/* Two ranks with the run's seed as their argument; a skip (saying why) without 2 GPUs.
+ * For tests that need a second rank (a peer's error or absence, TP 2). */
 int launch_two_seeded(cometi_rank_main_t fn, int timeout_s);
+
+/* min(2, visible Hopper GPUs) ranks with the run's seed as their argument; a skip (saying
+ * why) only without any GPU. For tests whose rank body holds at any world size. */
+int launch_seeded(cometi_rank_main_t fn, int timeout_s);
 
 /* Seconds on the monotonic clock. */
 double now_s(void);

@@ -1,8 +1,9 @@
 /*
- * test_baseline.c - the sequential baseline MoE layer on two GPUs (skipping without them)
- * against the float64 CPU reference: every case, repeated calls with changing routing and
- * token counts, the same bits for the same inputs, and a bad expert id that every rank
- * learns of without leaving anything half done.
+ * test_baseline.c - the sequential baseline MoE layer on one rank per GPU, up to two
+ * (skipping without a GPU), against the float64 CPU reference: every case, repeated calls
+ * with changing routing and token counts, the same bits for the same inputs; and, on two
+ * GPUs (skipping with fewer), a bad expert id that every rank learns of without leaving
+ * anything half done.
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
@@ -47,7 +48,7 @@ static int baseline_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return rc;
 }
 
-int test_gpu_baseline_vs_reference(void) { return launch_two_seeded(baseline_reference_rank, 280); }
+int test_gpu_baseline_vs_reference(void) { return launch_seeded(baseline_reference_rank, 280); }
 
 static int baseline_repeat_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
@@ -79,8 +80,9 @@ static int baseline_repeat_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_baseline_repeated_calls(void) { return launch_two_seeded(baseline_repeat_rank, 280); }
+int test_gpu_baseline_repeated_calls(void) { return launch_seeded(baseline_repeat_rank, 280); }
 
+/* Two ranks: rank 1 passes the bad id, and rank 0 must learn of it (COMET_REMOTE_ERROR). */
 static int bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t seed = *(uint64_t *)arg;

@@ -1,8 +1,9 @@
 /*
- * test_forward.c - the public comet_moe_forward on the fused path, on two GPUs (skipping
- * without them): against the baseline and float64 with EP and with TP, AUTO's choice of
- * path, 10,000 calls (2000 with TP) with no drift and no growth of memory, and the fused
- * forward captured in a CUDA graph and replayed.
+ * test_forward.c - the public comet_moe_forward on the fused path: against the baseline
+ * and float64 with EP, AUTO's choice of path, 10,000 calls with no drift and no growth of
+ * memory, and the fused forward captured in a CUDA graph and replayed, on one rank per GPU,
+ * up to two (skipping without a GPU); the same with TP 2 (against float64, 2000 calls) on
+ * two GPUs (skipping with fewer).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -142,10 +143,11 @@ static int forward_fused_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return forward_vs_baseline(ctx, *(uint64_t *)arg, 1);
 }
 
-int test_gpu_forward_fused_matches_baseline(void) { return launch_two_seeded(forward_fused_rank, 280); }
+int test_gpu_forward_fused_matches_baseline(void) { return launch_seeded(forward_fused_rank, 280); }
 
-/* EP = 1, TP = 2 (issue 8): each rank holds half of every expert's ffn columns; both paths
- * against float64 on every case, the fused one against the baseline too. */
+/* EP = 1, TP = 2: each rank holds half of every expert's ffn columns; both paths
+ * against float64 on every case, the fused one against the baseline too. Two ranks: at
+ * world 1 TP = world would be TP 1, the EP test again. */
 static int forward_tp_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     return forward_vs_baseline(ctx, *(uint64_t *)arg, ctx->nranks);
@@ -278,10 +280,10 @@ static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
 int test_gpu_forward_10000_calls(void)
 {
     forward_calls_tp = 1;
-    return launch_two_seeded(forward_calls_rank, 280);
+    return launch_seeded(forward_calls_rank, 280);
 }
 
-/* The same with EP 1 x TP 2, 2000 calls. */
+/* The same with EP 1 x TP 2, 2000 calls (two ranks: tp_size 2 must divide the world). */
 int test_gpu_forward_tp_2000_calls(void)
 {
     forward_calls_tp = 2;
@@ -356,4 +358,4 @@ static int graph_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_forward_graph_replay(void) { return launch_two_seeded(graph_rank, 110); }
+int test_gpu_forward_graph_replay(void) { return launch_seeded(graph_rank, 110); }

@@ -1,8 +1,9 @@
 /*
- * test_layer1.c - the fused layer1 on two GPUs (skipping without them) against the
- * baseline's GEMM1 + all-to-all + combine (and float64): 1000 calls over combine blocks,
- * splits, schedules and the push, the same bits whatever the knobs; a bad expert id left
- * out and reported; a missing peer that times out (combine, push, and TP push).
+ * test_layer1.c - the fused layer1 against the baseline's GEMM1 + all-to-all + combine
+ * (and float64): on one rank per GPU, up to two (skipping without a GPU), 1000 calls over
+ * combine blocks, splits, schedules and the push, the same bits whatever the knobs; on two
+ * GPUs (skipping with fewer), a bad expert id left out and reported while the other rank
+ * goes on, and a missing peer that times out (combine, push, and TP push).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -133,11 +134,12 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_layer1_matches_baseline(void) { return launch_two_seeded(layer1_rank, 280); }
+int test_gpu_layer1_matches_baseline(void) { return launch_seeded(layer1_rank, 280); }
 
 /* A bad expert id on the fused path, with the combine and with the push: the row is left
  * out, the rank that passed it learns so (COMET_INVALID_ARGUMENT), no rank waits for the
- * missing row, and the next call, with the id fixed, matches the baseline. */
+ * missing row, and the next call, with the id fixed, matches the baseline. Two ranks: rank
+ * 1 passes the id and rank 0 must go on unharmed (and TP 2 needs an even world). */
 /* TP ranks per group of the layer1 error tests (set before the ranks fork): 1, or every
  * rank in one group (then only the push, the ending that sums partial rows). */
 static int layer1_test_tp = 1;
@@ -212,7 +214,8 @@ int test_gpu_layer1_tp_bad_expert_id(void)
 }
 
 /* Rank 1 runs layer0 but never layer1: rank 0's combine (or the push's sum) must give up
- * with COMET_TIMEOUT (rank 1 waits on a flag nobody raises meanwhile, and times out too). */
+ * with COMET_TIMEOUT (rank 1 waits on a flag nobody raises meanwhile, and times out too).
+ * Two ranks: the missing peer is the test. */
 static int missing_peer_push; /* set before the ranks fork */
 
 static int layer1_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
