@@ -14,7 +14,7 @@ extern "C" {
 
 /* Means over the blocks that ran, in us. Per block, the parts add up to the span:
  * launch (its start after the first block's), dispatch (a dispatch block's copying, or a
- * GEMM block's share of the head: kernels/gemm.h, head_copy),
+ * GEMM block's share of the head: kernels/dispatch.h, head_pieces),
  * row waits (its consumers done with the last tile, the next tile's rows not all there
  * yet), tiles (from a tile's rows being ready, or the last tile's end if later, to its
  * epilogue issued: loads, MMAs, epilogue, a ticket's wait), tail (its last tile done,

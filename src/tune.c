@@ -52,7 +52,7 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
     out->l1.dynamic_tiles = 1;
     out->l1.combine_blocks = 0;
     out->l1.n_splits = 1;
-    /* With TP only the push can sum the partial rows (layer1.h). */
+    /* With TP only the push can sum the partial rows (tune.h, cometi_combine_knobs_t). */
     out->l1.push = tp > 1 || (world > 1 && tail_s > MODEL_PUSH_SHARE * gemm1_s);
     out->l1.tail = !out->l1.push;
 }

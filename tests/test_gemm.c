@@ -449,7 +449,7 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemcpy(d_index, index, sizeof(int32_t) * rows, cudaMemcpyHostToDevice));
     const char *names[6] = {"swiglu, fused gate_up", "swiglu, gate and up apart", "row scale", "scatter",
                             "swiglu, n 192 in ldc 256", "swiglu, one group"};
-    /* The cooperative runs also record their tile timeline (the bench's COMET_TRACE). */
+    /* The cooperative runs also record their tile timeline (comet bench --trace). */
     int sms = 0;
     CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx->local_rank));
     const size_t trace_words = (size_t)sms * COMETI_TILE_TRACE_WORDS;

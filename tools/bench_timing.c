@@ -281,7 +281,7 @@ int print_push_phases(const cometi_rank_ctx_t *ctx, comet_comm_t comm, cometi_di
 /* --trace: where the fused kernel's time goes against our GEMM alone's (on the
  * fused kernel's schedule, the shared counter): each the last of three calls with the
  * GEMM kernel's tile timeline on (`*trace_slot`: layer0's or layer1's), cut per SM into
- * launch, dispatch, row waits, tiles and tail (src/timeline.h). Every rank prints its own
+ * launch, dispatch, row waits, tiles and tail (harness/timeline.h). Every rank prints its own
  * line: the ranks' routes differ. */
 int print_tile_timelines(const cometi_rank_ctx_t *ctx, const timed_call_t *fused,
                          unsigned long long **trace_slot, const char *layer, const char *gemm)
