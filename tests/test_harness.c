@@ -319,3 +319,73 @@ int test_launch_external_env(void)
     unsetenv("COMET_RUN_ID");
     return 0;
 }
+
+/* L = <dy, y>, in float64 from float inputs that are multiples of 2^-10, so x +- 2^-12 is
+ * exact in float: the central difference (L(v + eps) - L(v - eps)) / 2 eps then differs
+ * from dL/dv only by eps^2 / 6 x L''' (the sums are float64), far under the 1e-7 of the
+ * gradients' scale allowed below. */
+static double loss_of(const cometi_ref_problem_t *p, const float *dy, double *y)
+{
+    cometi_reference_moe(p, y);
+    double l = 0.0;
+    for (size_t i = 0; i < (size_t)p->num_tokens * p->hidden; i++) l += dy[i] * y[i];
+    return l;
+}
+
+static int check_by_differences(cometi_ref_problem_t *p, const float *dy, float *v, size_t n, const double *grad,
+                                const char *what)
+{
+    const float eps = 1.0f / 4096;
+    double *y = malloc(sizeof(double) * (size_t)p->num_tokens * p->hidden), worst = 0, scale = 1e-30;
+    for (size_t i = 0; i < n; i++) scale = fmax(scale, fabs(grad[i]));
+    for (size_t i = 0; i < n; i++) {
+        const float keep = v[i];
+        v[i] = keep + eps;
+        const double hi = loss_of(p, dy, y);
+        v[i] = keep - eps;
+        const double lo = loss_of(p, dy, y);
+        v[i] = keep;
+        const double diff = fabs((hi - lo) / (2.0 * eps) - grad[i]);
+        if (diff > worst) worst = diff;
+        if (!(diff <= 1e-7 * scale)) {
+            printf("%s[%zu]: difference quotient %.12g, gradient %.12g\n", what, i, (hi - lo) / (2.0 * eps), grad[i]);
+            free(y);
+            return 1;
+        }
+    }
+    printf("%s: %zu elements, worst |difference - gradient| %.3g (scale %.3g)\n", what, n, worst, scale);
+    free(y);
+    return 0;
+}
+
+int test_reference_backward_matches_differences(void)
+{
+    const int H = 8, F = 4, E = 3, k = 2, M = 3;
+    uint64_t rng = test_seed();
+    /* Multiples of 2^-10 in (-1, 1) (see loss_of); weights renormalised then rounded alike. */
+#define Q(scale) ((float)(floor((2 * cometi_rand_unit(&rng) - 1) * 1024 * (scale)) / 1024))
+    float x[M * H], gu[E * 2 * F * H], dn[E * H * F], w[M * k], dy[M * H];
+    int32_t ids[M * k];
+    for (int i = 0; i < M * H; i++) x[i] = Q(1);
+    for (int i = 0; i < E * 2 * F * H; i++) gu[i] = Q(0.5);
+    for (int i = 0; i < E * H * F; i++) dn[i] = Q(0.5);
+    for (int i = 0; i < M * H; i++) dy[i] = Q(1);
+    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, M, k, E, rng, 0, ids, w);
+    for (int i = 0; i < M * k; i++) w[i] = (float)(floor(w[i] * 1024) / 1024);
+    ids[k] = ids[0]; /* token 1 shares an expert with token 0 (its weight gradient sums two rows) */
+    if (ids[k + 1] == ids[k]) ids[k + 1] = (ids[k] + 1) % E;
+#undef Q
+    cometi_ref_problem_t p = {H, F, E, k, M, x, ids, w, gu, dn};
+    double dx[M * H], dw[M * k], dgu[E * 2 * F * H], ddn[E * H * F];
+    cometi_reference_moe_backward(&p, dy, dx, dw, dgu, ddn);
+    if (check_by_differences(&p, dy, x, M * H, dx, "dx") ||
+        check_by_differences(&p, dy, w, M * k, dw, "d topk_weights") ||
+        check_by_differences(&p, dy, gu, E * 2 * F * H, dgu, "dgate_up") ||
+        check_by_differences(&p, dy, dn, E * H * F, ddn, "ddown"))
+        return 1;
+    /* Outputs may be NULL, and the ones given are the same. */
+    double dx2[M * H];
+    cometi_reference_moe_backward(&p, dy, dx2, NULL, NULL, NULL);
+    for (int i = 0; i < M * H; i++) CHECK(dx2[i] == dx[i]);
+    return 0;
+}

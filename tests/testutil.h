@@ -77,6 +77,7 @@ uint64_t test_seed(void);
     X(routing_generators, 10)                   \
     X(reference_known_answer, 10)               \
     X(reference_properties, 30)                 \
+    X(reference_backward_matches_differences, 30) \
     X(launch_all_ranks_succeed, 30)             \
     X(launch_failed_rank_stops_others, 30)      \
     X(launch_crashed_rank_is_reported, 30)      \
