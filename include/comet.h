@@ -12,6 +12,8 @@
  *   comet_moe_forward(moe, &args, stream);      // as often as you like
  *   comet_moe_destroy(moe); comet_comm_destroy(comm);
  *
+ * Training adds a saved state, comet_moe_forward_train and comet_moe_backward (below).
+ *
  * Every function returns a comet_status_t. On failure, comet_comm_last_error() or
  * comet_moe_last_error() gives a sentence naming the field, the value and the limit.
  * Errors found on the GPU after a call returned (a peer that never answered) are
@@ -233,6 +235,109 @@ typedef struct comet_moe_args {
  * comet_comm_get_async_error()), COMET_NCCL_ERROR, COMET_CUDA_ERROR.
  */
 COMET_API comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream);
+
+/* ------------------------------------------------------------------------------------ */
+/* Training: a forward that keeps what its backward needs, and the backward.
+ *
+ *   comet_moe_saved_t s;  comet_moe_saved_create(moe, NULL, &s);   // one per layer in flight
+ *   comet_moe_forward_train(moe, &args, s, stream);               // y, and s filled
+ *   ...                                                           // later layers, the loss
+ *   comet_moe_backward(moe, &bargs, stream);                      // bargs.saved = s
+ *   comet_moe_saved_destroy(s);
+ *
+ * Today both run the sequential path (NCCL all-to-all + cuBLAS, as Megatron-LM runs an
+ * expert-parallel layer unfused): COMET_IMPL_AUTO and COMET_IMPL_BASELINE take it, and
+ * COMET_IMPL_FUSED gives COMET_NOT_SUPPORTED. An inference forward (comet_moe_forward)
+ * saves nothing and costs nothing extra. */
+
+/* What one training forward keeps for its backward: the rows this rank received (x, and
+ * the gate and up projections), each of its tokens' expert outputs, and the routing. The
+ * caller owns it; a training forward fills it, its backward reads it (again, if called
+ * again), the next training forward into it replaces it. */
+typedef struct comet_moe_saved *comet_moe_saved_t;
+
+typedef struct comet_moe_saved_config {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    /* The most (token, choice) rows this rank may receive in one call, padding excluded.
+     * 0: the worst case, every choice of every rank's max_tokens tokens routed here (world x
+     * max_tokens x top_k). A call that routes more here is refused (COMET_INVALID_ARGUMENT
+     * on every rank, before any row moves): rows are never dropped. Give every rank the
+     * same bound. */
+    int64_t max_recv_rows;
+} comet_moe_saved_config_t;
+
+#define COMET_MOE_SAVED_CONFIG_INIT {sizeof(comet_moe_saved_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0}
+
+/*
+ * The device memory a saved state of this layer takes: per received row, (hidden + 2 x
+ * ffn / tp_size) x 2 bytes (x, gate and up, bf16); per token, top_k x (tp_size x hidden x
+ * 2 + 8) bytes (each choice's expert output as it came home, its place and weight); plus
+ * one 128-row block of padding per local expert. Rows are allocated for the bound
+ * (max_recv_rows). `config` may be NULL (the worst case). Not collective; allocates
+ * nothing.
+ */
+COMET_API comet_status_t comet_moe_saved_bytes(comet_moe_t moe, const comet_moe_saved_config_t *config,
+                                               size_t *bytes);
+/* Allocate a saved state for this layer (not collective). NULL config: the worst case. */
+COMET_API comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe_saved_config_t *config,
+                                                comet_moe_saved_t *out);
+/* NULL is a no-op. Waits for the device. Destroy it before its layer. */
+COMET_API comet_status_t comet_moe_saved_destroy(comet_moe_saved_t saved);
+
+/*
+ * y = MoE(x) as comet_moe_forward, and `saved` (of this layer) filled for the backward.
+ * Collective. Errors as comet_moe_forward's, and COMET_INVALID_ARGUMENT for a saved state
+ * of another layer or a call that routes more rows here than its bound.
+ */
+COMET_API comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *args,
+                                                 comet_moe_saved_t saved, cudaStream_t stream);
+
+/* How weight gradients are delivered. */
+typedef enum comet_grad_mode {
+    COMET_GRAD_WRITE_BF16 = 0,     /* written as bf16: the gradient of this call alone */
+    COMET_GRAD_ACCUMULATE_FP32 = 1 /* added to fp32 buffers (Megatron-LM's main_grad): accumulates
+                                    * micro-batches */
+} comet_grad_mode_t;
+
+/* This rank's experts' weight gradients, in the layouts of comet_moe_weights_t (the same
+ * choice of gate_up, or gate and up, as the weights), bf16 or fp32 by `mode`. */
+typedef struct comet_moe_weight_grads {
+    void *gate_up; /* [E_local][2F][H] */
+    void *gate;    /* [E_local][F][H], when gate_up is NULL */
+    void *up;      /* [E_local][F][H], when gate_up is NULL */
+    void *down;    /* [E_local][H][F] */
+    comet_grad_mode_t mode;
+} comet_moe_weight_grads_t;
+
+typedef struct comet_moe_backward_args {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    comet_moe_saved_t saved;       /* filled by this layer's training forward */
+    const void *dy;                /* [M][H] bf16: the loss's gradient at y; M is the forward's num_tokens */
+    comet_moe_weights_t weights;   /* the forward's weights */
+    void *dx;                      /* [M][H] bf16 out */
+    float *d_topk_weights;         /* [M][top_k] fp32 out: the gradient at the forward's topk_weights */
+    comet_moe_weight_grads_t grads;
+    comet_impl_t impl;
+} comet_moe_backward_args_t;
+
+#define COMET_MOE_BACKWARD_ARGS_INIT \
+    {sizeof(comet_moe_backward_args_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, NULL, NULL, \
+     {NULL, NULL, NULL, NULL}, NULL, NULL, {NULL, NULL, NULL, NULL, COMET_GRAD_WRITE_BF16}, COMET_IMPL_AUTO}
+
+/*
+ * The backward of the training forward that filled args->saved: dx, d topk_weights and
+ * this rank's expert weight gradients, enqueued on `stream`. Collective, as the forward:
+ * every rank calls it for the same forward call. A token's dx sums its choices in choice
+ * order (fp32): the same inputs give the same bits. Errors: COMET_INVALID_ARGUMENT (a
+ * field; a saved state not filled, or of another layer: nothing is launched),
+ * COMET_NOT_SUPPORTED (COMET_IMPL_FUSED), COMET_NCCL_ERROR, COMET_CUDA_ERROR.
+ */
+COMET_API comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args_t *args,
+                                            cudaStream_t stream);
 
 #ifdef __cplusplus
 }

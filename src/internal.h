@@ -132,6 +132,30 @@ struct comet_moe {
     cudaEvent_t *marks;               /* COMETI_NUM_MARKS events, or NULL: phase timing */
 };
 
+/* What a training forward keeps for its backward (comet.h's comet_moe_saved_t); the
+ * sequential path fills it and reads it. */
+struct comet_moe_saved {
+    comet_moe_t moe;
+    int64_t max_recv_rows;       /* the bound: (token, choice) rows received, padding excluded */
+    int64_t cap_rows;            /* rows allocated: the bound and a 128-row block of padding per local expert */
+    int filled;                  /* a training forward filled it (and nothing failed after) */
+    int num_tokens;
+    void *recv;                  /* [cap_rows][H] bf16: x rows received, in the plan's layout */
+    void *h;                     /* [cap_rows][2 Fl] bf16: their gate and up projections */
+    void *back;                  /* [tp][max_tokens x k][H] bf16: each choice's expert output, home
+                                  * (each TP rank's partial) */
+    int32_t *send_pos;           /* [max_tokens x k] each choice's row in the send order */
+    float *weights;              /* [max_tokens x k] the forward's topk_weights */
+    cometi_segment_t *segs;      /* [E_local] device: this rank's segments */
+    cometi_segment_t *segs_host; /* [E_local] */
+    int max_seg_rows;
+    cometi_a2a_msg_t *sends, *recvs; /* the dispatch's NCCL messages (host); the return trip swaps them */
+    int n_sends, n_recvs;
+};
+
+/* A forward's arguments checked (moe.c): COMET_INVALID_ARGUMENT naming the field. */
+comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *args);
+
 /* Benchmarks: record the baseline's phase boundaries into `marks` (NULL: stop). */
 void cometi_moe_set_marks(comet_moe_t moe, cudaEvent_t *marks);
 

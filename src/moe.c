@@ -155,7 +155,7 @@ const char *comet_moe_last_error(comet_moe_t moe) { return moe ? moe->err : "moe
 
 void cometi_moe_set_marks(comet_moe_t moe, cudaEvent_t *marks) { moe->marks = marks; }
 
-static comet_status_t check_args(comet_moe_t moe, const comet_moe_args_t *a)
+comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *a)
 {
     char *err = moe->err;
     const comet_status_t INVAL = COMET_INVALID_ARGUMENT;
@@ -195,7 +195,7 @@ comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, 
 {
     if (!moe) return COMET_INVALID_ARGUMENT;
     moe->err[0] = '\0';
-    COMETI_TRY(check_args(moe, args));
+    COMETI_TRY(cometi_moe_check_args(moe, args));
     comet_status_t async = cometi_check_async(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
     comet_status_t st;
@@ -208,7 +208,7 @@ comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, 
         }
         moe->err[0] = '\0';
     }
-    st = cometi_baseline_forward(moe, moe->baseline, args, stream);
+    st = cometi_baseline_forward(moe, moe->baseline, args, NULL, stream);
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward");
     return st;
 }

@@ -48,6 +48,10 @@ STATUS_NAMES = {
 # comet_dtype_t
 DTYPE_BF16 = 0
 
+# comet_grad_mode_t
+GRAD_WRITE_BF16 = 0
+GRAD_ACCUMULATE_FP32 = 1
+
 # comet_impl_t
 IMPL_AUTO = 0
 IMPL_BASELINE = 1
@@ -132,6 +136,51 @@ class MoeArgsStruct(ctypes.Structure):
                          MoeWeightsStruct(None, None, None, None), None, IMPL_AUTO)
 
 
+class MoeSavedConfigStruct(ctypes.Structure):
+    """comet_moe_saved_config_t; a new one holds COMET_MOE_SAVED_CONFIG_INIT."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("magic", c_uint),
+        ("version", c_uint),
+        ("max_recv_rows", ctypes.c_int64),
+    ]
+
+    def __init__(self, max_recv_rows: int = 0):
+        super().__init__(ctypes.sizeof(MoeSavedConfigStruct), STRUCT_MAGIC, API_VERSION, max_recv_rows)
+
+
+class MoeWeightGradsStruct(ctypes.Structure):
+    """comet_moe_weight_grads_t: device pointers to this rank's experts' weight gradients."""
+    _fields_ = [
+        ("gate_up", c_void_p),
+        ("gate", c_void_p),
+        ("up", c_void_p),
+        ("down", c_void_p),
+        ("mode", c_int),  # comet_grad_mode_t
+    ]
+
+
+class MoeBackwardArgsStruct(ctypes.Structure):
+    """comet_moe_backward_args_t; a new one holds COMET_MOE_BACKWARD_ARGS_INIT."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("magic", c_uint),
+        ("version", c_uint),
+        ("saved", c_void_p),           # comet_moe_saved_t
+        ("dy", c_void_p),
+        ("weights", MoeWeightsStruct),
+        ("dx", c_void_p),
+        ("d_topk_weights", c_void_p),  # float *
+        ("grads", MoeWeightGradsStruct),
+        ("impl", c_int),  # comet_impl_t
+    ]
+
+    def __init__(self):
+        super().__init__(ctypes.sizeof(MoeBackwardArgsStruct), STRUCT_MAGIC, API_VERSION, None, None,
+                         MoeWeightsStruct(None, None, None, None), None, None,
+                         MoeWeightGradsStruct(None, None, None, None, GRAD_WRITE_BF16), IMPL_AUTO)
+
+
 # ---- the functions, with their C signatures ----
 # (name, restype, argtypes). Handles are opaque pointers (c_void_p); cudaStream_t and
 # ncclComm_t are pointers too. comet_status_t, ncclResult_t and cudaError_t are ints.
@@ -156,6 +205,11 @@ _COMET_FUNCTIONS = [
     ("comet_moe_destroy", c_int, [c_void_p]),
     ("comet_moe_last_error", c_char_p, [c_void_p]),
     ("comet_moe_forward", c_int, [c_void_p, POINTER(MoeArgsStruct), c_void_p]),
+    ("comet_moe_saved_bytes", c_int, [c_void_p, POINTER(MoeSavedConfigStruct), POINTER(c_size_t)]),
+    ("comet_moe_saved_create", c_int, [c_void_p, POINTER(MoeSavedConfigStruct), POINTER(c_void_p)]),
+    ("comet_moe_saved_destroy", c_int, [c_void_p]),
+    ("comet_moe_forward_train", c_int, [c_void_p, POINTER(MoeArgsStruct), c_void_p, c_void_p]),
+    ("comet_moe_backward", c_int, [c_void_p, POINTER(MoeBackwardArgsStruct), c_void_p]),
 ]
 
 # NCCL and the CUDA runtime, as libcomet links them (found through its handle: dlsym

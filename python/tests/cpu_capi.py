@@ -54,9 +54,9 @@ def header_enums(text):
     return values
 
 
-ENUM_TYPES = {"comet_status_t", "comet_dtype_t", "comet_impl_t"}
-POINTER_TYPEDEFS = {"comet_comm_t", "comet_moe_t", "ncclComm_t", "cudaStream_t"}
-SCALARS = {"ptr": (8, 8), "size_t": (8, 8), "int": (4, 4), "uint": (4, 4)}  # LP64
+ENUM_TYPES = {"comet_status_t", "comet_dtype_t", "comet_impl_t", "comet_grad_mode_t"}
+POINTER_TYPEDEFS = {"comet_comm_t", "comet_moe_t", "comet_moe_saved_t", "ncclComm_t", "cudaStream_t"}
+SCALARS = {"ptr": (8, 8), "size_t": (8, 8), "int64_t": (8, 8), "int": (4, 4), "uint": (4, 4)}  # LP64
 
 
 def kind_of(ctype):
@@ -105,6 +105,8 @@ def ctypes_kind(t):
         return "ptr"
     if t is ctypes.c_size_t:
         return "size_t"
+    if t is ctypes.c_int64:
+        return "int64_t"
     if t is ctypes.c_int:
         return "int"
     if t is ctypes.c_uint:
@@ -117,6 +119,9 @@ MIRRORS = {
     "comet_moe_config_t": _capi.MoeConfigStruct,
     "comet_moe_weights_t": _capi.MoeWeightsStruct,
     "comet_moe_args_t": _capi.MoeArgsStruct,
+    "comet_moe_saved_config_t": _capi.MoeSavedConfigStruct,
+    "comet_moe_weight_grads_t": _capi.MoeWeightGradsStruct,
+    "comet_moe_backward_args_t": _capi.MoeBackwardArgsStruct,
 }
 # Sizes and offsets gcc gives on x86-64 (checked with offsetof on 2026-12-01), a second
 # witness beside the layout computed from the header.
@@ -126,6 +131,10 @@ GCC_X86_64 = {
     "comet_moe_weights_t": (32, {"down": 24}),
     "comet_moe_args_t": (96, {"num_tokens": 16, "x": 24, "topk_ids": 32, "topk_weights": 40, "weights": 48,
                               "y": 80, "impl": 88}),
+    "comet_moe_saved_config_t": (24, {"max_recv_rows": 16}),
+    "comet_moe_weight_grads_t": (40, {"down": 24, "mode": 32}),
+    "comet_moe_backward_args_t": (128, {"saved": 16, "dy": 24, "weights": 32, "dx": 64, "d_topk_weights": 72,
+                                        "grads": 80, "impl": 120}),
 }
 
 
@@ -201,7 +210,8 @@ def constants_and_enums_match_the_header():
     statuses = {v: k for k, v in enums.items() if k.startswith("COMET_") and k[6:] in
                 {n[6:] for n in _capi.STATUS_NAMES.values()}}
     check_eq(statuses, _capi.STATUS_NAMES, "comet_status_t values")
-    for name in ("COMET_IMPL_AUTO", "COMET_IMPL_BASELINE", "COMET_IMPL_FUSED", "COMET_DTYPE_BF16"):
+    for name in ("COMET_IMPL_AUTO", "COMET_IMPL_BASELINE", "COMET_IMPL_FUSED", "COMET_DTYPE_BF16",
+                 "COMET_GRAD_WRITE_BF16", "COMET_GRAD_ACCUMULATE_FP32"):
         check_eq(getattr(_capi, name[6:]), enums[name], name)
     lib = _capi.load()
     for code, name in _capi.STATUS_NAMES.items():
@@ -249,7 +259,8 @@ def init_macros_match_new_structs():
     constants = {"0": 0, "NULL": None, "COMET_STRUCT_MAGIC": _capi.STRUCT_MAGIC,
                  "COMET_API_VERSION": _capi.API_VERSION, **enums}
     inits = {k: v for k, v in d.items() if k.endswith("_INIT")}
-    check_eq(sorted(inits), ["COMET_COMM_CONFIG_INIT", "COMET_MOE_ARGS_INIT", "COMET_MOE_CONFIG_INIT"], "_INIT macros")
+    check_eq(sorted(inits), ["COMET_COMM_CONFIG_INIT", "COMET_MOE_ARGS_INIT", "COMET_MOE_BACKWARD_ARGS_INIT",
+                             "COMET_MOE_CONFIG_INIT", "COMET_MOE_SAVED_CONFIG_INIT"], "_INIT macros")
     for macro, value in inits.items():
         cname = "comet_" + macro[len("COMET_"):-len("_INIT")].lower() + "_t"
         items = [s.strip() for s in value.replace("{", " ").replace("}", " ").split(",")]

@@ -16,29 +16,10 @@
 
 #include "baseline.h"
 
-struct cometi_baseline {
-    cublasHandle_t cublas;
-    /* device */
-    int32_t *counts;      /* [E + 1] this rank's rows per expert, then its first bad id index (or -1) */
-    int32_t *counts_all;  /* [world][E + 1] */
-    int32_t *pos;         /* [max_tokens * k] rank of (t, j) among this rank's rows of its expert */
-    int32_t *route_scratch; /* the route's per-chunk counts */
-    int32_t *send_pos;    /* [max_tokens * k] row of (t, j) in the send (and returned) buffer */
-    int32_t *send_base;   /* [E] first send row of each expert's chunk */
-    cometi_segment_t *segs; /* [E_local] */
-    void *send, *recv, *h, *act, *out;
-    void *back;           /* [tp][max_tokens * k][hidden]: the rows returned by each TP rank */
-    cometi_a2a_msg_t *sends, *recvs; /* the dispatch's NCCL messages (host) */
-    /* pinned host */
-    int32_t *counts_host; /* [world][E + 1] */
-    int32_t *send_base_host;
-    cometi_segment_t *segs_host;
-    int max_seg_rows;     /* the last call's largest local segment */
-};
 
 void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, const void **act)
 {
-    *recv = b->recv;
+    *recv = b->io_recv;
     *act = b->act;
 }
 
@@ -143,8 +124,8 @@ comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, co
     for (int le = 0; le < per; le++) {
         const int rows = b->segs_host[le].rows;
         if (!rows) continue;
-        const char *a = (const char *)b->recv + (size_t)b->segs_host[le].start * H * BF16;
-        char *h = (char *)b->h + (size_t)b->segs_host[le].start * 2 * F * BF16;
+        const char *a = (const char *)b->io_recv + (size_t)b->segs_host[le].start * H * BF16;
+        char *h = (char *)b->io_h + (size_t)b->segs_host[le].start * 2 * F * BF16;
         if (args->weights.gate_up) {
             const char *w = (const char *)args->weights.gate_up + (size_t)le * 2 * F * H * BF16;
             COMETI_TRY(cometi_cublas_rows(b->cublas, err, rows, 2 * F, H, a, w, h, 2 * F));
@@ -155,7 +136,7 @@ comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, co
             COMETI_TRY(cometi_cublas_rows(b->cublas, err, rows, F, H, a, wu, h + (size_t)F * BF16, 2 * F));
         }
     }
-    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu(b->h, b->act, F, b->segs, per, b->max_seg_rows, stream),
+    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu(b->io_h, b->act, F, b->segs, per, b->max_seg_rows, stream),
                            "launch swiglu_kernel"));
     COMETI_TRY(mark(moe, COMETI_MARK_ACTIVATED, stream));
     for (int le = 0; le < per; le++) {
@@ -169,8 +150,30 @@ comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, co
     return COMET_SUCCESS;
 }
 
+/* The rest of what the backward needs, once the forward's rows are in `saved`: the
+ * routing (its messages and segments, each choice's place) and the routing weights. */
+static comet_status_t save_routing(comet_moe_t moe, const cometi_baseline_t *b, const comet_moe_args_t *args,
+                                   comet_moe_saved_t saved, int n_sends, int n_recvs, cudaStream_t stream)
+{
+    const int n = args->num_tokens * moe->cfg.top_k, per = moe->experts_per_rank;
+    if (n)
+        COMETI_TRY(cometi_cuda(moe->err, cudaMemcpyAsync(saved->weights, args->topk_weights, sizeof(float) * n,
+                                                         cudaMemcpyDeviceToDevice, stream), "save topk_weights"));
+    COMETI_TRY(cometi_cuda(moe->err, cudaMemcpyAsync(saved->segs, b->segs, sizeof(cometi_segment_t) * per,
+                                                     cudaMemcpyDeviceToDevice, stream), "save segments"));
+    memcpy(saved->segs_host, b->segs_host, sizeof(cometi_segment_t) * per);
+    memcpy(saved->sends, b->sends, sizeof(cometi_a2a_msg_t) * n_sends);
+    memcpy(saved->recvs, b->recvs, sizeof(cometi_a2a_msg_t) * n_recvs);
+    saved->n_sends = n_sends;
+    saved->n_recvs = n_recvs;
+    saved->max_seg_rows = b->max_seg_rows;
+    saved->num_tokens = args->num_tokens;
+    saved->filled = 1;
+    return COMET_SUCCESS;
+}
+
 comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
-                                       cudaStream_t stream)
+                                       comet_moe_saved_t saved, cudaStream_t stream)
 {
     char *err = moe->err;
     const comet_moe_config_t *c = &moe->cfg;
@@ -179,6 +182,11 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     ncclComm_t nccl = moe->comm->nccl;
     comet_status_t st;
 
+    b->io_recv = saved ? saved->recv : b->recv;
+    b->io_h = saved ? saved->h : b->h;
+    b->io_back = saved ? saved->back : b->back;
+    b->io_send_pos = saved ? saved->send_pos : b->send_pos;
+    if (saved) saved->filled = 0; /* until this call has enqueued all of its work */
     COMETI_TRY(mark(moe, COMETI_MARK_START, stream));
     /* 1. Route: counts per expert and stable positions; every rank learns all counts,
      * and whether any rank passed a bad expert id, so all of them stop together. */
@@ -209,6 +217,18 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     int bad = cometi_route_plan_build(&plan, counts, W, moe->tp, E, COMETI_BLOCK_M, err, COMETI_ERR_LEN);
     free(counts);
     if (bad) return COMET_INTERNAL_ERROR;
+    if (saved) { /* every rank sees every group's rows, so all refuse together */
+        for (int g = 0; g < plan.groups; g++) {
+            int64_t rows = 0;
+            for (int le = 0; le < per; le++) rows += plan.seg_rows[(size_t)g * per + le];
+            if (rows > saved->max_recv_rows) {
+                st = cometi_fail(err, COMET_INVALID_ARGUMENT, "this call routes %lld rows to the ranks of EP group %d: "
+                                 "more than the saved state's max_recv_rows = %lld; create it with a larger bound "
+                                 "(0: the worst case)", (long long)rows, g, (long long)saved->max_recv_rows);
+                goto out;
+            }
+        }
+    }
     int max_seg_rows = 0;
     for (int e = 0; e < E; e++) b->send_base_host[e] = (int32_t)plan.send_offset[(size_t)me * E + e];
     for (int le = 0; le < per; le++) {
@@ -222,7 +242,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMemcpyAsync(b->segs, b->segs_host, sizeof(cometi_segment_t) * per,
                                                          cudaMemcpyHostToDevice, stream), "copy segments"), out);
     COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_permute(args->x, args->topk_ids, b->pos, b->send_base, n, k,
-                                                               H, b->send, b->send_pos, stream),
+                                                               H, b->send, b->io_send_pos, stream),
                                     "launch permute_kernel"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_ROUTED, stream), out);
 
@@ -237,7 +257,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
         r = ncclSend((char *)b->send + b->sends[i].offset * H * BF16, (size_t)b->sends[i].rows * H,
                      ncclBfloat16, b->sends[i].peer, nccl, stream);
     for (int i = 0; i < n_recvs && r == ncclSuccess; i++)
-        r = ncclRecv((char *)b->recv + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * H,
+        r = ncclRecv((char *)b->io_recv + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * H,
                      ncclBfloat16, b->recvs[i].peer, nccl, stream);
     ncclResult_t end = ncclGroupEnd(); /* always close the group, even after a failed post */
     COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "dispatch all-to-all"), out);
@@ -255,7 +275,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
         r = ncclSend((char *)b->out + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * H,
                      ncclBfloat16, b->recvs[i].peer, nccl, stream);
     for (int i = 0; i < n_sends && r == ncclSuccess; i++)
-        r = ncclRecv((char *)b->back + ((size_t)(b->sends[i].peer % moe->tp) * back_stride +
+        r = ncclRecv((char *)b->io_back + ((size_t)(b->sends[i].peer % moe->tp) * back_stride +
                                         (size_t)b->sends[i].offset * H) * BF16,
                      (size_t)b->sends[i].rows * H, ncclBfloat16, b->sends[i].peer, nccl, stream);
     end = ncclGroupEnd();
@@ -263,9 +283,10 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_RETURNED, stream), out);
 
     /* 5. Weighted top-k sum. */
-    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_combine(b->back, moe->tp, back_stride, b->send_pos,
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_combine(b->io_back, moe->tp, back_stride, b->io_send_pos,
                                                                args->topk_weights, m, k, H, args->y, stream), "launch combine_kernel"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_END, stream), out);
+    if (saved) COMETI_TRY_GOTO(st, save_routing(moe, b, args, saved, n_sends, n_recvs, stream), out);
 out:
     cometi_route_plan_free(&plan);
     return st;

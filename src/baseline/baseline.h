@@ -29,14 +29,43 @@ enum {
     COMETI_NUM_MARKS
 };
 
-typedef struct cometi_baseline cometi_baseline_t;
+/* The sequential path's buffers; the forward's receive, GEMM0, act, GEMM1 and return
+ * buffers are the backward's workspaces too (dy rows, s and act, dh, dx rows, dx rows home). */
+typedef struct cometi_baseline {
+    cublasHandle_t cublas;
+    /* device */
+    int32_t *counts;      /* [E + 1] this rank's rows per expert, then its first bad id index (or -1) */
+    int32_t *counts_all;  /* [world][E + 1] */
+    int32_t *pos;         /* [max_tokens * k] rank of (t, j) among this rank's rows of its expert */
+    int32_t *route_scratch; /* the route's per-chunk counts */
+    int32_t *send_pos;    /* [max_tokens * k] row of (t, j) in the send (and returned) buffer */
+    int32_t *send_base;   /* [E] first send row of each expert's chunk */
+    cometi_segment_t *segs; /* [E_local] */
+    void *send, *recv, *h, *act, *out;
+    void *back;           /* [tp][max_tokens * k][hidden]: the rows returned by each TP rank */
+    cometi_a2a_msg_t *sends, *recvs; /* the dispatch's NCCL messages (host) */
+    /* pinned host */
+    int32_t *counts_host; /* [world][E + 1] */
+    int32_t *send_base_host;
+    cometi_segment_t *segs_host;
+    int max_seg_rows;     /* the last call's largest local segment */
+    /* Where the last forward put its received rows, GEMM0 output, returned rows and send
+     * positions: the buffers above, or a training forward's saved state. */
+    void *io_recv, *io_h, *io_back;
+    int32_t *io_send_pos;
+} cometi_baseline_t;
 
 comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out);
 void cometi_baseline_destroy(cometi_baseline_t *b);
 /* The baseline's receive buffer and SwiGLU output (tests compare the fused path with them). */
 void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, const void **act);
+/* The forward; with `saved` (a training forward) the rows the backward needs go into it
+ * (its bound checked on every rank before any row moves) and it is marked filled. */
 comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
-                                       cudaStream_t stream);
+                                       comet_moe_saved_t saved, cudaStream_t stream);
+/* The backward of the training forward that filled args->saved (checked by the caller). */
+comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
+                                        cudaStream_t stream);
 /* The forward's expert phase alone (cuBLAS GEMM0, SwiGLU, cuBLAS GEMM1), again on the rows
  * the last forward call received: the bench times it against our GEMMs on the same rows. */
 comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
@@ -53,9 +82,19 @@ cudaError_t cometi_launch_permute(const void *x, const int32_t *ids, const int32
 cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, const cometi_segment_t *segs, int num_segs,
                                  int max_rows, cudaStream_t stream);
 /* y[t] = sum_j w[t][j] * sum_c back[c][send_pos[t][j]] over the tp copies c (each TP rank's
- * partial rows, copy_stride elements apart), fp32, in order. */
+ * partial rows, copy_stride elements apart), fp32, in order; w NULL weighs each choice 1. */
 cudaError_t cometi_launch_combine(const void *back, int tp, size_t copy_stride, const int32_t *send_pos,
                                   const float *w, int m, int k, int hidden, void *y, cudaStream_t stream);
+
+/* The backward's first step, per (token, choice) i of n: send[send_pos[i]] = w[i] x dy[t]
+ * (bf16), and dw[i] = <dy[t], sum over the tp copies of back[c][send_pos[i]]> (fp32). */
+cudaError_t cometi_launch_scale_permute(const void *dy, const float *w, const int32_t *send_pos, int n, int k,
+                                        int hidden, int tp, size_t copy_stride, const void *back, void *send, float *dw,
+                                        cudaStream_t stream);
+/* SwiGLU's backward over the segments: dh [rows][2 ffn] from h [rows][2 ffn] and sa
+ * [rows][ffn] (da), and sa overwritten with the activation silu(g) u. */
+cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int ffn, const cometi_segment_t *segs,
+                                          int num_segs, int max_rows, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

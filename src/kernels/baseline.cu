@@ -1,8 +1,10 @@
 /*
  * baseline.cu - the small kernels of the sequential baseline path (what Megatron-LM
  * runs around its all-to-alls and expert GEMMs): the permutation of token rows into the
- * send buffer, SwiGLU, and the weighted top-k sum. Routing counts come from route.cu,
- * the GEMMs from cuBLAS and the transfers from NCCL (src/baseline/baseline.c).
+ * send buffer, SwiGLU, and the weighted top-k sum; for the backward, dy's rows permuted
+ * and weighted with the routing weights' gradient beside them, and SwiGLU's backward.
+ * Routing counts come from route.cu, the GEMMs from cuBLAS and the transfers from NCCL
+ * (src/baseline/).
  */
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -73,7 +75,7 @@ extern "C" cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, c
 }
 
 /* y[t] = sum_j w[t][j] * (sum_c back[c][send_pos[t][j]]) in fp32, j and c in order: the
- * same bits every run. With tp = 1 there is one copy. */
+ * same bits every run. With tp = 1 there is one copy; w NULL weighs every choice 1. */
 static __global__ void combine_kernel(const __nv_bfloat16 *back, int tp, size_t copy_stride, const int32_t *send_pos,
                                       const float *w, int k, int hidden, __nv_bfloat16 *y)
 {
@@ -81,7 +83,7 @@ static __global__ void combine_kernel(const __nv_bfloat16 *back, int tp, size_t 
     for (int h = threadIdx.x * 8; h < hidden; h += blockDim.x * 8) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int j = 0; j < k; j++) {
-            const float wj = w[t * k + j];
+            const float wj = w ? w[t * k + j] : 1.0f;
             float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             for (int c = 0; c < tp; c++) {
                 uint4 v4 = *(const uint4 *)(back + c * copy_stride + (size_t)send_pos[t * k + j] * hidden + h);
@@ -108,5 +110,99 @@ extern "C" cudaError_t cometi_launch_combine(const void *back, int tp, size_t co
     int threads = hidden / 8 < 256 ? hidden / 8 : 256;
     combine_kernel<<<m, threads, 0, stream>>>((const __nv_bfloat16 *)back, tp, copy_stride, send_pos, w, k, hidden,
                                               (__nv_bfloat16 *)y);
+    return cudaGetLastError();
+}
+
+/* One block per (token, choice) i: dy's row of token t, times the choice's weight, to the
+ * choice's place in the send order (where its x row went), and the weight's gradient:
+ * dw[i] = <dy[t], sum_c back[c][place]>, the choice's expert output as it came home (each
+ * TP rank's partial), in fp32, summed in a fixed order (the same bits every run). */
+#define DW_THREADS 128
+static __global__ void __launch_bounds__(DW_THREADS)
+scale_permute_kernel(const __nv_bfloat16 *dy, const float *w, const int32_t *send_pos, int k, int hidden, int tp,
+                     size_t copy_stride, const __nv_bfloat16 *back, __nv_bfloat16 *send, float *dw)
+{
+    __shared__ float warp_sums[DW_THREADS / 32];
+    const int i = blockIdx.x, t = i / k, place = send_pos[i];
+    const float wi = w[i];
+    float dot = 0.0f;
+    for (int h = threadIdx.x * 8; h < hidden; h += DW_THREADS * 8) {
+        const uint4 d4 = *(const uint4 *)(dy + (size_t)t * hidden + h);
+        const __nv_bfloat162 *d = (const __nv_bfloat162 *)&d4;
+        float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int c = 0; c < tp; c++) {
+            const uint4 b4 = *(const uint4 *)(back + c * copy_stride + (size_t)place * hidden + h);
+            const __nv_bfloat162 *b = (const __nv_bfloat162 *)&b4;
+            for (int q = 0; q < 4; q++) {
+                const float2 f = __bfloat1622float2(b[q]);
+                o[2 * q] += f.x;
+                o[2 * q + 1] += f.y;
+            }
+        }
+        uint4 s4;
+        __nv_bfloat162 *sv = (__nv_bfloat162 *)&s4;
+        for (int q = 0; q < 4; q++) {
+            const float2 f = __bfloat1622float2(d[q]);
+            dot += f.x * o[2 * q] + f.y * o[2 * q + 1];
+            sv[q] = __floats2bfloat162_rn(wi * f.x, wi * f.y);
+        }
+        *(uint4 *)(send + (size_t)place * hidden + h) = s4;
+    }
+    for (int off = 16; off > 0; off /= 2) dot += __shfl_down_sync(0xffffffffu, dot, off);
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = dot;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (int q = 0; q < DW_THREADS / 32; q++) sum += warp_sums[q];
+        dw[i] = sum;
+    }
+}
+
+extern "C" cudaError_t cometi_launch_scale_permute(const void *dy, const float *w, const int32_t *send_pos, int n,
+                                                   int k, int hidden, int tp, size_t copy_stride, const void *back,
+                                                   void *send, float *dw, cudaStream_t stream)
+{
+    if (n == 0) return cudaSuccess;
+    scale_permute_kernel<<<n, DW_THREADS, 0, stream>>>((const __nv_bfloat16 *)dy, w, send_pos, k, hidden, tp,
+                                                       copy_stride, (const __nv_bfloat16 *)back,
+                                                       (__nv_bfloat16 *)send, dw);
+    return cudaGetLastError();
+}
+
+/* SwiGLU's backward over the rows of each expert's segment (blockIdx.y the local expert):
+ * from h = [g u] (the forward's GEMM0 output) and sa = s (dy W2, already weighted, so da),
+ * dh = [da u silu'(g), da silu(g)], and sa is overwritten with a = silu(g) u, which the
+ * down projection's weight gradient needs. silu'(g) = sig(g) (1 + g (1 - sig(g))). */
+static __global__ void swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *sa, __nv_bfloat16 *dh, int ffn,
+                                              const cometi_segment_t *segs)
+{
+    const cometi_segment_t seg = segs[blockIdx.y];
+    const int pairs = ffn / 2;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < (long long)seg.rows * pairs;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const long long row = seg.start + idx / pairs;
+        const int f = (int)(idx % pairs) * 2;
+        const float2 g = __bfloat1622float2(*(const __nv_bfloat162 *)(h + row * 2 * ffn + f));
+        const float2 u = __bfloat1622float2(*(const __nv_bfloat162 *)(h + row * 2 * ffn + ffn + f));
+        const float2 da = __bfloat1622float2(*(const __nv_bfloat162 *)(sa + row * ffn + f));
+        const float sx = 1.0f / (1.0f + expf(-g.x)), sy = 1.0f / (1.0f + expf(-g.y));
+        const float silu_x = g.x * sx, silu_y = g.y * sy;
+        *(__nv_bfloat162 *)(dh + row * 2 * ffn + f) =
+            __floats2bfloat162_rn(da.x * u.x * sx * (1.0f + g.x * (1.0f - sx)), da.y * u.y * sy * (1.0f + g.y * (1.0f - sy)));
+        *(__nv_bfloat162 *)(dh + row * 2 * ffn + ffn + f) = __floats2bfloat162_rn(da.x * silu_x, da.y * silu_y);
+        *(__nv_bfloat162 *)(sa + row * ffn + f) = __floats2bfloat162_rn(silu_x * u.x, silu_y * u.y);
+    }
+}
+
+extern "C" cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int ffn,
+                                                     const cometi_segment_t *segs, int num_segs, int max_rows,
+                                                     cudaStream_t stream)
+{
+    if (num_segs == 0 || max_rows == 0) return cudaSuccess;
+    const long long work = (long long)max_rows * (ffn / 2);
+    int blocks = (int)((work + 255) / 256);
+    if (blocks > 1024) blocks = 1024;
+    swiglu_backward_kernel<<<dim3(blocks, num_segs), 256, 0, stream>>>((const __nv_bfloat16 *)h, (__nv_bfloat16 *)sa,
+                                                                      (__nv_bfloat16 *)dh, ffn, segs);
     return cudaGetLastError();
 }

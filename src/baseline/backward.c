@@ -1,0 +1,145 @@
+/*
+ * backward.c - the sequential path's backward, step after step as Megatron-LM runs an
+ * unfused expert-parallel layer, over the routing its training forward saved:
+ *   1. each choice's dy row, weighted, to where its x row went; d topk_weights beside it
+ *      (dy against the choice's expert output, saved as it came home);
+ *   2. the dispatch's all-to-all, the same messages as the forward's;
+ *   3. per local expert: s = dy W2 (cuBLAS), SwiGLU's backward (dh = [dg du], and the
+ *      activation again), dx rows = dh W13, and the weight gradients dW2 = dy^T act,
+ *      dW13 = dh^T x (cuBLAS, K the expert's rows);
+ *   4. the return all-to-all, and each token's dx summed over its choices (and TP ranks'
+ *      partials) in a fixed order.
+ * The forward's buffers are the workspaces: send (dy rows), recv (dy received), act (s,
+ * then the activation), h (dh), out (dx rows), back (dx rows home).
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include <cublas_v2.h>
+
+#include "baseline.h"
+
+#define BF16 2
+
+static comet_status_t cublas_ok(char *err, cublasStatus_t s, const char *what)
+{
+    if (s == CUBLAS_STATUS_SUCCESS) return COMET_SUCCESS;
+    return cometi_fail(err, s == CUBLAS_STATUS_ALLOC_FAILED ? COMET_OUT_OF_MEMORY : COMET_CUDA_ERROR, "%s: %s", what,
+                       cublasGetStatusString(s));
+}
+
+/* Row-major C[m][n] (ldc) = op(A) op(B) + beta C with bf16 A and B, fp32 accumulation,
+ * C bf16 or fp32. trans_a: A is stored [k][m] (lda) and used transposed; else [m][k].
+ * B is stored [k][n] (ldb). In cuBLAS's column-major terms C^T = B^T op(A)^T. */
+static comet_status_t gemm(cublasHandle_t h, char *err, int m, int n, int k, const void *a, int lda, int trans_a,
+                           const void *b, int ldb, void *c, int ldc, int c_fp32, float beta, const char *what)
+{
+    const float one = 1.0f;
+    return cublas_ok(err, cublasGemmEx(h, CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &one, b,
+                                       CUDA_R_16BF, ldb, a, CUDA_R_16BF, lda, &beta, c,
+                                       c_fp32 ? CUDA_R_32F : CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT),
+                     what);
+}
+
+/* One expert's weight gradient of `rows` rows: written (bf16) or added (fp32), or, with
+ * no rows, zeros written (nothing added). C[m][n] = A^T B, A [rows][m], B [rows][n]. */
+static comet_status_t weight_grad(cometi_baseline_t *b, char *err, int m, int n, int rows, const void *a, int lda,
+                                  const void *bm, int ldb, void *c, int fp32, cudaStream_t stream, const char *what)
+{
+    if (rows == 0)
+        return fp32 ? COMET_SUCCESS
+                    : cometi_cuda(err, cudaMemsetAsync(c, 0, (size_t)m * n * BF16, stream), "zero a weight gradient");
+    return gemm(b->cublas, err, m, n, rows, a, lda, 1, bm, ldb, c, n, fp32, fp32 ? 1.0f : 0.0f, what);
+}
+
+comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
+                                        cudaStream_t stream)
+{
+    char *err = moe->err;
+    const comet_moe_saved_t sv = args->saved;
+    const int k = moe->cfg.top_k, H = moe->cfg.hidden, F = moe->ffn_local, per = moe->experts_per_rank;
+    const int m = sv->num_tokens, n = m * k, tp = moe->tp, fp32 = args->grads.mode == COMET_GRAD_ACCUMULATE_FP32;
+    const size_t stride = (size_t)moe->cfg.max_tokens * k * H; /* elements between TP ranks' returned copies */
+    const size_t gsize = fp32 ? 4 : BF16;
+    ncclComm_t nccl = moe->comm->nccl;
+    COMETI_TRY(cublas_ok(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
+
+    /* 1. dy rows, weighted, to their send places; d topk_weights. */
+    COMETI_TRY(cometi_cuda(err, cometi_launch_scale_permute(args->dy, sv->weights, sv->send_pos, n, k, H, tp, stride,
+                                                            sv->back, b->send, args->d_topk_weights, stream),
+                           "launch scale_permute_kernel"));
+    /* 2. Dispatch, as the forward's. */
+    ncclResult_t r = ncclGroupStart();
+    for (int i = 0; i < sv->n_sends && r == ncclSuccess; i++)
+        r = ncclSend((char *)b->send + sv->sends[i].offset * H * BF16, (size_t)sv->sends[i].rows * H, ncclBfloat16,
+                     sv->sends[i].peer, nccl, stream);
+    for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++)
+        r = ncclRecv((char *)b->recv + sv->recvs[i].offset * H * BF16, (size_t)sv->recvs[i].rows * H, ncclBfloat16,
+                     sv->recvs[i].peer, nccl, stream);
+    ncclResult_t end = ncclGroupEnd();
+    COMETI_TRY(cometi_nccl(err, r != ncclSuccess ? r : end, "backward dispatch all-to-all"));
+
+    /* 3. The experts. */
+    const comet_moe_weights_t *w = &args->weights;
+    const comet_moe_weight_grads_t *gr = &args->grads;
+    for (int le = 0; le < per; le++) { /* s = dy W2 */
+        const int rows = sv->segs_host[le].rows, start = sv->segs_host[le].start;
+        if (!rows) continue;
+        COMETI_TRY(gemm(b->cublas, err, rows, F, H, (const char *)b->recv + (size_t)start * H * BF16, H, 0,
+                        (const char *)w->down + (size_t)le * H * F * BF16, F, (char *)b->act + (size_t)start * F * BF16,
+                        F, 0, 0.0f, "cublasGemmEx(s = dy W2)"));
+    }
+    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu_backward(sv->h, b->act, b->h, F, sv->segs, per, sv->max_seg_rows,
+                                                              stream), "launch swiglu_backward_kernel"));
+    for (int le = 0; le < per; le++) {
+        const int rows = sv->segs_host[le].rows, start = sv->segs_host[le].start;
+        const char *dh = (const char *)b->h + (size_t)start * 2 * F * BF16;
+        const char *dyr = (const char *)b->recv + (size_t)start * H * BF16;
+        const char *act = (const char *)b->act + (size_t)start * F * BF16;
+        const char *x = (const char *)sv->recv + (size_t)start * H * BF16;
+        char *dxr = (char *)b->out + (size_t)start * H * BF16;
+        if (rows) { /* dx rows = dg Wgate + du Wup */
+            if (w->gate_up) {
+                COMETI_TRY(gemm(b->cublas, err, rows, H, 2 * F, dh, 2 * F, 0,
+                                (const char *)w->gate_up + (size_t)le * 2 * F * H * BF16, H, dxr, H, 0, 0.0f,
+                                "cublasGemmEx(dx = dh W13)"));
+            } else {
+                COMETI_TRY(gemm(b->cublas, err, rows, H, F, dh, 2 * F, 0,
+                                (const char *)w->gate + (size_t)le * F * H * BF16, H, dxr, H, 0, 0.0f,
+                                "cublasGemmEx(dx = dg Wgate)"));
+                COMETI_TRY(gemm(b->cublas, err, rows, H, F, dh + (size_t)F * BF16, 2 * F, 0,
+                                (const char *)w->up + (size_t)le * F * H * BF16, H, dxr, H, 0, 1.0f,
+                                "cublasGemmEx(dx += du Wup)"));
+            }
+        }
+        /* dW2 [H][F] = dy^T act; dW13 [2F][H] = dh^T x. */
+        COMETI_TRY(weight_grad(b, err, H, F, rows, dyr, H, act, F, (char *)gr->down + (size_t)le * H * F * gsize, fp32,
+                               stream, "cublasGemmEx(dW2 = dy^T act)"));
+        if (gr->gate_up) {
+            COMETI_TRY(weight_grad(b, err, 2 * F, H, rows, dh, 2 * F, x, H,
+                                   (char *)gr->gate_up + (size_t)le * 2 * F * H * gsize, fp32, stream,
+                                   "cublasGemmEx(dW13 = dh^T x)"));
+        } else {
+            COMETI_TRY(weight_grad(b, err, F, H, rows, dh, 2 * F, x, H, (char *)gr->gate + (size_t)le * F * H * gsize,
+                                   fp32, stream, "cublasGemmEx(dWgate = dg^T x)"));
+            COMETI_TRY(weight_grad(b, err, F, H, rows, dh + (size_t)F * BF16, 2 * F, x, H,
+                                   (char *)gr->up + (size_t)le * F * H * gsize, fp32, stream,
+                                   "cublasGemmEx(dWup = du^T x)"));
+        }
+    }
+
+    /* 4. Home, and each token's choices summed (and the TP ranks' partials). */
+    r = ncclGroupStart();
+    for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++)
+        r = ncclSend((char *)b->out + sv->recvs[i].offset * H * BF16, (size_t)sv->recvs[i].rows * H, ncclBfloat16,
+                     sv->recvs[i].peer, nccl, stream);
+    for (int i = 0; i < sv->n_sends && r == ncclSuccess; i++)
+        r = ncclRecv((char *)b->back + ((size_t)(sv->sends[i].peer % tp) * stride + (size_t)sv->sends[i].offset * H) *
+                                           BF16,
+                     (size_t)sv->sends[i].rows * H, ncclBfloat16, sv->sends[i].peer, nccl, stream);
+    end = ncclGroupEnd();
+    COMETI_TRY(cometi_nccl(err, r != ncclSuccess ? r : end, "backward combine all-to-all"));
+    return cometi_cuda(err, cometi_launch_combine(b->back, tp, stride, sv->send_pos, NULL, m, k, H, args->dx, stream),
+                       "launch combine_kernel (dx)");
+}

@@ -1,0 +1,191 @@
+/*
+ * train.c - training through comet.h: the saved state a training forward fills, the
+ * training forward, and the backward, each with its arguments checked before anything is
+ * launched. Both run the sequential path (src/baseline/).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "baseline/baseline.h"
+
+/* The bound (rows received, unpadded) and the rows allocated for it. */
+static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t *c, int64_t *bound, int64_t *cap)
+{
+    char *cerr = cometi_create_error_buffer();
+    const int64_t worst = (int64_t)moe->comm->size * moe->cfg.max_tokens * moe->cfg.top_k;
+    if (c && (c->size != sizeof(comet_moe_saved_config_t) || c->magic != COMET_STRUCT_MAGIC))
+        return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.size = %zu, config.magic = 0x%x: initialise "
+                           "it with COMET_MOE_SAVED_CONFIG_INIT", c->size, c->magic);
+    if (c && (c->version < 1 || c->version > COMET_API_VERSION))
+        return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.version = %u: this library knows 1..%d",
+                           c->version, COMET_API_VERSION);
+    if (c && (c->max_recv_rows < 0 || c->max_recv_rows > worst))
+        return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.max_recv_rows = %lld: must be 0 (the worst "
+                           "case) .. world x max_tokens x top_k = %lld", (long long)c->max_recv_rows, (long long)worst);
+    *bound = c && c->max_recv_rows ? c->max_recv_rows : worst;
+    *cap = *bound + (int64_t)moe->experts_per_rank * COMETI_BLOCK_M;
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_moe_saved_bytes(comet_moe_t moe, const comet_moe_saved_config_t *config, size_t *bytes)
+{
+    char *cerr = cometi_create_error_buffer();
+    if (!moe || !bytes) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_bytes: %s is NULL",
+                                           !moe ? "moe" : "bytes");
+    int64_t bound, cap;
+    COMETI_TRY(saved_rows(moe, config, &bound, &cap));
+    const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k, H = (size_t)moe->cfg.hidden;
+    *bytes = (size_t)cap * (H + 2 * (size_t)moe->ffn_local) * 2 + choices * ((size_t)moe->tp * H * 2 + 8) +
+             sizeof(cometi_segment_t) * (size_t)moe->experts_per_rank;
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_moe_saved_destroy(comet_moe_saved_t s)
+{
+    if (!s) return COMET_SUCCESS;
+    comet_status_t st = cometi_cuda(cometi_create_error_buffer(), cudaDeviceSynchronize(),
+                                    "comet_moe_saved_destroy: device sync");
+    void *dev[] = {s->recv, s->h, s->back, s->send_pos, s->weights, s->segs};
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) cudaFree(dev[i]);
+    free(s->segs_host);
+    free(s->sends);
+    free(s->recvs);
+    free(s);
+    return st;
+}
+
+comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe_saved_config_t *config,
+                                      comet_moe_saved_t *out)
+{
+    char *cerr = cometi_create_error_buffer();
+    cerr[0] = '\0';
+    if (!out) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_create: out is NULL");
+    *out = NULL;
+    if (!moe) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_create: moe is NULL");
+    int64_t bound, cap;
+    COMETI_TRY(saved_rows(moe, config, &bound, &cap));
+    comet_moe_saved_t s = calloc(1, sizeof(*s));
+    if (!s) return cometi_fail(cerr, COMET_OUT_OF_MEMORY, "comet_moe_saved_create: out of host memory");
+    s->moe = moe;
+    s->max_recv_rows = bound;
+    s->cap_rows = cap;
+    const int per = moe->experts_per_rank, W = moe->comm->size;
+    const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k, H = (size_t)moe->cfg.hidden;
+    comet_status_t st = COMET_SUCCESS;
+    struct { void **p; size_t bytes; const char *what; } dev[] = {
+        {&s->recv, (size_t)cap * H * 2, "received rows"},
+        {&s->h, (size_t)cap * 2 * moe->ffn_local * 2, "gate and up projections"},
+        {&s->back, choices * moe->tp * H * 2, "expert outputs"},
+        {(void **)&s->send_pos, choices * sizeof(int32_t), "send places"},
+        {(void **)&s->weights, choices * sizeof(float), "routing weights"},
+        {(void **)&s->segs, per * sizeof(cometi_segment_t), "segments"},
+    };
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]) && st == COMET_SUCCESS; i++) {
+        char what[96];
+        snprintf(what, sizeof(what), "comet_moe_saved_create: cudaMalloc(%s, %zu bytes)", dev[i].what, dev[i].bytes);
+        st = cometi_cuda(cerr, cudaMalloc(dev[i].p, dev[i].bytes ? dev[i].bytes : 1), what);
+    }
+    s->segs_host = malloc(per * sizeof(cometi_segment_t));
+    s->sends = malloc(sizeof(cometi_a2a_msg_t) * moe->tp * moe->cfg.num_experts);
+    s->recvs = malloc(sizeof(cometi_a2a_msg_t) * W * per);
+    if (st == COMET_SUCCESS && (!s->segs_host || !s->sends || !s->recvs))
+        st = cometi_fail(cerr, COMET_OUT_OF_MEMORY, "comet_moe_saved_create: out of host memory");
+    if (st != COMET_SUCCESS) {
+        char keep[COMETI_ERR_LEN];
+        snprintf(keep, sizeof(keep), "%s", cerr);
+        comet_moe_saved_destroy(s);
+        snprintf(cerr, COMETI_ERR_LEN, "%s", keep);
+        return st;
+    }
+    *out = s;
+    return COMET_SUCCESS;
+}
+
+/* Training runs the sequential path: AUTO and BASELINE take it, FUSED is refused. */
+static comet_status_t training_impl(comet_moe_t moe, comet_impl_t impl, const char *what)
+{
+    if (impl == COMET_IMPL_AUTO || impl == COMET_IMPL_BASELINE) return COMET_SUCCESS;
+    if (impl == COMET_IMPL_FUSED)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "%s.impl = COMET_IMPL_FUSED: training runs the sequential "
+                           "path in this build (COMET_IMPL_AUTO or COMET_IMPL_BASELINE)", what);
+    return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "%s.impl = %d: must be COMET_IMPL_AUTO, _BASELINE or _FUSED",
+                       what, (int)impl);
+}
+
+comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *args, comet_moe_saved_t saved,
+                                       cudaStream_t stream)
+{
+    if (!moe) return COMET_INVALID_ARGUMENT;
+    moe->err[0] = '\0';
+    COMETI_TRY(cometi_moe_check_args(moe, args));
+    if (!saved) return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "saved is NULL: a training forward fills one "
+                                   "(comet_moe_saved_create)");
+    if (saved->moe != moe)
+        return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "saved belongs to another layer (comet_moe_saved_create "
+                           "was given another comet_moe_t)");
+    COMETI_TRY(training_impl(moe, args->impl, "args"));
+    comet_status_t async = cometi_check_async(moe->comm);
+    if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
+    comet_status_t st = cometi_baseline_forward(moe, moe->baseline, args, saved, stream);
+    if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward_train");
+    if (st != COMET_SUCCESS) saved->filled = 0;
+    return st;
+}
+
+static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backward_args_t *a)
+{
+    char *err = moe->err;
+    const comet_status_t INVAL = COMET_INVALID_ARGUMENT;
+    if (!a) return cometi_fail(err, INVAL, "args is NULL");
+    if (a->size != sizeof(comet_moe_backward_args_t) || a->magic != COMET_STRUCT_MAGIC)
+        return cometi_fail(err, INVAL, "args.size = %zu, args.magic = 0x%x: initialise the struct with "
+                           "COMET_MOE_BACKWARD_ARGS_INIT", a->size, a->magic);
+    if (a->version < 1 || a->version > COMET_API_VERSION)
+        return cometi_fail(err, INVAL, "args.version = %u: this library knows 1..%d", a->version, COMET_API_VERSION);
+    if (!a->saved) return cometi_fail(err, INVAL, "args.saved is NULL: pass the state the training forward filled");
+    if (a->saved->moe != moe)
+        return cometi_fail(err, INVAL, "args.saved belongs to another layer (comet_moe_saved_create was given another "
+                           "comet_moe_t)");
+    if (!a->saved->filled)
+        return cometi_fail(err, INVAL, "args.saved holds no forward: run comet_moe_forward_train into it first (a "
+                           "failed training forward leaves it empty)");
+    COMETI_TRY(training_impl(moe, a->impl, "args"));
+    const int m = a->saved->num_tokens;
+    if (m > 0 && (!a->dy || !a->dx || !a->d_topk_weights))
+        return cometi_fail(err, INVAL, "args.%s is NULL with %d tokens in the forward",
+                           !a->dy ? "dy" : !a->dx ? "dx" : "d_topk_weights", m);
+    const comet_moe_weights_t *w = &a->weights;
+    const comet_moe_weight_grads_t *g = &a->grads;
+    if (!w->down || (!w->gate_up && (!w->gate || !w->up)) || (w->gate_up && (w->gate || w->up)))
+        return cometi_fail(err, INVAL, "args.weights: give down and gate_up, or down, gate and up (the forward's)");
+    if (!g->down) return cometi_fail(err, INVAL, "args.grads.down is NULL");
+    if (w->gate_up ? !g->gate_up || g->gate || g->up : g->gate_up || !g->gate || !g->up)
+        return cometi_fail(err, INVAL, "args.grads: give %s, as the weights do", w->gate_up ? "gate_up" : "gate and up");
+    if (g->mode != COMET_GRAD_WRITE_BF16 && g->mode != COMET_GRAD_ACCUMULATE_FP32)
+        return cometi_fail(err, INVAL, "args.grads.mode = %d: must be COMET_GRAD_WRITE_BF16 or "
+                           "COMET_GRAD_ACCUMULATE_FP32", (int)g->mode);
+    /* 16-byte rows for the kernels' vector loads; cuBLAS's alignment for the rest. */
+    const void *ptrs[] = {a->dy, a->dx, w->gate_up, w->gate, w->up, w->down, g->gate_up, g->gate, g->up, g->down};
+    const char *names[] = {"dy", "dx", "weights.gate_up", "weights.gate", "weights.up", "weights.down",
+                           "grads.gate_up", "grads.gate", "grads.up", "grads.down"};
+    for (int i = 0; i < 10; i++)
+        if ((uintptr_t)ptrs[i] % 16)
+            return cometi_fail(err, INVAL, "args.%s = %p: must be 16-byte aligned", names[i], ptrs[i]);
+    if ((uintptr_t)a->d_topk_weights % 4)
+        return cometi_fail(err, INVAL, "args.d_topk_weights = %p: must be 4-byte aligned", (void *)a->d_topk_weights);
+    return COMET_SUCCESS;
+}
+
+comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args_t *args, cudaStream_t stream)
+{
+    if (!moe) return COMET_INVALID_ARGUMENT;
+    moe->err[0] = '\0';
+    COMETI_TRY(check_backward_args(moe, args));
+    comet_status_t async = cometi_check_async(moe->comm);
+    if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
+    comet_status_t st = cometi_baseline_backward(moe, moe->baseline, args, stream);
+    if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_backward");
+    return st;
+}

@@ -1,0 +1,372 @@
+/*
+ * test_backward.c - training through comet.h on the GPU: a training forward and its
+ * backward against the float64 reference (harness/reference.h), every gradient element by
+ * element: dx, d topk_weights, and this rank's experts' weight gradients, written as bf16
+ * and accumulated into fp32; random and skewed routing, odd token counts, a rank with no
+ * tokens, top-1 to top-8; the same bits twice; and the refusals (another layer's or an
+ * empty saved state, a missing or misaligned buffer, a bound too small). Runs at any world
+ * size (one GPU: world 1): each rank rebuilds every rank's inputs from the seed, since an
+ * expert's weight gradient sums the rows of every rank routed to it.
+ *
+ * Tolerances, from bf16: every rounding to bf16 errs by at most 2^-9 (0.2%) of the value.
+ * The backward's dx passes through six roundings after the forward's three (g and u, the
+ * activation, the expert output): the weighted dy rows, s = dy W2, dh, the dx rows, the dx
+ * rows home, dx; the weight gradients through three to four. So the norm-wise relative
+ * error stays under 1e-2 (5 full roundings), and each element within 5% of its row's (or,
+ * for d topk_weights and the weight gradients, its tensor's) RMS: an element computed from
+ * the wrong row or left unwritten is off by about 100% of it.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdlib.h>
+
+#include <cuda_runtime_api.h>
+
+#include "comet.h"
+#include "../src/internal.h"
+#include "testutil.h"
+#include "gpu_util.h"
+
+#define NORM_TOL 1e-2
+#define ELEM_TOL 5e-2
+
+typedef struct bwd_case {
+    const char *name;
+    cometi_routing_t routing;
+    double skew;
+    int tokens[2];     /* per rank (rank r takes tokens[r % 2]) */
+    int top_k;         /* 0: the preset's */
+    int separate;      /* weights and gradients as gate and up, not gate_up */
+    int fp32;          /* gradients accumulated into fp32 buffers (twice, from a known start) */
+} bwd_case_t;
+
+static const bwd_case_t bwd_cases[] = {
+    {"random", COMETI_ROUTING_RANDOM, 1, {256, 200}, 0, 0, 0},
+    {"skewed x16, odd counts", COMETI_ROUTING_SKEWED, 16, {301, 77}, 0, 1, 0},
+    {"top-1", COMETI_ROUTING_RANDOM, 1, {129, 130}, 1, 0, 1},
+    {"top-8, fp32 accumulate", COMETI_ROUTING_RANDOM, 1, {100, 60}, 8, 1, 1},
+    {"top-4, a rank with no tokens", COMETI_ROUTING_RANDOM, 1, {0, 150}, 4, 0, 0},
+    {"every token to expert 5", COMETI_ROUTING_ONE_EXPERT, 5, {64, 96}, 0, 0, 1},
+};
+
+/* Rank r's inputs of a case, the same on every rank: x, ids, weights, dy. */
+typedef struct inputs {
+    int m;
+    float *x, *w, *dy;
+    uint16_t *x16, *dy16;
+    int32_t *ids;
+} inputs_t;
+
+static void make_inputs(const comet_moe_config_t *cfg, const bwd_case_t *c, uint64_t seed, int r, inputs_t *in)
+{
+    const int H = cfg->hidden, k = cfg->top_k;
+    in->m = c->tokens[r % 2];
+    const size_t mh = (size_t)in->m * H + 1, mk = (size_t)in->m * k + 1;
+    in->x = malloc(sizeof(float) * mh), in->dy = malloc(sizeof(float) * mh);
+    in->x16 = malloc(2 * mh), in->dy16 = malloc(2 * mh);
+    in->w = malloc(sizeof(float) * mk);
+    in->ids = malloc(sizeof(int32_t) * mk);
+    uint64_t rng = seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(r + 11));
+    fill_bf16(in->x, in->x16, (size_t)in->m * H, 1.0, &rng);
+    fill_bf16(in->dy, in->dy16, (size_t)in->m * H, 1.0, &rng);
+    cometi_make_routing(c->routing, c->skew, in->m, k, cfg->num_experts, seed, r, in->ids, in->w);
+}
+
+static void free_inputs(inputs_t *in)
+{
+    free(in->x), free(in->dy), free(in->x16), free(in->dy16), free(in->w), free(in->ids);
+}
+
+/* got (n values, float) against ref (float64): norm-wise, and element by element against
+ * ELEM_TOL x the RMS of each group of `group` values (a row; or all n). */
+static int compare(const char *what, const float *got, const double *ref, size_t n, size_t group, int rank)
+{
+    const double rel = cometi_rel_error(got, ref, n);
+    if (!(rel <= NORM_TOL)) {
+        printf("rank %d %s: relative error %.3g over %zu values (limit %g)\n", rank, what, rel, n, NORM_TOL);
+        return 1;
+    }
+    for (size_t g0 = 0; g0 < n; g0 += group) {
+        const size_t g1 = g0 + group < n ? g0 + group : n;
+        double ss = 0;
+        for (size_t i = g0; i < g1; i++) ss += ref[i] * ref[i];
+        const double rms = sqrt(ss / (double)(g1 - g0));
+        for (size_t i = g0; i < g1; i++)
+            if (!(fabs(got[i] - ref[i]) <= ELEM_TOL * rms + 1e-30)) {
+                printf("rank %d %s[%zu] = %.6g, float64 %.6g (limit %.3g: %g of its group's RMS %.3g)\n", rank, what,
+                       i, got[i], ref[i], ELEM_TOL * rms, ELEM_TOL, rms);
+                return 1;
+            }
+    }
+    printf("rank %d %-40s relative error %.2e\n", rank, what, rel);
+    return 0;
+}
+
+static void bf16_to_float(const uint16_t *h, float *f, size_t n)
+{
+    for (size_t i = 0; i < n; i++) f[i] = cometi_bf16_to_float(h[i]);
+}
+
+static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed)
+{
+    const cometi_rank_ctx_t *ctx = fx->ctx;
+    const int me = ctx->rank, W = ctx->nranks, H = fx->cfg.hidden, F = fx->cfg.ffn, E = fx->cfg.num_experts,
+              k = fx->cfg.top_k, per = fx->per;
+    inputs_t *all = calloc((size_t)W, sizeof(inputs_t));
+    for (int r = 0; r < W; r++) make_inputs(&fx->cfg, c, seed, r, &all[r]);
+    const inputs_t *in = &all[me];
+    const int m = in->m;
+    /* The reference: this rank's dx and dw, and the weight gradients summed over every rank. */
+    double *dx_ref = malloc(sizeof(double) * ((size_t)m * H + 1)), *dw_ref = malloc(sizeof(double) * ((size_t)m * k + 1));
+    const size_t n_gu = (size_t)E * 2 * F * H, n_dn = (size_t)E * H * F;
+    double *dgu_ref = calloc(n_gu, sizeof(double)), *ddn_ref = calloc(n_dn, sizeof(double));
+    double *dgu_r = malloc(sizeof(double) * n_gu), *ddn_r = malloc(sizeof(double) * n_dn);
+    for (int r = 0; r < W; r++) {
+        cometi_ref_problem_t p = {H, F, E, k, all[r].m, all[r].x, all[r].ids, all[r].w, fx->gate_up, fx->down};
+        cometi_reference_moe_backward(&p, all[r].dy, r == me ? dx_ref : NULL, r == me ? dw_ref : NULL, dgu_r, ddn_r);
+        for (size_t i = 0; i < n_gu; i++) dgu_ref[i] += dgu_r[i];
+        for (size_t i = 0; i < n_dn; i++) ddn_ref[i] += ddn_r[i];
+    }
+    /* Device inputs and outputs, outputs poisoned (bf16 and fp32 NaN). */
+    void *d_dy, *d_dx, *d_ggu, *d_gdn;
+    float *d_dw;
+    const size_t gsz = c->fp32 ? 4 : 2, n_ggu = (size_t)per * 2 * F * H, n_gdn = (size_t)per * H * F;
+    CUDA_OK(cudaMalloc(&d_dy, (size_t)fx->cfg.max_tokens * H * 2));
+    CUDA_OK(cudaMalloc(&d_dx, (size_t)fx->cfg.max_tokens * H * 2));
+    CUDA_OK(cudaMalloc((void **)&d_dw, sizeof(float) * fx->cfg.max_tokens * k));
+    CUDA_OK(cudaMalloc(&d_ggu, n_ggu * gsz));
+    CUDA_OK(cudaMalloc(&d_gdn, n_gdn * gsz));
+    CUDA_OK(cudaMemcpy(fx->d_x, in->x16, (size_t)m * H * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(d_dy, in->dy16, (size_t)m * H * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(fx->d_ids, in->ids, sizeof(int32_t) * m * k, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(fx->d_w, in->w, sizeof(float) * m * k, cudaMemcpyHostToDevice));
+    /* fp32 accumulate starts from a known value in every element: 0.25. */
+    float *start = NULL;
+    if (c->fp32) {
+        start = malloc(sizeof(float) * n_ggu);
+        for (size_t i = 0; i < n_ggu; i++) start[i] = 0.25f;
+        CUDA_OK(cudaMemcpy(d_ggu, start, n_ggu * 4, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(d_gdn, start, n_gdn * 4, cudaMemcpyHostToDevice));
+    } else {
+        CUDA_OK(cudaMemset(d_ggu, 0xff, n_ggu * 2));
+        CUDA_OK(cudaMemset(d_gdn, 0xff, n_gdn * 2));
+    }
+    comet_moe_saved_t saved;
+    if (comet_moe_saved_create(fx->moe, NULL, &saved) != COMET_SUCCESS) {
+        printf("comet_moe_saved_create: %s\n", comet_last_create_error());
+        return 1;
+    }
+    comet_moe_args_t a = fused_args(fx, &(moe_case_t){c->name, c->routing, c->skew, {c->tokens[0], c->tokens[1]},
+                                                      c->separate, 0});
+    a.impl = COMET_IMPL_BASELINE;
+    /* The training forward's y is the inference forward's, bit for bit. */
+    uint16_t *y_inf = malloc(2 * ((size_t)m * H + 1)), *y_tr = malloc(2 * ((size_t)m * H + 1));
+    COMET_OK(comet_moe_forward(fx->moe, &a, 0), fx->comm);
+    CUDA_OK(cudaMemcpy(y_inf, fx->d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemset(fx->d_y, 0xff, (size_t)fx->cfg.max_tokens * H * 2));
+    a.impl = COMET_IMPL_AUTO; /* training takes the sequential path */
+    comet_status_t st = comet_moe_forward_train(fx->moe, &a, saved, 0);
+    if (st != COMET_SUCCESS) printf("comet_moe_forward_train: %s\n", comet_moe_last_error(fx->moe));
+    CHECK_EQ(st, COMET_SUCCESS);
+    CUDA_OK(cudaMemcpy(y_tr, fx->d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+    CHECK(memcmp(y_inf, y_tr, (size_t)m * H * 2) == 0);
+    comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
+    b.saved = saved;
+    b.dy = d_dy;
+    b.weights = a.weights;
+    b.dx = d_dx;
+    b.d_topk_weights = d_dw;
+    b.grads.down = d_gdn;
+    if (c->separate) b.grads.gate = d_ggu, b.grads.up = (char *)d_ggu + (size_t)per * F * H * gsz;
+    else b.grads.gate_up = d_ggu;
+    b.grads.mode = c->fp32 ? COMET_GRAD_ACCUMULATE_FP32 : COMET_GRAD_WRITE_BF16;
+    const int calls = 2; /* fp32: accumulates twice; bf16: the same bits twice */
+    uint16_t *first_dx = malloc(2 * ((size_t)m * H + 1));
+    float *first_dw = malloc(sizeof(float) * ((size_t)m * k + 1));
+    for (int call = 0; call < calls; call++) {
+        CUDA_OK(cudaMemset(d_dx, 0xff, (size_t)fx->cfg.max_tokens * H * 2));
+        CUDA_OK(cudaMemset(d_dw, 0xff, sizeof(float) * fx->cfg.max_tokens * k));
+        st = comet_moe_backward(fx->moe, &b, 0);
+        if (st != COMET_SUCCESS) printf("comet_moe_backward: %s\n", comet_moe_last_error(fx->moe));
+        CHECK_EQ(st, COMET_SUCCESS);
+        CUDA_OK(cudaDeviceSynchronize());
+        uint16_t *dx16 = malloc(2 * ((size_t)m * H + 1));
+        float *dx = malloc(sizeof(float) * ((size_t)m * H + 1)), *dw = malloc(sizeof(float) * ((size_t)m * k + 1));
+        CUDA_OK(cudaMemcpy(dx16, d_dx, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(dw, d_dw, sizeof(float) * m * k, cudaMemcpyDeviceToHost));
+        bf16_to_float(dx16, dx, (size_t)m * H);
+        char what[96];
+        snprintf(what, sizeof(what), "%s call %d: dx", c->name, call);
+        if (m && compare(what, dx, dx_ref, (size_t)m * H, H, me)) return 1;
+        snprintf(what, sizeof(what), "%s call %d: d topk_weights", c->name, call);
+        if (m && compare(what, dw, dw_ref, (size_t)m * k, (size_t)m * k, me)) return 1;
+        if (call == 0) {
+            memcpy(first_dx, dx16, (size_t)m * H * 2);
+            memcpy(first_dw, dw, sizeof(float) * m * k);
+        } else { /* fixed-order sums: the same bits */
+            CHECK(memcmp(first_dx, dx16, (size_t)m * H * 2) == 0);
+            CHECK(memcmp(first_dw, dw, sizeof(float) * m * k) == 0);
+        }
+        free(dx16), free(dx), free(dw);
+        if (c->fp32 && call == 0) continue; /* checked after the second accumulation */
+        /* This rank's experts' weight gradients (TP: its ffn columns) against the reference,
+         * fp32: start + calls x the gradient. */
+        const int tp = fx->cfg.tp_size > 0 ? fx->cfg.tp_size : 1, Fl = F / tp, t0 = me % tp * Fl;
+        float *g = malloc(sizeof(float) * (n_ggu > n_gdn ? n_ggu : n_gdn));
+        double *want = malloc(sizeof(double) * (n_ggu > n_gdn ? n_ggu : n_gdn));
+        void *raw = malloc((n_ggu > n_gdn ? n_ggu : n_gdn) * gsz);
+        const double times = c->fp32 ? calls : 1, base = c->fp32 ? 0.25 : 0;
+        for (int which = 0; which < 2; which++) { /* gate_up, down */
+            const size_t n = which ? n_gdn : n_ggu;
+            CUDA_OK(cudaMemcpy(raw, which ? d_gdn : d_ggu, n * gsz, cudaMemcpyDeviceToHost));
+            for (size_t i = 0; i < n; i++) g[i] = c->fp32 ? ((float *)raw)[i] : cometi_bf16_to_float(((uint16_t *)raw)[i]);
+            for (int le = 0; le < per; le++) {
+                const int e = fx->first + le;
+                if (which) { /* down [H][Fl] from [H][F] */
+                    for (int h = 0; h < H; h++)
+                        for (int f = 0; f < Fl; f++)
+                            want[((size_t)le * H + h) * Fl + f] = base + times * ddn_ref[((size_t)e * H + h) * F + t0 + f];
+                } else if (c->separate) { /* gate [E_local][Fl][H], then up [E_local][Fl][H] */
+                    for (int f = 0; f < Fl; f++)
+                        for (int h = 0; h < H; h++) {
+                            want[((size_t)le * Fl + f) * H + h] = base + times * dgu_ref[((size_t)e * 2 * F + t0 + f) * H + h];
+                            want[((size_t)(per + le) * Fl + f) * H + h] =
+                                base + times * dgu_ref[((size_t)e * 2 * F + F + t0 + f) * H + h];
+                        }
+                } else { /* gate_up [E_local][2Fl][H] */
+                    for (int f = 0; f < Fl; f++)
+                        for (int h = 0; h < H; h++) {
+                            want[((size_t)le * 2 * Fl + f) * H + h] = base + times * dgu_ref[((size_t)e * 2 * F + t0 + f) * H + h];
+                            want[((size_t)le * 2 * Fl + Fl + f) * H + h] =
+                                base + times * dgu_ref[((size_t)e * 2 * F + F + t0 + f) * H + h];
+                        }
+                }
+            }
+            if (c->fp32) /* compare the gradient itself, not the start it was added to */
+                for (size_t i = 0; i < n; i++) g[i] -= 0.25f, want[i] -= base;
+            snprintf(what, sizeof(what), "%s: %s", c->name, which ? "ddown" : c->separate ? "dgate, dup" : "dgate_up");
+            if (compare(what, g, want, n, n, me)) return 1;
+        }
+        free(g), free(want), free(raw);
+    }
+    COMET_OK(comet_moe_saved_destroy(saved), fx->comm);
+    cudaFree(d_dy), cudaFree(d_dx), cudaFree(d_dw), cudaFree(d_ggu), cudaFree(d_gdn);
+    for (int r = 0; r < W; r++) free_inputs(&all[r]);
+    free(all), free(dx_ref), free(dw_ref), free(dgu_ref), free(ddn_ref), free(dgu_r), free(ddn_r), free(start);
+    free(y_inf), free(y_tr), free(first_dx), free(first_dw);
+    return 0;
+}
+
+static int backward_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(const uint64_t *)arg;
+    for (size_t i = 0; i < sizeof(bwd_cases) / sizeof(bwd_cases[0]); i++) {
+        fixture_t fx;
+        const fixture_shape_t shape = {0, 0, bwd_cases[i].top_k, 0, 0};
+        if (fixture_open(&fx, ctx, seed + i, &shape)) return 1;
+        if (backward_case(&fx, &bwd_cases[i], seed + 100 * i)) return 1;
+        fixture_close(&fx);
+    }
+    return 0;
+}
+
+int test_gpu_backward_matches_reference(void) { return launch_seeded(backward_rank, 280); }
+
+/* Refusals, each before anything is launched, naming what is wrong; and a bound too
+ * small refused on every rank before any row moves. */
+static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(const uint64_t *)arg;
+    fixture_t fx;
+    if (fixture_open(&fx, ctx, seed, NULL)) return 1;
+    const moe_case_t c = {"refusals", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
+    comet_status_t st;
+    double rel;
+    fx.skip_reference = 1;
+    if (run_case(&fx, &c, seed, 0, &st, &rel)) return 1; /* inputs in place */
+    comet_moe_args_t a = fused_args(&fx, &c);
+    comet_moe_saved_t saved, other_saved;
+    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved), COMET_SUCCESS);
+    comet_moe_t other;
+    CHECK_EQ(comet_moe_create(fx.comm, &fx.cfg, &other), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_create(other, NULL, &other_saved), COMET_SUCCESS);
+    void *buf;
+    CUDA_OK(cudaMalloc(&buf, (size_t)1 << 24));
+    comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
+    b.saved = saved;
+    b.dy = buf;
+    b.dx = (char *)buf + (1 << 20);
+    b.d_topk_weights = (float *)((char *)buf + (2 << 20));
+    b.weights = a.weights;
+    b.grads.gate_up = (char *)buf + (4 << 20);
+    b.grads.down = (char *)buf + (8 << 20);
+    /* Empty: no forward filled it yet. */
+    CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "args.saved holds no forward");
+    /* Another layer's. */
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &a, other_saved, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "saved belongs to another layer");
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &a, saved, 0), COMET_SUCCESS);
+    b.saved = other_saved;
+    CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "args.saved belongs to another layer");
+    b.saved = saved;
+    /* Missing, misaligned, mismatched, the fused path. */
+    comet_moe_backward_args_t bad = b;
+    bad.dx = NULL;
+    CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "args.dx is NULL");
+    bad = b;
+    bad.dy = (char *)buf + 2;
+    CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "args.dy");
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "16-byte aligned");
+    bad = b;
+    bad.grads.down = NULL;
+    CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "args.grads.down is NULL");
+    bad = b;
+    bad.grads.gate_up = NULL, bad.grads.gate = bad.grads.up = (char *)buf + (4 << 20);
+    CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "as the weights do");
+    bad = b;
+    bad.grads.mode = (comet_grad_mode_t)7;
+    CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "args.grads.mode = 7");
+    bad = b;
+    bad.impl = COMET_IMPL_FUSED;
+    CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_NOT_SUPPORTED);
+    bad = b;
+    bad.size = 8;
+    CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "COMET_MOE_BACKWARD_ARGS_INIT");
+    /* A bound the routing exceeds: refused by every rank (each sees every group's rows),
+     * and the state left empty. */
+    comet_moe_saved_config_t sc = COMET_MOE_SAVED_CONFIG_INIT;
+    sc.max_recv_rows = 10;
+    comet_moe_saved_t small;
+    CHECK_EQ(comet_moe_saved_create(fx.moe, &sc, &small), COMET_SUCCESS);
+    size_t small_bytes = 0, worst_bytes = 0;
+    CHECK_EQ(comet_moe_saved_bytes(fx.moe, &sc, &small_bytes), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_bytes(fx.moe, NULL, &worst_bytes), COMET_SUCCESS);
+    CHECK(small_bytes < worst_bytes);
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &a, small, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "more than the saved state's max_recv_rows = 10");
+    b.saved = small;
+    CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "holds no forward");
+    sc.max_recv_rows = -1;
+    CHECK_EQ(comet_moe_saved_create(fx.moe, &sc, &small), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "max_recv_rows = -1");
+    CHECK_EQ(comet_moe_saved_destroy(b.saved), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_destroy(saved), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_destroy(other_saved), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_destroy(NULL), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_destroy(other), COMET_SUCCESS);
+    cudaFree(buf);
+    printf("rank %d: every refusal named its argument\n", ctx->rank);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_backward_refusals(void) { return launch_seeded(backward_refusals_rank, 120); }
