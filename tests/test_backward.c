@@ -12,9 +12,11 @@
  * The backward's dx passes through six roundings after the forward's three (g and u, the
  * activation, the expert output): the weighted dy rows, s = dy W2, dh, the dx rows, the dx
  * rows home, dx; the weight gradients through three to four. So the norm-wise relative
- * error stays under 1e-2 (5 full roundings), and each element within 5% of its row's (or,
- * for d topk_weights and the weight gradients, its tensor's) RMS: an element computed from
- * the wrong row or left unwritten is off by about 100% of it.
+ * error stays under 1e-2 (5 full roundings). Element by element, an output is a sum whose
+ * terms can cancel, so its error is bounded by the roundings of its terms, not of itself:
+ * each element within 2e-2 of itself (10 roundings) plus 5% of its row's (or, for d
+ * topk_weights and the weight gradients, its tensor's) RMS, the size of a typical term's
+ * sum. An element computed from the wrong row or left unwritten is off by about 100%.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -28,7 +30,8 @@
 #include "gpu_util.h"
 
 #define NORM_TOL 1e-2
-#define ELEM_TOL 5e-2
+#define ELEM_TOL 5e-2 /* of the group's RMS */
+#define SELF_TOL 2e-2 /* of the element itself */
 
 typedef struct bwd_case {
     const char *name;
@@ -91,12 +94,14 @@ static int compare(const char *what, const float *got, const double *ref, size_t
         double ss = 0;
         for (size_t i = g0; i < g1; i++) ss += ref[i] * ref[i];
         const double rms = sqrt(ss / (double)(g1 - g0));
-        for (size_t i = g0; i < g1; i++)
-            if (!(fabs(got[i] - ref[i]) <= ELEM_TOL * rms + 1e-30)) {
-                printf("rank %d %s[%zu] = %.6g, float64 %.6g (limit %.3g: %g of its group's RMS %.3g)\n", rank, what,
-                       i, got[i], ref[i], ELEM_TOL * rms, ELEM_TOL, rms);
+        for (size_t i = g0; i < g1; i++) {
+            const double limit = SELF_TOL * fabs(ref[i]) + ELEM_TOL * rms + 1e-30;
+            if (!(fabs(got[i] - ref[i]) <= limit)) {
+                printf("rank %d %s[%zu] = %.6g, float64 %.6g (limit %.3g: %g of itself and %g of its group's RMS "
+                       "%.3g)\n", rank, what, i, got[i], ref[i], limit, SELF_TOL, ELEM_TOL, rms);
                 return 1;
             }
+        }
     }
     printf("rank %d %-40s relative error %.2e\n", rank, what, rel);
     return 0;
@@ -260,13 +265,21 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed)
 static int backward_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(const uint64_t *)arg;
+    /* One communicator for every case (its id serves one init); the fixture's buffers for
+     * top-8, and a layer of each case's top-k made on it. */
+    fixture_t fx;
+    const fixture_shape_t shape = {0, 0, 8, 0, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     for (size_t i = 0; i < sizeof(bwd_cases) / sizeof(bwd_cases[0]); i++) {
-        fixture_t fx;
-        const fixture_shape_t shape = {0, 0, bwd_cases[i].top_k, 0, 0};
-        if (fixture_open(&fx, ctx, seed + i, &shape)) return 1;
+        CHECK_EQ(comet_moe_destroy(fx.moe), COMET_SUCCESS);
+        fx.cfg.top_k = bwd_cases[i].top_k ? bwd_cases[i].top_k : 2;
+        if (comet_moe_create(fx.comm, &fx.cfg, &fx.moe) != COMET_SUCCESS) {
+            printf("comet_moe_create: %s\n", comet_last_create_error());
+            return 1;
+        }
         if (backward_case(&fx, &bwd_cases[i], seed + 100 * i)) return 1;
-        fixture_close(&fx);
     }
+    fixture_close(&fx);
     return 0;
 }
 

@@ -87,6 +87,7 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
                                                         sizeof(cometi_segment_t) * moe->experts_per_rank),
                                     "baseline: cudaMallocHost(segments)"), fail);
     COMETI_TRY_GOTO(st, cublas_status(err, cublasCreate(&b->cublas), "cublasCreate"), fail);
+    b->io_recv = b->recv, b->io_h = b->h, b->io_back = b->back, b->io_send_pos = b->send_pos;
     *out = b;
     return COMET_SUCCESS;
 fail:
