@@ -62,15 +62,21 @@ static __global__ void swiglu_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *act,
     }
 }
 
+/* The grid of a kernel over every local segment's rows (blockIdx.y the segment), 256
+ * threads a block, `per_row` items a row, at most 1024 blocks a segment. */
+static dim3 segments_grid(int num_segs, int max_rows, int per_row)
+{
+    const long long work = (long long)max_rows * per_row;
+    const long long blocks = (work + 255) / 256;
+    return dim3((unsigned int)(blocks < 1024 ? blocks : 1024), (unsigned int)num_segs);
+}
+
 extern "C" cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, const cometi_segment_t *segs,
                                             int num_segs, int max_rows, cudaStream_t stream)
 {
     if (num_segs == 0 || max_rows == 0) return cudaSuccess;
-    long long work = (long long)max_rows * (ffn / 8);
-    int blocks = (int)((work + 255) / 256);
-    if (blocks > 1024) blocks = 1024;
-    dim3 grid(blocks, num_segs);
-    swiglu_kernel<<<grid, 256, 0, stream>>>((const __nv_bfloat16 *)h, (__nv_bfloat16 *)act, ffn, segs);
+    swiglu_kernel<<<segments_grid(num_segs, max_rows, ffn / 8), 256, 0, stream>>>((const __nv_bfloat16 *)h,
+                                                                                 (__nv_bfloat16 *)act, ffn, segs);
     return cudaGetLastError();
 }
 
@@ -199,10 +205,7 @@ extern "C" cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, vo
                                                      cudaStream_t stream)
 {
     if (num_segs == 0 || max_rows == 0) return cudaSuccess;
-    const long long work = (long long)max_rows * (ffn / 2);
-    int blocks = (int)((work + 255) / 256);
-    if (blocks > 1024) blocks = 1024;
-    swiglu_backward_kernel<<<dim3(blocks, num_segs), 256, 0, stream>>>((const __nv_bfloat16 *)h, (__nv_bfloat16 *)sa,
-                                                                      (__nv_bfloat16 *)dh, ffn, segs);
+    swiglu_backward_kernel<<<segments_grid(num_segs, max_rows, ffn / 2), 256, 0, stream>>>(
+        (const __nv_bfloat16 *)h, (__nv_bfloat16 *)sa, (__nv_bfloat16 *)dh, ffn, segs);
     return cudaGetLastError();
 }
