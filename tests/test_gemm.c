@@ -561,3 +561,99 @@ int test_gpu_gemm_epilogues(void)
     uint64_t seed = test_seed();
     return launch(1, gemm_epilogue_rank, &seed, 110);
 }
+
+/* B MN-major (b_mn_major: B_g stored [k][n], as a dgrad GEMM reads a weight kept
+ * [in][out]) against float64, element by element: C[r][j] = sum_k A[r][k] B_g[k][j] over
+ * ragged groups (0, 1, 129, 300 and 77 rows), both tile widths, both epilogues, static
+ * and shared-counter tiles, poisoned C. bf16 inputs, fp32 sums of k = 320 products, one
+ * bf16 rounding of the result (2^-9): each element within 2^-8 of itself plus 1e-2 of its
+ * row's RMS (its terms cancel), which a wrong column or k row misses by about 100%. */
+static int gemm_b_mn_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    uint64_t rng = *(uint64_t *)arg;
+    cometi_async_error_t *err_host, *err_dev;
+    if (gemm_setup(ctx, &err_host, &err_dev)) return 1;
+    const int groups = 5, sizes[5] = {0, 1, 129, 300, 77}, k = 320, n = 512;
+    cometi_segment_t segs_host[5];
+    const int rows = padded_segments(sizes, groups, segs_host) + 128;
+    cometi_segment_t *segs;
+    CUDA_OK(cudaMalloc((void **)&segs, sizeof(segs_host)));
+    CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(segs_host), cudaMemcpyHostToDevice));
+    const size_t na = (size_t)rows * k, nb = (size_t)groups * k * n, nc = (size_t)rows * n;
+    uint16_t *a16 = malloc(na * 2), *b16 = malloc(nb * 2), *c16 = malloc(nc * 2);
+    float *af = malloc(na * 4), *bf = malloc(nb * 4);
+    double *ref = malloc(nc * sizeof(double));
+    fill_bf16(af, a16, na, 1.0, &rng);
+    fill_bf16(bf, b16, nb, 0.1, &rng);
+    for (int g = 0; g < groups; g++)
+        for (int r = segs_host[g].start; r < segs_host[g].start + segs_host[g].rows; r++)
+            for (int j = 0; j < n; j++) {
+                double acc = 0;
+                for (int q = 0; q < k; q++) acc += (double)af[(size_t)r * k + q] * bf[((size_t)g * k + q) * n + j];
+                ref[(size_t)r * n + j] = acc;
+            }
+    void *a, *b, *c;
+    unsigned int *sched;
+    CUDA_OK(cudaMalloc(&a, na * 2));
+    CUDA_OK(cudaMalloc(&b, nb * 2));
+    CUDA_OK(cudaMalloc(&c, nc * 2));
+    CUDA_OK(cudaMalloc((void **)&sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+    CUDA_OK(cudaMemset(sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+    CUDA_OK(cudaMemcpy(a, a16, na * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(b, b16, nb * 2, cudaMemcpyHostToDevice));
+    for (int v = 0; v < 8; v++) {
+        const int block_n = v & 1 ? 128 : 256, epilogue = v & 2 ? COMETI_EPILOGUE_DIRECT : COMETI_EPILOGUE_TMA,
+                  dynamic = (v & 4) != 0;
+        CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
+        cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .b_mn_major = 1, .c = c, .ldc = n, .segs = segs,
+                           .groups = groups, .n = n, .k = k, .block_n = block_n, .epilogue = epilogue,
+                           .sched = dynamic ? sched : NULL, .err = err_dev};
+        char err[COMETI_ERR_LEN];
+        if (cometi_gemm_run(err, &g, 0) != COMET_SUCCESS) {
+            printf("cometi_gemm_run: %s\n", err);
+            return 1;
+        }
+        CUDA_OK(cudaDeviceSynchronize());
+        CHECK_EQ(err_host->status, 0);
+        CUDA_OK(cudaMemcpy(c16, c, nc * 2, cudaMemcpyDeviceToHost));
+        double worst = 0;
+        for (int gi = 0; gi < groups; gi++)
+            for (int r = segs_host[gi].start; r < segs_host[gi].start + segs_host[gi].rows; r++) {
+                double ss = 0;
+                for (int j = 0; j < n; j++) ss += ref[(size_t)r * n + j] * ref[(size_t)r * n + j];
+                const double rms = sqrt(ss / n);
+                for (int j = 0; j < n; j++) {
+                    const double got = cometi_bf16_to_float(c16[(size_t)r * n + j]), want = ref[(size_t)r * n + j];
+                    const double limit = fabs(want) / 256 + 1e-2 * rms;
+                    if (!(fabs(got - want) <= limit)) {
+                        printf("block_n %d %s %s: C[%d][%d] = %.6g, float64 %.6g (limit %.3g)\n", block_n,
+                               epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", dynamic ? "shared" : "static", r,
+                               j, got, want, limit);
+                        return 1;
+                    }
+                    if (fabs(got - want) / (rms + 1e-30) > worst) worst = fabs(got - want) / (rms + 1e-30);
+                }
+            }
+        printf("B MN-major, block_n %d, %s epilogue, %s tiles: worst |error| / row RMS %.2e\n", block_n,
+               epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", dynamic ? "shared-counter" : "static", worst);
+    }
+    /* Refused where it is not built: with SwiGLU, ping-pong, n not a multiple of 64. */
+    cometi_gemm_t bad = {.a = a, .a_rows = rows, .b = b, .b_mn_major = 1, .c = c, .ldc = n, .segs = segs,
+                         .groups = groups, .n = n, .k = k, .swiglu = 1, .err = err_dev};
+    char err[COMETI_ERR_LEN];
+    CHECK_EQ(cometi_gemm_run(err, &bad, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "b_mn_major");
+    bad.swiglu = 0, bad.schedule = COMETI_SCHEDULE_PINGPONG;
+    CHECK_EQ(cometi_gemm_run(err, &bad, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "b_mn_major");
+    free(a16), free(b16), free(c16), free(af), free(bf), free(ref);
+    cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(sched), cudaFree(segs);
+    return 0;
+}
+
+int test_gpu_gemm_b_mn_major(void)
+{
+    if (!have_gpus(1)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(1, gemm_b_mn_rank, &seed, 110);
+}

@@ -23,6 +23,7 @@
 typedef struct shape {
     char name[48];
     int groups, rows, n, k; /* rows per group */
+    int b_mn;               /* B_g stored [k][n] (a dgrad GEMM's weight), else [n][k] */
 } shape_t;
 
 static int cmp_float(const void *a, const void *b)
@@ -67,11 +68,21 @@ static int run_cublas(void *p, cudaStream_t s)
     run_ctx_t *r = p;
     const shape_t *sh = r->sh;
     (void)s;
+    const float one = 1.0f, zero = 0.0f;
     for (int g = 0; g < sh->groups; g++) {
         const char *a = (const char *)r->a + (size_t)g * sh->rows * sh->k * 2;
         const char *b = (const char *)r->b + (size_t)g * sh->n * sh->k * 2;
         char *c = (char *)r->c + (size_t)g * sh->rows * sh->n * 2;
-        if (cometi_cublas_rows(r->cublas, r->err, sh->rows, sh->n, sh->k, a, b, c, sh->n) != COMET_SUCCESS) return 1;
+        if (sh->b_mn) { /* row-major C = A B, B [k][n]: cuBLAS's "NN" */
+            if (cublasGemmEx(r->cublas, CUBLAS_OP_N, CUBLAS_OP_N, sh->n, sh->rows, sh->k, &one, b, CUDA_R_16BF, sh->n,
+                             a, CUDA_R_16BF, sh->k, &zero, c, CUDA_R_16BF, sh->n, CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+                snprintf(r->err, sizeof(r->err), "cublasGemmEx (NN) failed");
+                return 1;
+            }
+        } else if (cometi_cublas_rows(r->cublas, r->err, sh->rows, sh->n, sh->k, a, b, c, sh->n) != COMET_SUCCESS) {
+            return 1;
+        }
     }
     return 0;
 }
@@ -195,6 +206,53 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
     return d > 1e-2;
 }
 
+/* A dgrad GEMM (B MN-major) of shape `sh`: ours, cooperative at both tile widths (256
+ * where it divides n, else 128 twice), against cuBLAS's NN GEMM per expert, checked on
+ * poisoned C before it is timed. */
+static int time_dgrad(const tool_options_t *o, const shape_t *sh, cublasHandle_t cublas,
+                      cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int si, void *tail_ws)
+{
+    const size_t rows = (size_t)sh->groups * sh->rows, nc = rows * sh->n;
+    void *a, *b, *c_ref, *c;
+    cometi_segment_t *segs;
+    if (make_operands(o, sh, si, &a, &b, &segs)) return 1;
+    CUDA_OK(cudaMalloc(&c_ref, nc * 2));
+    CUDA_OK(cudaMalloc(&c, nc * 2));
+    run_ctx_t r;
+    memset(&r, 0, sizeof(r));
+    r.cublas = cublas, r.sh = sh, r.a = a, r.b = b, r.c = c_ref;
+    int failed = 0;
+    const float t_cublas = time_ms(run_cublas, &r, 3, o->iters, &failed, NULL, NULL);
+    FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
+    uint16_t *ref = malloc(nc * 2), *got = malloc(nc * 2);
+    CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
+    float t[2];
+    double worst = 0;
+    for (int v = 0; v < 2; v++) {
+        r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .b_mn_major = 1, .c = c, .ldc = sh->n,
+                              .segs = segs, .groups = sh->groups, .n = sh->n, .k = sh->k,
+                              .block_n = v ? 128 : cometi_gemm_tile_n(sh->n), /* 256 where it divides n */
+                              .err = err_dev, .tail_ws = tail_ws};
+        CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
+        FAIL_IF(run_ours(&r, 0), "%s: ours: %s", sh->name, r.err);
+        CUDA_OK(cudaDeviceSynchronize());
+        FAIL_IF(err_host->status, "%s: ours: the GEMM pipeline stalled", sh->name);
+        CUDA_OK(cudaMemcpy(got, c, nc * 2, cudaMemcpyDeviceToHost));
+        const double d = rel_diff(got, ref, nc);
+        if (!(d <= worst)) worst = d;
+        t[v] = time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+        FAIL_IF(failed, "%s: ours: %s", sh->name, r.err);
+    }
+    const double flop = 2.0 * rows * sh->n * sh->k;
+    const float best = t[0] < t[1] ? t[0] : t[1];
+    printf("%-24s %6d %6d %6d %6d %9.0f %9.0f %9s %9.0f %8.3f %9.1e%s\n", sh->name, sh->groups, sh->rows, sh->n, sh->k,
+           flop / (t_cublas * 1e-3) / 1e12, flop / (t[0] * 1e-3) / 1e12, "", flop / (t[1] * 1e-3) / 1e12,
+           t_cublas / best, worst, worst > 1e-2 ? " WRONG" : "");
+    free(ref), free(got);
+    cudaFree(a), cudaFree(b), cudaFree(c_ref), cudaFree(c), cudaFree(segs);
+    return !(worst <= 1e-2);
+}
+
 int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const tool_options_t *o = arg;
@@ -207,12 +265,12 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         comet_moe_config_t c;
         comet_moe_config_preset(o->presets[i], o->tokens, &c);
         int per = c.num_experts / 2, rows = (int)((int64_t)o->tokens * c.top_k * 2 / c.num_experts);
-        shapes[nshapes++] = (shape_t){"", per, rows, 2 * c.ffn, c.hidden};
+        shapes[nshapes++] = (shape_t){"", per, rows, 2 * c.ffn, c.hidden, 0};
         snprintf(shapes[nshapes - 1].name, 48, "%s GEMM0", o->presets[i]);
-        shapes[nshapes++] = (shape_t){"", per, rows, c.hidden, c.ffn};
+        shapes[nshapes++] = (shape_t){"", per, rows, c.hidden, c.ffn, 0};
         snprintf(shapes[nshapes - 1].name, 48, "%s GEMM1", o->presets[i]);
     }
-    shapes[nshapes++] = (shape_t){"8192^3", 1, 8192, 8192, 8192};
+    shapes[nshapes++] = (shape_t){"8192^3", 1, 8192, 8192, 8192, 0};
 
     cometi_async_error_t *err_host, *err_dev;
     CUDA_OK(cudaHostAlloc((void **)&err_host, sizeof(*err_host), cudaHostAllocMapped));
@@ -319,6 +377,19 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
            "coop-256", "pp-256", "", "best/cuB", "diff");
     for (int si = 0; si < nshapes; si++)
         if (strstr(shapes[si].name, "GEMM0")) bad |= time_swiglu(o, &shapes[si], cublas, err_host, err_dev, si, tail_ws);
+    printf("\nThe backward's dgrad GEMMs: B MN-major, the weights as the forward keeps them (s = dy W2: n = F, k = H;\n"
+           "dx = dh W13: n = H, k = 2F), ours against cuBLAS's NN GEMM per expert\n");
+    printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuBLAS",
+           "coop-256", "", "coop-128", "best/cuB", "diff");
+    for (int i = 0; i < o->npresets; i++) {
+        comet_moe_config_t cfg;
+        comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
+        const int per = cfg.num_experts / 2, rows = (int)((int64_t)o->tokens * cfg.top_k * 2 / cfg.num_experts);
+        shape_t dg[2] = {{"", per, rows, cfg.ffn, cfg.hidden, 1}, {"", per, rows, cfg.hidden, 2 * cfg.ffn, 1}};
+        snprintf(dg[0].name, 48, "%s dgrad W2", o->presets[i]);
+        snprintf(dg[1].name, 48, "%s dgrad W13", o->presets[i]);
+        for (int d = 0; d < 2; d++) bad |= time_dgrad(o, &dg[d], cublas, err_host, err_dev, 100 + 2 * i + d, tail_ws);
+    }
     cublasDestroy(cublas);
     cudaFree(sched), cudaFree(split_done), cudaFree(tail_ws);
     FAIL_IF(bad, "an output differed from cuBLAS by more than 1e-2 (marked WRONG)");

@@ -32,7 +32,7 @@
 #define THREADS 384
 #define TICKETS 4 /* tiles the producer may announce ahead of the consumers (dynamic schedule) */
 
-template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG>
+template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG, bool B_MN>
 static __global__ void __launch_bounds__(THREADS, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const __grid_constant__ CUtensorMap map_up, const __grid_constant__ CUtensorMap map_c,
@@ -155,7 +155,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 asm volatile("fence.proxy.async.global;" ::: "memory");
                 if (rec) rec[2] = cometi_globaltimer_ns();
             }
-            produce_unit<BN, STAGES, SWIGLU, TM>(p, sm, &map_a, &map_b, &map_up, tl, a_row, un.kb0, un.kb1, &pos,
+            produce_unit<BN, STAGES, SWIGLU, TM, B_MN>(p, sm, &map_a, &map_b, &map_up, tl, a_row, un.kb0, un.kb1, &pos,
                                                  &claimed, &next);
             t = p.sched ? next : t + p.gemm_blocks;
             if (trace) trace[2] = (unsigned long long)ordinal + 1;
@@ -221,7 +221,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         push_rows_t push;
         push.first = make_int2(-1, 0), push.last = push.first, push.row[0] = push.row[1] = push.first;
         if (TMA_EPILOGUE && p.push_dest) push = load_push_rows(p, tl, part, warp * 16 + lane / 4);
-        consume_unit<BN, STAGES, TM, PINGPONG>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, un.kb1, &pos,
+        consume_unit<BN, STAGES, TM, PINGPONG, B_MN>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, un.kb1, &pos,
                                                &sm.turn[half ^ 1]);
         if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN>(acc, p, tail, t, k_blocks)) continue;
         store_tile<BN, TMA_EPILOGUE, SWIGLU, TM>(acc, p, &map_c, sm.c, tl, part, half, split_tiles, push, &st);
@@ -240,7 +240,7 @@ template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> sta
            sizeof(cometi_tail_plan_t);
 }
 
-template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG>
+template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG, bool B_MN = false>
 static comet_status_t launch(char *err, const cometi_gemm_maps_t *m, const cometi_gemm_args_t *args, int blocks,
                              cudaStream_t stream)
 {
@@ -250,7 +250,7 @@ static comet_status_t launch(char *err, const cometi_gemm_maps_t *m, const comet
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
     size_t smem = smem_bytes<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG>();
     if (dev >= 64 || !(configured >> dev & 1)) {
-        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG>,
+        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG, B_MN>,
                                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                                "cudaFuncSetAttribute(grouped GEMM shared memory)"));
         if (dev < 64) configured |= 1ull << dev;
@@ -258,7 +258,7 @@ static comet_status_t launch(char *err, const cometi_gemm_maps_t *m, const comet
     cudaLaunchAttribute pdl[1];
     const cudaLaunchConfig_t cfg = cometi_pdl_config(blocks, THREADS, smem, stream, pdl);
     return cometi_cuda(err,
-                       cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG>, m->a,
+                       cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG, B_MN>, m->a,
                                           m->b, m->up, m->c, *args),
                        "launch grouped_gemm_kernel");
 }
@@ -281,6 +281,13 @@ extern "C" comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepar
     if (pr->swiglu)
         return pr->tma_epilogue ? launch<256, 3, true, true, false>(err, m, args, blocks, stream)
                                 : launch<256, 4, false, true, false>(err, m, args, blocks, stream);
+    if (pr->b_mn_major) {
+        if (pr->block_n == 256)
+            return pr->tma_epilogue ? launch<256, 3, true, false, false, true>(err, m, args, blocks, stream)
+                                    : launch<256, 4, false, false, false, true>(err, m, args, blocks, stream);
+        return pr->tma_epilogue ? launch<128, 4, true, false, false, true>(err, m, args, blocks, stream)
+                                : launch<128, 4, false, false, false, true>(err, m, args, blocks, stream);
+    }
     if (pr->block_n == 256)
         return pr->tma_epilogue ? launch<256, 3, true, false, false>(err, m, args, blocks, stream)
                                 : launch<256, 4, false, false, false>(err, m, args, blocks, stream);

@@ -105,6 +105,9 @@ typedef struct cometi_gemm {
     const void *b;                 /* [groups][n][k] bf16; with swiglu, [groups][2n][k] (gate rows,
                                     * then up rows), or the gate rows [groups][n][k] when b_up is set */
     const void *b_up;              /* swiglu only: up rows [groups][n][k] in a tensor of their own */
+    int b_mn_major;                /* B is [groups][k][n] (n contiguous), as a dgrad GEMM reads a weight
+                                    * kept [in][out]: C = A B_g. Not with swiglu; n a multiple of 64;
+                                    * the cooperative schedule */
     void *c;                       /* [a_rows][ldc] bf16; only the groups' rows are written */
     int ldc;                       /* elements, even */
     const cometi_segment_t *segs;  /* [groups], device memory */

@@ -53,7 +53,7 @@ typedef struct cometi_gemm_maps {
 typedef struct cometi_gemm_plan {
     cometi_gemm_maps_t maps;
     cometi_gemm_args_t args;
-    int blocks, block_n, swiglu, pingpong, tma_epilogue;
+    int blocks, block_n, swiglu, pingpong, tma_epilogue, b_mn_major;
 } cometi_gemm_plan_t;
 
 #ifdef __cplusplus

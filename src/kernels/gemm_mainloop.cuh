@@ -1,7 +1,9 @@
 /*
  * gemm_mainloop.cuh - the GEMM kernel's mainloop, both sides of its shared-memory ring
  * of stages: the producer thread's TMA loads of one unit's A and B tiles (k-steps
- * [kb0, kb1)), and a consumer warpgroup's wgmma over them, accumulating in registers.
+ * [kb0, kb1)), and a consumer warpgroup's wgmma over them, accumulating in registers. B is
+ * K-major ([n][k], nn.Linear's [out][in]) or, for a dgrad GEMM, MN-major ([k][n]: the
+ * instruction's B transpose reads it as it lies).
  *
  * Checklist followed (shared/KERNELS.md): 128B-swizzled K-major tiles of 64 bf16, stages
  * 1024-byte aligned, full[s] count 1 with expect_tx, empty[s] one arrive per consumer
@@ -41,7 +43,7 @@ typedef struct ring_pos {
 
 /* The producer's loads of k-steps [kb0, kb1) of tile `tl` into the ring. With a late claim
  * pending (!*claimed), the next ticket is taken LATE_CLAIM_KBLOCKS steps before the end. */
-template <int BN, int STAGES, bool SWIGLU, int TM>
+template <int BN, int STAGES, bool SWIGLU, int TM, bool B_MN>
 static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                     const CUtensorMap *map_a, const CUtensorMap *map_b,
                                                     const CUtensorMap *map_up, tile_t tl, int a_row, int kb0, int kb1,
@@ -56,7 +58,13 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
         mbar_wait(&sm.empty[stage], pos->phase ^ 1, p.err, p.timeout_ns);
         mbar_expect_tx(&sm.full[stage], A_BYTES + B_BYTES);
         tma_load_2d(sm.a + stage * A_BYTES, map_a, kb * COMETI_GEMM_BK, a_row, &sm.full[stage]);
-        if (SWIGLU) {
+        if (B_MN) {
+            /* B MN-major ([groups][k][n]): BN / 64 boxes of 64 k rows x 64 columns, 8 KB apart. */
+#pragma unroll
+            for (int j = 0; j < BN / 64; j++)
+                tma_load_3d(sm.b + stage * B_BYTES + j * 8192, map_b, tl.n * ON + j * 64, kb * COMETI_GEMM_BK, tl.group,
+                            &sm.full[stage]);
+        } else if (SWIGLU) {
             /* Gate rows, then the matching up rows in the second half of the B tile,
              * each from a [groups][n][k] view, so a ragged last tile reads zeros. */
             tma_load_3d(sm.b + stage * B_BYTES, map_b, kb * COMETI_GEMM_BK, tl.n * ON, tl.group, &sm.full[stage]);
@@ -73,7 +81,7 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
  * (`a_off` bytes in) against the whole B tile, into acc. Each stage is released once the
  * MMAs that read it are done, the last one once all are. Ping-pong: the mainloop is handed
  * to the other warpgroup (`hand_over`) as soon as this one's MMAs are issued. */
-template <int BN, int STAGES, int TM, bool PINGPONG>
+template <int BN, int STAGES, int TM, bool PINGPONG, bool B_MN>
 static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                     int a_off, int kb0, int kb1, ring_pos_t *pos, uint64_t *hand_over)
 {
@@ -86,8 +94,16 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
 #pragma unroll
         for (int kk = 0; kk < COMETI_GEMM_BK / 16; kk++) {
             const int accumulate = (kb - kb0) | kk;
-            if (BN == 256) cometi_wgmma_m64n256k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), accumulate);
-            else cometi_wgmma_m64n128k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), accumulate);
+            if (B_MN) { /* k16 is 16 rows of 128 bytes further */
+                if (BN == 256)
+                    cometi_wgmma_m64n256k16_bmn(acc, smem_desc(a + kk * 32), smem_desc_mn(b + kk * 2048, 8192), accumulate);
+                else
+                    cometi_wgmma_m64n128k16_bmn(acc, smem_desc(a + kk * 32), smem_desc_mn(b + kk * 2048, 8192), accumulate);
+            } else if (BN == 256) {
+                cometi_wgmma_m64n256k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), accumulate);
+            } else {
+                cometi_wgmma_m64n128k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), accumulate);
+            }
         }
         wgmma_commit();
         /* The previous step's MMAs are done once at most this one is in flight. */

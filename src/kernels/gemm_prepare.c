@@ -129,6 +129,9 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, int *block_n
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm schedule = %d: must be 0..2", g->schedule);
     if (g->schedule == COMETI_SCHEDULE_PINGPONG && block_n != 256)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ping-pong schedule: built for block_n 256 only");
+    if (g->b_mn_major && (g->swiglu || g->schedule == COMETI_SCHEDULE_PINGPONG || g->n % 64))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm b_mn_major: needs no swiglu, the cooperative "
+                           "schedule and n = %d a multiple of 64 (B's boxes are 64 columns wide)", g->n);
     *block_n_out = block_n;
     *out_n_out = out_n;
     *tma_epilogue_out = g->epilogue == COMETI_EPILOGUE_TMA || (g->epilogue == COMETI_EPILOGUE_AUTO && tma_ok);
@@ -231,6 +234,9 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
                                (uint64_t)b_group_rows * g->k, (uint32_t)out_n, "B gate"));
         COMETI_TRY(make_map_3d(err, &m.up, up, (uint64_t)g->k, (uint64_t)g->n, (uint64_t)g->groups, (uint64_t)g->k,
                                (uint64_t)b_group_rows * g->k, (uint32_t)out_n, "B up"));
+    } else if (g->b_mn_major) { /* [groups][k][n]: boxes of 64 columns x 64 k rows */
+        COMETI_TRY(make_map_3d(err, &m.b, g->b, (uint64_t)g->n, (uint64_t)g->k, (uint64_t)g->groups, (uint64_t)g->n,
+                               (uint64_t)g->k * g->n, COMETI_GEMM_BK, "B (MN-major)"));
     } else {
         COMETI_TRY(make_map(err, &m.b, g->b, (uint64_t)g->k, (uint64_t)g->groups * b_group_rows, (uint32_t)out_n,
                             "B"));
@@ -301,5 +307,6 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     pr->swiglu = g->swiglu != 0;
     pr->pingpong = pingpong;
     pr->tma_epilogue = tma_epilogue;
+    pr->b_mn_major = g->b_mn_major != 0;
     return COMET_SUCCESS;
 }

@@ -249,6 +249,15 @@ static __device__ __forceinline__ uint64_t smem_desc(const void *p)
     return ((addr & 0x3ffff) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
 
+/* The same for an MN-major tile with 128-byte swizzle: rows of 128 bytes (64 elements of
+ * N) along K, 8-row groups 1024 bytes apart (SBO), and each next 64 elements of N in a box
+ * of its own, `box_bytes` further (LBO). */
+static __device__ __forceinline__ uint64_t smem_desc_mn(const void *p, uint32_t box_bytes)
+{
+    uint64_t addr = smem_u32(p);
+    return ((addr & 0x3ffff) >> 4) | ((uint64_t)(box_bytes >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
 static __device__ __forceinline__ void wgmma_fence(void) { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 static __device__ __forceinline__ void wgmma_commit(void) { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N> static __device__ __forceinline__ void wgmma_wait(void)
