@@ -276,3 +276,25 @@ void add_error(const uint16_t *got, const uint16_t *want, const double *ref, siz
         *den += rd;
     }
 }
+
+/* The GPU, and the host-mapped word where a stuck GEMM pipeline reports. */
+int gemm_setup(const cometi_rank_ctx_t *ctx, cometi_async_error_t **host, cometi_async_error_t **dev)
+{
+    CUDA_OK(cudaSetDevice(ctx->local_rank));
+    CUDA_OK(cudaHostAlloc((void **)host, sizeof(**host), cudaHostAllocMapped));
+    memset(*host, 0, sizeof(**host));
+    CUDA_OK(cudaHostGetDevicePointer((void **)dev, *host, 0));
+    return 0;
+}
+
+/* Segments of the given sizes, each starting on a 128-row boundary as the MoE layout
+ * pads them; returns the rows they span. */
+int padded_segments(const int *sizes, int groups, cometi_segment_t *segs)
+{
+    int rows = 0;
+    for (int g = 0; g < groups; g++) {
+        segs[g] = (cometi_segment_t){rows, sizes[g]};
+        rows += (sizes[g] + 127) / 128 * 128;
+    }
+    return rows;
+}

@@ -116,4 +116,12 @@ comet_moe_args_t fused_args(const fixture_t *fx, const moe_case_t *c);
 void add_error(const uint16_t *got, const uint16_t *want, const double *ref, size_t rows, int cols,
                double *num, double *den, double *worst_row);
 
+/* ---- the grouped GEMM's tests ---- */
+
+/* This rank's GPU, and the host-mapped word where a stuck GEMM pipeline reports. */
+int gemm_setup(const cometi_rank_ctx_t *ctx, cometi_async_error_t **host, cometi_async_error_t **dev);
+/* Segments of the given sizes, each starting on a 128-row boundary as the MoE layout pads
+ * them; returns the rows they span. */
+int padded_segments(const int *sizes, int groups, cometi_segment_t *segs);
+
 #endif /* COMET_GPU_UTIL_H */

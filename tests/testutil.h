@@ -90,6 +90,7 @@ uint64_t test_seed(void);
     X(gpu_gemm_epilogues, 120)                  \
     X(gpu_gemm_last_wave_cut, 120)              \
     X(gpu_gemm_b_mn_major, 120)                 \
+    X(gpu_gemm_wgrad, 120)                      \
     X(gpu_symmetric_push_pull_exact, 120)       \
     X(gpu_barrier_and_flags, 120)               \
     X(gpu_barrier_missing_peer_times_out, 120)  \

@@ -253,6 +253,80 @@ static int time_dgrad(const tool_options_t *o, const shape_t *sh, cublasHandle_t
     return !(worst <= 1e-2);
 }
 
+static int run_cublas_wgrad(void *p, cudaStream_t s)
+{
+    run_ctx_t *r = p;
+    const shape_t *sh = r->sh; /* a weight gradient: m_out = sh->k, n = sh->n, K = sh->rows */
+    const float one = 1.0f, zero = 0.0f;
+    (void)s;
+    for (int g = 0; g < sh->groups; g++) { /* row-major C [m][n] = A^T B, A [rows][m], B [rows][n] */
+        const char *a = (const char *)r->a + (size_t)g * sh->rows * sh->k * 2;
+        const char *b = (const char *)r->b + (size_t)g * sh->rows * sh->n * 2;
+        char *c = (char *)r->c + (size_t)g * sh->k * sh->n * 2;
+        if (cublasGemmEx(r->cublas, CUBLAS_OP_N, CUBLAS_OP_T, sh->n, sh->k, sh->rows, &one, b, CUDA_R_16BF, sh->n, a,
+                         CUDA_R_16BF, sh->k, &zero, c, CUDA_R_16BF, sh->n, CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+            snprintf(r->err, sizeof(r->err), "cublasGemmEx (wgrad) failed");
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* A weight gradient of shape `sh` (m_out = sh->k rows of C per expert, n columns, K = the
+ * expert's sh->rows rows): ours at both tile widths against cuBLAS per expert. */
+static int time_wgrad(const tool_options_t *o, const shape_t *sh, cublasHandle_t cublas,
+                      cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int si)
+{
+    const size_t rows = (size_t)sh->groups * sh->rows, na = rows * sh->k, nb = rows * sh->n,
+                 nc = (size_t)sh->groups * sh->k * sh->n;
+    void *a, *b, *c_ref, *c;
+    cometi_segment_t *segs, *host = malloc(sizeof(cometi_segment_t) * sh->groups);
+    FAIL_IF(!host, "out of host memory");
+    for (int g = 0; g < sh->groups; g++) host[g] = (cometi_segment_t){g * sh->rows, sh->rows};
+    CUDA_OK(cudaMalloc(&a, na * 2));
+    CUDA_OK(cudaMalloc(&b, nb * 2));
+    CUDA_OK(cudaMalloc(&c_ref, nc * 2));
+    CUDA_OK(cudaMalloc(&c, nc * 2));
+    CUDA_OK(cudaMalloc((void **)&segs, sizeof(cometi_segment_t) * sh->groups));
+    CUDA_OK(cudaMemcpy(segs, host, sizeof(cometi_segment_t) * sh->groups, cudaMemcpyHostToDevice));
+    free(host);
+    CUDA_OK(cometi_fill_hash_bf16(a, na, o->seed + 2 * si, 0, 1.0f, 0));
+    CUDA_OK(cometi_fill_hash_bf16(b, nb, o->seed + 2 * si + 1, 0, (float)(1.0 / sqrt(sh->rows)), 0));
+    run_ctx_t r;
+    memset(&r, 0, sizeof(r));
+    r.cublas = cublas, r.sh = sh, r.a = a, r.b = b, r.c = c_ref;
+    int failed = 0;
+    const float t_cublas = time_ms(run_cublas_wgrad, &r, 3, o->iters, &failed, NULL, NULL);
+    FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
+    uint16_t *ref = malloc(nc * 2), *got = malloc(nc * 2);
+    CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
+    float t[2];
+    double worst = 0;
+    for (int v = 0; v < 2; v++) {
+        r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .wgrad = 1, .m_out = sh->k, .c = c,
+                              .ldc = sh->n, .segs = segs, .groups = sh->groups, .n = sh->n,
+                              .block_n = v ? 128 : cometi_gemm_tile_n(sh->n), .err = err_dev};
+        CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
+        FAIL_IF(run_ours(&r, 0), "%s: ours: %s", sh->name, r.err);
+        CUDA_OK(cudaDeviceSynchronize());
+        FAIL_IF(err_host->status, "%s: ours: the GEMM pipeline stalled", sh->name);
+        CUDA_OK(cudaMemcpy(got, c, nc * 2, cudaMemcpyDeviceToHost));
+        const double d = rel_diff(got, ref, nc);
+        if (!(d <= worst)) worst = d;
+        t[v] = time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+        FAIL_IF(failed, "%s: ours: %s", sh->name, r.err);
+    }
+    const double flop = 2.0 * rows * sh->n * sh->k;
+    const float best = t[0] < t[1] ? t[0] : t[1];
+    printf("%-24s %6d %6d %6d %6d %9.0f %9.0f %9s %9.0f %8.3f %9.1e%s\n", sh->name, sh->groups, sh->rows, sh->k, sh->n,
+           flop / (t_cublas * 1e-3) / 1e12, flop / (t[0] * 1e-3) / 1e12, "", flop / (t[1] * 1e-3) / 1e12,
+           t_cublas / best, worst, worst > 1e-2 ? " WRONG" : "");
+    free(ref), free(got);
+    cudaFree(a), cudaFree(b), cudaFree(c_ref), cudaFree(c), cudaFree(segs);
+    return !(worst <= 1e-2);
+}
+
 int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const tool_options_t *o = arg;
@@ -389,6 +463,19 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         snprintf(dg[0].name, 48, "%s dgrad W2", o->presets[i]);
         snprintf(dg[1].name, 48, "%s dgrad W13", o->presets[i]);
         for (int d = 0; d < 2; d++) bad |= time_dgrad(o, &dg[d], cublas, err_host, err_dev, 100 + 2 * i + d, tail_ws);
+    }
+    printf("\nThe backward's weight gradients: groups along K (each expert's rows), both operands MN-major\n"
+           "(dW2 = dy^T act: m = H, n = F; dW13 = dh^T x: m = 2F, n = H), ours against cuBLAS per expert\n");
+    printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "m", "n", "cuBLAS",
+           "coop-256", "", "coop-128", "best/cuB", "diff");
+    for (int i = 0; i < o->npresets; i++) {
+        comet_moe_config_t cfg;
+        comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
+        const int per = cfg.num_experts / 2, rows = (int)((int64_t)o->tokens * cfg.top_k * 2 / cfg.num_experts);
+        shape_t wg[2] = {{"", per, rows, cfg.ffn, cfg.hidden, 0}, {"", per, rows, cfg.hidden, 2 * cfg.ffn, 0}};
+        snprintf(wg[0].name, 48, "%s dW2", o->presets[i]);
+        snprintf(wg[1].name, 48, "%s dW13", o->presets[i]);
+        for (int d = 0; d < 2; d++) bad |= time_wgrad(o, &wg[d], cublas, err_host, err_dev, 200 + 2 * i + d);
     }
     cublasDestroy(cublas);
     cudaFree(sched), cudaFree(split_done), cudaFree(tail_ws);

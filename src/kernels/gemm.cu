@@ -32,7 +32,7 @@
 #define THREADS 384
 #define TICKETS 4 /* tiles the producer may announce ahead of the consumers (dynamic schedule) */
 
-template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG, bool B_MN>
+template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG, bool B_MN, bool WGRAD>
 static __global__ void __launch_bounds__(THREADS, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const __grid_constant__ CUtensorMap map_up, const __grid_constant__ CUtensorMap map_c,
@@ -88,7 +88,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     const int block = blockIdx.x - dispatch_blocks; /* among the GEMM blocks (static schedule) */
 
     /* ---- the schedule and the ring ---- */
-    const int total = build_tile_table(sm.first_tile, p.segs, p.local_rows, p.groups, TM, split_tiles);
+    const int total = build_tile_table(sm.first_tile, p.segs, p.local_rows, p.groups, TM, split_tiles,
+                                       WGRAD ? p.m_out / TM : 0);
     if (threadIdx.x == 0) {
         /* Blocks that take tiles: every non-combine block on the shared counter (dispatch
          * blocks join once done), the GEMM blocks on the static split. */
@@ -145,7 +146,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             if (rec) rec[0] = (unsigned long long)t, rec[1] = rec[2] = cometi_globaltimer_ns();
             const unit_t un = decode_unit(t, tail, k_blocks);
             tile_t tl = split_tile(un.tile, per_split, sm.first_tile, p.groups, split_tiles, p.group_m);
-            const int a_row = p.segs[tl.group].start + tl.m * TM;
+            /* A weight gradient's k is its group's rows, from the segment's first. */
+            const int a_row = WGRAD ? p.segs[tl.group].start : p.segs[tl.group].start + tl.m * TM;
+            const int kb1 = WGRAD ? (p.segs[tl.group].rows + COMETI_GEMM_BK - 1) / COMETI_GEMM_BK : un.kb1;
             if (p.arrive) {
                 /* Every row of this 128-row block has arrived (from any rank); the rows were
                  * written by ordinary stores, so order them before the TMA's async reads. */
@@ -155,8 +158,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 asm volatile("fence.proxy.async.global;" ::: "memory");
                 if (rec) rec[2] = cometi_globaltimer_ns();
             }
-            produce_unit<BN, STAGES, SWIGLU, TM, B_MN>(p, sm, &map_a, &map_b, &map_up, tl, a_row, un.kb0, un.kb1, &pos,
-                                                 &claimed, &next);
+            produce_unit<BN, STAGES, SWIGLU, TM, B_MN, WGRAD>(p, sm, &map_a, &map_b, &map_up, tl, a_row, un.kb0, kb1,
+                                                        &pos, &claimed, &next);
             t = p.sched ? next : t + p.gemm_blocks;
             if (trace) trace[2] = (unsigned long long)ordinal + 1;
         }
@@ -218,13 +221,17 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         const unit_t un = decode_unit(t, tail, k_blocks);
         tile_t tl = split_tile(un.tile, per_split, sm.first_tile, p.groups, split_tiles, p.group_m);
         const int part = tl.m * TM + (PINGPONG ? 0 : half * 64); /* first row of this warpgroup's part */
+        cometi_segment_t seg = p.segs[tl.group];
+        const int kb1 = WGRAD ? (seg.rows + COMETI_GEMM_BK - 1) / COMETI_GEMM_BK : un.kb1;
+        if (WGRAD) seg.start = tl.group * p.m_out, seg.rows = p.m_out; /* the group's rows of C */
         push_rows_t push;
         push.first = make_int2(-1, 0), push.last = push.first, push.row[0] = push.row[1] = push.first;
         if (TMA_EPILOGUE && p.push_dest) push = load_push_rows(p, tl, part, warp * 16 + lane / 4);
-        consume_unit<BN, STAGES, TM, PINGPONG, B_MN>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, un.kb1, &pos,
-                                               &sm.turn[half ^ 1]);
+        consume_unit<BN, STAGES, TM, PINGPONG, B_MN, WGRAD>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1,
+                                                             &pos, &sm.turn[half ^ 1]);
         if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN>(acc, p, tail, t, k_blocks)) continue;
-        store_tile<BN, TMA_EPILOGUE, SWIGLU, TM>(acc, p, &map_c, sm.c, tl, part, half, split_tiles, push, &st);
+        store_tile<BN, TMA_EPILOGUE, SWIGLU, TM, WGRAD>(acc, p, &map_c, sm.c, tl, seg, part, half, split_tiles, push,
+                                                       &st, kb1 <= un.kb0);
     }
     if (recorder) trace[3] = cometi_globaltimer_ns();
     finish_stores<TMA_EPILOGUE>(p, half, &st);
@@ -240,7 +247,7 @@ template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> sta
            sizeof(cometi_tail_plan_t);
 }
 
-template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG, bool B_MN = false>
+template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG, bool B_MN = false, bool WGRAD = false>
 static comet_status_t launch(char *err, const cometi_gemm_maps_t *m, const cometi_gemm_args_t *args, int blocks,
                              cudaStream_t stream)
 {
@@ -250,7 +257,7 @@ static comet_status_t launch(char *err, const cometi_gemm_maps_t *m, const comet
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
     size_t smem = smem_bytes<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG>();
     if (dev >= 64 || !(configured >> dev & 1)) {
-        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG, B_MN>,
+        COMETI_TRY(cometi_cuda(err, cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG, B_MN, WGRAD>,
                                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem),
                                "cudaFuncSetAttribute(grouped GEMM shared memory)"));
         if (dev < 64) configured |= 1ull << dev;
@@ -258,7 +265,7 @@ static comet_status_t launch(char *err, const cometi_gemm_maps_t *m, const comet
     cudaLaunchAttribute pdl[1];
     const cudaLaunchConfig_t cfg = cometi_pdl_config(blocks, THREADS, smem, stream, pdl);
     return cometi_cuda(err,
-                       cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG, B_MN>, m->a,
+                       cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG, B_MN, WGRAD>, m->a,
                                           m->b, m->up, m->c, *args),
                        "launch grouped_gemm_kernel");
 }
@@ -281,6 +288,13 @@ extern "C" comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepar
     if (pr->swiglu)
         return pr->tma_epilogue ? launch<256, 3, true, true, false>(err, m, args, blocks, stream)
                                 : launch<256, 4, false, true, false>(err, m, args, blocks, stream);
+    if (pr->wgrad) {
+        if (pr->block_n == 256)
+            return pr->tma_epilogue ? launch<256, 3, true, false, false, true, true>(err, m, args, blocks, stream)
+                                    : launch<256, 4, false, false, false, true, true>(err, m, args, blocks, stream);
+        return pr->tma_epilogue ? launch<128, 4, true, false, false, true, true>(err, m, args, blocks, stream)
+                                : launch<128, 4, false, false, false, true, true>(err, m, args, blocks, stream);
+    }
     if (pr->b_mn_major) {
         if (pr->block_n == 256)
             return pr->tma_epilogue ? launch<256, 3, true, false, false, true>(err, m, args, blocks, stream)

@@ -108,6 +108,14 @@ typedef struct cometi_gemm {
     int b_mn_major;                /* B is [groups][k][n] (n contiguous), as a dgrad GEMM reads a weight
                                     * kept [in][out]: C = A B_g. Not with swiglu; n a multiple of 64;
                                     * the cooperative schedule */
+    int wgrad;                     /* a weight gradient, groups along K: C_g [m_out][n] = A_g^T B_g, with
+                                    * A_g and B_g group g's rows of A [a_rows][m_out] and B [a_rows][n]
+                                    * (both MN-major: K runs down their rows); C is [groups][m_out][n]
+                                    * (ldc = n). The rows of a segment are summed up to the next 64, so
+                                    * padding rows there must be zero in A and B (finite in both). A
+                                    * group with no rows writes zeros. k is unused; no roles, SwiGLU,
+                                    * scale, row index or last-wave cut; the cooperative schedule */
+    int m_out;                     /* wgrad: C's rows per group, a multiple of 128 */
     void *c;                       /* [a_rows][ldc] bf16; only the groups' rows are written */
     int ldc;                       /* elements, even */
     const cometi_segment_t *segs;  /* [groups], device memory */

@@ -22,6 +22,7 @@ extern "C" {
 typedef struct cometi_gemm_args {
     const cometi_segment_t *segs;
     int groups, n, k, ldc, group_m;
+    int m_out;                        /* wgrad: C's rows per group (0: not a weight gradient) */
     int b_group_rows;                 /* B rows per group (without SwiGLU) */
     const float *row_scale;
     const int32_t *row_index;
@@ -53,7 +54,7 @@ typedef struct cometi_gemm_maps {
 typedef struct cometi_gemm_plan {
     cometi_gemm_maps_t maps;
     cometi_gemm_args_t args;
-    int blocks, block_n, swiglu, pingpong, tma_epilogue, b_mn_major;
+    int blocks, block_n, swiglu, pingpong, tma_epilogue, b_mn_major, wgrad;
 } cometi_gemm_plan_t;
 
 #ifdef __cplusplus

@@ -112,17 +112,17 @@ static __device__ __forceinline__ bool exchange_cut_partials(float *acc, const c
 /* The tile's rows out. Fragment (j, q) of this thread is row warp*16 + lane/4 (+8 for
  * q >= 2), column j*8 + (lane%4)*2 (+1 for odd q) of this warpgroup's 64 x BN part `part`
  * (its first row in the group). OUT(j, h, e) is output column j*8 + (lane%4)*2 + e of row
- * r_lo + 8h, after SwiGLU and scaling. `sc`: this block's staging; `split_tiles`: column
- * tiles per split. */
-template <int BN, bool TMA_EPILOGUE, bool SWIGLU, int TM>
+ * r_lo + 8h, after SwiGLU and scaling. `seg`: the rows of C this tile's group owns (A's
+ * segment; a weight gradient's, its m_out rows); `sc`: this block's staging;
+ * `split_tiles`: column tiles per split; `empty` (with MAY_BE_EMPTY): the tile had no k. */
+template <int BN, bool TMA_EPILOGUE, bool SWIGLU, int TM, bool MAY_BE_EMPTY>
 static __device__ __forceinline__ void store_tile(const float *acc, const cometi_gemm_args_t &p,
-                                                  const CUtensorMap *map_c, unsigned char *sc, tile_t tl, int part,
-                                                  int half, int split_tiles, const push_rows_t &push,
-                                                  epilogue_state_t *st)
+                                                  const CUtensorMap *map_c, unsigned char *sc, tile_t tl,
+                                                  cometi_segment_t seg, int part, int half, int split_tiles,
+                                                  const push_rows_t &push, epilogue_state_t *st, bool empty)
 {
     const int ON = SWIGLU ? BN / 2 : BN;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    const cometi_segment_t seg = p.segs[tl.group];
     const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
     const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
     float scale[2] = {1.0f, 1.0f};
@@ -130,9 +130,13 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         if (lo_ok) scale[0] = p.row_scale[seg.start + row0];
         if (hi_ok) scale[1] = p.row_scale[seg.start + row0 + 8];
     }
+    /* A tile with no k (a weight gradient's group without rows) had no MMA: its sum is 0,
+     * whatever the registers hold (zeroing them before the MMAs would serialize them). */
+    const bool zero = MAY_BE_EMPTY && empty;
 #define OUT(j, h, e)                                                                                           \
-    (SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)]             \
-            : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
+    (zero ? 0.0f                                                                                               \
+          : SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)] \
+                   : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
     /* The push: the tile's rows go straight to their token owners' slots (gemm.h), over
      * NVLink for other ranks. If this warpgroup's 64 rows all go to consecutive slots of
      * one owner (one chunk: one owner at both ends of a full part, since a segment holds

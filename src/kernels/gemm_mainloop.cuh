@@ -42,8 +42,9 @@ typedef struct ring_pos {
 #define LATE_CLAIM_KBLOCKS 8
 
 /* The producer's loads of k-steps [kb0, kb1) of tile `tl` into the ring. With a late claim
- * pending (!*claimed), the next ticket is taken LATE_CLAIM_KBLOCKS steps before the end. */
-template <int BN, int STAGES, bool SWIGLU, int TM, bool B_MN>
+ * pending (!*claimed), the next ticket is taken LATE_CLAIM_KBLOCKS steps before the end.
+ * a_row: A's first row (a weight gradient: the group's first row, where its k starts). */
+template <int BN, int STAGES, bool SWIGLU, int TM, bool B_MN, bool WGRAD>
 static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                     const CUtensorMap *map_a, const CUtensorMap *map_b,
                                                     const CUtensorMap *map_up, tile_t tl, int a_row, int kb0, int kb1,
@@ -57,6 +58,19 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
         const int stage = pos->stage;
         mbar_wait(&sm.empty[stage], pos->phase ^ 1, p.err, p.timeout_ns);
         mbar_expect_tx(&sm.full[stage], A_BYTES + B_BYTES);
+        if (WGRAD) {
+            /* A [rows][m] and B [rows][n], K down the rows: boxes of 64 columns x 64 rows, 8 KB
+             * apart (A: TM / 64 of them, one per consumer warpgroup; B: BN / 64). */
+            const int k_row = a_row + kb * COMETI_GEMM_BK;
+#pragma unroll
+            for (int j = 0; j < TM / 64; j++)
+                tma_load_2d(sm.a + stage * A_BYTES + j * 8192, map_a, tl.m * TM + j * 64, k_row, &sm.full[stage]);
+#pragma unroll
+            for (int j = 0; j < BN / 64; j++)
+                tma_load_2d(sm.b + stage * B_BYTES + j * 8192, map_b, tl.n * ON + j * 64, k_row, &sm.full[stage]);
+            if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+            continue;
+        }
         tma_load_2d(sm.a + stage * A_BYTES, map_a, kb * COMETI_GEMM_BK, a_row, &sm.full[stage]);
         if (B_MN) {
             /* B MN-major ([groups][k][n]): BN / 64 boxes of 64 k rows x 64 columns, 8 KB apart. */
@@ -81,7 +95,7 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
  * (`a_off` bytes in) against the whole B tile, into acc. Each stage is released once the
  * MMAs that read it are done, the last one once all are. Ping-pong: the mainloop is handed
  * to the other warpgroup (`hand_over`) as soon as this one's MMAs are issued. */
-template <int BN, int STAGES, int TM, bool PINGPONG, bool B_MN>
+template <int BN, int STAGES, int TM, bool PINGPONG, bool B_MN, bool WGRAD>
 static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                     int a_off, int kb0, int kb1, ring_pos_t *pos, uint64_t *hand_over)
 {
@@ -94,7 +108,14 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
 #pragma unroll
         for (int kk = 0; kk < COMETI_GEMM_BK / 16; kk++) {
             const int accumulate = (kb - kb0) | kk;
-            if (B_MN) { /* k16 is 16 rows of 128 bytes further */
+            if (WGRAD) { /* both MN-major: k16 is 16 rows of 128 bytes further in each */
+                if (BN == 256)
+                    cometi_wgmma_m64n256k16_amn_bmn(acc, smem_desc_mn(a + kk * 2048, 8192),
+                                                    smem_desc_mn(b + kk * 2048, 8192), accumulate);
+                else
+                    cometi_wgmma_m64n128k16_amn_bmn(acc, smem_desc_mn(a + kk * 2048, 8192),
+                                                    smem_desc_mn(b + kk * 2048, 8192), accumulate);
+            } else if (B_MN) { /* k16 is 16 rows of 128 bytes further */
                 if (BN == 256)
                     cometi_wgmma_m64n256k16_bmn(acc, smem_desc(a + kk * 32), smem_desc_mn(b + kk * 2048, 8192), accumulate);
                 else

@@ -100,7 +100,13 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, int *block_n
     const int n_unit = g->swiglu ? 64 : out_n;
     if (g->n <= 0 || g->n % n_unit)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n = %d: must be a positive multiple of %d", g->n, n_unit);
-    if (g->k <= 0 || g->k % COMETI_GEMM_BK)
+    if (g->wgrad && (g->m_out <= 0 || g->m_out % COMETI_GEMM_BM || g->swiglu || g->b_up || g->row_scale ||
+                     g->row_index || g->schedule == COMETI_SCHEDULE_PINGPONG || g->dispatch || g->splits || g->push ||
+                     g->ldc != g->n))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm wgrad: m_out = %d must be a positive multiple of %d, "
+                           "ldc = %d equal to n = %d, and no SwiGLU, scale, row index, ping-pong or role",
+                           g->m_out, COMETI_GEMM_BM, g->ldc, g->n);
+    if (!g->wgrad && (g->k <= 0 || g->k % COMETI_GEMM_BK))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm k = %d: must be a positive multiple of %d", g->k,
                            COMETI_GEMM_BK);
     if (g->groups < 1 || g->groups > COMETI_GEMM_MAX_GROUPS)
@@ -227,8 +233,14 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     const int b_group_rows = fused_up ? 2 * g->n : g->n;
     cometi_gemm_maps_t m;
     memset(&m, 0, sizeof(m));
-    COMETI_TRY(make_map(err, &m.a, g->a, (uint64_t)g->k, (uint64_t)g->a_rows, pingpong ? 64 : COMETI_GEMM_BM, "A"));
-    if (g->swiglu) { /* [groups][n][k] views of the gate rows and of the up rows */
+    if (g->wgrad) /* A [a_rows][m_out]: boxes of 64 rows of m x 64 k rows */
+        COMETI_TRY(make_map(err, &m.a, g->a, (uint64_t)g->m_out, (uint64_t)g->a_rows, COMETI_GEMM_BK, "A (wgrad)"));
+    else
+        COMETI_TRY(make_map(err, &m.a, g->a, (uint64_t)g->k, (uint64_t)g->a_rows, pingpong ? 64 : COMETI_GEMM_BM,
+                            "A"));
+    if (g->wgrad) { /* B [a_rows][n]: boxes of 64 columns x 64 k rows */
+        COMETI_TRY(make_map(err, &m.b, g->b, (uint64_t)g->n, (uint64_t)g->a_rows, COMETI_GEMM_BK, "B (wgrad)"));
+    } else if (g->swiglu) { /* [groups][n][k] views of the gate rows and of the up rows */
         const void *up = g->b_up ? g->b_up : (const char *)g->b + (size_t)g->n * g->k * 2;
         COMETI_TRY(make_map_3d(err, &m.b, g->b, (uint64_t)g->k, (uint64_t)g->n, (uint64_t)g->groups, (uint64_t)g->k,
                                (uint64_t)b_group_rows * g->k, (uint32_t)out_n, "B gate"));
@@ -242,15 +254,17 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
                             "B"));
     }
     /* C's columns end at n (a ragged last tile stores nothing past it), rows ldc apart. */
+    const uint64_t c_rows = g->wgrad ? (uint64_t)g->groups * g->m_out : (uint64_t)g->a_rows;
     if (tma_epilogue)
-        COMETI_TRY(make_map_3d(err, &m.c, g->c, (uint64_t)g->n, (uint64_t)g->a_rows, 1, (uint64_t)g->ldc, 0, 64, "C"));
+        COMETI_TRY(make_map_3d(err, &m.c, g->c, (uint64_t)g->n, c_rows, 1, (uint64_t)g->ldc, 0, 64, "C"));
     cometi_gemm_args_t args;
     memset(&args, 0, sizeof(args));
     args.segs = g->segs;
     args.groups = g->groups;
     args.n = g->n;
-    args.k = g->k;
+    args.k = g->wgrad ? COMETI_GEMM_BK : g->k; /* wgrad: each group's own rows set its k */
     args.ldc = g->ldc;
+    args.m_out = g->wgrad ? g->m_out : 0;
     args.group_m = g->group_m ? g->group_m : 8;
     args.b_group_rows = b_group_rows;
     args.row_scale = g->row_scale;
@@ -263,7 +277,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
     args.timeout_ns = 2 * args.arrival_timeout_ns;
     args.tile_trace = g->tile_trace;
-    args.tail_ws = (unsigned long long *)g->tail_ws;
+    args.tail_ws = g->wgrad ? NULL : (unsigned long long *)g->tail_ws;
     if (g->dispatch) {
         args.arrive = g->dispatch->arrive;
         args.expected = g->dispatch->expected;
@@ -308,5 +322,6 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     pr->pingpong = pingpong;
     pr->tma_epilogue = tma_epilogue;
     pr->b_mn_major = g->b_mn_major != 0;
+    pr->wgrad = g->wgrad != 0;
     return COMET_SUCCESS;
 }

@@ -86,12 +86,15 @@ static __device__ __forceinline__ tile_t split_tile(int t, int per_split, const 
 /* The tile table (see decode_tile), by the whole block: each group's tile counts loaded by
  * a thread each (thread 0 walking the groups' global sizes one after another took a few us
  * before the first tile), then summed in shared memory by thread 0, which returns the
- * total; the caller's barrier publishes the table. */
+ * total; the caller's barrier publishes the table. fixed_mt > 0: every group has that
+ * many row tiles (a weight gradient's output rows). */
 static __device__ __forceinline__ int build_tile_table(int *first_tile, const cometi_segment_t *segs,
-                                                       const int32_t *local_rows, int groups, int tm, int split_tiles)
+                                                       const int32_t *local_rows, int groups, int tm, int split_tiles,
+                                                       int fixed_mt)
 {
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-        const int mt = (segs[g].rows + tm - 1) / tm;
+        /* Row tiles: the group's rows, or (a weight gradient's output) the same for all. */
+        const int mt = fixed_mt ? fixed_mt : (segs[g].rows + tm - 1) / tm;
         const int local = local_rows ? min(mt, local_rows[g] / tm) : 0;
         first_tile[g + 1] = local * split_tiles;
         first_tile[groups + g + 1] = (mt - local) * split_tiles;
