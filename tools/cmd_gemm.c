@@ -24,6 +24,8 @@ typedef struct shape {
     char name[48];
     int groups, rows, n, k; /* rows per group */
     int b_mn;               /* B_g stored [k][n] (a dgrad GEMM's weight), else [n][k] */
+    int wgrad;              /* a weight gradient: C_g [k][n] = A_g^T B_g over the group's `rows`
+                             * rows of A [rows][k] and B [rows][n] (k plays m_out) */
 } shape_t;
 
 static int cmp_float(const void *a, const void *b)
@@ -73,7 +75,16 @@ static int run_cublas(void *p, cudaStream_t s)
         const char *a = (const char *)r->a + (size_t)g * sh->rows * sh->k * 2;
         const char *b = (const char *)r->b + (size_t)g * sh->n * sh->k * 2;
         char *c = (char *)r->c + (size_t)g * sh->rows * sh->n * 2;
-        if (sh->b_mn) { /* row-major C = A B, B [k][n]: cuBLAS's "NN" */
+        if (sh->wgrad) { /* row-major C_g [k][n] = A_g^T B_g, A_g [rows][k], B_g [rows][n] */
+            if (cublasGemmEx(r->cublas, CUBLAS_OP_N, CUBLAS_OP_T, sh->n, sh->k, sh->rows, &one,
+                             (const char *)r->b + (size_t)g * sh->rows * sh->n * 2, CUDA_R_16BF, sh->n,
+                             (const char *)r->a + (size_t)g * sh->rows * sh->k * 2, CUDA_R_16BF, sh->k, &zero,
+                             (char *)r->c + (size_t)g * sh->k * sh->n * 2, CUDA_R_16BF, sh->n, CUBLAS_COMPUTE_32F,
+                             CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+                snprintf(r->err, sizeof(r->err), "cublasGemmEx (wgrad) failed");
+                return 1;
+            }
+        } else if (sh->b_mn) { /* row-major C = A B, B [k][n]: cuBLAS's "NN" */
             if (cublasGemmEx(r->cublas, CUBLAS_OP_N, CUBLAS_OP_N, sh->n, sh->rows, sh->k, &one, b, CUDA_R_16BF, sh->n,
                              a, CUDA_R_16BF, sh->k, &zero, c, CUDA_R_16BF, sh->n, CUBLAS_COMPUTE_32F,
                              CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
@@ -116,7 +127,9 @@ static float time_ms(runner_t fn, void *ctx, int warmup, int iters, int *failed,
 static int make_operands(const tool_options_t *o, const shape_t *sh, int si, void **a, void **b,
                          cometi_segment_t **segs)
 {
-    const size_t na = (size_t)sh->groups * sh->rows * sh->k, nb = (size_t)sh->groups * sh->n * sh->k;
+    /* B: [groups][n][k] (or [k][n]); a weight gradient's [groups x rows][n]. */
+    const size_t na = (size_t)sh->groups * sh->rows * sh->k,
+                 nb = (size_t)sh->groups * sh->n * (sh->wgrad ? sh->rows : sh->k);
     cometi_segment_t *host = malloc(sizeof(cometi_segment_t) * sh->groups);
     FAIL_IF(!host, "out of host memory");
     for (int g = 0; g < sh->groups; g++) host[g] = (cometi_segment_t){g * sh->rows, sh->rows};
@@ -126,7 +139,8 @@ static int make_operands(const tool_options_t *o, const shape_t *sh, int si, voi
     CUDA_OK(cudaMemcpy(*segs, host, sizeof(cometi_segment_t) * sh->groups, cudaMemcpyHostToDevice));
     free(host);
     CUDA_OK(cometi_fill_hash_bf16(*a, na, o->seed + 2 * si, 0, 1.0f, 0));
-    CUDA_OK(cometi_fill_hash_bf16(*b, nb, o->seed + 2 * si + 1, 0, (float)(1.0 / sqrt(sh->k)), 0));
+    CUDA_OK(cometi_fill_hash_bf16(*b, nb, o->seed + 2 * si + 1, 0, (float)(1.0 / sqrt(sh->wgrad ? sh->rows : sh->k)),
+                                  0));
     return 0;
 }
 
@@ -206,13 +220,13 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
     return d > 1e-2;
 }
 
-/* A dgrad GEMM (B MN-major) of shape `sh`: ours, cooperative at both tile widths (256
- * where it divides n, else 128 twice), against cuBLAS's NN GEMM per expert, checked on
- * poisoned C before it is timed. */
-static int time_dgrad(const tool_options_t *o, const shape_t *sh, cublasHandle_t cublas,
-                      cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int si, void *tail_ws)
+/* One of the backward's GEMMs of shape `sh`: a dgrad GEMM (B MN-major) or a weight
+ * gradient (sh->wgrad). Ours, cooperative at both tile widths (256 where it divides n,
+ * else 128 twice), against cuBLAS per expert, checked on poisoned C before it is timed. */
+static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublasHandle_t cublas,
+                              cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int si, void *tail_ws)
 {
-    const size_t rows = (size_t)sh->groups * sh->rows, nc = rows * sh->n;
+    const size_t rows = (size_t)sh->groups * sh->rows, nc = sh->wgrad ? (size_t)sh->groups * sh->k * sh->n : rows * sh->n;
     void *a, *b, *c_ref, *c;
     cometi_segment_t *segs;
     if (make_operands(o, sh, si, &a, &b, &segs)) return 1;
@@ -229,10 +243,11 @@ static int time_dgrad(const tool_options_t *o, const shape_t *sh, cublasHandle_t
     float t[2];
     double worst = 0;
     for (int v = 0; v < 2; v++) {
-        r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .b_mn_major = 1, .c = c, .ldc = sh->n,
-                              .segs = segs, .groups = sh->groups, .n = sh->n, .k = sh->k,
+        r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .b_mn_major = !sh->wgrad, .wgrad = sh->wgrad,
+                              .m_out = sh->wgrad ? sh->k : 0, .c = c, .ldc = sh->n, .segs = segs,
+                              .groups = sh->groups, .n = sh->n, .k = sh->wgrad ? 0 : sh->k,
                               .block_n = v ? 128 : cometi_gemm_tile_n(sh->n), /* 256 where it divides n */
-                              .err = err_dev, .tail_ws = tail_ws};
+                              .err = err_dev, .tail_ws = sh->wgrad ? NULL : tail_ws};
         CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
         FAIL_IF(run_ours(&r, 0), "%s: ours: %s", sh->name, r.err);
         CUDA_OK(cudaDeviceSynchronize());
@@ -245,82 +260,8 @@ static int time_dgrad(const tool_options_t *o, const shape_t *sh, cublasHandle_t
     }
     const double flop = 2.0 * rows * sh->n * sh->k;
     const float best = t[0] < t[1] ? t[0] : t[1];
-    printf("%-24s %6d %6d %6d %6d %9.0f %9.0f %9s %9.0f %8.3f %9.1e%s\n", sh->name, sh->groups, sh->rows, sh->n, sh->k,
-           flop / (t_cublas * 1e-3) / 1e12, flop / (t[0] * 1e-3) / 1e12, "", flop / (t[1] * 1e-3) / 1e12,
-           t_cublas / best, worst, worst > 1e-2 ? " WRONG" : "");
-    free(ref), free(got);
-    cudaFree(a), cudaFree(b), cudaFree(c_ref), cudaFree(c), cudaFree(segs);
-    return !(worst <= 1e-2);
-}
-
-static int run_cublas_wgrad(void *p, cudaStream_t s)
-{
-    run_ctx_t *r = p;
-    const shape_t *sh = r->sh; /* a weight gradient: m_out = sh->k, n = sh->n, K = sh->rows */
-    const float one = 1.0f, zero = 0.0f;
-    (void)s;
-    for (int g = 0; g < sh->groups; g++) { /* row-major C [m][n] = A^T B, A [rows][m], B [rows][n] */
-        const char *a = (const char *)r->a + (size_t)g * sh->rows * sh->k * 2;
-        const char *b = (const char *)r->b + (size_t)g * sh->rows * sh->n * 2;
-        char *c = (char *)r->c + (size_t)g * sh->k * sh->n * 2;
-        if (cublasGemmEx(r->cublas, CUBLAS_OP_N, CUBLAS_OP_T, sh->n, sh->k, sh->rows, &one, b, CUDA_R_16BF, sh->n, a,
-                         CUDA_R_16BF, sh->k, &zero, c, CUDA_R_16BF, sh->n, CUBLAS_COMPUTE_32F,
-                         CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
-            snprintf(r->err, sizeof(r->err), "cublasGemmEx (wgrad) failed");
-            return 1;
-        }
-    }
-    return 0;
-}
-
-/* A weight gradient of shape `sh` (m_out = sh->k rows of C per expert, n columns, K = the
- * expert's sh->rows rows): ours at both tile widths against cuBLAS per expert. */
-static int time_wgrad(const tool_options_t *o, const shape_t *sh, cublasHandle_t cublas,
-                      cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int si)
-{
-    const size_t rows = (size_t)sh->groups * sh->rows, na = rows * sh->k, nb = rows * sh->n,
-                 nc = (size_t)sh->groups * sh->k * sh->n;
-    void *a, *b, *c_ref, *c;
-    cometi_segment_t *segs, *host = malloc(sizeof(cometi_segment_t) * sh->groups);
-    FAIL_IF(!host, "out of host memory");
-    for (int g = 0; g < sh->groups; g++) host[g] = (cometi_segment_t){g * sh->rows, sh->rows};
-    CUDA_OK(cudaMalloc(&a, na * 2));
-    CUDA_OK(cudaMalloc(&b, nb * 2));
-    CUDA_OK(cudaMalloc(&c_ref, nc * 2));
-    CUDA_OK(cudaMalloc(&c, nc * 2));
-    CUDA_OK(cudaMalloc((void **)&segs, sizeof(cometi_segment_t) * sh->groups));
-    CUDA_OK(cudaMemcpy(segs, host, sizeof(cometi_segment_t) * sh->groups, cudaMemcpyHostToDevice));
-    free(host);
-    CUDA_OK(cometi_fill_hash_bf16(a, na, o->seed + 2 * si, 0, 1.0f, 0));
-    CUDA_OK(cometi_fill_hash_bf16(b, nb, o->seed + 2 * si + 1, 0, (float)(1.0 / sqrt(sh->rows)), 0));
-    run_ctx_t r;
-    memset(&r, 0, sizeof(r));
-    r.cublas = cublas, r.sh = sh, r.a = a, r.b = b, r.c = c_ref;
-    int failed = 0;
-    const float t_cublas = time_ms(run_cublas_wgrad, &r, 3, o->iters, &failed, NULL, NULL);
-    FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
-    uint16_t *ref = malloc(nc * 2), *got = malloc(nc * 2);
-    CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
-    float t[2];
-    double worst = 0;
-    for (int v = 0; v < 2; v++) {
-        r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .wgrad = 1, .m_out = sh->k, .c = c,
-                              .ldc = sh->n, .segs = segs, .groups = sh->groups, .n = sh->n,
-                              .block_n = v ? 128 : cometi_gemm_tile_n(sh->n), .err = err_dev};
-        CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
-        FAIL_IF(run_ours(&r, 0), "%s: ours: %s", sh->name, r.err);
-        CUDA_OK(cudaDeviceSynchronize());
-        FAIL_IF(err_host->status, "%s: ours: the GEMM pipeline stalled", sh->name);
-        CUDA_OK(cudaMemcpy(got, c, nc * 2, cudaMemcpyDeviceToHost));
-        const double d = rel_diff(got, ref, nc);
-        if (!(d <= worst)) worst = d;
-        t[v] = time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
-        FAIL_IF(failed, "%s: ours: %s", sh->name, r.err);
-    }
-    const double flop = 2.0 * rows * sh->n * sh->k;
-    const float best = t[0] < t[1] ? t[0] : t[1];
-    printf("%-24s %6d %6d %6d %6d %9.0f %9.0f %9s %9.0f %8.3f %9.1e%s\n", sh->name, sh->groups, sh->rows, sh->k, sh->n,
-           flop / (t_cublas * 1e-3) / 1e12, flop / (t[0] * 1e-3) / 1e12, "", flop / (t[1] * 1e-3) / 1e12,
+    printf("%-24s %6d %6d %6d %6d %9.0f %9.0f %9s %9.0f %8.3f %9.1e%s\n", sh->name, sh->groups, sh->rows,
+           sh->wgrad ? sh->k : sh->n, sh->wgrad ? sh->n : sh->k, flop / (t_cublas * 1e-3) / 1e12, flop / (t[0] * 1e-3) / 1e12, "", flop / (t[1] * 1e-3) / 1e12,
            t_cublas / best, worst, worst > 1e-2 ? " WRONG" : "");
     free(ref), free(got);
     cudaFree(a), cudaFree(b), cudaFree(c_ref), cudaFree(c), cudaFree(segs);
@@ -339,12 +280,12 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         comet_moe_config_t c;
         comet_moe_config_preset(o->presets[i], o->tokens, &c);
         int per = c.num_experts / 2, rows = (int)((int64_t)o->tokens * c.top_k * 2 / c.num_experts);
-        shapes[nshapes++] = (shape_t){"", per, rows, 2 * c.ffn, c.hidden, 0};
+        shapes[nshapes++] = (shape_t){"", per, rows, 2 * c.ffn, c.hidden, 0, 0};
         snprintf(shapes[nshapes - 1].name, 48, "%s GEMM0", o->presets[i]);
-        shapes[nshapes++] = (shape_t){"", per, rows, c.hidden, c.ffn, 0};
+        shapes[nshapes++] = (shape_t){"", per, rows, c.hidden, c.ffn, 0, 0};
         snprintf(shapes[nshapes - 1].name, 48, "%s GEMM1", o->presets[i]);
     }
-    shapes[nshapes++] = (shape_t){"8192^3", 1, 8192, 8192, 8192, 0};
+    shapes[nshapes++] = (shape_t){"8192^3", 1, 8192, 8192, 8192, 0, 0};
 
     cometi_async_error_t *err_host, *err_dev;
     CUDA_OK(cudaHostAlloc((void **)&err_host, sizeof(*err_host), cudaHostAllocMapped));
@@ -459,10 +400,10 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         comet_moe_config_t cfg;
         comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
         const int per = cfg.num_experts / 2, rows = (int)((int64_t)o->tokens * cfg.top_k * 2 / cfg.num_experts);
-        shape_t dg[2] = {{"", per, rows, cfg.ffn, cfg.hidden, 1}, {"", per, rows, cfg.hidden, 2 * cfg.ffn, 1}};
+        shape_t dg[2] = {{"", per, rows, cfg.ffn, cfg.hidden, 1, 0}, {"", per, rows, cfg.hidden, 2 * cfg.ffn, 1, 0}};
         snprintf(dg[0].name, 48, "%s dgrad W2", o->presets[i]);
         snprintf(dg[1].name, 48, "%s dgrad W13", o->presets[i]);
-        for (int d = 0; d < 2; d++) bad |= time_dgrad(o, &dg[d], cublas, err_host, err_dev, 100 + 2 * i + d, tail_ws);
+        for (int d = 0; d < 2; d++) bad |= time_backward_gemm(o, &dg[d], cublas, err_host, err_dev, 100 + 2 * i + d, tail_ws);
     }
     printf("\nThe backward's weight gradients: groups along K (each expert's rows), both operands MN-major\n"
            "(dW2 = dy^T act: m = H, n = F; dW13 = dh^T x: m = 2F, n = H), ours against cuBLAS per expert\n");
@@ -472,10 +413,10 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         comet_moe_config_t cfg;
         comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
         const int per = cfg.num_experts / 2, rows = (int)((int64_t)o->tokens * cfg.top_k * 2 / cfg.num_experts);
-        shape_t wg[2] = {{"", per, rows, cfg.ffn, cfg.hidden, 0}, {"", per, rows, cfg.hidden, 2 * cfg.ffn, 0}};
+        shape_t wg[2] = {{"", per, rows, cfg.ffn, cfg.hidden, 0, 1}, {"", per, rows, cfg.hidden, 2 * cfg.ffn, 0, 1}};
         snprintf(wg[0].name, 48, "%s dW2", o->presets[i]);
         snprintf(wg[1].name, 48, "%s dW13", o->presets[i]);
-        for (int d = 0; d < 2; d++) bad |= time_wgrad(o, &wg[d], cublas, err_host, err_dev, 200 + 2 * i + d);
+        for (int d = 0; d < 2; d++) bad |= time_backward_gemm(o, &wg[d], cublas, err_host, err_dev, 200 + 2 * i + d, tail_ws);
     }
     cublasDestroy(cublas);
     cudaFree(sched), cudaFree(split_done), cudaFree(tail_ws);
