@@ -108,6 +108,14 @@ cometi_gemm_t cometi_dispatch_gemm_gemm(comet_comm_t comm, const cometi_dispatch
 comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
                                         const cometi_dispatch_knobs_t *knobs, cudaStream_t stream)
 {
+    const cometi_gemm_t core = cometi_dispatch_gemm_gemm(comm, l, a);
+    return cometi_dispatch_gemm_run_core(comm, l, a, &core, 0, knobs, stream);
+}
+
+comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
+                                             const cometi_gemm_t *core, int row_per_choice,
+                                             const cometi_dispatch_knobs_t *knobs, cudaStream_t stream)
+{
     const int dispatch_blocks = knobs->dispatch_blocks;
     if (dispatch_blocks < 1 || dispatch_blocks >= comm->sm_count)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "dispatch blocks = %d: must be 1..%d (the rest of the "
@@ -128,9 +136,10 @@ comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_
     const int col_tiles = (l->ffn + 127) / 128, gemm_blocks = comm->sm_count - dispatch_blocks;
     int wave = cometi_first_wave_blocks(knobs->first_wave, (int)cometi_param_int(COMETI_PARAM_FIRST_WAVE), l->tp,
                                         comm->sm_count, dispatch_blocks, col_tiles);
-    if (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x, l->hidden))
-        wave = 0; /* nothing may fail once the side stream has forked */
-    cometi_gemm_t g = cometi_dispatch_gemm_gemm(comm, l, a);
+    if (row_per_choice || (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x,
+                                                              l->hidden)))
+        wave = 0; /* nothing may fail once the side stream has forked; its copy reads a row per token */
+    cometi_gemm_t g = *core;
     g.segs = l->route.plan.fused_segs;
     g.local_rows = l->route.plan.fused_local_rows;
     g.sms = gemm_blocks;
@@ -146,6 +155,7 @@ comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_
     d->plan = cometi_route_tables(&l->route.plan);
     d->num_experts = l->num_experts;
     d->top_k = l->top_k;
+    d->row_div = row_per_choice ? 1 : l->top_k;
     d->hidden = l->hidden;
     d->experts_per_group = l->experts_per_group;
     d->tp = l->tp;
@@ -164,7 +174,7 @@ comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_
     cometi_gemm_prepared_t prepared, wave_prepared;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     if (wave) { /* static tiles, no shared counters or workspace: it runs beside the fused kernel */
-        cometi_gemm_t w = cometi_dispatch_gemm_gemm(comm, l, a);
+        cometi_gemm_t w = *core;
         const int free_sms = comm->sm_count - COMETI_FIRST_WAVE_FREE_SMS;
         w.segs = l->wave_seg;
         w.groups = 1;

@@ -53,6 +53,13 @@ void cometi_dispatch_gemm_destroy(comet_comm_t comm, cometi_dispatch_gemm_t *l);
 comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
                                         const cometi_dispatch_knobs_t *knobs, cudaStream_t stream);
 
+/* The same with another GEMM on the received rows (`core`: A the receive buffer, the
+ * segments of this call's route; the backward's dgrad of W2), and with row_per_choice,
+ * a->x holding a row per (token, choice), [tokens x top_k][hidden] (no first wave then). */
+comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
+                                             const cometi_gemm_t *core, int row_per_choice,
+                                             const cometi_dispatch_knobs_t *knobs, cudaStream_t stream);
+
 /* The GEMM of a call alone (GEMM0 + SwiGLU on the receive buffer into `act`, every SM, no
  * roles), as the fused run describes it: benchmarks time it against the fused call. */
 cometi_gemm_t cometi_dispatch_gemm_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t *l,

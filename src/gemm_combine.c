@@ -145,9 +145,10 @@ static comet_status_t push_mark(comet_comm_t comm, const cometi_gemm_combine_t *
 /* The push: GEMM1 on every SM, each tile's rows sent home from its epilogue, then the
  * owner's sum. */
 static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
-                               const comet_moe_args_t *a, const cometi_combine_knobs_t *knobs, cudaStream_t stream)
+                               const comet_moe_args_t *a, const cometi_gemm_t *core,
+                               const cometi_combine_knobs_t *knobs, cudaStream_t stream)
 {
-    cometi_gemm_t g = cometi_gemm_combine_gemm(comm, l, l0, a);
+    cometi_gemm_t g = *core;
     g.sched = knobs->dynamic_tiles ? l->sched : NULL;
     g.epilogue = COMETI_EPILOGUE_TMA;
     cometi_gemm_push_t push;
@@ -194,6 +195,14 @@ comet_status_t cometi_gemm_combine_run(comet_comm_t comm, cometi_gemm_combine_t 
                                        const comet_moe_args_t *a, const cometi_combine_knobs_t *knobs,
                                        cudaStream_t stream)
 {
+    const cometi_gemm_t core = cometi_gemm_combine_gemm(comm, l, l0, a);
+    return cometi_gemm_combine_run_core(comm, l, l0, a, &core, knobs, stream);
+}
+
+comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
+                                            const comet_moe_args_t *a, const cometi_gemm_t *core,
+                                            const cometi_combine_knobs_t *knobs, cudaStream_t stream)
+{
     if (knobs->combine_blocks < 0 || knobs->combine_blocks >= comm->sm_count)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "combine blocks = %d: must be 0..%d (the rest of the "
                            "%d SMs compute)", knobs->combine_blocks, comm->sm_count - 1, comm->sm_count);
@@ -206,12 +215,15 @@ comet_status_t cometi_gemm_combine_run(comet_comm_t comm, cometi_gemm_combine_t 
     if (knobs->push && (knobs->combine_blocks || knobs->n_splits != 1))
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "push with %d combine blocks and %d splits: the push "
                            "needs 0 combine blocks and 1 split", knobs->combine_blocks, knobs->n_splits);
-    if (knobs->push) return run_push(comm, l, l0, a, knobs, stream);
+    if (core->c != l->out || core->n != l->hidden)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "GEMM -> combine: the GEMM must write its %d columns "
+                           "into the layer's output rows (the combine reads them there)", l->hidden);
+    if (knobs->push) return run_push(comm, l, l0, a, core, knobs, stream);
     if (l->tp > 1)
         return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "GEMM -> combine with tp_size = %d: only the push sends partial "
                            "rows home (the combine blocks and the tail pre-sum per rank, which TP does not allow)",
                            l->tp);
-    cometi_gemm_t g = cometi_gemm_combine_gemm(comm, l, l0, a);
+    cometi_gemm_t g = *core;
     g.tail_ws = NULL; /* the same bits whatever the knobs (cometi_gemm_combine_gemm) */
     g.sms = comm->sm_count - knobs->combine_blocks;
     g.sched = knobs->dynamic_tiles ? l->sched : NULL;

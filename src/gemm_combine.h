@@ -55,6 +55,13 @@ void cometi_gemm_combine_destroy(comet_comm_t comm, cometi_gemm_combine_t *l);
 comet_status_t cometi_gemm_combine_run(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
                                  const comet_moe_args_t *a, const cometi_combine_knobs_t *knobs, cudaStream_t stream);
 
+/* The same with another GEMM whose rows go home (`core`: the segments of layer0's route,
+ * n = hidden columns into `out`; the backward's dgrad of W13, its rows summed unweighted
+ * when the route was given weights of 1). */
+comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
+                                            const comet_moe_args_t *a, const cometi_gemm_t *core,
+                                            const cometi_combine_knobs_t *knobs, cudaStream_t stream);
+
 /* The GEMM of a call alone (GEMM1 on layer0's activations into `out`, every SM, one
  * split, no roles), as the fused run describes it: benchmarks time it against the fused
  * call. */

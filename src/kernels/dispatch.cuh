@@ -25,7 +25,7 @@ static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const int32
 {
     const int vecs = d->hidden / 8;
     for (int q = 0; q < n_rows; q++)
-        cometi_warp_copy_row(out + (size_t)q * vecs, (const uint4 *)d->x + (size_t)(src_of[q] / d->top_k) * vecs, vecs);
+        cometi_warp_copy_row(out + (size_t)q * vecs, (const uint4 *)d->x + (size_t)(src_of[q] / d->row_div) * vecs, vecs);
     __syncwarp();
 }
 
@@ -77,7 +77,7 @@ static __device__ void copy_piece_bulk(const cometi_dispatch_t *d, bulk_ring_t *
             for (int i = 0; i < BULK_GROUP; i++)
                 if (i < rows)
                     bulk_load(ring->slots + (size_t)(s * BULK_GROUP + i) * rb,
-                              (const unsigned char *)d->x + (size_t)(src[i] / d->top_k) * rb, rb, &ring->full[s]);
+                              (const unsigned char *)d->x + (size_t)(src[i] / d->row_div) * rb, rb, &ring->full[s]);
         }
         const int r = g - BULK_LAG_GROUPS;
         if (r >= 0) {

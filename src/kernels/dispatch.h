@@ -24,7 +24,9 @@ enum {
 #define COMETI_DISPATCH_HEAD_MAX_PIECES 64
 
 typedef struct cometi_dispatch {
-    const void *x;                  /* [tokens][hidden] bf16 */
+    const void *x;                  /* [tokens][hidden] bf16, or with row_div 1 a row per choice,
+                                     * [tokens x top_k][hidden] (the backward's weighted dy) */
+    int row_div;                    /* (t, j) index / row_div = x's row: top_k, or 1 */
     const int32_t *src_of;          /* [n] send order -> (t, j) index */
     cometi_route_tables_t plan;     /* the route's tables (counts, send_offset, seg_start, recv_offset) */
     int num_experts, top_k, hidden, experts_per_group, tp, rank; /* rank r is TP rank r % tp of group r / tp */

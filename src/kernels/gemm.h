@@ -144,6 +144,12 @@ typedef struct cometi_gemm {
     int epilogue;                  /* COMETI_EPILOGUE_*: how C tiles are stored */
     int swiglu;                    /* C = silu(A Bgate^T) * (A Bup^T), n = F columns (128-wide tiles) */
     const float *row_scale;        /* C row r scaled by row_scale[r] (A row numbering), or NULL */
+    void *gu;                      /* swiglu, training: each row's gate and up projections kept too,
+                                    * bf16 [gu_rows][2n] (gate columns, then up), straight from
+                                    * registers; rows at or past gu_rows are not kept. NULL: not kept */
+    int64_t gu_rows;
+    int c_fp32_add;                /* wgrad: C is fp32 and the tile is added to it (gradient
+                                    * accumulation); the direct epilogue. A group without rows adds 0 */
     const int32_t *row_index;      /* A row r stored to C row row_index[r] (< 0: dropped), or NULL;
                                     * rows then go straight from registers */
     /* Failures. */

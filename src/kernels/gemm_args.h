@@ -37,7 +37,10 @@ typedef struct cometi_gemm_args {
     cometi_dispatch_t dispatch;          /* dispatch role: what its blocks copy */
     int combine_blocks;                  /* the first blocks combine instead (they never compute) */
     cometi_combine_t combine;            /* splits role with combine blocks, or the push role */
-    void *c;                             /* bf16 */
+    void *c;                             /* bf16; fp32 with c_fp32_add */
+    int c_fp32_add;                      /* wgrad: C += the tile, fp32 */
+    void *gu;                            /* swiglu: gate and up kept, [gu_rows][2n] bf16, or NULL */
+    long long gu_rows;
     cometi_async_error_t *err;
     unsigned long long timeout_ns;         /* pipeline waits */
     unsigned long long arrival_timeout_ns; /* waits for rows from peers (shorter: a missing

@@ -137,6 +137,24 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     (zero ? 0.0f                                                                                               \
           : SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)] \
                    : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
+    /* Training: the gate and up projections kept beside the activation, for the backward. */
+    if (SWIGLU && p.gu) {
+        const int col0 = tl.n * ON + (lane % 4) * 2;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const long long row = seg.start + row0 + 8 * h;
+            if (!(h ? hi_ok : lo_ok) || row >= p.gu_rows) continue;
+            __nv_bfloat16 *gate = (__nv_bfloat16 *)p.gu + row * 2 * p.n + col0, *up = gate + p.n;
+#pragma unroll
+            for (int j = 0; j < ON / 8; j++)
+                if (col0 + j * 8 < p.n) {
+                    *(__nv_bfloat162 *)(gate + j * 8) =
+                        __floats2bfloat162_rn(acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
+                    *(__nv_bfloat162 *)(up + j * 8) =
+                        __floats2bfloat162_rn(acc[(j + BN / 16) * 4 + 2 * h], acc[(j + BN / 16) * 4 + 2 * h + 1]);
+                }
+        }
+    }
     /* The push: the tile's rows go straight to their token owners' slots (gemm.h), over
      * NVLink for other ranks. If this warpgroup's 64 rows all go to consecutive slots of
      * one owner (one chunk: one owner at both ends of a full part, since a segment holds
@@ -220,6 +238,20 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         if (hi_ok) dst_row[1] = p.row_index[seg.start + row0 + 8];
         ok[0] = ok[0] && dst_row[0] >= 0;
         ok[1] = ok[1] && dst_row[1] >= 0;
+    }
+    if (MAY_BE_EMPTY && p.c_fp32_add) { /* gradient accumulation: C += the tile, fp32 */
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float *c = (float *)p.c + dst_row[h] * p.ldc + tl.n * ON + (lane % 4) * 2;
+#pragma unroll
+            for (int j = 0; j < ON / 8; j++)
+                if (ok[h]) {
+                    float2 v = *(float2 *)(c + j * 8);
+                    v.x += OUT(j, h, 0), v.y += OUT(j, h, 1);
+                    *(float2 *)(c + j * 8) = v;
+                }
+        }
+        return;
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {

@@ -135,12 +135,19 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, int *block_n
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm schedule = %d: must be 0..2", g->schedule);
     if (g->schedule == COMETI_SCHEDULE_PINGPONG && block_n != 256)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ping-pong schedule: built for block_n 256 only");
+    if (g->gu && (!g->swiglu || g->gu_rows < 0 || (uintptr_t)g->gu % 4))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu: needs swiglu, gu_rows = %lld >= 0 and a 4-byte "
+                           "aligned gu", (long long)g->gu_rows);
+    if (g->c_fp32_add && (!g->wgrad || g->epilogue == COMETI_EPILOGUE_TMA || (uintptr_t)g->c % 8))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm c_fp32_add: for a weight gradient, with the direct "
+                           "epilogue and an 8-byte aligned C");
     if (g->b_mn_major && (g->swiglu || g->schedule == COMETI_SCHEDULE_PINGPONG || g->n % 64))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm b_mn_major: needs no swiglu, the cooperative "
                            "schedule and n = %d a multiple of 64 (B's boxes are 64 columns wide)", g->n);
     *block_n_out = block_n;
     *out_n_out = out_n;
-    *tma_epilogue_out = g->epilogue == COMETI_EPILOGUE_TMA || (g->epilogue == COMETI_EPILOGUE_AUTO && tma_ok);
+    *tma_epilogue_out = !g->c_fp32_add && (g->epilogue == COMETI_EPILOGUE_TMA ||
+                                           (g->epilogue == COMETI_EPILOGUE_AUTO && tma_ok));
     return COMET_SUCCESS;
 }
 
@@ -161,6 +168,9 @@ static comet_status_t check_dispatch(char *err, const cometi_gemm_t *g)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: head_pieces = %d: must be 0..%d, and 0 "
                            "with tp %d > 1 (the head goes to this rank alone)", d->rows.head_pieces,
                            COMETI_DISPATCH_HEAD_MAX_PIECES, d->rows.tp);
+    if (d->rows.row_div != d->rows.top_k && d->rows.row_div != 1)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: row_div = %d: must be top_k = %d (a row per "
+                           "token) or 1 (a row per choice)", d->rows.row_div, d->rows.top_k);
     if (g->splits || g->push)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: not with the splits or push role");
     return COMET_SUCCESS;
@@ -273,6 +283,9 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     args.sched = g->sched;
     args.n_splits = g->splits ? g->splits->n_splits : 1;
     args.c = g->c;
+    args.c_fp32_add = g->c_fp32_add;
+    args.gu = g->gu;
+    args.gu_rows = g->gu_rows;
     args.err = g->err;
     args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
     args.timeout_ns = 2 * args.arrival_timeout_ns;
