@@ -73,6 +73,8 @@ typedef enum cometi_wait_site {
     COMETI_SITE_ARRIVAL = 5,   /* a GEMM tile's token rows never all arrived */
     COMETI_SITE_COMBINE = 6,   /* layer1: a column split's rows never all came home */
     COMETI_SITE_PUSH = 7,      /* layer1's push: its tokens' rows never all came home */
+    COMETI_SITE_SAVED_BOUND = 8, /* a fused training forward received more rows than its saved
+                                  * state holds (expected: the rows it holds, seen: received) */
 } cometi_wait_site_t;
 
 /* Written by kernels into host-mapped memory, read by the host without a sync. */
@@ -134,17 +136,24 @@ struct comet_moe {
 
 /* What a training forward keeps for its backward (comet.h's comet_moe_saved_t); the
  * sequential path fills it and reads it. */
+enum { COMETI_SAVED_SEQUENTIAL = 1, COMETI_SAVED_FUSED = 2 };
+
 struct comet_moe_saved {
     comet_moe_t moe;
     int64_t max_recv_rows;       /* the bound: (token, choice) rows received, padding excluded */
     int64_t cap_rows;            /* rows allocated: the bound and a 128-row block of padding per local expert */
-    int filled;                  /* a training forward filled it (and nothing failed after) */
+    int filled;                  /* a training forward filled it, nothing failed after, and no
+                                  * backward has consumed it */
+    int path;                    /* COMETI_SAVED_*: the path that filled it (its backward runs it) */
     int num_tokens;
     void *recv;                  /* [cap_rows][H] bf16: x rows received, in the plan's layout */
-    void *h;                     /* [cap_rows][2 Fl] bf16: their gate and up projections */
+    void *h;                     /* [cap_rows][2 Fl] bf16: their gate and up projections (the fused
+                                  * backward turns them into their gradients in place) */
     void *back;                  /* [tp][max_tokens x k][H] bf16: each choice's expert output, home
-                                  * (each TP rank's partial) */
-    int32_t *send_pos;           /* [max_tokens x k] each choice's row in the send order */
+                                  * (each TP rank's partial); the sequential path's in send order,
+                                  * the fused path's in choice order */
+    int32_t *send_pos;           /* [max_tokens x k] each choice's row in the send order (sequential) */
+    int32_t *ids;                /* [max_tokens x k] the forward's topk_ids (fused: its route again) */
     float *weights;              /* [max_tokens x k] the forward's topk_weights */
     cometi_segment_t *segs;      /* [E_local] device: this rank's segments */
     cometi_segment_t *segs_host; /* [E_local] */
@@ -158,6 +167,13 @@ comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *ar
 
 /* Benchmarks: record the baseline's phase boundaries into `marks` (NULL: stop). */
 void cometi_moe_set_marks(comet_moe_t moe, cudaEvent_t *marks);
+
+/* Benchmarks: the fused backward's grouped GEMMs alone, every SM, no communication, on the
+ * rows args->saved holds (a fused training forward's; COMET_INVALID_ARGUMENT for another):
+ * those of `mask` (0: all), bit 0 the dgrad of W2, 1 the dgrad of W13, 2 dW2, 3 dW13.
+ * Outputs go to the backward's workspaces and args->grads. */
+comet_status_t cometi_moe_backward_gemms(comet_moe_t moe, const comet_moe_backward_args_t *args, int mask,
+                                         cudaStream_t stream);
 
 /* ---- symmetric.cu ---- */
 /* Create NCCL's device communicator and check that every rank is load/store reachable. */

@@ -9,17 +9,10 @@
 
 #include "internal.h"
 #include "baseline/baseline.h"
-#include "gemm_combine.h"
+#include "fused.h"
 #include "params.h"
 #include "tune.h"
 
-/* The fused path's buffers and the knobs it runs with. */
-struct cometi_fused {
-    cometi_dispatch_gemm_t l0;   /* layer0: x dispatched into GEMM0 + SwiGLU */
-    cometi_gemm_combine_t l1;    /* layer1: GEMM1, its rows combined at their owners */
-    cometi_dispatch_knobs_t k0;
-    cometi_combine_knobs_t k1;
-};
 
 /* The settings: the tuning file's line for this layer ($COMET_TUNING_FILE), else the
  * cost model's (tune.h). A file that cannot be read or parsed is an error, not ignored.
@@ -88,9 +81,18 @@ static comet_status_t fused_create(comet_moe_t moe)
     return COMET_SUCCESS;
 }
 
+comet_status_t cometi_fused_get(comet_moe_t moe, struct cometi_fused **out)
+{
+    if (!moe->fused) COMETI_TRY(fused_create(moe));
+    *out = moe->fused;
+    return COMET_SUCCESS;
+}
+
 static void fused_destroy(comet_moe_t moe)
 {
     if (!moe->fused) return;
+    cudaFree(moe->fused->dy_rows);
+    cudaFree(moe->fused->ones);
     cometi_gemm_combine_destroy(moe->comm, &moe->fused->l1);
     cometi_dispatch_gemm_destroy(moe->comm, &moe->fused->l0);
     free(moe->fused);
@@ -99,8 +101,8 @@ static void fused_destroy(comet_moe_t moe)
 
 static comet_status_t fused_forward(comet_moe_t moe, const comet_moe_args_t *a, cudaStream_t stream)
 {
-    if (!moe->fused) COMETI_TRY(fused_create(moe));
-    struct cometi_fused *f = moe->fused;
+    struct cometi_fused *f;
+    COMETI_TRY(cometi_fused_get(moe, &f));
     comet_status_t st = cometi_dispatch_gemm_run(moe->comm, &f->l0, a, &f->k0, stream);
     if (st == COMET_SUCCESS) st = cometi_gemm_combine_run(moe->comm, &f->l1, &f->l0, a, &f->k1, stream);
     if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "%.500s", moe->comm->err);

@@ -1,7 +1,8 @@
 /*
  * train.c - training through comet.h: the saved state a training forward fills, the
  * training forward, and the backward, each with its arguments checked before anything is
- * launched. Both run the sequential path (src/baseline/).
+ * launched. Each runs the fused path (train_fused.c) where it trains the layer, else the
+ * sequential one (src/baseline/).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -9,6 +10,7 @@
 
 #include "internal.h"
 #include "baseline/baseline.h"
+#include "fused.h"
 
 /* The bound (rows received, unpadded) and the rows allocated for it. */
 static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t *c, int64_t *bound, int64_t *cap)
@@ -37,7 +39,7 @@ comet_status_t comet_moe_saved_bytes(comet_moe_t moe, const comet_moe_saved_conf
     int64_t bound, cap;
     COMETI_TRY(saved_rows(moe, config, &bound, &cap));
     const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k, H = (size_t)moe->cfg.hidden;
-    *bytes = (size_t)cap * (H + 2 * (size_t)moe->ffn_local) * 2 + choices * ((size_t)moe->tp * H * 2 + 8) +
+    *bytes = (size_t)cap * (H + 2 * (size_t)moe->ffn_local) * 2 + choices * ((size_t)moe->tp * H * 2 + 12) +
              sizeof(cometi_segment_t) * (size_t)moe->experts_per_rank;
     return COMET_SUCCESS;
 }
@@ -47,7 +49,7 @@ comet_status_t comet_moe_saved_destroy(comet_moe_saved_t s)
     if (!s) return COMET_SUCCESS;
     comet_status_t st = cometi_cuda(cometi_create_error_buffer(), cudaDeviceSynchronize(),
                                     "comet_moe_saved_destroy: device sync");
-    void *dev[] = {s->recv, s->h, s->back, s->send_pos, s->weights, s->segs};
+    void *dev[] = {s->recv, s->h, s->back, s->send_pos, s->ids, s->weights, s->segs};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) cudaFree(dev[i]);
     free(s->segs_host);
     free(s->sends);
@@ -79,6 +81,7 @@ comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe_saved_con
         {&s->h, (size_t)cap * 2 * moe->ffn_local * 2, "gate and up projections"},
         {&s->back, choices * moe->tp * H * 2, "expert outputs"},
         {(void **)&s->send_pos, choices * sizeof(int32_t), "send places"},
+        {(void **)&s->ids, choices * sizeof(int32_t), "expert ids"},
         {(void **)&s->weights, choices * sizeof(float), "routing weights"},
         {(void **)&s->segs, per * sizeof(cometi_segment_t), "segments"},
     };
@@ -103,15 +106,23 @@ comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe_saved_con
     return COMET_SUCCESS;
 }
 
-/* Training runs the sequential path: AUTO and BASELINE take it, FUSED is refused. */
-static comet_status_t training_impl(comet_moe_t moe, comet_impl_t impl, const char *what)
+/* The path a training forward takes: the fused one where it trains this layer (AUTO
+ * falls back to the sequential one), or the one asked for. */
+static comet_status_t training_path(comet_moe_t moe, const comet_moe_args_t *a, int *path)
 {
-    if (impl == COMET_IMPL_AUTO || impl == COMET_IMPL_BASELINE) return COMET_SUCCESS;
-    if (impl == COMET_IMPL_FUSED)
-        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "%s.impl = COMET_IMPL_FUSED: training runs the sequential "
-                           "path in this build (COMET_IMPL_AUTO or COMET_IMPL_BASELINE)", what);
-    return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "%s.impl = %d: must be COMET_IMPL_AUTO, _BASELINE or _FUSED",
-                       what, (int)impl);
+    if (a->impl == COMET_IMPL_BASELINE) {
+        *path = COMETI_SAVED_SEQUENTIAL;
+        return COMET_SUCCESS;
+    }
+    const comet_status_t st = cometi_fused_train_supported(moe, &a->weights);
+    if (st == COMET_SUCCESS) {
+        *path = COMETI_SAVED_FUSED;
+        return COMET_SUCCESS;
+    }
+    if (a->impl == COMET_IMPL_FUSED) return st; /* the reason is in moe->err */
+    moe->err[0] = '\0';
+    *path = COMETI_SAVED_SEQUENTIAL;
+    return COMET_SUCCESS;
 }
 
 comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *args, comet_moe_saved_t saved,
@@ -125,10 +136,13 @@ comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *
     if (saved->moe != moe)
         return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "saved belongs to another layer (comet_moe_saved_create "
                            "was given another comet_moe_t)");
-    COMETI_TRY(training_impl(moe, args->impl, "args"));
+    int path = 0;
+    COMETI_TRY(training_path(moe, args, &path));
     comet_status_t async = cometi_check_async(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
-    comet_status_t st = cometi_baseline_forward(moe, moe->baseline, args, saved, stream);
+    saved->filled = 0;
+    comet_status_t st = path == COMETI_SAVED_FUSED ? cometi_fused_forward_train(moe, args, saved, stream)
+                                                   : cometi_baseline_forward(moe, moe->baseline, args, saved, stream);
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward_train");
     if (st != COMET_SUCCESS) saved->filled = 0;
     return st;
@@ -150,8 +164,15 @@ static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backw
                            "comet_moe_t)");
     if (!a->saved->filled)
         return cometi_fail(err, INVAL, "args.saved holds no forward: run comet_moe_forward_train into it first (a "
-                           "failed training forward leaves it empty)");
-    COMETI_TRY(training_impl(moe, a->impl, "args"));
+                           "failed training forward leaves it empty, and a backward consumes it)");
+    const int fused = a->saved->path == COMETI_SAVED_FUSED;
+    if (a->impl != COMET_IMPL_AUTO && a->impl != COMET_IMPL_BASELINE && a->impl != COMET_IMPL_FUSED)
+        return cometi_fail(err, INVAL, "args.impl = %d: must be COMET_IMPL_AUTO, _BASELINE or _FUSED", (int)a->impl);
+    if ((a->impl == COMET_IMPL_FUSED && !fused) || (a->impl == COMET_IMPL_BASELINE && fused))
+        return cometi_fail(err, INVAL, "args.impl = %s, but args.saved was filled on the %s path: the backward runs "
+                           "the path of its forward (COMET_IMPL_AUTO takes it)",
+                           a->impl == COMET_IMPL_FUSED ? "COMET_IMPL_FUSED" : "COMET_IMPL_BASELINE",
+                           fused ? "fused" : "sequential");
     const int m = a->saved->num_tokens;
     if (m > 0 && (!a->dy || !a->dx || !a->d_topk_weights))
         return cometi_fail(err, INVAL, "args.%s is NULL with %d tokens in the forward",
@@ -163,6 +184,9 @@ static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backw
     if (!g->down) return cometi_fail(err, INVAL, "args.grads.down is NULL");
     if (w->gate_up ? !g->gate_up || g->gate || g->up : g->gate_up || !g->gate || !g->up)
         return cometi_fail(err, INVAL, "args.grads: give %s, as the weights do", w->gate_up ? "gate_up" : "gate and up");
+    if (fused && !w->gate_up)
+        return cometi_fail(err, INVAL, "args.weights: gate and up apart, but the training forward ran fused with "
+                           "gate_up");
     if (g->mode != COMET_GRAD_WRITE_BF16 && g->mode != COMET_GRAD_ACCUMULATE_FP32)
         return cometi_fail(err, INVAL, "args.grads.mode = %d: must be COMET_GRAD_WRITE_BF16 or "
                            "COMET_GRAD_ACCUMULATE_FP32", (int)g->mode);
@@ -185,7 +209,10 @@ comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args
     COMETI_TRY(check_backward_args(moe, args));
     comet_status_t async = cometi_check_async(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
-    comet_status_t st = cometi_baseline_backward(moe, moe->baseline, args, stream);
+    comet_status_t st = args->saved->path == COMETI_SAVED_FUSED ? cometi_fused_backward(moe, args, stream)
+                                                                 : cometi_baseline_backward(moe, moe->baseline, args,
+                                                                                            stream);
+    args->saved->filled = 0; /* consumed: the fused path's [g u] became their gradients */
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_backward");
     return st;
 }

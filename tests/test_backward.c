@@ -20,7 +20,9 @@
  */
 #define _GNU_SOURCE
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
@@ -112,8 +114,9 @@ static void bf16_to_float(const uint16_t *h, float *f, size_t n)
     for (size_t i = 0; i < n; i++) f[i] = cometi_bf16_to_float(h[i]);
 }
 
-static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed)
+static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed, comet_impl_t impl)
 {
+    const char *path = impl == COMET_IMPL_FUSED ? "fused" : "sequential";
     const cometi_rank_ctx_t *ctx = fx->ctx;
     const int me = ctx->rank, W = ctx->nranks, H = fx->cfg.hidden, F = fx->cfg.ffn, E = fx->cfg.num_experts,
               k = fx->cfg.top_k, per = fx->per;
@@ -163,18 +166,14 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed)
     }
     comet_moe_args_t a = fused_args(fx, &(moe_case_t){c->name, c->routing, c->skew, {c->tokens[0], c->tokens[1]},
                                                       c->separate, 0});
-    a.impl = COMET_IMPL_BASELINE;
-    /* The training forward's y is the inference forward's, bit for bit. */
+    a.impl = impl;
+    /* The training forward's y is the inference forward's: bit for bit on the sequential
+     * path; on the fused one, whose training forward sends every choice's row home (the
+     * push), within the tolerances (the roundings differ). */
     uint16_t *y_inf = malloc(2 * ((size_t)m * H + 1)), *y_tr = malloc(2 * ((size_t)m * H + 1));
     COMET_OK(comet_moe_forward(fx->moe, &a, 0), fx->comm);
     CUDA_OK(cudaMemcpy(y_inf, fx->d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemset(fx->d_y, 0xff, (size_t)fx->cfg.max_tokens * H * 2));
-    a.impl = COMET_IMPL_AUTO; /* training takes the sequential path */
-    comet_status_t st = comet_moe_forward_train(fx->moe, &a, saved, 0);
-    if (st != COMET_SUCCESS) printf("comet_moe_forward_train: %s\n", comet_moe_last_error(fx->moe));
-    CHECK_EQ(st, COMET_SUCCESS);
-    CUDA_OK(cudaMemcpy(y_tr, fx->d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
-    CHECK(memcmp(y_inf, y_tr, (size_t)m * H * 2) == 0);
+    comet_status_t st;
     comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
     b.saved = saved;
     b.dy = d_dy;
@@ -189,6 +188,25 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed)
     uint16_t *first_dx = malloc(2 * ((size_t)m * H + 1));
     float *first_dw = malloc(sizeof(float) * ((size_t)m * k + 1));
     for (int call = 0; call < calls; call++) {
+        /* A backward consumes its saved state: a training forward before each. */
+        CUDA_OK(cudaMemset(fx->d_y, 0xff, (size_t)fx->cfg.max_tokens * H * 2));
+        st = comet_moe_forward_train(fx->moe, &a, saved, 0);
+        if (st != COMET_SUCCESS) printf("comet_moe_forward_train: %s\n", comet_moe_last_error(fx->moe));
+        CHECK_EQ(st, COMET_SUCCESS);
+        CUDA_OK(cudaMemcpy(y_tr, fx->d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        if (impl == COMET_IMPL_BASELINE) {
+            CHECK(memcmp(y_inf, y_tr, (size_t)m * H * 2) == 0);
+        } else if (m) {
+            float *yt = malloc(sizeof(float) * m * H);
+            double *yi = malloc(sizeof(double) * m * H);
+            for (size_t i = 0; i < (size_t)m * H; i++)
+                yt[i] = cometi_bf16_to_float(y_tr[i]), yi[i] = cometi_bf16_to_float(y_inf[i]);
+            char what[96];
+            snprintf(what, sizeof(what), "%s, %s: training y", c->name, path);
+            const int bad = compare(what, yt, yi, (size_t)m * H, H, me);
+            free(yt), free(yi);
+            if (bad) return 1;
+        }
         CUDA_OK(cudaMemset(d_dx, 0xff, (size_t)fx->cfg.max_tokens * H * 2));
         CUDA_OK(cudaMemset(d_dw, 0xff, sizeof(float) * fx->cfg.max_tokens * k));
         st = comet_moe_backward(fx->moe, &b, 0);
@@ -201,9 +219,9 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed)
         CUDA_OK(cudaMemcpy(dw, d_dw, sizeof(float) * m * k, cudaMemcpyDeviceToHost));
         bf16_to_float(dx16, dx, (size_t)m * H);
         char what[96];
-        snprintf(what, sizeof(what), "%s call %d: dx", c->name, call);
+        snprintf(what, sizeof(what), "%s, %s, call %d: dx", c->name, path, call);
         if (m && compare(what, dx, dx_ref, (size_t)m * H, H, me)) return 1;
-        snprintf(what, sizeof(what), "%s call %d: d topk_weights", c->name, call);
+        snprintf(what, sizeof(what), "%s, %s, call %d: d topk_weights", c->name, path, call);
         if (m && compare(what, dw, dw_ref, (size_t)m * k, (size_t)m * k, me)) return 1;
         if (call == 0) {
             memcpy(first_dx, dx16, (size_t)m * H * 2);
@@ -249,7 +267,7 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed)
             }
             if (c->fp32) /* compare the gradient itself, not the start it was added to */
                 for (size_t i = 0; i < n; i++) g[i] -= 0.25f, want[i] -= base;
-            snprintf(what, sizeof(what), "%s: %s", c->name, which ? "ddown" : c->separate ? "dgate, dup" : "dgate_up");
+            snprintf(what, sizeof(what), "%s, %s: %s", c->name, path, which ? "ddown" : c->separate ? "dgate, dup" : "dgate_up");
             if (compare(what, g, want, n, n, me)) return 1;
         }
         free(g), free(want), free(raw);
@@ -268,7 +286,7 @@ static int backward_rank(const cometi_rank_ctx_t *ctx, void *arg)
     /* One communicator for every case (its id serves one init); the fixture's buffers for
      * top-8, and a layer of each case's top-k made on it. */
     fixture_t fx;
-    const fixture_shape_t shape = {0, 0, 8, 0, 0};
+    const fixture_shape_t shape = {256, 0, 8, 0, 0}; /* ffn 256: the fused backward's GEMMs take multiples of 128 */
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     for (size_t i = 0; i < sizeof(bwd_cases) / sizeof(bwd_cases[0]); i++) {
         CHECK_EQ(comet_moe_destroy(fx.moe), COMET_SUCCESS);
@@ -277,7 +295,10 @@ static int backward_rank(const cometi_rank_ctx_t *ctx, void *arg)
             printf("comet_moe_create: %s\n", comet_last_create_error());
             return 1;
         }
-        if (backward_case(&fx, &bwd_cases[i], seed + 100 * i)) return 1;
+        if (backward_case(&fx, &bwd_cases[i], seed + 100 * i, COMET_IMPL_BASELINE)) return 1;
+        /* The fused path trains with gate_up in one tensor (separate gate and up: refused). */
+        if (!bwd_cases[i].separate && backward_case(&fx, &bwd_cases[i], seed + 100 * i + 50, COMET_IMPL_FUSED))
+            return 1;
     }
     fixture_close(&fx);
     return 0;
@@ -347,12 +368,27 @@ static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "args.grads.mode = 7");
     bad = b;
-    bad.impl = COMET_IMPL_FUSED;
-    CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_NOT_SUPPORTED);
+    bad.impl = COMET_IMPL_FUSED; /* AUTO trained this ffn (192) on the sequential path */
+    CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "filled on the sequential path");
     bad = b;
     bad.size = 8;
     CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "COMET_MOE_BACKWARD_ARGS_INIT");
+    /* The fused path cannot train this ffn: said up front, nothing launched. */
+    comet_moe_args_t fa = a;
+    fa.impl = COMET_IMPL_FUSED;
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &fa, other_saved, 0), COMET_INVALID_ARGUMENT); /* another layer's first */
+    comet_moe_saved_t mine2;
+    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &mine2), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &fa, mine2, 0), COMET_NOT_SUPPORTED);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "multiples of 128");
+    CHECK_EQ(comet_moe_saved_destroy(mine2), COMET_SUCCESS);
+    /* A backward consumes its saved state: a second one is refused. */
+    CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "a backward consumes it");
+    CUDA_OK(cudaDeviceSynchronize());
     /* A bound the routing exceeds: refused by every rank (each sees every group's rows),
      * and the state left empty. */
     comet_moe_saved_config_t sc = COMET_MOE_SAVED_CONFIG_INIT;
@@ -383,3 +419,128 @@ static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
 }
 
 int test_gpu_backward_refusals(void) { return launch_seeded(backward_refusals_rank, 120); }
+
+/* ---- 1,000 training steps: changing routing and token counts, no drift, no growth ---- */
+
+static long resident_pages(void)
+{
+    long size = 0, resident = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f) {
+        if (fscanf(f, "%ld %ld", &size, &resident) != 2) resident = 0;
+        fclose(f);
+    }
+    return resident;
+}
+
+static long long device_used(void)
+{
+    size_t free_b = 0, total = 0;
+    if (cudaDeviceSynchronize() != cudaSuccess || cudaMemGetInfo(&free_b, &total) != cudaSuccess) return -1;
+    return (long long)(total - free_b);
+}
+
+/* One training step (forward_train, backward) of `impl`; dx left in d_dx. */
+static comet_status_t train_step(fixture_t *fx, comet_moe_saved_t saved, comet_impl_t impl, int m, void *d_dy,
+                                 void *d_dx, float *d_dw, void *g_gu, void *g_dn)
+{
+    comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+    a.num_tokens = m;
+    a.x = fx->d_x, a.topk_ids = fx->d_ids, a.topk_weights = fx->d_w, a.y = fx->d_y;
+    a.weights.gate_up = fx->d_gate_up, a.weights.down = fx->d_down;
+    a.impl = impl;
+    comet_status_t st = comet_moe_forward_train(fx->moe, &a, saved, 0);
+    if (st != COMET_SUCCESS) return st;
+    comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
+    b.saved = saved, b.dy = d_dy, b.weights = a.weights, b.dx = d_dx, b.d_topk_weights = d_dw;
+    b.grads.gate_up = g_gu, b.grads.down = g_dn;
+    b.impl = impl;
+    return comet_moe_backward(fx->moe, &b, 0);
+}
+
+static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    uint64_t rng = seed * 13 + 3;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 0, 0, 0, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    const int H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens, k = fx.cfg.top_k, E = fx.cfg.num_experts,
+              per = fx.per, me = ctx->rank;
+    int32_t *ids = malloc(sizeof(int32_t) * M * k);
+    float *w = malloc(sizeof(float) * M * k);
+    uint16_t *want = malloc((size_t)M * H * 2), *got = malloc((size_t)M * H * 2);
+    void *d_dy, *d_dx, *d_dx_seq, *g_gu, *g_dn;
+    float *d_dw;
+    CUDA_OK(cudaMalloc(&d_dy, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc(&d_dx, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc(&d_dx_seq, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc((void **)&d_dw, sizeof(float) * M * k));
+    CUDA_OK(cudaMalloc(&g_gu, (size_t)per * 2 * F * H * 2));
+    CUDA_OK(cudaMalloc(&g_dn, (size_t)per * H * F * 2));
+    comet_moe_saved_t saved, saved_seq;
+    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved_seq), COMET_SUCCESS);
+    /* Growth is summed over the stretches where only the fused path ran (the sequential
+     * checks load cuBLAS kernels lazily, shape by shape). The fused path allocates nothing
+     * per call, so its device memory may not grow at all; host pages may float by glibc's
+     * trim threshold (128 KiB) twice over, which a leak of 300 bytes a step would pass. */
+    const int steps = 1000, every = 100;
+    long long stretch_dev = 0, dev_growth = 0;
+    long stretch_pages = 0, page_growth = 0;
+    double worst = 0;
+    for (int step = 0; step < steps; step++) {
+        const int tokens[2] = {(int)(cometi_rand_next(&rng) % (M + 1)), (int)(cometi_rand_next(&rng) % (M + 1))};
+        const cometi_routing_t kind = (cometi_routing_t)(cometi_rand_next(&rng) % 4);
+        const int m = tokens[me % 2];
+        cometi_make_routing(kind, kind == COMETI_ROUTING_ONE_EXPERT ? (double)(step % E) : 8.0, m, k, E, seed + step,
+                            me, ids, w);
+        CUDA_OK(cudaMemcpy(fx.d_ids, ids, sizeof(int32_t) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(fx.d_w, w, sizeof(float) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cometi_fill_hash_bf16(fx.d_x, (size_t)m * H, seed + step, (uint64_t)me * M * H, 1.0f, 0));
+        CUDA_OK(cometi_fill_hash_bf16(d_dy, (size_t)m * H, seed + step + 7777, (uint64_t)me * M * H, 1.0f, 0));
+        const int check = step % every == every - 1;
+        if (check) CUDA_OK(cudaMemset(d_dx, 0xff, (size_t)M * H * 2));
+        comet_status_t st = train_step(&fx, saved, COMET_IMPL_FUSED, m, d_dy, d_dx, d_dw, g_gu, g_dn);
+        if (st != COMET_SUCCESS) printf("step %d: %s\n", step, comet_moe_last_error(fx.moe));
+        CHECK_EQ(st, COMET_SUCCESS);
+        if (!check) continue;
+        if (step > every) {
+            const long long d = device_used();
+            CHECK(d >= 0);
+            dev_growth += d - stretch_dev;
+            page_growth += resident_pages() - stretch_pages;
+        }
+        CHECK_EQ(train_step(&fx, saved_seq, COMET_IMPL_BASELINE, m, d_dy, d_dx_seq, d_dw, g_gu, g_dn),
+                 COMET_SUCCESS);
+        CUDA_OK(cudaDeviceSynchronize());
+        CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+        CUDA_OK(cudaMemcpy(want, d_dx_seq, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(got, d_dx, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0, row = 0;
+        add_error(got, want, NULL, (size_t)m, H, &num, &den, &row);
+        const double e = den > 0 ? sqrt(num / den) : sqrt(num);
+        if (!(e <= worst)) worst = e;
+        if (!(e < NORM_TOL) || !(row < 3e-2)) {
+            printf("step %d (%d tokens, routing %d): fused dx against the sequential %.3g (worst row %.3g)\n", step,
+                   m, (int)kind, e, row);
+            return 1;
+        }
+        stretch_dev = device_used();
+        stretch_pages = resident_pages();
+    }
+    const long page_kb = sysconf(_SC_PAGESIZE) / 1024;
+    printf("rank %d: %d fused training steps, dx against the sequential path every %dth: worst %.2e; growth over "
+           "the fused stretches after step %d: device %lld bytes, host resident %ld KiB\n", me, steps, every, worst,
+           every, dev_growth, page_growth * page_kb);
+    CHECK(dev_growth == 0);
+    CHECK(page_growth * page_kb <= 256);
+    CHECK_EQ(comet_moe_saved_destroy(saved), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_destroy(saved_seq), COMET_SUCCESS);
+    free(ids), free(w), free(want), free(got);
+    cudaFree(d_dy), cudaFree(d_dx), cudaFree(d_dx_seq), cudaFree(d_dw), cudaFree(g_gu), cudaFree(g_dn);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_training_1000_steps(void) { return launch_seeded(training_steps_rank, 280); }

@@ -169,6 +169,7 @@ static comet_status_t save_routing(comet_moe_t moe, const cometi_baseline_t *b, 
     saved->n_recvs = n_recvs;
     saved->max_seg_rows = b->max_seg_rows;
     saved->num_tokens = args->num_tokens;
+    saved->path = COMETI_SAVED_SEQUENTIAL;
     saved->filled = 1;
     return COMET_SUCCESS;
 }

@@ -87,7 +87,8 @@ cudaError_t cometi_launch_combine(const void *back, int tp, size_t copy_stride, 
                                   const float *w, int m, int k, int hidden, void *y, cudaStream_t stream);
 
 /* The backward's first step, per (token, choice) i of n: send[send_pos[i]] = w[i] x dy[t]
- * (bf16), and dw[i] = <dy[t], sum over the tp copies of back[c][send_pos[i]]> (fp32). */
+ * (bf16), and dw[i] = <dy[t], sum over the tp copies of back[c][send_pos[i]]> (fp32).
+ * send_pos NULL: place i (choice order; the fused path's). */
 cudaError_t cometi_launch_scale_permute(const void *dy, const float *w, const int32_t *send_pos, int n, int k,
                                         int hidden, int tp, size_t copy_stride, const void *back, void *send, float *dw,
                                         cudaStream_t stream);

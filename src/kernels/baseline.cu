@@ -129,7 +129,7 @@ scale_permute_kernel(const __nv_bfloat16 *dy, const float *w, const int32_t *sen
                      size_t copy_stride, const __nv_bfloat16 *back, __nv_bfloat16 *send, float *dw)
 {
     __shared__ float warp_sums[DW_THREADS / 32];
-    const int i = blockIdx.x, t = i / k, place = send_pos[i];
+    const int i = blockIdx.x, t = i / k, place = send_pos ? send_pos[i] : i;
     const float wi = w[i];
     float dot = 0.0f;
     for (int h = threadIdx.x * 8; h < hidden; h += DW_THREADS * 8) {

@@ -1,0 +1,116 @@
+/*
+ * train.cu - the fused training path's row kernels (train_fused.c): what a training
+ * forward keeps of the rows it received and of the rows that came home, and the padding
+ * the backward's weight gradients need zeroed. The arithmetic (SwiGLU's backward, dy
+ * weighted with the weights' gradient beside it) is the sequential path's (baseline.cu).
+ */
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "../internal.h"
+#include "ptx.cuh"
+#include "row_copy.cuh"
+#include "train.h"
+
+/* The segment holding row `row` with its padding to the next 128 rows, or -1. */
+static __device__ int segment_of(const cometi_segment_t *segs, int groups, long long row, cometi_segment_t *out)
+{
+    for (int g = 0; g < groups; g++) {
+        const cometi_segment_t s = segs[g];
+        const long long end = s.start + ((long long)s.rows + COMETI_BLOCK_M - 1) / COMETI_BLOCK_M * COMETI_BLOCK_M;
+        if (row >= s.start && row < end) {
+            *out = s;
+            return g;
+        }
+    }
+    return -1;
+}
+
+/* One warp per row of [0, cap_rows): a segment's row copied, its padding zeroed. The first
+ * thread checks this call's received rows against the bound. */
+static __global__ void keep_rows_kernel(const uint4 *src, uint4 *dst, int row_vecs, const cometi_segment_t *segs,
+                                        int groups, long long cap_rows, const int32_t *used_rows,
+                                        cometi_async_error_t *err)
+{
+    if (blockIdx.x == 0 && threadIdx.x == 0 && *used_rows > cap_rows)
+        cometi_record_error(err, COMET_INVALID_ARGUMENT, COMETI_SITE_SAVED_BOUND, -1, 0,
+                            (unsigned long long)cap_rows, (unsigned long long)*used_rows, 0);
+    const int warps = blockDim.x / 32;
+    for (long long row = (long long)blockIdx.x * warps + threadIdx.x / 32; row < cap_rows;
+         row += (long long)gridDim.x * warps) {
+        cometi_segment_t s;
+        if (segment_of(segs, groups, row, &s) < 0) continue;
+        uint4 *out = dst + row * row_vecs;
+        if (row < s.start + s.rows) {
+            cometi_warp_copy_row(out, src + row * row_vecs, row_vecs);
+        } else {
+            for (int v = threadIdx.x % 32; v < row_vecs; v += 32) out[v] = make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+extern "C" cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int hidden, const cometi_segment_t *segs,
+                                               int groups, int64_t cap_rows, const int32_t *used_rows,
+                                               cometi_async_error_t *err, int sm_count, cudaStream_t stream)
+{
+    if (cap_rows == 0) return cudaSuccess;
+    keep_rows_kernel<<<sm_count * 4, 256, 0, stream>>>((const uint4 *)src, (uint4 *)dst, hidden / 8, segs, groups,
+                                                       (long long)cap_rows, used_rows, err);
+    return cudaGetLastError();
+}
+
+/* One warp per (choice, TP rank): the row that came home, from its slot in the send order
+ * to its place in choice order; a choice with an expert id out of range has no row (0). */
+static __global__ void keep_choices_kernel(const uint4 *slots, uint4 *back, const int32_t *ids, const int32_t *pos,
+                                           const int32_t *send_offset, int n, int num_experts, int tp, int row_vecs,
+                                           size_t copy_stride)
+{
+    const int warps = blockDim.x / 32;
+    for (long long w = (long long)blockIdx.x * warps + threadIdx.x / 32; w < (long long)n * tp;
+         w += (long long)gridDim.x * warps) {
+        const int i = (int)(w / tp), c = (int)(w % tp), e = ids[i];
+        uint4 *out = back + c * copy_stride / 8 + (size_t)i * row_vecs;
+        if (e < 0 || e >= num_experts) {
+            for (int v = threadIdx.x % 32; v < row_vecs; v += 32) out[v] = make_uint4(0, 0, 0, 0);
+            continue;
+        }
+        const long long at = (long long)send_offset[e] + pos[i];
+        cometi_warp_copy_row(out, slots + (size_t)(at * tp + c) * row_vecs, row_vecs);
+    }
+}
+
+extern "C" cudaError_t cometi_launch_keep_choices(const void *slots, void *back, const int32_t *ids,
+                                                  const int32_t *pos, const int32_t *send_offset, int n,
+                                                  int num_experts, int tp, int hidden, size_t copy_stride,
+                                                  int sm_count, cudaStream_t stream)
+{
+    if (n == 0) return cudaSuccess;
+    keep_choices_kernel<<<sm_count * 4, 256, 0, stream>>>((const uint4 *)slots, (uint4 *)back, ids, pos, send_offset,
+                                                          n, num_experts, tp, hidden / 8, copy_stride);
+    return cudaGetLastError();
+}
+
+/* One warp per row of [0, cap_rows) that pads a segment: zero in each buffer. */
+static __global__ void zero_padding_kernel(cometi_padded_rows_t bufs, const cometi_segment_t *segs, int groups,
+                                           long long cap_rows)
+{
+    const int warps = blockDim.x / 32;
+    for (long long row = (long long)blockIdx.x * warps + threadIdx.x / 32; row < cap_rows;
+         row += (long long)gridDim.x * warps) {
+        cometi_segment_t s;
+        if (segment_of(segs, groups, row, &s) < 0 || row < s.start + s.rows) continue;
+        for (int b = 0; b < COMETI_PADDED_BUFFERS; b++) {
+            if (!bufs.rows[b]) continue;
+            uint4 *out = (uint4 *)bufs.rows[b] + row * (bufs.row_bytes[b] / 16);
+            for (int v = threadIdx.x % 32; v < bufs.row_bytes[b] / 16; v += 32) out[v] = make_uint4(0, 0, 0, 0);
+        }
+    }
+}
+
+extern "C" cudaError_t cometi_launch_zero_padding(const cometi_padded_rows_t *bufs, const cometi_segment_t *segs,
+                                                  int groups, int64_t cap_rows, int sm_count, cudaStream_t stream)
+{
+    if (cap_rows == 0) return cudaSuccess;
+    zero_padding_kernel<<<sm_count * 2, 256, 0, stream>>>(*bufs, segs, groups, (long long)cap_rows);
+    return cudaGetLastError();
+}

@@ -1,0 +1,252 @@
+/*
+ * train_fused.c - training on the fused path: the forward's two operators keep what the
+ * backward needs, and the backward is the same two operators again (DESIGN.md section 7):
+ *
+ * forward   dispatch -> GEMM0 + SwiGLU, its epilogue keeping [g u]; x rows kept; GEMM1 ->
+ *           combine by the push (each choice's row home, so its output is kept per choice).
+ * backward  1. at home: each choice's dy weighted (w dy), d topk_weights = <dy, o> beside it;
+ *           2. dispatch -> GEMM: those rows to their experts over the forward's routing
+ *              (route again from the kept ids), into s = (w dy) W2 (B read MN-major);
+ *           3. SwiGLU's backward in place: [g u] becomes dh = [dg du], s becomes a;
+ *              the padding rows zeroed for the weight gradients;
+ *           4. GEMM -> combine: dx rows = dh W13 (B MN-major) home, each token's choices
+ *              summed (the route's weights are 1);
+ *           5. the weight gradients, groups along K: dW2 = (w dy)^T a, dW13 = dh^T x.
+ * The backward consumes the saved state ([g u] becomes dh).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fused.h"
+#include "baseline/baseline.h"
+#include "kernels/train.h"
+
+#define BF16 2
+
+comet_status_t cometi_fused_train_supported(comet_moe_t moe, const comet_moe_weights_t *w)
+{
+    const int H = moe->cfg.hidden, F = moe->ffn_local;
+    if (moe->fused_unsupported)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "the fused path does not run this config (see "
+                           "comet_moe_forward with COMET_IMPL_FUSED)");
+    if (!w->gate_up)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "weights.gate and weights.up apart: the fused backward "
+                           "reads gate_up, [E_local][2F][H] in one tensor");
+    if (H % 128 || F % 128)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "config.hidden = %d, config.ffn / tp_size = %d: the fused "
+                           "backward's GEMMs need multiples of 128", H, F);
+    return COMET_SUCCESS;
+}
+
+/* The weight gradient of one weight: C_g = A_g^T B_g over each expert's rows. */
+static cometi_gemm_t wgrad_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t *l0, const void *a, int m_out,
+                                const void *b, int n, int64_t rows, void *c, int fp32)
+{
+    cometi_gemm_t g;
+    memset(&g, 0, sizeof(g));
+    g.wgrad = 1;
+    g.a = a;
+    g.m_out = m_out;
+    g.b = b;
+    g.n = n;
+    g.a_rows = rows;
+    g.c = c;
+    g.ldc = n;
+    g.c_fp32_add = fp32;
+    g.epilogue = fp32 ? COMETI_EPILOGUE_DIRECT : COMETI_EPILOGUE_AUTO;
+    g.segs = l0->route.plan.local_segs;
+    g.groups = l0->experts_per_group;
+    g.err = comm->async_dev;
+    g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
+    return g;
+}
+
+/* The backward's GEMMs: s = (w dy) W2 on the received rows, dx rows = dh W13, and the two
+ * weight gradients. */
+typedef struct backward_gemms {
+    cometi_gemm_t dgrad_down, dgrad_gate_up, wgrad_down, wgrad_gate_up;
+} backward_gemms_t;
+
+static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *f, const comet_moe_args_t *a,
+                                          const comet_moe_backward_args_t *ba)
+{
+    comet_comm_t comm = moe->comm;
+    const comet_moe_saved_t sv = ba->saved;
+    const int H = moe->cfg.hidden, F = moe->ffn_local, fp32 = ba->grads.mode == COMET_GRAD_ACCUMULATE_FP32;
+    backward_gemms_t b;
+    b.dgrad_down = cometi_dispatch_gemm_gemm(comm, &f->l0, a);
+    b.dgrad_down.b = ba->weights.down; /* [E][H][F]: k = H rows of n = F */
+    b.dgrad_down.b_up = NULL;
+    b.dgrad_down.b_mn_major = 1;
+    b.dgrad_down.swiglu = 0;
+    b.dgrad_down.n = F;
+    b.dgrad_down.k = H;
+    b.dgrad_down.c = f->l0.act;
+    b.dgrad_down.ldc = F;
+    b.dgrad_gate_up = cometi_gemm_combine_gemm(comm, &f->l1, &f->l0, a);
+    b.dgrad_gate_up.a = sv->h; /* dh, once SwiGLU's backward has run */
+    b.dgrad_gate_up.a_rows = sv->cap_rows;
+    b.dgrad_gate_up.b = ba->weights.gate_up; /* [E][2F][H]: k = 2F rows of n = H */
+    b.dgrad_gate_up.b_mn_major = 1;
+    b.dgrad_gate_up.k = 2 * F;
+    b.wgrad_down = wgrad_gemm(comm, &f->l0, f->l0.recv.local, H, f->l0.act, F, sv->cap_rows, ba->grads.down, fp32);
+    b.wgrad_gate_up = wgrad_gemm(comm, &f->l0, sv->h, 2 * F, sv->recv, H, sv->cap_rows, ba->grads.gate_up, fp32);
+    return b;
+}
+
+comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_t *a, comet_moe_saved_t sv,
+                                          cudaStream_t stream)
+{
+    comet_comm_t comm = moe->comm;
+    struct cometi_fused *f;
+    COMETI_TRY(cometi_fused_get(moe, &f));
+    const int k = moe->cfg.top_k, H = moe->cfg.hidden, n = a->num_tokens * k;
+    cometi_dispatch_gemm_t *l0 = &f->l0;
+    const cometi_route_dev_plan_t *plan = &l0->route.plan;
+    /* GEMM0's epilogue keeps [g u] beside the activation. */
+    cometi_gemm_t core0 = cometi_dispatch_gemm_gemm(comm, l0, a);
+    core0.gu = sv->h;
+    core0.gu_rows = sv->cap_rows;
+    /* Each choice's output must come home on its own (the push) to be kept per choice. */
+    cometi_combine_knobs_t k1 = f->k1;
+    k1.push = 1, k1.combine_blocks = 0, k1.n_splits = 1, k1.tail = 0;
+    comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, 0, &f->k0, stream);
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_keep_rows(l0->recv.local, sv->recv, H, plan->local_segs,
+                                                            l0->experts_per_group, sv->cap_rows,
+                                                            plan->recv_rows + comm->rank / moe->tp, comm->async_dev,
+                                                            comm->sm_count, stream), "launch keep_rows_kernel");
+    if (st == COMET_SUCCESS) st = cometi_gemm_combine_run(comm, &f->l1, l0, a, &k1, stream);
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_keep_choices(f->l1.slots.local, sv->back, a->topk_ids, plan->pos,
+                                                               plan->send_offset + (size_t)comm->rank *
+                                                                                       moe->cfg.num_experts,
+                                                               n, moe->cfg.num_experts, moe->tp, H,
+                                                               (size_t)moe->cfg.max_tokens * k * H, comm->sm_count,
+                                                               stream), "launch keep_choices_kernel");
+    if (st == COMET_SUCCESS && n > 0)
+        st = cometi_cuda(comm->err, cudaMemcpyAsync(sv->ids, a->topk_ids, (size_t)n * 4, cudaMemcpyDeviceToDevice,
+                                                    stream), "keep topk_ids");
+    if (st == COMET_SUCCESS && n > 0)
+        st = cometi_cuda(comm->err, cudaMemcpyAsync(sv->weights, a->topk_weights, (size_t)n * 4,
+                                                    cudaMemcpyDeviceToDevice, stream), "keep topk_weights");
+    if (st != COMET_SUCCESS) {
+        snprintf(moe->err, COMETI_ERR_LEN, "%.500s", comm->err);
+        return st;
+    }
+    sv->num_tokens = a->num_tokens;
+    sv->path = COMETI_SAVED_FUSED;
+    sv->filled = 1;
+    return COMET_SUCCESS;
+}
+
+/* The backward's own buffers, on its first call. */
+static comet_status_t backward_buffers(comet_moe_t moe, struct cometi_fused *f)
+{
+    if (f->dy_rows) return COMET_SUCCESS;
+    const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k;
+    void *rows = NULL;
+    float *ones = NULL;
+    comet_status_t st = cometi_cuda(moe->err, cudaMalloc(&rows, choices * moe->cfg.hidden * BF16 + 16),
+                                    "cudaMalloc(the backward's dy rows)");
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(moe->err, cudaMalloc((void **)&ones, choices * sizeof(float) + 16),
+                         "cudaMalloc(the backward's route weights)");
+    if (st == COMET_SUCCESS) {
+        float *host = malloc(choices * sizeof(float) + 16);
+        if (!host) st = cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "the backward's route weights: out of host memory");
+        for (size_t i = 0; host && i < choices; i++) host[i] = 1.0f;
+        if (host)
+            st = cometi_cuda(moe->err, cudaMemcpy(ones, host, choices * sizeof(float), cudaMemcpyHostToDevice),
+                             "copy the backward's route weights");
+        free(host);
+    }
+    if (st != COMET_SUCCESS) {
+        cudaFree(rows);
+        cudaFree(ones);
+        return st;
+    }
+    f->dy_rows = rows;
+    f->ones = ones;
+    return COMET_SUCCESS;
+}
+
+/* The operators' arguments for the backward: rows are the weighted dy per choice, the
+ * route is the forward's ids with weights of 1, and the combine's y is dx. */
+static comet_moe_args_t backward_args(const struct cometi_fused *f, const comet_moe_backward_args_t *ba)
+{
+    comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+    a.num_tokens = ba->saved->num_tokens;
+    a.x = f->dy_rows;
+    a.topk_ids = ba->saved->ids;
+    a.topk_weights = f->ones;
+    a.y = ba->dx;
+    a.weights = ba->weights;
+    a.impl = COMET_IMPL_FUSED;
+    return a;
+}
+
+comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_args_t *ba, cudaStream_t stream)
+{
+    comet_comm_t comm = moe->comm;
+    struct cometi_fused *f;
+    COMETI_TRY(cometi_fused_get(moe, &f));
+    COMETI_TRY(backward_buffers(moe, f));
+    const comet_moe_saved_t sv = ba->saved;
+    const int k = moe->cfg.top_k, H = moe->cfg.hidden, F = moe->ffn_local, per = f->l0.experts_per_group;
+    const comet_moe_args_t a = backward_args(f, ba);
+    backward_gemms_t g = describe_backward(moe, f, &a, ba);
+    /* Checked before anything is enqueued: once the route has run, peers count on this
+     * rank's rows. */
+    cometi_gemm_prepared_t check;
+    const cometi_gemm_t *later[3] = {&g.dgrad_gate_up, &g.wgrad_down, &g.wgrad_gate_up};
+    for (int i = 0; i < 3; i++) COMETI_TRY(cometi_gemm_prepare(moe->err, later[i], &check));
+    cometi_dispatch_knobs_t k0 = f->k0;
+    k0.first_wave = -1;
+    sv->filled = 0; /* consumed, whatever happens next */
+    /* 1. */
+    COMETI_TRY(cometi_cuda(moe->err, cometi_launch_scale_permute(ba->dy, sv->weights, NULL, sv->num_tokens * k, k, H,
+                                                                 moe->tp, (size_t)moe->cfg.max_tokens * k * H, sv->back,
+                                                                 f->dy_rows, ba->d_topk_weights, stream),
+                           "launch scale_permute_kernel"));
+    /* 2. */
+    comet_status_t st = cometi_dispatch_gemm_run_core(comm, &f->l0, &a, &g.dgrad_down, 1, &k0, stream);
+    /* 3. */
+    const cometi_segment_t *segs = f->l0.route.plan.local_segs;
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, f->l0.act, sv->h, F, segs, per,
+                                                                  (int)sv->cap_rows, stream),
+                         "launch swiglu_backward_kernel");
+    cometi_padded_rows_t pad = {{sv->h, f->l0.act, f->l0.recv.local}, {2 * F * BF16, F * BF16, H * BF16}};
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_zero_padding(&pad, segs, per, sv->cap_rows, comm->sm_count, stream),
+                         "launch zero_padding_kernel");
+    /* 4. */
+    if (st == COMET_SUCCESS) st = cometi_gemm_combine_run_core(comm, &f->l1, &f->l0, &a, &g.dgrad_gate_up, &f->k1, stream);
+    /* 5. */
+    if (st == COMET_SUCCESS) st = cometi_gemm_run(comm->err, &g.wgrad_down, stream);
+    if (st == COMET_SUCCESS) st = cometi_gemm_run(comm->err, &g.wgrad_gate_up, stream);
+    if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "%.500s", comm->err);
+    return st;
+}
+
+comet_status_t cometi_moe_backward_gemms(comet_moe_t moe, const comet_moe_backward_args_t *ba, int mask,
+                                         cudaStream_t stream)
+{
+    if (!moe || !ba || !ba->saved || ba->saved->moe != moe || ba->saved->path != COMETI_SAVED_FUSED || !moe->fused)
+        return moe ? cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "backward GEMMs alone: need a saved state of this "
+                                 "layer filled by a fused training forward") : COMET_INVALID_ARGUMENT;
+    struct cometi_fused *f = moe->fused;
+    COMETI_TRY(backward_buffers(moe, f));
+    const comet_moe_args_t a = backward_args(f, ba);
+    backward_gemms_t g = describe_backward(moe, f, &a, ba);
+    /* Alone: every SM, no roles, on the segments of the layer's last route. */
+    g.dgrad_down.local_rows = NULL;
+    g.dgrad_down.tail_ws = NULL;
+    g.dgrad_gate_up.tail_ws = NULL;
+    const cometi_gemm_t *all[4] = {&g.dgrad_down, &g.dgrad_gate_up, &g.wgrad_down, &g.wgrad_gate_up};
+    for (int i = 0; i < 4; i++)
+        if (!mask || mask & (1 << i)) COMETI_TRY(cometi_gemm_run(moe->err, all[i], stream));
+    return COMET_SUCCESS;
+}
