@@ -8,6 +8,9 @@ table (markdown) on stdout.
   FILE-breakdown.png  per case: the baseline's time, comet's, and comet's again timed in
                       turns with our two GEMMs alone on the same rows (what a perfect
                       overlap would take), in ms
+  FILE-train.png      with `--train` records: comet's training step (forward_train and
+                      backward) against the baseline's, the two timed in turns, per preset
+                      and token count
 
 Usage: python3 bench/plot_suite.py suite.json [suite-torch.json]
 (needs matplotlib: pip install matplotlib; the second file from
@@ -20,16 +23,20 @@ from collections import defaultdict
 
 def load(path, torch_path=None):
     """Cases keyed by (preset, tokens, routing) with the baseline's, comet's and (if given)
-    plain PyTorch's figures."""
+    plain PyTorch's figures; and the `--train` records' steps, keyed alike."""
     with open(path) as f:
         records = json.load(f)
     if torch_path:
         with open(torch_path) as f:
             records += json.load(f)
-    cases = defaultdict(dict)
+    cases, train = defaultdict(dict), defaultdict(dict)
     gpu, ranks, tp = "", 0, 1
     for r in records:
-        if r.get("impl") == "baseline":
+        if r.get("impl") in ("baseline-train", "comet-train"):
+            key = (r["case"], r["tokens_per_rank"], r["routing"])
+            impl = r["impl"].split("-")[0]
+            train[key][impl + "_step_turns_ms"] = r.get("step_in_turns_ms")
+        elif r.get("impl") == "baseline":
             key = (r["case"], r["tokens_per_rank"], r["routing"])
             cases[key]["baseline_ms"] = r["median_ms"]["total"]
             gpu, ranks, tp = r.get("gpu", gpu), r.get("ranks", ranks), r.get("tp", tp)
@@ -46,7 +53,8 @@ def load(path, torch_path=None):
     complete = {k: v for k, v in cases.items() if "baseline_ms" in v and v.get("comet_ms", 0) > 0}
     if not complete:
         sys.exit(f"{path}: no case has both a baseline and a comet record (was it written by comet bench --suite?)")
-    return complete, gpu, ranks, tp
+    steps = {k: v for k, v in train.items() if v.get("baseline_step_turns_ms") and v.get("comet_step_turns_ms")}
+    return complete, steps, gpu, ranks, tp
 
 
 def table(cases, title):
@@ -90,11 +98,42 @@ def table(cases, title):
         print(row)
 
 
+def plot_train(plt, steps, title, path):
+    """comet's training step against the baseline's, timed in turns: one panel per preset,
+    token counts on x, one bar per routing."""
+    presets = sorted({k[0] for k in steps})
+    tokens = sorted({k[1] for k in steps})
+    routings = sorted({k[2] for k in steps})
+    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.6), sharey=True, squeeze=False)
+    width = 0.8 / len(routings)
+    for ax, preset in zip(axes[0], presets):
+        for i, routing in enumerate(routings):
+            xs, ys = [], []
+            for j, t in enumerate(tokens):
+                c = steps.get((preset, t, routing))
+                if c:
+                    xs.append(j + (i - (len(routings) - 1) / 2) * width)
+                    ys.append(c["baseline_step_turns_ms"] / c["comet_step_turns_ms"])
+            bars = ax.bar(xs, ys, width, label=routing)
+            ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
+        ax.set_xlim(-0.5, len(tokens) - 0.5)
+        ax.set_title(preset, fontsize=10)
+        ax.set_xlabel("tokens per GPU")
+    axes[0][0].set_ylabel("training step: speedup over the baseline")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"comet's training step (forward_train + backward) over the baseline's, in turns, {title}",
+                 fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main():
     if len(sys.argv) not in (2, 3) or sys.argv[1] in ("-h", "--help"):
         sys.exit(__doc__)
     path = sys.argv[1]
-    cases, gpu, ranks, tp = load(path, sys.argv[2] if len(sys.argv) == 3 else None)
+    cases, steps, gpu, ranks, tp = load(path, sys.argv[2] if len(sys.argv) == 3 else None)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,7 +205,11 @@ def main():
     fig.tight_layout()
     fig.savefig(base + "-breakdown.png", dpi=120)
     table(cases, title)
-    print(f"\nplots: {base}-speedup.png {base}-breakdown.png")
+    plots = f"{base}-speedup.png {base}-breakdown.png"
+    if steps:
+        plot_train(plt, steps, title, base + "-train.png")
+        plots += f" {base}-train.png"
+    print(f"\nplots: {plots}")
 
 
 if __name__ == "__main__":

@@ -10,11 +10,26 @@ is a ratio measured on the same GPUs in the same sitting.
 --suite runs every preset (or those of --preset) at 1024..16384 tokens per GPU with
 balanced and skewed routing, as `comet bench --suite` does; --json writes records in
 the format of comet bench's baseline records (impl "torch"), for bench/plot_suite.py.
+
+    torchrun --nproc-per-node 2 bench/torch_peer.py --train --preset all --tokens 8192
+    torchrun --nproc-per-node 2 bench/torch_peer.py --train --check
+    python3 bench/torch_peer.py --train --check --cpu     # no GPU: CPU, world 1, no dist
+
+--train also times the layer under autograd (x, the routing weights, w13, w2 requiring
+grad; y.backward(dy)): a row "torch-train" per case with the forward, the backward, the
+step, and the six grouped GEMMs alone on the same rows and offsets (forward, dgrad, wgrad:
+two each), medians, slowest rank; --json adds records of impl "torch-train" with
+forward_ms, backward_ms, step_ms, gemms_ms. The backward is torch._grouped_mm's own where
+this torch has one (probed at start), else GroupedMM's (--explicit-grad forces it).
+--check compares y, dx, d weights, dW13, dW2 at a small shape with a float64 reference of
+plain matmuls, prints the max relative errors and exits (1 if one is over tolerance); on
+the CPU (no CUDA, or --cpu; under torchrun through gloo) _grouped_mm is a loop of matmuls.
 """
 import argparse
 import json
 import os
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
@@ -91,6 +106,202 @@ def moe_layer(x, ids, weights, w13, w2, E, world, marks):
     marks[5].record()
     return y, int(offs[-1].item()) if offs.numel() else 0
 
+# ---- --train: the same layer under autograd ----
+
+def loop_gmm(a, b, offs):
+    """torch._grouped_mm by a loop of matmuls (any device, dtype, torch): 2-D x 3-D gives
+    rows [R][N] (group g's rows times b[g]); 2-D x 2-D is grouped along K, [G][M][N]."""
+    spans = list(zip([0] + offs.tolist()[:-1], offs.tolist()))
+    if b.dim() == 3:
+        return torch.cat([a[s:e] @ b[g] for g, (s, e) in enumerate(spans)])
+    return torch.stack([a[:, s:e] @ b[s:e] for s, e in spans])
+
+
+def raw_gmm(a, b, offs):  # what GroupedMM and the GEMMs alone call
+    return torch._grouped_mm(a, b, offs=offs) if a.is_cuda else loop_gmm(a, b, offs)
+
+
+class GroupedMM(torch.autograd.Function):
+    """out = a_g @ b[g] per group (a [R][K], rows grouped by offs; b [G][K][N]) for a torch
+    whose _grouped_mm has no backward: dgrad da_g = dout_g @ b[g]^T, and wgrad
+    db[g] = a_g^T dout_g, a 2-D x 2-D grouped GEMM along K."""
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        return raw_gmm(a, b, offs)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (a, b, offs), dout = ctx.saved_tensors, dout.contiguous()
+        da = raw_gmm(dout, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+        return da, raw_gmm(a.t(), dout, offs) if ctx.needs_input_grad[1] else None, None
+
+
+def has_grouped_mm(device, dtype, backward=True):
+    """Whether torch._grouped_mm runs here (and has a backward: else GroupedMM is used)."""
+    try:
+        a = torch.ones(16, 8, device=device, dtype=dtype, requires_grad=backward)
+        b = torch.ones(2, 8, 8, device=device, dtype=dtype, requires_grad=backward)
+        out = torch._grouped_mm(a, b, offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
+        if backward:
+            out.backward(torch.ones_like(out))
+        return not backward or (a.grad is not None and b.grad is not None)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+def grouped(native):
+    return (lambda a, b, offs: torch._grouped_mm(a, b, offs=offs)) if native else GroupedMM.apply
+
+
+def grad_name(native, cuda=True):
+    return "torch._grouped_mm's autograd" if native else \
+        "GroupedMM over " + ("torch._grouped_mm" if cuda else "a loop of matmuls")
+
+
+class A2A(torch.autograd.Function):
+    """all_to_all_single of rows whose backward is the reverse exchange (torch's own, in
+    torch.distributed.nn.functional, is deprecated in newer torch)."""
+    @staticmethod
+    def forward(ctx, t, out_splits, in_splits):
+        ctx.splits, out = (in_splits, out_splits), t.new_empty(sum(out_splits), *t.shape[1:])
+        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return A2A.apply(grad, *ctx.splits), None, None
+
+
+def a2a(t, out_splits, in_splits):  # the identity without a process group (CPU check, world 1)
+    return A2A.apply(t, out_splits, in_splits) if dist.is_available() and dist.is_initialized() else t
+
+
+def plan(ids, E, world, rank):
+    """moe_layer's route: token-choice order, splits, the [src][expert] -> [expert][src]
+    row permutation and its inverse, the grouped GEMMs' offsets."""
+    per, dev, flat = E // world, ids.device, ids.flatten()
+    counts = counts_all = torch.bincount(flat, minlength=E)
+    if dist.is_available() and dist.is_initialized():
+        counts_all = torch.empty(world * E, dtype=counts.dtype, device=dev)
+        dist.all_to_all_single(counts_all, counts.repeat(world).contiguous())
+    recv_counts = counts_all.view(world, E)[:, rank * per:(rank + 1) * per]  # [src][local expert]
+    chunk = recv_counts.flatten()
+    chunk_start = torch.cumsum(chunk, 0) - chunk
+    by_expert = recv_counts.t().flatten()
+    idx = torch.repeat_interleave(chunk_start.view(world, per).t().flatten(), by_expert)
+    perm = idx + torch.arange(idx.numel(), device=dev) - torch.repeat_interleave(
+        torch.cumsum(by_expert, 0) - by_expert, by_expert)
+    return (torch.argsort(flat, stable=True), counts.view(world, per).sum(1).tolist(),
+            recv_counts.sum(1).tolist(), perm, torch.argsort(perm),
+            torch.cumsum(recv_counts.sum(0), 0).to(torch.int32))
+
+
+def moe_train(x, ids, weights, w13, w2, E, world, rank, gmm):
+    """moe_layer's math with every step differentiable (no in-place writes)."""
+    (m, k), H = ids.shape, x.shape[1]
+    order, send_splits, recv_splits, perm, inv, offs = plan(ids, E, world, rank)
+    rows = a2a(x.index_select(0, order // k), recv_splits, send_splits).index_select(0, perm)
+    gate, up = gmm(rows, w13.transpose(-2, -1), offs).chunk(2, dim=-1)
+    out = gmm(F.silu(gate) * up, w2.transpose(-2, -1), offs)
+    back = a2a(out.index_select(0, inv), send_splits, recv_splits)
+    acc = torch.promote_types(x.dtype, torch.float32)  # bf16 sums in float32, as moe_layer's
+    y = torch.zeros(m, H, dtype=acc, device=x.device).index_add(
+        0, order // k, back.to(acc) * weights.flatten()[order].unsqueeze(1).to(acc))
+    return y.to(x.dtype)
+
+
+def reference(x, ids, weights, w13, w2):
+    """Plain matmuls, all experts: y_t = sum_j w_tj (silu(x_t W1_e^T) * x_t W3_e^T) W2_e^T."""
+    y = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        t, j = (ids == e).nonzero(as_tuple=True)
+        gate, up = (x[t] @ w13[e].t()).chunk(2, dim=-1)
+        y = y.index_add(0, t, (F.silu(gate) * up) @ w2[e].t() * weights[t, j].unsqueeze(1))
+    return y
+
+
+def check(device, dtype, native, world=1, rank=0):
+    """moe_train's y and gradients against reference()'s in float64 at a small shape: every
+    rank draws the same global problem and compares its tokens and its experts."""
+    per, k, H, Fd, m = 3, 2, 64, 32, 40
+    E, M, g = per * world, m * world, torch.Generator().manual_seed(7)
+    rnd = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=g)
+    X, DY, W13, W2 = rnd(M, H), rnd(M, H), rnd(E, 2 * Fd, H) / H ** 0.5, rnd(E, H, Fd) / Fd ** 0.5
+    ids = torch.rand(M, E - 1, generator=g).argsort(1)[:, :k]  # expert E-1 gets no rows
+    W = torch.rand(M, k, dtype=torch.float64, generator=g) + 0.1
+    W /= W.sum(1, keepdim=True)
+    ref = [t.clone().requires_grad_() for t in (X, W, W13, W2)]
+    reference(ref[0], ids, *ref[1:]).backward(DY)
+    Y = reference(X, ids, W, W13, W2)
+    tok, exp = slice(rank * m, rank * m + m), slice(rank * per, rank * per + per)
+    leaf = lambda t, dt=dtype: t.to(device, dt).requires_grad_()
+    x, w13, w2 = leaf(X[tok]), leaf(W13[exp]), leaf(W2[exp])
+    w = leaf(W[tok], torch.promote_types(dtype, torch.float32))  # routing weights: float32 at least
+    y = moe_train(x, ids[tok].to(device), w, w13, w2, E, world, rank, grouped(native))
+    y.backward(DY[tok].to(device, dtype))
+    pairs = {"y": (y, Y[tok]), "dx": (x.grad, ref[0].grad[tok]), "d weights": (w.grad, ref[1].grad[tok]),
+             "dW13": (w13.grad, ref[2].grad[exp]), "dW2": (w2.grad, ref[3].grad[exp])}
+    err = torch.tensor([float((a.detach().double().cpu() - b).abs().max() / b.abs().max())
+                        for a, b in pairs.values()], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    tol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(dtype, 3e-2)
+    if rank == 0:
+        print(f"check ({grad_name(native, x.is_cuda)}, {str(dtype)[6:]} on {device}, world {world}, {E} experts, "
+              f"top-{k}, H={H} F={Fd}, {m} tokens per rank): max relative error " + ", ".join(
+                  f"{n} {e:.2e}" for n, e in zip(pairs, err.tolist()))
+              + f" (tolerance {tol:.0e}): " + ("ok" if (err <= tol).all() else "FAIL"), flush=True)
+    return bool((err <= tol).all())
+
+
+def median_events(fn, warmup, iters, n):
+    """fn(it, marks) warmup + iters times: medians of the spans between its n marks, then of
+    the whole."""
+    marks, spans = [torch.cuda.Event(enable_timing=True) for _ in range(n)], [[] for _ in range(n)]
+    for it in range(-warmup, iters):
+        fn(it, marks)
+        if it >= 0:
+            marks[-1].synchronize()
+            for i in range(n - 1):
+                spans[i].append(marks[i].elapsed_time(marks[i + 1]))
+            spans[-1].append(marks[0].elapsed_time(marks[-1]))
+    return [statistics.median(s) for s in spans]
+
+
+def train_case(sets, w13, w2, E, world, rank, native, warmup, iters):
+    """This rank's medians: the forward under autograd, the backward, the step; the six
+    grouped GEMMs alone, in turns, on set 0's rows and offsets (forward, dgrad, wgrad, all
+    six); and set 0's received rows."""
+    gmm, w13, w2 = grouped(native), torch.nn.Parameter(w13.detach()), torch.nn.Parameter(w2.detach())
+    tsets = [(x.detach().requires_grad_(), ids, w.detach().requires_grad_(), torch.randn_like(x))
+             for x, ids, w in sets]
+
+    def step(it, marks):
+        x, ids, w, dy = tsets[(it + warmup) % len(tsets)]
+        x.grad = w.grad = w13.grad = w2.grad = None  # fresh gradients each step
+        marks[0].record()
+        y = moe_train(x, ids, w, w13, w2, E, world, rank, gmm)
+        marks[1].record()
+        y.backward(dy)
+        marks[2].record()
+
+    offs = plan(sets[0][1], E, world, rank)[5]
+    R, (_, F2, H) = (int(offs[-1]) if offs.numel() else 0), w13.shape
+    rnd = lambda n: torch.randn(R, n, device=w13.device, dtype=w13.dtype)
+    rows, d_out, act, d_h, W13, W2 = rnd(H), rnd(H), rnd(F2 // 2), rnd(F2), w13.detach(), w2.detach()
+
+    def gemms(it, marks):
+        marks[0].record()
+        raw_gmm(rows, W13.transpose(-2, -1), offs), raw_gmm(act, W2.transpose(-2, -1), offs)
+        marks[1].record()
+        raw_gmm(d_out, W2, offs), raw_gmm(d_h, W13, offs)                # dgrad
+        marks[2].record()
+        raw_gmm(d_out.t(), act, offs), raw_gmm(d_h.t(), rows, offs)      # wgrad
+        marks[3].record()
+
+    return median_events(step, warmup, iters, 3) + median_events(gemms, warmup, iters, 4), R
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -102,7 +313,25 @@ def main():
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--suite", action="store_true", help="1024..16384 tokens x balanced, skewed")
     p.add_argument("--json", help="also write the results to this file")
+    p.add_argument("--train", action="store_true", help="also time forward + backward under autograd")
+    p.add_argument("--explicit-grad", action="store_true", help="GroupedMM even where _grouped_mm has autograd")
+    p.add_argument("--check", action="store_true", help="with --train: check the gradients, small shape, and exit")
+    p.add_argument("--cpu", action="store_true", help="with --check: on the CPU, world 1, no torchrun")
     a = p.parse_args()
+    if (a.check or a.explicit_grad) and not a.train:
+        p.error("--check and --explicit-grad go with --train")
+    if a.check and (a.cpu or not torch.cuda.is_available()):  # under torchrun: gloo, any world
+        rank, world = 0, 1
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group("gloo")
+            rank, world = dist.get_rank(), dist.get_world_size()
+        # float64 through GroupedMM's loop; float32 through _grouped_mm's autograd where the CPU has it
+        native = not a.explicit_grad and has_grouped_mm("cpu", torch.float32)
+        ok = all([check("cpu", torch.float64, False, world, rank)]
+                 + [check("cpu", torch.float32, True, world, rank)] * native)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(0 if ok else 1)
     if a.suite and (a.tokens != 8192 or a.routing != "balanced"):
         p.error("--suite runs 1024 to 16384 tokens and both routings: leave out --tokens and --routing")
     preset = a.preset or ("all" if a.suite else "mixtral-8x7b")
@@ -115,6 +344,12 @@ def main():
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
+    native = a.train and not a.explicit_grad and has_grouped_mm("cuda", torch.bfloat16)
+    if a.check:  # float32 where this torch's _grouped_mm takes it on the GPU, else bf16
+        dtype = torch.float32 if has_grouped_mm("cuda", torch.float32, backward=False) else torch.bfloat16
+        ok = all([check("cuda", dtype, nat, world, rank) for nat in [False] + [True] * native])
+        dist.destroy_process_group()
+        sys.exit(0 if ok else 1)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1234 + rank)
     cases = [(r, t, n) for r in ("balanced", "skewed") for t in (1024, 2048, 4096, 8192, 16384) for n in names] \
@@ -162,6 +397,23 @@ def main():
                             "routing": routing_kind, "skew": a.skew, "iters": a.iters, "torch": torch.__version__,
                             "median_ms": {"total": total, "route": route, "dispatch_a2a": a2a_out,
                                           "experts": experts, "combine_a2a": a2a_back, "combine": combine}})
+        if a.train:
+            res, rows = train_case(sets, w13, w2, E, world, rank, native, a.warmup, a.iters)
+            dist.all_reduce(med := torch.tensor(res, device="cuda"), op=dist.ReduceOp.MAX)
+            fwd, bwd, step, g_fwd, g_dgrad, g_wgrad, gemms = med.tolist()
+            # The step's FLOPs: the forward's two GEMMs, dgrad's two, wgrad's two.
+            dist.all_reduce(flops := torch.tensor([rows * 18.0 * H * Fd], device="cuda", dtype=torch.float64))
+            if rank == 0:
+                grad = grad_name(native)
+                print(f"{'case':16} {'impl':11} {'tokens':>6} {'forward ms':>10} {'backward ms':>11} "
+                      f"{'step ms':>9} {'GEMMs alone':>11} {'step TFLOP/s':>12}   (backward by {grad}; "
+                      f"GEMMs alone: forward {g_fwd:.3f} + dgrad {g_dgrad:.3f} + wgrad {g_wgrad:.3f} ms)")
+                print(f"{name:16} {'torch-train':11} {m:6d} {fwd:10.3f} {bwd:11.3f} {step:9.3f} {gemms:11.3f} "
+                      f"{flops.item() / world / (step * 1e-3) / 1e12:12.0f}", flush=True)
+                records.append(dict(records[-1], impl="torch-train", grad=grad, forward_ms=fwd, backward_ms=bwd,
+                                    step_ms=step, gemms_ms=gemms, median_ms={
+                                        "forward": fwd, "backward": bwd, "step": step, "gemms": gemms,
+                                        "gemms_forward": g_fwd, "gemms_dgrad": g_dgrad, "gemms_wgrad": g_wgrad}))
         del w13, w2, sets
         torch.cuda.empty_cache()
     if rank == 0 and a.json:

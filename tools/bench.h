@@ -22,6 +22,19 @@
 
 enum { P_TOTAL, P_ROUTE, P_A2A_OUT, P_EXPERTS, P_A2A_BACK, P_COMBINE, P_LAYER0, P_LAYER1, P_COUNT };
 
+/* --train (bench_train.c): each impl's training calls, medians of the slowest rank, in ms;
+ * -1 where the impl does not serve the call ("n/a"). Index 0 the baseline, 1 comet. */
+enum { TRAIN_BASE, TRAIN_COMET, TRAIN_IMPLS };
+typedef struct train_result {
+    int ran; /* --train, with the baseline run */
+    float forward_ms[TRAIN_IMPLS], backward_ms[TRAIN_IMPLS], step_ms[TRAIN_IMPLS];
+    float gemms_ms;                   /* comet's backward GEMMs alone (cometi_moe_backward_gemms) */
+    float gemm_each_ms[4];            /* each alone: dgrad of W2, of W13, dW2, dW13 */
+    float step_turns_ms[TRAIN_IMPLS]; /* the two steps timed in turns; 0 unless both ran */
+    double check; /* comet's dx against the baseline's, the worst element over its row's RMS (input
+                   * set 0); -1 if not compared */
+} train_result_t;
+
 #define SWEEP_MAX 16
 typedef struct case_result {
     float ms[P_COUNT]; /* medians, slowest rank */
@@ -50,6 +63,7 @@ typedef struct case_result {
     float bound_whole_ms, bound_gemms_ms; /* suite: the whole layer (model's knobs) and our GEMM0 +
                                            * GEMM1 alone, in turns */
     double public_check; /* its y against the baseline's (input set 0), every token */
+    train_result_t train; /* --train */
 } case_result_t;
 
 /* What one timed call runs. */
@@ -60,8 +74,26 @@ enum {
     WHOLE_MODEL,  /* the same with the cost model's knobs (`model`) */
     WHOLE_PUBLIC, /* comet_moe_forward on the fused path, inputs rotating */
     BASE_WHOLE,   /* comet_moe_forward on the baseline path, inputs rotating */
-    BASE_EXPERTS  /* the baseline's cuBLAS GEMM0, SwiGLU and GEMM1 on its last call's rows */
+    BASE_EXPERTS, /* the baseline's cuBLAS GEMM0, SwiGLU and GEMM1 on its last call's rows */
+    /* --train: forward and backward on a->impl; inputs, dy and saved states rotating: */
+    TRAIN_FORWARD,   /* comet_moe_forward_train into the input set's saved state */
+    TRAIN_BACKWARD,  /* comet_moe_backward of the input set's saved state, on its dy (each call after
+                      * an untimed TRAIN_FORWARD: a backward consumes its saved state) */
+    TRAIN_STEP,      /* the two back to back */
+    BASE_TRAIN_STEP, /* the same on the baseline path (in turns with TRAIN_STEP) */
+    BACKWARD_GEMMS   /* cometi_moe_backward_gemms on the input set's saved state (a fused forward's,
+                      * fresh as for TRAIN_BACKWARD) */
 };
+
+/* What the training calls take beside the forward's args: the backward's args (dx,
+ * d_topk_weights, bf16 weight gradients; its saved state and dy set per call), and per
+ * input set a saved state (set i's training forward fills saved[i]) and a dy. */
+typedef struct train_bufs {
+    comet_moe_backward_args_t b;
+    comet_moe_saved_t saved[NSETS];
+    void *dy[NSETS];
+    int gemm_mask; /* BACKWARD_GEMMS: which (cometi_moe_backward_gemms), 0 all */
+} train_bufs_t;
 
 typedef struct timed_call {
     int what;
@@ -76,6 +108,7 @@ typedef struct timed_call {
     const cometi_dispatch_knobs_t *k0;
     const cometi_combine_knobs_t *k1;
     const cometi_knobs_t *model; /* WHOLE_MODEL's knobs */
+    train_bufs_t *tr;            /* the TRAIN_ and BACKWARD_GEMMS calls' */
 } timed_call_t;
 
 /* bench_timing.c */
@@ -83,6 +116,7 @@ float median(float *v, int n);
 int allreduce(comet_comm_t comm, float *v, int n, ncclRedOp_t op);
 int time_calls(const timed_call_t *c, int warmup, int iters, float *out);
 int time_in_turns(const timed_call_t *base, const int *whats, int n, int rounds, float *med);
+int try_call(const timed_call_t *c, int *served);
 int best_in_turns(const timed_call_t *calls, const float *ms, int runs, int model, int rounds, float *fused_ms,
                   float *alone_ms, float *each);
 int print_layer1_trace(comet_comm_t comm, const cometi_gemm_combine_t *l1, const cometi_combine_knobs_t *k);
@@ -95,6 +129,18 @@ int print_tile_timelines(const cometi_rank_ctx_t *ctx, const timed_call_t *fused
 /* bench_case.c */
 int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
                       const comet_moe_config_t *cfg, const char *label, case_result_t *res);
+
+/* bench_train.c */
+int run_train(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm, comet_moe_t moe,
+              const comet_moe_config_t *cfg, const char *label, const comet_moe_args_t *a, void **x,
+              int32_t **ids, float **w, train_result_t *res);
+void report_train(const cometi_rank_ctx_t *ctx, const tool_options_t *o, const struct cudaDeviceProp *prop,
+                  const comet_moe_config_t *cfg, const char *label, const train_result_t *r, FILE *json,
+                  int *records, int *failed_check);
+
+/* cmd_bench.c */
+void json_case_fields(FILE *json, const char *gpu, int ranks, const comet_moe_config_t *cfg,
+                      const tool_options_t *o);
 
 /* cmd_bandwidth.c */
 int timed_copy(comet_comm_t comm, void *dst, const void *src, size_t bytes, int blocks, int reps, cudaEvent_t e0,

@@ -3,7 +3,8 @@
  * on the GPU, so the host can rebuild any element), a float64 check of sample tokens,
  * warm-up, then timed calls of the baseline with inputs rotated across sets larger than
  * L2; then comet beside it: the fused layers' sweeps, comet_moe_forward as a user calls
- * it, and (in the suite) the whole layer against our GEMMs alone and cuBLAS's.
+ * it, and (in the suite) the whole layer against our GEMMs alone and cuBLAS's; with --train,
+ * the training calls last (bench_train.c).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -97,7 +98,7 @@ static int time_layer0(comet_comm_t comm, cometi_dispatch_gemm_t *l0, comet_moe_
                        float **w, const cometi_dispatch_knobs_t *knobs, int warmup, int iters, int what,
                        float *out)
 {
-    const timed_call_t c = {what, comm, NULL, l0, NULL, a, x, ids, w, knobs, NULL, NULL};
+    const timed_call_t c = {what, comm, NULL, l0, NULL, a, x, ids, w, knobs, NULL, NULL, NULL};
     return time_calls(&c, warmup, iters, out);
 }
 
@@ -107,7 +108,7 @@ static int time_layer1(comet_comm_t comm, cometi_dispatch_gemm_t *l0, cometi_gem
                        int32_t **ids, float **w, const cometi_dispatch_knobs_t *k0, const cometi_combine_knobs_t *k1,
                        int warmup, int iters, int what, float *out)
 {
-    const timed_call_t c = {what, comm, NULL, l0, l1, a, x, ids, w, k0, k1, NULL};
+    const timed_call_t c = {what, comm, NULL, l0, l1, a, x, ids, w, k0, k1, NULL, NULL};
     return time_calls(&c, warmup, iters, out);
 }
 
@@ -157,7 +158,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     }
     timed_call_t calls[SWEEP_MAX];
     for (int i = 0; i < res->l1_runs; i++)
-        calls[i] = (timed_call_t){L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, &res->l1_knobs[i], NULL};
+        calls[i] = (timed_call_t){L1_FUSED, comm, NULL, l0, &l1, a, x, ids, w, NULL, &res->l1_knobs[i], NULL, NULL};
     res->l1_best = best_in_turns(calls, res->l1_ms, res->l1_runs, model_run, o->iters, &res->l1_paired_ms,
                                  &res->l1_gemm_alone_ms, res->l1_alone_each);
     if (res->l1_best < 0) return 1;
@@ -184,7 +185,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     if (allreduce(comm, &res->whole_ms, 1, ncclMax)) return 1;
     /* What `comet tune` writes against what the cost model picks, in turns on one input set. */
     const timed_call_t pair = {WHOLE_BEST, comm, NULL, l0, &l1, a, x, ids, w, &res->l0_knobs[res->l0_best], best,
-                               &model};
+                               &model, NULL};
     const int whats[2] = {WHOLE_BEST, WHOLE_MODEL};
     float med[2];
     if (time_in_turns(&pair, whats, 2, o->iters, med)) return 1;
@@ -236,7 +237,7 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     /* The ratio that matters, fused against our GEMM alone, from calls taken in turns. */
     timed_call_t calls[SWEEP_MAX];
     for (int i = 0; i < res->l0_runs; i++)
-        calls[i] = (timed_call_t){L0_FUSED, comm, NULL, &l0, NULL, a, x, ids, w, &res->l0_knobs[i], NULL, NULL};
+        calls[i] = (timed_call_t){L0_FUSED, comm, NULL, &l0, NULL, a, x, ids, w, &res->l0_knobs[i], NULL, NULL, NULL};
     res->l0_best = best_in_turns(calls, res->l0_ms, res->l0_runs, model_run, o->iters, &res->l0_paired_ms,
                                  &res->l0_gemm_alone_ms, res->l0_alone_each);
     if (res->l0_best < 0) return 1;
@@ -297,7 +298,7 @@ static int run_public_fused(const cometi_rank_ctx_t *ctx, const tool_options_t *
     f.impl = COMET_IMPL_FUSED;
     void *y_base = a->y;
     CUDA_OK(cudaMalloc(&f.y, (size_t)M * H * 2 + 16));
-    const timed_call_t c = {WHOLE_PUBLIC, comm, moe, NULL, NULL, &f, x, ids, w, NULL, NULL, NULL};
+    const timed_call_t c = {WHOLE_PUBLIC, comm, moe, NULL, NULL, &f, x, ids, w, NULL, NULL, NULL, NULL};
     if (time_calls(&c, o->warmup, o->iters, &res->public_ms)) return 1;
     if (allreduce(comm, &res->public_ms, 1, ncclMax)) return 1;
     /* y on input set 0, poisoned first, against the baseline's. */
@@ -342,7 +343,7 @@ static int run_overlap_bound(const cometi_rank_ctx_t *ctx, comet_comm_t comm, co
     a->x = x[0], a->topk_ids = ids[0], a->topk_weights = w[0], a->impl = COMET_IMPL_BASELINE;
     st = comet_moe_forward(moe, a, 0);
     FAIL_IF(st != COMET_SUCCESS, "forward (%s): %s", label, comet_moe_last_error(moe));
-    const timed_call_t base = {WHOLE_BEST, comm, moe, &l0, &l1, a, x, ids, w, &k.l0, &k.l1, NULL};
+    const timed_call_t base = {WHOLE_BEST, comm, moe, &l0, &l1, a, x, ids, w, &k.l0, &k.l1, NULL, NULL};
     const int whats[7] = {WHOLE_BEST, L0_GEMM_ALONE, L0_GEMM_ALONE_DYNAMIC, L1_GEMM_ALONE, L1_GEMM_ALONE_DYNAMIC,
                           BASE_EXPERTS, BASE_WHOLE};
     float med[7];
@@ -493,6 +494,7 @@ int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     if (o->run_comet && !o->suite && run_layer0(ctx, o, comm, moe, cfg, label, &a, x, ids, w, res)) return 1;
     if (o->run_comet && run_public_fused(ctx, o, comm, moe, cfg, label, &a, x, ids, w, res)) return 1;
     if (o->run_comet && o->suite && run_overlap_bound(ctx, comm, moe, cfg, label, &a, x, ids, w, o->iters, res)) return 1;
+    if (o->train && run_train(ctx, o, comm, moe, cfg, label, &a, x, ids, w, &res->train)) return 1;
     for (int set = 0; set < NSETS; set++) cudaFree(x[set]), cudaFree(ids[set]), cudaFree(w[set]);
     cudaFree(gate_up), cudaFree(down), cudaFree(y);
     comet_moe_destroy(moe);

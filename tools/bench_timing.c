@@ -45,14 +45,39 @@ int allreduce(comet_comm_t comm, float *v, int n, ncclRedOp_t op)
     return 0;
 }
 
+/* A training forward into the saved state in c->tr->b, then (with `backward`) its
+ * backward, both on `impl`. A refusal (COMET_NOT_SUPPORTED) is try_call's to report. */
+static comet_status_t run_train_call(const timed_call_t *c, comet_impl_t impl, int forward, int backward)
+{
+    comet_moe_args_t a = *c->a;
+    comet_moe_backward_args_t b = c->tr->b;
+    a.impl = b.impl = impl;
+    const char *what = "comet_moe_forward_train";
+    comet_status_t st = forward ? comet_moe_forward_train(c->moe, &a, b.saved, 0) : COMET_SUCCESS;
+    if (st == COMET_SUCCESS && backward) what = "comet_moe_backward", st = comet_moe_backward(c->moe, &b, 0);
+    if (st != COMET_SUCCESS && st != COMET_NOT_SUPPORTED)
+        fprintf(stderr, "%s (%s): %s\n", what, impl == COMET_IMPL_FUSED ? "fused" : "baseline",
+                comet_moe_last_error(c->moe));
+    return st;
+}
+
+/* Any failure here makes the column "n/a": its reason printed on rank 0 alone. */
+static comet_status_t run_backward_gemms(const timed_call_t *c)
+{
+    comet_status_t st = cometi_moe_backward_gemms(c->moe, &c->tr->b, c->tr->gemm_mask, 0);
+    if (st != COMET_SUCCESS && c->comm->rank == 0)
+        fprintf(stderr, "[bench] cometi_moe_backward_gemms: %s\n", comet_moe_last_error(c->moe));
+    return st;
+}
+
 /* Call number n (from 0, warm-up included). */
 static comet_status_t run_timed_call(const timed_call_t *c, int n)
 {
     comet_moe_args_t *a = c->a;
-    if (c->what < L1_FUSED || (c->what >= WHOLE_BEST && c->what != BASE_EXPERTS)) {
-        const int set = n % NSETS;
+    const int set = n % NSETS;
+    if (c->what < L1_FUSED || (c->what >= WHOLE_BEST && c->what != BASE_EXPERTS))
         a->x = c->x[set], a->topk_ids = c->ids[set], a->topk_weights = c->w[set];
-    }
+    if (c->what >= TRAIN_FORWARD) c->tr->b.saved = c->tr->saved[set], c->tr->b.dy = c->tr->dy[set];
     switch (c->what) {
     case L0_FUSED: return cometi_dispatch_gemm_run(c->comm, c->l0, a, c->k0, 0);
     case L0_GEMM_ALONE:
@@ -72,6 +97,11 @@ static comet_status_t run_timed_call(const timed_call_t *c, int n)
         if (st != COMET_SUCCESS) fprintf(stderr, "comet_moe_forward (baseline): %s\n", comet_moe_last_error(c->moe));
         return st;
     }
+    case TRAIN_FORWARD: return run_train_call(c, a->impl, 1, 0);
+    case TRAIN_BACKWARD: return run_train_call(c, a->impl, 0, 1);
+    case TRAIN_STEP: return run_train_call(c, a->impl, 1, 1);
+    case BASE_TRAIN_STEP: return run_train_call(c, COMET_IMPL_BASELINE, 1, 1);
+    case BACKWARD_GEMMS: return run_backward_gemms(c);
     case WHOLE_BEST: {
         comet_status_t st = cometi_dispatch_gemm_run(c->comm, c->l0, a, c->k0, 0);
         return st != COMET_SUCCESS ? st : cometi_gemm_combine_run(c->comm, c->l1, c->l0, a, c->k1, 0);
@@ -88,9 +118,23 @@ static comet_status_t run_timed_call(const timed_call_t *c, int n)
     }
 }
 
+/* What call number n needs first, untimed: a backward consumes the saved state its
+ * training forward filled (the fused one computes its gradients in place), so each
+ * TRAIN_BACKWARD and BACKWARD_GEMMS call gets a fresh training forward on its input set. */
+static comet_status_t prepare_timed_call(const timed_call_t *c, int n)
+{
+    if (c->what != TRAIN_BACKWARD && c->what != BACKWARD_GEMMS) return COMET_SUCCESS;
+    timed_call_t f = *c;
+    f.what = TRAIN_FORWARD;
+    const comet_status_t st = run_timed_call(&f, n);
+    if (st != COMET_SUCCESS) fprintf(stderr, "the training forward before call %d: %s\n", c->what,
+                                     comet_moe_last_error(c->moe));
+    return st;
+}
+
 /* Median ms of `iters` calls after `warmup` more, each after a device barrier (launch skew
  * is not the layer's; for layer1 run again on one route, it is also what orders the
- * slots' reuse), then the device-side failure check. */
+ * slots' reuse) and what it needs first, then the device-side failure check. */
 int time_calls(const timed_call_t *c, int warmup, int iters, float *out)
 {
     cudaEvent_t e0, e1;
@@ -98,6 +142,8 @@ int time_calls(const timed_call_t *c, int warmup, int iters, float *out)
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     for (int it = -warmup; it < iters; it++) {
+        FAIL_IF(prepare_timed_call(c, it + warmup) != COMET_SUCCESS, "timed call %d: %s", c->what,
+                comet_comm_last_error(c->comm));
         FAIL_IF(cometi_barrier(c->comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(c->comm));
         cudaEventRecord(e0, 0);
         const comet_status_t st = run_timed_call(c, it + warmup);
@@ -112,6 +158,28 @@ int time_calls(const timed_call_t *c, int warmup, int iters, float *out)
     cudaEventDestroy(e1);
     const comet_status_t st = comet_comm_get_async_error(c->comm);
     FAIL_IF(st != COMET_SUCCESS, "timed call %d: %s", c->what, comet_comm_last_error(c->comm));
+    return 0;
+}
+
+/* One call on input set 0 after a device barrier, for a call the impl may not serve:
+ * *served is 1 if it succeeded on every rank, 0 if it returned COMET_NOT_SUPPORTED on
+ * any (nothing launched; the reason printed on rank 0) or, for BACKWARD_GEMMS, any other
+ * status. Any other failure is the run's: returns 1. */
+int try_call(const timed_call_t *c, int *served)
+{
+    FAIL_IF(prepare_timed_call(c, 0) != COMET_SUCCESS, "call %d: %s", c->what, comet_comm_last_error(c->comm));
+    FAIL_IF(cometi_barrier(c->comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(c->comm));
+    const comet_status_t st = run_timed_call(c, 0);
+    FAIL_IF(st != COMET_SUCCESS && st != COMET_NOT_SUPPORTED && c->what != BACKWARD_GEMMS, "call %d: %s", c->what,
+            comet_status_string(st));
+    if (st == COMET_NOT_SUPPORTED && c->what != BACKWARD_GEMMS && c->comm->rank == 0)
+        fprintf(stderr, "[bench] n/a: %s\n", comet_moe_last_error(c->moe));
+    CUDA_OK(cudaDeviceSynchronize());
+    FAIL_IF(comet_comm_get_async_error(c->comm) != COMET_SUCCESS, "call %d: %s", c->what,
+            comet_comm_last_error(c->comm));
+    float refused = st != COMET_SUCCESS;
+    if (allreduce(c->comm, &refused, 1, ncclMax)) return 1;
+    *served = refused == 0;
     return 0;
 }
 

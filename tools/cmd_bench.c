@@ -1,10 +1,10 @@
 /*
  * cmd_bench.c - the body of `comet bench` (and `comet tune`), run on every rank: the
  * cases (a preset or an explicit shape; with --suite every preset x token count x
- * routing), each run by bench_case.c, its rows printed on rank 0 and its records
- * written as JSON on request; the suite's table at the end. Times are CUDA events
- * between phases; each phase's median is taken per rank and the slowest rank's is
- * reported.
+ * routing), each run by bench_case.c (its training calls, with --train, by bench_train.c),
+ * its rows printed on rank 0 and its records written as JSON on request; the suite's table
+ * at the end. Times are CUDA events between phases; each phase's median is taken per rank
+ * and the slowest rank's is reported.
  */
 #define _GNU_SOURCE
 #include <stdio.h>
@@ -38,6 +38,15 @@ static const char *layer1_name(const cometi_combine_knobs_t *k, char *buf, size_
     if (k->push) snprintf(buf, len, "%s", k->dynamic_tiles ? "push" : "push-static");
     else snprintf(buf, len, "%dx%d%s", k->combine_blocks, k->n_splits, k->tail || !k->combine_blocks ? "t" : "");
     return buf;
+}
+
+/* A case's fields as every record of its JSON carries them (after "case" and "impl"). */
+void json_case_fields(FILE *json, const char *gpu, int ranks, const comet_moe_config_t *cfg, const tool_options_t *o)
+{
+    fprintf(json, "\"gpu\": \"%s\", \"ranks\": %d, \"tp\": %d, \"experts\": %d, \"top_k\": %d, \"hidden\": %d, "
+            "\"ffn\": %d, \"tokens_per_rank\": %d, \"routing\": \"%s\", \"skew\": %g, \"iters\": %d, \"seed\": %llu",
+            gpu, ranks, cfg->tp_size > 0 ? cfg->tp_size : 1, cfg->num_experts, cfg->top_k, cfg->hidden, cfg->ffn,
+            cfg->max_tokens, routing_name(o->routing), o->skew, o->iters, (unsigned long long)o->seed);
 }
 
 static void print_header(void)
@@ -75,14 +84,9 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                    base.ms[P_A2A_BACK] + base.ms[P_COMBINE], base.ms[P_A2A_OUT] + base.ms[P_A2A_BACK],
                    base.ms[P_EXPERTS], base.tflops, check);
             if (json) {
-                fprintf(json, "%s  {\"case\": \"%s\", \"impl\": \"baseline\", \"gpu\": \"%s\", \"ranks\": %d, "
-                        "\"tp\": %d, \"experts\": %d, \"top_k\": %d, \"hidden\": %d, \"ffn\": %d, "
-                        "\"tokens_per_rank\": %d, \"routing\": \"%s\", \"skew\": %g, \"iters\": %d, \"seed\": %llu, "
-                        "\"median_ms\": {",
-                        (*records)++ ? ",\n" : "", label, prop->name, ctx->nranks, cfg->tp_size > 0 ? cfg->tp_size : 1,
-                        cfg->num_experts, cfg->top_k, cfg->hidden,
-                        cfg->ffn, cfg->max_tokens, routing_name(o->routing), o->skew, o->iters,
-                        (unsigned long long)o->seed);
+                fprintf(json, "%s  {\"case\": \"%s\", \"impl\": \"baseline\", ", (*records)++ ? ",\n" : "", label);
+                json_case_fields(json, prop->name, ctx->nranks, cfg, o);
+                fprintf(json, ", \"median_ms\": {");
                 for (int p = 0; p < P_COUNT; p++)
                     fprintf(json, "%s\"%s\": %.4f", p ? ", " : "", phase_json[p], base.ms[p]);
                 fprintf(json, "}, \"comm_alone_ms\": %.4f, \"gemm_alone_ms\": %.4f, \"expert_tflops_per_gpu\": "
@@ -194,6 +198,7 @@ static int bench_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                         base.l0_diff);
         }
     }
+    report_train(ctx, o, prop, cfg, label, &base.train, json, records, failed_check);
     if (base.l0_runs && !(base.l0_diff <= 1e-2)) *failed_check = 1;
     if (base.l1_runs && !(base.l1_diff <= 1e-2)) *failed_check = 1;
     if (base.public_ms > 0 && !(base.public_check <= 1e-2)) *failed_check = 1;
@@ -287,6 +292,6 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
         fclose(json);
     }
     comet_comm_destroy(comm);
-    FAIL_IF(failed_check, "a float64 check of sample tokens failed (relative error over 1e-2, marked !)");
+    FAIL_IF(failed_check, "a check failed (marked ! in its row)");
     return 0;
 }

@@ -53,6 +53,11 @@ static void usage(FILE *f)
             "  --trace                  also print, on every rank, where the fused kernels' time goes per SM against\n"
             "                           our GEMM alone's (launch, dispatch, waits for rows, tiles, tail), and with\n"
             "                           combine blocks layer1's combine timeline\n"
+            "  --train                  also time training, each case's last, the baseline's then comet's:\n"
+            "                           comet_moe_forward_train, comet_moe_backward (bf16 weight gradients), the\n"
+            "                           two as one step, comet's backward GEMMs alone; comet's step vs the\n"
+            "                           baseline's in turns and its dx vs the baseline's; n/a where an impl does\n"
+            "                           not serve a call (bench only; with --suite too)\n"
             "bandwidth flags:\n"
             "  --mib N                  bytes per transfer, MiB                         [256]\n"
             "gemm flags:\n"
@@ -192,6 +197,9 @@ int main(int argc, char **argv)
             used = 0;
         } else if (!strcmp(f, "--suite")) {
             o.suite = 1;
+            used = 0;
+        } else if (!strcmp(f, "--train") && !strcmp(cmd, "bench")) {
+            o.train = 1;
             used = 0;
         } else if (!strcmp(f, "--trace") && is_bench) {
             o.trace = 1;

@@ -47,6 +47,7 @@ typedef struct tool_options {
     int warmup, iters;
     int check;                       /* float64 check of sample tokens */
     int trace;                       /* --trace: where the fused kernels' time goes, per SM */
+    int train;                       /* --train: forward_train, backward and the step, per impl */
     const char *json;
     const char *tune_out;            /* comet tune: the tuning file the best settings go to */
     uint64_t seed;
