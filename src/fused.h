@@ -23,6 +23,9 @@ struct cometi_fused {
     void *dy_rows;               /* [max_tokens x top_k][hidden] bf16: each choice's dy, weighted */
     float *ones;                 /* [max_tokens x top_k]: the weights its route is given (dx sums
                                   * a token's choices unweighted) */
+    int dswiglu_epilogue;        /* SwiGLU's backward in the dgrad of W2's epilogue (direct stores,
+                                  * [g u] loaded there) instead of a kernel of its own after it: it
+                                  * made that GEMM 1.6x slower on one H200, so 0 (tests run both) */
 };
 
 /* The layer's fused path, created by the first call (collective: picks the knobs,

@@ -7,8 +7,9 @@
  * backward  1. at home: each choice's dy weighted (w dy), d topk_weights = <dy, o> beside it;
  *           2. dispatch -> GEMM: those rows to their experts over the forward's routing
  *              (route again from the kept ids), into s = (w dy) W2 (B read MN-major);
- *           3. SwiGLU's backward in place: [g u] becomes dh = [dg du], s becomes a;
- *              the padding rows zeroed for the weight gradients;
+ *           3. SwiGLU's backward in place: [g u] becomes dh = [dg du], s becomes a (a
+ *              kernel: in the GEMM's epilogue it cost more, see fused.h); the padding rows
+ *              zeroed for the weight gradients;
  *           4. GEMM -> combine: dx rows = dh W13 (B MN-major) home, each token's choices
  *              summed (the route's weights are 1);
  *           5. the weight gradients, groups along K: dW2 = (w dy)^T a, dW13 = dh^T x.
@@ -84,6 +85,10 @@ static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *
     b.dgrad_down.k = H;
     b.dgrad_down.c = f->l0.act;
     b.dgrad_down.ldc = F;
+    if (f->dswiglu_epilogue) { /* s never leaves the registers: [g u] -> [dg du], C = the activation */
+        b.dgrad_down.dswiglu_gu = sv->h;
+        b.dgrad_down.epilogue = COMETI_EPILOGUE_DIRECT;
+    }
     b.dgrad_gate_up = cometi_gemm_combine_gemm(comm, &f->l1, &f->l0, a);
     b.dgrad_gate_up.a = sv->h; /* dh, once SwiGLU's backward has run */
     b.dgrad_gate_up.a_rows = sv->cap_rows;
@@ -214,7 +219,7 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     comet_status_t st = cometi_dispatch_gemm_run_core(comm, &f->l0, &a, &g.dgrad_down, 1, &k0, stream);
     /* 3. */
     const cometi_segment_t *segs = f->l0.route.plan.local_segs;
-    if (st == COMET_SUCCESS)
+    if (st == COMET_SUCCESS && !f->dswiglu_epilogue)
         st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, f->l0.act, sv->h, F, segs, per,
                                                                   (int)sv->cap_rows, stream),
                          "launch swiglu_backward_kernel");

@@ -28,6 +28,7 @@
 
 #include "comet.h"
 #include "../src/internal.h"
+#include "../src/fused.h"
 #include "testutil.h"
 #include "gpu_util.h"
 
@@ -296,9 +297,15 @@ static int backward_rank(const cometi_rank_ctx_t *ctx, void *arg)
             return 1;
         }
         if (backward_case(&fx, &bwd_cases[i], seed + 100 * i, COMET_IMPL_BASELINE)) return 1;
-        /* The fused path trains with gate_up in one tensor (separate gate and up: refused). */
-        if (!bwd_cases[i].separate && backward_case(&fx, &bwd_cases[i], seed + 100 * i + 50, COMET_IMPL_FUSED))
-            return 1;
+        /* The fused path trains with gate_up in one tensor (separate gate and up: refused),
+         * SwiGLU's backward as a kernel of its own, and in the dgrad GEMM's epilogue. */
+        for (int epilogue = 0; epilogue < 2 && !bwd_cases[i].separate; epilogue++) {
+            struct cometi_fused *f;
+            CHECK_EQ(cometi_fused_get(fx.moe, &f), COMET_SUCCESS);
+            f->dswiglu_epilogue = epilogue;
+            if (epilogue) printf("rank %d: SwiGLU's backward in the dgrad GEMM's epilogue\n", ctx->rank);
+            if (backward_case(&fx, &bwd_cases[i], seed + 100 * i + 50 + epilogue, COMET_IMPL_FUSED)) return 1;
+        }
     }
     fixture_close(&fx);
     return 0;
@@ -544,3 +551,51 @@ static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
 }
 
 int test_gpu_training_1000_steps(void) { return launch_seeded(training_steps_rank, 280); }
+
+/* ---- a peer gone in the backward: COMET_TIMEOUT, not a hang (two GPUs) ---- */
+
+static int backward_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 0, 0, 2000, 0}; /* a 2 s timeout */
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    const moe_case_t c = {"missing peer", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
+    comet_status_t st;
+    double rel;
+    fx.skip_reference = 1;
+    if (run_case(&fx, &c, seed, 0, &st, &rel)) return 1; /* inputs in place */
+    const int H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens, k = fx.cfg.top_k, per = fx.per;
+    void *d_dy, *d_dx, *g_gu, *g_dn;
+    float *d_dw;
+    CUDA_OK(cudaMalloc(&d_dy, (size_t)M * H * 2));
+    CUDA_OK(cudaMemset(d_dy, 0, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc(&d_dx, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc((void **)&d_dw, sizeof(float) * M * k));
+    CUDA_OK(cudaMalloc(&g_gu, (size_t)per * 2 * F * H * 2));
+    CUDA_OK(cudaMalloc(&g_dn, (size_t)per * H * F * 2));
+    comet_moe_saved_t saved;
+    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved), COMET_SUCCESS);
+    comet_moe_args_t a = fused_args(&fx, &c);
+    a.impl = COMET_IMPL_FUSED;
+    COMET_OK(comet_moe_forward_train(fx.moe, &a, saved, 0), fx.comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+    comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
+    b.saved = saved, b.dy = d_dy, b.weights = a.weights, b.dx = d_dx, b.d_topk_weights = d_dw;
+    b.grads.gate_up = g_gu, b.grads.down = g_dn;
+    const double t0 = now_s();
+    if (ctx->rank == 0) COMET_OK(comet_moe_backward(fx.moe, &b, 0), fx.comm); /* rank 1 never calls it */
+    else COMET_OK(cometi_wait_flag(fx.comm, 3, 1, 0), fx.comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    const double took = now_s() - t0;
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_TIMEOUT);
+    printf("rank %d: %.3f s: %s\n", ctx->rank, took, comet_comm_last_error(fx.comm));
+    CHECK(took < 5.0);
+    /* The communicator is unusable now; destroying it aborts NCCL. */
+    comet_comm_destroy(fx.comm);
+    fx.comm = NULL;
+    return 0;
+}
+
+int test_gpu_backward_missing_peer_times_out(void) { return launch_two_seeded(backward_missing_peer_rank, 100); }

@@ -115,7 +115,8 @@ uint64_t test_seed(void);
     X(gpu_forward_graph_replay, 120)            \
     X(gpu_backward_matches_reference, 300)      \
     X(gpu_backward_refusals, 120)               \
-    X(gpu_training_1000_steps, 300)
+    X(gpu_training_1000_steps, 300)             \
+    X(gpu_backward_missing_peer_times_out, 120)
 
 #define DECLARE_TEST(name, timeout) int test_##name(void);
 COMET_TESTS(DECLARE_TEST)

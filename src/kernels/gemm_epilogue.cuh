@@ -38,6 +38,18 @@ static __device__ __forceinline__ uint32_t swizzled_chunk(int j, int r)
  * 2^-11 error turns into 0.5% of silu for x near -3.) */
 static __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
+/* SwiGLU's backward for one element, as the sequential path's kernel computes it (the same
+ * bits): from da (the dgrad of W2, already weighted) and the forward's g and u, dg =
+ * da u silu'(g), du = da silu(g), and the activation a = silu(g) u for dW2;
+ * silu'(g) = sig(g) (1 + g (1 - sig(g))). */
+static __device__ __forceinline__ void dswiglu(float da, float g, float u, float *dg, float *du, float *a)
+{
+    const float sg = 1.0f / (1.0f + expf(-g)), silu_g = g * sg;
+    *dg = da * u * sg * (1.0f + g * (1.0f - sg));
+    *du = da * silu_g;
+    *a = silu_g * u;
+}
+
 /* A consumer thread's state across its tiles. */
 typedef struct epilogue_state {
     int pending_split;      /* TMA epilogue: the split of this warpgroup's last store, not yet counted */
@@ -185,7 +197,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         }
         return;
     }
-    if (push_whole || (TMA_EPILOGUE && !p.push_dest && !p.row_index && tl.m * TM + TM <= seg.rows)) {
+    if (push_whole || (TMA_EPILOGUE && !p.push_dest && !p.row_index && !p.dswiglu_gu && tl.m * TM + TM <= seg.rows)) {
         /* Into shared memory as ON/64 swizzled boxes (swizzled_chunk), then one thread
          * stores the boxes asynchronously: to C, or to a push part's owner. */
         unsigned char *stage_c = sc + half * (64 * ON * 2);
@@ -238,6 +250,27 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         if (hi_ok) dst_row[1] = p.row_index[seg.start + row0 + 8];
         ok[0] = ok[0] && dst_row[0] >= 0;
         ok[1] = ok[1] && dst_row[1] >= 0;
+    }
+    if (!SWIGLU && !MAY_BE_EMPTY && p.dswiglu_gu) { /* the backward's dgrad of W2: SwiGLU's backward */
+        const int col0 = tl.n * ON + (lane % 4) * 2;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (!ok[h]) continue;
+            __nv_bfloat16 *gate = (__nv_bfloat16 *)p.dswiglu_gu + dst_row[h] * 2 * p.n + col0, *up = gate + p.n;
+            __nv_bfloat16 *act = (__nv_bfloat16 *)p.c + dst_row[h] * p.ldc + col0;
+#pragma unroll
+            for (int j = 0; j < ON / 8; j++) {
+                const float2 g = __bfloat1622float2(*(const __nv_bfloat162 *)(gate + j * 8));
+                const float2 u = __bfloat1622float2(*(const __nv_bfloat162 *)(up + j * 8));
+                float2 dg, du, a;
+                dswiglu(OUT(j, h, 0), g.x, u.x, &dg.x, &du.x, &a.x);
+                dswiglu(OUT(j, h, 1), g.y, u.y, &dg.y, &du.y, &a.y);
+                *(__nv_bfloat162 *)(gate + j * 8) = __floats2bfloat162_rn(dg.x, dg.y);
+                *(__nv_bfloat162 *)(up + j * 8) = __floats2bfloat162_rn(du.x, du.y);
+                *(__nv_bfloat162 *)(act + j * 8) = __floats2bfloat162_rn(a.x, a.y);
+            }
+        }
+        return;
     }
     if (MAY_BE_EMPTY && p.c_fp32_add) { /* gradient accumulation: C += the tile, fp32 */
 #pragma unroll
