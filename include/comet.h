@@ -245,15 +245,19 @@ COMET_API comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args
  *   comet_moe_backward(moe, &bargs, stream);                      // bargs.saved = s
  *   comet_moe_saved_destroy(s);
  *
- * Today both run the sequential path (NCCL all-to-all + cuBLAS, as Megatron-LM runs an
- * expert-parallel layer unfused): COMET_IMPL_AUTO and COMET_IMPL_BASELINE take it, and
- * COMET_IMPL_FUSED gives COMET_NOT_SUPPORTED. An inference forward (comet_moe_forward)
- * saves nothing and costs nothing extra. */
+ * The fused path trains with COMET's two patterns again (dispatch -> GEMM for dy into the
+ * dgrad GEMM of W2, GEMM -> combine for the dgrad GEMM of W13 with dx sent home, the weight
+ * gradients as grouped GEMMs along K). It needs gate_up in one tensor and hidden and
+ * ffn / tp_size multiples of 128; COMET_IMPL_AUTO takes it where it can and the
+ * sequential path (NCCL all-to-all + cuBLAS, as Megatron-LM runs an expert-parallel layer
+ * unfused) elsewhere. The backward runs the path its forward ran. An inference forward
+ * (comet_moe_forward) saves nothing and costs nothing extra. */
 
 /* What one training forward keeps for its backward: the rows this rank received (x, and
  * the gate and up projections), each of its tokens' expert outputs, and the routing. The
- * caller owns it; a training forward fills it, its backward reads it (again, if called
- * again), the next training forward into it replaces it. */
+ * caller owns it; a training forward fills it, its backward consumes it (a second
+ * backward on it is refused: run a training forward again), the next training forward
+ * into it replaces it. */
 typedef struct comet_moe_saved *comet_moe_saved_t;
 
 typedef struct comet_moe_saved_config {
@@ -262,9 +266,11 @@ typedef struct comet_moe_saved_config {
     unsigned int version;
     /* The most (token, choice) rows this rank may receive in one call, padding excluded.
      * 0: the worst case, every choice of every rank's max_tokens tokens routed here (world x
-     * max_tokens x top_k). A call that routes more here is refused (COMET_INVALID_ARGUMENT
-     * on every rank, before any row moves): rows are never dropped. Give every rank the
-     * same bound. */
+     * max_tokens x top_k). Rows are never dropped: on the sequential path a call that routes
+     * more here is refused (COMET_INVALID_ARGUMENT on every rank, before any row moves);
+     * on the fused path, which never waits for the host, the forward runs and
+     * comet_comm_get_async_error() then reports COMET_INVALID_ARGUMENT (the communicator is
+     * unusable after it). Give every rank the same bound. */
     int64_t max_recv_rows;
 } comet_moe_saved_config_t;
 
@@ -273,23 +279,32 @@ typedef struct comet_moe_saved_config {
 /*
  * The device memory a saved state of this layer takes: per received row, (hidden + 2 x
  * ffn / tp_size) x 2 bytes (x, gate and up, bf16); per token, top_k x (tp_size x hidden x
- * 2 + 8) bytes (each choice's expert output as it came home, its place and weight); plus
- * one 128-row block of padding per local expert. Rows are allocated for the bound
- * (max_recv_rows). `config` may be NULL (the worst case). Not collective; allocates
- * nothing.
+ * 2 + 12) bytes (each choice's expert output as it came home, its place, expert id and
+ * weight); plus one 128-row block of padding per local expert and at most 2 KB of
+ * alignment. Rows are allocated for the bound (max_recv_rows). `config` may be NULL (the
+ * worst case). Not collective; allocates nothing.
  */
 COMET_API comet_status_t comet_moe_saved_bytes(comet_moe_t moe, const comet_moe_saved_config_t *config,
                                                size_t *bytes);
 /* Allocate a saved state for this layer (not collective). NULL config: the worst case. */
 COMET_API comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe_saved_config_t *config,
                                                 comet_moe_saved_t *out);
-/* NULL is a no-op. Waits for the device. Destroy it before its layer. */
+/* The same over the caller's device memory (a framework's caching allocator): at least
+ * comet_moe_saved_bytes bytes, 256-byte aligned, kept alive by the caller until the
+ * backward that reads it has run on the device (stream order is enough). Its destroy
+ * neither waits for the device nor frees the memory. */
+COMET_API comet_status_t comet_moe_saved_create_in(comet_moe_t moe, const comet_moe_saved_config_t *config,
+                                                   void *memory, size_t bytes, comet_moe_saved_t *out);
+/* NULL is a no-op. Destroy it before its layer. One from comet_moe_saved_create waits for
+ * the device and frees its memory. */
 COMET_API comet_status_t comet_moe_saved_destroy(comet_moe_saved_t saved);
 
 /*
  * y = MoE(x) as comet_moe_forward, and `saved` (of this layer) filled for the backward.
- * Collective. Errors as comet_moe_forward's, and COMET_INVALID_ARGUMENT for a saved state
- * of another layer or a call that routes more rows here than its bound.
+ * Collective. Errors as comet_moe_forward's, COMET_INVALID_ARGUMENT for a saved state of
+ * another layer or (sequential path) a call that routes more rows here than its bound,
+ * and COMET_NOT_SUPPORTED for COMET_IMPL_FUSED where the fused path cannot train (the
+ * message says why).
  */
 COMET_API comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *args,
                                                  comet_moe_saved_t saved, cudaStream_t stream);
@@ -330,11 +345,14 @@ typedef struct comet_moe_backward_args {
 
 /*
  * The backward of the training forward that filled args->saved: dx, d topk_weights and
- * this rank's expert weight gradients, enqueued on `stream`. Collective, as the forward:
- * every rank calls it for the same forward call. A token's dx sums its choices in choice
- * order (fp32): the same inputs give the same bits. Errors: COMET_INVALID_ARGUMENT (a
- * field; a saved state not filled, or of another layer: nothing is launched),
- * COMET_NOT_SUPPORTED (COMET_IMPL_FUSED), COMET_NCCL_ERROR, COMET_CUDA_ERROR.
+ * this rank's expert weight gradients, enqueued on `stream`, on the path that forward
+ * ran (impl: COMET_IMPL_AUTO, or that path's). Collective, as the forward: every rank
+ * calls it for the same forward call. It consumes args->saved. A token's dx sums its
+ * choices in a fixed order (fp32): the same inputs give the same bits. The fused path
+ * never waits for the host (capturable in a CUDA graph as its forward); a peer that
+ * stops calling gives COMET_TIMEOUT through comet_comm_get_async_error(). Errors:
+ * COMET_INVALID_ARGUMENT (a field; a saved state empty, consumed, of another layer or
+ * another path: nothing is launched), COMET_TIMEOUT, COMET_NCCL_ERROR, COMET_CUDA_ERROR.
  */
 COMET_API comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args_t *args,
                                             cudaStream_t stream);

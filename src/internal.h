@@ -145,6 +145,8 @@ struct comet_moe_saved {
     int filled;                  /* a training forward filled it, nothing failed after, and no
                                   * backward has consumed it */
     int path;                    /* COMETI_SAVED_*: the path that filled it (its backward runs it) */
+    void *memory;                /* the one device block the arrays below are carved from */
+    int owned;                   /* allocated by comet_moe_saved_create (else the caller's) */
     int num_tokens;
     void *recv;                  /* [cap_rows][H] bf16: x rows received, in the plan's layout */
     void *h;                     /* [cap_rows][2 Fl] bf16: their gate and up projections (the fused

@@ -31,6 +31,29 @@ static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t
     return COMET_SUCCESS;
 }
 
+/* The saved state's device parts, each starting on a 256-byte boundary of one block. */
+#define SAVED_ALIGN 256
+#define SAVED_PARTS 7
+static size_t saved_layout(comet_moe_t moe, int64_t cap, size_t offset[SAVED_PARTS])
+{
+    const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k, H = (size_t)moe->cfg.hidden;
+    const size_t size[SAVED_PARTS] = {
+        (size_t)cap * H * 2,                        /* recv: x rows */
+        (size_t)cap * 2 * moe->ffn_local * 2,       /* h: gate and up */
+        choices * moe->tp * H * 2,                  /* back: expert outputs */
+        choices * sizeof(int32_t),                  /* send_pos */
+        choices * sizeof(int32_t),                  /* ids */
+        choices * sizeof(float),                    /* weights */
+        sizeof(cometi_segment_t) * (size_t)moe->experts_per_rank, /* segs */
+    };
+    size_t at = 0;
+    for (int i = 0; i < SAVED_PARTS; i++) {
+        offset[i] = at;
+        at += (size[i] + SAVED_ALIGN - 1) / SAVED_ALIGN * SAVED_ALIGN;
+    }
+    return at;
+}
+
 comet_status_t comet_moe_saved_bytes(comet_moe_t moe, const comet_moe_saved_config_t *config, size_t *bytes)
 {
     char *cerr = cometi_create_error_buffer();
@@ -38,19 +61,19 @@ comet_status_t comet_moe_saved_bytes(comet_moe_t moe, const comet_moe_saved_conf
                                            !moe ? "moe" : "bytes");
     int64_t bound, cap;
     COMETI_TRY(saved_rows(moe, config, &bound, &cap));
-    const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k, H = (size_t)moe->cfg.hidden;
-    *bytes = (size_t)cap * (H + 2 * (size_t)moe->ffn_local) * 2 + choices * ((size_t)moe->tp * H * 2 + 12) +
-             sizeof(cometi_segment_t) * (size_t)moe->experts_per_rank;
+    size_t offset[SAVED_PARTS];
+    *bytes = saved_layout(moe, cap, offset);
     return COMET_SUCCESS;
 }
 
 comet_status_t comet_moe_saved_destroy(comet_moe_saved_t s)
 {
     if (!s) return COMET_SUCCESS;
-    comet_status_t st = cometi_cuda(cometi_create_error_buffer(), cudaDeviceSynchronize(),
-                                    "comet_moe_saved_destroy: device sync");
-    void *dev[] = {s->recv, s->h, s->back, s->send_pos, s->ids, s->weights, s->segs};
-    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) cudaFree(dev[i]);
+    comet_status_t st = COMET_SUCCESS;
+    if (s->owned) { /* the device may still read it */
+        st = cometi_cuda(cometi_create_error_buffer(), cudaDeviceSynchronize(), "comet_moe_saved_destroy: device sync");
+        cudaFree(s->memory);
+    }
     free(s->segs_host);
     free(s->sends);
     free(s->recvs);
@@ -58,8 +81,9 @@ comet_status_t comet_moe_saved_destroy(comet_moe_saved_t s)
     return st;
 }
 
-comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe_saved_config_t *config,
-                                      comet_moe_saved_t *out)
+/* A saved state over `memory` (NULL: allocated here, freed by destroy). */
+static comet_status_t saved_create(comet_moe_t moe, const comet_moe_saved_config_t *config, void *memory,
+                                   size_t memory_bytes, comet_moe_saved_t *out)
 {
     char *cerr = cometi_create_error_buffer();
     cerr[0] = '\0';
@@ -68,28 +92,38 @@ comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe_saved_con
     if (!moe) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_create: moe is NULL");
     int64_t bound, cap;
     COMETI_TRY(saved_rows(moe, config, &bound, &cap));
+    size_t offset[SAVED_PARTS];
+    const size_t bytes = saved_layout(moe, cap, offset);
+    if (memory && memory_bytes < bytes)
+        return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_create_in: bytes = %zu: the saved state "
+                           "needs %zu (comet_moe_saved_bytes)", memory_bytes, bytes);
+    if (memory && (uintptr_t)memory % SAVED_ALIGN)
+        return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_create_in: memory = %p: must be %d-byte "
+                           "aligned", memory, SAVED_ALIGN);
     comet_moe_saved_t s = calloc(1, sizeof(*s));
     if (!s) return cometi_fail(cerr, COMET_OUT_OF_MEMORY, "comet_moe_saved_create: out of host memory");
     s->moe = moe;
     s->max_recv_rows = bound;
     s->cap_rows = cap;
-    const int per = moe->experts_per_rank, W = moe->comm->size;
-    const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k, H = (size_t)moe->cfg.hidden;
+    s->owned = memory == NULL;
     comet_status_t st = COMET_SUCCESS;
-    struct { void **p; size_t bytes; const char *what; } dev[] = {
-        {&s->recv, (size_t)cap * H * 2, "received rows"},
-        {&s->h, (size_t)cap * 2 * moe->ffn_local * 2, "gate and up projections"},
-        {&s->back, choices * moe->tp * H * 2, "expert outputs"},
-        {(void **)&s->send_pos, choices * sizeof(int32_t), "send places"},
-        {(void **)&s->ids, choices * sizeof(int32_t), "expert ids"},
-        {(void **)&s->weights, choices * sizeof(float), "routing weights"},
-        {(void **)&s->segs, per * sizeof(cometi_segment_t), "segments"},
-    };
-    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]) && st == COMET_SUCCESS; i++) {
+    if (s->owned) {
         char what[96];
-        snprintf(what, sizeof(what), "comet_moe_saved_create: cudaMalloc(%s, %zu bytes)", dev[i].what, dev[i].bytes);
-        st = cometi_cuda(cerr, cudaMalloc(dev[i].p, dev[i].bytes ? dev[i].bytes : 1), what);
+        snprintf(what, sizeof(what), "comet_moe_saved_create: cudaMalloc(%zu bytes)", bytes);
+        st = cometi_cuda(cerr, cudaMalloc(&memory, bytes), what);
     }
+    s->memory = memory;
+    if (st == COMET_SUCCESS) {
+        char *m = memory;
+        s->recv = m + offset[0];
+        s->h = m + offset[1];
+        s->back = m + offset[2];
+        s->send_pos = (int32_t *)(m + offset[3]);
+        s->ids = (int32_t *)(m + offset[4]);
+        s->weights = (float *)(m + offset[5]);
+        s->segs = (cometi_segment_t *)(m + offset[6]);
+    }
+    const int per = moe->experts_per_rank, W = moe->comm->size;
     s->segs_host = malloc(per * sizeof(cometi_segment_t));
     s->sends = malloc(sizeof(cometi_a2a_msg_t) * moe->tp * moe->cfg.num_experts);
     s->recvs = malloc(sizeof(cometi_a2a_msg_t) * W * per);
@@ -104,6 +138,23 @@ comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe_saved_con
     }
     *out = s;
     return COMET_SUCCESS;
+}
+
+comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe_saved_config_t *config,
+                                      comet_moe_saved_t *out)
+{
+    return saved_create(moe, config, NULL, 0, out);
+}
+
+comet_status_t comet_moe_saved_create_in(comet_moe_t moe, const comet_moe_saved_config_t *config, void *memory,
+                                         size_t bytes, comet_moe_saved_t *out)
+{
+    if (!memory) {
+        if (out) *out = NULL;
+        return cometi_fail(cometi_create_error_buffer(), COMET_INVALID_ARGUMENT, "comet_moe_saved_create_in: memory "
+                           "is NULL (comet_moe_saved_create allocates its own)");
+    }
+    return saved_create(moe, config, memory, bytes, out);
 }
 
 /* The path a training forward takes: the fused one where it trains this layer (AUTO

@@ -53,6 +53,7 @@ static const bwd_case_t bwd_cases[] = {
     {"top-8, fp32 accumulate", COMETI_ROUTING_RANDOM, 1, {100, 60}, 8, 1, 1},
     {"top-4, a rank with no tokens", COMETI_ROUTING_RANDOM, 1, {0, 150}, 4, 0, 0},
     {"every token to expert 5", COMETI_ROUTING_ONE_EXPERT, 5, {64, 96}, 0, 0, 1},
+    {"skewed x16, gate_up", COMETI_ROUTING_SKEWED, 16, {301, 129}, 0, 0, 0},
 };
 
 /* Rank r's inputs of a case, the same on every rank: x, ids, weights, dy. */
@@ -100,8 +101,13 @@ static int compare(const char *what, const float *got, const double *ref, size_t
         for (size_t i = g0; i < g1; i++) {
             const double limit = SELF_TOL * fabs(ref[i]) + ELEM_TOL * rms + 1e-30;
             if (!(fabs(got[i] - ref[i]) <= limit)) {
+                size_t over = 0;
+                for (size_t q = g0; q < g1; q++)
+                    if (!(fabs(got[q] - ref[q]) <= SELF_TOL * fabs(ref[q]) + ELEM_TOL * rms + 1e-30) && over++ < 12)
+                        printf("    [%zu] = %.6g, float64 %.6g\n", q, got[q], ref[q]);
                 printf("rank %d %s[%zu] = %.6g, float64 %.6g (limit %.3g: %g of itself and %g of its group's RMS "
-                       "%.3g)\n", rank, what, i, got[i], ref[i], limit, SELF_TOL, ELEM_TOL, rms);
+                       "%.3g); %zu of the group's %zu elements over\n", rank, what, i, got[i], ref[i], limit,
+                       SELF_TOL, ELEM_TOL, rms, over, g1 - g0);
                 return 1;
             }
         }
@@ -470,10 +476,14 @@ static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const uint64_t seed = *(uint64_t *)arg;
     uint64_t rng = seed * 13 + 3;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 0, 0, 0, 0};
+    const fixture_shape_t shape = {256, 512, 0, 0, 0}; /* dW2 of 4 row tiles */
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     const int H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens, k = fx.cfg.top_k, E = fx.cfg.num_experts,
               per = fx.per, me = ctx->rank;
+    const size_t n_grads = (size_t)per * 3 * F * H; /* gate_up, then down */
+    uint16_t *g_fused = malloc(n_grads * 2), *g_seq = malloc(n_grads * 2);
+    size_t grads_equal = 0, grads_compared = 0;
+    double grads_worst = 0;
     int32_t *ids = malloc(sizeof(int32_t) * M * k);
     float *w = malloc(sizeof(float) * M * k);
     uint16_t *want = malloc((size_t)M * H * 2), *got = malloc((size_t)M * H * 2);
@@ -483,16 +493,28 @@ static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMalloc(&d_dx, (size_t)M * H * 2));
     CUDA_OK(cudaMalloc(&d_dx_seq, (size_t)M * H * 2));
     CUDA_OK(cudaMalloc((void **)&d_dw, sizeof(float) * M * k));
-    CUDA_OK(cudaMalloc(&g_gu, (size_t)per * 2 * F * H * 2));
-    CUDA_OK(cudaMalloc(&g_dn, (size_t)per * H * F * 2));
+    CUDA_OK(cudaMalloc(&g_gu, n_grads * 2));
+    g_dn = (char *)g_gu + (size_t)per * 2 * F * H * 2;
+    void *g_seq_dev;
+    CUDA_OK(cudaMalloc(&g_seq_dev, n_grads * 2));
+    /* The fused steps' saved state over memory of the test's own (a framework's allocator). */
     comet_moe_saved_t saved, saved_seq;
-    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved), COMET_SUCCESS);
+    size_t bytes = 0;
+    CHECK_EQ(comet_moe_saved_bytes(fx.moe, NULL, &bytes), COMET_SUCCESS);
+    void *memory;
+    CUDA_OK(cudaMalloc(&memory, bytes));
+    CHECK_EQ(comet_moe_saved_create_in(fx.moe, NULL, memory, bytes - 1, &saved), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "comet_moe_saved_bytes");
+    CHECK_EQ(comet_moe_saved_create_in(fx.moe, NULL, (char *)memory + 16, bytes, &saved), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "256-byte aligned");
+    CHECK_EQ(comet_moe_saved_create_in(fx.moe, NULL, NULL, bytes, &saved), COMET_INVALID_ARGUMENT);
+    CHECK_EQ(comet_moe_saved_create_in(fx.moe, NULL, memory, bytes, &saved), COMET_SUCCESS);
     CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved_seq), COMET_SUCCESS);
     /* Growth is summed over the stretches where only the fused path ran (the sequential
      * checks load cuBLAS kernels lazily, shape by shape). The fused path allocates nothing
      * per call, so its device memory may not grow at all; host pages may float by glibc's
      * trim threshold (128 KiB) twice over, which a leak of 300 bytes a step would pass. */
-    const int steps = 1000, every = 100;
+    const int steps = 1000, every = 50;
     long long stretch_dev = 0, dev_growth = 0;
     long stretch_pages = 0, page_growth = 0;
     double worst = 0;
@@ -518,10 +540,31 @@ static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
             dev_growth += d - stretch_dev;
             page_growth += resident_pages() - stretch_pages;
         }
-        CHECK_EQ(train_step(&fx, saved_seq, COMET_IMPL_BASELINE, m, d_dy, d_dx_seq, d_dw, g_gu, g_dn),
-                 COMET_SUCCESS);
+        CHECK_EQ(train_step(&fx, saved_seq, COMET_IMPL_BASELINE, m, d_dy, d_dx_seq, d_dw, g_seq_dev,
+                            (char *)g_seq_dev + (size_t)per * 2 * F * H * 2), COMET_SUCCESS);
         CUDA_OK(cudaDeviceSynchronize());
         CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+        /* The weight gradients too, element by element (the fused path's GEMMs sum in the
+         * order cuBLAS does here, so most come out bit-equal). */
+        CUDA_OK(cudaMemcpy(g_fused, g_gu, n_grads * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(g_seq, g_seq_dev, n_grads * 2, cudaMemcpyDeviceToHost));
+        for (int part = 0; part < 2; part++) { /* gate_up, down: each against its own RMS */
+            const size_t lo = part ? (size_t)per * 2 * F * H : 0, hi = part ? n_grads : (size_t)per * 2 * F * H;
+            double ss = 0;
+            for (size_t i = lo; i < hi; i++) ss += pow(cometi_bf16_to_float(g_seq[i]), 2);
+            const double rms = sqrt(ss / (double)(hi - lo)) + 1e-30;
+            for (size_t i = lo; i < hi; i++) {
+                const double a = cometi_bf16_to_float(g_fused[i]), b = cometi_bf16_to_float(g_seq[i]);
+                grads_equal += g_fused[i] == g_seq[i];
+                if (fabs(a - b) / rms > grads_worst || a != a) grads_worst = a != a ? INFINITY : fabs(a - b) / rms;
+                if (!(fabs(a - b) <= SELF_TOL * fabs(b) + ELEM_TOL * rms)) {
+                    printf("step %d (%d tokens, routing %d): %s gradient [%zu] = %.6g, sequential %.6g (RMS %.3g)\n",
+                           step, m, (int)kind, part ? "down" : "gate_up", i - lo, a, b, rms);
+                    return 1;
+                }
+            }
+            grads_compared += hi - lo;
+        }
         CUDA_OK(cudaMemcpy(want, d_dx_seq, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(got, d_dx, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
         double num = 0, den = 0, row = 0;
@@ -537,15 +580,17 @@ static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
         stretch_pages = resident_pages();
     }
     const long page_kb = sysconf(_SC_PAGESIZE) / 1024;
-    printf("rank %d: %d fused training steps, dx against the sequential path every %dth: worst %.2e; growth over "
-           "the fused stretches after step %d: device %lld bytes, host resident %ld KiB\n", me, steps, every, worst,
-           every, dev_growth, page_growth * page_kb);
+    printf("rank %d: %d fused training steps, against the sequential path every %dth: dx worst %.2e, weight "
+           "gradients worst |diff| / RMS %.2e (%zu of %zu elements bit-equal); growth over the fused stretches "
+           "after step %d: device %lld bytes, host resident %ld KiB\n", me, steps, every, worst, grads_worst,
+           grads_equal, grads_compared, every, dev_growth, page_growth * page_kb);
     CHECK(dev_growth == 0);
     CHECK(page_growth * page_kb <= 256);
     CHECK_EQ(comet_moe_saved_destroy(saved), COMET_SUCCESS);
+    CUDA_OK(cudaFree(memory)); /* the caller's: destroy left it */
     CHECK_EQ(comet_moe_saved_destroy(saved_seq), COMET_SUCCESS);
-    free(ids), free(w), free(want), free(got);
-    cudaFree(d_dy), cudaFree(d_dx), cudaFree(d_dx_seq), cudaFree(d_dw), cudaFree(g_gu), cudaFree(g_dn);
+    free(ids), free(w), free(want), free(got), free(g_fused), free(g_seq);
+    cudaFree(d_dy), cudaFree(d_dx), cudaFree(d_dx_seq), cudaFree(d_dw), cudaFree(g_gu), cudaFree(g_seq_dev);
     fixture_close(&fx);
     return 0;
 }

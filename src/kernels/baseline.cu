@@ -183,20 +183,31 @@ static __global__ void swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloa
                                               const cometi_segment_t *segs)
 {
     const cometi_segment_t seg = segs[blockIdx.y];
-    const int pairs = ffn / 2;
-    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < (long long)seg.rows * pairs;
+    const int vecs = ffn / 8; /* 16-byte loads and stores: 8 columns at a time */
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < (long long)seg.rows * vecs;
          idx += (long long)gridDim.x * blockDim.x) {
-        const long long row = seg.start + idx / pairs;
-        const int f = (int)(idx % pairs) * 2;
-        const float2 g = __bfloat1622float2(*(const __nv_bfloat162 *)(h + row * 2 * ffn + f));
-        const float2 u = __bfloat1622float2(*(const __nv_bfloat162 *)(h + row * 2 * ffn + ffn + f));
-        const float2 da = __bfloat1622float2(*(const __nv_bfloat162 *)(sa + row * ffn + f));
-        const float sx = 1.0f / (1.0f + expf(-g.x)), sy = 1.0f / (1.0f + expf(-g.y));
-        const float silu_x = g.x * sx, silu_y = g.y * sy;
-        *(__nv_bfloat162 *)(dh + row * 2 * ffn + f) =
-            __floats2bfloat162_rn(da.x * u.x * sx * (1.0f + g.x * (1.0f - sx)), da.y * u.y * sy * (1.0f + g.y * (1.0f - sy)));
-        *(__nv_bfloat162 *)(dh + row * 2 * ffn + ffn + f) = __floats2bfloat162_rn(da.x * silu_x, da.y * silu_y);
-        *(__nv_bfloat162 *)(sa + row * ffn + f) = __floats2bfloat162_rn(silu_x * u.x, silu_y * u.y);
+        const long long row = seg.start + idx / vecs;
+        const int f = (int)(idx % vecs) * 8;
+        const uint4 g4 = *(const uint4 *)(h + row * 2 * ffn + f), u4 = *(const uint4 *)(h + row * 2 * ffn + ffn + f);
+        const uint4 d4 = *(const uint4 *)(sa + row * ffn + f);
+        const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
+                             *da = (const __nv_bfloat162 *)&d4;
+        uint4 dg4, du4, a4;
+        __nv_bfloat162 *dg = (__nv_bfloat162 *)&dg4, *du = (__nv_bfloat162 *)&du4, *a = (__nv_bfloat162 *)&a4;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float2 gf = __bfloat1622float2(g[q]), uf = __bfloat1622float2(u[q]), df = __bfloat1622float2(da[q]);
+            const float sx = 1.0f / (1.0f + expf(-gf.x)), sy = 1.0f / (1.0f + expf(-gf.y));
+            const float silu_x = gf.x * sx, silu_y = gf.y * sy;
+            dg[q] = __floats2bfloat162_rn(df.x * uf.x * sx * (1.0f + gf.x * (1.0f - sx)),
+                                          df.y * uf.y * sy * (1.0f + gf.y * (1.0f - sy)));
+            du[q] = __floats2bfloat162_rn(df.x * silu_x, df.y * silu_y);
+            a[q] = __floats2bfloat162_rn(silu_x * uf.x, silu_y * uf.y);
+        }
+        /* Read before written, element by element: h and dh may be one buffer (the fused path's). */
+        *(uint4 *)(dh + row * 2 * ffn + f) = dg4;
+        *(uint4 *)(dh + row * 2 * ffn + ffn + f) = du4;
+        *(uint4 *)(sa + row * ffn + f) = a4;
     }
 }
 
@@ -205,7 +216,7 @@ extern "C" cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, vo
                                                      cudaStream_t stream)
 {
     if (num_segs == 0 || max_rows == 0) return cudaSuccess;
-    swiglu_backward_kernel<<<segments_grid(num_segs, max_rows, ffn / 2), 256, 0, stream>>>(
+    swiglu_backward_kernel<<<segments_grid(num_segs, max_rows, ffn / 8), 256, 0, stream>>>(
         (const __nv_bfloat16 *)h, (__nv_bfloat16 *)sa, (__nv_bfloat16 *)dh, ffn, segs);
     return cudaGetLastError();
 }
