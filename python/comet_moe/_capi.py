@@ -207,6 +207,8 @@ _COMET_FUNCTIONS = [
     ("comet_moe_forward", c_int, [c_void_p, POINTER(MoeArgsStruct), c_void_p]),
     ("comet_moe_saved_bytes", c_int, [c_void_p, POINTER(MoeSavedConfigStruct), POINTER(c_size_t)]),
     ("comet_moe_saved_create", c_int, [c_void_p, POINTER(MoeSavedConfigStruct), POINTER(c_void_p)]),
+    ("comet_moe_saved_create_in", c_int, [c_void_p, POINTER(MoeSavedConfigStruct), c_void_p, c_size_t,
+                                          POINTER(c_void_p)]),
     ("comet_moe_saved_destroy", c_int, [c_void_p]),
     ("comet_moe_forward_train", c_int, [c_void_p, POINTER(MoeArgsStruct), c_void_p, c_void_p]),
     ("comet_moe_backward", c_int, [c_void_p, POINTER(MoeBackwardArgsStruct), c_void_p]),

@@ -1,10 +1,17 @@
 """CometSparseMoeBlock: a Mixtral-style sparse MoE block (router, top-k, SwiGLU experts)
-whose experts run through comet across the ranks of a communicator. Forward only.
+whose experts run through comet across the ranks of a communicator, trainable.
 
     block = CometSparseMoeBlock(comm, MoeConfig.preset("mixtral-8x7b", max_tokens=8192))
     block.load_state_dict(full_state_dict)          # HF names, all experts; keeps this rank's
-    with torch.inference_mode():
-        y, router_logits = block(hidden_states)     # [..., H] bf16 -> same shape, [T, E]
+    y, router_logits = block(hidden_states)         # [..., H] bf16 -> same shape, [T, E]
+    loss(y).backward()                              # router, experts and input get gradients
+
+Training: the router (gate.weight) is an ordinary parameter; its gradient flows through
+torch's softmax and top-k into comet's gradient at the routing weights. The packed
+expert weights w13 and w2 are parameters of this rank's experts only (expert
+parallelism): reduce their gradients over the ranks that hold the same experts (the
+expert-data-parallel group, as Megatron-LM does), never over the whole world. Under
+torch.no_grad() or inference mode nothing is saved for a backward.
 
 Names follow Hugging Face's MixtralSparseMoeBlock: gate.weight [E, H], experts.{i}.w1.weight
 [F, H] (gate projection), experts.{i}.w3.weight [F, H] (up), experts.{i}.w2.weight [H, F]
@@ -55,7 +62,7 @@ def mixtral_route(router_logits: torch.Tensor, top_k: int):
 
 
 class CometSparseMoeBlock(nn.Module):
-    """Mixtral's sparse MoE block over comet (bf16, forward only).
+    """Mixtral's sparse MoE block over comet (bf16, trainable).
 
     CometSparseMoeBlock(comm, config) creates the comet layer (collective: every rank
     of `comm` constructs its block at the same point); CometSparseMoeBlock(moe=layer)
@@ -66,12 +73,14 @@ class CometSparseMoeBlock(nn.Module):
     rank still gets its own tokens' complete output; tp_size, tp_rank and ffn_local
     (ffn // tp_size) say which slice of its experts this rank holds."""
 
-    def __init__(self, comm=None, config=None, *, moe=None, impl="auto"):
+    def __init__(self, comm=None, config=None, *, moe=None, impl="auto", max_recv_rows: int = 0,
+                 grad_accumulation: str = "grad"):
         super().__init__()
         if (moe is None) == (comm is None or config is None):
             raise TypeError("CometSparseMoeBlock: give comm and config, or moe (an existing comet_moe.Moe)")
         self._owns_moe = moe is None
-        self.moe = Moe(comm, config) if moe is None else moe
+        self.moe = Moe(comm, config, max_recv_rows=max_recv_rows, grad_accumulation=grad_accumulation) \
+            if moe is None else moe
         cfg = self.moe.config
         self.hidden_dim, self.ffn_dim = int(cfg.hidden), int(cfg.ffn)
         self.num_experts, self.top_k = int(cfg.num_experts), int(cfg.top_k)
@@ -84,13 +93,10 @@ class CometSparseMoeBlock(nn.Module):
         device = self.moe.comm.device
         H, Fl, E_local = self.hidden_dim, self.ffn_local, self.experts_per_rank
         self.gate = nn.Linear(H, self.num_experts, bias=False, device=device, dtype=torch.bfloat16)
-        self.gate.weight.requires_grad_(False)
         # Packed as comet reads them (this TP rank's ffn_local columns of each local
-        # expert); not persistent: state_dict() names them the HF way.
-        self.register_buffer("w13", torch.zeros(E_local, 2 * Fl, H, device=device, dtype=torch.bfloat16),
-                             persistent=False)
-        self.register_buffer("w2", torch.zeros(E_local, H, Fl, device=device, dtype=torch.bfloat16),
-                             persistent=False)
+        # expert); state_dict() names them the HF way instead.
+        self.w13 = nn.Parameter(torch.zeros(E_local, 2 * Fl, H, device=device, dtype=torch.bfloat16))
+        self.w2 = nn.Parameter(torch.zeros(E_local, H, Fl, device=device, dtype=torch.bfloat16))
 
     @property
     def impl(self) -> str:
@@ -109,20 +115,12 @@ class CometSparseMoeBlock(nn.Module):
 
     # ---- forward ----
 
-    def _check_forward_only(self, hidden_states):
-        if torch.is_grad_enabled() and (hidden_states.requires_grad or self.gate.weight.requires_grad):
-            raise RuntimeError("CometSparseMoeBlock is forward-only: comet computes no gradients. Call it under "
-                               "torch.no_grad() or torch.inference_mode() (hidden_states.requires_grad = "
-                               f"{hidden_states.requires_grad}, gate.weight.requires_grad = "
-                               f"{self.gate.weight.requires_grad})")
-
     def forward(self, hidden_states: torch.Tensor, out=None):
         """hidden_states [..., H] bf16, contiguous, on the communicator's device, at most
         max_tokens rows in all. Returns (y of the same shape, router_logits [T, E] bf16),
         as HF's MixtralSparseMoeBlock does. `out`: where to write y (same shape)."""
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states: expected a torch.Tensor, got {type(hidden_states).__name__}")
-        self._check_forward_only(hidden_states)
         H = self.hidden_dim
         shape = tuple(hidden_states.shape)
         if len(shape) < 1 or shape[-1] != H:
@@ -148,9 +146,7 @@ class CometSparseMoeBlock(nn.Module):
     def forward_routed(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out=None):
         """The experts alone, for routing made elsewhere: x [M, H] bf16, topk_ids
         [M, top_k] int32 global expert ids, topk_weights [M, top_k] float32. Returns y
-        [M, H] bf16 (written into `out` when given)."""
-        if isinstance(x, torch.Tensor):
-            self._check_forward_only(x)
+        [M, H] bf16 (written into `out` when given; not under autograd)."""
         return self.moe.forward(x, topk_ids, topk_weights, gate_up=self.w13, down=self.w2, out=out,
                                 impl=self._impl)
 
@@ -164,6 +160,8 @@ class CometSparseMoeBlock(nn.Module):
                 f"the HF names and shapes cannot carry; keep the full state dict the block was loaded from "
                 f"(w13 and w2 are this rank's packed slices)")
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in ("w13", "w2"):  # packed: saved under the HF names below
+            destination.pop(prefix + name, None)
         Fd = self.ffn_dim
         w13 = self.w13 if keep_vars else self.w13.detach()
         w2 = self.w2 if keep_vars else self.w2.detach()
@@ -212,6 +210,9 @@ class CometSparseMoeBlock(nn.Module):
                         missing_keys.append(f"{prefix}experts.{e}.{name}.weight")
         super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        for name in ("w13", "w2"):  # loaded from the HF names above
+            if prefix + name in missing_keys:
+                missing_keys.remove(prefix + name)
 
     def load_full_state_dict(self, state_dict, prefix: str = "", strict: bool = True):
         """load_state_dict for the keys under `prefix` (e.g. "model.layers.0.block_sparse_moe."),

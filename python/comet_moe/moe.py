@@ -38,6 +38,14 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
+def _records_grad(*tensors) -> bool:
+    """Whether autograd records this call: grad enabled and an input requires grad."""
+    if not any(getattr(t, "requires_grad", False) for t in tensors if t is not None):
+        return False
+    import torch
+    return torch.is_grad_enabled()
+
+
 def _rank_layout(config, world: int, rank: int) -> dict:
     """Where `rank` of `world` sits, as comet_moe_create resolves it (src/moe.c): tp_size
     (0 read as 1), ep_size (0: world // tp_size), ep_rank = rank // tp_size (its EP group),
@@ -60,11 +68,22 @@ class Moe(_Handle):
     of them, ffn_local = ffn // tp_size (comet.h). With tp_size 1 (the default) a rank
     holds its experts whole."""
 
-    def __init__(self, comm: Comm, config: MoeConfig):
+    def __init__(self, comm: Comm, config: MoeConfig, *, max_recv_rows: int = 0, grad_accumulation: str = "grad"):
         """comet_moe_create (collective): plans the layer and allocates its buffers for
         max_tokens per rank. A bad config raises CometInvalidArgumentError with comet's
-        message."""
+        message. Training (forward under autograd): max_recv_rows bounds the rows a call
+        may route to this rank, which sizes what each forward keeps for its backward (0:
+        the worst case, world x max_tokens x top_k; see comet_moe_saved_config_t), the same
+        on every rank; grad_accumulation "grad" gives the expert weights bf16 gradients
+        through autograd (.grad), "main_grad" adds them in fp32 to each weight's
+        `main_grad` tensor (Megatron-LM's convention) where every weight has one."""
         self._box = None
+        if isinstance(max_recv_rows, bool) or not isinstance(max_recv_rows, int) or not 0 <= max_recv_rows < 2**62:
+            raise ValueError(f"max_recv_rows = {max_recv_rows!r}: expected an int >= 0 (0: the worst case)")
+        if grad_accumulation not in ("grad", "main_grad"):
+            raise ValueError(f"grad_accumulation = {grad_accumulation!r}: expected 'grad' or 'main_grad'")
+        self.max_recv_rows = max_recv_rows
+        self.grad_accumulation = grad_accumulation
         if not isinstance(comm, Comm):
             raise TypeError(f"comm: expected a comet_moe.Comm, got {type(comm).__name__}")
         if not isinstance(config, _capi.MoeConfigStruct):
@@ -117,13 +136,25 @@ class Moe(_Handle):
         else the baseline), "baseline" or "fused"; every
         rank must pass the same. stream: a torch.cuda.Stream or raw cudaStream_t (int);
         default torch.cuda.current_stream(); consecutive calls must use the same stream.
-        Returns out. Not differentiable: no autograd graph is recorded."""
+        Returns out.
+
+        Under autograd (grad enabled, and x, topk_weights or a weight requires grad) the
+        call is a training forward (autograd.py): its backward gives x, topk_weights and
+        the weights their gradients; out and stream are then not taken (the current
+        stream is used, as autograd's backward does). Otherwise nothing is saved."""
         if self.closed:
             raise RuntimeError("comet_moe.Moe: used after close() (or after its Comm was closed)")
         code = parse_impl(impl)
         m = check_forward_args(self.config, self.experts_per_rank, f"cuda:{self.comm.device_index}", x, topk_ids,
                                topk_weights, gate_up, gate, up, down, out, ffn_local=self.ffn_local,
                                tp_size=self.tp_size)
+        if _records_grad(x, topk_weights, gate_up, gate, up, down):
+            if out is not None or stream is not None:
+                raise ValueError("out and stream are not taken under autograd (a training forward allocates y "
+                                 "and runs on the current stream); call it under torch.no_grad() to pass them")
+            from .autograd import MoeFunction
+            return MoeFunction.apply(self, code, self.grad_accumulation == "main_grad", topk_ids, x, topk_weights,
+                                     gate_up, gate, up, down)
         if out is None:
             out = x.new_empty((m, int(self.config.hidden)))
         if stream is None:

@@ -1,0 +1,130 @@
+"""Training through comet under torch autograd: a torch.autograd.Function whose forward
+is comet_moe_forward_train and whose backward is comet_moe_backward (include/comet.h).
+
+Moe.forward takes this path by itself when autograd records (grad enabled and x,
+topk_weights or a weight requires grad). The state the forward keeps for its backward
+lives in one uint8 tensor from torch's caching allocator (comet_moe_saved_create_in),
+held by the graph and freed with it. The backward gives dx, the gradient at
+topk_weights (so the router's gradient flows through torch's softmax and top-k), and
+the expert weights' gradients: as bf16 tensors that autograd adds into .grad, or, for
+weights that carry an fp32 `main_grad` (Megatron-LM's convention) when the layer was
+made with grad_accumulation="main_grad", added there in fp32 with no .grad at all.
+
+Collective, like the forward: every rank's backward must run for every forward. A
+backward consumes its saved state: backward through the same graph twice
+(retain_graph=True) raises CometInvalidArgumentError.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import _capi
+from .errors import check
+
+_WEIGHTS = ("gate_up", "gate", "up", "down")
+
+
+class _Saved:
+    """A saved state over torch memory; destroyed (host side only) with the graph."""
+
+    def __init__(self, moe, device):
+        lib = moe._lib
+        cfg = _capi.MoeSavedConfigStruct(int(moe.max_recv_rows))
+        nbytes = ctypes.c_size_t()
+        ptr = moe._box.ptr
+        st = lib.comet_moe_saved_bytes(ptr, ctypes.byref(cfg), ctypes.byref(nbytes))
+        check(st, "comet_moe_saved_bytes", lambda: _capi.text(lib.comet_last_create_error()))
+        # The caching allocator's blocks start 512-byte aligned; comet needs 256.
+        self.memory = torch.empty(int(nbytes.value), dtype=torch.uint8, device=device)
+        handle = ctypes.c_void_p()
+        st = lib.comet_moe_saved_create_in(ptr, ctypes.byref(cfg), ctypes.c_void_p(self.memory.data_ptr()),
+                                           ctypes.c_size_t(int(nbytes.value)), ctypes.byref(handle))
+        check(st, "comet_moe_saved_create_in", lambda: _capi.text(lib.comet_last_create_error()))
+        self._lib = lib
+        self.handle = handle.value
+
+    def close(self):
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            self._lib.comet_moe_saved_destroy(ctypes.c_void_p(handle))  # neither syncs nor frees: torch's memory
+
+    def __del__(self):
+        self.close()
+
+
+def _weight_args(args, weights):
+    for name, w in zip(_WEIGHTS, weights):
+        setattr(args.weights, name, None if w is None else w.data_ptr())
+
+
+class MoeFunction(torch.autograd.Function):
+    """y = MoE(x) with its backward through comet. apply(moe, impl, main_grad, topk_ids,
+    x, topk_weights, gate_up, gate, up, down); arguments checked by Moe.forward."""
+
+    @staticmethod
+    def forward(ctx, moe, impl, main_grad, topk_ids, x, topk_weights, gate_up, gate, up, down):
+        m, H = int(x.shape[0]), int(moe.config.hidden)
+        saved = _Saved(moe, x.device)
+        y = x.new_empty((m, H))
+        args = _capi.MoeArgsStruct()
+        args.num_tokens = m
+        args.x, args.topk_ids, args.topk_weights, args.y = x.data_ptr(), topk_ids.data_ptr(), \
+            topk_weights.data_ptr(), y.data_ptr()
+        weights = (gate_up, gate, up, down)
+        _weight_args(args, weights)
+        args.impl = impl
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        ptr = moe._box.ptr
+        with moe.comm._on_device():
+            st = moe._lib.comet_moe_forward_train(ptr, ctypes.byref(args), ctypes.c_void_p(saved.handle),
+                                                  ctypes.c_void_p(stream))
+        check(st, "comet_moe_forward_train", lambda: _capi.text(moe._lib.comet_moe_last_error(ptr)))
+        ctx.moe, ctx.impl, ctx.main_grad, ctx.saved_state, ctx.m = moe, impl, main_grad, saved, m
+        ctx.save_for_backward(*weights)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        moe, m = ctx.moe, ctx.m
+        weights = ctx.saved_tensors
+        H, k = int(moe.config.hidden), int(moe.config.top_k)
+        if dy is None:
+            dy = torch.zeros((m, H), dtype=torch.bfloat16, device=weights[3].device)
+        dy = dy.to(torch.bfloat16).contiguous()
+        dx = torch.empty((m, H), dtype=torch.bfloat16, device=dy.device)
+        d_weights = torch.empty((m, k), dtype=torch.float32, device=dy.device)
+        # fp32 accumulation when asked and every weight carries a main_grad; else bf16.
+        present = [w for w in weights if w is not None]
+        accumulate = ctx.main_grad and all(getattr(w, "main_grad", None) is not None for w in present)
+        if accumulate:
+            grads = [None if w is None else w.main_grad for w in weights]
+            for g, w in zip(grads, weights):
+                if g is not None and (g.dtype != torch.float32 or g.shape != w.shape or not g.is_contiguous()):
+                    raise ValueError(f"main_grad: expected a contiguous float32 tensor of shape {tuple(w.shape)}, "
+                                     f"got {g.dtype} {tuple(g.shape)}")
+        else:
+            grads = [None if w is None else torch.empty_like(w) for w in weights]
+        b = _capi.MoeBackwardArgsStruct()
+        b.saved = ctx.saved_state.handle
+        b.dy, b.dx, b.d_topk_weights = dy.data_ptr(), dx.data_ptr(), d_weights.data_ptr()
+        _weight_args(b, weights)
+        for name, g in zip(_WEIGHTS, grads):
+            setattr(b.grads, name, None if g is None else g.data_ptr())
+        b.grads.mode = _capi.GRAD_ACCUMULATE_FP32 if accumulate else _capi.GRAD_WRITE_BF16
+        b.impl = ctx.impl
+        stream = torch.cuda.current_stream(dy.device).cuda_stream
+        ptr = moe._box.ptr
+        with moe.comm._on_device():
+            st = moe._lib.comet_moe_backward(ptr, ctypes.byref(b), ctypes.c_void_p(stream))
+        check(st, "comet_moe_backward", lambda: _capi.text(moe._lib.comet_moe_last_error(ptr)))
+        # Consumed now (comet refuses a second backward on it); its memory goes with the graph.
+        if accumulate:
+            for w in present:
+                if hasattr(w, "grad_added_to_main_grad"):
+                    w.grad_added_to_main_grad = True
+            grads = [None] * 4
+        need = ctx.needs_input_grad
+        wgrads = [g if need[6 + i] else None for i, g in enumerate(grads)]
+        return (None, None, None, None, dx if need[4] else None, d_weights if need[5] else None, *wgrads)
