@@ -37,7 +37,9 @@ def plot(results, png):
         ax.plot(range(1, len(run["loss"]) + 1), run["loss"], label=label, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title(results["title"], fontsize=9)
+    title = results["title"]
+    cut = title.find(", ", len(title) // 2)  # two lines
+    ax.set_title(title if cut < 0 else title[:cut + 1] + "\n" + title[cut + 2:], fontsize=9)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
