@@ -14,10 +14,21 @@
  *
  * Training adds a saved state, comet_moe_forward_train and comet_moe_backward (below).
  *
- * Every function returns a comet_status_t. On failure, comet_comm_last_error() or
- * comet_moe_last_error() gives a sentence naming the field, the value and the limit.
+ * Functions that can fail return a comet_status_t; the others (names, version, rank,
+ * size, the NCCL handle, messages) return their value directly and never fail. On
+ * failure, comet_comm_last_error() or comet_moe_last_error() gives a sentence naming the
+ * field, the value and the limit (comet_last_create_error() when there is no handle).
  * Errors found on the GPU after a call returned (a peer that never answered) are
  * reported by comet_comm_get_async_error().
+ *
+ * Collective calls (create, destroy, forward, forward_train, backward) must be made by
+ * every rank of the communicator, in the same order, from one host thread per rank; a
+ * communicator and its layers are not thread-safe (use them from one thread at a time).
+ * Calls that are not collective (configs, presets, saved-state sizes, messages) are
+ * thread-safe. Strings returned by the library live until the next call on the same
+ * handle (messages), or forever (names, version). Device pointers passed to the layer must
+ * be 16-byte aligned (topk_ids and topk_weights 4-byte): the kernels move rows 16 bytes
+ * at a time.
  */
 #ifndef COMET_H
 #define COMET_H
@@ -104,15 +115,24 @@ COMET_API comet_status_t comet_comm_create(ncclComm_t nccl, const comet_comm_con
 COMET_API comet_status_t comet_comm_create_from_id(const ncclUniqueId *id, int nranks, int rank,
                                          const comet_comm_config_t *config, comet_comm_t *out);
 
-/* Collective. Frees everything comet allocated. NULL is a no-op. Waits for the device. */
+/*
+ * Collective. Frees everything comet allocated. NULL is a no-op. Waits for the device,
+ * then for every rank, within the timeout: when a peer is gone (or a wait already timed
+ * out) it does not wait for it, aborts the NCCL communicator comet created (a caller's
+ * is left to the caller to abort) and returns COMET_TIMEOUT or COMET_REMOTE_ERROR. The
+ * handle is freed whatever it returns; its message moves to comet_last_create_error().
+ */
 COMET_API comet_status_t comet_comm_destroy(comet_comm_t comm);
 
+/* This rank and the number of ranks; -1 for a NULL comm. */
 COMET_API int comet_comm_rank(comet_comm_t comm);
 COMET_API int comet_comm_size(comet_comm_t comm);
-/* The NCCL communicator underneath (the caller's, or the one comet created). */
+/* The NCCL communicator underneath (the caller's, or the one comet created); NULL for a
+ * NULL comm. */
 COMET_API ncclComm_t comet_comm_nccl(comet_comm_t comm);
 
-/* Detail of the last failure of a call on this communicator; "" if none. */
+/* Detail of the last failure of a call on this communicator; "" if none. Valid until the
+ * next call on it. */
 COMET_API const char *comet_comm_last_error(comet_comm_t comm);
 
 /* The message of the last failed *_create call on this thread (the handle is NULL), or
@@ -122,7 +142,11 @@ COMET_API const char *comet_last_create_error(void);
 /*
  * Errors found by kernels after the launching call had returned: a device-side wait
  * that ran past timeout_ms gives COMET_TIMEOUT and a message naming the wait and the
- * peer. Does not synchronize; call it after synchronizing the stream to be sure.
+ * peer; a fused training forward that received more rows than its saved state holds
+ * gives COMET_INVALID_ARGUMENT. Both are sticky: every later call on the communicator
+ * returns them, and it must be destroyed. An expert id out of range on the fused path is
+ * reported once (COMET_INVALID_ARGUMENT; that row was left out) and the communicator
+ * stays usable. Does not synchronize; call it after synchronizing the stream to be sure.
  */
 COMET_API comet_status_t comet_comm_get_async_error(comet_comm_t comm);
 
@@ -176,8 +200,17 @@ typedef struct comet_moe *comet_moe_t;
  */
 COMET_API comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *config,
                                 comet_moe_t *out);
-/* NULL is a no-op. Waits for the device. Call before comet_comm_destroy(). */
+/*
+ * Collective (the fused path's symmetric memory is deregistered on every rank together).
+ * NULL is a no-op. Waits for the device, then for every rank within the timeout: with a
+ * peer gone it frees only this rank's own memory, leaves the symmetric memory to
+ * comet_comm_destroy and returns COMET_TIMEOUT or COMET_REMOTE_ERROR instead of hanging.
+ * The handle is freed whatever it returns; its message moves to comet_last_create_error().
+ * Call before comet_comm_destroy().
+ */
 COMET_API comet_status_t comet_moe_destroy(comet_moe_t moe);
+/* Detail of the last failure of a call on this layer; "" if none. Valid until the next
+ * call on it. */
 COMET_API const char *comet_moe_last_error(comet_moe_t moe);
 
 /*
@@ -232,7 +265,9 @@ typedef struct comet_moe_args {
  * the same stream. Errors: COMET_INVALID_ARGUMENT (a field, or an expert id out of
  * range: the message names the token), COMET_NOT_SUPPORTED (an impl the config does not
  * allow), COMET_TIMEOUT (fused: a peer that stopped calling, reported by this call or
- * comet_comm_get_async_error()), COMET_NCCL_ERROR, COMET_CUDA_ERROR.
+ * comet_comm_get_async_error()), COMET_REMOTE_ERROR (another rank refused the call: its
+ * expert id out of range, or a tuning file that differs), COMET_OUT_OF_MEMORY (the fused
+ * path's first call allocates), COMET_NCCL_ERROR, COMET_CUDA_ERROR.
  */
 COMET_API comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream);
 

@@ -21,9 +21,9 @@ static comet_status_t check_comm_config(const comet_comm_config_t *c, char *err)
     if (c->version < 1 || c->version > COMET_API_VERSION)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "comm config.version = %u: this library knows 1..%d",
                            c->version, COMET_API_VERSION);
-    if (c->timeout_ms < 0)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "comm config.timeout_ms = %d: must be >= 0 (0: default "
-                           "%d ms)", c->timeout_ms, COMETI_DEFAULT_TIMEOUT_MS);
+    if (c->timeout_ms < 0 || c->timeout_ms > 3600000) /* $COMET_TIMEOUT_MS's range too */
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "comm config.timeout_ms = %d: must be 0..3600000 (an hour; "
+                           "0: the default, %d ms)", c->timeout_ms, COMETI_DEFAULT_TIMEOUT_MS);
     return COMET_SUCCESS;
 }
 
@@ -175,7 +175,7 @@ comet_status_t comet_comm_destroy(comet_comm_t comm)
     /* Windows are deregistered collectively, so first make sure every rank is here, with a
      * device barrier that times out (an NCCL host barrier would wait forever for a rank
      * that failed and aborted). */
-    if (st == COMET_SUCCESS && comm->async_host->status == 0 &&
+    if (st == COMET_SUCCESS && comm->async_host->status == 0 && !comm->peers_lost &&
         cometi_barrier_sync(comm, "comet_comm_destroy: every rank here") == COMET_SUCCESS) {
         comm_free(comm);
         return COMET_SUCCESS;
@@ -194,6 +194,8 @@ comet_status_t comet_comm_destroy(comet_comm_t comm)
         comm->devcomm = NULL;
     }
     if (st == COMET_SUCCESS) st = cometi_check_async(comm);
+    if (st == COMET_SUCCESS && comm->peers_lost)
+        st = cometi_fail(comm->err, COMET_REMOTE_ERROR, "comet_comm_destroy: a layer's destroy found a peer gone");
     /* The handle goes now: its message moves to where comet_last_create_error() reads. */
     snprintf(cometi_create_error_buffer(), COMETI_ERR_LEN, "%s", comm->err);
     comm_free(comm);

@@ -116,6 +116,9 @@ struct comet_comm {
     unsigned long long barrier_seq;   /* monotonic: never reset, so no reset kernel */
     cometi_async_error_t *async_host; /* pinned, mapped */
     cometi_async_error_t *async_dev;  /* the same memory as the device sees it */
+    int peers_lost;                   /* a teardown found a peer gone: windows are no longer
+                                       * deregistered (a collective that would hang); the
+                                       * communicator's abort frees them */
 };
 
 struct cometi_baseline;

@@ -141,10 +141,28 @@ comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *con
     return COMET_SUCCESS;
 }
 
+/* Before the fused path's windows are deregistered (collective): every rank here, within
+ * the timeout. A failure (or one already recorded) marks the peers lost, so teardown
+ * frees only what is this rank's own and returns the reason instead of hanging. */
+static comet_status_t fused_teardown_ready(comet_moe_t moe, comet_status_t st)
+{
+    comet_comm_t comm = moe->comm;
+    /* A failed wait is sticky (a bad expert id, reported once, is no reason to stop). */
+    if (st == COMET_SUCCESS && comm->async_host->status != 0) st = cometi_check_async(comm);
+    if (st == COMET_SUCCESS && !comm->peers_lost)
+        st = cometi_barrier_sync(comm, "comet_moe_destroy: every rank here");
+    if (st == COMET_SUCCESS) return COMET_SUCCESS;
+    comm->peers_lost = 1;
+    snprintf(moe->err, COMETI_ERR_LEN, "comet_moe_destroy: %.300s; the layer's symmetric memory is left to "
+             "comet_comm_destroy, which cannot wait for the peers either", comm->err);
+    return st;
+}
+
 comet_status_t comet_moe_destroy(comet_moe_t moe)
 {
     if (!moe) return COMET_SUCCESS;
     comet_status_t st = cometi_cuda(moe->err, cudaDeviceSynchronize(), "comet_moe_destroy: device sync");
+    if (moe->fused) st = fused_teardown_ready(moe, st);
     fused_destroy(moe);
     cometi_baseline_destroy(moe->baseline);
     /* The handle goes now: a failure's message moves to where comet_last_create_error() reads. */

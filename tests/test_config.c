@@ -126,6 +126,9 @@ int test_api_rejects_bad_arguments(void)
     bad.timeout_ms = -5;
     CHECK_EQ(comet_comm_create((ncclComm_t)0x1, &bad, &comm), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_last_create_error(), "timeout_ms = -5");
+    bad.timeout_ms = 3600001; /* past an hour: $COMET_TIMEOUT_MS's limit too */
+    CHECK_EQ(comet_comm_create((ncclComm_t)0x1, &bad, &comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "timeout_ms = 3600001: must be 0..3600000");
     comet_comm_config_t raw;
     memset(&raw, 0, sizeof(raw));
     CHECK_EQ(comet_comm_create((ncclComm_t)0x1, &raw, &comm), COMET_INVALID_ARGUMENT);

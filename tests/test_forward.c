@@ -359,3 +359,42 @@ static int graph_rank(const cometi_rank_ctx_t *ctx, void *arg)
 }
 
 int test_gpu_forward_graph_replay(void) { return launch_seeded(graph_rank, 110); }
+
+/* ---- destroy with a peer gone: a status within the timeout, not a hang (two GPUs) ---- */
+
+static int destroy_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 0, 0, 2000, 0}; /* a 2 s timeout */
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    const moe_case_t c = {"destroy", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
+    comet_status_t st;
+    double rel;
+    fx.skip_reference = 1;
+    if (run_case(&fx, &c, seed, 0, &st, &rel)) return 1;
+    comet_moe_args_t a = fused_args(&fx, &c);
+    a.impl = COMET_IMPL_FUSED; /* the fused path's windows: their deregistration is collective */
+    COMET_OK(comet_moe_forward(fx.moe, &a, 0), fx.comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+    /* Rank 1 stops answering: it waits on a flag nobody raises (and times out there). */
+    if (ctx->rank == 1) {
+        COMET_OK(cometi_wait_flag(fx.comm, 3, 1, 0), fx.comm);
+        CUDA_OK(cudaDeviceSynchronize());
+    }
+    const double t0 = now_s();
+    st = comet_moe_destroy(fx.moe);
+    const double took = now_s() - t0;
+    fx.moe = NULL;
+    printf("rank %d: comet_moe_destroy gave %s in %.3f s: %s\n", ctx->rank, comet_status_string(st), took,
+           comet_last_create_error());
+    CHECK(st == COMET_TIMEOUT || st == COMET_REMOTE_ERROR);
+    CHECK(took < 5.0);
+    st = comet_comm_destroy(fx.comm);
+    CHECK(st == COMET_TIMEOUT || st == COMET_REMOTE_ERROR);
+    fx.comm = NULL;
+    return 0;
+}
+
+int test_gpu_moe_destroy_missing_peer(void) { return launch_two_seeded(destroy_missing_peer_rank, 100); }

@@ -9,10 +9,44 @@ what it got and what it needs.
 No dtype is converted for the caller: an int64 topk_ids (what torch.topk returns) or a
 bf16 topk_weights is refused with the conversion to write, so no hidden copy or cast
 costs time on every call.
+
+check_int is the package's one check of a Python int bound for a C int, unsigned int,
+size_t or pointer: ctypes keeps only the low bits of an int too wide for its field or
+argument (2**32 + 5 becomes 5), so every int goes through it first.
 """
 from __future__ import annotations
 
+import ctypes
+import operator
+
 BF16, INT32, FLOAT32 = "torch.bfloat16", "torch.int32", "torch.float32"
+
+INT_MIN, INT_MAX = -2**31, 2**31 - 1
+PTR_MAX = 2**(8 * ctypes.sizeof(ctypes.c_void_p)) - 1  # the largest cudaStream_t (a pointer)
+
+
+def c_range(ctype) -> tuple:
+    """(lo, hi, name) of the values a ctypes integer type holds without truncation."""
+    bits = 8 * ctypes.sizeof(ctype)
+    signed = ctype(-1).value == -1
+    name = {ctypes.c_int: "a C int", ctypes.c_uint: "a C unsigned int",
+            ctypes.c_size_t: "a C size_t"}.get(ctype, ctype.__name__)
+    return (-2**(bits - 1), 2**(bits - 1) - 1, name) if signed else (0, 2**bits - 1, name)
+
+
+def check_int(name: str, value, lo: int = INT_MIN, hi: int = INT_MAX, why: str = "a C int") -> int:
+    """value as a Python int in lo..hi, or TypeError (not an integer; a bool is refused
+    too) or ValueError naming `name`, the value and the limit; `why` says what the limit
+    is (what C type it fits, or what the value means)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} = {value!r}: expected an int, not a bool")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} = {value!r}: expected an int, got {type(value).__name__}") from None
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} = {v}: must be in {lo}..{hi} ({why})")
+    return v
 
 _CONVERT = {
     INT32: "topk_ids.to(torch.int32)",
@@ -65,7 +99,8 @@ def check_forward_args(cfg, experts_per_rank: int, device: str, x, topk_ids, top
                        gate_up, gate, up, down, out, *, ffn_local=None, tp_size=None) -> int:
     """Every argument of Moe.forward against the layer's config (hidden, ffn, top_k,
     max_tokens), this rank's expert count and its share of ffn; returns num_tokens.
-    `out` may be None. tp_size: the resolved tensor-parallel size (default
+    `out` may be None; else no byte of it may be a byte of an input, the weights
+    included. tp_size: the resolved tensor-parallel size (default
     cfg.tp_size, 0 read as 1); ffn_local: the ffn columns of each expert this rank holds
     (default ffn // tp_size). The weights' ffn dimension is ffn_local: the whole ffn
     when tp_size is 1, ffn / tp_size otherwise (the messages then say so)."""
@@ -107,11 +142,14 @@ def check_forward_args(cfg, experts_per_rank: int, device: str, x, topk_ids, top
     check_tensor("down", down, BF16, [(E_local, "local experts"), (H, "hidden"), (Fl, f_label)], device, 16, hint)
     if out is not None:
         check_tensor("out", out, BF16, [(m, "num_tokens"), (H, "hidden")], device, 16)
-        if m:
-            lo, hi = _span(out)
-            for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-                a, b = _span(t)
-                if a < hi and lo < b:
-                    raise ValueError(f"out overlaps {name}: comet reads its inputs while it writes out; pass "
-                                     f"a separate output tensor")
+        lo, hi = _span(out)
+        inputs = (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("gate_up", gate_up),
+                  ("gate", gate), ("up", up), ("down", down))
+        for name, t in inputs:
+            if t is None:
+                continue
+            a, b = _span(t)
+            if a < b and lo < hi and a < hi and lo < b:  # empty tensors hold no bytes to overlap
+                raise ValueError(f"out overlaps {name} (out's bytes [{lo:#x}, {hi:#x}), {name}'s [{a:#x}, {b:#x})): "
+                                 f"comet reads its inputs while it writes out; pass a separate output tensor")
     return m

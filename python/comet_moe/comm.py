@@ -12,11 +12,19 @@ collector finalizes the objects in.
 from __future__ import annotations
 
 import ctypes
-import operator
 import sys
 
 from . import _capi
+from .checks import INT_MAX, check_int
 from .errors import CometError, check, error_for
+
+# comet's range for a device wait's limit (as $COMET_TIMEOUT_MS takes it); 0: its default.
+TIMEOUT_MS_MAX = 3600000
+
+
+def _check_timeout_ms(timeout_ms) -> int:
+    return check_int("timeout_ms", timeout_ms, 0, TIMEOUT_MS_MAX,
+                     "milliseconds; 0: comet's default, 5000, or $COMET_TIMEOUT_MS")
 
 
 class _Box:
@@ -110,15 +118,19 @@ class Comm(_Handle):
     def __init__(self, unique_id: bytes, nranks: int, rank: int, *, timeout_ms: int = 0):
         """comet_comm_create_from_id on the calling thread's current CUDA device. comet
         owns the NCCL communicator it makes. timeout_ms: the longest a device-side wait
-        on a peer spins before COMET_TIMEOUT (0: comet's default, 5000, or
-        $COMET_TIMEOUT_MS)."""
+        on a peer spins before COMET_TIMEOUT, 1..3600000 (0: comet's default, 5000, or
+        $COMET_TIMEOUT_MS). nranks and rank must be C ints (comet checks the rest)."""
         self._box = None
-        lib = _capi.load()
+        if not isinstance(unique_id, (bytes, bytearray, memoryview)):  # bytes(128) of an int is 128 zeros
+            raise TypeError(f"unique_id: expected the bytes comet_moe.unique_id() gives, got "
+                            f"{type(unique_id).__name__}")
         uid_bytes = bytes(unique_id)
         if len(uid_bytes) != _capi.NCCL_UNIQUE_ID_BYTES:
             raise ValueError(f"unique_id has {len(uid_bytes)} bytes: an NCCL unique id has "
                              f"{_capi.NCCL_UNIQUE_ID_BYTES}")
-        nranks, rank, timeout_ms = (operator.index(v) for v in (nranks, rank, timeout_ms))
+        nranks, rank = check_int("nranks", nranks), check_int("rank", rank)
+        timeout_ms = _check_timeout_ms(timeout_ms)
+        lib = _capi.load()
         uid = _capi.NcclUniqueId.from_buffer_copy(uid_bytes)
         config = _capi.CommConfigStruct(timeout_ms)
         handle = ctypes.c_void_p()
@@ -141,7 +153,10 @@ class Comm(_Handle):
         """A communicator over the ranks of a torch.distributed process group (default:
         the world), in the group's rank order. Collective over the group: rank 0 makes
         an NCCL unique id and broadcasts it through the group, then every rank calls
-        comet_comm_create_from_id on `device` (default: torch.cuda.current_device())."""
+        comet_comm_create_from_id on `device` (default: torch.cuda.current_device()).
+        timeout_ms as for Comm(); it and an int `device` are checked before anything
+        collective, so a bad one fails on every rank alike."""
+        timeout_ms = _check_timeout_ms(timeout_ms)
         import torch
         import torch.distributed as dist
 
@@ -153,8 +168,8 @@ class Comm(_Handle):
             raise ValueError("Comm.from_process_group: this process is not a member of `group`")
         if device is None:
             index = torch.cuda.current_device()
-        elif isinstance(device, int):
-            index = device
+        elif isinstance(device, int) and not isinstance(device, bool):
+            index = check_int("Comm.from_process_group: device", device, 0, INT_MAX, "a CUDA device index")
         else:
             dev = torch.device(device)
             if dev.type != "cuda" or dev.index is None:

@@ -3,27 +3,23 @@
     cfg = MoeConfig.preset("mixtral-8x7b", max_tokens=8192)
     cfg = MoeConfig(hidden=4096, ffn=14336, num_experts=8, top_k=2, max_tokens=8192)
     cfg.validate(world_size=2)   # CometInvalidArgumentError naming the field, value, limit
+
+Every field is checked as it is set (constructor, preset overrides, `cfg.field = v`): an
+int that fits its C type, else TypeError / ValueError, since ctypes would keep only the
+low bits of a wider one. What the values mean (multiples, divisibility, the world size)
+comet checks in validate() and comet_moe_create.
 """
 from __future__ import annotations
 
 import ctypes
-import operator
 
 from . import _capi
+from .checks import INT_MAX, c_range, check_int
 from .errors import check
 
 _FIELDS = ("hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size", "tp_size")
-
-
-def _c_int(field: str, value) -> int:
-    """value as a C int, refusing what ctypes would silently truncate."""
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise TypeError(f"MoeConfig.{field} = {value!r}: expected an int") from None
-    if not -2**31 <= v < 2**31:
-        raise ValueError(f"MoeConfig.{field} = {v}: does not fit a C int (-2^31..2^31-1)")
-    return v
+# Every field of comet_moe_config_t (size, magic, version and dtype too) with its range.
+_LIMITS = {name: c_range(ctype) for name, ctype in _capi.MoeConfigStruct._fields_}
 
 
 def presets() -> list:
@@ -48,31 +44,44 @@ class MoeConfig(_capi.MoeConfigStruct):
 
     def __init__(self, hidden: int = 0, ffn: int = 0, num_experts: int = 0, top_k: int = 0,
                  max_tokens: int = 0, ep_size: int = 0, tp_size: int = 0):
-        values = dict(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
-                      ep_size=ep_size, tp_size=tp_size)
-        super().__init__(**{f: _c_int(f, v) for f, v in values.items()})
+        super().__init__(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
+                         ep_size=ep_size, tp_size=tp_size)  # each through __setattr__'s check
+
+    def __setattr__(self, name, value):
+        if name not in _LIMITS:  # a misspelt field would otherwise become a plain attribute
+            raise AttributeError(f"MoeConfig has no field {name!r}; fields: {', '.join(_FIELDS)}")
+        lo, hi, ctype = _LIMITS[name]
+        super().__setattr__(name, check_int(f"MoeConfig.{name}", value, lo, hi, ctype))
 
     @classmethod
     def preset(cls, name: str, max_tokens: int, **overrides) -> "MoeConfig":
         """A named model's shape (see presets()), with max_tokens and any field of
         `overrides` set. Unknown name: CometInvalidArgumentError listing the known ones."""
-        lib = _capi.load()
-        cfg = cls()
-        st = lib.comet_moe_config_preset(str(name).encode(), _c_int("max_tokens", max_tokens), ctypes.byref(cfg))
-        check(st, "comet_moe_config_preset", lambda: _capi.text(lib.comet_last_create_error()))
-        for field, value in overrides.items():
+        if not isinstance(name, str):
+            raise TypeError(f"MoeConfig.preset: name = {name!r}: expected a str (see presets())")
+        if "\0" in name:  # C would read the name only up to the NUL
+            raise ValueError(f"MoeConfig.preset: name = {name!r}: contains a NUL character")
+        max_tokens = check_int("MoeConfig.max_tokens", max_tokens)
+        for field in overrides:
             if field not in _FIELDS:
                 raise TypeError(f"MoeConfig.preset: unknown field {field!r}; fields: {', '.join(_FIELDS)}")
-            setattr(cfg, field, _c_int(field, value))
+        lib = _capi.load()
+        cfg = cls()
+        st = lib.comet_moe_config_preset(name.encode(), max_tokens, ctypes.byref(cfg))
+        check(st, "comet_moe_config_preset", lambda: _capi.text(lib.comet_last_create_error()))
+        for field, value in overrides.items():
+            setattr(cfg, field, value)
         return cfg
 
     def validate(self, world_size: int) -> "MoeConfig":
         """Check the config against a world size without creating anything (no GPU
         needed). Raises CometInvalidArgumentError (or CometNotSupportedError) with
-        comet's sentence naming the field, its value and the limit; returns self."""
+        comet's sentence naming the field, its value and the limit; returns self. A
+        world_size that is not an int in 1..2^31-1 raises TypeError / ValueError."""
+        world_size = check_int("MoeConfig.validate: world_size", world_size, 1, INT_MAX)
         lib = _capi.load()
         msg = ctypes.create_string_buffer(512)
-        st = lib.comet_moe_config_validate(ctypes.byref(self), int(world_size), msg, len(msg))
+        st = lib.comet_moe_config_validate(ctypes.byref(self), world_size, msg, len(msg))
         check(st, "comet_moe_config_validate", lambda: _capi.text(msg.value))
         return self
 

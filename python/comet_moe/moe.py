@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 
 from . import _capi
-from .checks import check_forward_args
+from .checks import PTR_MAX, check_forward_args, check_int
 from .comm import Comm, _Box, _Handle, _destroy_moe
 from .config import MoeConfig
 from .errors import check
@@ -155,13 +155,14 @@ class Moe(_Handle):
             from .autograd import MoeFunction
             return MoeFunction.apply(self, code, self.grad_accumulation == "main_grad", topk_ids, x, topk_weights,
                                      gate_up, gate, up, down)
-        if out is None:
-            out = x.new_empty((m, int(self.config.hidden)))
         if stream is None:
             import torch
             stream = torch.cuda.current_stream(self.comm.device_index).cuda_stream
-        elif hasattr(stream, "cuda_stream"):
-            stream = stream.cuda_stream
+        else:  # a torch.cuda.Stream or a raw cudaStream_t; ctypes would truncate a wider int
+            raw = stream.cuda_stream if hasattr(stream, "cuda_stream") else stream
+            stream = check_int("stream", raw, 0, PTR_MAX, "a cudaStream_t: a torch.cuda.Stream or its .cuda_stream")
+        if out is None:
+            out = x.new_empty((m, int(self.config.hidden)))
         args = _capi.MoeArgsStruct()
         args.num_tokens = m
         args.x = _ptr(x)
@@ -175,7 +176,7 @@ class Moe(_Handle):
         args.impl = code
         ptr = self._box.ptr
         with self.comm._on_device():
-            st = self._lib.comet_moe_forward(ptr, ctypes.byref(args), ctypes.c_void_p(int(stream)))
+            st = self._lib.comet_moe_forward(ptr, ctypes.byref(args), ctypes.c_void_p(stream))
         check(st, "comet_moe_forward", lambda: _capi.text(self._lib.comet_moe_last_error(ptr)))
         return out
 

@@ -1,10 +1,12 @@
 """cpu_args.py - run_cpu.py's tests of the forward call's argument checks, on small
-stand-in tensors (no torch needed), and of the rank layout under tensor parallelism.
+stand-in tensors (no torch needed), of what Moe.forward passes to C (through a stand-in
+of libcomet), and of the rank layout under tensor parallelism.
 """
 from __future__ import annotations
 
 import comet_moe
 from comet_moe import checks
+from comet_moe.checks import PTR_MAX
 from run_cpu import check, check_eq, raises, test
 
 
@@ -61,6 +63,19 @@ class ArgSet:
         cfg = comet_moe.MoeConfig(hidden=self.H, ffn=self.F, num_experts=8, top_k=self.K, max_tokens=64,
                                   tp_size=0 if self.tp == 1 else self.tp)
         return checks.check_forward_args(cfg, self.E_LOCAL, "cuda:0", **self.kw, **resolved)
+
+
+def _nbytes(t):
+    """The bytes a stand-in tensor spans."""
+    n = t.element_size()
+    for d in t.shape:
+        n *= d
+    return n
+
+
+def args_cfg():
+    """ArgSet's config with tp_size 1."""
+    return comet_moe.MoeConfig(hidden=ArgSet.H, ffn=ArgSet.F, num_experts=8, top_k=ArgSet.K, max_tokens=64)
 
 
 @test
@@ -124,6 +139,93 @@ def forward_checks_refuse_wrong_devices_and_layouts():
     x = FakeTensor((40, 256), ptr=0x10000000)
     raises(ValueError, lambda: ArgSet(x=x, out=FakeTensor((40, 256), ptr=0x10000000 + 256 * 2 * 8)).run(),
            "out overlaps x")
+
+
+@test
+def forward_checks_refuse_out_over_any_input():
+    # comet reads every input, the weights too, while it writes out: no byte may be shared.
+    H, F, E = ArgSet.H, ArgSet.F, ArgSet.E_LOCAL
+    args = ArgSet(gate_up=None, gate=FakeTensor((E, F, H), ptr=0x90000000), up=FakeTensor((E, F, H), ptr=0xA0000000))
+    for name in ("x", "topk_ids", "topk_weights", "gate", "up", "down"):
+        t = args.kw[name]
+        inside = t.data_ptr() + (_nbytes(t) // 2) // 16 * 16  # out starts in the middle of it
+        bad = dict(args.kw, out=FakeTensor((40, H), ptr=inside))
+        raises(ValueError, lambda: checks.check_forward_args(args_cfg(), E, "cuda:0", **bad),
+               f"out overlaps {name}", f"{name}'s [{t.data_ptr():#x}, {t.data_ptr() + _nbytes(t):#x})",
+               f"out's bytes [{inside:#x}")
+    w = ArgSet().kw["gate_up"]
+    raises(ValueError, lambda: ArgSet(out=FakeTensor((40, H), ptr=w.data_ptr())).run(), "out overlaps gate_up")
+    # out ending inside down's first bytes, and down ending inside out's first bytes.
+    d = ArgSet().kw["down"]
+    raises(ValueError, lambda: ArgSet(out=FakeTensor((40, H), ptr=d.data_ptr() - 40 * H * 2 + 16)).run(),
+           "out overlaps down")
+    raises(ValueError, lambda: ArgSet(out=FakeTensor((40, H), ptr=d.data_ptr() + _nbytes(d) - 16)).run(),
+           "out overlaps down")
+    # Touching is not overlapping: out right before and right after down is fine.
+    check_eq(ArgSet(out=FakeTensor((40, H), ptr=d.data_ptr() - 40 * H * 2)).run(), ArgSet.M, "out just before down")
+    check_eq(ArgSet(out=FakeTensor((40, H), ptr=d.data_ptr() + _nbytes(d))).run(), ArgSet.M, "out just after down")
+    # No tokens: out holds no bytes, wherever it points.
+    check_eq(ArgSet(m=0, x=FakeTensor((0, H), ptr=0), out=FakeTensor((0, H), ptr=d.data_ptr() + 64)).run(), 0,
+             "an empty out inside down")
+
+
+# ---- what forward passes to C, through a stand-in of libcomet ----
+
+class StubLib:
+    """The CUDA and comet calls Moe.forward makes, recorded; nothing runs."""
+
+    def __init__(self):
+        self.calls = []
+
+    def cudaGetDevice(self, ref):
+        return 0
+
+    def cudaSetDevice(self, index):
+        return 0
+
+    def comet_moe_forward(self, ptr, args, stream):
+        self.calls.append((args._obj.num_tokens, args._obj.impl, stream.value))
+        return 0
+
+
+def stub_layer():
+    """A Moe on rank 0 of 2 over StubLib, with ArgSet's config, built without comet."""
+    from comet_moe.comm import _Box
+    lib = StubLib()
+    comm = comet_moe.Comm.__new__(comet_moe.Comm)
+    comm._box, comm._lib, comm._moe_boxes, comm.device_index = None, lib, [], 0
+    layer = comet_moe.Moe.__new__(comet_moe.Moe)
+    layer._box, layer._lib, layer.comm, layer.config = _Box(0x1234), lib, comm, args_cfg()
+    layer.experts_per_rank, layer.ffn_local, layer.tp_size, layer.grad_accumulation = ArgSet.E_LOCAL, ArgSet.F, 1, "grad"
+    return layer, lib
+
+
+@test
+def forward_refuses_a_stream_ctypes_would_truncate():
+    layer, lib = stub_layer()
+    try:
+        kw = ArgSet().kw
+        check_eq(layer.forward(**kw, stream=0x5000), kw["out"], "forward returns out")
+        check_eq(layer.forward(**kw, stream=PTR_MAX, impl="fused"), kw["out"], "the widest stream")
+        check_eq(lib.calls, [(ArgSet.M, 0, 0x5000), (ArgSet.M, 2, PTR_MAX)], "what reached comet_moe_forward")
+        lib.calls.clear()
+        # Each would reach C as its low 64 bits (2**64 + 0x5000 as 0x5000), or as a rounded int.
+        raises(ValueError, lambda: layer.forward(**kw, stream=2**64 + 0x5000), "stream = 18446744073709572096",
+               f"0..{PTR_MAX}", "cudaStream_t")
+        raises(ValueError, lambda: layer.forward(**kw, stream=-1), "stream = -1")
+        raises(TypeError, lambda: layer.forward(**kw, stream=0x5000 + 0.5), "stream = 20480.5", "expected an int")
+        raises(TypeError, lambda: layer.forward(**kw, stream=True), "stream = True")
+
+        class FakeStream:
+            cuda_stream = 2**70
+
+        raises(ValueError, lambda: layer.forward(**kw, stream=FakeStream()), "stream = 1180591620717411303424")
+        raises(ValueError, lambda: layer.forward(**kw, impl=2**32 + 2, stream=0x5000), "impl = 4294967298")
+        raises(ValueError, lambda: layer.forward(**dict(kw, out=FakeTensor((40, 256), ptr=kw["down"].data_ptr())),
+                                                 stream=0x5000), "out overlaps down")
+        check_eq(lib.calls, [], "calls that reached comet_moe_forward after a refused argument")
+    finally:
+        layer._box = None  # no comet_moe_destroy on the stand-in
 
 
 @test

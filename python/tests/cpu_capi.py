@@ -363,13 +363,40 @@ def config_struct_size_is_what_comet_expects():
 @test
 def comm_config_struct_reaches_comet():
     # comet_comm_create_from_id checks its config before NCCL is touched: a timeout_ms of
-    # -1 is named, so size, magic, version and the timeout_ms offset all matched.
+    # -1 (which Comm refuses itself, so through the C call here) is named, so size, magic,
+    # version and the timeout_ms offset all matched.
+    lib = _capi.load()
     uid = bytes(128)
-    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.Comm(uid, 1, 0, timeout_ms=-1),
-           "comet_comm_create_from_id", "comm config.timeout_ms = -1")
-    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.Comm(uid, 2, 5), "rank = 5", "0..nranks-1 = 1")
+    config, handle = _capi.CommConfigStruct(-1), ctypes.c_void_p()
+    st = lib.comet_comm_create_from_id(ctypes.byref(_capi.NcclUniqueId.from_buffer_copy(uid)), 1, 0,
+                                       ctypes.byref(config), ctypes.byref(handle))
+    check_eq(st, _capi.INVALID_ARGUMENT, "comet_comm_create_from_id with timeout_ms -1")
+    check("comm config.timeout_ms = -1" in _capi.text(lib.comet_last_create_error()), "timeout_ms named by comet")
+    # The largest timeout Comm takes reaches comet, which then names the bad rank.
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.Comm(uid, 2, 5, timeout_ms=3600000),
+           "comet_comm_create_from_id", "rank = 5", "0..nranks-1 = 1")
     raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.Comm(uid, 0, 0), "nranks = 0")
     raises(ValueError, lambda: comet_moe.Comm(b"short", 1, 0), "unique_id has 5 bytes", "128")
+
+
+@test
+def comm_refuses_ints_ctypes_would_truncate():
+    # Each would reach comet as its low 32 bits (2**32 + 1 ranks as 1, rank 2**32 as 0);
+    # a timeout past comet's range would wait an hour and more. Refused before any C call.
+    uid = bytes(128)
+    raises(ValueError, lambda: comet_moe.Comm(uid, 1, 0, timeout_ms=2**40), "timeout_ms = 1099511627776",
+           "0..3600000", "milliseconds")
+    raises(ValueError, lambda: comet_moe.Comm(uid, 1, 0, timeout_ms=3600001), "timeout_ms = 3600001", "0..3600000")
+    raises(ValueError, lambda: comet_moe.Comm(uid, 1, 0, timeout_ms=-1), "timeout_ms = -1", "0..3600000")
+    raises(TypeError, lambda: comet_moe.Comm(uid, 1, 0, timeout_ms=1.5), "timeout_ms = 1.5", "expected an int")
+    raises(TypeError, lambda: comet_moe.Comm(uid, 1, 0, timeout_ms=True), "timeout_ms = True", "not a bool")
+    raises(ValueError, lambda: comet_moe.Comm(uid, 2**32 + 1, 0), "nranks = 4294967297", "-2147483648..2147483647")
+    raises(ValueError, lambda: comet_moe.Comm(uid, 2, 2**32), "rank = 4294967296", "2147483647")
+    raises(TypeError, lambda: comet_moe.Comm(uid, 2.0, 0), "nranks = 2.0")
+    raises(TypeError, lambda: comet_moe.Comm(128, 1, 0), "unique_id: expected the bytes", "got int")
+    # from_process_group checks timeout_ms first, before torch or anything collective.
+    raises(ValueError, lambda: comet_moe.Comm.from_process_group(timeout_ms=2**40), "timeout_ms = 1099511627776",
+           "0..3600000")
 
 
 @test
@@ -400,6 +427,61 @@ def presets_from_the_library():
     raises(TypeError, lambda: comet_moe.MoeConfig.preset("tiny", 10, hiden=64), "unknown field 'hiden'")
     raises(ValueError, lambda: comet_moe.MoeConfig(max_tokens=2**31), "MoeConfig.max_tokens = 2147483648")
     raises(TypeError, lambda: comet_moe.MoeConfig(hidden=4096.0), "MoeConfig.hidden = 4096.0", "int")
+
+
+@test
+def config_refuses_ints_ctypes_would_truncate():
+    # ctypes keeps the low bits of a wider int: cfg.max_tokens = 2**32 + 5 would read 5.
+    cfg = comet_moe.MoeConfig.preset("tiny", 512)
+    before = cfg.copy()
+
+    def assign(field, value):
+        return lambda: setattr(cfg, field, value)
+
+    raises(ValueError, assign("max_tokens", 2**32 + 5), "MoeConfig.max_tokens = 4294967301",
+           "-2147483648..2147483647", "a C int")
+    for field in ("hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size", "tp_size", "dtype"):
+        raises(ValueError, assign(field, 2**31), f"MoeConfig.{field} = 2147483648", "2147483647")
+        raises(ValueError, assign(field, -2**31 - 1), f"MoeConfig.{field} = -2147483649", "-2147483648")
+        raises(TypeError, assign(field, 64.0), f"MoeConfig.{field} = 64.0", "expected an int, got float")
+        raises(TypeError, assign(field, "64"), f"MoeConfig.{field} = '64'", "got str")
+        raises(TypeError, assign(field, True), f"MoeConfig.{field} = True", "not a bool")
+    # The header fields by their own C types (comet's checks of them stay reachable).
+    raises(ValueError, assign("size", -1), "MoeConfig.size = -1", f"0..{2**64 - 1}", "a C size_t")
+    raises(ValueError, assign("size", 2**64), "MoeConfig.size = 18446744073709551616")
+    raises(ValueError, assign("magic", 2**32), "MoeConfig.magic = 4294967296", "0..4294967295", "unsigned int")
+    raises(ValueError, assign("version", -1), "MoeConfig.version = -1", "0..4294967295")
+    check(cfg == before, f"a refused assignment changed the config: {cfg!r}")
+    # A misspelt field would become a plain attribute that comet never sees.
+    raises(AttributeError, assign("max_token", 64), "MoeConfig has no field 'max_token'", "max_tokens")
+    # The widest values that fit are kept exactly.
+    for field in ("hidden", "max_tokens"):
+        for v in (2**31 - 1, -2**31):
+            setattr(cfg, field, v)
+            check_eq(getattr(cfg, field), v, f"MoeConfig.{field} = {v}")
+    cfg.size = 2**64 - 1
+    check_eq(cfg.size, 2**64 - 1, "size = SIZE_MAX")
+    # The constructor and the preset's max_tokens and overrides check the same way.
+    raises(ValueError, lambda: comet_moe.MoeConfig(top_k=2**32 + 2), "MoeConfig.top_k = 4294967298")
+    raises(ValueError, lambda: comet_moe.MoeConfig.preset("tiny", 2**32 + 5), "MoeConfig.max_tokens = 4294967301")
+    raises(ValueError, lambda: comet_moe.MoeConfig.preset("tiny", 64, ffn=2**33), "MoeConfig.ffn = 8589934592")
+    raises(TypeError, lambda: comet_moe.MoeConfig.preset("tiny", 64, top_k=2.5), "MoeConfig.top_k = 2.5")
+    # The name is a C string: a NUL would end it early ("tiny\0x" read as "tiny").
+    raises(ValueError, lambda: comet_moe.MoeConfig.preset("tiny\0x", 64), "name = 'tiny\\x00x'", "NUL")
+    raises(TypeError, lambda: comet_moe.MoeConfig.preset(b"tiny", 64), "name = b'tiny'", "expected a str")
+
+
+@test
+def validate_refuses_a_world_size_ctypes_would_truncate():
+    cfg = comet_moe.MoeConfig.preset("tiny", 512)
+    raises(ValueError, lambda: cfg.validate(2**40), "world_size = 1099511627776", "1..2147483647")
+    raises(ValueError, lambda: cfg.validate(2**32 + 2), "world_size = 4294967298")
+    raises(ValueError, lambda: cfg.validate(0), "world_size = 0", "1..2147483647")
+    raises(TypeError, lambda: cfg.validate(2.0), "world_size = 2.0", "expected an int")
+    raises(TypeError, lambda: cfg.validate(True), "world_size = True")
+    # Inside the C int range comet says what it takes.
+    raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(2**31 - 1), "world size 2147483647")
+    check(cfg.validate(2) is cfg, "world size 2")
 
 
 @test

@@ -71,8 +71,10 @@ def raises(exc_type, fn, *contains):
 def need_torch():
     try:
         import torch  # noqa: F401
-    except ImportError:
+    except ModuleNotFoundError:
         raise Skip("torch is not installed (pip install torch to run it)") from None
+    except ImportError as e:  # installed, but it does not load (say, another libnccl loaded first)
+        raise Skip(f"torch does not import: {e}") from None
     return torch
 
 

@@ -207,7 +207,8 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
             return cometi_fail(err, COMET_REMOTE_ERROR, "rank %d passed an expert id out of [0, %d) "
                                "(topk_ids[%d][%d]); no rank ran the layer", r, E, first_bad / k, first_bad % k);
         int32_t bad_id = 0;
-        cudaMemcpy(&bad_id, args->topk_ids + first_bad, sizeof(int32_t), cudaMemcpyDeviceToHost);
+        COMETI_TRY(cometi_cuda(err, cudaMemcpy(&bad_id, args->topk_ids + first_bad, sizeof(int32_t),
+                                               cudaMemcpyDeviceToHost), "read the bad expert id"));
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "topk_ids[%d][%d] = %d on rank %d: expert ids must be in "
                            "[0, num_experts = %d)", first_bad / k, first_bad % k, bad_id, me, E);
     }

@@ -111,7 +111,17 @@ fail:
 
 extern "C" void cometi_window_destroy(comet_comm_t comm, cometi_window_t *win)
 {
-    if (win->nccl_win) ncclCommWindowDeregister(comm->nccl, win->nccl_win);
+    /* Deregistering is collective: with a peer gone it would wait forever. The window is
+     * then left to the communicator's abort (comet_comm_destroy). */
+    if (comm->peers_lost && comm->size > 1) {
+        memset(win, 0, sizeof(*win));
+        return;
+    }
+    if (win->nccl_win) {
+        const ncclResult_t r = ncclCommWindowDeregister(comm->nccl, win->nccl_win);
+        if (r != ncclSuccess) /* nothing to return: teardown goes on, the reason is kept */
+            snprintf(comm->err, COMETI_ERR_LEN, "ncclCommWindowDeregister: %s", ncclGetErrorString(r));
+    }
     if (win->local && comm->size == 1) cudaFree(win->local);
     else if (win->local) ncclMemFree(win->local);
     memset(win, 0, sizeof(*win));
