@@ -21,6 +21,7 @@
 #include "../src/gemm_combine.h"
 #include "../src/tune.h"
 #include "bench.h"
+#include "alloc.h"
 #include "tool.h"
 
 /* Seeds of the synthetic tensors; element indices are global, so any rank can rebuild
@@ -48,7 +49,7 @@ static void reference_token(const comet_moe_config_t *c, const seeds_t *s, int r
 {
     const int H = c->hidden, F = c->ffn, M = c->max_tokens;
     const float sx = 1.0f, sgu = (float)(1.0 / sqrt(H)), sdn = (float)(1.0 / sqrt(F));
-    double *x = malloc(sizeof(double) * H), *act = malloc(sizeof(double) * F);
+    double *x = TOOL_MALLOC(sizeof(double) * H), *act = TOOL_MALLOC(sizeof(double) * F);
     for (int h = 0; h < H; h++) x[h] = cometi_bf16_to_float(cometi_hash_bf16(s->x[0], ((uint64_t)rank * M + t) * H + h, sx));
     for (int h = 0; h < H; h++) y[h] = 0;
     for (int j = 0; j < c->top_k; j++) {
@@ -77,7 +78,7 @@ static void reference_token(const comet_moe_config_t *c, const seeds_t *s, int r
  * or Inf), the worst over ranks. */
 static int y_error(comet_comm_t comm, const void *got_dev, const void *want_dev, size_t n, double *out)
 {
-    uint16_t *want = malloc(2 * n + 2), *got = malloc(2 * n + 2);
+    uint16_t *want = TOOL_MALLOC(2 * n + 2), *got = TOOL_MALLOC(2 * n + 2);
     CUDA_OK(cudaMemcpy(want, want_dev, 2 * n, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(got, got_dev, 2 * n, cudaMemcpyDeviceToHost));
     double num = 0, den = 0;
@@ -252,9 +253,9 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     const void *b_recv, *b_act;
     cometi_baseline_buffers(moe->baseline, &b_recv, &b_act);
     const int per = l0.experts_per_group, F = l0.ffn;
-    cometi_segment_t *segs = malloc(sizeof(cometi_segment_t) * per);
+    cometi_segment_t *segs = TOOL_MALLOC(sizeof(cometi_segment_t) * per);
     CUDA_OK(cudaMemcpy(segs, l0.route.plan.local_segs, sizeof(cometi_segment_t) * per, cudaMemcpyDeviceToHost));
-    uint16_t *want = malloc((size_t)64 * F * 2), *got = malloc((size_t)64 * F * 2);
+    uint16_t *want = TOOL_MALLOC((size_t)64 * F * 2), *got = TOOL_MALLOC((size_t)64 * F * 2);
     double num = 0, den = 0;
     for (int le = 0; le < per; le++) {
         for (int end = 0; end < 2; end++) {
@@ -388,9 +389,9 @@ int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     CUDA_OK(cometi_fill_hash_bf16_rows(down, (size_t)per * H, Fl, F, s.down,
                                        (uint64_t)first * H * F + (uint64_t)t * Fl, (float)(1.0 / sqrt(F)), 0));
     /* Routing of every rank, so this rank knows how many rows it receives (for FLOPs). */
-    int32_t *ids_host = malloc(sizeof(int32_t) * ((size_t)M * k + 1));
-    float *w_host = malloc(sizeof(float) * ((size_t)M * k + 1)), *w0_host = malloc(sizeof(float) * ((size_t)M * k + 1));
-    int32_t *ids0_host = malloc(sizeof(int32_t) * ((size_t)M * k + 1));
+    int32_t *ids_host = TOOL_MALLOC(sizeof(int32_t) * ((size_t)M * k + 1));
+    float *w_host = TOOL_MALLOC(sizeof(float) * ((size_t)M * k + 1)), *w0_host = TOOL_MALLOC(sizeof(float) * ((size_t)M * k + 1));
+    int32_t *ids0_host = TOOL_MALLOC(sizeof(int32_t) * ((size_t)M * k + 1));
     double rows_in = 0;
     for (int set = 0; set < NSETS; set++) {
         CUDA_OK(cudaMalloc(&x[set], (size_t)M * H * 2 + 16));
@@ -399,7 +400,7 @@ int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         CUDA_OK(cometi_fill_hash_bf16(x[set], (size_t)M * H, s.x[set], (uint64_t)me * M * H, 1.0f, 0));
         for (int r = 0; r < R; r++) {
             cometi_make_routing(o->routing, o->skew, M, k, E, s.routing[set], r, ids_host, w_host);
-            int64_t *counts = calloc((size_t)E, sizeof(int64_t));
+            int64_t *counts = TOOL_CALLOC((size_t)E, sizeof(int64_t));
             cometi_route_count(ids_host, M, k, E, counts);
             for (int e = first; e < first + per; e++) rows_in += (double)counts[e] / NSETS;
             free(counts);
@@ -433,9 +434,9 @@ int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         FAIL_IF(st != COMET_SUCCESS, "forward (%s): %s", label, comet_moe_last_error(moe));
         CUDA_OK(cudaDeviceSynchronize());
         const int samples[2] = {0, M - 1};
-        uint16_t *row = malloc((size_t)H * 2);
-        float *rowf = malloc(sizeof(float) * H);
-        double *ref = malloc(sizeof(double) * H), worst = 0;
+        uint16_t *row = TOOL_MALLOC((size_t)H * 2);
+        float *rowf = TOOL_MALLOC(sizeof(float) * H);
+        double *ref = TOOL_MALLOC(sizeof(double) * H), worst = 0;
         for (int i = 0; i < 2; i++) {
             CUDA_OK(cudaMemcpy(row, (char *)y + (size_t)samples[i] * H * 2, (size_t)H * 2, cudaMemcpyDeviceToHost));
             for (int h = 0; h < H; h++) rowf[h] = cometi_bf16_to_float(row[h]);
@@ -454,7 +455,7 @@ int run_baseline_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     cudaEvent_t marks[COMETI_NUM_MARKS];
     for (int i = 0; i < COMETI_NUM_MARKS; i++) CUDA_OK(cudaEventCreate(&marks[i]));
     float *times[P_COUNT];
-    for (int p = 0; p < P_COUNT; p++) times[p] = malloc(sizeof(float) * o->iters);
+    for (int p = 0; p < P_COUNT; p++) times[p] = TOOL_MALLOC(sizeof(float) * o->iters);
     if (me == 0) fprintf(stderr, "[bench] %s: %d warm-up and %d timed calls\n", label, o->warmup, o->iters);
     for (int it = -o->warmup; it < o->iters; it++) {
         int set = (it + o->warmup) % NSETS;

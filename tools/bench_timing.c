@@ -18,6 +18,7 @@
 #include "../src/gemm_combine.h"
 #include "../harness/timeline.h"
 #include "bench.h"
+#include "alloc.h"
 #include "tool.h"
 
 static int cmp_float(const void *a, const void *b)
@@ -138,7 +139,7 @@ static comet_status_t prepare_timed_call(const timed_call_t *c, int n)
 int time_calls(const timed_call_t *c, int warmup, int iters, float *out)
 {
     cudaEvent_t e0, e1;
-    float *t = malloc(sizeof(float) * iters);
+    float *t = TOOL_MALLOC(sizeof(float) * iters);
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     for (int it = -warmup; it < iters; it++) {
@@ -194,7 +195,7 @@ int try_call(const timed_call_t *c, int *served)
 int time_in_turns(const timed_call_t *base, const int *whats, int n, int rounds, float *med)
 {
     FAIL_IF(n < 1 || n > TURNS_MAX, "time_in_turns: %d calls (1..%d)", n, TURNS_MAX);
-    float *t = malloc(sizeof(float) * n * rounds);
+    float *t = TOOL_MALLOC(sizeof(float) * n * rounds);
     uint64_t rng = 0x636f6d6574ull; /* the same seed on every rank */
     for (int i = 0; i < rounds; i++) {
         int order[TURNS_MAX];
@@ -269,11 +270,11 @@ int print_layer1_trace(comet_comm_t comm, const cometi_gemm_combine_t *l1, const
 {
     const int sms = comm->sm_count, n = COMETI_COMBINE_TRACE, cb = k->combine_blocks;
     const int kernel_splits = cb ? k->n_splits - (k->tail != 0) : 0;
-    unsigned long long *t = malloc(sizeof(unsigned long long) * n * 2 * sms), t0 = ~0ull;
+    unsigned long long *t = TOOL_MALLOC(sizeof(unsigned long long) * n * 2 * sms), t0 = ~0ull;
     CUDA_OK(cudaMemcpy(t, l1->trace, sizeof(unsigned long long) * n * 2 * sms, cudaMemcpyDeviceToHost));
     const unsigned long long *tail = t + (size_t)n * sms;
     for (int b = 0; b < (cb ? cb : sms); b++) t0 = (cb ? t : tail)[b * n] < t0 ? (cb ? t : tail)[b * n] : t0;
-    float *v = malloc(sizeof(float) * sms);
+    float *v = TOOL_MALLOC(sizeof(float) * sms);
 #define EVENT_US(rows, blocks, e) \
     (({ for (int b = 0; b < (blocks); b++) v[b] = (float)((rows)[b * n + (e)] - t0) / 1e3f; }), median(v, (blocks)))
     printf("  layer1 timeline, us (rank 0, medians over blocks):");
@@ -318,15 +319,11 @@ int copy_rate(comet_comm_t comm, float *gbs)
 /* Where the push's time goes: its destinations kernel, GEMM1 with the push epilogue (beside
  * GEMM1 alone, timed in turns before), the owner's sum; medians of `iters` calls, the
  * slowest rank's. */
-int print_push_phases(const cometi_rank_ctx_t *ctx, comet_comm_t comm, cometi_dispatch_gemm_t *l0, cometi_gemm_combine_t *l1,
-                      comet_moe_args_t *a, int iters, float gemm_alone_ms, float *sum_ms)
+/* The push's calls with its phase marks recorded into t[phase][call]. */
+static int push_phase_calls(comet_comm_t comm, cometi_dispatch_gemm_t *l0, cometi_gemm_combine_t *l1,
+                            comet_moe_args_t *a, const cudaEvent_t *marks, float *const *t, int iters)
 {
     const cometi_combine_knobs_t push = {0, 1, 1, 0, 1};
-    cudaEvent_t marks[4];
-    float *t[3], med[3];
-    for (int i = 0; i < 4; i++) CUDA_OK(cudaEventCreate(&marks[i]));
-    for (int i = 0; i < 3; i++) t[i] = malloc(sizeof(float) * iters);
-    l1->push_marks = marks;
     for (int it = 0; it < iters; it++) {
         FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
         comet_status_t st = cometi_gemm_combine_run(comm, l1, l0, a, &push, 0);
@@ -334,7 +331,20 @@ int print_push_phases(const cometi_rank_ctx_t *ctx, comet_comm_t comm, cometi_di
         CUDA_OK(cudaEventSynchronize(marks[3]));
         for (int i = 0; i < 3; i++) CUDA_OK(cudaEventElapsedTime(&t[i][it], marks[i], marks[i + 1]));
     }
+    return 0;
+}
+
+int print_push_phases(const cometi_rank_ctx_t *ctx, comet_comm_t comm, cometi_dispatch_gemm_t *l0, cometi_gemm_combine_t *l1,
+                      comet_moe_args_t *a, int iters, float gemm_alone_ms, float *sum_ms)
+{
+    cudaEvent_t marks[4];
+    float *t[3], med[3];
+    for (int i = 0; i < 4; i++) CUDA_OK(cudaEventCreate(&marks[i]));
+    for (int i = 0; i < 3; i++) t[i] = TOOL_MALLOC(sizeof(float) * iters);
+    l1->push_marks = marks; /* this function's array: unset on every way out */
+    const int failed = push_phase_calls(comm, l0, l1, a, marks, t, iters);
     l1->push_marks = NULL;
+    if (failed) return 1;
     FAIL_IF(comet_comm_get_async_error(comm) != COMET_SUCCESS, "layer1 push: %s", comet_comm_last_error(comm));
     for (int i = 0; i < 3; i++) med[i] = median(t[i], iters), free(t[i]);
     for (int i = 0; i < 4; i++) cudaEventDestroy(marks[i]);
@@ -356,7 +366,7 @@ int print_tile_timelines(const cometi_rank_ctx_t *ctx, const timed_call_t *fused
 {
     const int sms = fused->comm->sm_count;
     const size_t bytes = sizeof(unsigned long long) * COMETI_TILE_TRACE_WORDS * sms;
-    unsigned long long *dev, *host = malloc(bytes);
+    unsigned long long *dev, *host = TOOL_MALLOC(bytes);
     FAIL_IF(!host, "out of host memory");
     CUDA_OK(cudaMalloc((void **)&dev, bytes));
     cometi_timeline_t s[2];

@@ -20,6 +20,7 @@
 #include "comet.h"
 #include "../src/internal.h"
 #include "bench.h"
+#include "alloc.h"
 #include "tool.h"
 
 /* Comet's dx against the baseline's, each element over its row's RMS: twice
@@ -118,7 +119,7 @@ static int first_calls(const timed_call_t *base, train_case_t *tc, int nimpl, in
 static int dx_error(comet_comm_t comm, const void *got_dev, const void *want_dev, int m, int H, double *out)
 {
     const size_t n = (size_t)m * H;
-    uint16_t *want = malloc(2 * n + 2), *got = malloc(2 * n + 2);
+    uint16_t *want = TOOL_MALLOC(2 * n + 2), *got = TOOL_MALLOC(2 * n + 2);
     FAIL_IF(!want || !got, "out of host memory");
     CUDA_OK(cudaMemcpy(want, want_dev, 2 * n, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(got, got_dev, 2 * n, cudaMemcpyDeviceToHost));

@@ -12,6 +12,7 @@
 #include "comet.h"
 #include "../src/internal.h"
 #include "bench.h"
+#include "alloc.h"
 #include "tool.h"
 
 /* GB/s of the median of `reps` copies of `bytes`, each after a device barrier: by `blocks`

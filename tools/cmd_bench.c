@@ -19,6 +19,7 @@
 #include "../src/gemm_combine.h"
 #include "../src/tune.h"
 #include "bench.h"
+#include "alloc.h"
 #include "tool.h"
 
 static const char *routing_name(cometi_routing_t r)
@@ -236,7 +237,7 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
     static const int suite_tokens[] = {1024, 2048, 4096, 8192, 16384};
     static const cometi_routing_t suite_routings[] = {COMETI_ROUTING_BALANCED, COMETI_ROUTING_SKEWED};
     const int ntokens = o->suite ? 5 : 1, nroutings = o->suite ? 2 : 1, ncases = o->npresets ? o->npresets : 1;
-    suite_row_t *rows = calloc((size_t)ntokens * nroutings * ncases, sizeof(*rows));
+    suite_row_t *rows = TOOL_CALLOC((size_t)ntokens * nroutings * ncases, sizeof(*rows));
     int nrows = 0, records = 0, failed_check = 0;
     for (int ri = 0; ri < nroutings; ri++) {
         for (int ti = 0; ti < ntokens; ti++) {

@@ -17,6 +17,7 @@
 #include "../src/baseline/baseline.h"
 #include "../src/internal.h"
 #include "../src/kernels/gemm.h"
+#include "alloc.h"
 #include "tool.h"
 
 
@@ -130,7 +131,7 @@ static int make_operands(const tool_options_t *o, const shape_t *sh, int si, voi
     /* B: [groups][n][k] (or [k][n]); a weight gradient's [groups x rows][n]. */
     const size_t na = (size_t)sh->groups * sh->rows * sh->k,
                  nb = (size_t)sh->groups * sh->n * (sh->wgrad ? sh->rows : sh->k);
-    cometi_segment_t *host = malloc(sizeof(cometi_segment_t) * sh->groups);
+    cometi_segment_t *host = TOOL_MALLOC(sizeof(cometi_segment_t) * sh->groups);
     FAIL_IF(!host, "out of host memory");
     for (int g = 0; g < sh->groups; g++) host[g] = (cometi_segment_t){g * sh->rows, sh->rows};
     CUDA_OK(cudaMalloc(a, na * 2));
@@ -195,7 +196,7 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
     FAIL_IF(run_ours(&r, 0), "%s: ours with SwiGLU: %s", sh->name, r.err);
     CUDA_OK(cudaDeviceSynchronize());
     FAIL_IF(err_host->status, "%s: ours with SwiGLU: the GEMM pipeline stalled", sh->name);
-    uint16_t *want = malloc(rows * F * 2), *got = malloc(rows * F * 2);
+    uint16_t *want = TOOL_MALLOC(rows * F * 2), *got = TOOL_MALLOC(rows * F * 2);
     CUDA_OK(cudaMemcpy(want, act_ref, rows * F * 2, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(got, act, rows * F * 2, cudaMemcpyDeviceToHost));
     double d = rel_diff(got, want, rows * F);
@@ -238,7 +239,7 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
     int failed = 0;
     const float t_cublas = time_ms(run_cublas, &r, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
-    uint16_t *ref = malloc(nc * 2), *got = malloc(nc * 2);
+    uint16_t *ref = TOOL_MALLOC(nc * 2), *got = TOOL_MALLOC(nc * 2);
     CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
     float t[2];
     double worst = 0;
@@ -326,7 +327,7 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         int failed = 0;
         float t_cublas = time_ms(run_cublas, &r, 3, o->iters, &failed, NULL, NULL);
         FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
-        uint16_t *ref = malloc(nc * 2), *got = malloc(nc * 2);
+        uint16_t *ref = TOOL_MALLOC(nc * 2), *got = TOOL_MALLOC(nc * 2);
         CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
         /* Variants {block_n, group_m, sms, epilogue, schedule, dynamic, splits, no cut}:
          * cooperative 128x256, ping-pong 64x256 and cooperative 128x128 with the default
