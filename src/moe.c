@@ -27,7 +27,7 @@ static comet_status_t pick_knobs(comet_moe_t moe, struct cometi_fused *f)
     int failed = 0;
     if (*path) {
         char err[COMETI_ERR_LEN];
-        if (cometi_tuning_lookup(path, &moe->cfg, comm->size, &k, err, sizeof(err)) < 0) {
+        if (cometi_tuning_lookup(path, &moe->cfg, comm->size, comm->sm_count, &k, err, sizeof(err)) < 0) {
             cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "$COMET_TUNING_FILE: %.440s", err);
             failed = 1;
         }

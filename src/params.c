@@ -1,12 +1,15 @@
 /*
  * params.c - the environment variables libcomet reads (params.h): one table, read once.
  */
+#define _POSIX_C_SOURCE 200809L /* open flags, fstat and the file kinds */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "params.h"
 
@@ -31,33 +34,70 @@ static char load_error[COMETI_ERR_LEN];
 static comet_status_t load_status;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
-static comet_status_t read_one(int i)
+static const char *file_kind(mode_t m)
+{
+    return S_ISDIR(m) ? "a directory" : S_ISFIFO(m) ? "a fifo" : S_ISSOCK(m) ? "a socket" :
+           S_ISCHR(m) ? "a character device" : S_ISBLK(m) ? "a block device" : "something else";
+}
+
+int cometi_open_regular(const char *path, char *why, size_t why_len)
+{
+    /* O_NONBLOCK: opening a fifo for reading would otherwise wait for a writer, and a
+     * settings file must never hang the caller. It changes nothing for a regular file. */
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        snprintf(why, why_len, "%s", strerror(errno));
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        snprintf(why, why_len, "%s, not a regular file", file_kind(st.st_mode));
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* A whole decimal number in [lo, hi], nothing before or after it (strtol alone would take
+ * leading blanks and a '+'). */
+static int parse_long(const char *v, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    const long x = strtol(v, &end, 10);
+    if ((*v != '-' && (*v < '0' || *v > '9')) || errno || end == v || *end || x < lo || x > hi) return -1;
+    *out = x;
+    return 0;
+}
+
+/* Fills `msg` (COMETI_ERR_LEN bytes) on failure. */
+static comet_status_t read_path(int i, const char *v, char *msg)
+{
+    const param_t *p = &table[i];
+    char why[128];
+    if (strlen(v) >= sizeof(paths[i]))
+        return cometi_fail(msg, COMET_INVALID_ARGUMENT, "$%s: a path of %zu characters: at most %zu", p->name,
+                           strlen(v), sizeof(paths[i]) - 1);
+    const int fd = cometi_open_regular(v, why, sizeof(why));
+    if (fd < 0)
+        return cometi_fail(msg, COMET_INVALID_ARGUMENT, "$%s = '%.300s': %s; it takes %s", p->name, v, why,
+                           p->takes);
+    close(fd);
+    snprintf(paths[i], sizeof(paths[i]), "%s", v);
+    return COMET_SUCCESS;
+}
+
+static comet_status_t read_one(int i, char *msg)
 {
     const param_t *p = &table[i];
     values[i] = p->def;
     paths[i][0] = '\0';
     const char *v = getenv(p->name);
     if (!v || !*v) return COMET_SUCCESS;
-    if (p->is_path) {
-        struct stat st;
-        if (strlen(v) >= sizeof(paths[i]))
-            return cometi_fail(load_error, COMET_INVALID_ARGUMENT, "$%s: a path of %zu characters: at most %zu",
-                               p->name, strlen(v), sizeof(paths[i]) - 1);
-        if (stat(v, &st) != 0)
-            return cometi_fail(load_error, COMET_INVALID_ARGUMENT, "$%s = '%.300s': %s; it takes %s", p->name, v,
-                               strerror(errno), p->takes);
-        if (!S_ISREG(st.st_mode))
-            return cometi_fail(load_error, COMET_INVALID_ARGUMENT, "$%s = '%.300s' is not a regular file; it takes %s",
-                               p->name, v, p->takes);
-        snprintf(paths[i], sizeof(paths[i]), "%s", v);
-        return COMET_SUCCESS;
-    }
-    char *end;
-    errno = 0;
-    const long x = strtol(v, &end, 10);
-    if (errno || end == v || *end || x < p->lo || x > p->hi)
-        return cometi_fail(load_error, COMET_INVALID_ARGUMENT, "$%s = '%.100s': it takes %s", p->name, v, p->takes);
-    values[i] = x;
+    if (p->is_path) return read_path(i, v, msg);
+    if (parse_long(v, p->lo, p->hi, &values[i]))
+        return cometi_fail(msg, COMET_INVALID_ARGUMENT, "$%s = '%.100s': it takes %s", p->name, v, p->takes);
     return COMET_SUCCESS;
 }
 
@@ -65,9 +105,12 @@ static void load(void)
 {
     load_status = COMET_SUCCESS;
     for (int i = 0; i < COMETI_NUM_PARAMS; i++) {
-        const comet_status_t st = read_one(i);
-        if (st != COMET_SUCCESS && load_status == COMET_SUCCESS) load_status = st;
-        if (st != COMET_SUCCESS) values[i] = table[i].def, paths[i][0] = '\0';
+        char msg[COMETI_ERR_LEN];
+        const comet_status_t st = read_one(i, msg);
+        if (st == COMET_SUCCESS) continue;
+        values[i] = table[i].def, paths[i][0] = '\0';
+        /* The first bad variable is the one reported, its message with its status. */
+        if (load_status == COMET_SUCCESS) load_status = st, memcpy(load_error, msg, sizeof(load_error));
     }
 }
 

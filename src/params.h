@@ -31,6 +31,12 @@ const char *cometi_param_str(cometi_param_id_t id);
 /* "COMET_TIMEOUT_MS", ... */
 const char *cometi_param_name(cometi_param_id_t id);
 
+/* Open `path` for reading where it is a regular file: its descriptor, or -1 with `why`
+ * saying what is wrong ("Permission denied", "a directory, not a regular file", ...). A
+ * fifo is refused without waiting for a writer. What $COMET_TUNING_FILE is checked with
+ * when the table is read, and what the tuning file is opened with when it is read. */
+int cometi_open_regular(const char *path, char *why, size_t why_len);
+
 #ifdef __cplusplus
 }
 #endif

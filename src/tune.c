@@ -2,90 +2,118 @@
  * tune.c - the fused path's settings: the cost model, the tuning file, and the rules for
  * the first wave and the head. See tune.h.
  */
+#define _POSIX_C_SOURCE 200809L /* fdopen, strtok_r */
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "tune.h"
-
-/* Rates measured on H200 (2026-11-29): our grouped GEMM at 650-790 TFLOP/s
- * on the presets; dispatch blocks copy about 8 GB/s per SM beside the GEMM (the fewest
- * blocks that kept layer0 within noise of its best); the combine on every SM after GEMM1
- * reads its output at about 0.7 TB/s (134 MB in 188-290 us). */
-#define MODEL_GEMM_FLOPS 700e12
-#define MODEL_DISPATCH_BYTES_PER_SM 8e9
-#define MODEL_TAIL_BYTES 0.7e12
-/* The push (rows sent home from GEMM1's epilogue, summed by the owner after) beat the tail
- * where the tail reaches 0.39 and 0.71 of GEMM1 (qwen2-57b-a14b even, qwen2-moe-2.7b by
- * 1.47x), and it beat every setting with combine blocks beside the GEMM. Once its epilogue
- * sent whole parts as tensor stores it won at 0.16 too (phi-3.5-moe, 2%), and once the
- * other parts were stored from registers at 0.07 (mixtral-8x7b: 1.6% on the whole layer,
- * timed in turns). The threshold keeps the tail for shapes with even less to send. */
-#define MODEL_PUSH_SHARE 0.05
+#include "params.h"
+#include "kernels/gemm.h"
 
 static int clamp(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+static int cfg_tp(const comet_moe_config_t *cfg) { return cfg->tp_size > 1 ? cfg->tp_size : 1; }
+
+/* Layer0's dispatch blocks (tune.h). Per row of this rank: both GEMM0's time and the bytes
+ * to copy grow with the rows alike, so the count does not depend on the token count. */
+static int model_dispatch_blocks(const comet_moe_config_t *cfg, int world, int sm_count)
+{
+    const int tp = cfg_tp(cfg);
+    const double H = cfg->hidden, F = (double)cfg->ffn / tp;
+    const double remote = world > 1 ? (double)(world - 1) / world : 0;
+    /* GEMM0 is gate and up: 2F columns. With TP the dispatch blocks copy every row to the
+     * tp ranks of its group, the local copy included: a TP rank after the group's first has
+     * no local rows at the head of its segments, so its first tiles wait for the copies too
+     * (2 x H200, EP 1 x TP 2: the best counts were 6-8 blocks on mixtral-8x7b and 16 or
+     * more on phi-3.5-moe and qwen2-57b-a14b). */
+    const double gemm0_s = 2.0 * 2 * F * H / COMETI_MODEL_GEMM_FLOPS;
+    const double copy_bytes = (tp > 1 ? 1.0 : remote) * H * 2;
+    int blocks = (int)ceil(copy_bytes / (gemm0_s * COMETI_MODEL_DISPATCH_BYTES_PER_SM));
+    blocks = clamp(blocks + (blocks & 1), COMETI_MODEL_MIN_DISPATCH, COMETI_MODEL_MAX_DISPATCH);
+    /* Small GPUs keep most SMs for GEMM0; at least 1 block, which 2 SMs can give. */
+    const int cap = sm_count / 4 > 1 ? sm_count / 4 : 1;
+    return blocks < cap ? blocks : cap;
+}
+
+/* Layer1: is the tail (GEMM1's output read back at COMETI_MODEL_TAIL_BYTES) longer than
+ * COMETI_MODEL_PUSH_SHARE of GEMM1? Per row, like the dispatch blocks. */
+static int model_tail_is_long(const comet_moe_config_t *cfg)
+{
+    const double H = cfg->hidden, F = (double)cfg->ffn / cfg_tp(cfg);
+    const double gemm1_s = 2.0 * F * H / COMETI_MODEL_GEMM_FLOPS, tail_s = H * 2 / COMETI_MODEL_TAIL_BYTES;
+    return tail_s > COMETI_MODEL_PUSH_SHARE * gemm1_s;
+}
 
 void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, cometi_knobs_t *out)
 {
     memset(out, 0, sizeof(*out));
-    const int tp = cfg->tp_size > 1 ? cfg->tp_size : 1;
-    /* Per rank, balanced: tp x M x k rows of ffn / tp columns each (the same FLOPs as EP),
-     * and each of this rank's M x k rows copied to the tp ranks of its group. */
-    const double H = cfg->hidden, F = (double)cfg->ffn / tp, rows = (double)cfg->max_tokens * cfg->top_k * tp;
-    const double remote = world > 1 ? (double)(world - 1) / world : 0;
-    /* Layer0: rows pushed to peers against GEMM0's time (gate and up: 2F columns). */
-    const double gemm0_s = 2.0 * rows * 2 * F * H / MODEL_GEMM_FLOPS;
-    /* With TP the dispatch blocks copy every row to tp ranks, the local copy included: a TP
-     * rank after the group's first has no local rows at the head of its segments, so its
-     * first tiles wait for the copies too (2 x H200, EP 1 x TP 2: the best counts were 6-8
-     * blocks on mixtral-8x7b and 16 or more on phi-3.5-moe and qwen2-57b-a14b). */
-    const double push_bytes = rows * (tp > 1 ? 1.0 : remote) * H * 2;
-    int blocks = (int)ceil(push_bytes / (gemm0_s * MODEL_DISPATCH_BYTES_PER_SM));
-    blocks = clamp(blocks + (blocks & 1), 4, 24); /* even; the measured range */
-    out->l0.dispatch_blocks = clamp(blocks, 1, sm_count > 1 ? sm_count / 4 : 1);
+    out->l0.dispatch_blocks = model_dispatch_blocks(cfg, world, sm_count);
     out->l0.dispatch_mode = COMETI_DISPATCH_BULK;
-    /* Layer1: the tail (reading GEMM1's output back) against GEMM1: the push where the tail
-     * would be long, else GEMM1 on every SM, then the combine on every SM. */
-    const double gemm1_s = 2.0 * rows * F * H / MODEL_GEMM_FLOPS, tail_s = rows * H * 2 / MODEL_TAIL_BYTES;
     out->l1.dynamic_tiles = 1;
     out->l1.combine_blocks = 0;
     out->l1.n_splits = 1;
-    /* With TP only the push can sum the partial rows (tune.h, cometi_combine_knobs_t). */
-    out->l1.push = tp > 1 || (world > 1 && tail_s > MODEL_PUSH_SHARE * gemm1_s);
+    /* With TP only the push can sum the partial rows (tune.h, cometi_combine_knobs_t); on
+     * one GPU there is nothing to send. */
+    out->l1.push = cfg_tp(cfg) > 1 || (world > 1 && model_tail_is_long(cfg));
     out->l1.tail = !out->l1.push;
 }
 
-/* One field of a tuning line: an int >= lo, or one of two words (0 or 1). */
+/* The fields of a tuning line, in order, with what each takes (for the messages). */
+enum { F_WORLD, F_EXPERTS, F_TOP_K, F_HIDDEN, F_FFN, F_MAX_TOKENS, F_DISPATCH, F_COPY, F_COMBINE, F_SPLITS,
+       F_TILES, F_LAYER1, N_FIELDS };
+static const struct {
+    const char *name, *takes;
+} fields[N_FIELDS] = {
+    {"world[tpT]", "W, or WtpT with T dividing W"}, {"experts", "a whole number >= 1"},
+    {"top_k", "a whole number >= 1"},               {"hidden", "a whole number >= 1"},
+    {"ffn", "a whole number >= 1"},                 {"max_tokens", "a whole number >= 1"},
+    {"dispatch_blocks", "a whole number"},          {"copy", "bulk or stores"},
+    {"combine_blocks", "a whole number"},           {"splits", "a whole number"},
+    {"tiles", "static or dynamic"},                 {"layer1", "tail, notail or push"},
+};
+
+/* One line, parsed: the fields as numbers (the words as 0 and 1, push as 2), and the tp of
+ * the world field. */
+typedef struct tuning_line {
+    int v[N_FIELDS];
+    int tp;
+} tuning_line_t;
+
+/* A whole number in [lo, 2^30] (a bound that keeps the arithmetic on it in int). */
 static int parse_int(const char *tok, int lo, int *v)
 {
     char *end;
     errno = 0;
-    long x = tok ? strtol(tok, &end, 10) : 0;
-    if (!tok || *end || errno || x < lo || x > 1 << 30) return -1;
+    long x = strtol(tok, &end, 10);
+    if (end == tok || *end || errno || x < lo || x > 1 << 30) return -1;
     *v = (int)x;
     return 0;
 }
 
 static int parse_word(const char *tok, const char *zero, const char *one, int *v)
 {
-    if (tok && !strcmp(tok, zero)) return *v = 0, 0;
-    if (tok && !strcmp(tok, one)) return *v = 1, 0;
+    if (!strcmp(tok, zero)) return *v = 0, 0;
+    if (!strcmp(tok, one)) return *v = 1, 0;
     return -1;
 }
 
-/* The world field: "W" (TP 1) or "WtpT" (W ranks, T per EP group). */
+/* The world field: "W" (TP 1) or "WtpT" (W ranks, T per EP group; T divides W, as the
+ * config requires). */
 static int parse_world(const char *tok, int *world, int *tp)
 {
     char *end;
     errno = 0;
-    long w = tok ? strtol(tok, &end, 10) : 0, t = 1;
-    if (!tok || errno || w < 1 || w > 1 << 20) return -1;
+    long w = strtol(tok, &end, 10), t = 1;
+    if (end == tok || errno || w < 1 || w > 1 << 20) return -1;
     if (!strncmp(end, "tp", 2)) {
         const char *t0 = end + 2;
         t = strtol(t0, &end, 10);
-        if (end == t0 || t < 1 || t > w) return -1;
+        if (end == t0 || t < 1 || t > w || w % t) return -1;
     }
     if (*end) return -1;
     *world = (int)w;
@@ -93,90 +121,149 @@ static int parse_world(const char *tok, int *world, int *tp)
     return 0;
 }
 
-static int cfg_tp(const comet_moe_config_t *cfg) { return cfg->tp_size > 1 ? cfg->tp_size : 1; }
-
 /* How layer1 ends: 0 notail, 1 tail, 2 push. */
 static int parse_layer1_word(const char *tok, int *v)
 {
-    if (tok && !strcmp(tok, "push")) return *v = 2, 0;
+    if (!strcmp(tok, "push")) return *v = 2, 0;
     return parse_word(tok, "notail", "tail", v);
 }
 
-int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int world, cometi_knobs_t *out, char *err,
-                         size_t err_len)
+/* "field N (name) = " and the rest; returns -1. */
+__attribute__((format(printf, 4, 5))) static int field_error(char *why, size_t len, int i, const char *fmt, ...)
 {
-    FILE *f = fopen(path, "r");
-    if (!f) {
-        snprintf(err, err_len, "tuning file %s: %s", path, strerror(errno));
+    const int n = snprintf(why, len, "field %d (%s) = ", i + 1, fields[i].name);
+    va_list ap;
+    va_start(ap, fmt);
+    if (n >= 0 && (size_t)n < len) vsnprintf(why + n, len - n, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static int parse_fields(char **tok, tuning_line_t *l, char *why, size_t len)
+{
+    for (int i = 0; i < N_FIELDS; i++) {
+        int *v = &l->v[i];
+        /* The settings' numbers are only read here; check_settings gives their limits. */
+        const int bad = i == F_WORLD    ? parse_world(tok[i], v, &l->tp)
+                        : i == F_COPY   ? parse_word(tok[i], "bulk", "stores", v)
+                        : i == F_TILES  ? parse_word(tok[i], "static", "dynamic", v)
+                        : i == F_LAYER1 ? parse_layer1_word(tok[i], v)
+                                        : parse_int(tok[i], i < F_DISPATCH ? 1 : -(1 << 30), v);
+        if (bad) return field_error(why, len, i, "'%s': must be %s", tok[i], fields[i].takes);
+    }
+    return 0;
+}
+
+/* What the operators accept (cometi_dispatch_gemm_run, cometi_gemm_combine_run and the
+ * GEMM's split check), on a GPU of sm_count SMs. They refuse the same, but only mid-call,
+ * layer1's after layer0's collective work, and without the line: refused here instead. */
+static int check_settings(const tuning_line_t *l, int sm_count, char *why, size_t len)
+{
+    const int *v = l->v, tile = cometi_gemm_tile_n(v[F_HIDDEN]);
+    const int col_tiles = (v[F_HIDDEN] + tile - 1) / tile;
+    if (v[F_DISPATCH] < 1 || v[F_DISPATCH] >= sm_count)
+        return field_error(why, len, F_DISPATCH, "%d: must be 1..%d (the rest of the %d SMs compute)",
+                           v[F_DISPATCH], sm_count - 1, sm_count);
+    if (v[F_COMBINE] < 0 || v[F_COMBINE] >= sm_count)
+        return field_error(why, len, F_COMBINE, "%d: must be 0..%d (the rest of the %d SMs compute)", v[F_COMBINE],
+                           sm_count - 1, sm_count);
+    if (v[F_SPLITS] < 1 || v[F_SPLITS] > COMETI_MAX_SPLITS || col_tiles % v[F_SPLITS])
+        return field_error(why, len, F_SPLITS, "%d: must be 1..%d and divide the %d column tiles of hidden = %d",
+                           v[F_SPLITS], COMETI_MAX_SPLITS, col_tiles, v[F_HIDDEN]);
+    if (v[F_LAYER1] == 2 && (v[F_COMBINE] || v[F_SPLITS] != 1))
+        return field_error(why, len, F_LAYER1, "push with %d combine blocks and %d splits: the push needs 0 "
+                           "combine blocks and 1 split", v[F_COMBINE], v[F_SPLITS]);
+    if (l->tp > 1 && v[F_LAYER1] != 2)
+        return field_error(why, len, F_LAYER1, "%s with tp %d: only the push sums the TP ranks' partial rows",
+                           v[F_LAYER1] ? "tail" : "notail", l->tp);
+    return 0;
+}
+
+/* 1 with `l` filled, 0 for a line of blanks and comments, -1 with `why` set. */
+static int parse_line(char *text, int sm_count, tuning_line_t *l, char *why, size_t len)
+{
+    char *hash = strchr(text, '#'), *tok[N_FIELDS + 1], *save = NULL;
+    if (hash) *hash = '\0';
+    int n = 0;
+    for (char *t = strtok_r(text, " \t\r\n:", &save); t && n <= N_FIELDS; t = strtok_r(NULL, " \t\r\n:", &save))
+        tok[n++] = t;
+    if (n == 0) return 0;
+    if (n != N_FIELDS) {
+        snprintf(why, len, "%s%d fields, want 12 (world experts top_k hidden ffn max_tokens : dispatch_blocks "
+                 "bulk|stores combine_blocks splits static|dynamic tail|notail|push)", n > N_FIELDS ? "more than " : "",
+                 n > N_FIELDS ? N_FIELDS : n);
         return -1;
     }
-    static const char *names[12] = {"world[tpT]",      "experts", "top_k",          "hidden",
-                                    "ffn",             "max_tokens", "dispatch_blocks", "copy (bulk|stores)",
-                                    "combine_blocks",  "splits",  "tiles (static|dynamic)", "layer1 (tail|notail|push)"};
-    char line[512];
-    int lineno = 0, found = 0;
+    if (parse_fields(tok, l, why, len)) return -1;
+    return check_settings(l, sm_count, why, len) ? -1 : 1;
+}
+
+static int line_matches(const tuning_line_t *l, const comet_moe_config_t *cfg, int world)
+{
+    const int *v = l->v;
+    return v[F_WORLD] == world && l->tp == cfg_tp(cfg) && v[F_EXPERTS] == cfg->num_experts &&
+           v[F_TOP_K] == cfg->top_k && v[F_HIDDEN] == cfg->hidden && v[F_FFN] == cfg->ffn;
+}
+
+static void line_knobs(const tuning_line_t *l, cometi_knobs_t *k)
+{
+    const int *v = l->v;
+    k->l0.dispatch_blocks = v[F_DISPATCH];
+    k->l0.dispatch_mode = v[F_COPY] ? COMETI_DISPATCH_STORES : COMETI_DISPATCH_BULK;
+    k->l1.combine_blocks = v[F_COMBINE];
+    k->l1.n_splits = v[F_SPLITS];
+    k->l1.dynamic_tiles = v[F_TILES];
+    k->l1.tail = v[F_LAYER1] == 1;
+    k->l1.push = v[F_LAYER1] == 2;
+}
+
+/* The file, open for reading, where it is a readable regular file (a directory would read
+ * as empty and a fifo would wait for a writer: both looked like "no line matches"). */
+static FILE *open_tuning(const char *path, char *err, size_t err_len)
+{
+    char why[128];
+    const int fd = cometi_open_regular(path, why, sizeof(why));
+    FILE *f = fd < 0 ? NULL : fdopen(fd, "r");
+    if (fd >= 0 && !f) snprintf(why, sizeof(why), "%s", strerror(errno)), close(fd);
+    if (!f) snprintf(err, err_len, "tuning file %s: %s", path, why);
+    return f;
+}
+
+int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int world, int sm_count,
+                         cometi_knobs_t *out, char *err, size_t err_len)
+{
+    FILE *f = open_tuning(path, err, err_len);
+    if (!f) return -1;
+    char text[512], why[256];
+    int lineno = 0, found = 0, st = 0;
     double best = 0;
-    while (fgets(line, sizeof(line), f)) {
+    cometi_knobs_t k = *out; /* what the file does not set (the first wave) stays the caller's */
+    while (fgets(text, sizeof(text), f)) {
         lineno++;
-        char *hash = strchr(line, '#');
-        if (hash) *hash = '\0';
-        char *tok[13];
-        int n = 0;
-        for (char *t = strtok(line, " \t\r\n:"); t; t = strtok(NULL, " \t\r\n:")) {
-            if (n == 13) break;
-            tok[n++] = t;
+        tuning_line_t l;
+        /* A longer line would come back in pieces, each parsed as a line of its own. */
+        const int whole = strchr(text, '\n') || feof(f);
+        if (!whole) snprintf(why, sizeof(why), "longer than %zu characters", sizeof(text) - 2);
+        const int got = whole ? parse_line(text, sm_count, &l, why, sizeof(why)) : -1;
+        if (got < 0) {
+            snprintf(err, err_len, "tuning file %s line %d: %s", path, lineno, why);
+            st = -1;
+            break;
         }
-        if (n == 0) continue;
-        if (n != 12) {
-            snprintf(err, err_len, "tuning file %s line %d: %d fields, want 12 (world experts top_k hidden ffn "
-                     "max_tokens : dispatch_blocks bulk|stores combine_blocks splits static|dynamic tail|notail|push)",
-                     path, lineno, n);
-            fclose(f);
-            return -1;
-        }
-        int v[12], tp = 1;
-        for (int i = 0; i < 12; i++) {
-            const int bad = i == 0    ? parse_world(tok[i], &v[i], &tp)
-                            : i == 7  ? parse_word(tok[i], "bulk", "stores", &v[i])
-                            : i == 10 ? parse_word(tok[i], "static", "dynamic", &v[i])
-                            : i == 11 ? parse_layer1_word(tok[i], &v[i])
-                                      : parse_int(tok[i], i == 8 ? 0 : 1, &v[i]);
-            if (bad) {
-                snprintf(err, err_len, "tuning file %s line %d: field %d (%s) = '%s' is not valid", path, lineno,
-                         i + 1, names[i], tok[i]);
-                fclose(f);
-                return -1;
-            }
-        }
-        if (v[0] != world || tp != cfg_tp(cfg) || v[1] != cfg->num_experts || v[2] != cfg->top_k || v[3] != cfg->hidden ||
-            v[4] != cfg->ffn)
-            continue;
-        /* Settings layer1 would refuse only after layer0's collective work: refused here. */
-        if (v[11] == 2 && (v[8] || v[9] != 1)) {
-            snprintf(err, err_len, "tuning file %s line %d: push with %d combine blocks and %d splits: the push "
-                     "needs 0 and 1", path, lineno, v[8], v[9]);
-            fclose(f);
-            return -1;
-        }
-        if (tp > 1 && v[11] != 2) {
-            snprintf(err, err_len, "tuning file %s line %d: tp %d with layer1 '%s': only the push sums the TP "
-                     "ranks' partial rows", path, lineno, tp, tok[11]);
-            fclose(f);
-            return -1;
-        }
-        const double distance = fabs(log((double)v[5] / (cfg->max_tokens > 0 ? cfg->max_tokens : 1)));
+        if (!got || !line_matches(&l, cfg, world)) continue;
+        const double distance = fabs(log((double)l.v[F_MAX_TOKENS] / (cfg->max_tokens > 0 ? cfg->max_tokens : 1)));
         if (found && distance >= best) continue;
         found = 1;
         best = distance;
-        out->l0.dispatch_blocks = v[6];
-        out->l0.dispatch_mode = v[7] ? COMETI_DISPATCH_STORES : COMETI_DISPATCH_BULK;
-        out->l1.combine_blocks = v[8];
-        out->l1.n_splits = v[9];
-        out->l1.dynamic_tiles = v[10];
-        out->l1.tail = v[11] == 1;
-        out->l1.push = v[11] == 2;
+        line_knobs(&l, &k);
+    }
+    if (!st && ferror(f)) {
+        snprintf(err, err_len, "tuning file %s: %s", path, strerror(errno));
+        st = -1;
     }
     fclose(f);
+    if (st) return st;
+    if (found) *out = k;
     return found;
 }
 

@@ -48,24 +48,61 @@ typedef struct cometi_knobs {
     cometi_combine_knobs_t l1;
 } cometi_knobs_t;
 
-/* The cost model: settings for `cfg` on `world` GPUs of `sm_count` SMs, balanced routing
- * assumed. Layer0: enough dispatch blocks to push this rank's remote rows within GEMM0's
- * time at the copy rate dispatch blocks reach beside the GEMM. Layer1: the combine after
- * GEMM1 on every SM, unless that tail would be long against GEMM1 (then the push). */
+/* Rates measured on H200 (2026-11-29): our grouped GEMM at 650-790 TFLOP/s on the presets;
+ * dispatch blocks copy about 8 GB/s per SM beside the GEMM (the fewest blocks that kept
+ * layer0 within noise of its best); the combine on every SM after GEMM1 reads its output
+ * at about 0.7 TB/s (134 MB in 188-290 us). */
+#define COMETI_MODEL_GEMM_FLOPS 700e12
+#define COMETI_MODEL_DISPATCH_BYTES_PER_SM 8e9
+#define COMETI_MODEL_TAIL_BYTES 0.7e12
+/* The push (rows sent home from GEMM1's epilogue, summed by the owner after) beat the tail
+ * where the tail reaches 0.39 and 0.71 of GEMM1 (qwen2-57b-a14b even, qwen2-moe-2.7b by
+ * 1.47x), and it beat every setting with combine blocks beside the GEMM. Once its epilogue
+ * sent whole parts as tensor stores it won at 0.16 too (phi-3.5-moe, 2%), and once the
+ * other parts were stored from registers at 0.07 (mixtral-8x7b: 1.6% on the whole layer,
+ * timed in turns). The threshold keeps the tail for shapes with even less to send. */
+#define COMETI_MODEL_PUSH_SHARE 0.05
+/* The dispatch block counts the model picks from: even, in the range the sweeps measured. */
+#define COMETI_MODEL_MIN_DISPATCH 4
+#define COMETI_MODEL_MAX_DISPATCH 24
+
+/*
+ * The cost model: settings for `cfg` on `world` GPUs of `sm_count` SMs, balanced routing
+ * assumed. Per rank, with tp = max(cfg->tp_size, 1), F = ffn / tp, H = hidden and
+ * rows = max_tokens x top_k x tp (the same FLOPs as EP), bf16 rows of 2H bytes:
+ *   GEMM0 (gate and up)  2 x rows x 2F x H / COMETI_MODEL_GEMM_FLOPS seconds
+ *   the dispatch copy    rows x share x 2H bytes, at COMETI_MODEL_DISPATCH_BYTES_PER_SM per
+ *                        dispatch block; share = (world - 1) / world (the remote rows), or 1
+ *                        with TP (every row goes to the tp ranks of its group)
+ *   GEMM1 (down)         2 x rows x F x H / COMETI_MODEL_GEMM_FLOPS seconds
+ *   the tail             rows x 2H bytes read back at COMETI_MODEL_TAIL_BYTES
+ * Layer0, copy mode bulk: the fewest even dispatch blocks in COMETI_MODEL_MIN_DISPATCH..
+ * COMETI_MODEL_MAX_DISPATCH whose copy takes no longer than GEMM0 (the largest where none
+ * does), at most sm_count / 4 (at least 1). Layer1, dynamic tiles, no combine blocks, 1
+ * split: the push where tp > 1 (only it sums TP partials), or where world > 1 and the tail
+ * would take more than COMETI_MODEL_PUSH_SHARE of GEMM1; else the tail on every SM.
+ * Every time grows with rows alike, so the picks do not depend on max_tokens or top_k.
+ */
 void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, cometi_knobs_t *out);
 
 /*
  * Tuning file: text, one setting per line, '#' starts a comment:
  *   world[tpT] experts top_k hidden ffn max_tokens : dispatch_blocks bulk|stores combine_blocks splits static|dynamic tail|notail|push
  * (the first field: the world size, with "tpT" after it for T > 1 tensor-parallel ranks
- * per group, e.g. "2tp2"; the last: how layer1 ends, see cometi_layer1_knobs_t; what
+ * per group, e.g. "2tp2"; the last: how layer1 ends, see cometi_combine_knobs_t; what
  * `comet bench` prints as "tuning line" for the best of its sweeps). A layer takes the
  * line of its world, tp, experts, top_k, hidden and ffn whose max_tokens is closest to
- * its own. Returns 1 and fills *out when a line matches, 0 when none does, -1 with `err`
- * naming the line and field when the file cannot be read or a line is malformed.
+ * its own. Every line is checked when the file is read, whichever layer it is for, against
+ * what the operators accept on a GPU of `sm_count` SMs (dispatch blocks 1..SMs-1, combine
+ * blocks 0..SMs-1, splits 1..COMETI_MAX_SPLITS dividing the column tiles of its hidden, the
+ * push with 0 combine blocks and 1 split, only the push with tp > 1): a file is written by
+ * `comet bench` for the GPU it ran on, and a line that could not run there is a mistake to
+ * report now, not mid-call. Returns 1 and fills *out when a line matches, 0 when none
+ * does, -1 with `err` naming the file, the line, the field, its value and its limit when a
+ * line is wrong, or the path and why when it is not a readable regular file.
  */
-int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int world, cometi_knobs_t *out, char *err,
-                         size_t err_len);
+int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int world, int sm_count,
+                         cometi_knobs_t *out, char *err, size_t err_len);
 
 /* Write the line for these settings into the tuning file at `path` (made if missing): it
  * replaces the line of the same world, tp, experts, top_k, hidden, ffn and max_tokens, and

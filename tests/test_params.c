@@ -6,6 +6,7 @@
  */
 #define _GNU_SOURCE
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -22,9 +23,10 @@ typedef struct outcome {
     char create_msg[COMETI_ERR_LEN];
 } outcome_t;
 
-/* In a child with `name`=`value` set: load the table, read parameter `id`, and try
- * comet_comm_create_from_id (which checks the environment first). */
-static int load_in_child(const char *name, const char *value, cometi_param_id_t id, outcome_t *out)
+/* In a child with `name`=`value` set (as user nobody where `nobody` and we are root: root
+ * reads any file): load the table, read parameter `id`, and try comet_comm_create_from_id
+ * (which checks the environment first). */
+static int load_in_child(const char *name, const char *value, cometi_param_id_t id, int nobody, outcome_t *out)
 {
     int fds[2];
     if (pipe(fds) != 0) return -1;
@@ -33,6 +35,7 @@ static int load_in_child(const char *name, const char *value, cometi_param_id_t 
     if (pid == 0) {
         close(fds[0]);
         setenv(name, value, 1);
+        if (nobody && geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(2);
         outcome_t o;
         memset(&o, 0, sizeof(o));
         o.status = cometi_params_load(o.msg);
@@ -73,13 +76,26 @@ int test_params_table(void)
         {"COMET_PDL", "2", COMETI_PARAM_PDL, 0, 0, "$COMET_PDL = '2'"},
         {"COMET_FIRST_WAVE", "off", COMETI_PARAM_FIRST_WAVE, 0, 0, "$COMET_FIRST_WAVE = 'off'"},
         {"COMET_FIRST_WAVE", "0", COMETI_PARAM_FIRST_WAVE, 1, 0, NULL},
-        {"COMET_TUNING_FILE", "/", COMETI_PARAM_TUNING_FILE, 0, 0, "is not a regular file"},
+        {"COMET_TIMEOUT_MS", "3600000", COMETI_PARAM_TIMEOUT_MS, 1, 3600000, NULL},
+        {"COMET_TIMEOUT_MS", "3600001", COMETI_PARAM_TIMEOUT_MS, 0, 0, "'3600001': it takes milliseconds"},
+        {"COMET_TIMEOUT_MS", "-5", COMETI_PARAM_TIMEOUT_MS, 0, 0, "1..3600000"},
+        /* The whole string is the number: no blanks or sign before it (strtol takes them). */
+        {"COMET_TIMEOUT_MS", " 7000", COMETI_PARAM_TIMEOUT_MS, 0, 0, "$COMET_TIMEOUT_MS = ' 7000'"},
+        {"COMET_TIMEOUT_MS", "+7000", COMETI_PARAM_TIMEOUT_MS, 0, 0, "$COMET_TIMEOUT_MS = '+7000'"},
+        {"COMET_TIMEOUT_MS", "7000 ", COMETI_PARAM_TIMEOUT_MS, 0, 0, "$COMET_TIMEOUT_MS = '7000 '"},
+        {"COMET_TIMEOUT_MS", "0x10", COMETI_PARAM_TIMEOUT_MS, 0, 0, "$COMET_TIMEOUT_MS = '0x10'"},
+        {"COMET_PDL", "1.0", COMETI_PARAM_PDL, 0, 0, "$COMET_PDL = '1.0'"},
+        {"COMET_PDL", "-1", COMETI_PARAM_PDL, 0, 0, "$COMET_PDL = '-1'"},
+        {"COMET_FIRST_WAVE", "1", COMETI_PARAM_FIRST_WAVE, 1, 1, NULL},
+        {"COMET_FIRST_WAVE", "2", COMETI_PARAM_FIRST_WAVE, 0, 0, "$COMET_FIRST_WAVE = '2': it takes 0"},
+        {"COMET_TUNING_FILE", "/", COMETI_PARAM_TUNING_FILE, 0, 0, "= '/': a directory, not a regular file"},
         {"COMET_TUNING_FILE", "/no/such/comet/file", COMETI_PARAM_TUNING_FILE, 0, 0, "No such file"},
+        {"COMET_TUNING_FILE", "/dev/null", COMETI_PARAM_TUNING_FILE, 0, 0, "a character device, not a regular"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         outcome_t o;
-        CHECK_EQ(load_in_child(cases[i].name, cases[i].value, cases[i].id, &o), 0);
-        printf("%s=%s: %s%s\n", cases[i].name, cases[i].value, comet_status_string(o.status), o.msg);
+        CHECK_EQ(load_in_child(cases[i].name, cases[i].value, cases[i].id, 0, &o), 0);
+        printf("%s='%s': %s: %s\n", cases[i].name, cases[i].value, comet_status_string(o.status), o.msg);
         if (cases[i].ok) {
             CHECK_EQ(o.status, COMET_SUCCESS);
             CHECK_EQ(o.value, cases[i].want);
@@ -98,10 +114,29 @@ int test_params_table(void)
     CHECK(fd >= 0);
     close(fd);
     outcome_t o;
-    CHECK_EQ(load_in_child("COMET_TUNING_FILE", path, COMETI_PARAM_TUNING_FILE, &o), 0);
-    unlink(path);
+    CHECK_EQ(load_in_child("COMET_TUNING_FILE", path, COMETI_PARAM_TUNING_FILE, 0, &o), 0);
     CHECK_EQ(o.status, COMET_SUCCESS);
     CHECK(strcmp(o.str, path) == 0);
+    /* Unreadable (mode 0, read as nobody): refused, and why. */
+    CHECK(chmod(path, 0) == 0);
+    CHECK_EQ(load_in_child("COMET_TUNING_FILE", path, COMETI_PARAM_TUNING_FILE, 1, &o), 0);
+    unlink(path);
+    printf("COMET_TUNING_FILE='%s' (mode 0): %s\n", path, o.msg);
+    CHECK_EQ(o.status, COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(o.msg, "Permission denied");
+    /* A fifo: refused at once, not waiting for a writer (the test's timeout would catch that). */
+    CHECK(mkfifo(path, 0600) == 0);
+    CHECK_EQ(load_in_child("COMET_TUNING_FILE", path, COMETI_PARAM_TUNING_FILE, 0, &o), 0);
+    unlink(path);
+    CHECK_EQ(o.status, COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(o.msg, "a fifo, not a regular file");
+    /* Two bad variables: the first is reported, with its own message. */
+    setenv("COMET_PDL", "2", 1);
+    CHECK_EQ(load_in_child("COMET_TIMEOUT_MS", "abc", COMETI_PARAM_TIMEOUT_MS, 0, &o), 0);
+    unsetenv("COMET_PDL");
+    CHECK_EQ(o.status, COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(o.msg, "$COMET_TIMEOUT_MS = 'abc'");
+    CHECK(!strstr(o.msg, "COMET_PDL"));
     /* Unset: the defaults. */
     unsetenv("COMET_TIMEOUT_MS");
     unsetenv("COMET_PDL");

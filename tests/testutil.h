@@ -72,6 +72,7 @@ uint64_t test_seed(void);
     X(cost_model_knobs, 10)                     \
     X(tuning_file, 10)                          \
     X(first_wave_and_head_rules, 10)            \
+    X(tuning_file_limits, 10)                   \
     X(timeline_accounting, 10)                  \
     X(gemm_tail_plan, 10)                       \
     X(routing_generators, 10)                   \
