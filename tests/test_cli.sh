@@ -1,0 +1,289 @@
+#!/usr/bin/env bash
+# test_cli.sh - the comet tool's command line, on any machine (no GPU needed, none used):
+# each command's --help lists exactly its flags; --flag=value works as --flag value; a flag
+# a command does not take is refused (exit 2) by name; values are parsed strictly; bad
+# shapes and layouts are refused with the flag's name before anything forks or touches a
+# GPU or NCCL (with strace, when it works here, that is checked at the system calls);
+# comet tune --out is checked before the run. One line per check, "PASS name" or
+# "FAIL name: why" (or "SKIP name: why"), then "N passed, N failed, N skipped"; exit 1
+# when any failed.
+# Usage: tests/test_cli.sh [PATH/TO/comet]   (default build/comet)
+set -u
+comet=${1:-build/comet}
+passed=0 failed=0 skipped=0
+
+pass() { echo "PASS $1"; passed=$((passed + 1)); }
+fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
+skip() { echo "SKIP $1: $2"; skipped=$((skipped + 1)); }
+finish() {
+    echo "$passed passed, $failed failed, $skipped skipped"
+    [ "$failed" -eq 0 ]
+    exit $?
+}
+
+if [ ! -x "$comet" ]; then
+    fail setup "$comet is not an executable file (give the comet binary's path)"
+    finish
+fi
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+# Whatever gets past the flags meets no GPU: on a machine with GPUs too, a check that
+# failed to stop a run ends at the GPU probe's message instead of running a benchmark.
+export CUDA_VISIBLE_DEVICES=
+unset RANK WORLD_SIZE LOCAL_RANK
+
+# run ARGS...: comet ARGS with a time limit; sets rc, out (its stdout) and err (its stderr).
+run() {
+    timeout 30 "$comet" "$@" >"$tmp/out" 2>"$tmp/err"
+    rc=$?
+    out=$(cat "$tmp/out")
+    err=$(cat "$tmp/err")
+}
+
+# What a message looks like when the run got as far as a GPU, CUDA or NCCL.
+gpu_words='CUDA|cuda|GPU|NCCL|nccl|driver'
+
+# refused NAME WANTS ARGS...: comet ARGS exits 2, says nothing on stdout, and its stderr
+# holds each of WANTS (';'-separated) and no word of a GPU, CUDA or NCCL.
+refused() {
+    local name=$1 wants=$2 want
+    shift 2
+    run "$@"
+    if [ "$rc" -ne 2 ]; then fail "$name" "exit code $rc, expected 2 (stderr: $err)"; return; fi
+    if [ -n "$out" ]; then fail "$name" "printed on stdout: $out"; return; fi
+    IFS=';' read -r -a wants <<<"$wants"
+    for want in "${wants[@]}"; do
+        if [[ $err != *"$want"* ]]; then fail "$name" "stderr lacks '$want': $err"; return; fi
+    done
+    if [[ $err =~ $gpu_words ]]; then fail "$name" "refused by the GPU side, not by the flags: $err"; return; fi
+    pass "$name"
+}
+
+# reaches_gpu NAME ARGS...: every check of comet ARGS passes; it stops only at the GPU
+# probe (no GPU is visible here).
+reaches_gpu() {
+    local name=$1
+    shift
+    run "$@"
+    if [ "$rc" -eq 2 ] && [[ $err == *"no CUDA GPU is visible"* ]]; then pass "$name"
+    else fail "$name" "exit code $rc, expected 2 at the GPU probe (stderr: $err)"; fi
+}
+
+# ---------------------------------------------------------------------------------------
+# Each command's --help: exit 0, its usage on stdout, exactly its flags.
+
+declare -A takes
+takes[bench]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --impl --warmup
+ --iters --no-check --suite --json --seed --trace --train --ranks --timeout-ms --id-file"
+takes[tune]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --warmup --iters
+ --no-check --json --out --seed --trace --ranks --timeout-ms --id-file"
+takes[bandwidth]="--mib --ranks --timeout-ms --id-file"
+takes[gemm]="--preset --tokens --iters --seed --sweep"
+takes[presets]=""
+takes[version]=""
+commands="bench tune bandwidth gemm presets version"
+
+sorted() { tr ' ' '\n' <<<"$1" | grep . | sort | tr '\n' ' '; } # sorted "WORDS": one line
+
+for cmd in $commands; do
+    for h in --help -h; do
+        name="help-$cmd$h"
+        run "$cmd" "$h"
+        listed=$(grep -oE '^  --[a-z-]+' <<<"$out" | tr -d ' ')
+        if [ "$rc" -ne 0 ]; then fail "$name" "exit code $rc, expected 0 (stderr: $err)"
+        elif [[ $out != "usage: comet $cmd"* ]]; then fail "$name" "stdout does not begin with its usage: $out"
+        elif [ -n "$err" ]; then fail "$name" "printed on stderr: $err"
+        elif [ "$(sorted "$listed")" != "$(sorted "${takes[$cmd]}")" ]; then
+            fail "$name" "lists [$(sorted "$listed")], expected [$(sorted "${takes[$cmd]}")]"
+        else pass "$name"; fi
+    done
+done
+
+run help
+all_flags=$(sorted "${takes[*]}")
+missing=""
+for f in $all_flags $commands; do [[ $out == *"$f"* ]] || missing="$missing $f"; done
+if [ "$rc" -eq 0 ] && [ -z "$missing" ]; then pass "help-everything"
+else fail "help-everything" "exit code $rc, missing:$missing"; fi
+help_all=$out
+for h in --help -h; do
+    run "$h"
+    if [ "$rc" -eq 0 ] && [ "$out" == "$help_all" ]; then pass "help-everything$h"
+    else fail "help-everything$h" "exit code $rc, or not comet help's text"; fi
+done
+run help gemm
+gemm_help=$out
+run gemm --help
+if [ "$gemm_help" == "$out" ]; then pass "help-gemm-as-comet-help-gemm"
+else fail "help-gemm-as-comet-help-gemm" "comet help gemm differs from comet gemm --help"; fi
+refused "help-unknown-command" 'comet help;"nope"' help nope
+run
+if [ "$rc" -eq 2 ] && [[ $err == usage:* ]]; then pass "no-command"; else fail "no-command" "exit code $rc: $err"; fi
+refused "unknown-command" 'unknown command;"nope"' nope
+run version
+if [ "$rc" -eq 0 ] && [[ $out == "comet "* ]]; then pass "version"; else fail "version" "exit code $rc: $out$err"; fi
+run presets
+if [ "$rc" -eq 0 ] && [[ $out == *mixtral-8x7b* ]]; then pass "presets"
+else fail "presets" "exit code $rc: $out$err"; fi
+
+# ---------------------------------------------------------------------------------------
+# --flag=value as --flag value: every flag that takes a value, in every command that takes
+# it, is accepted both ways (the --help after it ends the run once the flags are parsed);
+# a switch takes no value.
+
+declare -A good=(
+    [--preset]=mixtral-8x7b [--hidden]=4096 [--ffn]=14336 [--experts]=8 [--top-k]=2 [--tokens]=1024
+    [--ep]=2 [--tp]=1 [--routing]=skewed [--skew]=4.5 [--impl]=comet [--warmup]=2 [--iters]=10
+    [--json]=out.json [--out]=tuning.txt [--seed]=0x2a [--ranks]=2 [--timeout-ms]=1000
+    [--id-file]=comet.id [--mib]=64
+)
+for cmd in $commands; do
+    for f in ${takes[$cmd]}; do
+        if [ -z "${good[$f]:-}" ]; then
+            run "$cmd" "$f=x"
+            if [ "$rc" -eq 2 ] && [[ $err == *"$f takes no value"* ]]; then pass "switch-$cmd$f=x"
+            else fail "switch-$cmd$f=x" "exit code $rc, expected 2 with '$f takes no value': $err"; fi
+            continue
+        fi
+        run "$cmd" "$f=${good[$f]}" --help
+        rc_eq=$rc
+        run "$cmd" "$f" "${good[$f]}" --help
+        if [ "$rc_eq" -eq 0 ] && [ "$rc" -eq 0 ]; then pass "equals-$cmd$f"
+        else fail "equals-$cmd$f" "exit codes $rc_eq ($f=${good[$f]}) and $rc ($f ${good[$f]}), expected 0"; fi
+    done
+done
+# The value after '=' is the one used: the same refusals, the same shapes.
+refused "equals-value-is-parsed" '--tokens "12x"' bench --tokens=12x
+refused "equals-empty-value" '--tokens ""' bench --tokens=
+refused "equals-value-reaches-the-config" '--hidden 100' bench --hidden=100 --ffn=256 --experts=8 --top-k=2
+refused "equals-with-equals-inside" '--routing "skewed=1"' bench --routing=skewed=1
+reaches_gpu "equals-valid-run" bench --preset=tiny --tokens=64 --routing=random --seed=7 --iters=3
+reaches_gpu "space-valid-run" bench --preset tiny --tokens 64 --routing random --seed 7 --iters 3
+
+# ---------------------------------------------------------------------------------------
+# A flag (or argument) a command does not take: exit 2, naming it and the command.
+
+refused "unused-gemm--mib" 'comet gemm;--mib' gemm --mib 5
+refused "unused-bandwidth--tokens" 'comet bandwidth;--tokens' bandwidth --tokens 5
+refused "unused-presets-argument" 'comet presets;"extra"' presets extra
+refused "unused-version--foo" 'comet version;--foo' version --foo
+refused "unused-presets--tokens" 'comet presets;--tokens' presets --tokens 5
+refused "unused-tune--suite" 'comet tune;--suite' tune --suite
+refused "unused-tune--impl" 'comet tune;--impl' tune --impl comet
+refused "unused-tune--train" 'comet tune;--train' tune --train
+refused "unused-bench--out" 'comet bench;--out' bench --out x.txt
+refused "unused-bench--sweep" 'comet bench;--sweep' bench --sweep
+refused "unused-bench--mib" 'comet bench;--mib' bench --mib=5
+refused "unused-gemm--hidden" 'comet gemm;--hidden' gemm --hidden 64
+refused "unused-gemm--ranks" 'comet gemm;--ranks' gemm --ranks 1
+refused "unused-bandwidth--preset" 'comet bandwidth;--preset' bandwidth --preset all
+refused "unused-bench-argument" 'comet bench;"mixtral-8x7b"' bench mixtral-8x7b
+refused "unknown-flag" 'comet bench;--foo' bench --foo
+refused "unknown-short-flag" 'comet bench;-x' bench -x
+
+# ---------------------------------------------------------------------------------------
+# Strict values: the whole string, finite, in range; the message names the flag, the value
+# and what is allowed.
+
+refused "strict-preset-comma" '--preset ",";expected' bench --preset ,
+refused "strict-preset-empty" '--preset "";expected' bench --preset ""
+refused "strict-preset-trailing-comma" '--preset "mixtral-8x7b,";expected' bench --preset mixtral-8x7b,
+refused "strict-preset-empty-name" '--preset "tiny,,tiny"' bench --preset tiny,,tiny
+refused "strict-preset-unknown" '--preset "nope";unknown preset;mixtral-8x7b' bench --preset nope
+refused "strict-skew-inf" '--skew "inf";>= 1' bench --skew inf
+refused "strict-skew-nan" '--skew "nan";>= 1' bench --skew nan
+refused "strict-skew-junk" '--skew "8abc";>= 1' bench --skew 8abc
+refused "strict-skew-below-1" '--skew "0.5";>= 1' bench --skew 0.5
+refused "strict-skew-empty" '--skew "";>= 1' bench --skew=
+refused "strict-seed-banana" '--seed "banana";expected' bench --seed banana
+refused "strict-seed-negative" '--seed "-1";expected' bench --seed -1
+refused "strict-seed-junk" '--seed "12x";expected' gemm --seed 12x
+refused "strict-seed-bare-0x" '--seed "0x";expected' bench --seed 0x
+refused "strict-seed-too-big" '--seed "18446744073709551616";expected' bench --seed 18446744073709551616
+refused "strict-tokens-junk" '--tokens "5x";whole number' bench --tokens 5x
+refused "strict-tokens-float" '--tokens "1e3";whole number' bench --tokens 1e3
+refused "strict-tokens-zero" '--tokens "0";>= 1' bench --tokens 0
+refused "strict-tokens-blank" '--tokens " 5";whole number' bench --tokens " 5"
+refused "strict-tokens-overflow" '--tokens "99999999999999999999";whole number' bench --tokens 99999999999999999999
+refused "strict-iters-zero" '--iters "0";1..100000' bench --iters 0
+refused "strict-gemm-iters" '--iters "65";1..64' gemm --iters 65
+refused "strict-warmup-negative" '--warmup "-1";0..10000' tune --warmup -1
+refused "strict-mib-zero" '--mib "0";1..16384' bandwidth --mib 0
+refused "strict-ranks-zero" '--ranks "0";1..' bench --ranks 0
+refused "strict-ep-too-big" '--ep "1000";1..' bench --ep 1000
+refused "strict-routing" '--routing "diagonal";balanced, random or skewed' bench --routing diagonal
+refused "strict-impl" '--impl "neither";baseline, comet or all' bench --impl neither
+refused "strict-json-empty" '--json "";path' bench --json ""
+refused "strict-missing-value" '--tokens needs a value' bench --tokens
+refused "strict-missing-value-before-flag" '--json needs a value' bench --json --no-check
+refused "strict-timeout-junk" '--timeout-ms "5s";whole number' bandwidth --timeout-ms 5s
+
+# ---------------------------------------------------------------------------------------
+# Shapes and layouts: refused by the library's own rules, the flag named, before anything
+# forks or touches a GPU or NCCL.
+
+refused "shape-hidden" '--hidden 100' bench --hidden 100 --ffn 256 --experts 8 --top-k 2
+refused "shape-ffn" '--ffn 100' bench --hidden 256 --ffn 100 --experts 8 --top-k 2
+refused "shape-top-k-above-experts" '--top-k 9;--experts 7' bench --hidden 256 --ffn 256 --experts 7 --top-k 9
+refused "shape-experts" '--experts 5000' bench --hidden 256 --ffn 256 --experts 5000 --top-k 2
+refused "shape-tokens" '--tokens 2000000' bench --tokens 2000000
+refused "shape-tune-hidden" '--hidden 100' tune --hidden 100 --ffn 256 --experts 8 --top-k 2
+refused "layout-ep-tp" '--ep 3;--tp 5' bench --ep 3 --tp 5
+refused "layout-tp-ffn" '--tp;--ffn 14336' bench --preset mixtral-8x7b --tp 3
+refused "layout-ep-experts" '--ep 3;--experts 8' bench --preset mixtral-8x7b --ep 3
+refused "layout-ranks-experts" '--ranks 3;--experts 8' bench --preset mixtral-8x7b --ranks 3
+refused "layout-ranks-ep-tp" '--ep 2 x --tp 2;--ranks 8' bench --preset tiny --ep 2 --tp 2 --ranks 8
+refused "layout-suite-tp" '--tp' bench --suite --tp 5
+refused "layout-each-preset" '--preset qwen2-moe-2.7b;--ffn 1408' bench --preset mixtral-8x7b,qwen2-moe-2.7b --tp 4
+refused "shape-gemm-tokens" '--tokens 2000000' gemm --tokens 2000000
+refused "shape-partial" 'missing: --ffn --experts --top-k' bench --hidden 256
+refused "shape-and-preset" '--preset;--hidden' bench --preset tiny --hidden 256 --ffn 256 --experts 8 --top-k 2
+refused "suite-and-tokens" '--suite;--tokens' bench --suite --tokens 1024
+export RANK=0 WORLD_SIZE=3
+refused "layout-external-world" 'WORLD_SIZE=3;--experts 8' bench --preset mixtral-8x7b --id-file "$tmp/id"
+if [ -e "$tmp/id" ]; then fail "layout-external-no-id-file" "$tmp/id was written"
+else pass "layout-external-no-id-file"; fi
+refused "external-and-ranks" '--ranks;--id-file' bench --id-file "$tmp/id" --ranks 3
+unset RANK WORLD_SIZE
+reaches_gpu "layout-valid" bench --preset mixtral-8x7b --ep 2 --tp 2 --tokens 128
+reaches_gpu "layout-valid-tp-alone" bench --preset mixtral-8x7b --tp 2
+
+# At the system calls: a refused shape forks nothing and opens no file that `comet version`
+# (which touches no GPU) does not open too; the libraries' loading (cuBLAS looks for the
+# driver library then) is common to both. The same tool with a good shape does fork its GPU
+# probe, so the trace is seen to work.
+traced() { # traced FILE ARGS...: comet ARGS' forks and opened paths, a line each, into FILE
+    local file=$1
+    shift
+    strace -f -qq -e trace=clone,clone3,fork,vfork,openat -o "$tmp/strace" "$comet" "$@" >/dev/null 2>&1
+    sed -nE 's/.*(clone3?|v?fork)\(.*/\1/p; s/.*openat\([^"]*"([^"]*)".*/\1/p' "$tmp/strace" | sort -u >"$file"
+}
+if ! strace -f -qq -e trace=none -o /dev/null true >/dev/null 2>&1; then
+    skip "syscalls-bad-shape" "strace is missing or cannot trace here"
+    skip "syscalls-good-shape" "strace is missing or cannot trace here"
+else
+    traced "$tmp/version.calls" version
+    traced "$tmp/bad.calls" bench --hidden 100 --ffn 256 --experts 8 --top-k 2
+    extra=$(comm -23 "$tmp/bad.calls" "$tmp/version.calls" | tr '\n' ' ')
+    if [ -z "$extra" ]; then pass "syscalls-bad-shape"
+    else fail "syscalls-bad-shape" "beyond what comet version does: $extra"; fi
+    traced "$tmp/good.calls" bench --preset tiny --tokens 64
+    if grep -Eq 'clone|fork' "$tmp/good.calls"; then pass "syscalls-good-shape"
+    else fail "syscalls-good-shape" "no fork seen on the way to the GPU probe: the trace sees nothing"; fi
+fi
+
+# ---------------------------------------------------------------------------------------
+# comet tune --out (and --json): checked before the run, and no file left behind by it.
+
+refused "tune-out-no-directory" "--out $tmp/none/t.txt;cannot be written" tune --out "$tmp/none/t.txt"
+refused "tune-out-a-directory" "--out $tmp;cannot be written" tune --out "$tmp"
+refused "bench-json-no-directory" "--json $tmp/none/r.json;cannot be written" bench --json "$tmp/none/r.json"
+reaches_gpu "tune-out-writable" tune --preset tiny --out "$tmp/t.txt"
+if [ -e "$tmp/t.txt" ]; then fail "tune-out-not-left-behind" "$tmp/t.txt exists after a run that did not start"
+else pass "tune-out-not-left-behind"; fi
+echo "keep me" >"$tmp/kept.txt"
+reaches_gpu "tune-out-existing" tune --preset tiny --out="$tmp/kept.txt"
+if [ "$(cat "$tmp/kept.txt")" == "keep me" ]; then pass "tune-out-existing-kept"
+else fail "tune-out-existing-kept" "the existing tuning file was changed"; fi
+
+finish
