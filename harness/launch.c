@@ -10,6 +10,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "id_file.h"
 #include "launch.h"
 
 #define MAX_LOCAL_RANKS 72
@@ -66,6 +68,7 @@ static int write_full(int fd, const void *buf, size_t n)
     while (put < n) {
         ssize_t r = write(fd, (const char *)buf + put, n - put);
         if (r < 0 && errno == EINTR) continue;
+        if (r == 0) errno = EIO;
         if (r <= 0) return -1;
         put += (size_t)r;
     }
@@ -280,28 +283,6 @@ int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeou
     return rc;
 }
 
-/* The id file: a magic, the run's tag, then the id. The tag comes from the launcher's run
- * id, so a rank never connects with an id left by an earlier run. */
-#define ID_MAGIC "COMETID1"
-typedef struct id_file {
-    char magic[8];
-    char tag[120];
-    ncclUniqueId id;
-} id_file_t;
-
-static void run_tag(char *tag, size_t len)
-{
-    const char *names[] = {"COMET_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "OMPI_MCA_ess_base_jobid"};
-    memset(tag, 0, len);
-    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        const char *v = getenv(names[i]);
-        if (v && *v) {
-            snprintf(tag, len, "%s=%s", names[i], v);
-            return;
-        }
-    }
-}
-
 static int env_int(const char *name, int *out)
 {
     const char *v = getenv(name);
@@ -318,6 +299,7 @@ int cometi_launch_external(const char *id_file, cometi_rank_main_t fn, void *arg
 {
     cometi_rank_ctx_t ctx;
     memset(&ctx, 0, sizeof(ctx));
+    if (report && report_len) report[0] = '\0';
     if (!env_int("RANK", &ctx.rank) || !env_int("WORLD_SIZE", &ctx.nranks) || ctx.nranks < 1 ||
         ctx.rank >= ctx.nranks) {
         snprintf(report, report_len, "external launch needs RANK and WORLD_SIZE in the environment, with "
@@ -330,60 +312,12 @@ int cometi_launch_external(const char *id_file, cometi_rank_main_t fn, void *arg
         snprintf(report, report_len, "external launch needs an id file (--id-file PATH) on storage every rank sees");
         return 2;
     }
-    if (ctx.rank == 0) {
-        struct stat sb;
-        if (stat(id_file, &sb) == 0) {
-            snprintf(report, report_len, "id file %s exists already (a previous run?): remove it or name a new "
-                     "path, so no rank reads a stale id", id_file);
-            return 2;
-        }
-        ncclResult_t res = ncclGetUniqueId(&ctx.id);
-        if (res != ncclSuccess) {
-            snprintf(report, report_len, "ncclGetUniqueId: %s", ncclGetErrorString(res));
-            return 1;
-        }
-        id_file_t f;
-        memset(&f, 0, sizeof(f));
-        memcpy(f.magic, ID_MAGIC, sizeof(f.magic));
-        run_tag(f.tag, sizeof(f.tag));
-        f.id = ctx.id;
-        char tmp[4096];
-        snprintf(tmp, sizeof(tmp), "%s.tmp.%d", id_file, (int)getpid());
-        int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-        if (fd < 0 || write_full(fd, &f, sizeof(f)) != 0 || fsync(fd) != 0 || close(fd) != 0 ||
-            rename(tmp, id_file) != 0) {
-            snprintf(report, report_len, "writing id file %s: %s", id_file, strerror(errno));
-            return 1;
-        }
-    } else {
-        double deadline = now_s() + (timeout_s > 0 ? timeout_s : 120);
-        char tag[120];
-        run_tag(tag, sizeof(tag));
-        int other_run = 0;
-        for (;;) {
-            id_file_t f;
-            int fd = open(id_file, O_RDONLY);
-            if (fd >= 0) {
-                int ok = read_full(fd, &f, sizeof(f)) == 0 && !memcmp(f.magic, ID_MAGIC, sizeof(f.magic));
-                close(fd);
-                f.tag[sizeof(f.tag) - 1] = '\0';
-                other_run = ok && strcmp(f.tag, tag) != 0;
-                if (ok && !other_run) {
-                    ctx.id = f.id;
-                    break;
-                }
-            }
-            if (now_s() > deadline) {
-                if (other_run)
-                    snprintf(report, report_len, "rank %d: id file %s is from another run (its tag \"%s\", ours "
-                             "\"%s\"): remove it and start again", ctx.rank, id_file, f.tag, tag);
-                else
-                    snprintf(report, report_len, "rank %d: id file %s did not appear within %d s (did rank 0 "
-                             "start?)", ctx.rank, id_file, timeout_s > 0 ? timeout_s : 120);
-                return 1;
-            }
-            usleep(50000);
-        }
-    }
-    return fn(&ctx, arg);
+    cometi_run_id_t ours;
+    cometi_id_run(&ours);
+    int rc = ctx.rank == 0 ? cometi_id_publish(id_file, &ours, &ctx.id, report, report_len)
+                           : cometi_id_wait(id_file, &ours, ctx.rank, timeout_s, &ctx.id, report, report_len);
+    if (rc) return rc;
+    rc = fn(&ctx, arg);
+    if (ctx.rank == 0) cometi_id_release(); /* every rank has the id, or never will */
+    return rc;
 }

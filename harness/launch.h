@@ -40,11 +40,22 @@ int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeou
 
 /*
  * Under an external launcher (torchrun, mpirun, srun): read RANK, WORLD_SIZE and
- * LOCAL_RANK (or LOCAL_RANK from RANK), exchange the unique id through `id_file`
- * (rank 0 writes it; the others wait for it up to `timeout_s`), and run `fn` here. The
- * file carries the run's tag (COMET_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID or Open
- * MPI's job id, the first set), and a rank takes an id only from a file of its own run.
- * Returns fn's exit code, or 2 with `report` set when the environment is incomplete.
+ * LOCAL_RANK (or LOCAL_RANK from RANK), exchange the unique id through `id_file`, and
+ * run `fn` here. Returns fn's exit code, or non-zero with `report` set: 2 when the
+ * environment is incomplete or rank 0 finds `id_file` in its way, 1 otherwise.
+ *
+ * Rank 0 writes the file atomically (a temp file beside it, fsynced, then linked to the
+ * name, which fails if the name exists: readers never see a partial file, and of two
+ * writers one wins) and removes it when it exits: on return, exit(), or a terminating
+ * signal left at its default action (only SIGKILL leaves it behind). The file carries
+ * the run id (COMET_RUN_ID, else torchrun's TORCHELASTIC_RUN_ID with its restart count,
+ * Slurm's job and step, PMIx's namespace, Open MPI's, Flux's, LSF's or PBS's job id,
+ * the first set; else one rank 0 makes up) and its writer (host, pid, time). The
+ * other ranks wait up to `timeout_s` (0: 120 s) for a file of their run, and report at
+ * once, naming the file, what it holds and what to do, a file of another run, one whose
+ * writer has exited, or one that is not a comet id file. Without a run id from the
+ * launcher a rank can tell a stale file only by its writer having exited, which it can
+ * see on the writer's own host alone: set COMET_RUN_ID to tell runs apart everywhere.
  */
 int cometi_launch_external(const char *id_file, cometi_rank_main_t fn, void *arg, int timeout_s, char *report,
                            size_t report_len);

@@ -1,19 +1,14 @@
 /*
  * test_harness.c - what the tests and the bench stand on (no GPU needed): the tile
- * timeline's accounting, the synthetic routing generators, the float64 reference, and
- * the launcher that runs one process per rank.
+ * timeline's accounting, the synthetic routing generators and the float64 reference (the
+ * launcher's tests are test_launch.c).
  */
 #define _GNU_SOURCE
 #include <math.h>
-#include <signal.h>
 #include <stdlib.h>
-#include <sys/mman.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "comet.h"
 #include "../src/internal.h"
-#include "../harness/launch.h"
 #include "../src/plan.h"
 #include "../harness/timeline.h"
 #include "../src/kernels/gemm.h"
@@ -166,157 +161,6 @@ int test_reference_properties(void)
     yf[7] = NAN;
     CHECK(isinf(cometi_rel_error(yf, y, (size_t)M * H)));
     free(x), free(gu), free(dn), free(w), free(w2), free(ids), free(y), free(y2), free(yf);
-    return 0;
-}
-
-/* ---- launcher ---- */
-
-typedef struct launch_probe {
-    int rank_seen[8];
-    int nranks_seen[8];
-    unsigned char id[8][sizeof(ncclUniqueId)];
-} launch_probe_t;
-
-static int record_rank(const cometi_rank_ctx_t *ctx, void *arg)
-{
-    launch_probe_t *p = arg;
-    p->rank_seen[ctx->rank] = ctx->rank + 100;
-    p->nranks_seen[ctx->rank] = ctx->nranks;
-    memcpy(p->id[ctx->rank], &ctx->id, sizeof(ncclUniqueId));
-    return 0;
-}
-
-int test_launch_all_ranks_succeed(void)
-{
-    launch_probe_t *p = mmap(NULL, sizeof(*p), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    CHECK(p != MAP_FAILED);
-    memset(p, 0, sizeof(*p));
-    char report[512];
-    int rc = cometi_launch_local(3, record_rank, p, 20, report, sizeof(report));
-    if (rc) printf("report: %s\n", report);
-    CHECK_EQ(rc, 0);
-    for (int r = 0; r < 3; r++) {
-        CHECK_EQ(p->rank_seen[r], r + 100);
-        CHECK_EQ(p->nranks_seen[r], 3);
-        CHECK(memcmp(p->id[r], p->id[0], sizeof(ncclUniqueId)) == 0);
-    }
-    static const unsigned char zero[sizeof(ncclUniqueId)];
-    CHECK(memcmp(p->id[0], zero, sizeof(zero)) != 0);
-    return 0;
-}
-
-static int rank1_fails(const cometi_rank_ctx_t *ctx, void *arg)
-{
-    (void)arg;
-    if (ctx->rank == 1) {
-        cometi_rank_reason("boom: the test made rank 1 fail");
-        return 3;
-    }
-    sleep(60); /* would hang the test if the launcher did not stop it */
-    return 0;
-}
-
-static double mono_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-int test_launch_failed_rank_stops_others(void)
-{
-    char report[512];
-    double t0 = mono_s();
-    int rc = cometi_launch_local(4, rank1_fails, NULL, 0, report, sizeof(report));
-    double took = mono_s() - t0;
-    printf("report: %s (%.2f s)\n", report, took);
-    CHECK(rc != 0);
-    CHECK_CONTAINS(report, "rank 1 of 4 failed (exit code 3): boom: the test made rank 1 fail");
-    CHECK(took < 10);
-    return 0;
-}
-
-static int rank2_crashes(const cometi_rank_ctx_t *ctx, void *arg)
-{
-    (void)arg;
-    if (ctx->rank == 2) raise(SIGSEGV);
-    sleep(60);
-    return 0;
-}
-
-int test_launch_crashed_rank_is_reported(void)
-{
-    char report[512];
-    int rc = cometi_launch_local(3, rank2_crashes, NULL, 0, report, sizeof(report));
-    printf("report: %s\n", report);
-    CHECK(rc != 0);
-    CHECK_CONTAINS(report, "rank 2 of 3 failed (killed by signal 11");
-    return 0;
-}
-
-static int sleeps(const cometi_rank_ctx_t *ctx, void *arg)
-{
-    (void)ctx, (void)arg;
-    sleep(60);
-    return 0;
-}
-
-int test_launch_timeout_stops_ranks(void)
-{
-    char report[512];
-    double t0 = mono_s();
-    int rc = cometi_launch_local(2, sleeps, NULL, 1, report, sizeof(report));
-    CHECK(rc != 0);
-    CHECK_CONTAINS(report, "did not finish within 1 s");
-    CHECK(mono_s() - t0 < 10);
-    return 0;
-}
-
-static int returns_rank_plus_40(const cometi_rank_ctx_t *ctx, void *arg)
-{
-    (void)arg;
-    return 40 + ctx->rank + 10 * ctx->local_rank;
-}
-
-int test_launch_external_env(void)
-{
-    char report[512], path[256];
-    unsetenv("RANK");
-    setenv("WORLD_SIZE", "2", 1);
-    CHECK_EQ(cometi_launch_external("/tmp/x", returns_rank_plus_40, NULL, 5, report, sizeof(report)), 2);
-    CHECK_CONTAINS(report, "RANK=unset");
-    snprintf(path, sizeof(path), "/tmp/comet_test_id_%d", (int)getpid());
-    unlink(path);
-    setenv("RANK", "0", 1);
-    setenv("WORLD_SIZE", "1", 1);
-    setenv("LOCAL_RANK", "0", 1);
-    CHECK_EQ(cometi_launch_external(NULL, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 2);
-    CHECK_CONTAINS(report, "--id-file");
-    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 40);
-    /* The id file is there now: a second rank 0 refuses to reuse it, a rank 1 reads it. */
-    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 2);
-    CHECK_CONTAINS(report, "exists already");
-    setenv("RANK", "1", 1);
-    setenv("WORLD_SIZE", "2", 1);
-    setenv("LOCAL_RANK", "1", 1);
-    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 51);
-    unlink(path);
-    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 1, report, sizeof(report)), 1);
-    CHECK_CONTAINS(report, "did not appear within 1 s");
-    /* A file from another run (another run id) is never taken for this run's. */
-    setenv("RANK", "0", 1);
-    setenv("LOCAL_RANK", "0", 1);
-    setenv("COMET_RUN_ID", "run-a", 1);
-    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 40);
-    setenv("RANK", "1", 1);
-    setenv("LOCAL_RANK", "1", 1);
-    setenv("COMET_RUN_ID", "run-b", 1);
-    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 1, report, sizeof(report)), 1);
-    CHECK_CONTAINS(report, "is from another run (its tag \"COMET_RUN_ID=run-a\", ours \"COMET_RUN_ID=run-b\")");
-    setenv("COMET_RUN_ID", "run-a", 1);
-    CHECK_EQ(cometi_launch_external(path, returns_rank_plus_40, NULL, 5, report, sizeof(report)), 51);
-    unlink(path);
-    unsetenv("COMET_RUN_ID");
     return 0;
 }
 

@@ -84,6 +84,11 @@ uint64_t test_seed(void);
     X(launch_crashed_rank_is_reported, 30)      \
     X(launch_timeout_stops_ranks, 30)           \
     X(launch_external_env, 30)                  \
+    X(launch_id_file_stale_run, 30)             \
+    X(launch_id_file_malformed, 30)             \
+    X(launch_id_file_removed_at_exit, 30)       \
+    X(launch_id_file_write_errors, 30)          \
+    X(launch_id_file_one_writer_wins, 60)       \
     X(api_rejects_bad_arguments, 10)            \
     X(params_table, 30)                         \
     X(gpu_flag_wait_times_out, 60)              \
