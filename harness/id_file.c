@@ -16,25 +16,13 @@
 #include <unistd.h>
 
 #include "id_file.h"
+#include "launch.h"
 
 static double now_s(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int write_full(int fd, const void *buf, size_t n)
-{
-    size_t put = 0;
-    while (put < n) {
-        ssize_t r = write(fd, (const char *)buf + put, n - put);
-        if (r < 0 && errno == EINTR) continue;
-        if (r == 0) errno = EIO;
-        if (r <= 0) return -1;
-        put += (size_t)r;
-    }
-    return 0;
 }
 
 /* ---- the id file of an external launch ----
@@ -239,7 +227,7 @@ static int write_temp(const char *path, const id_file_t *f, struct stat *sb, cha
     }
     memcpy(owned.tmp, tmp, sizeof(tmp));
     owned.has_tmp = 1;
-    int bad = write_full(fd, f, sizeof(*f)) != 0 || fsync(fd) != 0 || fstat(fd, sb) != 0;
+    int bad = cometi_write_full(fd, f, sizeof(*f)) != 0 || fsync(fd) != 0 || fstat(fd, sb) != 0;
     int e = errno;
     if (close(fd) != 0 && !bad) bad = 1, e = errno;
     if (!bad) return 0;

@@ -62,7 +62,7 @@ static int read_full(int fd, void *buf, size_t n)
     return 0;
 }
 
-static int write_full(int fd, const void *buf, size_t n)
+int cometi_write_full(int fd, const void *buf, size_t n)
 {
     size_t put = 0;
     while (put < n) {
@@ -104,8 +104,8 @@ int cometi_probe_gpus(char *why, size_t why_len)
         }
         if (all > n) snprintf(msg, sizeof(msg), "%d CUDA device%s visible, %d of them Hopper (sm_90)", all,
                               all > 1 ? "s" : "", n);
-        write_full(fds[1], &n, sizeof(n));
-        write_full(fds[1], msg, sizeof(msg));
+        cometi_write_full(fds[1], &n, sizeof(n));
+        cometi_write_full(fds[1], msg, sizeof(msg));
         _exit(0);
     }
     close(fds[1]);
@@ -157,7 +157,7 @@ static void run_rank(int r, int nranks, rank_proc_t *procs, int id_rd, int id_fr
             cometi_rank_reason("ncclGetUniqueId: %s", ncclGetErrorString(res));
             _exit(1);
         }
-        if (write_full(id_from0_wr, &ctx.id, sizeof(ctx.id)) != 0) _exit(1);
+        if (cometi_write_full(id_from0_wr, &ctx.id, sizeof(ctx.id)) != 0) _exit(1);
     } else if (read_full(id_rd, &ctx.id, sizeof(ctx.id)) != 0) {
         cometi_rank_reason("never received the NCCL unique id (rank 0 stopped first)");
         _exit(1);
@@ -232,7 +232,7 @@ int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeou
             if (poll(&pfd, 1, 20) > 0) {
                 ncclUniqueId id;
                 if (read_full(id_from0[0], &id, sizeof(id)) == 0) {
-                    for (int r = 1; r < nranks; r++) write_full(procs[r].id_wr, &id, sizeof(id));
+                    for (int r = 1; r < nranks; r++) cometi_write_full(procs[r].id_wr, &id, sizeof(id));
                 }
                 for (int r = 1; r < nranks; r++) close(procs[r].id_wr);
                 id_sent = 1;

@@ -63,6 +63,9 @@ int cometi_launch_external(const char *id_file, cometi_rank_main_t fn, void *arg
 /* Inside a rank: the one-line reason the parent shows if this rank fails. */
 void cometi_rank_reason(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* write(2) until all n bytes are out (EINTR retried): 0, or -1 with errno set. */
+int cometi_write_full(int fd, const void *buf, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

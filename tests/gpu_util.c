@@ -298,3 +298,17 @@ int padded_segments(const int *sizes, int groups, cometi_segment_t *segs)
     }
     return rows;
 }
+
+int fixture_open_timed(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t seed, const moe_case_t *c,
+                       comet_moe_args_t *a)
+{
+    const fixture_shape_t shape = {256, 0, 0, 2000, 0};
+    if (fixture_open(fx, ctx, seed, &shape)) return 1;
+    comet_status_t st;
+    double rel;
+    fx->skip_reference = 1;
+    if (run_case(fx, c, seed, 0, &st, &rel)) return 1; /* inputs in place */
+    *a = fused_args(fx, c);
+    a->impl = COMET_IMPL_FUSED;
+    return 0;
+}

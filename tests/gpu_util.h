@@ -90,6 +90,7 @@ void fill_bf16(float *f, uint16_t *h, size_t n, double scale, uint64_t *rng);
 int fixture_open(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t seed, const fixture_shape_t *shape);
 void fixture_close(fixture_t *fx);
 
+
 typedef struct moe_case {
     const char *name;
     cometi_routing_t routing;
@@ -109,6 +110,12 @@ extern const moe_case_t cases[8];
 
 /* The arguments run_case gave the baseline, for the fused path. */
 comet_moe_args_t fused_args(const fixture_t *fx, const moe_case_t *c);
+
+/* The start of a missing-peer test: the fixture with ffn 256 (the fused path trains it)
+ * and a 2 s timeout, one call's inputs in place for `c`, and that call's arguments on
+ * the fused path in *a. */
+int fixture_open_timed(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t seed, const moe_case_t *c,
+                       comet_moe_args_t *a);
 
 /* Squared error and norm of `got` (bf16 rows x cols) against `want` (bf16) or `ref`
  * (float64), added to *num and *den; the worst row's relative error raises *worst_row.

@@ -603,13 +603,9 @@ static int backward_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 0, 0, 2000, 0}; /* a 2 s timeout */
-    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     const moe_case_t c = {"missing peer", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
-    comet_status_t st;
-    double rel;
-    fx.skip_reference = 1;
-    if (run_case(&fx, &c, seed, 0, &st, &rel)) return 1; /* inputs in place */
+    comet_moe_args_t a;
+    if (fixture_open_timed(&fx, ctx, seed, &c, &a)) return 1;
     const int H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens, k = fx.cfg.top_k, per = fx.per;
     void *d_dy, *d_dx, *g_gu, *g_dn;
     float *d_dw;
@@ -621,8 +617,6 @@ static int backward_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMalloc(&g_dn, (size_t)per * H * F * 2));
     comet_moe_saved_t saved;
     CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved), COMET_SUCCESS);
-    comet_moe_args_t a = fused_args(&fx, &c);
-    a.impl = COMET_IMPL_FUSED;
     COMET_OK(comet_moe_forward_train(fx.moe, &a, saved, 0), fx.comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);

@@ -366,15 +366,10 @@ static int destroy_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
     fixture_t fx;
-    const fixture_shape_t shape = {256, 0, 0, 2000, 0}; /* a 2 s timeout */
-    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     const moe_case_t c = {"destroy", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
+    comet_moe_args_t a; /* the fused path's: its windows' deregistration is collective */
+    if (fixture_open_timed(&fx, ctx, seed, &c, &a)) return 1;
     comet_status_t st;
-    double rel;
-    fx.skip_reference = 1;
-    if (run_case(&fx, &c, seed, 0, &st, &rel)) return 1;
-    comet_moe_args_t a = fused_args(&fx, &c);
-    a.impl = COMET_IMPL_FUSED; /* the fused path's windows: their deregistration is collective */
     COMET_OK(comet_moe_forward(fx.moe, &a, 0), fx.comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
