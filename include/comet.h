@@ -206,7 +206,9 @@ COMET_API comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_con
  * peer gone it frees only this rank's own memory, leaves the symmetric memory to
  * comet_comm_destroy and returns COMET_TIMEOUT or COMET_REMOTE_ERROR instead of hanging.
  * The handle is freed whatever it returns; its message moves to comet_last_create_error().
- * Call before comet_comm_destroy().
+ * Ranks must reach it within timeout_ms of each other: one later than that is taken for
+ * gone (and one that passed the barrier before the late one gave up would then wait on it
+ * in the deregistration). Call before comet_comm_destroy().
  */
 COMET_API comet_status_t comet_moe_destroy(comet_moe_t moe);
 /* Detail of the last failure of a call on this layer; "" if none. Valid until the next
@@ -300,8 +302,9 @@ typedef struct comet_moe_saved_config {
     unsigned int magic;
     unsigned int version;
     /* The most (token, choice) rows this rank may receive in one call, padding excluded.
-     * 0: the worst case, every choice of every rank's max_tokens tokens routed here (world x
-     * max_tokens x top_k). Rows are never dropped: on the sequential path a call that routes
+     * 0: the worst case, every choice of every rank's max_tokens tokens that can come here
+     * routed here (world x max_tokens x min(top_k, experts per rank): a token's choices are
+     * distinct experts). Rows are never dropped: on the sequential path a call that routes
      * more here is refused (COMET_INVALID_ARGUMENT on every rank, before any row moves);
      * on the fused path, which never waits for the host, the forward runs and
      * comet_comm_get_async_error() then reports COMET_INVALID_ARGUMENT (the communicator is

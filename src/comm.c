@@ -249,6 +249,11 @@ comet_status_t cometi_check_async(comet_comm_t comm)
                        comm->timeout_ms);
 }
 
+comet_status_t cometi_check_sticky(comet_comm_t comm)
+{
+    return comm->async_host->status != 0 ? cometi_check_async(comm) : COMET_SUCCESS;
+}
+
 comet_status_t comet_comm_get_async_error(comet_comm_t comm)
 {
     if (!comm) return COMET_INVALID_ARGUMENT;

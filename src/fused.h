@@ -19,8 +19,10 @@ struct cometi_fused {
                                   * dgrad of W13, dx home */
     cometi_dispatch_knobs_t k0;
     cometi_combine_knobs_t k1;
-    /* The backward's, allocated by its first call: */
-    void *dy_rows;               /* [max_tokens x top_k][hidden] bf16: each choice's dy, weighted */
+    /* The backward's: */
+    void *dy_rows;               /* [max_tokens x top_k][hidden] bf16: each choice's dy, weighted;
+                                  * layer1's output rows (max_recv_rows >= that), free until the
+                                  * backward's dgrad of W13 writes them, after the dispatch read these */
     float *ones;                 /* [max_tokens x top_k]: the weights its route is given (dx sums
                                   * a token's choices unweighted) */
     int dswiglu_epilogue;        /* SwiGLU's backward in the dgrad of W2's epilogue (direct stores,

@@ -182,7 +182,9 @@ static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, come
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     COMETI_TRY(cometi_push_sum_prepare(comm->err, &s, &sum_blocks));
     COMETI_TRY(push_mark(comm, l, 0, stream));
-    COMETI_TRY(cometi_launch_push_dest(comm->err, c, g.segs, g.groups, g.a_rows,
+    /* Every row this call received gets its destination: rows past another A's end (the
+     * backward's dh, bounded by its saved state) would keep an earlier call's. */
+    COMETI_TRY(cometi_launch_push_dest(comm->err, c, g.segs, g.groups, l0->max_recv_rows,
                                        l0->route.plan.recv_rows + comm->rank / l0->tp, l->push_dest, stream));
     COMETI_TRY(push_mark(comm, l, 1, stream));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));

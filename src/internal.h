@@ -202,6 +202,10 @@ char *cometi_create_error_buffer(void);
 comet_status_t cometi_allgather_ints(comet_comm_t comm, const int *mine, int n, int *all);
 /* Turn a recorded device-side failure into a status and a message in comm->err. */
 comet_status_t cometi_check_async(comet_comm_t comm);
+/* The same for the sticky failures alone (a failed wait, a saved bound exceeded), leaving
+ * an expert id's one-time report to comet_comm_get_async_error: collective calls refuse
+ * only on what every rank's later calls refuse too, or one rank would step out alone. */
+comet_status_t cometi_check_sticky(comet_comm_t comm);
 
 #ifdef __cplusplus
 }

@@ -77,8 +77,23 @@ static comet_status_t fused_create(comet_moe_t moe)
         if (st == COMET_NOT_SUPPORTED) moe->fused_unsupported = 1;
         return st;
     }
+    /* The backward's route weights (its dx sums a token's choices unweighted), made here
+     * where every rank allocates alike, so no backward allocates on one rank alone; its dy
+     * rows use layer1's output rows (cometi_fused_backward). */
+    const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k;
+    float *ones = malloc(choices * sizeof(float) + 4);
+    st = ones ? COMET_SUCCESS : cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "fused path: out of host memory");
+    for (size_t i = 0; ones && i < choices; i++) ones[i] = 1.0f;
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(moe->err, cudaMalloc((void **)&f->ones, choices * sizeof(float) + 4),
+                         "cudaMalloc(the backward's route weights)");
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(moe->err, cudaMemcpy(f->ones, ones, choices * sizeof(float), cudaMemcpyHostToDevice),
+                         "copy the backward's route weights");
+    free(ones);
+    f->dy_rows = f->l1.out;
     moe->fused = f;
-    return COMET_SUCCESS;
+    return st;
 }
 
 comet_status_t cometi_fused_get(comet_moe_t moe, struct cometi_fused **out)
@@ -91,7 +106,6 @@ comet_status_t cometi_fused_get(comet_moe_t moe, struct cometi_fused **out)
 static void fused_destroy(comet_moe_t moe)
 {
     if (!moe->fused) return;
-    cudaFree(moe->fused->dy_rows);
     cudaFree(moe->fused->ones);
     cometi_gemm_combine_destroy(moe->comm, &moe->fused->l1);
     cometi_dispatch_gemm_destroy(moe->comm, &moe->fused->l0);
@@ -147,8 +161,7 @@ comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *con
 static comet_status_t fused_teardown_ready(comet_moe_t moe, comet_status_t st)
 {
     comet_comm_t comm = moe->comm;
-    /* A failed wait is sticky (a bad expert id, reported once, is no reason to stop). */
-    if (st == COMET_SUCCESS && comm->async_host->status != 0) st = cometi_check_async(comm);
+    if (st == COMET_SUCCESS) st = cometi_check_sticky(comm); /* a bad expert id is no reason to stop */
     if (st == COMET_SUCCESS && !comm->peers_lost)
         st = cometi_barrier_sync(comm, "comet_moe_destroy: every rank here");
     if (st == COMET_SUCCESS) return COMET_SUCCESS;
@@ -216,7 +229,7 @@ comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, 
     if (!moe) return COMET_INVALID_ARGUMENT;
     moe->err[0] = '\0';
     COMETI_TRY(cometi_moe_check_args(moe, args));
-    comet_status_t async = cometi_check_async(moe->comm);
+    comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
     comet_status_t st;
     if (args->impl == COMET_IMPL_FUSED || (args->impl == COMET_IMPL_AUTO && !moe->fused_unsupported)) {

@@ -16,7 +16,9 @@
 static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t *c, int64_t *bound, int64_t *cap)
 {
     char *cerr = cometi_create_error_buffer();
-    const int64_t worst = (int64_t)moe->comm->size * moe->cfg.max_tokens * moe->cfg.top_k;
+    /* A token's choices are distinct experts: at most min(top_k, experts here) land here. */
+    const int per_token = moe->cfg.top_k < moe->experts_per_rank ? moe->cfg.top_k : moe->experts_per_rank;
+    const int64_t worst = (int64_t)moe->comm->size * moe->cfg.max_tokens * per_token;
     if (c && (c->size != sizeof(comet_moe_saved_config_t) || c->magic != COMET_STRUCT_MAGIC))
         return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.size = %zu, config.magic = 0x%x: initialise "
                            "it with COMET_MOE_SAVED_CONFIG_INIT", c->size, c->magic);
@@ -25,7 +27,8 @@ static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t
                            c->version, COMET_API_VERSION);
     if (c && (c->max_recv_rows < 0 || c->max_recv_rows > worst))
         return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.max_recv_rows = %lld: must be 0 (the worst "
-                           "case) .. world x max_tokens x top_k = %lld", (long long)c->max_recv_rows, (long long)worst);
+                           "case) .. world x max_tokens x min(top_k, experts per rank) = %lld",
+                           (long long)c->max_recv_rows, (long long)worst);
     *bound = c && c->max_recv_rows ? c->max_recv_rows : worst;
     *cap = *bound + (int64_t)moe->experts_per_rank * COMETI_BLOCK_M;
     return COMET_SUCCESS;
@@ -165,12 +168,14 @@ static comet_status_t training_path(comet_moe_t moe, const comet_moe_args_t *a, 
         *path = COMETI_SAVED_SEQUENTIAL;
         return COMET_SUCCESS;
     }
-    const comet_status_t st = cometi_fused_train_supported(moe, &a->weights);
+    comet_status_t st = cometi_fused_train_supported(moe, &a->weights);
+    struct cometi_fused *f;
+    if (st == COMET_SUCCESS) st = cometi_fused_get(moe, &f); /* collective: every rank decides alike */
     if (st == COMET_SUCCESS) {
         *path = COMETI_SAVED_FUSED;
         return COMET_SUCCESS;
     }
-    if (a->impl == COMET_IMPL_FUSED) return st; /* the reason is in moe->err */
+    if (a->impl == COMET_IMPL_FUSED || st != COMET_NOT_SUPPORTED) return st; /* the reason is in moe->err */
     moe->err[0] = '\0';
     *path = COMETI_SAVED_SEQUENTIAL;
     return COMET_SUCCESS;
@@ -189,7 +194,7 @@ comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *
                            "was given another comet_moe_t)");
     int path = 0;
     COMETI_TRY(training_path(moe, args, &path));
-    comet_status_t async = cometi_check_async(moe->comm);
+    comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
     saved->filled = 0;
     comet_status_t st = path == COMETI_SAVED_FUSED ? cometi_fused_forward_train(moe, args, saved, stream)
@@ -258,12 +263,11 @@ comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args
     if (!moe) return COMET_INVALID_ARGUMENT;
     moe->err[0] = '\0';
     COMETI_TRY(check_backward_args(moe, args));
-    comet_status_t async = cometi_check_async(moe->comm);
+    comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
     comet_status_t st = args->saved->path == COMETI_SAVED_FUSED ? cometi_fused_backward(moe, args, stream)
                                                                  : cometi_baseline_backward(moe, moe->baseline, args,
                                                                                             stream);
-    args->saved->filled = 0; /* consumed: the fused path's [g u] became their gradients */
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_backward");
     return st;
 }

@@ -87,6 +87,7 @@ static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *
     b.dgrad_down.ldc = F;
     if (f->dswiglu_epilogue) { /* s never leaves the registers: [g u] -> [dg du], C = the activation */
         b.dgrad_down.dswiglu_gu = sv->h;
+        b.dgrad_down.gu_rows = sv->cap_rows;
         b.dgrad_down.epilogue = COMETI_EPILOGUE_DIRECT;
     }
     b.dgrad_gate_up = cometi_gemm_combine_gemm(comm, &f->l1, &f->l0, a);
@@ -95,7 +96,9 @@ static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *
     b.dgrad_gate_up.b = ba->weights.gate_up; /* [E][2F][H]: k = 2F rows of n = H */
     b.dgrad_gate_up.b_mn_major = 1;
     b.dgrad_gate_up.k = 2 * F;
-    b.wgrad_down = wgrad_gemm(comm, &f->l0, f->l0.recv.local, H, f->l0.act, F, sv->cap_rows, ba->grads.down, fp32);
+    /* The layer's buffers (dy rows, the activation) hold max_recv_rows; the bound may be larger. */
+    const int64_t layer_rows = sv->cap_rows < f->l0.max_recv_rows ? sv->cap_rows : f->l0.max_recv_rows;
+    b.wgrad_down = wgrad_gemm(comm, &f->l0, f->l0.recv.local, H, f->l0.act, F, layer_rows, ba->grads.down, fp32);
     b.wgrad_gate_up = wgrad_gemm(comm, &f->l0, sv->h, 2 * F, sv->recv, H, sv->cap_rows, ba->grads.gate_up, fp32);
     return b;
 }
@@ -119,9 +122,9 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, 0, &f->k0, stream);
     if (st == COMET_SUCCESS)
         st = cometi_cuda(comm->err, cometi_launch_keep_rows(l0->recv.local, sv->recv, H, plan->local_segs,
-                                                            l0->experts_per_group, sv->cap_rows,
-                                                            plan->recv_rows + comm->rank / moe->tp, comm->async_dev,
-                                                            comm->sm_count, stream), "launch keep_rows_kernel");
+                                                            l0->experts_per_group, sv->cap_rows, plan->recv_rows,
+                                                            comm->size / moe->tp, comm->async_dev, comm->sm_count,
+                                                            stream), "launch keep_rows_kernel");
     if (st == COMET_SUCCESS) st = cometi_gemm_combine_run(comm, &f->l1, l0, a, &k1, stream);
     if (st == COMET_SUCCESS)
         st = cometi_cuda(comm->err, cometi_launch_keep_choices(f->l1.slots.local, sv->back, a->topk_ids, plan->pos,
@@ -146,37 +149,6 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     return COMET_SUCCESS;
 }
 
-/* The backward's own buffers, on its first call. */
-static comet_status_t backward_buffers(comet_moe_t moe, struct cometi_fused *f)
-{
-    if (f->dy_rows) return COMET_SUCCESS;
-    const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k;
-    void *rows = NULL;
-    float *ones = NULL;
-    comet_status_t st = cometi_cuda(moe->err, cudaMalloc(&rows, choices * moe->cfg.hidden * BF16 + 16),
-                                    "cudaMalloc(the backward's dy rows)");
-    if (st == COMET_SUCCESS)
-        st = cometi_cuda(moe->err, cudaMalloc((void **)&ones, choices * sizeof(float) + 16),
-                         "cudaMalloc(the backward's route weights)");
-    if (st == COMET_SUCCESS) {
-        float *host = malloc(choices * sizeof(float) + 16);
-        if (!host) st = cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "the backward's route weights: out of host memory");
-        for (size_t i = 0; host && i < choices; i++) host[i] = 1.0f;
-        if (host)
-            st = cometi_cuda(moe->err, cudaMemcpy(ones, host, choices * sizeof(float), cudaMemcpyHostToDevice),
-                             "copy the backward's route weights");
-        free(host);
-    }
-    if (st != COMET_SUCCESS) {
-        cudaFree(rows);
-        cudaFree(ones);
-        return st;
-    }
-    f->dy_rows = rows;
-    f->ones = ones;
-    return COMET_SUCCESS;
-}
-
 /* The operators' arguments for the backward: rows are the weighted dy per choice, the
  * route is the forward's ids with weights of 1, and the combine's y is dx. */
 static comet_moe_args_t backward_args(const struct cometi_fused *f, const comet_moe_backward_args_t *ba)
@@ -197,7 +169,6 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     comet_comm_t comm = moe->comm;
     struct cometi_fused *f;
     COMETI_TRY(cometi_fused_get(moe, &f));
-    COMETI_TRY(backward_buffers(moe, f));
     const comet_moe_saved_t sv = ba->saved;
     const int k = moe->cfg.top_k, H = moe->cfg.hidden, F = moe->ffn_local, per = f->l0.experts_per_group;
     const comet_moe_args_t a = backward_args(f, ba);
@@ -221,7 +192,7 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     const cometi_segment_t *segs = f->l0.route.plan.local_segs;
     if (st == COMET_SUCCESS && !f->dswiglu_epilogue)
         st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, f->l0.act, sv->h, F, segs, per,
-                                                                  (int)sv->cap_rows, stream),
+                                                                  (int)sv->cap_rows, sv->cap_rows, stream),
                          "launch swiglu_backward_kernel");
     cometi_padded_rows_t pad = {{sv->h, f->l0.act, f->l0.recv.local}, {2 * F * BF16, F * BF16, H * BF16}};
     if (st == COMET_SUCCESS)
@@ -243,7 +214,6 @@ comet_status_t cometi_moe_backward_gemms(comet_moe_t moe, const comet_moe_backwa
         return moe ? cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "backward GEMMs alone: need a saved state of this "
                                  "layer filled by a fused training forward") : COMET_INVALID_ARGUMENT;
     struct cometi_fused *f = moe->fused;
-    COMETI_TRY(backward_buffers(moe, f));
     const comet_moe_args_t a = backward_args(f, ba);
     backward_gemms_t g = describe_backward(moe, f, &a, ba);
     /* Alone: every SM, no roles, on the segments of the layer's last route. */

@@ -6,9 +6,11 @@ topk_weights or a weight requires grad). The state the forward keeps for its bac
 lives in one uint8 tensor from torch's caching allocator (comet_moe_saved_create_in),
 held by the graph and freed with it. The backward gives dx, the gradient at
 topk_weights (so the router's gradient flows through torch's softmax and top-k), and
-the expert weights' gradients: as bf16 tensors that autograd adds into .grad, or, for
-weights that carry an fp32 `main_grad` (Megatron-LM's convention) when the layer was
-made with grad_accumulation="main_grad", added there in fp32 with no .grad at all.
+the expert weights' gradients: as bf16 tensors that autograd adds into .grad, or, when the
+layer was made with grad_accumulation="main_grad", added in fp32 to each weight's
+`main_grad` (Megatron-LM's convention: a weight with a `grad_added_to_main_grad`
+attribute gets it set and a placeholder gradient its hooks look for; others get none).
+The saved state's memory goes back to torch as soon as the backward is enqueued.
 
 Collective, like the forward: every rank's backward must run for every forward. A
 backward consumes its saved state: backward through the same graph twice
@@ -19,9 +21,10 @@ from __future__ import annotations
 import ctypes
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _capi
-from .errors import check
+from .errors import check, error_for
 
 _WEIGHTS = ("gate_up", "gate", "up", "down")
 
@@ -30,6 +33,7 @@ class _Saved:
     """A saved state over torch memory; destroyed (host side only) with the graph."""
 
     def __init__(self, moe, device):
+        self.handle = None  # __del__ must find it, whatever fails below
         lib = moe._lib
         cfg = _capi.MoeSavedConfigStruct(int(moe.max_recv_rows))
         nbytes = ctypes.c_size_t()
@@ -49,6 +53,7 @@ class _Saved:
         if self.handle is not None:
             handle, self.handle = self.handle, None
             self._lib.comet_moe_saved_destroy(ctypes.c_void_p(handle))  # neither syncs nor frees: torch's memory
+        self.memory = None
 
     def __del__(self):
         self.close()
@@ -86,18 +91,28 @@ class MoeFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         moe, m = ctx.moe, ctx.m
+        if ctx.saved_state is None:  # released by the first backward (the same on every rank)
+            raise error_for(_capi.INVALID_ARGUMENT, "comet_moe_backward", "args.saved holds no forward: a backward "
+                            "consumes it (backward through this graph once, or run the forward again)")
         weights = ctx.saved_tensors
         H, k = int(moe.config.hidden), int(moe.config.top_k)
         if dy is None:
             dy = torch.zeros((m, H), dtype=torch.bfloat16, device=weights[3].device)
         dy = dy.to(torch.bfloat16).contiguous()
+        if dy.data_ptr() % 16:  # a view that starts inside a row: comet moves rows 16 bytes at a time
+            dy = dy.clone()
         dx = torch.empty((m, H), dtype=torch.bfloat16, device=dy.device)
         d_weights = torch.empty((m, k), dtype=torch.float32, device=dy.device)
-        # fp32 accumulation when asked and every weight carries a main_grad; else bf16.
+        # fp32 accumulation into each weight's main_grad when asked; else bf16 .grad.
         present = [w for w in weights if w is not None]
-        accumulate = ctx.main_grad and all(getattr(w, "main_grad", None) is not None for w in present)
+        accumulate = ctx.main_grad
+        for w in present if accumulate else ():
+            if getattr(w, "main_grad", None) is None:
+                raise ValueError(f"grad_accumulation='main_grad', but a weight of shape {tuple(w.shape)} has no "
+                                 f"main_grad: attach an fp32 main_grad to every expert weight")
         if accumulate:
             grads = [None if w is None else w.main_grad for w in weights]
             for g, w in zip(grads, weights):
@@ -119,12 +134,18 @@ class MoeFunction(torch.autograd.Function):
         with moe.comm._on_device():
             st = moe._lib.comet_moe_backward(ptr, ctypes.byref(b), ctypes.c_void_p(stream))
         check(st, "comet_moe_backward", lambda: _capi.text(moe._lib.comet_moe_last_error(ptr)))
-        # Consumed now (comet refuses a second backward on it); its memory goes with the graph.
-        if accumulate:
+        # Consumed: its memory goes back to torch now, not when the graph goes (which can be
+        # after the next forward). The backward was enqueued on this stream, where the
+        # caching allocator hands the block out again only after it.
+        ctx.saved_state.close()
+        ctx.saved_state = None
+        if accumulate:  # Megatron-LM's convention: a placeholder where its hooks look for one
+            grads = [None if w is None or not hasattr(w, "grad_added_to_main_grad") else
+                     (torch.zeros_like(w) if getattr(w, "zero_out_wgrad", False) else torch.empty_like(w))
+                     for w in weights]
             for w in present:
                 if hasattr(w, "grad_added_to_main_grad"):
                     w.grad_added_to_main_grad = True
-            grads = [None] * 4
         need = ctx.needs_input_grad
         wgrads = [g if need[6 + i] else None for i, g in enumerate(grads)]
         return (None, None, None, None, dx if need[4] else None, d_weights if need[5] else None, *wgrads)

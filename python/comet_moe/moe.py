@@ -73,7 +73,8 @@ class Moe(_Handle):
         max_tokens per rank. A bad config raises CometInvalidArgumentError with comet's
         message. Training (forward under autograd): max_recv_rows bounds the rows a call
         may route to this rank, which sizes what each forward keeps for its backward (0:
-        the worst case, world x max_tokens x top_k; see comet_moe_saved_config_t), the same
+        the worst case, world x max_tokens x min(top_k, experts per rank); see
+        comet_moe_saved_config_t), the same
         on every rank; grad_accumulation "grad" gives the expert weights bf16 gradients
         through autograd (.grad), "main_grad" adds them in fp32 to each weight's
         `main_grad` tensor (Megatron-LM's convention) where every weight has one."""

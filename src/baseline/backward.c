@@ -64,6 +64,7 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
     const size_t gsize = fp32 ? 4 : BF16;
     ncclComm_t nccl = moe->comm->nccl;
     COMETI_TRY(cublas_ok(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
+    sv->filled = 0; /* consumed from here on, as the fused path's is */
 
     /* 1. dy rows, weighted, to their send places; d topk_weights. */
     COMETI_TRY(cometi_cuda(err, cometi_launch_scale_permute(args->dy, sv->weights, sv->send_pos, n, k, H, tp, stride,
@@ -90,7 +91,7 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
                         (const char *)w->down + (size_t)le * H * F * BF16, F, (char *)b->act + (size_t)start * F * BF16,
                         F, 0, 0.0f, "cublasGemmEx(s = dy W2)"));
     }
-    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu_backward(sv->h, b->act, b->h, F, sv->segs, per, sv->max_seg_rows,
+    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu_backward(sv->h, b->act, b->h, F, sv->segs, per, sv->max_seg_rows, sv->cap_rows,
                                                               stream), "launch swiglu_backward_kernel"));
     for (int le = 0; le < per; le++) {
         const int rows = sv->segs_host[le].rows, start = sv->segs_host[le].start;

@@ -93,9 +93,10 @@ cudaError_t cometi_launch_scale_permute(const void *dy, const float *w, const in
                                         int hidden, int tp, size_t copy_stride, const void *back, void *send, float *dw,
                                         cudaStream_t stream);
 /* SwiGLU's backward over the segments: dh [rows][2 ffn] from h [rows][2 ffn] and sa
- * [rows][ffn] (da), and sa overwritten with the activation silu(g) u. */
+ * [rows][ffn] (da), and sa overwritten with the activation silu(g) u; rows at or past
+ * row_limit (the buffers' rows) are left alone. */
 cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int ffn, const cometi_segment_t *segs,
-                                          int num_segs, int max_rows, cudaStream_t stream);
+                                          int num_segs, int max_rows, int64_t row_limit, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -180,11 +180,14 @@ extern "C" cudaError_t cometi_launch_scale_permute(const void *dy, const float *
  * dh = [da u silu'(g), da silu(g)], and sa is overwritten with a = silu(g) u, which the
  * down projection's weight gradient needs. silu'(g) = sig(g) (1 + g (1 - sig(g))). */
 static __global__ void swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *sa, __nv_bfloat16 *dh, int ffn,
-                                              const cometi_segment_t *segs)
+                                              const cometi_segment_t *segs, long long row_limit)
 {
     const cometi_segment_t seg = segs[blockIdx.y];
     const int vecs = ffn / 8; /* 16-byte loads and stores: 8 columns at a time */
-    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < (long long)seg.rows * vecs;
+    const long long rows = seg.start + (long long)seg.rows <= row_limit ? seg.rows
+                           : seg.start < row_limit                   ? row_limit - seg.start
+                                                                     : 0;
+    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < rows * vecs;
          idx += (long long)gridDim.x * blockDim.x) {
         const long long row = seg.start + idx / vecs;
         const int f = (int)(idx % vecs) * 8;
@@ -213,10 +216,10 @@ static __global__ void swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloa
 
 extern "C" cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int ffn,
                                                      const cometi_segment_t *segs, int num_segs, int max_rows,
-                                                     cudaStream_t stream)
+                                                     int64_t row_limit, cudaStream_t stream)
 {
     if (num_segs == 0 || max_rows == 0) return cudaSuccess;
     swiglu_backward_kernel<<<segments_grid(num_segs, max_rows, ffn / 8), 256, 0, stream>>>(
-        (const __nv_bfloat16 *)h, (__nv_bfloat16 *)sa, (__nv_bfloat16 *)dh, ffn, segs);
+        (const __nv_bfloat16 *)h, (__nv_bfloat16 *)sa, (__nv_bfloat16 *)dh, ffn, segs, (long long)row_limit);
     return cudaGetLastError();
 }

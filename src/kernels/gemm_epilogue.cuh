@@ -38,8 +38,9 @@ static __device__ __forceinline__ uint32_t swizzled_chunk(int j, int r)
  * 2^-11 error turns into 0.5% of silu for x near -3.) */
 static __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
-/* SwiGLU's backward for one element, as the sequential path's kernel computes it (the same
- * bits): from da (the dgrad of W2, already weighted) and the forward's g and u, dg =
+/* SwiGLU's backward for one element, as the sequential path's kernel computes it (from
+ * the fp32 da, where the kernel reads it rounded to bf16): from da (the dgrad of W2,
+ * already weighted) and the forward's g and u, dg =
  * da u silu'(g), du = da silu(g), and the activation a = silu(g) u for dW2;
  * silu'(g) = sig(g) (1 + g (1 - sig(g))). */
 static __device__ __forceinline__ void dswiglu(float da, float g, float u, float *dg, float *du, float *a)
@@ -255,7 +256,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         const int col0 = tl.n * ON + (lane % 4) * 2;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            if (!ok[h]) continue;
+            if (!ok[h] || dst_row[h] >= p.gu_rows) continue; /* rows past the saved state's */
             __nv_bfloat16 *gate = (__nv_bfloat16 *)p.dswiglu_gu + dst_row[h] * 2 * p.n + col0, *up = gate + p.n;
             __nv_bfloat16 *act = (__nv_bfloat16 *)p.c + dst_row[h] * p.ldc + col0;
 #pragma unroll

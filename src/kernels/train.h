@@ -14,12 +14,13 @@ extern "C" {
 
 /* Rows of each segment (in the receive layout: segments start at multiples of 128) copied
  * from src to dst at the same row, [.][hidden] bf16, the padding after each segment up to
- * the next 128 rows zeroed, rows at or past cap_rows left alone; and when this call's
- * padded received rows (*used_rows, device) pass cap_rows, COMET_INVALID_ARGUMENT is
- * recorded in err (COMETI_SITE_SAVED_BOUND): the saved state could not hold them. */
+ * the next 128 rows zeroed, rows at or past cap_rows left alone; and when any group's
+ * padded received rows (recv_rows [num_groups], device: the route's, the same on every
+ * rank) pass cap_rows, COMET_INVALID_ARGUMENT is recorded in err (COMETI_SITE_SAVED_BOUND,
+ * sticky) on every rank alike: a saved state could not hold them. */
 cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int hidden, const cometi_segment_t *segs, int groups,
-                                    int64_t cap_rows, const int32_t *used_rows, cometi_async_error_t *err,
-                                    int sm_count, cudaStream_t stream);
+                                    int64_t cap_rows, const int32_t *recv_rows, int num_groups,
+                                    cometi_async_error_t *err, int sm_count, cudaStream_t stream);
 
 /* The rows the push brought home, in choice order: back[c][i] (copy_stride elements between
  * TP ranks c) = slots[(send_offset[e] + pos[i]) x tp + c] for choice i = t x top_k + j of
