@@ -87,6 +87,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_capi  # noqa: E402,F401 - the library, the mirror of comet.h, statuses, presets
 import cpu_args  # noqa: E402,F401 - the forward call's checks on stand-in tensors
 import cpu_torch  # noqa: E402,F401 - with torch, on the CPU
+import cpu_megatron  # noqa: E402,F401 - the Megatron-Core adapter (its glue with megatron-core)
 
 
 # ---- the runner ----

@@ -83,6 +83,10 @@ class Ctx:
     def note(self, msg):
         self.notes.append(f"rank {self.rank}: {msg}")
 
+    def skip(self, reason):
+        """For tests in other modules: this test cannot run here (the same on every rank)."""
+        raise Skip(reason)
+
     def config(self, **changes):
         cfg = self.cm.MoeConfig(hidden=H, ffn=FFN, num_experts=E, top_k=TOP_K, max_tokens=MAX_TOKENS)
         for k, v in changes.items():
@@ -641,8 +645,9 @@ def comm_over_a_gloo_group(c):
 
 # Training under autograd (gpu_train.py), before the tests that close the communicator.
 from gpu_train import TESTS as _TRAINING_TESTS  # noqa: E402
+from gpu_megatron import TESTS as _MEGATRON_TESTS  # noqa: E402
 
-TESTS.extend(_TRAINING_TESTS)
+TESTS.extend(_TRAINING_TESTS + _MEGATRON_TESTS)
 
 
 @test

@@ -1,0 +1,153 @@
+"""cpu_megatron.py - run_cpu.py's tests of the Megatron-Core adapter (comet_moe.megatron) on
+the CPU: the config mapping and its refusals (no torch needed), and, with torch and
+megatron-core installed, the layer's glue against Megatron's own modules: the same router
+(TopKRouter), the expert weights loaded under SequentialMLP's names from a SequentialMLP
+built by Megatron, and the output against that router's choices through those experts.
+The experts' compute is comet's on a GPU; here a stand-in computes what
+comet_moe_forward does, in float32, so the test checks what the adapter adds: routing
+conversion, weight layout and names, reshapes.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+from run_cpu import Skip, check, check_eq, note, raises, test
+
+
+def megatron_config(**changes):
+    """What the adapter reads of a TransformerConfig, as a plain object."""
+    import math
+    c = SimpleNamespace(num_moe_experts=8, moe_router_topk=2, hidden_size=256, ffn_hidden_size=1024,
+                        moe_ffn_hidden_size=512, expert_model_parallel_size=2, expert_tensor_parallel_size=None,
+                        tensor_model_parallel_size=1, gated_linear_unit=True,
+                        activation_func=SimpleNamespace(__name__="silu"), add_bias_linear=False,
+                        moe_shared_expert_intermediate_size=None, moe_expert_capacity_factor=None,
+                        moe_latent_size=None, fp8=None, fp4=None, sqrt=math.sqrt)
+    for k, v in changes.items():
+        setattr(c, k, v)
+    return c
+
+
+@test
+def megatron_config_mapping():
+    from comet_moe.megatron import moe_config_from_megatron
+    cfg = moe_config_from_megatron(megatron_config(), max_tokens=4096)
+    got = (cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.max_tokens, cfg.ep_size, cfg.tp_size)
+    check_eq(got, (256, 512, 8, 2, 4096, 2, 1), "moe_ffn_hidden_size, EP 2, expert TP from tensor_model_parallel_size")
+    cfg = moe_config_from_megatron(megatron_config(moe_ffn_hidden_size=None, expert_tensor_parallel_size=2,
+                                                   tensor_model_parallel_size=4), max_tokens=128)
+    check_eq((cfg.ffn, cfg.tp_size), (1024, 2), "ffn_hidden_size when moe_ffn_hidden_size is unset; expert TP given")
+    cfg = moe_config_from_megatron(megatron_config(expert_tensor_parallel_size=None, tensor_model_parallel_size=2),
+                                   max_tokens=128)
+    check_eq(cfg.tp_size, 2, "expert TP defaults to the tensor-parallel size, as Megatron's")
+
+
+@test
+def megatron_config_refusals_name_the_field():
+    from comet_moe.megatron import moe_config_from_megatron
+    cases = [(dict(num_moe_experts=None), "config.num_moe_experts"),
+             (dict(gated_linear_unit=False), "config.gated_linear_unit = False"),
+             (dict(activation_func=SimpleNamespace(__name__="gelu")), "config.activation_func = 'gelu'"),
+             (dict(add_bias_linear=True), "config.add_bias_linear = True"),
+             (dict(moe_shared_expert_intermediate_size=512), "config.moe_shared_expert_intermediate_size"),
+             (dict(moe_expert_capacity_factor=1.0), "config.moe_expert_capacity_factor"),
+             (dict(moe_latent_size=64), "config.moe_latent_size"),
+             (dict(fp8="hybrid"), "config.fp8")]
+    for change, words in cases:
+        raises(ValueError, lambda c=change: moe_config_from_megatron(megatron_config(**c), 128), words)
+
+
+class StandInMoe:
+    """comet_moe.Moe's forward as comet computes it, float32 on the CPU (the packed layout of
+    comet.h: w13 rows 0..F-1 gate, F..2F-1 up), for the adapter's glue."""
+
+    def __init__(self, torch, cfg):
+        self.torch, self.config = torch, cfg
+        self.experts_per_rank, self.ffn_local, self.first_expert = int(cfg.num_experts), int(cfg.ffn), 0
+        self.calls = []
+
+    def forward(self, x, topk_ids, topk_weights, *, gate_up=None, down=None, impl="auto", **_):
+        torch, F = self.torch, self.ffn_local
+        self.calls.append((tuple(x.shape), str(topk_ids.dtype), str(topk_weights.dtype)))
+        y = torch.zeros(x.shape, dtype=torch.float32)
+        for t in range(x.shape[0]):
+            for j in range(topk_ids.shape[1]):
+                e = int(topk_ids[t, j])
+                g = gate_up[e, :F].float() @ x[t].float()
+                u = gate_up[e, F:].float() @ x[t].float()
+                y[t] += topk_weights[t, j] * (down[e].float() @ (torch.nn.functional.silu(g) * u))
+        return y.to(torch.bfloat16)
+
+
+def megatron_or_skip():
+    try:
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError as e:
+        raise Skip(f"needs torch and megatron-core ({e})") from None
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29561")
+        dist.init_process_group("gloo", world_size=1, rank=0)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    return torch, TransformerConfig
+
+
+@test
+def megatron_layer_glue_matches_megatrons_modules():
+    torch, TransformerConfig = megatron_or_skip()
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from comet_moe.megatron import CometMoELayer, moe_config_from_megatron
+    E, k, H, Fd, s, b = 4, 2, 64, 32, 5, 2
+    config = TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=Fd, num_attention_heads=4,
+                               num_moe_experts=E, moe_router_topk=k, gated_linear_unit=True, activation_func=F.silu,
+                               add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
+                               moe_router_load_balancing_type="none")
+    torch.manual_seed(3)
+    pgs = get_default_pg_collection()
+    stand_in = StandInMoe(torch, moe_config_from_megatron(config, max_tokens=s * b))
+    layer = CometMoELayer(config, max_tokens=s * b, pg_collection=pgs, moe=stand_in)
+    names = dict(layer.named_parameters())
+    check(getattr(names["w13"], "allreduce", True) is False and getattr(names["w2"], "allreduce", True) is False,
+          "expert parameters marked allreduce = False")
+    check("router.weight" in names, f"Megatron's router weight, named as MoELayer's: {sorted(names)}")
+    # Megatron's own experts, and their state dict loaded into the adapter by name.
+    mlp = SequentialMLP(E, config, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                            linear_fc2=RowParallelLinear), pg_collection=pgs)
+    theirs = {f"experts.{key}": v for key, v in mlp.state_dict().items() if key.endswith(".weight")}
+    result = layer.load_state_dict(theirs, strict=False)
+    check_eq(result.unexpected_keys, [], "every SequentialMLP weight taken")
+    check(not [key for key in result.missing_keys if "experts" in key], f"missing: {result.missing_keys}")
+    mine = {key: v for key, v in layer.state_dict().items() if key.startswith("experts.")}
+    check_eq(sorted(mine), sorted(theirs), "saved under SequentialMLP's names")
+    for key in theirs:
+        check(torch.equal(mine[key].float(), theirs[key].to(torch.bfloat16).float()), f"{key} round trip")
+    # The output: the router's own choices through Megatron's experts. Megatron's gate moves
+    # its weight to the GPU before its linear: on the CPU the same linear runs in place.
+    router = layer.router
+    router.gating = lambda inp: F.linear(inp, router.weight.to(inp.dtype))
+    x = torch.randn(s, b, H)
+    with torch.no_grad():
+        y, bias = layer(x.to(torch.bfloat16))
+        probs, routing_map = layer.router(x.to(torch.bfloat16))
+        xs = x.to(torch.bfloat16).float().view(-1, H)
+        want = torch.zeros(s * b, H)
+        for t in range(s * b):
+            for e in routing_map[t].nonzero().flatten().tolist():
+                w1 = mlp.local_experts[e].linear_fc1.weight.to(torch.bfloat16).float()
+                w2 = mlp.local_experts[e].linear_fc2.weight.to(torch.bfloat16).float()
+                h = w1 @ xs[t]
+                want[t] += float(probs[t, e]) * (w2 @ (F.silu(h[:Fd]) * h[Fd:]))
+    check(bias is None and tuple(y.shape) == (s, b, H), f"output {tuple(y.shape)}, bias {bias}")
+    check_eq(stand_in.calls, [((s * b, H), "torch.int32", "torch.float32")], "one call, flattened, int32/float32")
+    err = ((y.float().view(-1, H) - want).norm() / want.norm()).item()
+    check(err < 1e-2, f"against the router's choices through Megatron's experts: relative error {err:.3g}")
+    note(f"adapter vs Megatron's TopKRouter + SequentialMLP (float32 experts): relative error {err:.2e}")
