@@ -312,3 +312,23 @@ int fixture_open_timed(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t see
     a->impl = COMET_IMPL_FUSED;
     return 0;
 }
+
+static long host_rss_pages(void)
+{
+    long size = 0, resident = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f) {
+        if (fscanf(f, "%ld %ld", &size, &resident) != 2) resident = 0;
+        fclose(f);
+    }
+    return resident;
+}
+
+int memory_mark(memory_mark_t *m)
+{
+    size_t free_b = 0, total = 0;
+    if (cudaDeviceSynchronize() != cudaSuccess || cudaMemGetInfo(&free_b, &total) != cudaSuccess) return 1;
+    m->device_used = (long long)(total - free_b);
+    m->host_pages = host_rss_pages();
+    return 0;
+}

@@ -111,6 +111,14 @@ extern const moe_case_t cases[8];
 /* The arguments run_case gave the baseline, for the fused path. */
 comet_moe_args_t fused_args(const fixture_t *fx, const moe_case_t *c);
 
+/* Device memory in use and host pages resident, read after the device is idle (soak
+ * tests' growth). memory_mark: 0, or 1 when the device could not be read. */
+typedef struct memory_mark {
+    long long device_used;
+    long host_pages;
+} memory_mark_t;
+int memory_mark(memory_mark_t *m);
+
 /* The start of a missing-peer test: the fixture with ffn 256 (the fused path trains it)
  * and a 2 s timeout, one call's inputs in place for `c`, and that call's arguments on
  * the fused path in *a. */

@@ -435,24 +435,6 @@ int test_gpu_backward_refusals(void) { return launch_seeded(backward_refusals_ra
 
 /* ---- 1,000 training steps: changing routing and token counts, no drift, no growth ---- */
 
-static long resident_pages(void)
-{
-    long size = 0, resident = 0;
-    FILE *f = fopen("/proc/self/statm", "r");
-    if (f) {
-        if (fscanf(f, "%ld %ld", &size, &resident) != 2) resident = 0;
-        fclose(f);
-    }
-    return resident;
-}
-
-static long long device_used(void)
-{
-    size_t free_b = 0, total = 0;
-    if (cudaDeviceSynchronize() != cudaSuccess || cudaMemGetInfo(&free_b, &total) != cudaSuccess) return -1;
-    return (long long)(total - free_b);
-}
-
 /* One training step (forward_train, backward) of `impl`; dx left in d_dx. */
 static comet_status_t train_step(fixture_t *fx, comet_moe_saved_t saved, comet_impl_t impl, int m, void *d_dy,
                                  void *d_dx, float *d_dw, void *g_gu, void *g_dn)
@@ -515,8 +497,9 @@ static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
      * per call, so its device memory may not grow at all; host pages may float by glibc's
      * trim threshold (128 KiB) twice over, which a leak of 300 bytes a step would pass. */
     const int steps = 1000, every = 50;
-    long long stretch_dev = 0, dev_growth = 0;
-    long stretch_pages = 0, page_growth = 0;
+    memory_mark_t stretch = {0, 0}, now;
+    long long dev_growth = 0;
+    long page_growth = 0;
     double worst = 0;
     for (int step = 0; step < steps; step++) {
         const int tokens[2] = {(int)(cometi_rand_next(&rng) % (M + 1)), (int)(cometi_rand_next(&rng) % (M + 1))};
@@ -535,10 +518,9 @@ static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CHECK_EQ(st, COMET_SUCCESS);
         if (!check) continue;
         if (step > every) {
-            const long long d = device_used();
-            CHECK(d >= 0);
-            dev_growth += d - stretch_dev;
-            page_growth += resident_pages() - stretch_pages;
+            CHECK_EQ(memory_mark(&now), 0);
+            dev_growth += now.device_used - stretch.device_used;
+            page_growth += now.host_pages - stretch.host_pages;
         }
         CHECK_EQ(train_step(&fx, saved_seq, COMET_IMPL_BASELINE, m, d_dy, d_dx_seq, d_dw, g_seq_dev,
                             (char *)g_seq_dev + (size_t)per * 2 * F * H * 2), COMET_SUCCESS);
@@ -576,8 +558,7 @@ static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
                    m, (int)kind, e, row);
             return 1;
         }
-        stretch_dev = device_used();
-        stretch_pages = resident_pages();
+        CHECK_EQ(memory_mark(&stretch), 0);
     }
     const long page_kb = sysconf(_SC_PAGESIZE) / 1024;
     printf("rank %d: %d fused training steps, against the sequential path every %dth: dx worst %.2e, weight "

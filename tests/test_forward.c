@@ -157,32 +157,6 @@ int test_gpu_forward_tp_matches_reference(void) { return launch_two_seeded(forwa
 
 /* ---- 10,000 calls: changing routing and token counts, no drift, no leaks ---- */
 
-static long host_rss_pages(void)
-{
-    long size = 0, resident = 0;
-    FILE *f = fopen("/proc/self/statm", "r");
-    if (f) {
-        if (fscanf(f, "%ld %ld", &size, &resident) != 2) resident = 0;
-        fclose(f);
-    }
-    return resident;
-}
-
-/* Device memory in use and host pages resident, read after the device is idle. */
-typedef struct {
-    long long device_used;
-    long host_pages;
-} memory_mark_t;
-
-static int memory_mark(memory_mark_t *m)
-{
-    size_t free_b = 0, total = 0;
-    if (cudaDeviceSynchronize() != cudaSuccess || cudaMemGetInfo(&free_b, &total) != cudaSuccess) return 1;
-    m->device_used = (long long)(total - free_b);
-    m->host_pages = host_rss_pages();
-    return 0;
-}
-
 static int forward_calls_tp = 1; /* set before the ranks fork */
 
 static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
