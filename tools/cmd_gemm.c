@@ -269,6 +269,27 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
     return !(worst <= 1e-2);
 }
 
+/* The backward's two GEMMs of W2 and of W13 on every preset: the dgrad GEMMs (B MN-major)
+ * or, with `wgrad`, the weight gradients, on the rows balanced EP 2 routing gives each of a
+ * rank's experts. */
+static int time_backward_table(const tool_options_t *o, int wgrad, cublasHandle_t cublas,
+                               cometi_async_error_t *err_host, cometi_async_error_t *err_dev, void *tail_ws)
+{
+    int bad = 0;
+    for (int i = 0; i < o->npresets; i++) {
+        comet_moe_config_t cfg;
+        comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
+        const int per = cfg.num_experts / 2, rows = (int)((int64_t)o->tokens * cfg.top_k * 2 / cfg.num_experts);
+        shape_t sh[2] = {{"", per, rows, cfg.ffn, cfg.hidden, !wgrad, wgrad},
+                         {"", per, rows, cfg.hidden, 2 * cfg.ffn, !wgrad, wgrad}};
+        snprintf(sh[0].name, 48, "%s %s", o->presets[i], wgrad ? "dW2" : "dgrad W2");
+        snprintf(sh[1].name, 48, "%s %s", o->presets[i], wgrad ? "dW13" : "dgrad W13");
+        for (int d = 0; d < 2; d++)
+            bad |= time_backward_gemm(o, &sh[d], cublas, err_host, err_dev, (wgrad ? 200 : 100) + 2 * i + d, tail_ws);
+    }
+    return bad;
+}
+
 int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const tool_options_t *o = arg;
@@ -397,28 +418,12 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
            "dx = dh W13: n = H, k = 2F), ours against cuBLAS's NN GEMM per expert\n");
     printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuBLAS",
            "coop-256", "", "coop-128", "best/cuB", "diff");
-    for (int i = 0; i < o->npresets; i++) {
-        comet_moe_config_t cfg;
-        comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
-        const int per = cfg.num_experts / 2, rows = (int)((int64_t)o->tokens * cfg.top_k * 2 / cfg.num_experts);
-        shape_t dg[2] = {{"", per, rows, cfg.ffn, cfg.hidden, 1, 0}, {"", per, rows, cfg.hidden, 2 * cfg.ffn, 1, 0}};
-        snprintf(dg[0].name, 48, "%s dgrad W2", o->presets[i]);
-        snprintf(dg[1].name, 48, "%s dgrad W13", o->presets[i]);
-        for (int d = 0; d < 2; d++) bad |= time_backward_gemm(o, &dg[d], cublas, err_host, err_dev, 100 + 2 * i + d, tail_ws);
-    }
+    bad |= time_backward_table(o, 0, cublas, err_host, err_dev, tail_ws);
     printf("\nThe backward's weight gradients: groups along K (each expert's rows), both operands MN-major\n"
            "(dW2 = dy^T act: m = H, n = F; dW13 = dh^T x: m = 2F, n = H), ours against cuBLAS per expert\n");
     printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "m", "n", "cuBLAS",
            "coop-256", "", "coop-128", "best/cuB", "diff");
-    for (int i = 0; i < o->npresets; i++) {
-        comet_moe_config_t cfg;
-        comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
-        const int per = cfg.num_experts / 2, rows = (int)((int64_t)o->tokens * cfg.top_k * 2 / cfg.num_experts);
-        shape_t wg[2] = {{"", per, rows, cfg.ffn, cfg.hidden, 0, 1}, {"", per, rows, cfg.hidden, 2 * cfg.ffn, 0, 1}};
-        snprintf(wg[0].name, 48, "%s dW2", o->presets[i]);
-        snprintf(wg[1].name, 48, "%s dW13", o->presets[i]);
-        for (int d = 0; d < 2; d++) bad |= time_backward_gemm(o, &wg[d], cublas, err_host, err_dev, 200 + 2 * i + d, tail_ws);
-    }
+    bad |= time_backward_table(o, 1, cublas, err_host, err_dev, tail_ws);
     cublasDestroy(cublas);
     cudaFree(sched), cudaFree(split_done), cudaFree(tail_ws);
     FAIL_IF(bad, "an output differed from cuBLAS by more than 1e-2 (marked WRONG)");
