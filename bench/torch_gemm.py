@@ -1,9 +1,9 @@
 """The backward's grouped GEMMs the PyTorch way (torch._grouped_mm, bf16), on the shapes
 `comet gemm` prints in its dgrad and weight-gradient tables, so ours can be compared with
-torch's on the same GPU: the rows balanced EP 2 routing of --tokens tokens per GPU gives
-each of a rank's E / 2 experts.
+torch's on the same GPU: the rows balanced routing of --tokens tokens per GPU over --ep ranks
+gives each of a rank's E / ep experts (--ep 1: the rows one GPU trains on).
 
-    python3 bench/torch_gemm.py [--tokens 8192] [--iters 20]
+    python3 bench/torch_gemm.py [--tokens 8192] [--ep 2] [--iters 20]
 
 dgrad:  s = dy W2 (dy [rows][H], W2 [E][H][F]) and dx = dh W13 (dh [rows][2F], W13 [E][2F][H]),
         offsets along the rows;
@@ -42,13 +42,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--ep", type=int, default=2)
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: torch._grouped_mm, TFLOP/s")
     print(f"{'shape':28s} {'groups':>6s} {'rows':>6s} {'m':>6s} {'n':>6s} {'k':>6s} {'TFLOP/s':>8s}")
     for name, (E, k, H, F) in PRESETS.items():
-        groups, rows = E // 2, args.tokens * k * 2 // E
+        groups, rows = E // args.ep, args.tokens * k * args.ep // E
         offs = torch.arange(1, groups + 1, device=dev, dtype=torch.int32) * rows
         total = groups * rows
         dy = torch.randn(total, H, device=dev, dtype=bf)

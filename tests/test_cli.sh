@@ -78,7 +78,7 @@ takes[bench]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --rou
 takes[tune]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --warmup --iters
  --no-check --json --out --seed --trace --ranks --timeout-ms --id-file"
 takes[bandwidth]="--mib --ranks --timeout-ms --id-file"
-takes[gemm]="--preset --tokens --iters --seed --sweep"
+takes[gemm]="--preset --tokens --ep --iters --seed --sweep"
 takes[presets]=""
 takes[version]=""
 commands="bench tune bandwidth gemm presets version"
@@ -236,6 +236,7 @@ refused "layout-ranks-ep-tp" '--ep 2 x --tp 2;--ranks 8' bench --preset tiny --e
 refused "layout-suite-tp" '--tp' bench --suite --tp 5
 refused "layout-each-preset" '--preset qwen2-moe-2.7b;--ffn 1408' bench --preset mixtral-8x7b,qwen2-moe-2.7b --tp 4
 refused "shape-gemm-tokens" '--tokens 2000000' gemm --tokens 2000000
+refused "layout-gemm-ep" '--ep 3;--experts 8' gemm --preset mixtral-8x7b --ep 3
 refused "shape-partial" 'missing: --ffn --experts --top-k' bench --hidden 256
 refused "shape-and-preset" '--preset;--hidden' bench --preset tiny --hidden 256 --ffn 256 --experts 8 --top-k 2
 refused "suite-and-tokens" '--suite;--tokens' bench --suite --tokens 1024

@@ -262,16 +262,17 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
     const double flop = 2.0 * rows * sh->n * sh->k;
     const float best = t[0] < t[1] ? t[0] : t[1];
     printf("%-24s %6d %6d %6d %6d %9.0f %9.0f %9s %9.0f %8.3f %9.1e%s\n", sh->name, sh->groups, sh->rows,
-           sh->wgrad ? sh->k : sh->n, sh->wgrad ? sh->n : sh->k, flop / (t_cublas * 1e-3) / 1e12, flop / (t[0] * 1e-3) / 1e12, "", flop / (t[1] * 1e-3) / 1e12,
-           t_cublas / best, worst, worst > 1e-2 ? " WRONG" : "");
+           sh->wgrad ? sh->k : sh->n, sh->wgrad ? sh->n : sh->k, flop / (t_cublas * 1e-3) / 1e12,
+           flop / (t[0] * 1e-3) / 1e12, "", flop / (t[1] * 1e-3) / 1e12, t_cublas / best, worst,
+           worst > 1e-2 ? " WRONG" : "");
     free(ref), free(got);
     cudaFree(a), cudaFree(b), cudaFree(c_ref), cudaFree(c), cudaFree(segs);
     return !(worst <= 1e-2);
 }
 
 /* The backward's two GEMMs of W2 and of W13 on every preset: the dgrad GEMMs (B MN-major)
- * or, with `wgrad`, the weight gradients, on the rows balanced EP 2 routing gives each of a
- * rank's experts. */
+ * or, with `wgrad`, the weight gradients, on the rows balanced routing over --ep ranks gives
+ * each of a rank's experts. */
 static int time_backward_table(const tool_options_t *o, int wgrad, cublasHandle_t cublas,
                                cometi_async_error_t *err_host, cometi_async_error_t *err_dev, void *tail_ws)
 {
@@ -279,7 +280,8 @@ static int time_backward_table(const tool_options_t *o, int wgrad, cublasHandle_
     for (int i = 0; i < o->npresets; i++) {
         comet_moe_config_t cfg;
         comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
-        const int per = cfg.num_experts / 2, rows = (int)((int64_t)o->tokens * cfg.top_k * 2 / cfg.num_experts);
+        const int ep = o->ep ? o->ep : 2, per = cfg.num_experts / ep,
+                  rows = (int)((int64_t)o->tokens * cfg.top_k * ep / cfg.num_experts);
         shape_t sh[2] = {{"", per, rows, cfg.ffn, cfg.hidden, !wgrad, wgrad},
                          {"", per, rows, cfg.hidden, 2 * cfg.ffn, !wgrad, wgrad}};
         snprintf(sh[0].name, 48, "%s %s", o->presets[i], wgrad ? "dW2" : "dgrad W2");
@@ -301,7 +303,8 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     for (int i = 0; i < o->npresets; i++) {
         comet_moe_config_t c;
         comet_moe_config_preset(o->presets[i], o->tokens, &c);
-        int per = c.num_experts / 2, rows = (int)((int64_t)o->tokens * c.top_k * 2 / c.num_experts);
+        const int ep = o->ep ? o->ep : 2, per = c.num_experts / ep,
+                  rows = (int)((int64_t)o->tokens * c.top_k * ep / c.num_experts);
         shapes[nshapes++] = (shape_t){"", per, rows, 2 * c.ffn, c.hidden, 0, 0};
         snprintf(shapes[nshapes - 1].name, 48, "%s GEMM0", o->presets[i]);
         shapes[nshapes++] = (shape_t){"", per, rows, c.hidden, c.ffn, 0, 0};

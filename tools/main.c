@@ -40,7 +40,7 @@
 /* The suite's largest token count (cmd_bench.c's suite_tokens): its configs are checked there. */
 #define SUITE_MAX_TOKENS 16384
 /* comet gemm times the expert GEMMs of balanced routing over EP = 2 ranks. */
-#define GEMM_EP 2
+#define GEMM_EP 2 /* comet gemm's default --ep */
 
 /* ------------------------------------------------------------------------------------ */
 /* The commands. */
@@ -61,7 +61,7 @@ static const command_t commands[] = {
     {"bandwidth", CMD_BANDWIDTH, "push (stores) and pull (loads) bandwidth between GPUs through symmetric memory, "
                                  "the same copy in local memory, and the copy engine's push"},
     {"gemm", CMD_GEMM, "comet's grouped GEMM beside cuBLAS on one GPU: every preset's expert GEMMs (rows as "
-                       "balanced EP=2 routing of --tokens gives), their backward's, and 8192^3"},
+                       "balanced routing of --tokens over --ep ranks gives), their backward's, and 8192^3"},
     {"presets", CMD_PRESETS, "list the model presets"},
     {"version", CMD_VERSION, "print the version"},
 };
@@ -148,7 +148,10 @@ static const flag_t flags[] = {
     {"--top-k", "K", BT, parse_int, AT(o.top_k), 1, INT_MAX, "experts per token"},
     {"--tokens", "M", BT, parse_int, AT(o.tokens), 1, INT_MAX, "tokens per GPU [8192]"},
     {"--tokens", "M", CMD_GEMM, parse_int, AT(o.tokens), 1, INT_MAX,
-     "tokens per GPU; the GEMMs' rows are what balanced EP=2 routing of them gives [8192]"},
+     "tokens per GPU; the GEMMs' rows are what balanced routing of them over --ep ranks gives [8192]"},
+    {"--ep", "N", CMD_GEMM, parse_int, AT(o.ep), 1, COMETI_MAX_RANKS,
+     "the expert-parallel size whose balanced routing sets the rows: each of a rank's experts / N experts gets "
+     "tokens x top-k x N / experts rows (1: the rows one GPU trains on) [2]"},
     {"--ep", "N", BT, parse_int, AT(o.ep), 1, COMETI_MAX_RANKS,
      "expert-parallel size; EP x TP = ranks [ranks / TP]"},
     {"--tp", "N", BT, parse_int, AT(o.tp), 1, COMETI_MAX_RANKS,
@@ -634,7 +637,8 @@ static int flags_world(const cli_t *c, char *from, size_t len)
  * everything that holds for every world (an EP of 1 divides any expert count). */
 static int check_cases_early(const cli_t *c)
 {
-    if (c->cmd->bit == CMD_GEMM) return check_cases(c, GEMM_EP, "the EP=2 ranks whose GEMMs comet gemm times");
+    if (c->cmd->bit == CMD_GEMM)
+        return check_cases(c, c->o.ep ? c->o.ep : GEMM_EP, "the EP ranks whose experts' GEMMs comet gemm times");
     if (!(c->cmd->bit & BT)) return 0;
     char from[64];
     const int world = flags_world(c, from, sizeof(from));
