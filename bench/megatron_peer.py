@@ -103,6 +103,8 @@ def main():
     from megatron.core import parallel_state
     from comet_moe import Comm
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    model_parallel_cuda_manual_seed(1234)  # Megatron's weight init forks these RNG states
     comm = Comm.from_process_group()
     names = list(PRESETS) if args.preset == "all" else args.preset.split(",")
     token_counts = SUITE_TOKENS if args.suite else (args.tokens,)

@@ -33,6 +33,8 @@ def megatron_layer_matches_megatron_moelayer(c):
     from comet_moe.megatron import CometMoELayer
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=c.world)
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(1234)  # Megatron's weight init forks these RNG states
     E, k, H, Fd, s, b = 8, 2, 512, 256, 64, 2
     config = TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=Fd, num_attention_heads=8,
                                num_moe_experts=E, moe_router_topk=k, gated_linear_unit=True, activation_func=F.silu,
