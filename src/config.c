@@ -123,3 +123,17 @@ comet_status_t comet_moe_config_validate(const comet_moe_config_t *c, int world,
                    (long long)rows, INT32_MAX / 2);
     return COMET_SUCCESS;
 }
+
+comet_status_t cometi_fused_shape_check(const comet_moe_config_t *c, int training, char *msg, size_t len)
+{
+    const int tp = c->tp_size > 1 ? c->tp_size : 1, ffn_local = c->ffn / tp;
+    /* Layer1's GEMM writes hidden columns in whole tiles of 128 or 256 (its combine and
+     * push read them so); the backward's GEMMs also tile ffn / tp_size that way. */
+    if (c->hidden % 128)
+        return bad(msg, len, COMET_NOT_SUPPORTED, "config.hidden = %d: the fused path needs a multiple of 128 "
+                   "(COMET_IMPL_AUTO runs the baseline)", c->hidden);
+    if (training && ffn_local % 128)
+        return bad(msg, len, COMET_NOT_SUPPORTED, "config.ffn / tp_size = %d / %d = %d: the fused backward needs "
+                   "a multiple of 128 (COMET_IMPL_AUTO runs the sequential path)", c->ffn, tp, ffn_local);
+    return COMET_SUCCESS;
+}

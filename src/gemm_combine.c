@@ -175,7 +175,8 @@ static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, come
     s.num_experts = l0->num_experts;
     s.rank = comm->rank;
     s.tp = l0->tp;
-    s.col_tiles = l->hidden / (g.block_n ? g.block_n : cometi_gemm_tile_n(l->hidden)); /* the GEMM's tile */
+    const int tile_n = g.block_n ? g.block_n : cometi_gemm_tile_n(l->hidden); /* the GEMM's tile */
+    s.col_tiles = (l->hidden + tile_n - 1) / tile_n; /* each, a partial last one too, counts its rows */
     /* Everything checked before anything is enqueued: peers count what this GEMM sends. */
     cometi_gemm_prepared_t prepared;
     unsigned int sum_blocks;
@@ -245,7 +246,8 @@ comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combi
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
     if (c->kernel_splits == knobs->n_splits) return COMET_SUCCESS;
-    const int tiles_per_split = l->hidden / cometi_gemm_tile_n(l->hidden) / knobs->n_splits;
+    const int tile_n = g.block_n ? g.block_n : cometi_gemm_tile_n(l->hidden);
+    const int tiles_per_split = (l->hidden + tile_n - 1) / tile_n / knobs->n_splits; /* as the GEMM's */
     c->trace = l->trace + (size_t)COMETI_COMBINE_TRACE * comm->sm_count; /* the tail's own rows */
     return cometi_launch_combine_tail(comm->err, c, l->out, l->hidden, g.segs, g.groups, knobs->n_splits,
                                       tiles_per_split, l->split_done, knobs->combine_blocks == 0, comm->async_dev,

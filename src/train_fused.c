@@ -27,17 +27,13 @@
 
 comet_status_t cometi_fused_train_supported(comet_moe_t moe, const comet_moe_weights_t *w)
 {
-    const int H = moe->cfg.hidden, F = moe->ffn_local;
     if (moe->fused_unsupported)
         return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "the fused path does not run this config (see "
                            "comet_moe_forward with COMET_IMPL_FUSED)");
     if (!w->gate_up)
         return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "weights.gate and weights.up apart: the fused backward "
                            "reads gate_up, [E_local][2F][H] in one tensor");
-    if (H % 128 || F % 128)
-        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "config.hidden = %d, config.ffn / tp_size = %d: the fused "
-                           "backward's GEMMs need multiples of 128", H, F);
-    return COMET_SUCCESS;
+    return cometi_fused_shape_check(&moe->cfg, 1, moe->err, COMETI_ERR_LEN);
 }
 
 /* The weight gradient of one weight: C_g = A_g^T B_g over each expert's rows. */

@@ -170,6 +170,9 @@ static int check_settings(const tuning_line_t *l, int sm_count, char *why, size_
     if (v[F_SPLITS] < 1 || v[F_SPLITS] > COMETI_MAX_SPLITS || col_tiles % v[F_SPLITS])
         return field_error(why, len, F_SPLITS, "%d: must be 1..%d and divide the %d column tiles of hidden = %d",
                            v[F_SPLITS], COMETI_MAX_SPLITS, col_tiles, v[F_HIDDEN]);
+    if (v[F_SPLITS] > 1 && v[F_HIDDEN] % tile)
+        return field_error(why, len, F_SPLITS, "%d: hidden = %d is not a multiple of the %d-column tile, so its "
+                           "last tile is partial and only 1 split is possible", v[F_SPLITS], v[F_HIDDEN], tile);
     if (v[F_LAYER1] == 2 && (v[F_COMBINE] || v[F_SPLITS] != 1))
         return field_error(why, len, F_LAYER1, "push with %d combine blocks and %d splits: the push needs 0 "
                            "combine blocks and 1 split", v[F_COMBINE], v[F_SPLITS]);

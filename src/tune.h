@@ -28,7 +28,8 @@ typedef struct cometi_dispatch_knobs {
 typedef struct cometi_combine_knobs {
     int combine_blocks; /* SMs that combine beside the GEMM; the rest compute. 0: none, the
                          * tail kernel combines every split after the GEMM (no overlap) */
-    int n_splits;       /* column splits of GEMM1 (divides hidden / 128 or hidden / 256) */
+    int n_splits;       /* column splits of GEMM1: divides its column tiles, 1 where hidden is not a
+                         * multiple of the tile (cometi_gemm_tile_n) */
     int dynamic_tiles;  /* GEMM tiles from a shared counter, else the static split */
     int tail;           /* the last split's combine runs after the GEMM on every SM, not on
                          * the combine blocks (implied by combine_blocks = 0) */

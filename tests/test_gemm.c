@@ -98,15 +98,17 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
     /* Group sizes 0, 1, a tile and one, not a multiple of anything, a full tile; each
      * segment starts on a 128-row boundary as the MoE layout pads them. */
     const int groups = 6, sizes[6] = {0, 1, 129, 300, 128, 77}, k = 192;
-    const int ns[2] = {256, 512};
+    /* n = 320: a partial last column tile at both widths (2.5 x 128, 1.25 x 256), with C's
+     * rows 64 columns wider than n so a store past n would show in the gap. */
+    const int ns[3] = {256, 512, 320};
     cometi_segment_t segs_host[6];
     int rows = padded_segments(sizes, groups, segs_host) + 128; /* slack after the last segment */
     cometi_segment_t *segs;
     CUDA_OK(cudaMalloc((void **)&segs, sizeof(segs_host)));
     CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(segs_host), cudaMemcpyHostToDevice));
-    for (int ni = 0; ni < 2; ni++) {
-        const int n = ns[ni];
-        size_t na = (size_t)rows * k, nb = (size_t)groups * n * k, nc = (size_t)rows * n;
+    for (int ni = 0; ni < 3; ni++) {
+        const int n = ns[ni], ldc = n % 256 ? n + 64 : n;
+        size_t na = (size_t)rows * k, nb = (size_t)groups * n * k, nc = (size_t)rows * ldc;
         uint16_t *a16 = malloc(na * 2), *b16 = malloc(nb * 2), *c16 = malloc(nc * 2);
         float *af = malloc(na * 4), *bf = malloc(nb * 4);
         fill_bf16(af, a16, na, 1.0, &rng);
@@ -134,14 +136,14 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
             const int dynamic = variant >= 12, split = variant >= 16;
             const int pingpong = split ? variant & 1 : variant >= 8 && (!dynamic || variant & 1);
             const int block_n = pingpong || variant & 1 ? 256 : 128, sms = variant & 2 ? 132 : 3;
-            if (split && n / block_n < 2) continue; /* one column tile: nothing to split */
+            if (split && (n / block_n < 2 || n % block_n)) continue; /* splits take whole tiles (below) */
             const int epilogue = split ? (variant & 2 ? COMETI_EPILOGUE_TMA : COMETI_EPILOGUE_DIRECT)
                                  : variant & 4 || (pingpong && variant & 1) ? COMETI_EPILOGUE_TMA
                                                                             : COMETI_EPILOGUE_DIRECT;
             for (int call = 0; call < (dynamic ? 2 : 1); call++) {
                 CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
                 const cometi_gemm_splits_t splits = {.n_splits = 2, .split_done = split_done};
-                cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = groups,
+                cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = ldc, .segs = segs, .groups = groups,
                                    .n = n, .k = k, .sms = sms, .block_n = block_n, .group_m = sms == 3 ? 1 : 0,
                                    .epilogue = epilogue, .err = err_dev, .sched = dynamic ? sched : NULL,
                                    .splits = split ? &splits : NULL,
@@ -168,14 +170,15 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
                     for (int r = 0; r < (sizes[gi] + 127) / 128 * 128; r++) {
                         const size_t row = (size_t)segs_host[gi].start + r;
                         if (r >= sizes[gi]) { /* padding rows stay untouched */
-                            for (int j = 0; j < n; j++) CHECK_EQ(c16[row * n + j], 0xffff);
+                            for (int j = 0; j < ldc; j++) CHECK_EQ(c16[row * ldc + j], 0xffff);
                             continue;
                         }
+                        for (int j = n; j < ldc; j++) CHECK_EQ(c16[row * ldc + j], 0xffff); /* past n */
                         double num = 0, den = 0;
                         for (int j = 0; j < n; j++) {
                             double ref = 0;
                             for (int q = 0; q < k; q++) ref += (double)af[row * k + q] * bf[((size_t)gi * n + j) * k + q];
-                            double d = cometi_bf16_to_float(c16[row * n + j]) - ref;
+                            double d = cometi_bf16_to_float(c16[row * ldc + j]) - ref;
                             if (!isfinite(d)) d = INFINITY;
                             num += d * d;
                             den += ref * ref;
@@ -190,6 +193,14 @@ static int gemm_reference_rank(const cometi_rank_ctx_t *ctx, void *arg)
                        : dynamic ? (call ? " shared counter, 2nd call" : " shared counter") : "", worst);
                 CHECK(worst < 1e-2);
             }
+        }
+        if (n % 128) { /* a partial last tile and two splits: refused (the combine reads n / 2 columns each) */
+            const cometi_gemm_splits_t splits = {.n_splits = 2, .split_done = split_done};
+            cometi_gemm_t g = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = ldc, .segs = segs, .groups = groups,
+                               .n = n, .k = k, .block_n = 256, .splits = &splits, .err = err_dev};
+            char err[COMETI_ERR_LEN];
+            CHECK_EQ(cometi_gemm_run(err, &g, 0), COMET_INVALID_ARGUMENT);
+            CHECK_CONTAINS(err, "n_splits = 2 with n = 320");
         }
         free(a16), free(b16), free(c16), free(af), free(bf);
         cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(sched), cudaFree(split_done);

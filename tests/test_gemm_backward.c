@@ -21,12 +21,9 @@
  * and shared-counter tiles, poisoned C. bf16 inputs, fp32 sums of k = 320 products, one
  * bf16 rounding of the result (2^-9): each element within 2^-8 of itself plus 1e-2 of its
  * row's RMS (its terms cancel), which a wrong column or k row misses by about 100%. */
-static int gemm_b_mn_rank(const cometi_rank_ctx_t *ctx, void *arg)
+static int gemm_b_mn_case(uint64_t rng, cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int n)
 {
-    uint64_t rng = *(uint64_t *)arg;
-    cometi_async_error_t *err_host, *err_dev;
-    if (gemm_setup(ctx, &err_host, &err_dev)) return 1;
-    const int groups = 5, sizes[5] = {0, 1, 129, 300, 77}, k = 320, n = 512;
+    const int groups = 5, sizes[5] = {0, 1, 129, 300, 77}, k = 320;
     cometi_segment_t segs_host[5];
     const int rows = padded_segments(sizes, groups, segs_host) + 128;
     cometi_segment_t *segs;
@@ -87,7 +84,7 @@ static int gemm_b_mn_rank(const cometi_rank_ctx_t *ctx, void *arg)
                     if (fabs(got - want) / (rms + 1e-30) > worst) worst = fabs(got - want) / (rms + 1e-30);
                 }
             }
-        printf("B MN-major, block_n %d, %s epilogue, %s tiles: worst |error| / row RMS %.2e\n", block_n,
+        printf("B MN-major, n %d, block_n %d, %s epilogue, %s tiles: worst |error| / row RMS %.2e\n", n, block_n,
                epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", dynamic ? "shared-counter" : "static", worst);
     }
     /* Refused where it is not built: with SwiGLU, ping-pong, n not a multiple of 64. */
@@ -104,6 +101,17 @@ static int gemm_b_mn_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
+/* n = 512, then 576 (4.5 x 128, 2.25 x 256: a partial last column tile at both widths). */
+static int gemm_b_mn_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t rng = *(uint64_t *)arg;
+    cometi_async_error_t *err_host, *err_dev;
+    if (gemm_setup(ctx, &err_host, &err_dev)) return 1;
+    for (int n = 512; n <= 576; n += 64)
+        if (gemm_b_mn_case(rng + (uint64_t)n, err_host, err_dev, n)) return 1;
+    return 0;
+}
+
 int test_gpu_gemm_b_mn_major(void)
 {
     if (!have_gpus(1)) return TEST_SKIP;
@@ -117,12 +125,10 @@ int test_gpu_gemm_b_mn_major(void)
  * tile widths and epilogues, static and shared-counter tiles, poisoned C (the empty group
  * must come out zero). Sums of up to 300 products: each element within 2^-8 of itself
  * plus 1e-2 of its group's RMS. */
-static int gemm_wgrad_rank(const cometi_rank_ctx_t *ctx, void *arg)
+static int gemm_wgrad_case(uint64_t rng, cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int m_out,
+                           int n)
 {
-    uint64_t rng = *(uint64_t *)arg;
-    cometi_async_error_t *err_host, *err_dev;
-    if (gemm_setup(ctx, &err_host, &err_dev)) return 1;
-    const int groups = 5, sizes[5] = {0, 1, 129, 300, 77}, m_out = 256, n = 512;
+    const int groups = 5, sizes[5] = {0, 1, 129, 300, 77};
     cometi_segment_t segs_host[5];
     const int rows = padded_segments(sizes, groups, segs_host) + 128;
     cometi_segment_t *segs;
@@ -177,16 +183,17 @@ static int gemm_wgrad_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 const double got = cometi_bf16_to_float(c16[c0 + i]), want = ref[c0 + i];
                 const double limit = fabs(want) / 256 + 1e-2 * rms;
                 if (!(fabs(got - want) <= limit)) {
-                    printf("block_n %d %s %s: group %d C[%zu][%zu] = %.6g, float64 %.6g (limit %.3g)\n", block_n,
-                           epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", dynamic ? "shared" : "static", gi,
-                           i / n, i % n, got, want, limit);
+                    printf("m_out %d n %d block_n %d %s %s: group %d C[%zu][%zu] = %.6g, float64 %.6g (limit "
+                           "%.3g)\n", m_out, n, block_n, epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct",
+                           dynamic ? "shared" : "static", gi, i / n, i % n, got, want, limit);
                     return 1;
                 }
                 if (rms > 0 && fabs(got - want) / rms > worst) worst = fabs(got - want) / rms;
             }
         }
-        printf("wgrad, block_n %d, %s epilogue, %s tiles: worst |error| / group RMS %.2e\n", block_n,
-               epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", dynamic ? "shared-counter" : "static", worst);
+        printf("wgrad, m_out %d, n %d, block_n %d, %s epilogue, %s tiles: worst |error| / group RMS %.2e\n", m_out,
+               n, block_n, epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", dynamic ? "shared-counter" : "static",
+               worst);
     }
     cometi_gemm_t bad = {.a = a, .a_rows = rows, .b = b, .wgrad = 1, .m_out = 100, .c = c, .ldc = n, .segs = segs,
                          .groups = groups, .n = n, .err = err_dev};
@@ -196,6 +203,17 @@ static int gemm_wgrad_rank(const cometi_rank_ctx_t *ctx, void *arg)
     free(a16), free(b16), free(c16), free(af), free(bf), free(ref);
     cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(sched), cudaFree(segs);
     return 0;
+}
+
+/* m_out 256 and n 512, then m_out 192 (a partial last row tile) and n 576 (a partial last
+ * column tile at both widths). */
+static int gemm_wgrad_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t rng = *(uint64_t *)arg;
+    cometi_async_error_t *err_host, *err_dev;
+    if (gemm_setup(ctx, &err_host, &err_dev)) return 1;
+    if (gemm_wgrad_case(rng, err_host, err_dev, 256, 512)) return 1;
+    return gemm_wgrad_case(rng + 1, err_host, err_dev, 192, 576);
 }
 
 int test_gpu_gemm_wgrad(void)

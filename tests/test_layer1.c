@@ -40,14 +40,22 @@ static int run_fused(fixture_t *fx, cometi_dispatch_gemm_t *l0, cometi_gemm_comb
     return 0;
 }
 
+/* The layer1 runs: four column tiles (splits 1, 2, 4) and top-4 (up to four choices summed
+ * on one rank), 1000 calls; then hidden = 320, 2.5 tiles of 128 (a partial last tile: one
+ * split), 200 calls. Chosen before the ranks fork. */
+static const struct {
+    fixture_shape_t shape;
+    int calls, split_kinds;
+} layer1_setups[2] = {{{256, 1024, 4, 0, 1}, 1000, 3}, {{256, 320, 4, 0, 1}, 200, 1}};
+static int layer1_setup;
+
 static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
     uint64_t rng = seed * 5 + 3;
     fixture_t fx;
-    /* Four column tiles (splits 1, 2, 4) and top-4 (up to four choices summed on one rank). */
-    const fixture_shape_t shape = {256, 1024, 4, 0, 1};
-    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    const int total = layer1_setups[layer1_setup].calls, split_kinds = layer1_setups[layer1_setup].split_kinds;
+    if (fixture_open(&fx, ctx, seed, &layer1_setups[layer1_setup].shape)) return 1;
     cometi_dispatch_gemm_t l0;
     cometi_gemm_combine_t l1;
     COMET_OK(cometi_dispatch_gemm_create(fx.comm, &fx.cfg, &l0), fx.comm);
@@ -59,8 +67,8 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
      * partial sum travels in bf16): each call within 1e-2, no row past 3e-2. */
     double worst = 0, worst_row = 0, worst_ref = 0;
     int calls = 0, repeats = 0;
-    for (int rep = 0; calls < 1000; rep++) {
-        for (int ci = 0; ci < ncases && calls < 1000; ci++, calls++) {
+    for (int rep = 0; calls < total; rep++) {
+        for (int ci = 0; ci < ncases && calls < total; ci++, calls++) {
             moe_case_t c = cases[ci];
             if (rep > 0) {
                 c.tokens[0] = (int)(cometi_rand_next(&rng) % 513);
@@ -81,7 +89,7 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
             const cometi_dispatch_knobs_t k0 = {1 + calls % 8, COMETI_DISPATCH_BULK, 0};
             const int push = calls % 5 == 2;
             const cometi_combine_knobs_t k1 = push ? (cometi_combine_knobs_t){0, 1, calls / 48 % 2, 0, 1}
-                                                  : (cometi_combine_knobs_t){calls % 16, 1 << (calls / 16 % 3),
+                                                  : (cometi_combine_knobs_t){calls % 16, 1 << (calls / 16 % split_kinds),
                                                                             calls / 48 % 2, calls / 96 % 2, 0};
             if (run_fused(&fx, &l0, &l1, &a, &k0, &k1)) {
                 printf("call %d (%s), %d combine blocks, %d splits, push %d\n", calls, c.name, k1.combine_blocks,
@@ -112,7 +120,7 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
             if (calls % 10 == 0 || calls % 10 == 7) {
                 const cometi_combine_knobs_t k2 = push ? (cometi_combine_knobs_t){0, 1, !k1.dynamic_tiles, 0, 1}
                                                       : (cometi_combine_knobs_t){(calls + 7) % 16,
-                                                                                1 << ((calls / 16 + 1) % 3),
+                                                                                1 << ((calls / 16 + 1) % split_kinds),
                                                                                 !k1.dynamic_tiles, !k1.tail, 0};
                 if (run_fused(&fx, &l0, &l1, &a, &k0, &k2)) return 1;
                 CUDA_OK(cudaMemcpy(again, fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
@@ -125,8 +133,9 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
             }
         }
     }
-    printf("rank %d: %d calls (%d with the push): y against the baseline's: worst call %.2e, worst row %.2e; against "
-           "float64 %.2e; %d repeats bit-identical\n", me, calls, calls / 5, worst, worst_row, worst_ref, repeats);
+    printf("rank %d, hidden %d: %d calls (%d with the push): y against the baseline's: worst call %.2e, worst row "
+           "%.2e; against float64 %.2e; %d repeats bit-identical\n", me, H, calls, calls / 5, worst, worst_row,
+           worst_ref, repeats);
     free(want), free(got), free(again);
     cometi_gemm_combine_destroy(fx.comm, &l1);
     cometi_dispatch_gemm_destroy(fx.comm, &l0);
@@ -134,7 +143,17 @@ static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
-int test_gpu_layer1_matches_baseline(void) { return launch_seeded(layer1_rank, 280); }
+int test_gpu_layer1_matches_baseline(void)
+{
+    layer1_setup = 0;
+    return launch_seeded(layer1_rank, 280);
+}
+
+int test_gpu_layer1_partial_column_tile(void)
+{
+    layer1_setup = 1;
+    return launch_seeded(layer1_rank, 100);
+}
 
 /* A bad expert id on the fused path, with the combine and with the push: the row is left
  * out, the rank that passed it learns so (COMET_INVALID_ARGUMENT), no rank waits for the

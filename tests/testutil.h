@@ -62,6 +62,7 @@ uint64_t test_seed(void);
     X(status_strings, 10)                       \
     X(config_presets, 10)                       \
     X(config_validation, 10)                    \
+    X(fused_shape_check, 10)                    \
     X(bf16_rounding, 10)                        \
     X(route_plan_known_answer, 10)              \
     X(route_plan_random_invariants, 60)         \
@@ -109,6 +110,7 @@ uint64_t test_seed(void);
     X(gpu_baseline_bad_expert_id, 120)          \
     X(gpu_layer0_matches_baseline, 300)         \
     X(gpu_layer1_matches_baseline, 300)         \
+    X(gpu_layer1_partial_column_tile, 120)      \
     X(gpu_layer1_missing_peer_times_out, 120)   \
     X(gpu_layer1_push_missing_peer_times_out, 120) \
     X(gpu_layer1_bad_expert_id, 120)            \

@@ -128,7 +128,8 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         {0, 1, 1, 1, 0},  {0, 1, 1, 0, 1},  {0, 1, 0, 0, 1},  {4, 2, 1, 1, 0},  {4, 4, 1, 1, 0},
         {8, 2, 1, 1, 0},  {8, 4, 1, 1, 0},  {16, 2, 1, 1, 0}, {16, 4, 1, 1, 0}, {24, 2, 1, 1, 0},
         {24, 4, 1, 1, 0}, {8, 4, 1, 0, 0},  {16, 2, 1, 0, 0}, {24, 2, 1, 0, 0}};
-    const int H = cfg->hidden, M = cfg->max_tokens, tiles = H / cometi_gemm_tile_n(H);
+    /* Splits divide the column tiles, and need whole ones (a partial last tile: 1 split). */
+    const int H = cfg->hidden, M = cfg->max_tokens, tile = cometi_gemm_tile_n(H), tiles = H % tile ? 1 : H / tile;
     cometi_gemm_combine_t l1;
     comet_status_t st = cometi_gemm_combine_create(comm, cfg, l0, &l1);
     FAIL_IF(st != COMET_SUCCESS, "layer1 (%s): %s", label, comet_comm_last_error(comm));

@@ -222,8 +222,9 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
 }
 
 /* One of the backward's GEMMs of shape `sh`: a dgrad GEMM (B MN-major) or a weight
- * gradient (sh->wgrad). Ours, cooperative at both tile widths (256 where it divides n,
- * else 128 twice), against cuBLAS per expert, checked on poisoned C before it is timed. */
+ * gradient (sh->wgrad). Ours, cooperative at both tile widths (256 with a partial last tile
+ * where it does not divide n), against cuBLAS per expert, checked on poisoned C before it is
+ * timed. */
 static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublasHandle_t cublas,
                               cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int si, void *tail_ws)
 {
@@ -247,7 +248,7 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
         r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .b_mn_major = !sh->wgrad, .wgrad = sh->wgrad,
                               .m_out = sh->wgrad ? sh->k : 0, .c = c, .ldc = sh->n, .segs = segs,
                               .groups = sh->groups, .n = sh->n, .k = sh->wgrad ? 0 : sh->k,
-                              .block_n = v ? 128 : cometi_gemm_tile_n(sh->n), /* 256 where it divides n */
+                              .block_n = v ? 128 : 256, /* 256: a partial last tile where it does not divide n */
                               .err = err_dev, .tail_ws = sh->wgrad ? NULL : tail_ws};
         CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
         FAIL_IF(run_ours(&r, 0), "%s: ours: %s", sh->name, r.err);

@@ -54,8 +54,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     /* The last wave's cut, read from shared memory where needed (registers are short in
      * the producer's 40). */
     sm.tail = (cometi_tail_plan_t *)(sm.tickets + TICKETS);
-    /* SwiGLU's last column tile may be half full (n a multiple of 64): its B rows past n
-     * load as zeros, and its columns past n are never stored. */
+    /* The last column tile may be partial (n a multiple of 64): its B columns past n load
+     * as zeros (or, K-major, as the next group's rows), and its columns past n are never
+     * stored. */
     const int wg = threadIdx.x / 128, n_tiles = (p.n + ON - 1) / ON, k_blocks = p.k / COMETI_GEMM_BK,
               split_tiles = n_tiles / p.n_splits;
 
@@ -89,7 +90,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
 
     /* ---- the schedule and the ring ---- */
     const int total = build_tile_table(sm.first_tile, p.segs, p.local_rows, p.groups, TM, split_tiles,
-                                       WGRAD ? p.m_out / TM : 0);
+                                       WGRAD ? (p.m_out + TM - 1) / TM : 0);
     if (threadIdx.x == 0) {
         /* Blocks that take tiles: every non-combine block on the shared counter (dispatch
          * blocks join once done), the GEMM blocks on the static split. */

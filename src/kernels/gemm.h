@@ -106,8 +106,8 @@ typedef struct cometi_gemm {
                                     * then up rows), or the gate rows [groups][n][k] when b_up is set */
     const void *b_up;              /* swiglu only: up rows [groups][n][k] in a tensor of their own */
     int b_mn_major;                /* B is [groups][k][n] (n contiguous), as a dgrad GEMM reads a weight
-                                    * kept [in][out]: C = A B_g. Not with swiglu; n a multiple of 64;
-                                    * the cooperative schedule */
+                                    * kept [in][out]: C = A B_g. Not with swiglu; the cooperative
+                                    * schedule */
     int wgrad;                     /* a weight gradient, groups along K: C_g [m_out][n] = A_g^T B_g, with
                                     * A_g and B_g group g's rows of A [a_rows][m_out] and B [a_rows][n]
                                     * (both MN-major: K runs down their rows); C is [groups][m_out][n]
@@ -115,13 +115,14 @@ typedef struct cometi_gemm {
                                     * padding rows there must be zero in A and B (finite in both). A
                                     * group with no rows writes zeros. k is unused; no roles, SwiGLU,
                                     * scale, row index or last-wave cut; the cooperative schedule */
-    int m_out;                     /* wgrad: C's rows per group, a multiple of 128 */
+    int m_out;                     /* wgrad: C's rows per group, a multiple of 64 (the last row tile
+                                    * may be partial) */
     void *c;                       /* [a_rows][ldc] bf16; only the groups' rows are written */
     int ldc;                       /* elements, even */
     const cometi_segment_t *segs;  /* [groups], device memory */
-    int groups, n, k;              /* n a multiple of block_n (with swiglu, of 64: the last tile's
-                                    * columns past n are not computed from real rows, nor stored);
-                                    * k a multiple of 64 */
+    int groups, n, k;              /* n a multiple of 64: a last column tile past n computes columns
+                                    * from zeros or other rows and stores none of them (column
+                                    * splits need whole tiles); k a multiple of 64 */
     const int32_t *local_rows;     /* [groups] rows at the head of each group that are local: tiles
                                     * made only of them go first (COMET's rescheduling), or NULL */
     /* The launch. */

@@ -138,6 +138,10 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
     const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
+    /* This thread's first output column, and how many of its column pairs (8 apart) lie
+     * before n: a partial last column tile stores nothing at or past n (a pair never
+     * straddles n, a multiple of 64). */
+    const int col0 = tl.n * ON + (lane % 4) * 2, pairs = min(ON / 8, (p.n - col0 + 7) / 8);
     float scale[2] = {1.0f, 1.0f};
     if (p.row_scale) {
         if (lo_ok) scale[0] = p.row_scale[seg.start + row0];
@@ -152,7 +156,6 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
                    : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
     /* Training: the gate and up projections kept beside the activation, for the backward. */
     if (SWIGLU && p.gu) {
-        const int col0 = tl.n * ON + (lane % 4) * 2;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const long long row = seg.start + row0 + 8 * h;
@@ -160,7 +163,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
             __nv_bfloat16 *gate = (__nv_bfloat16 *)p.gu + row * 2 * p.n + col0, *up = gate + p.n;
 #pragma unroll
             for (int j = 0; j < ON / 8; j++)
-                if (col0 + j * 8 < p.n) {
+                if (j < pairs) {
                     *(__nv_bfloat162 *)(gate + j * 8) =
                         __floats2bfloat162_rn(acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
                     *(__nv_bfloat162 *)(up + j * 8) =
@@ -189,7 +192,8 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
                                    (lane % 4) * 2;
 #pragma unroll
                 for (int j = 0; j < ON / 8; j++)
-                    *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
+                    if (j < pairs)
+                        *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
             }
             for (int s = 0; s < cb->world; s++) { /* a row is four lanes' */
                 const unsigned int n = __popc(__ballot_sync(0xffffffffu, lane % 4 == 0 && d.x == s));
@@ -221,6 +225,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
             const CUtensorMap *map = push_whole ? &p.push_maps[push.first.x] : map_c;
             const int row = push_whole ? (push.first.y - t_rank) / p.combine.tp /* in the map's rows */
                                        : seg.start + part;
+            /* (A partial last tile's boxes past n are clipped by the store: the maps end at n.) */
 #pragma unroll
             for (int box = 0; box < ON / 64; box++) tma_store_2d(map, stage_c + box * 8192, tl.n * ON + box * 64, row);
             bulk_commit();
@@ -253,7 +258,6 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         ok[1] = ok[1] && dst_row[1] >= 0;
     }
     if (!SWIGLU && !MAY_BE_EMPTY && p.dswiglu_gu) { /* the backward's dgrad of W2: SwiGLU's backward */
-        const int col0 = tl.n * ON + (lane % 4) * 2;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             if (!ok[h] || dst_row[h] >= p.gu_rows) continue; /* rows past the saved state's */
@@ -261,6 +265,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
             __nv_bfloat16 *act = (__nv_bfloat16 *)p.c + dst_row[h] * p.ldc + col0;
 #pragma unroll
             for (int j = 0; j < ON / 8; j++) {
+                if (j >= pairs) continue;
                 const float2 g = __bfloat1622float2(*(const __nv_bfloat162 *)(gate + j * 8));
                 const float2 u = __bfloat1622float2(*(const __nv_bfloat162 *)(up + j * 8));
                 float2 dg, du, a;
@@ -276,10 +281,10 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     if (MAY_BE_EMPTY && p.c_fp32_add) { /* gradient accumulation: C += the tile, fp32 */
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            float *c = (float *)p.c + dst_row[h] * p.ldc + tl.n * ON + (lane % 4) * 2;
+            float *c = (float *)p.c + dst_row[h] * p.ldc + col0;
 #pragma unroll
             for (int j = 0; j < ON / 8; j++)
-                if (ok[h]) {
+                if (ok[h] && j < pairs) {
                     float2 v = *(float2 *)(c + j * 8);
                     v.x += OUT(j, h, 0), v.y += OUT(j, h, 1);
                     *(float2 *)(c + j * 8) = v;
@@ -289,11 +294,10 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        __nv_bfloat16 *c = (__nv_bfloat16 *)p.c + dst_row[h] * p.ldc + tl.n * ON + (lane % 4) * 2;
-        const int col0 = tl.n * ON + (lane % 4) * 2; /* a pair never straddles n (a multiple of 64) */
+        __nv_bfloat16 *c = (__nv_bfloat16 *)p.c + dst_row[h] * p.ldc + col0;
 #pragma unroll
         for (int j = 0; j < ON / 8; j++)
-            if (ok[h] && (!SWIGLU || col0 + j * 8 < p.n))
+            if (ok[h] && j < pairs)
                 *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
     }
 #undef OUT

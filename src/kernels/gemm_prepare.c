@@ -96,16 +96,17 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, int *block_n
                            "columns) is built", g->block_n);
     if (block_n != 128 && block_n != 256)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm block_n = %d: must be 128 or 256", block_n);
-    /* SwiGLU takes a half-full last column tile (the ffn of a TP rank, say 1408 / 2). */
-    const int n_unit = g->swiglu ? 64 : out_n;
-    if (g->n <= 0 || g->n % n_unit)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n = %d: must be a positive multiple of %d", g->n, n_unit);
-    if (g->wgrad && (g->m_out <= 0 || g->m_out % COMETI_GEMM_BM || g->swiglu || g->b_up || g->row_scale ||
+    /* The last column tile may be partial (the ffn of a TP rank, say 1408 / 2, or
+     * gpt-oss's 2880): its loads past n read zeros or columns no store keeps, and every
+     * store stops at n. */
+    if (g->n <= 0 || g->n % 64)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n = %d: must be a positive multiple of 64", g->n);
+    if (g->wgrad && (g->m_out <= 0 || g->m_out % 64 || g->swiglu || g->b_up || g->row_scale ||
                      g->row_index || g->schedule == COMETI_SCHEDULE_PINGPONG || g->dispatch || g->splits || g->push ||
                      g->ldc != g->n))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm wgrad: m_out = %d must be a positive multiple of %d, "
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm wgrad: m_out = %d must be a positive multiple of 64, "
                            "ldc = %d equal to n = %d, and no SwiGLU, scale, row index, ping-pong or role",
-                           g->m_out, COMETI_GEMM_BM, g->ldc, g->n);
+                           g->m_out, g->ldc, g->n);
     if (!g->wgrad && (g->k <= 0 || g->k % COMETI_GEMM_BK))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm k = %d: must be a positive multiple of %d", g->k,
                            COMETI_GEMM_BK);
@@ -146,9 +147,9 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, int *block_n
     if (g->c_fp32_add && (!g->wgrad || g->epilogue == COMETI_EPILOGUE_TMA || (uintptr_t)g->c % 8))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm c_fp32_add: for a weight gradient, with the direct "
                            "epilogue and an 8-byte aligned C");
-    if (g->b_mn_major && (g->swiglu || g->schedule == COMETI_SCHEDULE_PINGPONG || g->n % 64))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm b_mn_major: needs no swiglu, the cooperative "
-                           "schedule and n = %d a multiple of 64 (B's boxes are 64 columns wide)", g->n);
+    if (g->b_mn_major && (g->swiglu || g->schedule == COMETI_SCHEDULE_PINGPONG))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm b_mn_major: needs no swiglu and the cooperative "
+                           "schedule");
     *block_n_out = block_n;
     *out_n_out = out_n;
     *tma_epilogue_out = !g->c_fp32_add && !g->dswiglu_gu && (g->epilogue == COMETI_EPILOGUE_TMA ||
@@ -187,6 +188,10 @@ static comet_status_t check_splits(char *err, const cometi_gemm_t *g, int n_tile
     if (s->n_splits < 1 || n_tiles % s->n_splits)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n_splits = %d: must divide the %d column tiles of %d "
                            "columns", s->n_splits, n_tiles, out_n);
+    /* The combine reads n / n_splits columns per split: equal splits of whole tiles. */
+    if (s->n_splits > 1 && g->n % out_n)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n_splits = %d with n = %d: splits need n a multiple "
+                           "of the %d-column tile (a partial last tile allows 1 split)", s->n_splits, g->n, out_n);
     if (!s->split_done)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm splits: split_done (the rows finished per split) "
                            "must be set");
