@@ -118,8 +118,10 @@ COMET_API comet_status_t comet_comm_create_from_id(const ncclUniqueId *id, int n
 /*
  * Collective. Frees everything comet allocated. NULL is a no-op. Waits for the device,
  * then for every rank, within the timeout: when a peer is gone (or a wait already timed
- * out) it does not wait for it, aborts the NCCL communicator comet created (a caller's
- * is left to the caller to abort) and returns COMET_TIMEOUT or COMET_REMOTE_ERROR. The
+ * out) it does not wait for it, aborts the NCCL communicator comet created, frees the
+ * symmetric memory the layers left to it, and returns COMET_TIMEOUT or COMET_REMOTE_ERROR.
+ * A caller's communicator is left to the caller to abort; that symmetric memory stays
+ * registered in it and allocated (freeing it before the abort would be unsafe). The
  * handle is freed whatever it returns; its message moves to comet_last_create_error().
  */
 COMET_API comet_status_t comet_comm_destroy(comet_comm_t comm);

@@ -64,6 +64,7 @@ static void comm_free(comet_comm_t comm)
     cometi_devcomm_destroy(comm);
     if (comm->async_host) cudaFreeHost(comm->async_host);
     if (comm->owns_nccl && comm->nccl) ncclCommDestroy(comm->nccl);
+    free(comm->abandoned); /* what is left in it is registered in the caller's communicator */
     free(comm);
 }
 
@@ -186,7 +187,11 @@ comet_status_t comet_comm_destroy(comet_comm_t comm)
     if (comm->owns_nccl) {
         ncclCommAbort(comm->nccl);
         comm->nccl = NULL;
+        /* The windows went with the abort; their memory is ours to free. */
+        if (comm->ctrl.local) ncclMemFree(comm->ctrl.local);
         comm->ctrl.local = NULL;
+        for (int i = 0; i < comm->n_abandoned; i++) ncclMemFree(comm->abandoned[i]);
+        comm->n_abandoned = 0;
         free(comm->devcomm); /* the device side went with the abort */
         comm->devcomm = NULL;
     } else {

@@ -118,7 +118,10 @@ struct comet_comm {
     cometi_async_error_t *async_dev;  /* the same memory as the device sees it */
     int peers_lost;                   /* a teardown found a peer gone: windows are no longer
                                        * deregistered (a collective that would hang); the
-                                       * communicator's abort frees them */
+                                       * communicator's abort drops them */
+    void **abandoned;                 /* the memory of those windows (ncclMemAlloc), freed
+                                       * once our own communicator is aborted */
+    int n_abandoned, cap_abandoned;
 };
 
 struct cometi_baseline;

@@ -112,8 +112,15 @@ fail:
 extern "C" void cometi_window_destroy(comet_comm_t comm, cometi_window_t *win)
 {
     /* Deregistering is collective: with a peer gone it would wait forever. The window is
-     * then left to the communicator's abort (comet_comm_destroy). */
+     * then left to the communicator's abort, and its memory kept to free after it
+     * (comet_comm_destroy); if even the list cannot grow, the memory stays allocated. */
     if (comm->peers_lost && comm->size > 1) {
+        if (win->local && comm->n_abandoned == comm->cap_abandoned) {
+            const int cap = comm->cap_abandoned ? 2 * comm->cap_abandoned : 8;
+            void **grown = (void **)realloc(comm->abandoned, (size_t)cap * sizeof(void *));
+            if (grown) comm->abandoned = grown, comm->cap_abandoned = cap;
+        }
+        if (win->local && comm->n_abandoned < comm->cap_abandoned) comm->abandoned[comm->n_abandoned++] = win->local;
         memset(win, 0, sizeof(*win));
         return;
     }
