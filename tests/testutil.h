@@ -122,6 +122,7 @@ uint64_t test_seed(void);
     X(gpu_forward_tp_2000_calls, 300)          \
     X(gpu_forward_graph_replay, 120)            \
     X(gpu_moe_destroy_missing_peer, 100)        \
+    X(gpu_faults, 150)                          \
     X(gpu_backward_matches_reference, 300)      \
     X(gpu_backward_refusals, 120)               \
     X(gpu_training_1000_steps, 300)             \
