@@ -1,6 +1,6 @@
 /*
  * test_forward.c - the public comet_moe_forward on the fused path: against the baseline
- * and float64 with EP, AUTO's choice of path, 10,000 calls with no drift and no growth of
+ * and float64 with EP, AUTO's choice of path, 100,000 calls with no drift and no growth of
  * memory, and the fused forward captured in a CUDA graph and replayed, on one rank per GPU,
  * up to two (skipping without a GPU); the same with TP 2 (against float64, 2000 calls) on
  * two GPUs (skipping with fewer).
@@ -155,7 +155,7 @@ static int forward_tp_rank(const cometi_rank_ctx_t *ctx, void *arg)
 
 int test_gpu_forward_tp_matches_reference(void) { return launch_two_seeded(forward_tp_rank, 280); }
 
-/* ---- 10,000 calls: changing routing and token counts, no drift, no leaks ---- */
+/* ---- 100,000 calls: changing routing and token counts, no drift, no leaks ---- */
 
 static int forward_calls_tp = 1; /* set before the ranks fork */
 
@@ -180,7 +180,7 @@ static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
     long host_growth_pages = 0;
     int measuring = 0;
     double worst = 0;
-    const int calls = forward_calls_tp > 1 ? 2000 : 10000;
+    const int calls = forward_calls_tp > 1 ? 2000 : 100000;
     for (int call = 0; call < calls; call++) {
         /* Both ranks draw the same token counts and routing kind; each its own routing. */
         const int tokens[2] = {(int)(cometi_rand_next(&rng) % (M + 1)), (int)(cometi_rand_next(&rng) % (M + 1))};
@@ -242,16 +242,19 @@ static int forward_calls_rank(const cometi_rank_ctx_t *ctx, void *arg)
     printf("rank %d, tp %d: %d calls, fused against the baseline every 250th: worst %.2e; growth over the %d fused "
            "calls after call 100 (baseline checks excluded): device %lld KiB, host resident %ld KiB\n", me,
            forward_calls_tp, calls, worst, calls - 100, device_growth >> 10, host_growth_pages * page_kb);
-    /* Nothing may grow with the calls: 16 MiB of slack for allocator noise. */
-    CHECK(device_growth < (16ll << 20));
-    CHECK(host_growth_pages * page_kb < 16 * 1024);
+    /* Nothing may grow with the calls: the fused path allocates nothing per call. The
+     * slack is one 2 MiB granule of the driver's device pools and 1 MiB of host heap
+     * (malloc's arenas move in 128 KiB steps), while a leak of 32 device bytes or 16 host
+     * bytes per call over the 99,900 measured calls would pass 3.0 MiB and 1.5 MiB. */
+    CHECK(device_growth <= (2ll << 20));
+    CHECK(host_growth_pages * page_kb <= 1024);
     free(ids), free(w), free(want), free(got);
     cudaFree(y_fused);
     fixture_close(&fx);
     return 0;
 }
 
-int test_gpu_forward_10000_calls(void)
+int test_gpu_forward_100000_calls(void)
 {
     forward_calls_tp = 1;
     return launch_seeded(forward_calls_rank, 280);

@@ -118,7 +118,7 @@ uint64_t test_seed(void);
     X(gpu_layer1_tp_bad_expert_id, 120)         \
     X(gpu_forward_fused_matches_baseline, 300)  \
     X(gpu_forward_tp_matches_reference, 300)    \
-    X(gpu_forward_10000_calls, 300)            \
+    X(gpu_forward_100000_calls, 300)           \
     X(gpu_forward_tp_2000_calls, 300)          \
     X(gpu_forward_graph_replay, 120)            \
     X(gpu_moe_destroy_missing_peer, 100)        \
