@@ -257,7 +257,20 @@ comet_moe_args_t fused_args(const fixture_t *fx, const moe_case_t *c)
 
 /* Squared error and norm of `got` (bf16 rows x cols) against `want` (bf16) or `ref`
  * (float64), added to *num and *den; the worst row's relative error raises *worst_row.
- * NaN or Inf in `got` makes the error infinite. */
+ * NaN or Inf in `got`, or one element past its own bound, makes the row's error infinite
+ * (and prints the element), so every caller's row check is element-wise too.
+ *
+ * The element bound, from bf16: a layer's output sums F products of values rounded to bf16
+ * (2^-9 relative) up to three times on the way (the activation, the expert's output row,
+ * a rank's partial sum); summed over F terms of both signs those roundings err like a
+ * random walk, about 2^-8 of the row's RMS per element, so the worst of 10^6 elements
+ * (5 standard deviations) stays under 2%; ELEM_RMS allows 5%. The output's own two
+ * roundings add 2^-8 of the element itself (ELEM_REL 2^-7). An element from a wrong
+ * weight row, a lost or doubled choice or a stale slot errs by the order of the RMS: 20
+ * times the bound. Rows whose reference is all zero keep the row check alone. */
+#define ELEM_RMS 0.05
+#define ELEM_REL (1.0 / 128)
+
 void add_error(const uint16_t *got, const uint16_t *want, const double *ref, size_t rows, int cols,
                       double *num, double *den, double *worst_row)
 {
@@ -269,6 +282,17 @@ void add_error(const uint16_t *got, const uint16_t *want, const double *ref, siz
             if (!isfinite(v)) rn = INFINITY;
             rn += (v - w) * (v - w);
             rd += w * w;
+        }
+        const double rms = sqrt(rd / cols);
+        for (int f = 0; f < cols && rms > 0 && isfinite(rn); f++) {
+            const size_t i = r * cols + f;
+            const double w = want ? cometi_bf16_to_float(want[i]) : ref[i], v = cometi_bf16_to_float(got[i]);
+            const double bound = ELEM_REL * fabs(w) + ELEM_RMS * rms;
+            if (!(fabs(v - w) <= bound)) {
+                printf("row %zu, column %d: %.6g against %.6g, |error| %.3g past its bound %.3g (%.2f of the "
+                       "row's RMS %.3g)\n", r, f, v, w, fabs(v - w), bound, fabs(v - w) / rms, rms);
+                rn = INFINITY;
+            }
         }
         const double e = rd > 0 ? sqrt(rn / rd) : sqrt(rn);
         if (!(e <= *worst_row)) *worst_row = e;

@@ -127,7 +127,8 @@ int fixture_open_timed(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t see
 
 /* Squared error and norm of `got` (bf16 rows x cols) against `want` (bf16) or `ref`
  * (float64), added to *num and *den; the worst row's relative error raises *worst_row.
- * NaN or Inf in `got` makes the error infinite. */
+ * NaN or Inf in `got`, or an element past its bf16-derived bound (gpu_util.c), makes the
+ * row's error infinite. */
 void add_error(const uint16_t *got, const uint16_t *want, const double *ref, size_t rows, int cols,
                double *num, double *den, double *worst_row);
 
