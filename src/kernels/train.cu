@@ -12,18 +12,35 @@
 #include "row_copy.cuh"
 #include "train.h"
 
-/* The segment holding row `row` with its padding to the next 128 rows, or -1. */
+/* Where segment s ends with its padding to the next 128 rows. */
+static __device__ long long padded_end(cometi_segment_t s)
+{
+    return s.start + ((long long)s.rows + COMETI_BLOCK_M - 1) / COMETI_BLOCK_M * COMETI_BLOCK_M;
+}
+
+/* The segment holding row `row` with its padding, or -1. The receive layout puts the padded
+ * segments one after another (starts never decrease; an empty one starts where the next
+ * does), so the last segment starting at or before the row is the only one that can hold
+ * it: a binary search, not a walk over up to 1024 experts per row. */
 static __device__ int segment_of(const cometi_segment_t *segs, int groups, long long row, cometi_segment_t *out)
 {
-    for (int g = 0; g < groups; g++) {
-        const cometi_segment_t s = segs[g];
-        const long long end = s.start + ((long long)s.rows + COMETI_BLOCK_M - 1) / COMETI_BLOCK_M * COMETI_BLOCK_M;
-        if (row >= s.start && row < end) {
-            *out = s;
-            return g;
-        }
+    int lo = 0, hi = groups - 1, g = -1;
+    while (lo <= hi) {
+        const int mid = (lo + hi) / 2;
+        if (segs[mid].start <= row) g = mid, lo = mid + 1;
+        else hi = mid - 1;
     }
-    return -1;
+    if (g < 0 || row >= padded_end(segs[g])) return -1;
+    *out = segs[g];
+    return g;
+}
+
+/* The rows worth visiting: below cap_rows and the last segment's padded end (the worst
+ * case the buffers are sized for is often far past the rows this call received). */
+static __device__ long long rows_to_visit(const cometi_segment_t *segs, int groups, long long cap_rows)
+{
+    const long long end = groups > 0 ? padded_end(segs[groups - 1]) : 0;
+    return end < cap_rows ? end : cap_rows;
 }
 
 /* One warp per row of [0, cap_rows): a segment's row copied, its padding zeroed. The first
@@ -41,7 +58,8 @@ static __global__ void keep_rows_kernel(const uint4 *src, uint4 *dst, int row_ve
                 break;
             }
     const int warps = blockDim.x / 32;
-    for (long long row = (long long)blockIdx.x * warps + threadIdx.x / 32; row < cap_rows;
+    const long long visit = rows_to_visit(segs, groups, cap_rows);
+    for (long long row = (long long)blockIdx.x * warps + threadIdx.x / 32; row < visit;
          row += (long long)gridDim.x * warps) {
         cometi_segment_t s;
         if (segment_of(segs, groups, row, &s) < 0) continue;
@@ -101,7 +119,8 @@ static __global__ void zero_padding_kernel(cometi_padded_rows_t bufs, const come
                                            long long cap_rows)
 {
     const int warps = blockDim.x / 32;
-    for (long long row = (long long)blockIdx.x * warps + threadIdx.x / 32; row < cap_rows;
+    const long long visit = rows_to_visit(segs, groups, cap_rows);
+    for (long long row = (long long)blockIdx.x * warps + threadIdx.x / 32; row < visit;
          row += (long long)gridDim.x * warps) {
         cometi_segment_t s;
         if (segment_of(segs, groups, row, &s) < 0 || row < s.start + s.rows) continue;
