@@ -10,7 +10,14 @@
 #   bench      comet bench --preset all: sweeps, layer0/layer1 in turns, tuned vs model
 #   suite      comet bench --suite and the plain-PyTorch suite beside it (JSON in $OUT;
 #              then locally: python3 bench/plot_suite.py suite.json suite-torch.json)
-#   gemm       our grouped GEMM against cuBLAS on one GPU
+#   gemm       our grouped GEMM against cuBLAS on one GPU, and the backward's GEMMs beside torch's on
+#              the rows one GPU trains on (--ep 1)
+#   train      comet bench --train (forward_train, backward, step against the baseline) and the
+#              PyTorch autograd peer, every preset
+#   megatron   the Megatron-Core GPU test and bench/megatron_peer.py; needs the megatron-core wheel
+#              for the machine's Python in wheels/ (the GPU machine has no network: on a machine
+#              with one, `pip download --no-deps --python-version 3.12 --only-binary=:all:
+#              -d wheels megatron-core==0.19.2`, and carry wheels/ along)
 #   bandwidth  NVLink push and pull
 #   tune       comet tune --preset all into $OUT/tuning.txt
 set -uo pipefail
@@ -43,7 +50,23 @@ for step in $steps; do
            timeout 200 torchrun --nproc-per-node 2 bench/torch_peer.py --suite --json "$OUT/suite-torch.json" \
                > "$OUT/suite-torch.log" 2>&1
            grep -A42 "^suite," "$OUT/suite.log" ;;
-    gemm) CUDA_VISIBLE_DEVICES=0 timeout 300 build/comet gemm > "$OUT/gemm.log" 2>&1; grep -v "^\[" "$OUT/gemm.log" | tail -20 ;;
+    gemm) CUDA_VISIBLE_DEVICES=0 timeout 300 build/comet gemm > "$OUT/gemm.log" 2>&1; grep -v "^\[" "$OUT/gemm.log" | tail -20
+          CUDA_VISIBLE_DEVICES=0 timeout 120 python3 bench/torch_gemm.py --ep 1 > "$OUT/torch-gemm-ep1.log" 2>&1
+          CUDA_VISIBLE_DEVICES=0 timeout 300 build/comet gemm --ep 1 > "$OUT/gemm-ep1.log" 2>&1
+          grep -E " dW| dgrad" "$OUT/gemm-ep1.log" "$OUT/torch-gemm-ep1.log" ;;
+    train) timeout 400 build/comet bench --preset all --train --no-check --json "$OUT/train.json" > "$OUT/train.log" 2>&1
+           timeout 200 torchrun --nproc-per-node "$(nvidia-smi -L | wc -l)" bench/torch_peer.py --train --preset all \
+               > "$OUT/torch-train.log" 2>&1
+           grep -E "step|GEMMs" "$OUT/train.log" | tail -12; tail -6 "$OUT/torch-train.log" ;;
+    megatron) wheel=$(ls wheels/megatron_core-*.whl 2>/dev/null | head -1)
+              if [ -z "$wheel" ]; then echo "megatron: no wheels/megatron_core-*.whl (see the header)"; continue; fi
+              rm -rf /tmp/comet-mcore && python3 -m zipfile -e "$wheel" /tmp/comet-mcore
+              PYTHONPATH=/tmp/comet-mcore timeout 200 torchrun --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+                  python/tests/test_torch_gpu.py -v megatron > "$OUT/megatron-test.log" 2>&1
+              grep -E "^(FAIL|PASS|SKIP|[0-9]+ passed)" "$OUT/megatron-test.log"
+              PYTHONPATH=/tmp/comet-mcore timeout 300 torchrun --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+                  bench/megatron_peer.py --preset all --json "$OUT/megatron.json" > "$OUT/megatron.log" 2>&1
+              grep -v "^\[\|[Ww]arn" "$OUT/megatron.log" | tail -8 ;;
     bandwidth) timeout 120 build/comet bandwidth 2>&1 | tee "$OUT/bandwidth.log" | tail -8 ;;
     tune) timeout 300 build/comet tune --preset all --no-check --out "$OUT/tuning.txt" > "$OUT/tune.log" 2>&1
           cat "$OUT/tuning.txt" ;;
