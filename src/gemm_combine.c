@@ -142,6 +142,13 @@ static comet_status_t push_mark(comet_comm_t comm, const cometi_gemm_combine_t *
     return cometi_cuda(comm->err, cudaEventRecord(l->push_marks[which], stream), "cudaEventRecord(push mark)");
 }
 
+/* Column tiles of layer1's GEMM `g` (a partial last one counts: it stores its rows too). */
+static int gemm_col_tiles(const cometi_gemm_t *g)
+{
+    const int tile_n = g->block_n ? g->block_n : cometi_gemm_tile_n(g->n);
+    return (g->n + tile_n - 1) / tile_n;
+}
+
 /* The push: GEMM1 on every SM, each tile's rows sent home from its epilogue, then the
  * owner's sum. */
 static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
@@ -175,8 +182,7 @@ static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, come
     s.num_experts = l0->num_experts;
     s.rank = comm->rank;
     s.tp = l0->tp;
-    const int tile_n = g.block_n ? g.block_n : cometi_gemm_tile_n(l->hidden); /* the GEMM's tile */
-    s.col_tiles = (l->hidden + tile_n - 1) / tile_n; /* each, a partial last one too, counts its rows */
+    s.col_tiles = gemm_col_tiles(&g);
     /* Everything checked before anything is enqueued: peers count what this GEMM sends. */
     cometi_gemm_prepared_t prepared;
     unsigned int sum_blocks;
@@ -246,8 +252,7 @@ comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combi
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
     if (c->kernel_splits == knobs->n_splits) return COMET_SUCCESS;
-    const int tile_n = g.block_n ? g.block_n : cometi_gemm_tile_n(l->hidden);
-    const int tiles_per_split = (l->hidden + tile_n - 1) / tile_n / knobs->n_splits; /* as the GEMM's */
+    const int tiles_per_split = gemm_col_tiles(&g) / knobs->n_splits; /* as the GEMM's split_tiles */
     c->trace = l->trace + (size_t)COMETI_COMBINE_TRACE * comm->sm_count; /* the tail's own rows */
     return cometi_launch_combine_tail(comm->err, c, l->out, l->hidden, g.segs, g.groups, knobs->n_splits,
                                       tiles_per_split, l->split_done, knobs->combine_blocks == 0, comm->async_dev,
