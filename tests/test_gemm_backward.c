@@ -15,6 +15,20 @@
 #include "testutil.h"
 #include "gpu_util.h"
 
+/* A and B on the device, room for C (nc bf16) and a zeroed shared tile counter. */
+static int upload_operands(const uint16_t *a16, size_t na, const uint16_t *b16, size_t nb, size_t nc, void **a,
+                           void **b, void **c, unsigned int **sched)
+{
+    CUDA_OK(cudaMalloc(a, na * 2));
+    CUDA_OK(cudaMalloc(b, nb * 2));
+    CUDA_OK(cudaMalloc(c, nc * 2));
+    CUDA_OK(cudaMalloc((void **)sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+    CUDA_OK(cudaMemset(*sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+    CUDA_OK(cudaMemcpy(*a, a16, na * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(*b, b16, nb * 2, cudaMemcpyHostToDevice));
+    return 0;
+}
+
 /* B MN-major (b_mn_major: B_g stored [k][n], as a dgrad GEMM reads a weight kept
  * [in][out]) against float64, element by element: C[r][j] = sum_k A[r][k] B_g[k][j] over
  * ragged groups (0, 1, 129, 300 and 77 rows), both tile widths, both epilogues, static
@@ -44,13 +58,7 @@ static int gemm_b_mn_case(uint64_t rng, cometi_async_error_t *err_host, cometi_a
             }
     void *a, *b, *c;
     unsigned int *sched;
-    CUDA_OK(cudaMalloc(&a, na * 2));
-    CUDA_OK(cudaMalloc(&b, nb * 2));
-    CUDA_OK(cudaMalloc(&c, nc * 2));
-    CUDA_OK(cudaMalloc((void **)&sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
-    CUDA_OK(cudaMemset(sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
-    CUDA_OK(cudaMemcpy(a, a16, na * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(b, b16, nb * 2, cudaMemcpyHostToDevice));
+    if (upload_operands(a16, na, b16, nb, nc, &a, &b, &c, &sched)) return 1;
     for (int v = 0; v < 8; v++) {
         const int block_n = v & 1 ? 128 : 256, epilogue = v & 2 ? COMETI_EPILOGUE_DIRECT : COMETI_EPILOGUE_TMA,
                   dynamic = (v & 4) != 0;
@@ -151,13 +159,7 @@ static int gemm_wgrad_case(uint64_t rng, cometi_async_error_t *err_host, cometi_
     }
     void *a, *b, *c;
     unsigned int *sched;
-    CUDA_OK(cudaMalloc(&a, na * 2));
-    CUDA_OK(cudaMalloc(&b, nb * 2));
-    CUDA_OK(cudaMalloc(&c, nc * 2));
-    CUDA_OK(cudaMalloc((void **)&sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
-    CUDA_OK(cudaMemset(sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
-    CUDA_OK(cudaMemcpy(a, a16, na * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(b, b16, nb * 2, cudaMemcpyHostToDevice));
+    if (upload_operands(a16, na, b16, nb, nc, &a, &b, &c, &sched)) return 1;
     for (int v = 0; v < 8; v++) {
         const int block_n = v & 1 ? 128 : 256, epilogue = v & 2 ? COMETI_EPILOGUE_DIRECT : COMETI_EPILOGUE_TMA,
                   dynamic = (v & 4) != 0;
