@@ -272,7 +272,13 @@ comet_moe_args_t fused_args(const fixture_t *fx, const moe_case_t *c)
 #define ELEM_REL (1.0 / 128)
 
 void add_error(const uint16_t *got, const uint16_t *want, const double *ref, size_t rows, int cols,
-                      double *num, double *den, double *worst_row)
+               double *num, double *den, double *worst_row)
+{
+    add_error_rel(got, want, ref, rows, cols, ELEM_REL, num, den, worst_row);
+}
+
+void add_error_rel(const uint16_t *got, const uint16_t *want, const double *ref, size_t rows, int cols,
+                   double elem_rel, double *num, double *den, double *worst_row)
 {
     for (size_t r = 0; r < rows; r++) {
         double rn = 0, rd = 0;
@@ -287,7 +293,7 @@ void add_error(const uint16_t *got, const uint16_t *want, const double *ref, siz
         for (int f = 0; f < cols && rms > 0 && isfinite(rn); f++) {
             const size_t i = r * cols + f;
             const double w = want ? cometi_bf16_to_float(want[i]) : ref[i], v = cometi_bf16_to_float(got[i]);
-            const double bound = ELEM_REL * fabs(w) + ELEM_RMS * rms;
+            const double bound = elem_rel * fabs(w) + ELEM_RMS * rms;
             if (!(fabs(v - w) <= bound)) {
                 printf("row %zu, column %d: %.6g against %.6g, |error| %.3g past its bound %.3g (%.2f of the "
                        "row's RMS %.3g)\n", r, f, v, w, fabs(v - w), bound, fabs(v - w) / rms, rms);

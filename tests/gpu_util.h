@@ -78,7 +78,7 @@ typedef struct fixture {
     int skip_reference;                /* run_case: the baseline only, no reference */
 } fixture_t;
 
-/* Changes to the tiny preset (0: keep); the fused path needs ffn / tp a multiple of 128. */
+/* Changes to the tiny preset (0: keep). */
 typedef struct fixture_shape {
     int ffn, hidden, top_k, timeout_ms, tp;
 } fixture_shape_t;
@@ -131,6 +131,10 @@ int fixture_open_timed(fixture_t *fx, const cometi_rank_ctx_t *ctx, uint64_t see
  * row's error infinite. */
 void add_error(const uint16_t *got, const uint16_t *want, const double *ref, size_t rows, int cols,
                double *num, double *den, double *worst_row);
+/* The same with the element's own share of its bound, elem_rel, stated by the caller
+ * (add_error's is 2^-7). */
+void add_error_rel(const uint16_t *got, const uint16_t *want, const double *ref, size_t rows, int cols,
+                   double elem_rel, double *num, double *den, double *worst_row);
 
 /* ---- the grouped GEMM's tests ---- */
 

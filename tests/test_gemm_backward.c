@@ -95,13 +95,13 @@ static int gemm_b_mn_case(uint64_t rng, cometi_async_error_t *err_host, cometi_a
         printf("B MN-major, n %d, block_n %d, %s epilogue, %s tiles: worst |error| / row RMS %.2e\n", n, block_n,
                epilogue == COMETI_EPILOGUE_TMA ? "TMA" : "direct", dynamic ? "shared-counter" : "static", worst);
     }
-    /* Refused where it is not built: with SwiGLU, ping-pong, n not a multiple of 64. */
+    /* Refused where it is not built: with SwiGLU, with ping-pong. */
     cometi_gemm_t bad = {.a = a, .a_rows = rows, .b = b, .b_mn_major = 1, .c = c, .ldc = n, .segs = segs,
                          .groups = groups, .n = n, .k = k, .swiglu = 1, .err = err_dev};
     char err[COMETI_ERR_LEN];
     CHECK_EQ(cometi_gemm_run(err, &bad, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(err, "b_mn_major");
-    bad.swiglu = 0, bad.schedule = COMETI_SCHEDULE_PINGPONG;
+    bad.swiglu = 0, bad.schedule = COMETI_SCHEDULE_PINGPONG, bad.block_n = 256; /* ping-pong's one width */
     CHECK_EQ(cometi_gemm_run(err, &bad, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(err, "b_mn_major");
     free(a16), free(b16), free(c16), free(af), free(bf), free(ref);

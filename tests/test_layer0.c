@@ -18,6 +18,13 @@
 #include "testutil.h"
 #include "gpu_util.h"
 
+/* The activation's own share of its element bound. The baseline rounds g and u to bf16
+ * (2^-9 each) before SwiGLU, and silu(g) carries g's relative error times
+ * |1 + g (1 - sigmoid(g))|, which is 3 at g = -4 and grows below (where silu(g) itself
+ * shrinks towards the RMS share of the bound); both paths round a = silu(g) u once more.
+ * So (3 + 1 + 1 + 1) x 2^-9 = 1.2%: 2^-6 of the element. */
+#define ACT_ELEM_REL (1.0 / 64)
+
 static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const uint64_t seed = *(uint64_t *)arg;
@@ -89,7 +96,7 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
                     }
                 CUDA_OK(cudaMemcpy(want, (const char *)b_act + start * F * 2, rows * F * 2, cudaMemcpyDeviceToHost));
                 CUDA_OK(cudaMemcpy(got, (const char *)l0.act + start * F * 2, rows * F * 2, cudaMemcpyDeviceToHost));
-                add_error(got, want, NULL, rows, F, &call_num, &call_den, &worst_row);
+                add_error_rel(got, want, NULL, rows, F, ACT_ELEM_REL, &call_num, &call_den, &worst_row);
                 rows_checked += (int)rows;
             }
             const double call_err = call_den > 0 ? sqrt(call_num / call_den) : sqrt(call_num);
