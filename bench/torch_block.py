@@ -27,7 +27,7 @@ from comet_moe import Comm, Moe, MoeConfig, _capi  # noqa: E402
 from comet_moe.autograd import _Saved  # noqa: E402
 from comet_moe.errors import check  # noqa: E402
 
-PRESETS = ("mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b", "qwen2-moe-2.7b")
+PRESETS = ("mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b", "qwen2-moe-2.7b", "gpt-oss-120b")
 
 
 def raw_step(moe, x, ids, w, w13, w2, dy, out):

@@ -40,6 +40,7 @@ PRESETS = {  # name: (experts, top_k, hidden, ffn), as in src/config.c
     "phi-3.5-moe": (16, 2, 4096, 6400),
     "qwen2-57b-a14b": (64, 8, 3584, 2560),
     "qwen2-moe-2.7b": (64, 4, 2048, 1408),
+    "gpt-oss-120b": (128, 4, 2880, 2880),
 }
 NSETS = 3  # input sets rotated between calls, so they do not sit in L2
 

@@ -286,10 +286,9 @@ COMET_API comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args
  *
  * The fused path trains with COMET's two patterns again (dispatch -> GEMM for dy into the
  * dgrad GEMM of W2, GEMM -> combine for the dgrad GEMM of W13 with dx sent home, the weight
- * gradients as grouped GEMMs along K). It needs gate_up in one tensor and hidden and
- * ffn / tp_size multiples of 128; COMET_IMPL_AUTO takes it where it can and the
- * sequential path (NCCL all-to-all + cuBLAS, as Megatron-LM runs an expert-parallel layer
- * unfused) elsewhere. The backward runs the path its forward ran. An inference forward
+ * gradients as grouped GEMMs along K). It needs gate_up in one tensor; COMET_IMPL_AUTO
+ * takes it where it can and the sequential path (NCCL all-to-all + cuBLAS, as Megatron-LM
+ * runs an expert-parallel layer unfused) elsewhere. The backward runs the path its forward ran. An inference forward
  * (comet_moe_forward) saves nothing and costs nothing extra. */
 
 /* What one training forward keeps for its backward: the rows this rank received (x, and

@@ -18,6 +18,7 @@ static const preset_t presets[] = {
     {"phi-3.5-moe", 16, 2, 4096, 6400},
     {"qwen2-57b-a14b", 64, 8, 3584, 2560},
     {"qwen2-moe-2.7b", 64, 4, 2048, 1408},
+    {"gpt-oss-120b", 128, 4, 2880, 2880}, /* the shape; its clamped SwiGLU and biases are not modelled */
     {"tiny", 8, 2, 256, 192},
 };
 #define NPRESETS ((int)(sizeof(presets) / sizeof(presets[0])))
@@ -121,19 +122,5 @@ comet_status_t comet_moe_config_validate(const comet_moe_config_t *c, int world,
         return bad(msg, len, INVAL, "config.max_tokens = %d: world %d x max_tokens x top_k %d = %lld rows "
                    "could land on one rank; the limit is %d", c->max_tokens, world, c->top_k,
                    (long long)rows, INT32_MAX / 2);
-    return COMET_SUCCESS;
-}
-
-comet_status_t cometi_fused_shape_check(const comet_moe_config_t *c, int training, char *msg, size_t len)
-{
-    const int tp = c->tp_size > 1 ? c->tp_size : 1, ffn_local = c->ffn / tp;
-    /* Layer1's GEMM writes hidden columns in whole tiles of 128 or 256 (its combine and
-     * push read them so); the backward's GEMMs also tile ffn / tp_size that way. */
-    if (c->hidden % 128)
-        return bad(msg, len, COMET_NOT_SUPPORTED, "config.hidden = %d: the fused path needs a multiple of 128 "
-                   "(COMET_IMPL_AUTO runs the baseline)", c->hidden);
-    if (training && ffn_local % 128)
-        return bad(msg, len, COMET_NOT_SUPPORTED, "config.ffn / tp_size = %d / %d = %d: the fused backward needs "
-                   "a multiple of 128 (COMET_IMPL_AUTO runs the sequential path)", c->ffn, tp, ffn_local);
     return COMET_SUCCESS;
 }

@@ -199,10 +199,6 @@ comet_status_t cometi_barrier_sync(comet_comm_t comm, const char *what);
 /* ---- config.c ---- */
 /* The thread's buffer for messages of failed *_create calls (no handle to hold them). */
 char *cometi_create_error_buffer(void);
-/* Whether the fused path serves a valid config's shape (training: its backward too):
- * COMET_SUCCESS, or COMET_NOT_SUPPORTED with `msg` naming the field, its value and what
- * the path needs. Plain C: checked before anything is allocated or launched. */
-comet_status_t cometi_fused_shape_check(const comet_moe_config_t *c, int training, char *msg, size_t len);
 
 /* ---- comm.c ---- */
 /* Collective, host-blocking: all[r * n + i] = rank r's mine[i]. For set-up agreements. */

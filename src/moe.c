@@ -59,11 +59,6 @@ static comet_status_t pick_knobs(comet_moe_t moe, struct cometi_fused *f)
 /* Collective, on the first fused call: every rank makes the same choice (same config). */
 static comet_status_t fused_create(comet_moe_t moe)
 {
-    /* The same answer on every rank (same config): AUTO falls back alike. */
-    if (cometi_fused_shape_check(&moe->cfg, 0, moe->err, COMETI_ERR_LEN) != COMET_SUCCESS) {
-        moe->fused_unsupported = 1;
-        return COMET_NOT_SUPPORTED;
-    }
     struct cometi_fused *f = calloc(1, sizeof(*f));
     if (!f) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "fused path: out of host memory");
     comet_status_t st = pick_knobs(moe, f);

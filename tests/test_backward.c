@@ -293,7 +293,8 @@ static int backward_rank(const cometi_rank_ctx_t *ctx, void *arg)
     /* One communicator for every case (its id serves one init); the fixture's buffers for
      * top-8, and a layer of each case's top-k made on it. */
     fixture_t fx;
-    const fixture_shape_t shape = {256, 0, 8, 0, 0}; /* ffn 256: the fused backward's GEMMs take multiples of 128 */
+    /* ffn 192 and hidden 320: every GEMM of the backward ends in a partial column tile. */
+    const fixture_shape_t shape = {192, 320, 8, 0, 0};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
     for (size_t i = 0; i < sizeof(bwd_cases) / sizeof(bwd_cases[0]); i++) {
         CHECK_EQ(comet_moe_destroy(fx.moe), COMET_SUCCESS);
@@ -353,7 +354,9 @@ static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
     /* Another layer's. */
     CHECK_EQ(comet_moe_forward_train(fx.moe, &a, other_saved, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "saved belongs to another layer");
-    CHECK_EQ(comet_moe_forward_train(fx.moe, &a, saved, 0), COMET_SUCCESS);
+    comet_moe_args_t seq = a;
+    seq.impl = COMET_IMPL_BASELINE; /* the sequential path, asked for */
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &seq, saved, 0), COMET_SUCCESS);
     b.saved = other_saved;
     CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "args.saved belongs to another layer");
@@ -381,21 +384,22 @@ static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "args.grads.mode = 7");
     bad = b;
-    bad.impl = COMET_IMPL_FUSED; /* AUTO trained this ffn (192) on the sequential path */
+    bad.impl = COMET_IMPL_FUSED; /* the forward ran the sequential path */
     CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "filled on the sequential path");
     bad = b;
     bad.size = 8;
     CHECK_EQ(comet_moe_backward(fx.moe, &bad, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "COMET_MOE_BACKWARD_ARGS_INIT");
-    /* The fused path cannot train this ffn: said up front, nothing launched. */
+    /* The fused path cannot train gate and up apart: said up front, nothing launched. */
     comet_moe_args_t fa = a;
     fa.impl = COMET_IMPL_FUSED;
+    fa.weights.gate_up = NULL, fa.weights.gate = fx.d_gate, fa.weights.up = fx.d_up;
     CHECK_EQ(comet_moe_forward_train(fx.moe, &fa, other_saved, 0), COMET_INVALID_ARGUMENT); /* another layer's first */
     comet_moe_saved_t mine2;
     CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &mine2), COMET_SUCCESS);
     CHECK_EQ(comet_moe_forward_train(fx.moe, &fa, mine2, 0), COMET_NOT_SUPPORTED);
-    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "multiples of 128");
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "weights.gate and weights.up apart");
     CHECK_EQ(comet_moe_saved_destroy(mine2), COMET_SUCCESS);
     /* A backward consumes its saved state: a second one is refused. */
     CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_SUCCESS);

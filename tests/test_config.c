@@ -25,11 +25,12 @@ int test_config_presets(void)
 {
     struct { const char *name; int e, k, h, f; } want[] = {
         {"mixtral-8x7b", 8, 2, 4096, 14336}, {"phi-3.5-moe", 16, 2, 4096, 6400},
-        {"qwen2-57b-a14b", 64, 8, 3584, 2560}, {"qwen2-moe-2.7b", 64, 4, 2048, 1408}, {"tiny", 8, 2, 256, 192}};
+        {"qwen2-57b-a14b", 64, 8, 3584, 2560}, {"qwen2-moe-2.7b", 64, 4, 2048, 1408},
+        {"gpt-oss-120b", 128, 4, 2880, 2880}, {"tiny", 8, 2, 256, 192}};
     int n = 0;
     while (comet_moe_preset_name(n)) n++;
-    CHECK_EQ(n, 5);
-    for (int i = 0; i < 5; i++) {
+    CHECK_EQ(n, 6);
+    for (int i = 0; i < 6; i++) {
         comet_moe_config_t c;
         CHECK_EQ(comet_moe_config_preset(want[i].name, 8192, &c), COMET_SUCCESS);
         CHECK_EQ(c.num_experts, want[i].e);
@@ -111,39 +112,6 @@ int test_config_validation(void)
     char big[512];
     CHECK_EQ(comet_moe_config_validate(&c, 72, big, sizeof(big)), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(big, "config.max_tokens = 1048576");
-    return 0;
-}
-
-/* Which valid shapes the fused path serves, decided before anything is allocated: the
- * presets both ways; hidden not a multiple of 128 (gpt-oss-120b's 2880) refused for the
- * forward naming config.hidden; ffn / tp_size not a multiple of 128 refused for training
- * alone, naming both fields and the quotient. */
-int test_fused_shape_check(void)
-{
-    char msg[256];
-    for (int i = 0; comet_moe_preset_name(i); i++) {
-        comet_moe_config_t c;
-        CHECK_EQ(comet_moe_config_preset(comet_moe_preset_name(i), 8192, &c), COMET_SUCCESS);
-        for (int training = 0; training < 2; training++) {
-            const comet_status_t want = training && c.ffn % 128 ? COMET_NOT_SUPPORTED : COMET_SUCCESS;
-            CHECK_EQ(cometi_fused_shape_check(&c, training, msg, sizeof(msg)), want);
-        }
-    }
-    comet_moe_config_t oss;
-    CHECK_EQ(comet_moe_config_preset("tiny", 8192, &oss), COMET_SUCCESS);
-    oss.num_experts = 128, oss.top_k = 4, oss.hidden = 2880, oss.ffn = 2880;
-    CHECK_EQ(comet_moe_config_validate(&oss, 1, msg, sizeof(msg)), COMET_SUCCESS);
-    for (int training = 0; training < 2; training++) {
-        CHECK_EQ(cometi_fused_shape_check(&oss, training, msg, sizeof(msg)), COMET_NOT_SUPPORTED);
-        CHECK_CONTAINS(msg, "config.hidden = 2880");
-        CHECK_CONTAINS(msg, "COMET_IMPL_AUTO");
-    }
-    comet_moe_config_t tp = oss;
-    tp.hidden = 4096, tp.ffn = 1408, tp.tp_size = 2; /* 704 columns per TP rank */
-    CHECK_EQ(comet_moe_config_validate(&tp, 2, msg, sizeof(msg)), COMET_SUCCESS);
-    CHECK_EQ(cometi_fused_shape_check(&tp, 0, msg, sizeof(msg)), COMET_SUCCESS);
-    CHECK_EQ(cometi_fused_shape_check(&tp, 1, msg, sizeof(msg)), COMET_NOT_SUPPORTED);
-    CHECK_CONTAINS(msg, "config.ffn / tp_size = 1408 / 2 = 704");
     return 0;
 }
 

@@ -62,7 +62,6 @@ uint64_t test_seed(void);
     X(status_strings, 10)                       \
     X(config_presets, 10)                       \
     X(config_validation, 10)                    \
-    X(fused_shape_check, 10)                    \
     X(bf16_rounding, 10)                        \
     X(route_plan_known_answer, 10)              \
     X(route_plan_random_invariants, 60)         \

@@ -372,7 +372,7 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         float t_best = 1e30f, t_v[NVARIANTS];
         double worst = 0;
         for (int v = 0; v < nvariants; v++) {
-            if (variants[v][6] && (sh->n / variants[v][0]) % variants[v][6]) continue;
+            if (variants[v][6] && sh->n % (variants[v][0] * variants[v][6])) continue; /* whole tiles */
             r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .c = c, .ldc = sh->n, .segs = segs,
                                   .groups = sh->groups, .n = sh->n, .k = sh->k, .sms = variants[v][2],
                                   .block_n = variants[v][0], .group_m = variants[v][1],

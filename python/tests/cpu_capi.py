@@ -414,7 +414,8 @@ def nccl_unique_id_through_libcomet():
 @test
 def presets_from_the_library():
     names = comet_moe.presets()
-    check_eq(names, ["mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b", "qwen2-moe-2.7b", "tiny"], "presets()")
+    check_eq(names, ["mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b", "qwen2-moe-2.7b", "gpt-oss-120b", "tiny"],
+             "presets()")
     m = comet_moe.MoeConfig.preset("mixtral-8x7b", max_tokens=8192)
     check_eq(m.as_dict(), dict(hidden=4096, ffn=14336, num_experts=8, top_k=2, max_tokens=8192, ep_size=0,
                                tp_size=0), "mixtral-8x7b")

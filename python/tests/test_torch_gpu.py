@@ -33,7 +33,7 @@ from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
-H, FFN, E, TOP_K, MAX_TOKENS = 512, 256, 8, 2, 512  # ffn a multiple of 128: the fused path runs
+H, FFN, E, TOP_K, MAX_TOKENS = 512, 256, 8, 2, 512  # a shape on the 128-column grid
 IMPLS = ("baseline", "fused", "auto")
 TEST_TIMEOUT_S = 180
 TESTS = []
