@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 
-_EXPERT_KEY = re.compile(r"experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight")
+_EXPERT_KEY = re.compile(r"experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.(weight|_extra_state)")
 
 
 def _field(config, name, default=None):
@@ -138,6 +138,10 @@ def _layer_class():
             for e in range(w13.shape[0]):
                 destination[f"{prefix}experts.local_experts.{e}.linear_fc1.weight"] = w13[e]
                 destination[f"{prefix}experts.local_experts.{e}.linear_fc2.weight"] = w2[e]
+                # Megatron's linears save an extra state (None without Transformer Engine)
+                # and, loading strictly, expect one.
+                destination[f"{prefix}experts.local_experts.{e}.linear_fc1._extra_state"] = None
+                destination[f"{prefix}experts.local_experts.{e}.linear_fc2._extra_state"] = None
 
         def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                   error_msgs):
@@ -149,6 +153,10 @@ def _layer_class():
                     continue
                 e, name = int(m[1]), m[2]
                 target = self.w13 if name == "linear_fc1" else self.w2
+                if m[3] == "_extra_state":  # Transformer Engine's fp8 metadata at most: a bf16 layer has none
+                    if e >= target.shape[0]:
+                        unexpected_keys.append(key)
+                    continue
                 if e >= target.shape[0] or tuple(value.shape) != tuple(target.shape[1:]):
                     error_msgs.append(f"{key}: shape {tuple(value.shape)} for local expert {e}; this rank holds "
                                       f"{target.shape[0]} experts of {tuple(target.shape[1:])}")

@@ -122,14 +122,19 @@ def megatron_layer_glue_matches_megatrons_modules():
     # Megatron's own experts, and their state dict loaded into the adapter by name.
     mlp = SequentialMLP(E, config, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                             linear_fc2=RowParallelLinear), pg_collection=pgs)
-    theirs = {f"experts.{key}": v for key, v in mlp.state_dict().items() if key.endswith(".weight")}
+    theirs = {f"experts.{key}": v for key, v in mlp.state_dict().items()}
+    check(any(key.endswith("._extra_state") for key in theirs), f"SequentialMLP's extra states: {sorted(theirs)}")
     result = layer.load_state_dict(theirs, strict=False)
-    check_eq(result.unexpected_keys, [], "every SequentialMLP weight taken")
+    check_eq(result.unexpected_keys, [], "every SequentialMLP weight and extra state taken")
     check(not [key for key in result.missing_keys if "experts" in key], f"missing: {result.missing_keys}")
     mine = {key: v for key, v in layer.state_dict().items() if key.startswith("experts.")}
     check_eq(sorted(mine), sorted(theirs), "saved under SequentialMLP's names")
     for key in theirs:
-        check(torch.equal(mine[key].float(), theirs[key].to(torch.bfloat16).float()), f"{key} round trip")
+        if key.endswith("._extra_state"):
+            check(mine[key] is None, f"{key} saved as Megatron's linears save it (None)")
+        else:
+            check(torch.equal(mine[key].float(), theirs[key].to(torch.bfloat16).float()), f"{key} round trip")
+    mlp.load_state_dict({key[len("experts."):]: v for key, v in mine.items()})  # strict: Megatron takes ours back
     # The output: the router's own choices through Megatron's experts. Megatron's gate moves
     # its weight to the GPU before its linear: on the CPU the same linear runs in place.
     router = layer.router
