@@ -240,11 +240,11 @@ comet_status_t cometi_check_async(comet_comm_t comm)
     }
     if (status == 0) return COMET_SUCCESS;
     if (e->site == COMETI_SITE_SAVED_BOUND)
-        return cometi_fail(comm->err, (comet_status_t)status, "rank %d: a training forward routed %llu rows "
-                           "(padded to 128 per expert) to the ranks of EP group %d, and a saved state holds %llu "
-                           "(comet_moe_saved_config_t.max_recv_rows plus padding); the rows past that were not "
-                           "kept. Create saved states with a larger bound (0: the worst case). The communicator is "
-                           "unusable now: destroy it", comm->rank, e->seen, e->peer, e->expected);
+        return cometi_fail(comm->err, (comet_status_t)status, "rank %d: a training forward routed %llu rows to the "
+                           "ranks of EP group %d, more than the saved state's max_recv_rows = %llu, so it may not "
+                           "have kept them all (the sequential path refuses such a call). Create saved states with "
+                           "a larger bound (0: the worst case). The communicator is unusable now: destroy it",
+                           comm->rank, e->seen, e->peer, e->expected);
     char who[48] = "";
     if (e->peer >= 0) snprintf(who, sizeof(who), " on rank %d", e->peer);
     return cometi_fail(comm->err, (comet_status_t)status,

@@ -73,8 +73,9 @@ typedef enum cometi_wait_site {
     COMETI_SITE_ARRIVAL = 5,   /* a GEMM tile's token rows never all arrived */
     COMETI_SITE_COMBINE = 6,   /* layer1: a column split's rows never all came home */
     COMETI_SITE_PUSH = 7,      /* layer1's push: its tokens' rows never all came home */
-    COMETI_SITE_SAVED_BOUND = 8, /* a fused training forward received more rows than its saved
-                                  * state holds (expected: the rows it holds, seen: received) */
+    COMETI_SITE_SAVED_BOUND = 8, /* a fused training forward routed more rows to an EP group
+                                  * than its saved state's bound (expected: max_recv_rows,
+                                  * seen: the rows, peer: the group) */
 } cometi_wait_site_t;
 
 /* Written by kernels into host-mapped memory, read by the host without a sync. */

@@ -118,9 +118,9 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, 0, &f->k0, stream);
     if (st == COMET_SUCCESS)
         st = cometi_cuda(comm->err, cometi_launch_keep_rows(l0->recv.local, sv->recv, H, plan->local_segs,
-                                                            l0->experts_per_group, sv->cap_rows, plan->recv_rows,
-                                                            comm->size / moe->tp, comm->async_dev, comm->sm_count,
-                                                            stream), "launch keep_rows_kernel");
+                                                            l0->experts_per_group, sv->cap_rows, sv->max_recv_rows,
+                                                            plan->seg_rows, comm->size / moe->tp, comm->async_dev,
+                                                            comm->sm_count, stream), "launch keep_rows_kernel");
     if (st == COMET_SUCCESS) st = cometi_gemm_combine_run(comm, &f->l1, l0, a, &k1, stream);
     if (st == COMET_SUCCESS)
         st = cometi_cuda(comm->err, cometi_launch_keep_choices(f->l1.slots.local, sv->back, a->topk_ids, plan->pos,

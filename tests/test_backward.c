@@ -406,8 +406,8 @@ static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "a backward consumes it");
     CUDA_OK(cudaDeviceSynchronize());
-    /* A bound the routing exceeds: refused by every rank (each sees every group's rows),
-     * and the state left empty. */
+    /* A bound the routing exceeds, on the sequential path: refused by every rank (each
+     * sees every group's rows), and the state left empty. */
     comet_moe_saved_config_t sc = COMET_MOE_SAVED_CONFIG_INIT;
     sc.max_recv_rows = 10;
     comet_moe_saved_t small;
@@ -416,7 +416,7 @@ static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(comet_moe_saved_bytes(fx.moe, &sc, &small_bytes), COMET_SUCCESS);
     CHECK_EQ(comet_moe_saved_bytes(fx.moe, NULL, &worst_bytes), COMET_SUCCESS);
     CHECK(small_bytes < worst_bytes);
-    CHECK_EQ(comet_moe_forward_train(fx.moe, &a, small, 0), COMET_INVALID_ARGUMENT);
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &seq, small, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "more than the saved state's max_recv_rows = 10");
     b.saved = small;
     CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_INVALID_ARGUMENT);
@@ -429,8 +429,22 @@ static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(comet_moe_saved_destroy(other_saved), COMET_SUCCESS);
     CHECK_EQ(comet_moe_saved_destroy(NULL), COMET_SUCCESS);
     CHECK_EQ(comet_moe_destroy(other), COMET_SUCCESS);
+    /* The same bound on the fused path, which never waits for the host: the forward runs,
+     * keeps only the rows under the bound, and the communicator reports the excess on
+     * every rank; it is unusable after that, so this comes last. */
+    sc.max_recv_rows = 10;
+    CHECK_EQ(comet_moe_saved_create(fx.moe, &sc, &small), COMET_SUCCESS);
+    comet_moe_args_t fused = a;
+    fused.impl = COMET_IMPL_FUSED;
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &fused, small, 0), COMET_SUCCESS);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_comm_last_error(fx.comm), "more than the saved state's max_recv_rows = 10");
+    CHECK(comet_moe_forward_train(fx.moe, &fused, small, 0) != COMET_SUCCESS); /* sticky */
+    CHECK_EQ(comet_moe_saved_destroy(small), COMET_SUCCESS);
     cudaFree(buf);
-    printf("rank %d: every refusal named its argument\n", ctx->rank);
+    printf("rank %d: every refusal named its argument; the fused path's excess rows reported: %s\n", ctx->rank,
+           comet_comm_last_error(fx.comm));
     fixture_close(&fx);
     return 0;
 }

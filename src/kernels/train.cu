@@ -47,16 +47,19 @@ static __device__ long long rows_to_visit(const cometi_segment_t *segs, int grou
  * thread checks every group's received rows against the bound: the plan is the same on
  * every rank, so every rank records the same error (none computes on alone). */
 static __global__ void keep_rows_kernel(const uint4 *src, uint4 *dst, int row_vecs, const cometi_segment_t *segs,
-                                        int groups, long long cap_rows, const int32_t *recv_rows, int num_groups,
-                                        cometi_async_error_t *err)
+                                        int groups, long long cap_rows, long long bound, const int32_t *seg_rows,
+                                        int num_groups, cometi_async_error_t *err)
 {
     if (blockIdx.x == 0 && threadIdx.x == 0)
-        for (int g = 0; g < num_groups; g++)
-            if (recv_rows[g] > cap_rows) {
+        for (int g = 0; g < num_groups; g++) {
+            long long rows = 0;
+            for (int e = 0; e < groups; e++) rows += seg_rows[g * groups + e];
+            if (rows > bound) {
                 cometi_record_error(err, COMET_INVALID_ARGUMENT, COMETI_SITE_SAVED_BOUND, g, 0,
-                                    (unsigned long long)cap_rows, (unsigned long long)recv_rows[g], 0);
+                                    (unsigned long long)bound, (unsigned long long)rows, 0);
                 break;
             }
+        }
     const int warps = blockDim.x / 32;
     const long long visit = rows_to_visit(segs, groups, cap_rows);
     for (long long row = (long long)blockIdx.x * warps + threadIdx.x / 32; row < visit;
@@ -73,13 +76,14 @@ static __global__ void keep_rows_kernel(const uint4 *src, uint4 *dst, int row_ve
 }
 
 extern "C" cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int hidden, const cometi_segment_t *segs,
-                                               int groups, int64_t cap_rows, const int32_t *recv_rows,
+                                               int groups, int64_t cap_rows, int64_t bound, const int32_t *seg_rows,
                                                int num_groups, cometi_async_error_t *err, int sm_count,
                                                cudaStream_t stream)
 {
     if (cap_rows == 0) return cudaSuccess;
     keep_rows_kernel<<<sm_count * 4, 256, 0, stream>>>((const uint4 *)src, (uint4 *)dst, hidden / 8, segs, groups,
-                                                       (long long)cap_rows, recv_rows, num_groups, err);
+                                                       (long long)cap_rows, (long long)bound, seg_rows, num_groups,
+                                                       err);
     return cudaGetLastError();
 }
 

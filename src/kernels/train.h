@@ -14,12 +14,14 @@ extern "C" {
 
 /* Rows of each segment (in the receive layout: segments start at multiples of 128) copied
  * from src to dst at the same row, [.][hidden] bf16, the padding after each segment up to
- * the next 128 rows zeroed, rows at or past cap_rows left alone; and when any group's
- * padded received rows (recv_rows [num_groups], device: the route's, the same on every
- * rank) pass cap_rows, COMET_INVALID_ARGUMENT is recorded in err (COMETI_SITE_SAVED_BOUND,
- * sticky) on every rank alike: a saved state could not hold them. */
+ * the next 128 rows zeroed, rows at or past cap_rows left alone; and when any EP group's
+ * rows (the sum of seg_rows [num_groups x groups], device: the route's unpadded rows per
+ * expert, the same on every rank) pass `bound` (the saved state's max_recv_rows; its
+ * cap_rows adds the padding), COMET_INVALID_ARGUMENT is recorded in err
+ * (COMETI_SITE_SAVED_BOUND, sticky) on every rank alike, as the sequential path refuses
+ * the same call. */
 cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int hidden, const cometi_segment_t *segs, int groups,
-                                    int64_t cap_rows, const int32_t *recv_rows, int num_groups,
+                                    int64_t cap_rows, int64_t bound, const int32_t *seg_rows, int num_groups,
                                     cometi_async_error_t *err, int sm_count, cudaStream_t stream);
 
 /* The rows the push brought home, in choice order: back[c][i] (copy_stride elements between
