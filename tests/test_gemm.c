@@ -20,6 +20,20 @@
 #include "testutil.h"
 #include "gpu_util.h"
 
+/* The column tile width by waste: 256 on its grid and where its partial last tile wastes
+ * at most 1/8 more columns than 128-wide tiles would (qwen2-moe's 1408, gpt-oss's 2880),
+ * else 128. */
+int test_gemm_tile_width(void)
+{
+    const int want[][2] = {{4096, 256}, {14336, 256}, {1408, 256}, {2880, 256}, {1344, 256}, {1152, 256},
+                           {192, 256},  {896, 128},   {576, 128},  {320, 128},  {64, 128}};
+    for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
+        if (cometi_gemm_tile_n(want[i][0]) != want[i][1]) printf("n = %d\n", want[i][0]);
+        CHECK_EQ(cometi_gemm_tile_n(want[i][0]), want[i][1]);
+    }
+    return 0;
+}
+
 /* The last wave's cut: known answers (skewed mixtral's GEMM1 on the hot rank: 416 tiles on
  * 132 blocks; balanced mixtral's: 2048), the cases that cut nothing, and on random inputs
  * the plan's promises against every other choice of parts. */

@@ -41,12 +41,13 @@ static int run_fused(fixture_t *fx, cometi_dispatch_gemm_t *l0, cometi_gemm_comb
 }
 
 /* The layer1 runs: four column tiles (splits 1, 2, 4) and top-4 (up to four choices summed
- * on one rank), 1000 calls; then hidden = 320, 2.5 tiles of 128 (a partial last tile: one
- * split), 200 calls. Chosen before the ranks fork. */
+ * on one rank), 1000 calls; then partial last tiles (one split) at both widths the tile
+ * rule picks: hidden 320, 2.5 tiles of 128, and 1344, 5.25 tiles of 256, 200 calls each.
+ * Chosen before the ranks fork. */
 static const struct {
     fixture_shape_t shape;
     int calls, split_kinds;
-} layer1_setups[2] = {{{256, 1024, 4, 0, 1}, 1000, 3}, {{256, 320, 4, 0, 1}, 200, 1}};
+} layer1_setups[3] = {{{256, 1024, 4, 0, 1}, 1000, 3}, {{256, 320, 4, 0, 1}, 200, 1}, {{256, 1344, 4, 0, 1}, 200, 1}};
 static int layer1_setup;
 
 static int layer1_rank(const cometi_rank_ctx_t *ctx, void *arg)
@@ -151,8 +152,11 @@ int test_gpu_layer1_matches_baseline(void)
 
 int test_gpu_layer1_partial_column_tile(void)
 {
-    layer1_setup = 1;
-    return launch_seeded(layer1_rank, 100);
+    for (layer1_setup = 1; layer1_setup < 3; layer1_setup++) {
+        const int rc = launch_seeded(layer1_rank, 100);
+        if (rc) return rc;
+    }
+    return 0;
 }
 
 /* A bad expert id on the fused path, with the combine and with the push: the row is left

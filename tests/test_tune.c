@@ -344,8 +344,8 @@ int test_tuning_file_limits(void)
          "line 3: field 10 (splits) = 7: must be 1..32 and divide the 8 column tiles of hidden = 2048"},
         {"2 64 4 2048 1408 4096 : 8 bulk 8 64 dynamic notail", "field 10 (splits) = 64: must be 1..32"},
         /* gpt-oss-120b's hidden: 23 tiles of 128, the last partial, so 23 splits divide but are refused. */
-        {"2 128 4 2880 2880 4096 : 8 bulk 8 23 dynamic notail",
-         "field 10 (splits) = 23: hidden = 2880 is not a multiple of the 128-column tile"},
+        {"2 128 4 2880 2880 4096 : 8 bulk 8 12 dynamic notail",
+         "field 10 (splits) = 12: hidden = 2880 is not a multiple of the 256-column tile"},
         {"2 64 4 2048 1408 4096 : 8 bulk 8 0 dynamic notail", "field 10 (splits) = 0: must be 1..32"},
         {"2 64 4 2048 1408 4096 : 8 bulk 8 2 random notail", "line 3: field 11 (tiles) = 'random'"},
         {"2 64 4 2048 1408 4096 : 8 bulk 0 1 dynamic pull", "field 12 (layer1) = 'pull': must be tail, notail or push"},

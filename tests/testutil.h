@@ -75,6 +75,7 @@ uint64_t test_seed(void);
     X(tuning_file_limits, 10)                   \
     X(timeline_accounting, 10)                  \
     X(gemm_tail_plan, 10)                       \
+    X(gemm_tile_width, 10)                      \
     X(routing_generators, 10)                   \
     X(reference_known_answer, 10)               \
     X(reference_properties, 30)                 \
