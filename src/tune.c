@@ -25,7 +25,7 @@ static int model_dispatch_blocks(const comet_moe_config_t *cfg, int world, int s
 {
     const int tp = cfg_tp(cfg);
     const double H = cfg->hidden, F = (double)cfg->ffn / tp;
-    const double remote = world > 1 ? (double)(world - 1) / world : 0;
+    const double remote = world > 1 ? (double)(world - 1) / world : 1.0 / COMETI_MODEL_LOCAL_COPY_SPEEDUP;
     /* GEMM0 is gate and up: 2F columns. With TP the dispatch blocks copy every row to the
      * tp ranks of its group, the local copy included: a TP rank after the group's first has
      * no local rows at the head of its segments, so its first tiles wait for the copies too
@@ -57,9 +57,8 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
     out->l1.dynamic_tiles = 1;
     out->l1.combine_blocks = 0;
     out->l1.n_splits = 1;
-    /* With TP only the push can sum the partial rows (tune.h, cometi_combine_knobs_t); on
-     * one GPU there is nothing to send. */
-    out->l1.push = cfg_tp(cfg) > 1 || (world > 1 && model_tail_is_long(cfg));
+    /* With TP only the push can sum the partial rows (tune.h, cometi_combine_knobs_t). */
+    out->l1.push = cfg_tp(cfg) > 1 || model_tail_is_long(cfg);
     out->l1.tail = !out->l1.push;
 }
 

@@ -63,6 +63,11 @@ typedef struct cometi_knobs {
  * other parts were stored from registers at 0.07 (mixtral-8x7b: 1.6% on the whole layer,
  * timed in turns). The threshold keeps the tail for shapes with even less to send. */
 #define COMETI_MODEL_PUSH_SHARE 0.05
+/* One GPU alone copies every row into its receive buffer, locally: the world-1 sweeps'
+ * best counts (1 x H200, 2026-12-01: 4-8 blocks on mixtral-8x7b, qwen2-57b-a14b and
+ * gpt-oss-120b, 6-16 on qwen2-moe-2.7b, where 4 lost 20%) fit a local copy at twice the
+ * per-SM rate of a copy to a peer. */
+#define COMETI_MODEL_LOCAL_COPY_SPEEDUP 2.0
 /* The dispatch block counts the model picks from: even, in the range the sweeps measured. */
 #define COMETI_MODEL_MIN_DISPATCH 4
 #define COMETI_MODEL_MAX_DISPATCH 24
@@ -73,15 +78,19 @@ typedef struct cometi_knobs {
  * rows = max_tokens x top_k x tp (the same FLOPs as EP), bf16 rows of 2H bytes:
  *   GEMM0 (gate and up)  2 x rows x 2F x H / COMETI_MODEL_GEMM_FLOPS seconds
  *   the dispatch copy    rows x share x 2H bytes, at COMETI_MODEL_DISPATCH_BYTES_PER_SM per
- *                        dispatch block; share = (world - 1) / world (the remote rows), or 1
- *                        with TP (every row goes to the tp ranks of its group)
+ *                        dispatch block; share = (world - 1) / world (the remote rows), 1
+ *                        with TP (every row goes to the tp ranks of its group), and on one
+ *                        GPU 1 / COMETI_MODEL_LOCAL_COPY_SPEEDUP (every row, copied locally)
  *   GEMM1 (down)         2 x rows x F x H / COMETI_MODEL_GEMM_FLOPS seconds
  *   the tail             rows x 2H bytes read back at COMETI_MODEL_TAIL_BYTES
  * Layer0, copy mode bulk: the fewest even dispatch blocks in COMETI_MODEL_MIN_DISPATCH..
  * COMETI_MODEL_MAX_DISPATCH whose copy takes no longer than GEMM0 (the largest where none
  * does), at most sm_count / 4 (at least 1). Layer1, dynamic tiles, no combine blocks, 1
- * split: the push where tp > 1 (only it sums TP partials), or where world > 1 and the tail
- * would take more than COMETI_MODEL_PUSH_SHARE of GEMM1; else the tail on every SM.
+ * split: the push where tp > 1 (only it sums TP partials), or where the tail would take
+ * more than COMETI_MODEL_PUSH_SHARE of GEMM1; else the tail on every SM. On one GPU the
+ * push sends nothing, but its epilogue still stores each row to its owner's slot once,
+ * where the tail reads GEMM1's output back (world-1 sweeps: the push 1.6-25% faster on
+ * four presets, 0.4% slower on qwen2-57b-a14b).
  * Every time grows with rows alike, so the picks do not depend on max_tokens or top_k.
  */
 void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, cometi_knobs_t *out);
