@@ -177,7 +177,8 @@ typedef struct comet_moe_config {
 
 /*
  * Fill *out with a named model's shape: "mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b",
- * "qwen2-moe-2.7b" (the COMET paper's), "tiny" (for tests). max_tokens is set to
+ * "qwen2-moe-2.7b" (the COMET paper's), "gpt-oss-120b" (its shape; its clamped SwiGLU and
+ * biases are not modelled), "tiny" (for tests). max_tokens is set to
  * `max_tokens`; ep_size and tp_size are left 0 (choose from the world size).
  * Errors: COMET_INVALID_ARGUMENT for an unknown name (the message lists the known ones).
  */
