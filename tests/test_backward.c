@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include <cuda_runtime_api.h>
@@ -29,6 +30,7 @@
 #include "comet.h"
 #include "../src/internal.h"
 #include "../src/fused.h"
+#include "../harness/data.h"
 #include "testutil.h"
 #include "gpu_util.h"
 
@@ -595,6 +597,133 @@ static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
 }
 
 int test_gpu_training_1000_steps(void) { return launch_seeded(training_steps_rank, 280); }
+
+/* ---- gpt-oss-120b's shape: hidden = ffn = 2880, off the 256 grid, 128 experts, top-4 ---- */
+
+/* The preset itself at 2048 tokens a rank (weights filled on the device: 128 experts of
+ * 3 x 2880 x 2880 are 6.4 GB), the fused path against the sequential one on the same
+ * inputs: the forward's y, then a training step's dx, d topk_weights and weight gradients,
+ * element by element (bounds as training_steps_rank's), on random and skewed routing. */
+static int gpt_oss_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    memset(&fx, 0, sizeof(fx));
+    fx.ctx = ctx;
+    if (open_comm(ctx, 20000, &fx.comm)) return 1;
+    CHECK_EQ(comet_moe_config_preset("gpt-oss-120b", 2048, &fx.cfg), COMET_SUCCESS);
+    COMET_OK(comet_moe_create(fx.comm, &fx.cfg, &fx.moe), fx.comm);
+    const int W = ctx->nranks, me = ctx->rank, H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens,
+              k = fx.cfg.top_k, E = fx.cfg.num_experts, per = E / W;
+    const size_t n_grads = (size_t)per * 3 * F * H, n_gu = (size_t)per * 2 * F * H;
+    CUDA_OK(cudaMalloc(&fx.d_gate_up, n_gu * 2));
+    CUDA_OK(cudaMalloc(&fx.d_down, (size_t)per * F * H * 2));
+    CUDA_OK(cudaMalloc(&fx.d_x, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc(&fx.d_y, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc((void **)&fx.d_ids, sizeof(int32_t) * M * k));
+    CUDA_OK(cudaMalloc((void **)&fx.d_w, sizeof(float) * M * k));
+    /* Weights uniform in +-1/sqrt(fan-in) scaled so activations stay O(1). */
+    CUDA_OK(cometi_fill_hash_bf16(fx.d_gate_up, n_gu, seed, (uint64_t)me * n_grads, 1.7f / sqrtf((float)H), 0));
+    CUDA_OK(cometi_fill_hash_bf16(fx.d_down, (size_t)per * F * H, seed + 1, (uint64_t)me * n_grads,
+                                  1.7f / sqrtf((float)F), 0));
+    void *d_dy, *d_dx[2], *g[2];
+    float *d_dw[2];
+    uint16_t *y[2], *h_dx[2], *h_g[2];
+    float *h_dw[2];
+    CUDA_OK(cudaMalloc(&d_dy, (size_t)M * H * 2));
+    for (int i = 0; i < 2; i++) {
+        CUDA_OK(cudaMalloc(&d_dx[i], (size_t)M * H * 2));
+        CUDA_OK(cudaMalloc((void **)&d_dw[i], sizeof(float) * M * k));
+        CUDA_OK(cudaMalloc(&g[i], n_grads * 2));
+        y[i] = malloc((size_t)M * H * 2), h_dx[i] = malloc((size_t)M * H * 2), h_g[i] = malloc(n_grads * 2);
+        h_dw[i] = malloc(sizeof(float) * M * k);
+    }
+    int32_t *ids = malloc(sizeof(int32_t) * M * k);
+    float *w = malloc(sizeof(float) * M * k);
+    comet_moe_saved_t saved[2];
+    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved[0]), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved[1]), COMET_SUCCESS);
+    const comet_impl_t impls[2] = {COMET_IMPL_FUSED, COMET_IMPL_BASELINE};
+    for (int c = 0; c < 2; c++) {
+        const cometi_routing_t kind = c ? COMETI_ROUTING_SKEWED : COMETI_ROUTING_RANDOM;
+        const int m = c ? M : M - 77 * (me + 1); /* odd counts, different on each rank */
+        cometi_make_routing(kind, 8.0, m, k, E, seed + c, me, ids, w);
+        CUDA_OK(cudaMemcpy(fx.d_ids, ids, sizeof(int32_t) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(fx.d_w, w, sizeof(float) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cometi_fill_hash_bf16(fx.d_x, (size_t)m * H, seed + 10 + c, (uint64_t)me * M * H, 1.0f, 0));
+        CUDA_OK(cometi_fill_hash_bf16(d_dy, (size_t)m * H, seed + 20 + c, (uint64_t)me * M * H, 1.0f, 0));
+        for (int i = 0; i < 2; i++) {
+            comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+            a.num_tokens = m, a.x = fx.d_x, a.topk_ids = fx.d_ids, a.topk_weights = fx.d_w, a.y = fx.d_y;
+            a.weights.gate_up = fx.d_gate_up, a.weights.down = fx.d_down, a.impl = impls[i];
+            CUDA_OK(cudaMemset(fx.d_y, 0xff, (size_t)M * H * 2));
+            COMET_OK(comet_moe_forward(fx.moe, &a, 0), fx.comm);
+            CUDA_OK(cudaMemcpy(y[i], fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemset(d_dx[i], 0xff, (size_t)M * H * 2));
+            CUDA_OK(cudaMemset(d_dw[i], 0xff, sizeof(float) * M * k));
+            CUDA_OK(cudaMemset(g[i], 0xff, n_grads * 2));
+            const comet_status_t st = train_step(&fx, saved[i], impls[i], m, d_dy, d_dx[i], d_dw[i], g[i],
+                                                 (char *)g[i] + n_gu * 2);
+            if (st != COMET_SUCCESS) printf("rank %d, %s: %s\n", me, i ? "sequential" : "fused",
+                                            comet_moe_last_error(fx.moe));
+            CHECK_EQ(st, COMET_SUCCESS);
+            CUDA_OK(cudaDeviceSynchronize());
+            CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+            CUDA_OK(cudaMemcpy(h_dx[i], d_dx[i], (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(h_dw[i], d_dw[i], sizeof(float) * m * k, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(h_g[i], g[i], n_grads * 2, cudaMemcpyDeviceToHost));
+        }
+        double num = 0, den = 0, y_row = 0, dx_row = 0;
+        add_error(y[0], y[1], NULL, (size_t)m, H, &num, &den, &y_row);
+        const double y_err = sqrt(num / den);
+        num = den = 0;
+        add_error(h_dx[0], h_dx[1], NULL, (size_t)m, H, &num, &den, &dx_row);
+        const double dx_err = sqrt(num / den);
+        if (!(y_err < NORM_TOL) || !(y_row < 3e-2) || !(dx_err < NORM_TOL) || !(dx_row < 3e-2)) {
+            printf("rank %d case %d: fused against sequential: y %.3g (worst row %.3g), dx %.3g (worst row %.3g)\n",
+                   me, c, y_err, y_row, dx_err, dx_row);
+            return 1;
+        }
+        double *dw_seq = malloc(sizeof(double) * m * k + 8);
+        for (size_t i = 0; i < (size_t)m * k; i++) dw_seq[i] = h_dw[1][i];
+        if (compare("d topk_weights, fused against sequential", h_dw[0], dw_seq, (size_t)m * k, (size_t)m * k, me))
+            return 1;
+        free(dw_seq);
+        size_t equal = 0;
+        for (int part = 0; part < 2; part++) { /* gate_up, down: each against its own RMS */
+            const size_t lo = part ? n_gu : 0, hi = part ? n_grads : n_gu;
+            double ss = 0;
+            for (size_t i = lo; i < hi; i++) {
+                const double b = cometi_bf16_to_float(h_g[1][i]);
+                ss += b * b;
+            }
+            const double rms = sqrt(ss / (double)(hi - lo)) + 1e-30;
+            for (size_t i = lo; i < hi; i++) {
+                const double a = cometi_bf16_to_float(h_g[0][i]), b = cometi_bf16_to_float(h_g[1][i]);
+                equal += h_g[0][i] == h_g[1][i];
+                if (!(fabs(a - b) <= SELF_TOL * fabs(b) + ELEM_TOL * rms)) {
+                    printf("rank %d case %d: %s gradient [%zu] = %.6g, sequential %.6g (RMS %.3g)\n", me, c,
+                           part ? "down" : "gate_up", i - lo, a, b, rms);
+                    return 1;
+                }
+            }
+        }
+        printf("rank %d, gpt-oss-120b, %s routing, %d tokens: fused against sequential: y %.2e, dx %.2e (worst "
+               "rows %.2e, %.2e); weight gradients %zu of %zu elements bit-equal\n", me, c ? "skewed" : "random", m,
+               y_err, dx_err, y_row, dx_row, equal, n_grads);
+    }
+    CHECK_EQ(comet_moe_saved_destroy(saved[0]), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_destroy(saved[1]), COMET_SUCCESS);
+    for (int i = 0; i < 2; i++) {
+        cudaFree(d_dx[i]), cudaFree(d_dw[i]), cudaFree(g[i]);
+        free(y[i]), free(h_dx[i]), free(h_g[i]), free(h_dw[i]);
+    }
+    cudaFree(d_dy), free(ids), free(w);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_gpt_oss_shape(void) { return launch_seeded(gpt_oss_rank, 200); }
 
 /* ---- a peer gone in the backward: COMET_TIMEOUT, not a hang (two GPUs) ---- */
 

@@ -65,7 +65,7 @@ static int check_model_definition(const comet_moe_config_t *cfg, int world, int 
 
 /* The picks are settings the operators accept (cometi_dispatch_gemm_run,
  * cometi_gemm_combine_run), whatever the shape and the GPU. */
-static int check_operator_limits(const comet_moe_config_t *cfg, int world, int sms, const cometi_knobs_t *k)
+static int check_operator_limits(const comet_moe_config_t *cfg, int sms, const cometi_knobs_t *k)
 {
     const int tile = cometi_gemm_tile_n(cfg->hidden), tiles = (cfg->hidden + tile - 1) / tile;
     CHECK(k->l0.dispatch_blocks >= 1 && k->l0.dispatch_blocks < sms);
@@ -138,7 +138,7 @@ int test_cost_model_knobs(void)
                 printf("%-16s world %d tp %d: dispatch %d, %s\n", presets[i], world, tp, k.l0.dispatch_blocks,
                        k.l1.push ? "push" : "tail");
                 CHECK_EQ(check_model_definition(&cfg, world, 132, &k), 0);
-                CHECK_EQ(check_operator_limits(&cfg, world, 132, &k), 0);
+                CHECK_EQ(check_operator_limits(&cfg, 132, &k), 0);
             }
     /* Regression guards only, each the sweeps' best or within noise of it at 8192 tokens
      * (2 x H200, 2026-11-29; 1 x H200, 2026-12-01): a change here means the model
@@ -164,7 +164,7 @@ int test_cost_model_knobs(void)
         CHECK_EQ(comet_moe_config_validate(&cfg, world, NULL, 0), COMET_SUCCESS);
         cometi_knobs_t k;
         cometi_model_knobs(&cfg, world, sms, &k);
-        if (check_model_definition(&cfg, world, sms, &k) || check_operator_limits(&cfg, world, sms, &k) ||
+        if (check_model_definition(&cfg, world, sms, &k) || check_operator_limits(&cfg, sms, &k) ||
             check_model_monotone(&cfg, world, sms, &k)) {
             printf("world %d tp %d hidden %d ffn %d tokens %d top_k %d on %d SMs\n", world, cfg.tp_size, cfg.hidden,
                    cfg.ffn, cfg.max_tokens, cfg.top_k, sms);
