@@ -1,0 +1,248 @@
+/*
+ * test_training.c - training steps through comet.h on the GPU, the fused path against the
+ * sequential one: 1,000 steps with changing routing and token counts (no drift, no
+ * growth), and gpt-oss-120b's shape (hidden = ffn = 2880, off the 256 grid, 128 experts,
+ * top-4) at full size. Any world size (one GPU: world 1). Tolerances: train_util.h.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include "comet.h"
+#include "../src/internal.h"
+#include "../harness/data.h"
+#include "testutil.h"
+#include "gpu_util.h"
+#include "train_util.h"
+
+/* ---- 1,000 training steps: changing routing and token counts, no drift, no growth ---- */
+
+static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    uint64_t rng = seed * 13 + 3;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 512, 0, 0, 0}; /* dW2 of 4 row tiles */
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    const int H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens, k = fx.cfg.top_k, E = fx.cfg.num_experts,
+              per = fx.per, me = ctx->rank;
+    const size_t n_grads = (size_t)per * 3 * F * H; /* gate_up, then down */
+    uint16_t *g_fused = malloc(n_grads * 2), *g_seq = malloc(n_grads * 2);
+    size_t grads_equal = 0, grads_compared = 0;
+    double grads_worst = 0;
+    int32_t *ids = malloc(sizeof(int32_t) * M * k);
+    float *w = malloc(sizeof(float) * M * k);
+    uint16_t *want = malloc((size_t)M * H * 2), *got = malloc((size_t)M * H * 2);
+    void *d_dy, *d_dx, *d_dx_seq, *g_gu, *g_dn;
+    float *d_dw;
+    CUDA_OK(cudaMalloc(&d_dy, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc(&d_dx, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc(&d_dx_seq, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc((void **)&d_dw, sizeof(float) * M * k));
+    CUDA_OK(cudaMalloc(&g_gu, n_grads * 2));
+    g_dn = (char *)g_gu + (size_t)per * 2 * F * H * 2;
+    void *g_seq_dev;
+    CUDA_OK(cudaMalloc(&g_seq_dev, n_grads * 2));
+    /* The fused steps' saved state over memory of the test's own (a framework's allocator). */
+    comet_moe_saved_t saved, saved_seq;
+    size_t bytes = 0;
+    CHECK_EQ(comet_moe_saved_bytes(fx.moe, NULL, &bytes), COMET_SUCCESS);
+    void *memory;
+    CUDA_OK(cudaMalloc(&memory, bytes));
+    CHECK_EQ(comet_moe_saved_create_in(fx.moe, NULL, memory, bytes - 1, &saved), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "comet_moe_saved_bytes");
+    CHECK_EQ(comet_moe_saved_create_in(fx.moe, NULL, (char *)memory + 16, bytes, &saved), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "256-byte aligned");
+    CHECK_EQ(comet_moe_saved_create_in(fx.moe, NULL, NULL, bytes, &saved), COMET_INVALID_ARGUMENT);
+    CHECK_EQ(comet_moe_saved_create_in(fx.moe, NULL, memory, bytes, &saved), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved_seq), COMET_SUCCESS);
+    /* Growth is summed over the stretches where only the fused path ran (the sequential
+     * checks load cuBLAS kernels lazily, shape by shape). The fused path allocates nothing
+     * per call, so its device memory may not grow at all; host pages may float by glibc's
+     * trim threshold (128 KiB) twice over, which a leak of 300 bytes a step would pass. */
+    const int steps = 1000, every = 50;
+    memory_mark_t stretch = {0, 0}, now;
+    long long dev_growth = 0;
+    long page_growth = 0;
+    double worst = 0;
+    for (int step = 0; step < steps; step++) {
+        const int tokens[2] = {(int)(cometi_rand_next(&rng) % (M + 1)), (int)(cometi_rand_next(&rng) % (M + 1))};
+        const cometi_routing_t kind = (cometi_routing_t)(cometi_rand_next(&rng) % 4);
+        const int m = tokens[me % 2];
+        cometi_make_routing(kind, kind == COMETI_ROUTING_ONE_EXPERT ? (double)(step % E) : 8.0, m, k, E, seed + step,
+                            me, ids, w);
+        CUDA_OK(cudaMemcpy(fx.d_ids, ids, sizeof(int32_t) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(fx.d_w, w, sizeof(float) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cometi_fill_hash_bf16(fx.d_x, (size_t)m * H, seed + step, (uint64_t)me * M * H, 1.0f, 0));
+        CUDA_OK(cometi_fill_hash_bf16(d_dy, (size_t)m * H, seed + step + 7777, (uint64_t)me * M * H, 1.0f, 0));
+        const int check = step % every == every - 1;
+        if (check) CUDA_OK(cudaMemset(d_dx, 0xff, (size_t)M * H * 2));
+        comet_status_t st = train_step(&fx, saved, COMET_IMPL_FUSED, m, d_dy, d_dx, d_dw, g_gu, g_dn);
+        if (st != COMET_SUCCESS) printf("step %d: %s\n", step, comet_moe_last_error(fx.moe));
+        CHECK_EQ(st, COMET_SUCCESS);
+        if (!check) continue;
+        if (step > every) {
+            CHECK_EQ(memory_mark(&now), 0);
+            dev_growth += now.device_used - stretch.device_used;
+            page_growth += now.host_pages - stretch.host_pages;
+        }
+        CHECK_EQ(train_step(&fx, saved_seq, COMET_IMPL_BASELINE, m, d_dy, d_dx_seq, d_dw, g_seq_dev,
+                            (char *)g_seq_dev + (size_t)per * 2 * F * H * 2), COMET_SUCCESS);
+        CUDA_OK(cudaDeviceSynchronize());
+        CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+        /* The weight gradients too, element by element (the fused path's GEMMs sum in the
+         * order cuBLAS does here, so most come out bit-equal). */
+        CUDA_OK(cudaMemcpy(g_fused, g_gu, n_grads * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(g_seq, g_seq_dev, n_grads * 2, cudaMemcpyDeviceToHost));
+        char who[96];
+        snprintf(who, sizeof(who), "step %d (%d tokens, routing %d), fused against sequential", step, m, (int)kind);
+        if (compare_grads(who, g_fused, g_seq, (size_t)per * 2 * F * H, n_grads, &grads_equal, &grads_worst)) return 1;
+        grads_compared += n_grads;
+        CUDA_OK(cudaMemcpy(want, d_dx_seq, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(got, d_dx, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0, row = 0;
+        add_error(got, want, NULL, (size_t)m, H, &num, &den, &row);
+        const double e = den > 0 ? sqrt(num / den) : sqrt(num);
+        if (!(e <= worst)) worst = e;
+        if (!(e < NORM_TOL) || !(row < 3e-2)) {
+            printf("step %d (%d tokens, routing %d): fused dx against the sequential %.3g (worst row %.3g)\n", step,
+                   m, (int)kind, e, row);
+            return 1;
+        }
+        CHECK_EQ(memory_mark(&stretch), 0);
+    }
+    const long page_kb = sysconf(_SC_PAGESIZE) / 1024;
+    printf("rank %d: %d fused training steps, against the sequential path every %dth: dx worst %.2e, weight "
+           "gradients worst |diff| / RMS %.2e (%zu of %zu elements bit-equal); growth over the fused stretches "
+           "after step %d: device %lld bytes, host resident %ld KiB\n", me, steps, every, worst, grads_worst,
+           grads_equal, grads_compared, every, dev_growth, page_growth * page_kb);
+    CHECK(dev_growth == 0);
+    CHECK(page_growth * page_kb <= 256);
+    CHECK_EQ(comet_moe_saved_destroy(saved), COMET_SUCCESS);
+    CUDA_OK(cudaFree(memory)); /* the caller's: destroy left it */
+    CHECK_EQ(comet_moe_saved_destroy(saved_seq), COMET_SUCCESS);
+    free(ids), free(w), free(want), free(got), free(g_fused), free(g_seq);
+    cudaFree(d_dy), cudaFree(d_dx), cudaFree(d_dx_seq), cudaFree(d_dw), cudaFree(g_gu), cudaFree(g_seq_dev);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_training_1000_steps(void) { return launch_seeded(training_steps_rank, 280); }
+
+/* ---- gpt-oss-120b's shape: hidden = ffn = 2880, off the 256 grid, 128 experts, top-4 ---- */
+
+/* The preset itself at 2048 tokens a rank (weights filled on the device: 128 experts of
+ * 3 x 2880 x 2880 are 6.4 GB), the fused path against the sequential one on the same
+ * inputs: the forward's y, then a training step's dx, d topk_weights and weight gradients,
+ * element by element (bounds as training_steps_rank's), on random and skewed routing. */
+static int gpt_oss_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    memset(&fx, 0, sizeof(fx));
+    fx.ctx = ctx;
+    if (open_comm(ctx, 20000, &fx.comm)) return 1;
+    CHECK_EQ(comet_moe_config_preset("gpt-oss-120b", 2048, &fx.cfg), COMET_SUCCESS);
+    COMET_OK(comet_moe_create(fx.comm, &fx.cfg, &fx.moe), fx.comm);
+    const int W = ctx->nranks, me = ctx->rank, H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens,
+              k = fx.cfg.top_k, E = fx.cfg.num_experts, per = E / W;
+    const size_t n_grads = (size_t)per * 3 * F * H, n_gu = (size_t)per * 2 * F * H;
+    CUDA_OK(cudaMalloc(&fx.d_gate_up, n_gu * 2));
+    CUDA_OK(cudaMalloc(&fx.d_down, (size_t)per * F * H * 2));
+    CUDA_OK(cudaMalloc(&fx.d_x, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc(&fx.d_y, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc((void **)&fx.d_ids, sizeof(int32_t) * M * k));
+    CUDA_OK(cudaMalloc((void **)&fx.d_w, sizeof(float) * M * k));
+    /* Weights uniform in +-1/sqrt(fan-in) scaled so activations stay O(1). */
+    CUDA_OK(cometi_fill_hash_bf16(fx.d_gate_up, n_gu, seed, (uint64_t)me * n_grads, 1.7f / sqrtf((float)H), 0));
+    CUDA_OK(cometi_fill_hash_bf16(fx.d_down, (size_t)per * F * H, seed + 1, (uint64_t)me * n_grads,
+                                  1.7f / sqrtf((float)F), 0));
+    void *d_dy, *d_dx[2], *g[2];
+    float *d_dw[2];
+    uint16_t *y[2], *h_dx[2], *h_g[2];
+    float *h_dw[2];
+    CUDA_OK(cudaMalloc(&d_dy, (size_t)M * H * 2));
+    for (int i = 0; i < 2; i++) {
+        CUDA_OK(cudaMalloc(&d_dx[i], (size_t)M * H * 2));
+        CUDA_OK(cudaMalloc((void **)&d_dw[i], sizeof(float) * M * k));
+        CUDA_OK(cudaMalloc(&g[i], n_grads * 2));
+        y[i] = malloc((size_t)M * H * 2), h_dx[i] = malloc((size_t)M * H * 2), h_g[i] = malloc(n_grads * 2);
+        h_dw[i] = malloc(sizeof(float) * M * k);
+    }
+    int32_t *ids = malloc(sizeof(int32_t) * M * k);
+    float *w = malloc(sizeof(float) * M * k);
+    comet_moe_saved_t saved[2];
+    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved[0]), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved[1]), COMET_SUCCESS);
+    const comet_impl_t impls[2] = {COMET_IMPL_FUSED, COMET_IMPL_BASELINE};
+    for (int c = 0; c < 2; c++) {
+        const cometi_routing_t kind = c ? COMETI_ROUTING_SKEWED : COMETI_ROUTING_RANDOM;
+        const int m = c ? M : M - 77 * (me + 1); /* odd counts, different on each rank */
+        cometi_make_routing(kind, 8.0, m, k, E, seed + c, me, ids, w);
+        CUDA_OK(cudaMemcpy(fx.d_ids, ids, sizeof(int32_t) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(fx.d_w, w, sizeof(float) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cometi_fill_hash_bf16(fx.d_x, (size_t)m * H, seed + 10 + c, (uint64_t)me * M * H, 1.0f, 0));
+        CUDA_OK(cometi_fill_hash_bf16(d_dy, (size_t)m * H, seed + 20 + c, (uint64_t)me * M * H, 1.0f, 0));
+        for (int i = 0; i < 2; i++) {
+            comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+            a.num_tokens = m, a.x = fx.d_x, a.topk_ids = fx.d_ids, a.topk_weights = fx.d_w, a.y = fx.d_y;
+            a.weights.gate_up = fx.d_gate_up, a.weights.down = fx.d_down, a.impl = impls[i];
+            CUDA_OK(cudaMemset(fx.d_y, 0xff, (size_t)M * H * 2));
+            COMET_OK(comet_moe_forward(fx.moe, &a, 0), fx.comm);
+            CUDA_OK(cudaMemcpy(y[i], fx.d_y, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemset(d_dx[i], 0xff, (size_t)M * H * 2));
+            CUDA_OK(cudaMemset(d_dw[i], 0xff, sizeof(float) * M * k));
+            CUDA_OK(cudaMemset(g[i], 0xff, n_grads * 2));
+            const comet_status_t st = train_step(&fx, saved[i], impls[i], m, d_dy, d_dx[i], d_dw[i], g[i],
+                                                 (char *)g[i] + n_gu * 2);
+            if (st != COMET_SUCCESS) printf("rank %d, %s: %s\n", me, i ? "sequential" : "fused",
+                                            comet_moe_last_error(fx.moe));
+            CHECK_EQ(st, COMET_SUCCESS);
+            CUDA_OK(cudaDeviceSynchronize());
+            CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+            CUDA_OK(cudaMemcpy(h_dx[i], d_dx[i], (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(h_dw[i], d_dw[i], sizeof(float) * m * k, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(h_g[i], g[i], n_grads * 2, cudaMemcpyDeviceToHost));
+        }
+        double num = 0, den = 0, y_row = 0, dx_row = 0;
+        add_error(y[0], y[1], NULL, (size_t)m, H, &num, &den, &y_row);
+        const double y_err = sqrt(num / den);
+        num = den = 0;
+        add_error(h_dx[0], h_dx[1], NULL, (size_t)m, H, &num, &den, &dx_row);
+        const double dx_err = sqrt(num / den);
+        if (!(y_err < NORM_TOL) || !(y_row < 3e-2) || !(dx_err < NORM_TOL) || !(dx_row < 3e-2)) {
+            printf("rank %d case %d: fused against sequential: y %.3g (worst row %.3g), dx %.3g (worst row %.3g)\n",
+                   me, c, y_err, y_row, dx_err, dx_row);
+            return 1;
+        }
+        double *dw_seq = malloc(sizeof(double) * m * k + 8);
+        for (size_t i = 0; i < (size_t)m * k; i++) dw_seq[i] = h_dw[1][i];
+        if (compare("d topk_weights, fused against sequential", h_dw[0], dw_seq, (size_t)m * k, (size_t)m * k, me))
+            return 1;
+        free(dw_seq);
+        size_t equal = 0;
+        double worst_grad = 0;
+        char who[64];
+        snprintf(who, sizeof(who), "rank %d case %d, fused against sequential", me, c);
+        if (compare_grads(who, h_g[0], h_g[1], n_gu, n_grads, &equal, &worst_grad)) return 1;
+        printf("rank %d, gpt-oss-120b, %s routing, %d tokens: fused against sequential: y %.2e, dx %.2e (worst "
+               "rows %.2e, %.2e); weight gradients %zu of %zu elements bit-equal\n", me, c ? "skewed" : "random", m,
+               y_err, dx_err, y_row, dx_row, equal, n_grads);
+    }
+    CHECK_EQ(comet_moe_saved_destroy(saved[0]), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_saved_destroy(saved[1]), COMET_SUCCESS);
+    for (int i = 0; i < 2; i++) {
+        cudaFree(d_dx[i]), cudaFree(d_dw[i]), cudaFree(g[i]);
+        free(y[i]), free(h_dx[i]), free(h_g[i]), free(h_dw[i]);
+    }
+    cudaFree(d_dy), free(ids), free(w);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_gpt_oss_shape(void) { return launch_seeded(gpt_oss_rank, 200); }
