@@ -167,8 +167,8 @@ static int check_settings(const tuning_line_t *l, int sm_count, char *why, size_
         return field_error(why, len, F_COMBINE, "%d: must be 0..%d (the rest of the %d SMs compute)", v[F_COMBINE],
                            sm_count - 1, sm_count);
     if (v[F_SPLITS] < 1 || v[F_SPLITS] > COMETI_MAX_SPLITS || col_tiles % v[F_SPLITS])
-        return field_error(why, len, F_SPLITS, "%d: must be 1..%d and divide the %d column tiles of hidden = %d",
-                           v[F_SPLITS], COMETI_MAX_SPLITS, col_tiles, v[F_HIDDEN]);
+        return field_error(why, len, F_SPLITS, "%d: must be 1..%d and divide the %d column tiles (%d wide) of "
+                           "hidden = %d", v[F_SPLITS], COMETI_MAX_SPLITS, col_tiles, tile, v[F_HIDDEN]);
     if (v[F_SPLITS] > 1 && v[F_HIDDEN] % tile)
         return field_error(why, len, F_SPLITS, "%d: hidden = %d is not a multiple of the %d-column tile, so its "
                            "last tile is partial and only 1 split is possible", v[F_SPLITS], v[F_HIDDEN], tile);

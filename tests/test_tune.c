@@ -346,11 +346,14 @@ int test_tuning_file_limits(void)
         {"2 64 4 2048 1408 4096 : 8 fast 0 1 dynamic push", "line 3: field 8 (copy) = 'fast': must be bulk or stores"},
         {"2 64 4 2048 1408 4096 : 8 bulk 500 4 dynamic notail", "line 3: field 9 (combine_blocks) = 500: must be 0..131"},
         {"2 64 4 2048 1408 4096 : 8 bulk 8 7 dynamic notail",
-         "line 3: field 10 (splits) = 7: must be 1..32 and divide the 8 column tiles of hidden = 2048"},
+         "line 3: field 10 (splits) = 7: must be 1..32 and divide the 8 column tiles (256 wide) of hidden = 2048"},
         {"2 64 4 2048 1408 4096 : 8 bulk 8 64 dynamic notail", "field 10 (splits) = 64: must be 1..32"},
-        /* gpt-oss-120b's hidden: 23 tiles of 128, the last partial, so 23 splits divide but are refused. */
+        /* gpt-oss-120b's hidden: 12 tiles of 256, the last partial, so 12 splits divide but are refused. */
         {"2 128 4 2880 2880 4096 : 8 bulk 8 12 dynamic notail",
          "field 10 (splits) = 12: hidden = 2880 is not a multiple of the 256-column tile"},
+        /* 1408 ran 11 tiles of 128 before tiles were chosen by waste; now 6 of 256: say so. */
+        {"2 64 4 1408 1408 4096 : 8 bulk 8 11 dynamic notail",
+         "field 10 (splits) = 11: must be 1..32 and divide the 6 column tiles (256 wide) of hidden = 1408"},
         {"2 64 4 2048 1408 4096 : 8 bulk 8 0 dynamic notail", "field 10 (splits) = 0: must be 1..32"},
         {"2 64 4 2048 1408 4096 : 8 bulk 8 2 random notail", "line 3: field 11 (tiles) = 'random'"},
         {"2 64 4 2048 1408 4096 : 8 bulk 0 1 dynamic pull", "field 12 (layer1) = 'pull': must be tail, notail or push"},

@@ -33,7 +33,7 @@ def check(cond, msg):
 
 
 def compare_grad(c, what, got, ref, ref_bf16=False):
-    """got against the float32 reference: no NaN, norm-wise and element by element (see
+    """got against the reference (float32 unless ref_bf16): no NaN, norm-wise and element by element (see
     the module's note). ref_bf16: the reference is itself a bf16 computation with roundings
     of its own, as many as comet's, so the difference may reach the sum of both errors:
     every tolerance doubles. A miss is recorded (the rank goes on with the collective
