@@ -25,14 +25,16 @@ static int model_dispatch_blocks(const comet_moe_config_t *cfg, int world, int s
 {
     const int tp = cfg_tp(cfg);
     const double H = cfg->hidden, F = (double)cfg->ffn / tp;
-    const double remote = world > 1 ? (double)(world - 1) / world : 1.0 / COMETI_MODEL_LOCAL_COPY_SPEEDUP;
+    /* The copy's share of the rows (tune.h): the remote ones, or on one GPU every row at the
+     * local copy's faster rate. */
+    const double share = world > 1 ? (double)(world - 1) / world : 1.0 / COMETI_MODEL_LOCAL_COPY_SPEEDUP;
     /* GEMM0 is gate and up: 2F columns. With TP the dispatch blocks copy every row to the
      * tp ranks of its group, the local copy included: a TP rank after the group's first has
      * no local rows at the head of its segments, so its first tiles wait for the copies too
      * (2 x H200, EP 1 x TP 2: the best counts were 6-8 blocks on mixtral-8x7b and 16 or
      * more on phi-3.5-moe and qwen2-57b-a14b). */
     const double gemm0_s = 2.0 * 2 * F * H / COMETI_MODEL_GEMM_FLOPS;
-    const double copy_bytes = (tp > 1 ? 1.0 : remote) * H * 2;
+    const double copy_bytes = (tp > 1 ? 1.0 : share) * H * 2;
     int blocks = (int)ceil(copy_bytes / (gemm0_s * COMETI_MODEL_DISPATCH_BYTES_PER_SM));
     blocks = clamp(blocks + (blocks & 1), COMETI_MODEL_MIN_DISPATCH, COMETI_MODEL_MAX_DISPATCH);
     /* Small GPUs keep most SMs for GEMM0; at least 1 block, which 2 SMs can give. */
