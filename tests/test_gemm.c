@@ -458,6 +458,13 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const size_t trace_words = (size_t)sms * COMETI_TILE_TRACE_WORDS;
     unsigned long long *trace, *trace_host = malloc(trace_words * sizeof(unsigned long long));
     CUDA_OK(cudaMalloc((void **)&trace, trace_words * sizeof(unsigned long long)));
+    /* SwiGLU's gate and up kept (training), [gu_rows][2 n_out]: rows from gu_rows on are not
+     * kept (a full tile of group 2 straddles it). TMA epilogue: full tiles by TMA stores
+     * (gu 16-byte aligned); direct: gu 4 bytes past that, so every row goes from registers. */
+    const int gu_rows = 300;
+    uint16_t *gu16 = malloc((size_t)rows * 2 * n * 2);
+    unsigned char *gu_mem;
+    CUDA_OK(cudaMalloc((void **)&gu_mem, (size_t)rows * 2 * n * 2 + 16));
     for (int mode = 0; mode < 6; mode++) {
         const int n_out = mode == 4 ? n_ragged : n; /* columns computed; C rows stay n apart */
         const int used_groups = mode == 5 ? 1 : groups; /* one expert per rank (EP = E) */
@@ -477,6 +484,9 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
              * a tensor of its own by using the gate copy. */
             if (mode == 2 || mode == 3) g.b = gate;
             if (!pingpong) g.tile_trace = trace;
+            uint16_t *gu = (uint16_t *)(gu_mem + (epi == COMETI_EPILOGUE_TMA ? 0 : 4));
+            if (g.swiglu) g.gu = gu, g.gu_rows = gu_rows;
+            CUDA_OK(cudaMemset(gu_mem, 0xff, (size_t)rows * 2 * n * 2 + 16));
             CUDA_OK(cudaMemset(trace, 0, trace_words * sizeof(unsigned long long)));
             CUDA_OK(cudaMemset(c, 0xff, nc * 2));
             char err[COMETI_ERR_LEN];
@@ -506,6 +516,11 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 free(seen);
             }
             CUDA_OK(cudaMemcpy(c16, c, nc * 2, cudaMemcpyDeviceToHost));
+            CUDA_OK(cudaMemcpy(gu16, gu, (size_t)rows * 2 * n_out * 2, cudaMemcpyDeviceToHost));
+            /* A kept g or u is its fp32 sum rounded to bf16 once: within 2^-8 of the float64
+             * sum, relative, plus the fp32 sum's own error (k = 256 products under 1/4). */
+            int gu_bad = 0;
+            char *kept = calloc((size_t)rows, 1);
             double worst = 0;
             char *written = calloc((size_t)rows, 1);
             for (int gi = 0; gi < used_groups; gi++) {
@@ -521,6 +536,14 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
                         for (int q = 0; q < k; q++) {
                             gsum += (double)af[(size_t)src * k + q] * wg[q];
                             usum += (double)af[(size_t)src * k + q] * wu[q];
+                        }
+                        if (g.swiglu && src < gu_rows) {
+                            const double kg = cometi_bf16_to_float(gu16[(size_t)src * 2 * n_out + j]),
+                                         ku = cometi_bf16_to_float(gu16[(size_t)src * 2 * n_out + n_out + j]);
+                            if (!(fabs(kg - gsum) <= 0x1p-8 * fabs(gsum) + 1e-4) ||
+                                !(fabs(ku - usum) <= 0x1p-8 * fabs(usum) + 1e-4))
+                                gu_bad++;
+                            kept[src] = 1;
                         }
                         double ref = mode <= 1 || mode >= 4 ? cometi_swiglu(gsum, usum)
                                      : mode == 2             ? scale[src] * gsum
@@ -540,9 +563,19 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 if (!written[r])
                     for (int j = 0; j < n; j++) CHECK_EQ(c16[(size_t)r * n + j], 0xffff);
             free(written);
-            printf("%-26s %-6s epilogue %-11s: worst row relative error %.2e\n", names[mode],
-                   epi == COMETI_EPILOGUE_TMA ? "TMA" : "direct", pingpong ? "ping-pong" : "cooperative", worst);
+            /* Rows not kept (padding, past gu_rows) keep their poison. */
+            int gu_poison_lost = 0;
+            if (g.swiglu)
+                for (int r = 0; r < rows; r++)
+                    for (int j = 0; j < 2 * n_out && !kept[r]; j++)
+                        gu_poison_lost += gu16[(size_t)r * 2 * n_out + j] != 0xffff;
+            free(kept);
+            printf("%-26s %-6s epilogue %-11s: worst row relative error %.2e%s\n", names[mode],
+                   epi == COMETI_EPILOGUE_TMA ? "TMA" : "direct", pingpong ? "ping-pong" : "cooperative", worst,
+                   g.swiglu ? ", gate and up kept" : "");
             CHECK(worst < 1e-2);
+            CHECK_EQ(gu_bad, 0);
+            CHECK_EQ(gu_poison_lost, 0);
         }
     }
     cometi_gemm_t bad = {.a = a, .a_rows = rows, .b = b, .c = c, .ldc = n, .segs = segs, .groups = groups, .n = n,
@@ -551,9 +584,9 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(cometi_gemm_run(err, &bad, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(err, "block_n = 128 with swiglu");
     free(a16), free(b16), free(c16), free(gate16), free(up16), free(af), free(bf), free(scale), free(index);
-    free(ragged16), free(trace_host);
+    free(ragged16), free(trace_host), free(gu16);
     cudaFree(a), cudaFree(b), cudaFree(gate), cudaFree(up), cudaFree(c), cudaFree(d_scale), cudaFree(d_index);
-    cudaFree(ragged), cudaFree(trace);
+    cudaFree(ragged), cudaFree(trace), cudaFree(gu_mem);
     cudaFree(segs);
     return 0;
 }

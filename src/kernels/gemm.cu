@@ -36,7 +36,7 @@ template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG, boo
 static __global__ void __launch_bounds__(THREADS, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const __grid_constant__ CUtensorMap map_up, const __grid_constant__ CUtensorMap map_c,
-                    cometi_gemm_args_t p)
+                    const __grid_constant__ CUtensorMap map_gu, cometi_gemm_args_t p)
 {
     /* Output columns per tile: SwiGLU pairs gate column c with up column c + BN/2. */
     const int ON = SWIGLU ? BN / 2 : BN;
@@ -112,6 +112,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
         if (TMA_EPILOGUE) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_c) : "memory");
         if (SWIGLU) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_up) : "memory");
+        if (SWIGLU && p.gu_tma) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_gu) : "memory");
     }
     __syncthreads();
     const int per_split = sm.first_tile[2 * p.groups];
@@ -231,8 +232,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         consume_unit<BN, STAGES, TM, PINGPONG, B_MN, WGRAD>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1,
                                                              &pos, &sm.turn[half ^ 1]);
         if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN>(acc, p, tail, t, k_blocks)) continue;
-        store_tile<BN, TMA_EPILOGUE, SWIGLU, TM, WGRAD>(acc, p, &map_c, sm.c, tl, seg, part, half, split_tiles, push,
-                                                       &st, kb1 <= un.kb0);
+        store_tile<BN, TMA_EPILOGUE, SWIGLU, TM, WGRAD>(acc, p, &map_c, &map_gu, sm.c, tl, seg, part, half,
+                                                       split_tiles, push, &st, kb1 <= un.kb0);
     }
     if (recorder) trace[3] = cometi_globaltimer_ns();
     finish_stores<TMA_EPILOGUE>(p, half, &st);
@@ -267,7 +268,7 @@ static comet_status_t launch(char *err, const cometi_gemm_maps_t *m, const comet
     const cudaLaunchConfig_t cfg = cometi_pdl_config(blocks, THREADS, smem, stream, pdl);
     return cometi_cuda(err,
                        cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG, B_MN, WGRAD>, m->a,
-                                          m->b, m->up, m->c, *args),
+                                          m->b, m->up, m->c, m->gu, *args),
                        "launch grouped_gemm_kernel");
 }
 

@@ -146,8 +146,10 @@ typedef struct cometi_gemm {
     int swiglu;                    /* C = silu(A Bgate^T) * (A Bup^T), n = F columns (128-wide tiles) */
     const float *row_scale;        /* C row r scaled by row_scale[r] (A row numbering), or NULL */
     void *gu;                      /* swiglu, training: each row's gate and up projections kept too,
-                                    * bf16 [gu_rows][2n] (gate columns, then up), straight from
-                                    * registers; rows at or past gu_rows are not kept. NULL: not kept */
+                                    * bf16 [gu_rows][2n] (gate columns, then up): full tiles' by TMA
+                                    * stores where C leaves that way and gu is 16-byte aligned, the
+                                    * rest straight from registers; rows at or past gu_rows are not
+                                    * kept. NULL: not kept */
     int64_t gu_rows;
     void *dswiglu_gu;              /* the backward's dgrad of W2 (no SwiGLU, no wgrad): SwiGLU's backward
                                     * in the epilogue. dswiglu_gu [gu_rows][2n] holds the forward's g and

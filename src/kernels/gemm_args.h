@@ -40,6 +40,7 @@ typedef struct cometi_gemm_args {
     void *c;                             /* bf16; fp32 with c_fp32_add */
     int c_fp32_add;                      /* wgrad: C += the tile, fp32 */
     void *gu;                            /* swiglu: gate and up kept, [gu_rows][2n] bf16, or NULL */
+    int gu_tma;                          /* full tiles' gate and up leave by TMA stores (map gu) */
     void *dswiglu_gu;                    /* the dgrad of W2's epilogue: g, u in; dg, du out; C = act */
     long long gu_rows;
     cometi_async_error_t *err;
@@ -51,7 +52,7 @@ typedef struct cometi_gemm_args {
 } cometi_gemm_args_t;
 
 typedef struct cometi_gemm_maps {
-    CUtensorMap a, b, up, c;
+    CUtensorMap a, b, up, c, gu; /* gu: [gu_rows][2][n], the kept gate and up halves */
 } cometi_gemm_maps_t;
 
 /* What cometi_gemm_prepared_t holds. */

@@ -130,7 +130,8 @@ static __device__ __forceinline__ bool exchange_cut_partials(float *acc, const c
  * `split_tiles`: column tiles per split; `empty` (with MAY_BE_EMPTY): the tile had no k. */
 template <int BN, bool TMA_EPILOGUE, bool SWIGLU, int TM, bool MAY_BE_EMPTY>
 static __device__ __forceinline__ void store_tile(const float *acc, const cometi_gemm_args_t &p,
-                                                  const CUtensorMap *map_c, unsigned char *sc, tile_t tl,
+                                                  const CUtensorMap *map_c, const CUtensorMap *map_gu,
+                                                  unsigned char *sc, tile_t tl,
                                                   cometi_segment_t seg, int part, int half, int split_tiles,
                                                   const push_rows_t &push, epilogue_state_t *st, bool empty)
 {
@@ -154,8 +155,37 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     (zero ? 0.0f                                                                                               \
           : SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)] \
                    : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
-    /* Training: the gate and up projections kept beside the activation, for the backward. */
-    if (SWIGLU && p.gu) {
+    /* Training: the gate and up projections kept beside the activation, for the backward.
+     * A full tile's leave like C's boxes, through the staging: the gate half, then the up
+     * half, each into the gu map's matching half (a box past n or gu_rows is clipped);
+     * other tiles' straight from registers. Both are the same bf16 values. */
+    const bool full_tile = tl.m * TM + TM <= seg.rows;
+    if (SWIGLU && TMA_EPILOGUE && p.gu && p.gu_tma && full_tile) {
+        unsigned char *stage = sc + half * (64 * ON * 2);
+#pragma unroll
+        for (int which = 0; which < 2; which++) { /* 0: gate, 1: up */
+            if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the last store has read the staging */
+            warpgroup_sync(1 + half);
+#pragma unroll
+            for (int j = 0; j < ON / 8; j++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float *v = &acc[(j + which * (BN / 16)) * 4 + 2 * h];
+                    __nv_bfloat162 x = __floats2bfloat162_rn(v[0], v[1]);
+                    unsigned char *dst = stage + swizzled_chunk(j, r_lo + 8 * h) + (lane % 4) * 4;
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&x) : "memory");
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
+            warpgroup_sync(1 + half);
+            if (threadIdx.x % 128 == 0) {
+#pragma unroll
+                for (int box = 0; box < ON / 64; box++)
+                    tma_store_3d(map_gu, stage + box * 8192, tl.n * ON + box * 64, which, (int)(seg.start + part));
+                bulk_commit();
+            }
+        }
+    } else if (SWIGLU && p.gu) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const long long row = seg.start + row0 + 8 * h;
@@ -202,7 +232,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         }
         return;
     }
-    if (push_whole || (TMA_EPILOGUE && !p.push_dest && !p.row_index && !p.dswiglu_gu && tl.m * TM + TM <= seg.rows)) {
+    if (push_whole || (TMA_EPILOGUE && !p.push_dest && !p.row_index && !p.dswiglu_gu && full_tile)) {
         /* Into shared memory as ON/64 swizzled boxes (swizzled_chunk), then one thread
          * stores the boxes asynchronously: to C, or to a push part's owner. */
         unsigned char *stage_c = sc + half * (64 * ON * 2);

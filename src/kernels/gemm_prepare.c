@@ -29,27 +29,37 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled(void)
     return fn;
 }
 
+/* A bf16 tensor of `rank` (2 or 3) dimensions, innermost first, with the outer ones'
+ * strides in elements, in boxes of `box` with 128-byte swizzle (64 elements innermost).
+ * Boxes past an extent read zeros and store nothing there. */
+static comet_status_t encode_map(char *err, CUtensorMap *map, const void *base, int rank, const uint64_t *dims,
+                                 const uint64_t *stride_elems, const uint32_t *box, const char *what)
+{
+    PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
+    if (!encode) return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled is not available from the driver");
+    cuuint64_t d[3] = {dims[0], dims[1], rank > 2 ? dims[2] : 1}, strides[2] = {stride_elems[0] * 2, 0};
+    cuuint32_t b[3] = {box[0], box[1], rank > 2 ? box[2] : 1}, elem[3] = {1, 1, 1};
+    if (rank > 2) strides[1] = stride_elems[1] * 2;
+    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, d, strides, b, elem,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled(%s: %llu x %llu x %llu, box %u x %u x %u) "
+                           "failed: error %d", what, (unsigned long long)d[2], (unsigned long long)d[1],
+                           (unsigned long long)d[0], b[2], b[1], b[0], (int)r);
+    return COMET_SUCCESS;
+}
+
 /* A bf16 tensor [outer2][outer][inner] with rows `row_elems` and matrices `mat_elems`
  * elements apart (mat_elems 0: a 2D tensor [outer][inner]; otherwise 3D even when
- * outer2 is 1, since the kernel's loads from it are 3D), in boxes of box_outer x 64 with
- * 128-byte swizzle. Boxes past `inner` or `outer` read zeros and store nothing there. */
+ * outer2 is 1, since the kernel's loads from it are 3D), in boxes of box_outer x 64. */
 static comet_status_t make_map_3d(char *err, CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
                                   uint64_t outer2, uint64_t row_elems, uint64_t mat_elems, uint32_t box_outer,
                                   const char *what)
 {
-    PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
-    if (!encode) return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled is not available from the driver");
-    const cuuint32_t rank = mat_elems ? 3 : 2;
-    cuuint64_t dims[3] = {inner, outer, outer2}, strides[2] = {row_elems * 2, mat_elems * 2};
-    cuuint32_t box[3] = {COMETI_GEMM_BK, box_outer, 1}, elem[3] = {1, 1, 1};
-    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, (void *)base, dims, strides, box, elem,
-                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS)
-        return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled(%s: %llu x %llu x %llu, box %u x %d) failed: "
-                           "error %d", what, (unsigned long long)outer2, (unsigned long long)outer,
-                           (unsigned long long)inner, box_outer, COMETI_GEMM_BK, (int)r);
-    return COMET_SUCCESS;
+    const uint64_t dims[3] = {inner, outer, outer2}, strides[2] = {row_elems, mat_elems};
+    const uint32_t box[3] = {COMETI_GEMM_BK, box_outer, 1};
+    return encode_map(err, map, base, mat_elems ? 3 : 2, dims, strides, box, what);
 }
 
 static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
@@ -137,7 +147,7 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, int *block_n
     if (g->schedule == COMETI_SCHEDULE_PINGPONG && block_n != 256)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ping-pong schedule: built for block_n 256 only");
     if (g->gu && (!g->swiglu || g->gu_rows <= 0 || (uintptr_t)g->gu % 4))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu: needs swiglu, gu_rows = %lld >= 0 and a 4-byte "
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu: needs swiglu, gu_rows = %lld > 0 and a 4-byte "
                            "aligned gu", (long long)g->gu_rows);
     if (g->dswiglu_gu && (g->swiglu || g->wgrad || g->push || g->splits || g->row_index || g->row_scale ||
                           g->epilogue == COMETI_EPILOGUE_TMA || (uintptr_t)g->dswiglu_gu % 4 || g->gu_rows <= 0))
@@ -277,6 +287,15 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     const uint64_t c_rows = g->wgrad ? (uint64_t)g->groups * g->m_out : (uint64_t)g->a_rows;
     if (tma_epilogue)
         COMETI_TRY(make_map_3d(err, &m.c, g->c, (uint64_t)g->n, c_rows, 1, (uint64_t)g->ldc, 0, 64, "C"));
+    /* The kept gate and up, [gu_rows][2n] seen as [gu_rows][2][n]: a box of 64 rows x 64
+     * columns of one half, stored like C's (rows past gu_rows clipped). */
+    const int gu_tma = g->gu && tma_epilogue && (uintptr_t)g->gu % 16 == 0;
+    if (gu_tma) {
+        const uint64_t dims[3] = {(uint64_t)g->n, 2, (uint64_t)g->gu_rows}, strides[2] = {(uint64_t)g->n,
+                                                                                         2 * (uint64_t)g->n};
+        const uint32_t box[3] = {64, 1, 64};
+        COMETI_TRY(encode_map(err, &m.gu, g->gu, 3, dims, strides, box, "gu"));
+    }
     cometi_gemm_args_t args;
     memset(&args, 0, sizeof(args));
     args.segs = g->segs;
@@ -296,6 +315,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     args.c_fp32_add = g->c_fp32_add;
     args.gu = g->gu;
     args.gu_rows = g->gu_rows;
+    args.gu_tma = gu_tma;
     args.dswiglu_gu = g->dswiglu_gu;
     args.err = g->err;
     args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;

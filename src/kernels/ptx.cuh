@@ -228,6 +228,15 @@ static __device__ __forceinline__ void tma_store_2d(const CUtensorMap *map, cons
                  : "memory");
 }
 
+/* A box into a 3D tensor; parts past its extents are not stored. */
+static __device__ __forceinline__ void tma_store_3d(const CUtensorMap *map, const void *src, int inner, int outer,
+                                                    int outer2)
+{
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];"
+                 ::"l"((uint64_t)map), "r"(inner), "r"(outer), "r"(outer2), "r"(smem_u32(src))
+                 : "memory");
+}
+
 /* Barrier for the 128 threads of one warpgroup (ids 1 and 2; 0 is __syncthreads). */
 static __device__ __forceinline__ void warpgroup_sync(int id)
 {
