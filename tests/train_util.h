@@ -18,9 +18,11 @@
  * rows home, dx; the weight gradients through three to four. So the norm-wise relative
  * error stays under 1e-2 (5 full roundings). Element by element, an output is a sum whose
  * terms can cancel, so its error is bounded by the roundings of its terms, not of itself:
- * each element within 2e-2 of itself (10 roundings) plus 5% of its row's (or, for d
- * topk_weights and the weight gradients, its tensor's) RMS, the size of a typical term's
- * sum. An element computed from the wrong row or left unwritten is off by about 100%.
+ * each element within 2e-2 of itself (10 roundings) plus 5% of its group's RMS, the size
+ * of a typical term's sum: a row of dx, all of d topk_weights, one expert's weight gradient
+ * (or its gate or up half: with skewed routing a whole tensor's RMS mixes experts with
+ * thousands of rows and experts with none, whose gradients must be zeros). An element
+ * computed from the wrong row or left unwritten is off by about 100%.
  */
 #define NORM_TOL 1e-2
 #define ELEM_TOL 5e-2 /* of the group's RMS */
