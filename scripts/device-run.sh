@@ -12,8 +12,8 @@
 #              then locally: python3 bench/plot_suite.py suite.json suite-torch.json)
 #   gemm       our grouped GEMM against cuBLAS on one GPU, and the backward's GEMMs beside torch's on
 #              the rows one GPU trains on (--ep 1)
-#   train      comet bench --train (forward_train, backward, step against the baseline) and the
-#              PyTorch autograd peer, every preset
+#   train      comet bench --train (forward_train, backward, step against the baseline), the
+#              PyTorch autograd peer, every preset, and bench/trace_train.py (each step's kernels)
 #   megatron   the Megatron-Core GPU test and bench/megatron_peer.py; needs the megatron-core wheel
 #              for the machine's Python in wheels/ (the GPU machine has no network: on a machine
 #              with one, `pip download --no-deps --python-version 3.12 --only-binary=:all:
@@ -57,7 +57,10 @@ for step in $steps; do
     train) timeout 400 build/comet bench --preset all --train --no-check --json "$OUT/train.json" > "$OUT/train.log" 2>&1
            timeout 200 torchrun --nproc-per-node "$(nvidia-smi -L | wc -l)" bench/torch_peer.py --train --preset all \
                > "$OUT/torch-train.log" 2>&1
-           grep -E "step|GEMMs" "$OUT/train.log" | tail -12; tail -6 "$OUT/torch-train.log" ;;
+           timeout 200 torchrun --nproc-per-node "$(nvidia-smi -L | wc -l)" bench/trace_train.py \
+               > "$OUT/trace-train.log" 2>&1
+           grep -E "step|GEMMs" "$OUT/train.log" | tail -12; tail -6 "$OUT/torch-train.log"
+           grep " backward:" "$OUT/trace-train.log" | cut -c1-400 ;;
     megatron) wheel=$(ls wheels/megatron_core-*.whl 2>/dev/null | head -1)
               if [ -z "$wheel" ]; then echo "megatron: no wheels/megatron_core-*.whl (see the header)"; continue; fi
               rm -rf /tmp/comet-mcore && python3 -m zipfile -e "$wheel" /tmp/comet-mcore
