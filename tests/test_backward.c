@@ -86,6 +86,8 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed, come
     const cometi_rank_ctx_t *ctx = fx->ctx;
     const int me = ctx->rank, W = ctx->nranks, H = fx->cfg.hidden, F = fx->cfg.ffn, E = fx->cfg.num_experts,
               k = fx->cfg.top_k, per = fx->per;
+    /* This rank's ffn columns (TP: F / tp of each expert, from t0). */
+    const int tp = fx->cfg.tp_size > 0 ? fx->cfg.tp_size : 1, Fl = F / tp, t0 = me % tp * Fl;
     inputs_t *all = calloc((size_t)W, sizeof(inputs_t));
     for (int r = 0; r < W; r++) make_inputs(&fx->cfg, c, seed, r, &all[r]);
     const inputs_t *in = &all[me];
@@ -104,7 +106,7 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed, come
     /* Device inputs and outputs, outputs poisoned (bf16 and fp32 NaN). */
     void *d_dy, *d_dx, *d_ggu, *d_gdn;
     float *d_dw;
-    const size_t gsz = c->fp32 ? 4 : 2, n_ggu = (size_t)per * 2 * F * H, n_gdn = (size_t)per * H * F;
+    const size_t gsz = c->fp32 ? 4 : 2, n_ggu = (size_t)per * 2 * Fl * H, n_gdn = (size_t)per * H * Fl;
     CUDA_OK(cudaMalloc(&d_dy, (size_t)fx->cfg.max_tokens * H * 2));
     CUDA_OK(cudaMalloc(&d_dx, (size_t)fx->cfg.max_tokens * H * 2));
     CUDA_OK(cudaMalloc((void **)&d_dw, sizeof(float) * fx->cfg.max_tokens * k));
@@ -200,7 +202,6 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed, come
         if (c->fp32 && call == 0) continue; /* checked after the second accumulation */
         /* This rank's experts' weight gradients (TP: its ffn columns) against the reference,
          * fp32: start + calls x the gradient. */
-        const int tp = fx->cfg.tp_size > 0 ? fx->cfg.tp_size : 1, Fl = F / tp, t0 = me % tp * Fl;
         float *g = malloc(sizeof(float) * (n_ggu > n_gdn ? n_ggu : n_gdn));
         double *want = malloc(sizeof(double) * (n_ggu > n_gdn ? n_ggu : n_gdn));
         void *raw = malloc((n_ggu > n_gdn ? n_ggu : n_gdn) * gsz);

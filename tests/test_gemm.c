@@ -15,6 +15,7 @@
 #include "../harness/launch.h"
 #include "../src/plan.h"
 #include "../src/kernels/gemm.h"
+#include "../src/kernels/gemm_args.h"
 #include "../src/kernels/gemm_schedule.h"
 #include "../harness/timeline.h"
 #include "testutil.h"
@@ -460,7 +461,9 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMalloc((void **)&trace, trace_words * sizeof(unsigned long long)));
     /* SwiGLU's gate and up kept (training), [gu_rows][2 n_out]: rows from gu_rows on are not
      * kept (a full tile of group 2 straddles it). TMA epilogue: full tiles by TMA stores
-     * (gu 16-byte aligned); direct: gu 4 bytes past that, so every row goes from registers. */
+     * (gu 16-byte aligned), except in mode 5, where gu sits 4 bytes past that and the TMA
+     * epilogue's kernel stores g and u from registers; direct epilogue: gu 4 bytes past,
+     * every row from registers. Which way the prepared GEMM goes is checked too. */
     const int gu_rows = 300;
     uint16_t *gu16 = malloc((size_t)rows * 2 * n * 2);
     unsigned char *gu_mem;
@@ -484,8 +487,15 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
              * a tensor of its own by using the gate copy. */
             if (mode == 2 || mode == 3) g.b = gate;
             if (!pingpong) g.tile_trace = trace;
-            uint16_t *gu = (uint16_t *)(gu_mem + (epi == COMETI_EPILOGUE_TMA ? 0 : 4));
-            if (g.swiglu) g.gu = gu, g.gu_rows = gu_rows;
+            const int gu_tma = epi == COMETI_EPILOGUE_TMA && mode != 5;
+            uint16_t *gu = (uint16_t *)(gu_mem + (gu_tma ? 0 : 4));
+            if (g.swiglu) {
+                g.gu = gu, g.gu_rows = gu_rows;
+                cometi_gemm_prepared_t prepared;
+                char perr[COMETI_ERR_LEN];
+                CHECK_EQ(cometi_gemm_prepare(perr, &g, &prepared), COMET_SUCCESS);
+                CHECK_EQ(((const cometi_gemm_plan_t *)prepared.bytes)->args.gu_tma, gu_tma);
+            }
             CUDA_OK(cudaMemset(gu_mem, 0xff, (size_t)rows * 2 * n * 2 + 16));
             CUDA_OK(cudaMemset(trace, 0, trace_words * sizeof(unsigned long long)));
             CUDA_OK(cudaMemset(c, 0xff, nc * 2));
@@ -518,7 +528,7 @@ static int gemm_epilogue_rank(const cometi_rank_ctx_t *ctx, void *arg)
             CUDA_OK(cudaMemcpy(c16, c, nc * 2, cudaMemcpyDeviceToHost));
             CUDA_OK(cudaMemcpy(gu16, gu, (size_t)rows * 2 * n_out * 2, cudaMemcpyDeviceToHost));
             /* A kept g or u is its fp32 sum rounded to bf16 once: within 2^-8 of the float64
-             * sum, relative, plus the fp32 sum's own error (k = 256 products under 1/4). */
+             * sum, relative, plus the fp32 sum's own error (k = 256 products under 1/16). */
             int gu_bad = 0;
             char *kept = calloc((size_t)rows, 1);
             double worst = 0;

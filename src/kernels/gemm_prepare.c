@@ -146,9 +146,11 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, int *block_n
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm schedule = %d: must be 0..2", g->schedule);
     if (g->schedule == COMETI_SCHEDULE_PINGPONG && block_n != 256)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ping-pong schedule: built for block_n 256 only");
-    if (g->gu && (!g->swiglu || g->gu_rows <= 0 || (uintptr_t)g->gu % 4))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu: needs swiglu, gu_rows = %lld > 0 and a 4-byte "
-                           "aligned gu", (long long)g->gu_rows);
+    /* (With column splits a tile's TMA stores would be counted one tile late, and the gate
+     * and up stores before C's would be waited for with it: not built.) */
+    if (g->gu && (!g->swiglu || g->gu_rows <= 0 || (uintptr_t)g->gu % 4 || g->splits))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu: needs swiglu, gu_rows = %lld > 0, a 4-byte "
+                           "aligned gu and no column splits", (long long)g->gu_rows);
     if (g->dswiglu_gu && (g->swiglu || g->wgrad || g->push || g->splits || g->row_index || g->row_scale ||
                           g->epilogue == COMETI_EPILOGUE_TMA || (uintptr_t)g->dswiglu_gu % 4 || g->gu_rows <= 0))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dswiglu_gu: needs no SwiGLU, weight gradient, push, "
