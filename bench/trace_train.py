@@ -3,7 +3,8 @@ backward (through comet_moe's autograd) run under torch.profiler, and each of th
 step's kernels, in launch order, is printed with its median duration over the steps,
 then the forward's and the backward's spans on the GPU (first kernel's start to last
 kernel's end) and the time between their kernels. The grouped GEMMs are numbered in
-launch order within each phase: the forward's GEMM0 (gemm#1) and GEMM1 (gemm#2), the
+launch order within each phase: the forward's GEMM0 and GEMM1 (gemm#1, gemm#2; gemm#2
+and gemm#3 where the settings start with a small GEMM of the first local tiles), the
 backward's dgrad W2, dgrad W13, dW2 and dW13 (gemm#1 to gemm#4). The steps run back to
 back, after warm-up steps, so the GPU runs as warm as in training.
 
@@ -34,7 +35,7 @@ import comet_moe  # noqa: E402
 
 def short_name(name):
     """A kernel's function name without namespace, return type or template arguments."""
-    name = re.sub(r"<.*", "", name.split("(")[0])
+    name = re.sub(r"<.*", "", name.replace("(anonymous namespace)::", "").split("(")[0])
     return name.split()[-1].split("::")[-1] if name.split() else name
 
 
@@ -77,6 +78,12 @@ def trace(moe, tensors, steps, warmup):
         prof.export_chrome_trace(f.name)
         with open(f.name) as fh:
             events = json.load(fh)["traceEvents"]
+    return phase_medians(events)
+
+
+def phase_medians(events):
+    """{phase: ([(label, median us)], median span us)} from a chrome trace's events, the
+    phases split at the marker kernels (spin_kernel) launched before each of them."""
     kernels = sorted((e["ts"], e["dur"], e.get("name", "")) for e in events
                      if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
     phases, current = {"forward": [], "backward": []}, None
@@ -89,15 +96,18 @@ def trace(moe, tensors, steps, warmup):
     out = {}
     for name, per_step in phases.items():
         per_step = [s for s in per_step if s]
-        n = min(len(s) for s in per_step)
+        # Medians by position need the same kernels in the same order in every step.
+        names = [[short_name(k[2]) for k in s] for s in per_step]
+        if any(n != names[0] for n in names):
+            raise RuntimeError(f"{name}: the steps ran different kernel sequences: {names[0]} / "
+                               f"{next(n for n in names if n != names[0])}")
         rows, gemm = [], 0
-        for i in range(n):
-            label = short_name(per_step[0][i][2])
+        for i, label in enumerate(names[0]):
             if "grouped_gemm" in label:
                 gemm += 1
                 label = f"gemm#{gemm}"
             rows.append((label, statistics.median(s[i][1] for s in per_step)))
-        spans = [s[-1][0] + s[-1][1] - s[0][0] for s in per_step]
+        spans = [max(ts + d for ts, d, _ in s) - s[0][0] for s in per_step]
         out[name] = (rows, statistics.median(spans))
     return out
 
@@ -110,6 +120,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=30)
     a = p.parse_args()
+    if a.steps < 1 or a.warmup < 0 or a.tokens < 1:
+        p.error(f"--steps {a.steps} must be >= 1, --warmup {a.warmup} >= 0 and --tokens {a.tokens} >= 1")
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
@@ -128,10 +140,14 @@ def main():
         moe.close()
         del tensors
     comm.check_async_error(synchronize=True)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, lines)
     if rank == 0:
         print(f"median us per kernel over {a.steps} steps back to back, balanced routing, {torch.cuda.get_device_name()}, "
               f"comet {comet_moe.version()}")
-        print("\n".join(lines))
+        for i in range(len(lines)):
+            for r in range(len(gathered)):
+                print(gathered[r][i])
     comm.close()
     dist.destroy_process_group()
 
