@@ -149,7 +149,7 @@ typedef struct cometi_gemm {
                                     * bf16 [gu_rows][2n] (gate columns, then up): full tiles' by TMA
                                     * stores where C leaves that way and gu is 16-byte aligned, the
                                     * rest straight from registers; rows at or past gu_rows are not
-                                    * kept. NULL: not kept */
+                                    * kept. Not with column splits. NULL: not kept */
     int64_t gu_rows;
     void *dswiglu_gu;              /* the backward's dgrad of W2 (no SwiGLU, no wgrad): SwiGLU's backward
                                     * in the epilogue. dswiglu_gu [gu_rows][2n] holds the forward's g and
