@@ -17,9 +17,9 @@ comet_status_t cometi_gemm_combine_create(comet_comm_t comm, const comet_moe_con
         return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "config.top_k = %d: the fused combine sums at most %d "
                            "choices per token and rank", cfg->top_k, COMETI_COMBINE_MAX_TOP_K);
     const int W = comm->size;
-    if (l0->tp > 1 && W > 32) /* the push's per-owner counts are a warp's lanes */
+    if (l0->tp > 1 && W > COMETI_PUSH_MAX_RANKS)
         return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "tp_size = %d on %d ranks: the fused layer1 with TP (the "
-                           "push) reaches at most 32 ranks", l0->tp, W);
+                           "push) reaches at most %d ranks", l0->tp, W, COMETI_PUSH_MAX_RANKS);
     l->hidden = cfg->hidden;
     l->slots_per_token = cfg->top_k < W ? cfg->top_k : W;
     const size_t rows = (size_t)l0->max_recv_rows;

@@ -1,6 +1,6 @@
 /*
  * train_fused.c - training on the fused path: the forward's two operators keep what the
- * backward needs, and the backward is the same two operators again (DESIGN.md section 7):
+ * backward needs, and the backward is the same two operators again:
  *
  * forward   dispatch -> GEMM0 + SwiGLU, its epilogue keeping [g u]; x rows kept; GEMM1 ->
  *           combine by the push (each choice's row home, so its output is kept per choice).
@@ -30,6 +30,10 @@ comet_status_t cometi_fused_train_supported(comet_moe_t moe, const comet_moe_wei
     if (moe->fused_unsupported)
         return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "the fused path does not run this config (see "
                            "comet_moe_forward with COMET_IMPL_FUSED)");
+    if (moe->comm->size > COMETI_PUSH_MAX_RANKS)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "%d ranks: the fused training forward sends each choice's "
+                           "output home from GEMM1's epilogue (the push), which reaches at most %d ranks",
+                           moe->comm->size, COMETI_PUSH_MAX_RANKS);
     if (!w->gate_up)
         return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "weights.gate and weights.up apart: the fused backward "
                            "reads gate_up, [E_local][2F][H] in one tensor");

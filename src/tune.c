@@ -59,8 +59,9 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
     out->l1.dynamic_tiles = 1;
     out->l1.combine_blocks = 0;
     out->l1.n_splits = 1;
-    /* With TP only the push can sum the partial rows (tune.h, cometi_combine_knobs_t). */
-    out->l1.push = cfg_tp(cfg) > 1 || model_tail_is_long(cfg);
+    /* With TP only the push can sum the partial rows (tune.h, cometi_combine_knobs_t); it
+     * reaches COMETI_PUSH_MAX_RANKS (with TP and more ranks the fused path is not taken). */
+    out->l1.push = world <= COMETI_PUSH_MAX_RANKS && (cfg_tp(cfg) > 1 || model_tail_is_long(cfg));
     out->l1.tail = !out->l1.push;
 }
 
@@ -177,6 +178,9 @@ static int check_settings(const tuning_line_t *l, int sm_count, char *why, size_
     if (v[F_LAYER1] == 2 && (v[F_COMBINE] || v[F_SPLITS] != 1))
         return field_error(why, len, F_LAYER1, "push with %d combine blocks and %d splits: the push needs 0 "
                            "combine blocks and 1 split", v[F_COMBINE], v[F_SPLITS]);
+    if (v[F_LAYER1] == 2 && v[F_WORLD] > COMETI_PUSH_MAX_RANKS)
+        return field_error(why, len, F_LAYER1, "push on %d ranks: the push reaches at most %d", v[F_WORLD],
+                           COMETI_PUSH_MAX_RANKS);
     if (l->tp > 1 && v[F_LAYER1] != 2)
         return field_error(why, len, F_LAYER1, "%s with tp %d: only the push sums the TP ranks' partial rows",
                            v[F_LAYER1] ? "tail" : "notail", l->tp);

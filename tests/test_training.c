@@ -2,7 +2,8 @@
  * test_training.c - training steps through comet.h on the GPU, the fused path against the
  * sequential one: 1,000 steps with changing routing and token counts (no drift, no
  * growth), and gpt-oss-120b's shape (hidden = ffn = 2880, off the 256 grid, 128 experts,
- * top-4) at full size. Any world size (one GPU: world 1). Tolerances: train_util.h.
+ * top-4) at full size. Any world size (one GPU: world 1). Tolerances: train_util.h. And,
+ * on the CPU, which layers the fused path trains.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -15,10 +16,39 @@
 
 #include "comet.h"
 #include "../src/internal.h"
+#include "../src/fused.h"
 #include "../harness/data.h"
 #include "testutil.h"
 #include "gpu_util.h"
 #include "train_util.h"
+
+/* ---- which layers the fused path trains (no GPU: the handles are only read) ---- */
+
+/* gate_up in one tensor, and no more ranks than the push reaches: the training forward
+ * sends each choice's output home from GEMM1's epilogue. Past that, COMET_NOT_SUPPORTED
+ * (COMET_IMPL_AUTO then trains on the sequential path) with the reason. */
+int test_fused_training_layers(void)
+{
+    struct comet_comm comm;
+    struct comet_moe moe;
+    memset(&comm, 0, sizeof(comm));
+    memset(&moe, 0, sizeof(moe));
+    moe.comm = &comm;
+    comet_moe_weights_t w;
+    memset(&w, 0, sizeof(w));
+    w.gate_up = w.down = (void *)(uintptr_t)4096;
+    comm.size = COMETI_PUSH_MAX_RANKS;
+    CHECK_EQ(cometi_fused_train_supported(&moe, &w), COMET_SUCCESS);
+    comm.size = COMETI_PUSH_MAX_RANKS + 1;
+    CHECK_EQ(cometi_fused_train_supported(&moe, &w), COMET_NOT_SUPPORTED);
+    CHECK_CONTAINS(moe.err, "33 ranks: the fused training forward sends each choice's output home");
+    CHECK_CONTAINS(moe.err, "at most 32 ranks");
+    comm.size = 2;
+    w.gate_up = NULL, w.gate = w.up = (void *)(uintptr_t)4096;
+    CHECK_EQ(cometi_fused_train_supported(&moe, &w), COMET_NOT_SUPPORTED);
+    CHECK_CONTAINS(moe.err, "weights.gate and weights.up apart");
+    return 0;
+}
 
 /* ---- 1,000 training steps: changing routing and token counts, no drift, no growth ---- */
 

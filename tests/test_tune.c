@@ -54,7 +54,8 @@ static int check_model_definition(const comet_moe_config_t *cfg, int world, int 
     const int fewer = (b - 1) & ~1;     /* the next even count below */
     CHECK(fewer < COMETI_MODEL_MIN_DISPATCH || !copy_fits(&t, fewer)); /* ... on the fewest blocks */
     CHECK_EQ(k->l0.dispatch_mode, COMETI_DISPATCH_BULK);
-    const int push = cfg->tp_size > 1 || t.tail_s > COMETI_MODEL_PUSH_SHARE * t.gemm1_s;
+    const int push = world <= COMETI_PUSH_MAX_RANKS &&
+                     (cfg->tp_size > 1 || t.tail_s > COMETI_MODEL_PUSH_SHARE * t.gemm1_s);
     CHECK_EQ(k->l1.push, push);
     CHECK_EQ(k->l1.tail, !push);
     CHECK_EQ(k->l1.combine_blocks, 0);
@@ -65,15 +66,15 @@ static int check_model_definition(const comet_moe_config_t *cfg, int world, int 
 
 /* The picks are settings the operators accept (cometi_dispatch_gemm_run,
  * cometi_gemm_combine_run), whatever the shape and the GPU. */
-static int check_operator_limits(const comet_moe_config_t *cfg, int sms, const cometi_knobs_t *k)
+static int check_operator_limits(const comet_moe_config_t *cfg, int world, int sms, const cometi_knobs_t *k)
 {
     const int tile = cometi_gemm_tile_n(cfg->hidden), tiles = (cfg->hidden + tile - 1) / tile;
     CHECK(k->l0.dispatch_blocks >= 1 && k->l0.dispatch_blocks < sms);
     CHECK(k->l1.combine_blocks >= 0 && k->l1.combine_blocks < sms);
     CHECK(k->l1.n_splits >= 1 && k->l1.n_splits <= COMETI_MAX_SPLITS && tiles % k->l1.n_splits == 0);
     CHECK(k->l1.combine_blocks > 0 || k->l1.tail || k->l1.push);
-    CHECK(!k->l1.push || (k->l1.combine_blocks == 0 && k->l1.n_splits == 1));
-    CHECK(cfg->tp_size == 1 || k->l1.push); /* only the push sums TP partials */
+    CHECK(!k->l1.push || (k->l1.combine_blocks == 0 && k->l1.n_splits == 1 && world <= COMETI_PUSH_MAX_RANKS));
+    CHECK(cfg->tp_size <= 1 || k->l1.push); /* only the push sums TP partials (tp_size 0: 1) */
     return 0;
 }
 
@@ -138,7 +139,7 @@ int test_cost_model_knobs(void)
                 printf("%-16s world %d tp %d: dispatch %d, %s\n", presets[i], world, tp, k.l0.dispatch_blocks,
                        k.l1.push ? "push" : "tail");
                 CHECK_EQ(check_model_definition(&cfg, world, 132, &k), 0);
-                CHECK_EQ(check_operator_limits(&cfg, 132, &k), 0);
+                CHECK_EQ(check_operator_limits(&cfg, world, 132, &k), 0);
             }
     /* Regression guards only, each the sweeps' best or within noise of it at 8192 tokens
      * (2 x H200, 2026-11-29; 1 x H200, 2026-12-01): a change here means the model
@@ -156,6 +157,15 @@ int test_cost_model_knobs(void)
     q.tp_size = 2;
     cometi_model_knobs(&q, 2, 132, &k2);
     CHECK(k2.l0.dispatch_blocks == 8 && k2.l1.push); /* EP 1 x TP 2: the sweeps' best were 6-8 */
+    /* Past the push's reach the tail, even where the push would win (qwen2-moe-2.7b). */
+    CHECK_EQ(comet_moe_config_preset("qwen2-moe-2.7b", 8192, &q), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_config_validate(&q, 64, NULL, 0), COMET_SUCCESS);
+    cometi_model_knobs(&q, COMETI_PUSH_MAX_RANKS, 132, &k2);
+    CHECK(k2.l1.push);
+    cometi_model_knobs(&q, 64, 132, &k2);
+    CHECK(!k2.l1.push && k2.l1.tail);
+    CHECK_EQ(check_model_definition(&q, 64, 132, &k2), 0);
+    CHECK_EQ(check_operator_limits(&q, 64, 132, &k2), 0);
     uint64_t rng = test_seed();
     for (int it = 0; it < 20000; it++) {
         int world;
@@ -164,7 +174,7 @@ int test_cost_model_knobs(void)
         CHECK_EQ(comet_moe_config_validate(&cfg, world, NULL, 0), COMET_SUCCESS);
         cometi_knobs_t k;
         cometi_model_knobs(&cfg, world, sms, &k);
-        if (check_model_definition(&cfg, world, sms, &k) || check_operator_limits(&cfg, sms, &k) ||
+        if (check_model_definition(&cfg, world, sms, &k) || check_operator_limits(&cfg, world, sms, &k) ||
             check_model_monotone(&cfg, world, sms, &k)) {
             printf("world %d tp %d hidden %d ffn %d tokens %d top_k %d on %d SMs\n", world, cfg.tp_size, cfg.hidden,
                    cfg.ffn, cfg.max_tokens, cfg.top_k, sms);
@@ -358,6 +368,8 @@ int test_tuning_file_limits(void)
         {"2 64 4 2048 1408 4096 : 8 bulk 8 2 random notail", "line 3: field 11 (tiles) = 'random'"},
         {"2 64 4 2048 1408 4096 : 8 bulk 0 1 dynamic pull", "field 12 (layer1) = 'pull': must be tail, notail or push"},
         {"2 64 4 2048 1408 4096 : 8 bulk 0 2 dynamic push", "field 12 (layer1) = push with 0 combine blocks and 2"},
+        {"64 64 4 2048 1408 4096 : 8 bulk 0 1 dynamic push",
+         "field 12 (layer1) = push on 64 ranks: the push reaches at most 32"},
         {"2 0 4 2048 1408 4096 : 8 bulk 0 1 dynamic push", "line 3: field 2 (experts) = '0': must be a whole number"},
         {"4tp3 64 4 2048 1408 4096 : 8 bulk 0 1 dynamic push", "field 1 (world[tpT]) = '4tp3': must be W, or WtpT"},
         {"2 64 4 2048 1408 4096 : 8 bulk 0 1 dynamic push push", "line 3: more than 12 fields"},

@@ -76,6 +76,7 @@ uint64_t test_seed(void);
     X(timeline_accounting, 10)                  \
     X(gemm_tail_plan, 10)                       \
     X(gemm_tile_width, 10)                      \
+    X(fused_training_layers, 10)                \
     X(routing_generators, 10)                   \
     X(reference_known_answer, 10)               \
     X(reference_properties, 30)                 \

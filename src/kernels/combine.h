@@ -19,6 +19,9 @@ extern "C" {
 #define COMETI_MAX_SPLITS 32
 /* Layer1's arrival counters: one per split, then this one, the rows pushed (see the push). */
 #define COMETI_PUSH_COUNTER COMETI_MAX_SPLITS
+/* Ranks the push reaches: its epilogue counts the rows sent to each owner in one lane of
+ * a warp. */
+#define COMETI_PUSH_MAX_RANKS 32
 /* Choices of one token that the combine sums on one rank before sending (registers). */
 #define COMETI_COMBINE_MAX_TOP_K 8
 /* Timeline of a combine block: start, records pulled, then per split (the first 8): rows
