@@ -20,8 +20,10 @@ The communicator spans the expert tensor-and-model-parallel group (pg_collection
 in its rank order: expert-TP rank fastest, as comet's rank r = ep_rank x tp + tp_rank.
 The expert weights are parameters of this rank's experts with `allreduce = False`, as
 Megatron marks expert parameters (their gradients reduce over the expert-data-parallel
-group), and the layer adds their gradients to fp32 `main_grad` where Megatron's DDP
-attaches one (grad_accumulation="main_grad").
+group). By default (grad_accumulation="main_grad") the layer adds their gradients to
+each weight's fp32 `main_grad`, which Megatron's DDP attaches, and a weight without one
+is refused at the backward (ValueError); grad_accumulation="grad" gives bf16 `.grad`
+instead.
 
 The config mapping and the checks need no torch; the layer needs torch and megatron-core.
 """
