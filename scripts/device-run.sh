@@ -17,7 +17,7 @@
 #   megatron   the Megatron-Core GPU test and bench/megatron_peer.py; needs the megatron-core wheel
 #              for the machine's Python in wheels/ (the GPU machine has no network: on a machine
 #              with one, `pip download --no-deps --python-version 3.12 --only-binary=:all:
-#              -d wheels megatron-core==0.19.2`, and carry wheels/ along)
+#              -d wheels megatron-core==0.19.2`, and copy wheels/ there with the tree)
 #   bandwidth  NVLink push and pull
 #   tune       comet tune --preset all into $OUT/tuning.txt
 set -uo pipefail
