@@ -149,6 +149,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         if (i == listed && model_run >= 0) break;
         if (tiles % k->n_splits) continue;
         if (cfg->tp_size > 1 && !k->push) continue; /* only the push sums TP partials */
+        if (k->push && ctx->nranks > COMETI_PUSH_MAX_RANKS) continue; /* past the push's reach */
         if (!memcmp(k, &model.l1, sizeof(*k))) model_run = res->l1_runs;
         float ms;
         if (time_layer1(comm, l0, &l1, a, x, ids, w, NULL, k, o->warmup, o->iters, L1_FUSED, &ms)) return 1;
@@ -165,7 +166,8 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
                                  &res->l1_gemm_alone_ms, res->l1_alone_each);
     if (res->l1_best < 0) return 1;
     const cometi_combine_knobs_t *best = &res->l1_knobs[res->l1_best];
-    if (!o->suite && print_push_phases(ctx, comm, l0, &l1, a, o->iters, res->l1_gemm_alone_ms, &res->push_sum_ms))
+    if (!o->suite && ctx->nranks <= COMETI_PUSH_MAX_RANKS &&
+        print_push_phases(ctx, comm, l0, &l1, a, o->iters, res->l1_gemm_alone_ms, &res->push_sum_ms))
         return 1;
     if (!o->suite && copy_rate(comm, &res->copy_gbs)) return 1;
     if (o->trace && print_tile_timelines(ctx, &calls[res->l1_best], &l1.tile_trace, "layer1", "GEMM1")) return 1;
