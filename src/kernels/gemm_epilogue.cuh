@@ -160,7 +160,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
      * half, each into the gu map's matching half (a box past n or gu_rows is clipped);
      * other tiles' straight from registers. Both are the same bf16 values. */
     const bool full_tile = tl.m * TM + TM <= seg.rows;
-    if (SWIGLU && TMA_EPILOGUE && p.gu && p.gu_tma && full_tile) {
+    if (SWIGLU && TMA_EPILOGUE && p.gu_tma && full_tile) {
         unsigned char *stage = sc + half * (64 * ON * 2);
 #pragma unroll
         for (int which = 0; which < 2; which++) { /* 0: gate, 1: up */

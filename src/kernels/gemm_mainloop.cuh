@@ -5,10 +5,10 @@
  * K-major ([n][k], nn.Linear's [out][in]) or, for a dgrad GEMM, MN-major ([k][n]: the
  * instruction's B transpose reads it as it lies).
  *
- * Checklist followed (Hopper's TMA and wgmma rules): 128B-swizzled K-major tiles of 64 bf16, stages
- * 1024-byte aligned, full[s] count 1 with expect_tx, empty[s] one arrive per consumer
- * warpgroup of the stage, wgmma fence / commit / wait before touching accumulators or
- * releasing a stage.
+ * Checklist followed (Hopper's TMA and wgmma rules): 128B-swizzled K-major tiles of 64
+ * bf16, stages 1024-byte aligned, full[s] count 1 with expect_tx, empty[s] one arrive per
+ * consumer warpgroup of the stage, wgmma fence / commit / wait before touching
+ * accumulators or releasing a stage.
  */
 #ifndef COMET_GEMM_MAINLOOP_CUH
 #define COMET_GEMM_MAINLOOP_CUH

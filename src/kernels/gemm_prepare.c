@@ -240,8 +240,9 @@ static comet_status_t check_push(char *err, const cometi_gemm_t *g, int tma_epil
         (uintptr_t)p->maps % 64)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: needs the TMA epilogue, the destinations, the "
                            "owners' tensor maps (64-byte aligned) and no SwiGLU, row index or splits role");
-    if (c->world < 1 || c->world > COMETI_MAX_RANKS || c->world > COMETI_PUSH_MAX_RANKS || c->rank < 0 || c->rank >= c->world ||
-        c->tp < 1 || c->world % c->tp || c->experts_per_group * (c->world / c->tp) != c->num_experts ||
+    if (c->world < 1 || c->world > COMETI_MAX_RANKS || c->world > COMETI_PUSH_MAX_RANKS || c->rank < 0 ||
+        c->rank >= c->world || c->tp < 1 || c->world % c->tp ||
+        c->experts_per_group * (c->world / c->tp) != c->num_experts ||
         c->experts_per_group != g->groups || !c->peers || !c->plan.counts || !c->plan.send_offset ||
         !c->plan.recv_offset)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: world %d, rank %d, tp %d, experts %d / %d per "
