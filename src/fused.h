@@ -25,6 +25,9 @@ struct cometi_fused {
                                   * backward's dgrad of W13 writes them, after the dispatch read these */
     float *ones;                 /* [max_tokens x top_k]: the weights its route is given (dx sums
                                   * a token's choices unweighted) */
+    comet_status_t unusable;     /* not 0: the first call could not make the backward's route
+                                  * weights on this rank; every later call is refused (the
+                                  * operators stay, to be destroyed with the layer, collectively) */
     int dswiglu_epilogue;        /* SwiGLU's backward in the dgrad of W2's epilogue (direct stores,
                                   * [g u] loaded there) instead of a kernel of its own after it: it
                                   * made that GEMM 1.6x slower on one H200, so 0 (tests run both) */

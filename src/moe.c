@@ -92,6 +92,13 @@ static comet_status_t fused_create(comet_moe_t moe)
                          "copy the backward's route weights");
     free(ones);
     f->dy_rows = f->l1.out;
+    /* Published either way: the operators are collective and go with the layer; a failure
+     * here leaves the path refusing every call rather than running without its weights. */
+    if (st != COMET_SUCCESS) {
+        cudaFree(f->ones);
+        f->ones = NULL;
+        f->unusable = st;
+    }
     moe->fused = f;
     return st;
 }
@@ -99,6 +106,10 @@ static comet_status_t fused_create(comet_moe_t moe)
 comet_status_t cometi_fused_get(comet_moe_t moe, struct cometi_fused **out)
 {
     if (!moe->fused) COMETI_TRY(fused_create(moe));
+    if (moe->fused->unusable)
+        return cometi_fail(moe->err, moe->fused->unusable, "fused path: its first call could not allocate the "
+                           "backward's route weights on this rank (%s); destroy the layer",
+                           comet_status_string(moe->fused->unusable));
     *out = moe->fused;
     return COMET_SUCCESS;
 }
