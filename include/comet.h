@@ -197,9 +197,14 @@ COMET_API comet_status_t comet_moe_config_validate(const comet_moe_config_t *con
 typedef struct comet_moe *comet_moe_t;
 
 /*
- * Plan the layer and allocate its buffers, sized for max_tokens per rank with the
- * worst routing (every row of every rank sent to this rank). Collective.
- * Errors: COMET_INVALID_ARGUMENT (config), COMET_OUT_OF_MEMORY, COMET_CUDA_ERROR.
+ * Plan the layer. Collective. Each path allocates its buffers at its first call on the
+ * handle (the fused path's collectively), sized for max_tokens per rank with the worst
+ * routing (every row of every rank sent to this rank); a handle that only runs fused never
+ * pays for the sequential path's. One handle serves every layer of its config: the weights
+ * come with each call, and between calls its buffers hold nothing a later call reads (a
+ * training forward keeps what its backward needs in its own saved state), so a model of
+ * many MoE layers of one shape needs one handle, its calls in the model's order on one
+ * stream. Errors: COMET_INVALID_ARGUMENT (config), COMET_OUT_OF_MEMORY, COMET_CUDA_ERROR.
  */
 COMET_API comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *config,
                                 comet_moe_t *out);
@@ -263,7 +268,7 @@ typedef struct comet_moe_args {
  * y = MoE(x), enqueued on `stream`. Collective: every rank calls it, each with its own
  * tokens (num_tokens may differ between ranks) and the same impl. All pointers are
  * device pointers. The fused path never synchronizes the host; its first call allocates
- * its buffers (collective). After that first call, a fused call can be captured in a CUDA
+ * its buffers (collective), as the baseline path's first call allocates its own. After that first call, a fused call can be captured in a CUDA
  * graph and replayed (the token count and pointers are fixed in the graph; the data in
  * them may change between replays; every rank replays alike). The baseline path synchronizes the host with `stream` once
  * per call (to size its NCCL transfers, as Megatron-LM does). Consecutive calls must use
@@ -271,8 +276,8 @@ typedef struct comet_moe_args {
  * range: the message names the token), COMET_NOT_SUPPORTED (an impl the config does not
  * allow), COMET_TIMEOUT (fused: a peer that stopped calling, reported by this call or
  * comet_comm_get_async_error()), COMET_REMOTE_ERROR (another rank refused the call: its
- * expert id out of range, or a tuning file that differs), COMET_OUT_OF_MEMORY (the fused
- * path's first call allocates), COMET_NCCL_ERROR, COMET_CUDA_ERROR.
+ * expert id out of range, or a tuning file that differs), COMET_OUT_OF_MEMORY (a path's
+ * first call allocates), COMET_NCCL_ERROR, COMET_CUDA_ERROR.
  */
 COMET_API comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream);
 

@@ -135,7 +135,7 @@ struct comet_moe {
     int ffn_local;                    /* ffn / tp: the columns of each expert this rank holds */
     int64_t max_recv_rows;            /* worst-case padded rows landing on this rank */
     char err[COMETI_ERR_LEN];
-    struct cometi_baseline *baseline;
+    struct cometi_baseline *baseline; /* the sequential path's buffers, made by its first call, or NULL */
     struct cometi_fused *fused;       /* layer0 + layer1, made by the first fused call, or NULL */
     int fused_unsupported;            /* the config cannot run fused (AUTO runs the baseline) */
     cudaEvent_t *marks;               /* COMETI_NUM_MARKS events, or NULL: phase timing */
@@ -170,6 +170,10 @@ struct comet_moe_saved {
     cometi_a2a_msg_t *sends, *recvs; /* the dispatch's NCCL messages (host); the return trip swaps them */
     int n_sends, n_recvs;
 };
+
+/* The sequential path's buffers and cuBLAS handle, allocated by the first call that runs
+ * it on this layer (moe.c): a layer that only runs fused never pays for them. */
+comet_status_t cometi_moe_baseline(comet_moe_t moe, struct cometi_baseline **out);
 
 /* A forward's arguments checked (moe.c): COMET_INVALID_ARGUMENT naming the field. */
 comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *args);

@@ -134,6 +134,13 @@ static comet_status_t fused_forward(comet_moe_t moe, const comet_moe_args_t *a, 
     return st;
 }
 
+comet_status_t cometi_moe_baseline(comet_moe_t moe, struct cometi_baseline **out)
+{
+    if (!moe->baseline) COMETI_TRY(cometi_baseline_create(moe, &moe->baseline));
+    *out = moe->baseline;
+    return COMET_SUCCESS;
+}
+
 comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *config, comet_moe_t *out)
 {
     char *cerr = cometi_create_error_buffer();
@@ -156,12 +163,6 @@ comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *con
     moe->ffn_local = config->ffn / moe->tp;
     moe->max_recv_rows = cometi_route_max_recv_rows(comm->size, config->max_tokens, config->top_k,
                                                     moe->experts_per_rank, COMETI_BLOCK_M);
-    st = cometi_baseline_create(moe, &moe->baseline);
-    if (st != COMET_SUCCESS) {
-        snprintf(cerr, COMETI_ERR_LEN, "%s", moe->err);
-        free(moe);
-        return st;
-    }
     *out = moe;
     return COMET_SUCCESS;
 }
@@ -252,7 +253,9 @@ comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, 
         }
         moe->err[0] = '\0';
     }
-    st = cometi_baseline_forward(moe, moe->baseline, args, NULL, stream);
+    struct cometi_baseline *b;
+    COMETI_TRY(cometi_moe_baseline(moe, &b));
+    st = cometi_baseline_forward(moe, b, args, NULL, stream);
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward");
     return st;
 }

@@ -196,9 +196,11 @@ comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *
     COMETI_TRY(training_path(moe, args, &path));
     comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
+    struct cometi_baseline *b = NULL;
+    if (path == COMETI_SAVED_SEQUENTIAL) COMETI_TRY(cometi_moe_baseline(moe, &b));
     saved->filled = 0;
     comet_status_t st = path == COMETI_SAVED_FUSED ? cometi_fused_forward_train(moe, args, saved, stream)
-                                                   : cometi_baseline_forward(moe, moe->baseline, args, saved, stream);
+                                                   : cometi_baseline_forward(moe, b, args, saved, stream);
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward_train");
     if (st != COMET_SUCCESS) saved->filled = 0;
     return st;
@@ -265,9 +267,14 @@ comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args
     COMETI_TRY(check_backward_args(moe, args));
     comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
-    comet_status_t st = args->saved->path == COMETI_SAVED_FUSED ? cometi_fused_backward(moe, args, stream)
-                                                                 : cometi_baseline_backward(moe, moe->baseline, args,
-                                                                                            stream);
+    comet_status_t st;
+    if (args->saved->path == COMETI_SAVED_FUSED) {
+        st = cometi_fused_backward(moe, args, stream);
+    } else {
+        struct cometi_baseline *b;
+        COMETI_TRY(cometi_moe_baseline(moe, &b)); /* made by the forward that filled args->saved */
+        st = cometi_baseline_backward(moe, b, args, stream);
+    }
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_backward");
     return st;
 }

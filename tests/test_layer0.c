@@ -35,7 +35,9 @@ static int layer0_rank(const cometi_rank_ctx_t *ctx, void *arg)
     cometi_dispatch_gemm_t l0;
     COMET_OK(cometi_dispatch_gemm_create(fx.comm, &fx.cfg, &l0), fx.comm);
     const void *b_recv, *b_act;
-    cometi_baseline_buffers(fx.moe->baseline, &b_recv, &b_act);
+    struct cometi_baseline *base;
+    COMET_OK(cometi_moe_baseline(fx.moe, &base), fx.comm);
+    cometi_baseline_buffers(base, &b_recv, &b_act);
     const int H = fx.cfg.hidden, F = fx.cfg.ffn, per = fx.per, me = ctx->rank;
     const int ncases = (int)(sizeof(cases) / sizeof(cases[0]));
     uint16_t *want = malloc((size_t)l0.max_recv_rows * F * 2), *got = malloc((size_t)l0.max_recv_rows * F * 2);

@@ -164,6 +164,152 @@ static int training_steps_rank(const cometi_rank_ctx_t *ctx, void *arg)
 
 int test_gpu_training_1000_steps(void) { return launch_seeded(training_steps_rank, 280); }
 
+/* ---- one layer handle for several model layers of its shape ---- */
+
+/* A model layer's tensors on one rank: its expert weights, a step's inputs, its outputs. */
+typedef struct model_layer {
+    void *gate_up, *down, *x, *dy, *y, *dx, *g_gu, *g_dn;
+    int32_t *ids;
+    float *w, *dw;
+    comet_moe_saved_t saved;
+    size_t n_y, n_dw, n_g; /* bytes of y (and dx), d topk_weights, the weight gradients */
+} model_layer_t;
+
+static comet_moe_args_t layer_args(const model_layer_t *L, int m, comet_impl_t impl)
+{
+    comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+    a.num_tokens = m;
+    a.x = L->x, a.topk_ids = L->ids, a.topk_weights = L->w, a.y = L->y;
+    a.weights.gate_up = L->gate_up, a.weights.down = L->down;
+    a.impl = impl;
+    return a;
+}
+
+static comet_moe_backward_args_t layer_backward_args(const model_layer_t *L, comet_impl_t impl)
+{
+    comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
+    b.saved = L->saved, b.dy = L->dy, b.dx = L->dx, b.d_topk_weights = L->dw;
+    b.weights.gate_up = L->gate_up, b.weights.down = L->down;
+    b.grads.gate_up = L->g_gu, b.grads.down = L->g_dn;
+    b.impl = impl;
+    return b;
+}
+
+/* y, dx, d topk_weights and the weight gradients of a layer, copied to the host after the
+ * device is idle, each poisoned again for the next run. */
+static int layer_outputs(const model_layer_t *L, unsigned char *host)
+{
+    CUDA_OK(cudaDeviceSynchronize());
+    void *dev[4] = {L->y, L->dx, L->dw, L->g_gu};
+    const size_t n[4] = {L->n_y, L->n_y, L->n_dw, L->n_g};
+    for (int i = 0; i < 4; i++) {
+        CUDA_OK(cudaMemcpy(host, dev[i], n[i], cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemset(dev[i], 0xff, n[i]));
+        host += n[i];
+    }
+    return 0;
+}
+
+/* Two model layers of one shape, with their own weights, inputs and saved states, through
+ * one comet_moe_t in a model's order (forward A, forward B, backward B, backward A): every
+ * output and gradient bit-equal to a step of that layer alone, on both paths. Weights come
+ * with each call and the handle's buffers are workspaces that no later call reads from. */
+static int shared_handle_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 320, 0, 0, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    const int H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens, k = fx.cfg.top_k, E = fx.cfg.num_experts,
+              per = fx.per, me = ctx->rank;
+    const int m = M - 3 * me - 1; /* odd, and the ranks' counts differ */
+    model_layer_t layers[2];
+    size_t total = 0;
+    for (int l = 0; l < 2; l++) {
+        model_layer_t *L = &layers[l];
+        L->n_y = (size_t)m * H * 2, L->n_dw = sizeof(float) * m * k, L->n_g = (size_t)per * 3 * F * H * 2;
+        total = L->n_y * 2 + L->n_dw + L->n_g;
+        void **bufs[] = {&L->gate_up, &L->down, &L->x, &L->dy, &L->y, &L->dx, &L->g_gu, (void **)&L->ids,
+                         (void **)&L->w, (void **)&L->dw};
+        const size_t sizes[] = {(size_t)per * 2 * F * H * 2, (size_t)per * H * F * 2, L->n_y, L->n_y, L->n_y, L->n_y,
+                                L->n_g, sizeof(int32_t) * m * k, L->n_dw, L->n_dw};
+        for (int i = 0; i < 10; i++) CUDA_OK(cudaMalloc(bufs[i], sizes[i]));
+        L->g_dn = (char *)L->g_gu + (size_t)per * 2 * F * H * 2;
+        const uint64_t s = seed + 1000 * (uint64_t)(l + 1);
+        CUDA_OK(cometi_fill_hash_bf16(L->gate_up, (size_t)per * 2 * F * H, s, 0, (float)(1.0 / sqrt(H)), 0));
+        CUDA_OK(cometi_fill_hash_bf16(L->down, (size_t)per * H * F, s + 1, 0, (float)(1.0 / sqrt(F)), 0));
+        CUDA_OK(cometi_fill_hash_bf16(L->x, (size_t)m * H, s + 2, (uint64_t)me * M * H, 1.0f, 0));
+        CUDA_OK(cometi_fill_hash_bf16(L->dy, (size_t)m * H, s + 3, (uint64_t)me * M * H, 1.0f, 0));
+        int32_t *ids = malloc(sizeof(int32_t) * m * k);
+        float *w = malloc(sizeof(float) * m * k);
+        cometi_make_routing(l ? COMETI_ROUTING_SKEWED : COMETI_ROUTING_RANDOM, 8.0, m, k, E, s, me, ids, w);
+        CUDA_OK(cudaMemcpy(L->ids, ids, sizeof(int32_t) * m * k, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(L->w, w, sizeof(float) * m * k, cudaMemcpyHostToDevice));
+        free(ids), free(w);
+        void *outs[] = {L->y, L->dx, L->dw, L->g_gu};
+        const size_t n_outs[] = {L->n_y, L->n_y, L->n_dw, L->n_g};
+        for (int i = 0; i < 4; i++) CUDA_OK(cudaMemset(outs[i], 0xff, n_outs[i]));
+        CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &L->saved), COMET_SUCCESS);
+    }
+    unsigned char *together = malloc(2 * total), *alone = malloc(2 * total);
+    const comet_impl_t impls[2] = {COMET_IMPL_FUSED, COMET_IMPL_BASELINE};
+    for (int p = 0; p < 2; p++) {
+        const comet_impl_t impl = impls[p];
+        /* The model's order, twice (the second time over the first's buffers). */
+        for (int round = 0; round < 2; round++) {
+            for (int l = 0; l < 2; l++) {
+                const comet_moe_args_t a = layer_args(&layers[l], m, impl);
+                COMET_OK(comet_moe_forward_train(fx.moe, &a, layers[l].saved, 0), fx.comm);
+            }
+            for (int l = 1; l >= 0; l--) {
+                const comet_moe_backward_args_t b = layer_backward_args(&layers[l], impl);
+                COMET_OK(comet_moe_backward(fx.moe, &b, 0), fx.comm);
+            }
+            for (int l = 0; l < 2; l++)
+                if (layer_outputs(&layers[l], together + l * total)) return 1;
+        }
+        /* Each layer alone. */
+        for (int l = 0; l < 2; l++) {
+            const comet_moe_args_t a = layer_args(&layers[l], m, impl);
+            const comet_moe_backward_args_t b = layer_backward_args(&layers[l], impl);
+            COMET_OK(comet_moe_forward_train(fx.moe, &a, layers[l].saved, 0), fx.comm);
+            COMET_OK(comet_moe_backward(fx.moe, &b, 0), fx.comm);
+            if (layer_outputs(&layers[l], alone + l * total)) return 1;
+        }
+        CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+        for (int l = 0; l < 2; l++) {
+            const char *names[4] = {"y", "dx", "d topk_weights", "weight gradients"};
+            const model_layer_t *L = &layers[l];
+            const size_t n[4] = {L->n_y, L->n_y, L->n_dw, L->n_g};
+            size_t at = (size_t)l * total;
+            for (int i = 0; i < 4; i++) {
+                if (memcmp(together + at, alone + at, n[i])) {
+                    printf("rank %d, %s path, layer %d: %s through the shared handle differ from the layer alone\n",
+                           me, p ? "sequential" : "fused", l, names[i]);
+                    return 1;
+                }
+                at += n[i];
+            }
+        }
+        /* The two layers' gradients are not each other's (the check above would pass if
+         * both were left poisoned or equal). */
+        CHECK(memcmp(alone, alone + total, total) != 0);
+        printf("rank %d, %s path: two layers through one handle, bit-equal to each alone (%zu bytes each)\n", me,
+               p ? "sequential" : "fused", total);
+    }
+    for (int l = 0; l < 2; l++) {
+        model_layer_t *L = &layers[l];
+        CHECK_EQ(comet_moe_saved_destroy(L->saved), COMET_SUCCESS);
+        void *bufs[] = {L->gate_up, L->down, L->x, L->dy, L->y, L->dx, L->g_gu, L->ids, L->w, L->dw};
+        for (int i = 0; i < 10; i++) cudaFree(bufs[i]);
+    }
+    free(together), free(alone);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_layers_share_a_handle(void) { return launch_seeded(shared_handle_rank, 120); }
+
 /* ---- gpt-oss-120b's shape: hidden = ffn = 2880, off the 256 grid, 128 experts, top-4 ---- */
 
 /* The preset itself at 2048 tokens a rank (weights filled on the device: 128 experts of

@@ -127,6 +127,7 @@ uint64_t test_seed(void);
     X(gpu_backward_matches_reference, 300)      \
     X(gpu_backward_refusals, 120)               \
     X(gpu_training_1000_steps, 300)             \
+    X(gpu_layers_share_a_handle, 150)           \
     X(gpu_gpt_oss_shape, 240)                   \
     X(gpu_backward_missing_peer_times_out, 120)
 

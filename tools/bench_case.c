@@ -254,7 +254,10 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     FAIL_IF(st != COMET_SUCCESS, "layer0 (%s): %s", label, comet_comm_last_error(comm));
     CUDA_OK(cudaDeviceSynchronize());
     const void *b_recv, *b_act;
-    cometi_baseline_buffers(moe->baseline, &b_recv, &b_act);
+    struct cometi_baseline *base;
+    st = cometi_moe_baseline(moe, &base);
+    FAIL_IF(st != COMET_SUCCESS, "baseline buffers: %s", comet_moe_last_error(moe));
+    cometi_baseline_buffers(base, &b_recv, &b_act);
     const int per = l0.experts_per_group, F = l0.ffn;
     cometi_segment_t *segs = TOOL_MALLOC(sizeof(cometi_segment_t) * per);
     CUDA_OK(cudaMemcpy(segs, l0.route.plan.local_segs, sizeof(cometi_segment_t) * per, cudaMemcpyDeviceToHost));

@@ -90,7 +90,11 @@ static comet_status_t run_timed_call(const timed_call_t *c, int n)
     case L1_GEMM_ALONE:
     case L1_GEMM_ALONE_DYNAMIC:
         return cometi_gemm_combine_alone(c->comm, c->l1, c->l0, a, c->what == L1_GEMM_ALONE_DYNAMIC, 0);
-    case BASE_EXPERTS: return cometi_baseline_experts(c->moe, c->moe->baseline, a, 0);
+    case BASE_EXPERTS: {
+        struct cometi_baseline *b;
+        COMETI_TRY(cometi_moe_baseline(c->moe, &b));
+        return cometi_baseline_experts(c->moe, b, a, 0);
+    }
     case BASE_WHOLE: {
         comet_moe_args_t b = *a;
         b.impl = COMET_IMPL_BASELINE;

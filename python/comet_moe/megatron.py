@@ -25,6 +25,11 @@ each weight's fp32 `main_grad`, which Megatron's DDP attaches, and a weight with
 is refused at the backward (ValueError); grad_accumulation="grad" gives bf16 `.grad`
 instead.
 
+Layers of one shape share one communicator and one comet layer handle (share_handle=True,
+the default): the weights come with each call and the handle's buffers are workspaces
+between calls, so a model of many MoE layers pays for them once, and every layer's calls
+run on the current stream in the model's order, as Megatron runs them.
+
 The config mapping and the checks need no torch; the layer needs torch and megatron-core.
 """
 from __future__ import annotations
@@ -76,16 +81,39 @@ def moe_config_from_megatron(config, max_tokens: int):
                      ep_size=int(_field(config, "expert_model_parallel_size", 1) or 1), tp_size=int(etp))
 
 
+# (process group or Comm, the handle's settings, Comm, Moe) of the layers made so far: one
+# handle per shape and communicator.
+_SHARED = []
+
+
+def _fields(cfg):
+    return tuple(int(getattr(cfg, name)) for name in ("hidden", "ffn", "num_experts", "top_k", "max_tokens",
+                                                       "ep_size", "tp_size"))
+
+
+def _shared_handle(source, settings, make):
+    """The (Comm, Moe) made for `source` (a process group or a Comm) with these settings,
+    else make() once and remember it."""
+    for owner, known, comm, moe in _SHARED:
+        if owner is source and known == settings and not getattr(moe, "closed", False):
+            return comm, moe
+    comm, moe = make()
+    _SHARED.append((source, settings, comm, moe))
+    return comm, moe
+
+
 def _layer_class():
     import torch
 
     class CometMoELayer(torch.nn.Module):
         """Megatron-Core's MoELayer with comet's dispatcher and experts (see the module's
         note). comm, moe: an existing comet Comm / Moe instead of ones made here (moe
-        serves tests with a stand-in layer)."""
+        serves tests with a stand-in layer). share_handle: reuse the Comm and Moe an
+        earlier layer of the same shape, group and settings made (False: make its own)."""
 
         def __init__(self, config, max_tokens: int, pg_collection=None, layer_number=None, *, comm=None,
-                     moe=None, impl="auto", max_recv_rows: int = 0, grad_accumulation: str = "main_grad"):
+                     moe=None, impl="auto", max_recv_rows: int = 0, grad_accumulation: str = "main_grad",
+                     share_handle: bool = True):
             super().__init__()
             from megatron.core.transformer.moe.router import TopKRouter
             cfg = moe_config_from_megatron(config, max_tokens)
@@ -97,8 +125,15 @@ def _layer_class():
             if moe is None:
                 from .comm import Comm
                 from .moe import Moe
-                comm = comm or Comm.from_process_group(group=pg_collection.tp_ep)
-                moe = Moe(comm, cfg, max_recv_rows=max_recv_rows, grad_accumulation=grad_accumulation)
+
+                def make():
+                    c = comm or Comm.from_process_group(group=pg_collection.tp_ep)
+                    return c, Moe(c, cfg, max_recv_rows=max_recv_rows, grad_accumulation=grad_accumulation)
+                if share_handle:  # the same on every rank: the layers are built in the same order
+                    comm, moe = _shared_handle(comm or pg_collection.tp_ep,
+                                               (_fields(cfg), max_recv_rows, grad_accumulation), make)
+                else:
+                    comm, moe = make()
             self.moe = moe
             self.top_k, self.hidden = int(cfg.top_k), int(cfg.hidden)
             E, Fl, H = int(moe.experts_per_rank), int(moe.ffn_local), int(cfg.hidden)

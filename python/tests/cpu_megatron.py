@@ -80,6 +80,36 @@ class StandInMoe:
         return y.to(torch.bfloat16)
 
 
+@test
+def megatron_layers_share_one_handle_per_shape():
+    from comet_moe import megatron
+    made = []
+
+    class Handle:
+        closed = False
+
+    def make():
+        made.append(Handle())
+        return f"comm {len(made)}", made[-1]
+    group, other_group = object(), object()
+    settings = ((512, 256, 8, 2, 128, 1, 1), 0, "main_grad")
+    kept = list(megatron._SHARED)
+    megatron._SHARED.clear()
+    try:
+        first = megatron._shared_handle(group, settings, make)
+        check(megatron._shared_handle(group, settings, make)[1] is first[1], "a second layer of the shape shares it")
+        check_eq(len(made), 1, "handles made for two layers of one shape")
+        megatron._shared_handle(other_group, settings, make)
+        megatron._shared_handle(group, (settings[0], 4096, "main_grad"), make)
+        megatron._shared_handle(group, (settings[0], 0, "grad"), make)
+        check_eq(len(made), 4, "another group, bound or gradient mode: a handle of its own")
+        first[1].closed = True
+        check(megatron._shared_handle(group, settings, make)[1] is made[-1] and len(made) == 5,
+              "a closed handle is replaced, not reused")
+    finally:
+        megatron._SHARED[:] = kept
+
+
 def megatron_or_skip():
     try:
         import torch

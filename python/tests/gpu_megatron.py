@@ -70,3 +70,22 @@ def megatron_layer_matches_megatron_moelayer(c):
     for key in ("y", "dx", "router", "w13", "w2"):
         compare_grad(c, f"CometMoELayer against Megatron's MoELayer: {key}", outs["comet"][key], outs["megatron"][key],
                      ref_bf16=True)
+    # A second layer of the shape shares the handle; its step between this layer's forward
+    # and backward (a model's order) leaves this layer's output and gradients bit-equal.
+    other = CometMoELayer(config, max_tokens=s * b, pg_collection=pgs, comm=c.comm, grad_accumulation="grad")
+    if other.moe is not mine.moe:
+        c.failures.append("a second CometMoELayer of the same shape made a handle of its own")
+    for p in list(mine.parameters()) + list(other.parameters()):
+        p.grad = None
+    xg = x.clone().requires_grad_(True)
+    y, _ = mine(xg)
+    x2 = torch.randn(s, b, H, device=c.device, generator=c.gen).to(torch.bfloat16).requires_grad_(True)
+    y2, _ = other(x2)
+    y2.backward(torch.randn(s, b, H, device=c.device, generator=c.gen).to(torch.bfloat16))
+    y.backward(dy)
+    torch.cuda.synchronize()
+    again = {"y": y.detach().float(), "dx": xg.grad.float(), "router": mine.router.weight.grad.float(),
+             "w13": mine.w13.grad.float(), "w2": mine.w2.grad.float()}
+    for key, value in again.items():
+        if not torch.equal(value, outs["comet"][key]):
+            c.failures.append(f"CometMoELayer {key} with another layer's step inside its own: not bit-equal to it alone")
