@@ -170,10 +170,15 @@ typedef struct comet_moe_config {
     int tp_size;     /* tensor-parallel ranks inside an expert; 0: 1. Rank r is TP rank r % tp_size
                       * of EP group r / tp_size; ffn must be a multiple of 64 x tp_size. */
     comet_dtype_t dtype; /* activations and weights; bf16 today */
+    int resend_x;    /* training, 0 or 1. 0: a saved state keeps the x rows this rank received
+                      * (hidden x 2 bytes per row). 1: it keeps none, and the backward sends
+                      * x again from the caller's x (comet_moe_backward_args_t.x, the forward's
+                      * x unchanged): less memory per layer in flight, for a second dispatch
+                      * of x in the backward (PERF.md measures both). */
 } comet_moe_config_t;
 
 #define COMET_MOE_CONFIG_INIT \
-    {sizeof(comet_moe_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0, 0, 0, 0, 0, 0, 0, COMET_DTYPE_BF16}
+    {sizeof(comet_moe_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0, 0, 0, 0, 0, 0, 0, COMET_DTYPE_BF16, 0}
 
 /*
  * Fill *out with a named model's shape: "mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b",
@@ -325,7 +330,8 @@ typedef struct comet_moe_saved_config {
 
 /*
  * The device memory a saved state of this layer takes: per received row, (hidden + 2 x
- * ffn / tp_size) x 2 bytes (x, gate and up, bf16); per token, top_k x (tp_size x hidden x
+ * ffn / tp_size) x 2 bytes (x, gate and up, bf16; 2 x ffn / tp_size x 2 where the config
+ * resends x); per token, top_k x (tp_size x hidden x
  * 2 + 12) bytes (each choice's expert output as it came home, its place, expert id and
  * weight); plus, per local expert, one 128-row block of padding and 8 bytes (its rows'
  * place), and at most 2 KB of alignment. Rows are allocated for the bound (max_recv_rows). `config` may be NULL (the
@@ -379,6 +385,8 @@ typedef struct comet_moe_backward_args {
     unsigned int version;
     comet_moe_saved_t saved;       /* filled by this layer's training forward */
     const void *dy;                /* [M][H] bf16: the loss's gradient at y; M is the forward's num_tokens */
+    const void *x;                 /* [M][H] bf16: the forward's x, unchanged since; read (and needed)
+                                    * only where the layer's config.resend_x is 1 */
     comet_moe_weights_t weights;   /* the forward's weights */
     void *dx;                      /* [M][H] bf16 out */
     float *d_topk_weights;         /* [M][top_k] fp32 out: the gradient at the forward's topk_weights */
@@ -387,7 +395,7 @@ typedef struct comet_moe_backward_args {
 } comet_moe_backward_args_t;
 
 #define COMET_MOE_BACKWARD_ARGS_INIT \
-    {sizeof(comet_moe_backward_args_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, NULL, NULL, \
+    {sizeof(comet_moe_backward_args_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, NULL, NULL, NULL, \
      {NULL, NULL, NULL, NULL}, NULL, NULL, {NULL, NULL, NULL, NULL, COMET_GRAD_WRITE_BF16}, COMET_IMPL_AUTO}
 
 /*

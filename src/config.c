@@ -99,6 +99,9 @@ comet_status_t comet_moe_config_validate(const comet_moe_config_t *c, int world,
         return bad(msg, len, INVAL, "config.max_tokens = %d: must be 1..%d", c->max_tokens, MAX_TOKENS);
     if (c->dtype != COMET_DTYPE_BF16)
         return bad(msg, len, INVAL, "config.dtype = %d: only COMET_DTYPE_BF16 (0) is supported", (int)c->dtype);
+    if (c->resend_x != 0 && c->resend_x != 1)
+        return bad(msg, len, INVAL, "config.resend_x = %d: must be 0 (the saved state keeps x's rows) or 1 (the "
+                   "backward sends x again)", c->resend_x);
     if (c->tp_size < 0 || c->ep_size < 0)
         return bad(msg, len, INVAL, "config.ep_size = %d, config.tp_size = %d: must be >= 0 (0: choose)",
                    c->ep_size, c->tp_size);

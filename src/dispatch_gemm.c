@@ -28,7 +28,10 @@ comet_status_t cometi_dispatch_gemm_create(comet_comm_t comm, const comet_moe_co
     comet_status_t st;
     COMETI_TRY_GOTO(st, cometi_route_dev_create(comm, cfg->num_experts, tp, cfg->max_tokens * cfg->top_k,
                                                 l->max_recv_rows, COMETI_BLOCK_M, &l->route), fail);
-    COMETI_TRY_GOTO(st, cometi_window_create(comm, (size_t)l->max_recv_rows * cfg->hidden * 2, &l->recv), fail);
+    /* With resend_x, twice the rows: the backward's x rows follow dy's. */
+    const size_t rows_bytes = (size_t)l->max_recv_rows * cfg->hidden * 2;
+    COMETI_TRY_GOTO(st, cometi_window_create(comm, rows_bytes * (cfg->resend_x ? 2 : 1), &l->recv), fail);
+    l->x_rows = cfg->resend_x ? (char *)l->recv.local + rows_bytes : NULL;
     COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(unsigned long long) * l->route.max_blocks, &l->arrive),
                     fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->arrive.local, 0, l->arrive.bytes), "clear arrivals"),
@@ -109,13 +112,19 @@ comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_
                                         const cometi_dispatch_knobs_t *knobs, cudaStream_t stream)
 {
     const cometi_gemm_t core = cometi_dispatch_gemm_gemm(comm, l, a);
-    return cometi_dispatch_gemm_run_core(comm, l, a, &core, 0, knobs, stream);
+    return cometi_dispatch_gemm_run_core(comm, l, a, &core, 0, NULL, knobs, stream);
 }
 
 comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
-                                             const cometi_gemm_t *core, int row_per_choice,
+                                             const cometi_gemm_t *core, int row_per_choice, const void *x_again,
                                              const cometi_dispatch_knobs_t *knobs, cudaStream_t stream)
 {
+    if (x_again && !l->x_rows)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "x sent again, but the layer has no room for it "
+                           "(config.resend_x = 0)");
+    if ((uintptr_t)x_again % 16)
+        return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "x = %p: the fused layer needs 16-byte aligned rows",
+                           x_again);
     const int dispatch_blocks = knobs->dispatch_blocks;
     if (dispatch_blocks < 1 || dispatch_blocks >= comm->sm_count)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "dispatch blocks = %d: must be 1..%d (the rest of the "
@@ -136,7 +145,7 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     const int col_tiles = (l->ffn + 127) / 128, gemm_blocks = comm->sm_count - dispatch_blocks;
     int wave = cometi_first_wave_blocks(knobs->first_wave, (int)cometi_param_int(COMETI_PARAM_FIRST_WAVE), l->tp,
                                         comm->sm_count, dispatch_blocks, col_tiles);
-    if (row_per_choice || (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x,
+    if (row_per_choice || x_again || (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x,
                                                               l->hidden)))
         wave = 0; /* nothing may fail once the side stream has forked; its copy reads a row per token */
     cometi_gemm_t g = *core;
@@ -156,6 +165,8 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     d->num_experts = l->num_experts;
     d->top_k = l->top_k;
     d->row_div = row_per_choice ? 1 : l->top_k;
+    d->x2 = x_again;
+    d->x2_offset = x_again ? (size_t)((char *)l->x_rows - (char *)l->recv.local) : 0;
     d->hidden = l->hidden;
     d->experts_per_group = l->experts_per_group;
     d->tp = l->tp;

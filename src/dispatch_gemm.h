@@ -22,6 +22,8 @@ typedef struct cometi_dispatch_gemm {
     cometi_route_dev_t route;
     cometi_window_t recv;   /* [max_recv_rows][hidden] bf16: rows pushed here by every rank */
     cometi_window_t arrive; /* [max_recv_rows / 128] u64: rows arrived per block, over all calls */
+    void *x_rows;           /* config.resend_x: [max_recv_rows][hidden] bf16, recv's second half:
+                             * where the backward sends x again; else NULL */
     void *act;              /* [max_recv_rows][ffn] bf16: SwiGLU(GEMM0), expert-major, padded */
     unsigned int *sched;    /* the kernels' tile and piece counters, zero between calls */
     void *tail_ws;          /* the GEMMs' last-wave workspace (kernels/gemm.h), layer1's too */
@@ -55,9 +57,11 @@ comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_
 
 /* The same with another GEMM on the received rows (`core`: A the receive buffer, the
  * segments of this call's route; the backward's dgrad of W2), and with row_per_choice,
- * a->x holding a row per (token, choice), [tokens x top_k][hidden] (no first wave then). */
+ * a->x holding a row per (token, choice), [tokens x top_k][hidden] (no first wave then).
+ * x_again: NULL, or (config.resend_x, the backward) the forward's x, [tokens][hidden],
+ * whose rows go into x_rows beside a->x's, in the same places. */
 comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
-                                             const cometi_gemm_t *core, int row_per_choice,
+                                             const cometi_gemm_t *core, int row_per_choice, const void *x_again,
                                              const cometi_dispatch_knobs_t *knobs, cudaStream_t stream);
 
 /* The GEMM of a call alone (GEMM0 + SwiGLU on the receive buffer into `act`, every SM, no

@@ -155,7 +155,8 @@ struct comet_moe_saved {
     void *memory;                /* the one device block the arrays below are carved from */
     int owned;                   /* allocated by comet_moe_saved_create (else the caller's) */
     int num_tokens;
-    void *recv;                  /* [cap_rows][H] bf16: x rows received, in the plan's layout */
+    void *recv;                  /* [cap_rows][H] bf16: x rows received, in the plan's layout; NULL
+                                  * where the config resends x (the backward sends it again) */
     void *h;                     /* [cap_rows][2 Fl] bf16: their gate and up projections (the fused
                                   * backward turns them into their gradients in place) */
     void *back;                  /* [tp][max_tokens x k][H] bf16: each choice's expert output, home

@@ -41,7 +41,7 @@ static size_t saved_layout(comet_moe_t moe, int64_t cap, size_t offset[SAVED_PAR
 {
     const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k, H = (size_t)moe->cfg.hidden;
     const size_t size[SAVED_PARTS] = {
-        (size_t)cap * H * 2,                        /* recv: x rows */
+        moe->cfg.resend_x ? 0 : (size_t)cap * H * 2, /* recv: x rows, unless the backward sends x again */
         (size_t)cap * 2 * moe->ffn_local * 2,       /* h: gate and up */
         choices * moe->tp * H * 2,                  /* back: expert outputs */
         choices * sizeof(int32_t),                  /* send_pos */
@@ -118,7 +118,7 @@ static comet_status_t saved_create(comet_moe_t moe, const comet_moe_saved_config
     s->memory = memory;
     if (st == COMET_SUCCESS) {
         char *m = memory;
-        s->recv = m + offset[0];
+        s->recv = moe->cfg.resend_x ? NULL : m + offset[0];
         s->h = m + offset[1];
         s->back = m + offset[2];
         s->send_pos = (int32_t *)(m + offset[3]);
@@ -235,6 +235,9 @@ static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backw
     if (m > 0 && (!a->dy || !a->dx || !a->d_topk_weights))
         return cometi_fail(err, INVAL, "args.%s is NULL with %d tokens in the forward",
                            !a->dy ? "dy" : !a->dx ? "dx" : "d_topk_weights", m);
+    if (m > 0 && moe->cfg.resend_x && !a->x)
+        return cometi_fail(err, INVAL, "args.x is NULL with %d tokens in the forward: this layer's config.resend_x "
+                           "is 1, so the backward sends the forward's x again", m);
     const comet_moe_weights_t *w = &a->weights;
     const comet_moe_weight_grads_t *g = &a->grads;
     if (!w->down || (!w->gate_up && (!w->gate || !w->up)) || (w->gate_up && (w->gate || w->up)))
@@ -249,10 +252,11 @@ static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backw
         return cometi_fail(err, INVAL, "args.grads.mode = %d: must be COMET_GRAD_WRITE_BF16 or "
                            "COMET_GRAD_ACCUMULATE_FP32", (int)g->mode);
     /* 16-byte rows for the kernels' vector loads; cuBLAS's alignment for the rest. */
-    const void *ptrs[] = {a->dy, a->dx, w->gate_up, w->gate, w->up, w->down, g->gate_up, g->gate, g->up, g->down};
+    const void *ptrs[] = {a->dy, a->dx, w->gate_up, w->gate, w->up, w->down, g->gate_up, g->gate, g->up, g->down,
+                          moe->cfg.resend_x ? a->x : NULL};
     const char *names[] = {"dy", "dx", "weights.gate_up", "weights.gate", "weights.up", "weights.down",
-                           "grads.gate_up", "grads.gate", "grads.up", "grads.down"};
-    for (int i = 0; i < 10; i++)
+                           "grads.gate_up", "grads.gate", "grads.up", "grads.down", "x"};
+    for (int i = 0; i < 11; i++)
         if ((uintptr_t)ptrs[i] % 16)
             return cometi_fail(err, INVAL, "args.%s = %p: must be 16-byte aligned", names[i], ptrs[i]);
     if ((uintptr_t)a->d_topk_weights % 4)

@@ -2,11 +2,13 @@
  * train_fused.c - training on the fused path: the forward's two operators keep what the
  * backward needs, and the backward is the same two operators again:
  *
- * forward   dispatch -> GEMM0 + SwiGLU, its epilogue keeping [g u]; x rows kept; GEMM1 ->
- *           combine by the push (each choice's row home, so its output is kept per choice).
+ * forward   dispatch -> GEMM0 + SwiGLU, its epilogue keeping [g u]; x rows kept (unless the
+ *           config resends x); GEMM1 -> combine by the push (each choice's row home, so its
+ *           output is kept per choice).
  * backward  1. at home: each choice's dy weighted (w dy), d topk_weights = <dy, o> beside it;
  *           2. dispatch -> GEMM: those rows to their experts over the forward's routing
  *              (route again from the kept ids), into s = (w dy) W2 (B read MN-major);
+ *              where the config resends x, x's rows beside them (the forward kept none);
  *           3. SwiGLU's backward in place: [g u] becomes dh = [dg du], s becomes a (a
  *              kernel: in the GEMM's epilogue it cost more, see fused.h); the padding rows
  *              zeroed for the weight gradients;
@@ -99,7 +101,10 @@ static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *
     /* The layer's buffers (dy rows, the activation) hold max_recv_rows; the bound may be larger. */
     const int64_t layer_rows = sv->cap_rows < f->l0.max_recv_rows ? sv->cap_rows : f->l0.max_recv_rows;
     b.wgrad_down = wgrad_gemm(comm, &f->l0, f->l0.recv.local, H, f->l0.act, F, layer_rows, ba->grads.down, fp32);
-    b.wgrad_gate_up = wgrad_gemm(comm, &f->l0, sv->h, 2 * F, sv->recv, H, sv->cap_rows, ba->grads.gate_up, fp32);
+    if (f->l0.x_rows) /* x sent again into the layer's rows */
+        b.wgrad_gate_up = wgrad_gemm(comm, &f->l0, sv->h, 2 * F, f->l0.x_rows, H, layer_rows, ba->grads.gate_up, fp32);
+    else
+        b.wgrad_gate_up = wgrad_gemm(comm, &f->l0, sv->h, 2 * F, sv->recv, H, sv->cap_rows, ba->grads.gate_up, fp32);
     return b;
 }
 
@@ -119,8 +124,8 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     /* Each choice's output must come home on its own (the push) to be kept per choice. */
     cometi_combine_knobs_t k1 = f->k1;
     k1.push = 1, k1.combine_blocks = 0, k1.n_splits = 1, k1.tail = 0;
-    comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, 0, &f->k0, stream);
-    if (st == COMET_SUCCESS)
+    comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, 0, NULL, &f->k0, stream);
+    if (st == COMET_SUCCESS && !l0->x_rows) /* else the backward sends x again */
         st = cometi_cuda(comm->err, cometi_launch_keep_rows(l0->recv.local, sv->recv, H, plan->local_segs,
                                                             l0->experts_per_group, sv->cap_rows, sv->max_recv_rows,
                                                             plan->seg_rows, comm->size / moe->tp, comm->async_dev,
@@ -187,14 +192,16 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
                                                                  f->dy_rows, ba->d_topk_weights, stream),
                            "launch scale_permute_kernel"));
     /* 2. */
-    comet_status_t st = cometi_dispatch_gemm_run_core(comm, &f->l0, &a, &g.dgrad_down, 1, &k0, stream);
+    comet_status_t st = cometi_dispatch_gemm_run_core(comm, &f->l0, &a, &g.dgrad_down, 1, f->l0.x_rows ? ba->x : NULL,
+                                                      &k0, stream);
     /* 3. */
     const cometi_segment_t *segs = f->l0.route.plan.local_segs;
     if (st == COMET_SUCCESS && !f->dswiglu_epilogue)
         st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, f->l0.act, sv->h, F, segs, per,
                                                                   (int)sv->cap_rows, sv->cap_rows, stream),
                          "launch swiglu_backward_kernel");
-    cometi_padded_rows_t pad = {{sv->h, f->l0.act, f->l0.recv.local}, {2 * F * BF16, F * BF16, H * BF16}};
+    cometi_padded_rows_t pad = {{sv->h, f->l0.act, f->l0.recv.local, f->l0.x_rows},
+                                {2 * F * BF16, F * BF16, H * BF16, H * BF16}};
     if (st == COMET_SUCCESS)
         st = cometi_cuda(comm->err, cometi_launch_zero_padding(&pad, segs, per, sv->cap_rows, comm->sm_count, stream),
                          "launch zero_padding_kernel");

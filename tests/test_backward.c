@@ -35,16 +35,20 @@ typedef struct bwd_case {
     int top_k;         /* 0: the preset's */
     int separate;      /* weights and gradients as gate and up, not gate_up */
     int fp32;          /* gradients accumulated into fp32 buffers (twice, from a known start) */
+    int resend_x;      /* the layer's config.resend_x: the backward sends x again */
 } bwd_case_t;
 
 static const bwd_case_t bwd_cases[] = {
-    {"random", COMETI_ROUTING_RANDOM, 1, {256, 200}, 0, 0, 0},
-    {"skewed x16, odd counts", COMETI_ROUTING_SKEWED, 16, {301, 77}, 0, 1, 0},
-    {"top-1", COMETI_ROUTING_RANDOM, 1, {129, 130}, 1, 0, 1},
-    {"top-8, fp32 accumulate", COMETI_ROUTING_RANDOM, 1, {100, 60}, 8, 1, 1},
-    {"top-4, a rank with no tokens", COMETI_ROUTING_RANDOM, 1, {0, 150}, 4, 0, 0},
-    {"every token to expert 5", COMETI_ROUTING_ONE_EXPERT, 5, {64, 96}, 0, 0, 1},
-    {"skewed x16, gate_up", COMETI_ROUTING_SKEWED, 16, {301, 129}, 0, 0, 0},
+    {"random", COMETI_ROUTING_RANDOM, 1, {256, 200}, 0, 0, 0, 0},
+    {"skewed x16, odd counts", COMETI_ROUTING_SKEWED, 16, {301, 77}, 0, 1, 0, 0},
+    {"top-1", COMETI_ROUTING_RANDOM, 1, {129, 130}, 1, 0, 1, 0},
+    {"top-8, fp32 accumulate", COMETI_ROUTING_RANDOM, 1, {100, 60}, 8, 1, 1, 0},
+    {"top-4, a rank with no tokens", COMETI_ROUTING_RANDOM, 1, {0, 150}, 4, 0, 0, 0},
+    {"every token to expert 5", COMETI_ROUTING_ONE_EXPERT, 5, {64, 96}, 0, 0, 1, 0},
+    {"skewed x16, gate_up", COMETI_ROUTING_SKEWED, 16, {301, 129}, 0, 0, 0, 0},
+    {"random, x sent again", COMETI_ROUTING_RANDOM, 1, {256, 200}, 0, 0, 0, 1},
+    {"top-4, a rank with no tokens, fp32, x sent again", COMETI_ROUTING_RANDOM, 1, {0, 150}, 4, 0, 1, 1},
+    {"skewed x16, gate and up apart, x sent again", COMETI_ROUTING_SKEWED, 16, {301, 77}, 0, 1, 0, 1},
 };
 
 /* Rank r's inputs of a case, the same on every rank: x, ids, weights, dy. */
@@ -152,6 +156,7 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed, come
     if (c->separate) b.grads.gate = d_ggu, b.grads.up = (char *)d_ggu + (size_t)per * F * H * gsz;
     else b.grads.gate_up = d_ggu;
     b.grads.mode = c->fp32 ? COMET_GRAD_ACCUMULATE_FP32 : COMET_GRAD_WRITE_BF16;
+    b.x = c->resend_x ? fx->d_x : NULL; /* the forward's x, read only when the layer sends it again */
     const int calls = 2; /* fp32: accumulates twice; bf16: the same bits twice */
     uint16_t *first_dx = malloc(2 * ((size_t)m * H + 1));
     float *first_dw = malloc(sizeof(float) * ((size_t)m * k + 1));
@@ -177,6 +182,17 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed, come
         }
         CUDA_OK(cudaMemset(d_dx, 0xff, (size_t)fx->cfg.max_tokens * H * 2));
         CUDA_OK(cudaMemset(d_dw, 0xff, sizeof(float) * fx->cfg.max_tokens * k));
+        if (c->resend_x && m && call == 0) { /* x missing or misaligned: refused, the saved state kept */
+            comet_moe_backward_args_t bad = b;
+            bad.x = NULL;
+            CHECK_EQ(comet_moe_backward(fx->moe, &bad, 0), COMET_INVALID_ARGUMENT);
+            CHECK_CONTAINS(comet_moe_last_error(fx->moe), "args.x is NULL");
+            CHECK_CONTAINS(comet_moe_last_error(fx->moe), "config.resend_x");
+            bad.x = (const char *)fx->d_x + 8;
+            CHECK_EQ(comet_moe_backward(fx->moe, &bad, 0), COMET_INVALID_ARGUMENT);
+            CHECK_CONTAINS(comet_moe_last_error(fx->moe), "args.x");
+            CHECK_CONTAINS(comet_moe_last_error(fx->moe), "16-byte aligned");
+        }
         st = comet_moe_backward(fx->moe, &b, 0);
         if (st != COMET_SUCCESS) printf("comet_moe_backward: %s\n", comet_moe_last_error(fx->moe));
         CHECK_EQ(st, COMET_SUCCESS);
@@ -261,9 +277,23 @@ static int backward_rank(const cometi_rank_ctx_t *ctx, void *arg)
     for (size_t i = 0; i < sizeof(bwd_cases) / sizeof(bwd_cases[0]); i++) {
         CHECK_EQ(comet_moe_destroy(fx.moe), COMET_SUCCESS);
         fx.cfg.top_k = bwd_cases[i].top_k ? bwd_cases[i].top_k : 2;
+        fx.cfg.resend_x = bwd_cases[i].resend_x;
         if (comet_moe_create(fx.comm, &fx.cfg, &fx.moe) != COMET_SUCCESS) {
             printf("comet_moe_create: %s\n", comet_last_create_error());
             return 1;
+        }
+        if (fx.cfg.resend_x) { /* its saved state keeps no x rows: cap_rows x hidden x 2 bytes fewer */
+            comet_moe_config_t keep = fx.cfg;
+            keep.resend_x = 0;
+            comet_moe_t twin;
+            CHECK_EQ(comet_moe_create(fx.comm, &keep, &twin), COMET_SUCCESS);
+            size_t with_x = 0, without_x = 0;
+            CHECK_EQ(comet_moe_saved_bytes(twin, NULL, &with_x), COMET_SUCCESS);
+            CHECK_EQ(comet_moe_saved_bytes(fx.moe, NULL, &without_x), COMET_SUCCESS);
+            const int k = fx.cfg.top_k, here = k < fx.per ? k : fx.per;
+            const size_t cap = (size_t)ctx->nranks * fx.cfg.max_tokens * here + (size_t)fx.per * 128;
+            CHECK_EQ(with_x - without_x, (cap * fx.cfg.hidden * 2 + 255) / 256 * 256);
+            CHECK_EQ(comet_moe_destroy(twin), COMET_SUCCESS);
         }
         if (backward_case(&fx, &bwd_cases[i], seed + 100 * i, COMET_IMPL_BASELINE)) return 1;
         /* The fused path trains with gate_up in one tensor (separate gate and up: refused),

@@ -72,6 +72,9 @@ int test_config_validation(void)
         {"tp_size", 3, 2, COMET_INVALID_ARGUMENT, "config.tp_size = 3: must divide the world size 2"},
         {"tp_size", 2, 2, COMET_INVALID_ARGUMENT, "config.ffn = 192: must be a multiple of 64 x tp_size = 128"},
         {"dtype", 5, 2, COMET_INVALID_ARGUMENT, "config.dtype = 5"},
+        {"resend_x", 2, 2, COMET_INVALID_ARGUMENT, "config.resend_x = 2: must be 0"},
+        {"resend_x", -1, 2, COMET_INVALID_ARGUMENT, "config.resend_x = -1"},
+        {"resend_x", 1, 2, COMET_SUCCESS, ""},
         {"world", 0, 0, COMET_INVALID_ARGUMENT, "world size 0"},
         {"size", 3, 2, COMET_INVALID_ARGUMENT, "COMET_MOE_CONFIG_INIT"},
     };
@@ -87,6 +90,7 @@ int test_config_validation(void)
         else if (!strcmp(f, "ep_size")) c.ep_size = v;
         else if (!strcmp(f, "tp_size")) c.tp_size = v;
         else if (!strcmp(f, "dtype")) c.dtype = (comet_dtype_t)v;
+        else if (!strcmp(f, "resend_x")) c.resend_x = v;
         else if (!strcmp(f, "size")) c.size = (size_t)v;
         char msg[512] = "";
         comet_status_t st = comet_moe_config_validate(&c, cases[i].world, msg, sizeof(msg));

@@ -97,6 +97,7 @@ class MoeConfigStruct(ctypes.Structure):
         ("ep_size", c_int),
         ("tp_size", c_int),
         ("dtype", c_int),  # comet_dtype_t
+        ("resend_x", c_int),
     ]
 
     def __init__(self, **fields):
@@ -168,6 +169,7 @@ class MoeBackwardArgsStruct(ctypes.Structure):
         ("version", c_uint),
         ("saved", c_void_p),           # comet_moe_saved_t
         ("dy", c_void_p),
+        ("x", c_void_p),
         ("weights", MoeWeightsStruct),
         ("dx", c_void_p),
         ("d_topk_weights", c_void_p),  # float *
@@ -176,7 +178,7 @@ class MoeBackwardArgsStruct(ctypes.Structure):
     ]
 
     def __init__(self):
-        super().__init__(ctypes.sizeof(MoeBackwardArgsStruct), STRUCT_MAGIC, API_VERSION, None, None,
+        super().__init__(ctypes.sizeof(MoeBackwardArgsStruct), STRUCT_MAGIC, API_VERSION, None, None, None,
                          MoeWeightsStruct(None, None, None, None), None, None,
                          MoeWeightGradsStruct(None, None, None, None, GRAD_WRITE_BF16), IMPL_AUTO)
 

@@ -87,7 +87,9 @@ class MoeFunction(torch.autograd.Function):
                                                   ctypes.c_void_p(stream))
         check(st, "comet_moe_forward_train", lambda: _capi.text(moe._lib.comet_moe_last_error(ptr)))
         ctx.moe, ctx.impl, ctx.main_grad, ctx.saved_state, ctx.m = moe, impl, main_grad, saved, m
-        ctx.save_for_backward(*weights)
+        # Where the config resends x, the backward sends the forward's x again: autograd
+        # keeps it (and refuses a backward after it was changed in place).
+        ctx.save_for_backward(*weights, x if moe.config.resend_x else None)
         return y
 
     @staticmethod
@@ -97,7 +99,7 @@ class MoeFunction(torch.autograd.Function):
         if ctx.saved_state is None:  # released by the first backward (the same on every rank)
             raise error_for(_capi.INVALID_ARGUMENT, "comet_moe_backward", "args.saved holds no forward: a backward "
                             "consumes it (backward through this graph once, or run the forward again)")
-        weights = ctx.saved_tensors
+        *weights, x = ctx.saved_tensors
         H, k = int(moe.config.hidden), int(moe.config.top_k)
         if dy is None:
             dy = torch.zeros((m, H), dtype=torch.bfloat16, device=weights[3].device)
@@ -124,6 +126,7 @@ class MoeFunction(torch.autograd.Function):
         b = _capi.MoeBackwardArgsStruct()
         b.saved = ctx.saved_state.handle
         b.dy, b.dx, b.d_topk_weights = dy.data_ptr(), dx.data_ptr(), d_weights.data_ptr()
+        b.x = None if x is None else x.data_ptr()
         _weight_args(b, weights)
         for name, g in zip(_WEIGHTS, grads):
             setattr(b.grads, name, None if g is None else g.data_ptr())

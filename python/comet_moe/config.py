@@ -17,7 +17,7 @@ from . import _capi
 from .checks import INT_MAX, c_range, check_int
 from .errors import check
 
-_FIELDS = ("hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size", "tp_size")
+_FIELDS = ("hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size", "tp_size", "resend_x")
 # Every field of comet_moe_config_t (size, magic, version and dtype too) with its range.
 _LIMITS = {name: c_range(ctype) for name, ctype in _capi.MoeConfigStruct._fields_}
 
@@ -40,12 +40,13 @@ class MoeConfig(_capi.MoeConfigStruct):
     (the most tokens one rank passes in one call), ep_size and tp_size (expert- and
     tensor-parallel ranks, ep_size x tp_size = the world size; tp_size 0 means 1, ep_size
     0 means world size / tp_size; tp_size must divide the world size), dtype (bf16
-    only). size, magic and version are set as COMET_MOE_CONFIG_INIT sets them."""
+    only), resend_x (training: 1 keeps no x rows between forward and backward and sends
+    x again in the backward, for memory; 0 keeps them). size, magic and version are set as COMET_MOE_CONFIG_INIT sets them."""
 
     def __init__(self, hidden: int = 0, ffn: int = 0, num_experts: int = 0, top_k: int = 0,
-                 max_tokens: int = 0, ep_size: int = 0, tp_size: int = 0):
+                 max_tokens: int = 0, ep_size: int = 0, tp_size: int = 0, resend_x: int = 0):
         super().__init__(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
-                         ep_size=ep_size, tp_size=tp_size)  # each through __setattr__'s check
+                         ep_size=ep_size, tp_size=tp_size, resend_x=resend_x)  # each through __setattr__'s check
 
     def __setattr__(self, name, value):
         if name not in _LIMITS:  # a misspelt field would otherwise become a plain attribute

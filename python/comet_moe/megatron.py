@@ -88,7 +88,7 @@ _SHARED = []
 
 def _fields(cfg):
     return tuple(int(getattr(cfg, name)) for name in ("hidden", "ffn", "num_experts", "top_k", "max_tokens",
-                                                       "ep_size", "tp_size"))
+                                                       "ep_size", "tp_size", "resend_x"))
 
 
 def _shared_handle(source, settings, make):
@@ -109,14 +109,17 @@ def _layer_class():
         """Megatron-Core's MoELayer with comet's dispatcher and experts (see the module's
         note). comm, moe: an existing comet Comm / Moe instead of ones made here (moe
         serves tests with a stand-in layer). share_handle: reuse the Comm and Moe an
-        earlier layer of the same shape, group and settings made (False: make its own)."""
+        earlier layer of the same shape, group and settings made (False: make its own).
+        resend_x: keep no x rows between the forward and the backward, which sends x
+        again (comet_moe_config_t.resend_x): less memory per layer in flight."""
 
         def __init__(self, config, max_tokens: int, pg_collection=None, layer_number=None, *, comm=None,
                      moe=None, impl="auto", max_recv_rows: int = 0, grad_accumulation: str = "main_grad",
-                     share_handle: bool = True):
+                     share_handle: bool = True, resend_x: bool = False):
             super().__init__()
             from megatron.core.transformer.moe.router import TopKRouter
             cfg = moe_config_from_megatron(config, max_tokens)
+            cfg.resend_x = int(bool(resend_x))
             self.config, self.layer_number, self.impl = config, layer_number, impl
             if pg_collection is None:
                 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection

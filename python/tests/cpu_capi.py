@@ -127,14 +127,14 @@ MIRRORS = {
 # witness beside the layout computed from the header.
 GCC_X86_64 = {
     "comet_comm_config_t": (24, {"timeout_ms": 16}),
-    "comet_moe_config_t": (48, {"hidden": 16, "dtype": 44}),
+    "comet_moe_config_t": (56, {"hidden": 16, "dtype": 44, "resend_x": 48}),
     "comet_moe_weights_t": (32, {"down": 24}),
     "comet_moe_args_t": (96, {"num_tokens": 16, "x": 24, "topk_ids": 32, "topk_weights": 40, "weights": 48,
                               "y": 80, "impl": 88}),
     "comet_moe_saved_config_t": (24, {"max_recv_rows": 16}),
     "comet_moe_weight_grads_t": (40, {"down": 24, "mode": 32}),
-    "comet_moe_backward_args_t": (128, {"saved": 16, "dy": 24, "weights": 32, "dx": 64, "d_topk_weights": 72,
-                                        "grads": 80, "impl": 120}),
+    "comet_moe_backward_args_t": (136, {"saved": 16, "dy": 24, "x": 32, "weights": 40, "dx": 72,
+                                        "d_topk_weights": 80, "grads": 88, "impl": 128}),
 }
 
 
@@ -418,8 +418,8 @@ def presets_from_the_library():
              "presets()")
     m = comet_moe.MoeConfig.preset("mixtral-8x7b", max_tokens=8192)
     check_eq(m.as_dict(), dict(hidden=4096, ffn=14336, num_experts=8, top_k=2, max_tokens=8192, ep_size=0,
-                               tp_size=0), "mixtral-8x7b")
-    check_eq((m.size, m.magic, m.version, m.dtype), (48, _capi.STRUCT_MAGIC, _capi.API_VERSION, 0), "header fields")
+                               tp_size=0, resend_x=0), "mixtral-8x7b")
+    check_eq((m.size, m.magic, m.version, m.dtype), (56, _capi.STRUCT_MAGIC, _capi.API_VERSION, 0), "header fields")
     t = comet_moe.MoeConfig.preset("tiny", 100, ffn=256, top_k=4)
     check_eq((t.hidden, t.ffn, t.num_experts, t.top_k, t.max_tokens), (256, 256, 8, 4, 100), "tiny with overrides")
     check(t.copy() == t and t.copy() is not t, "copy() equals and is new")

@@ -236,6 +236,32 @@ def gradients_accumulate_over_micro_batches(c):
 
 
 @test
+def resend_x_gives_the_same_gradients(c):
+    """A layer whose config resends x (its saved states keep no x rows; the backward sends
+    the forward's x again) against one that keeps them: the same output and gradients, bit
+    for bit, on both paths."""
+    torch = c.torch
+    m = (300, 77)[c.rank % 2]
+    x = c.tokens(m)
+    dy = torch.randn((m, H), device=c.device, generator=c.gen).to(torch.bfloat16)
+    for impl in ("fused", "baseline"):
+        outs = []
+        for resend in (0, 1):
+            block = c.cm.CometSparseMoeBlock(c.comm, c.config(resend_x=resend), impl=impl)
+            block.load_state_dict(c.full_sd)
+            xg = x.clone().requires_grad_(True)
+            y, _ = block(xg)
+            y.backward(dy)
+            torch.cuda.synchronize()
+            c.comm.check_async_error()
+            outs.append(dict(y=y.detach(), dx=xg.grad, router=block.gate.weight.grad, w13=block.w13.grad,
+                             w2=block.w2.grad))
+            block.close()
+        for name, kept in outs[0].items():
+            check(torch.equal(kept, outs[1][name]), f"{impl}: {name} with x sent again differs from x kept")
+
+
+@test
 def no_grad_saves_nothing_and_backward_runs_once(c):
     torch = c.torch
     block = new_block(c)

@@ -1,16 +1,18 @@
 /*
  * backward.c - the sequential path's backward, step after step as Megatron-LM runs an
  * unfused expert-parallel layer, over the routing its training forward saved:
+ *   0. where the config resends x, x's rows again: permuted and sent as in the forward;
  *   1. each choice's dy row, weighted, to where its x row went; d topk_weights beside it
  *      (dy against the choice's expert output, saved as it came home);
  *   2. the dispatch's all-to-all, the same messages as the forward's;
  *   3. per local expert: s = dy W2 (cuBLAS), SwiGLU's backward (dh = [dg du], and the
- *      activation again), dx rows = dh W13, and the weight gradients dW2 = dy^T act,
- *      dW13 = dh^T x (cuBLAS, K the expert's rows);
+ *      activation again), the weight gradients dW2 = dy^T act, dW13 = dh^T x (cuBLAS, K
+ *      the expert's rows), and dx rows = dh W13;
  *   4. the return all-to-all, and each token's dx summed over its choices (and TP ranks'
  *      partials) in a fixed order.
- * The forward's buffers are the workspaces: send (dy rows), recv (dy received), act (s,
- * then the activation), h (dh), out (dx rows), back (dx rows home).
+ * The forward's buffers are the workspaces: send (x or dy rows), recv (dy received), act
+ * (s, then the activation), h (dh), out (x rows received again, then dx rows), back (dx
+ * rows home).
  */
 #include <stdio.h>
 #include <string.h>
@@ -53,6 +55,23 @@ static comet_status_t weight_grad(cometi_baseline_t *b, char *err, int m, int n,
     return gemm(b->cublas, err, m, n, rows, a, lda, 1, bm, ldb, c, n, fp32, fp32 ? 1.0f : 0.0f, what);
 }
 
+/* The dispatch's all-to-all as the forward's messages: send (in send order) -> recv
+ * (each expert's segment). */
+static comet_status_t dispatch_rows(comet_moe_t moe, const comet_moe_saved_t sv, const void *send, void *recv,
+                                    cudaStream_t stream, const char *what)
+{
+    const int H = moe->cfg.hidden;
+    ncclResult_t r = ncclGroupStart();
+    for (int i = 0; i < sv->n_sends && r == ncclSuccess; i++)
+        r = ncclSend((const char *)send + sv->sends[i].offset * H * BF16, (size_t)sv->sends[i].rows * H, ncclBfloat16,
+                     sv->sends[i].peer, moe->comm->nccl, stream);
+    for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++)
+        r = ncclRecv((char *)recv + sv->recvs[i].offset * H * BF16, (size_t)sv->recvs[i].rows * H, ncclBfloat16,
+                     sv->recvs[i].peer, moe->comm->nccl, stream);
+    const ncclResult_t end = ncclGroupEnd();
+    return cometi_nccl(moe->err, r != ncclSuccess ? r : end, what);
+}
+
 comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
                                         cudaStream_t stream)
 {
@@ -66,20 +85,21 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
     COMETI_TRY(cublas_ok(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
     sv->filled = 0; /* consumed from here on, as the fused path's is */
 
+    /* 0. Where the config resends x: its rows again, into the dx rows' buffer, which holds
+     * them until each expert's dW13 has read them (dx rows are written after). */
+    const void *x_rows = sv->recv;
+    if (!x_rows) {
+        COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->x, NULL, NULL, NULL, n, k, H, b->send, sv->send_pos,
+                                                          stream), "launch permute_kernel (x again)"));
+        COMETI_TRY(dispatch_rows(moe, sv, b->send, b->out, stream, "backward all-to-all of x again"));
+        x_rows = b->out;
+    }
     /* 1. dy rows, weighted, to their send places; d topk_weights. */
     COMETI_TRY(cometi_cuda(err, cometi_launch_scale_permute(args->dy, sv->weights, sv->send_pos, n, k, H, tp, stride,
                                                             sv->back, b->send, args->d_topk_weights, stream),
                            "launch scale_permute_kernel"));
     /* 2. Dispatch, as the forward's. */
-    ncclResult_t r = ncclGroupStart();
-    for (int i = 0; i < sv->n_sends && r == ncclSuccess; i++)
-        r = ncclSend((char *)b->send + sv->sends[i].offset * H * BF16, (size_t)sv->sends[i].rows * H, ncclBfloat16,
-                     sv->sends[i].peer, nccl, stream);
-    for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++)
-        r = ncclRecv((char *)b->recv + sv->recvs[i].offset * H * BF16, (size_t)sv->recvs[i].rows * H, ncclBfloat16,
-                     sv->recvs[i].peer, nccl, stream);
-    ncclResult_t end = ncclGroupEnd();
-    COMETI_TRY(cometi_nccl(err, r != ncclSuccess ? r : end, "backward dispatch all-to-all"));
+    COMETI_TRY(dispatch_rows(moe, sv, b->send, b->recv, stream, "backward dispatch all-to-all"));
 
     /* 3. The experts. */
     const comet_moe_weights_t *w = &args->weights;
@@ -98,22 +118,8 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
         const char *dh = (const char *)b->h + (size_t)start * 2 * F * BF16;
         const char *dyr = (const char *)b->recv + (size_t)start * H * BF16;
         const char *act = (const char *)b->act + (size_t)start * F * BF16;
-        const char *x = (const char *)sv->recv + (size_t)start * H * BF16;
+        const char *x = (const char *)x_rows + (size_t)start * H * BF16;
         char *dxr = (char *)b->out + (size_t)start * H * BF16;
-        if (rows) { /* dx rows = dg Wgate + du Wup */
-            if (w->gate_up) {
-                COMETI_TRY(gemm(b->cublas, err, rows, H, 2 * F, dh, 2 * F, 0,
-                                (const char *)w->gate_up + (size_t)le * 2 * F * H * BF16, H, dxr, H, 0, 0.0f,
-                                "cublasGemmEx(dx = dh W13)"));
-            } else {
-                COMETI_TRY(gemm(b->cublas, err, rows, H, F, dh, 2 * F, 0,
-                                (const char *)w->gate + (size_t)le * F * H * BF16, H, dxr, H, 0, 0.0f,
-                                "cublasGemmEx(dx = dg Wgate)"));
-                COMETI_TRY(gemm(b->cublas, err, rows, H, F, dh + (size_t)F * BF16, 2 * F, 0,
-                                (const char *)w->up + (size_t)le * F * H * BF16, H, dxr, H, 0, 1.0f,
-                                "cublasGemmEx(dx += du Wup)"));
-            }
-        }
         /* dW2 [H][F] = dy^T act; dW13 [2F][H] = dh^T x. */
         COMETI_TRY(weight_grad(b, err, H, F, rows, dyr, H, act, F, (char *)gr->down + (size_t)le * H * F * gsize, fp32,
                                stream, "cublasGemmEx(dW2 = dy^T act)"));
@@ -128,10 +134,24 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
                                    (char *)gr->up + (size_t)le * F * H * gsize, fp32, stream,
                                    "cublasGemmEx(dWup = du^T x)"));
         }
+        if (rows) { /* dx rows = dg Wgate + du Wup */
+            if (w->gate_up) {
+                COMETI_TRY(gemm(b->cublas, err, rows, H, 2 * F, dh, 2 * F, 0,
+                                (const char *)w->gate_up + (size_t)le * 2 * F * H * BF16, H, dxr, H, 0, 0.0f,
+                                "cublasGemmEx(dx = dh W13)"));
+            } else {
+                COMETI_TRY(gemm(b->cublas, err, rows, H, F, dh, 2 * F, 0,
+                                (const char *)w->gate + (size_t)le * F * H * BF16, H, dxr, H, 0, 0.0f,
+                                "cublasGemmEx(dx = dg Wgate)"));
+                COMETI_TRY(gemm(b->cublas, err, rows, H, F, dh + (size_t)F * BF16, 2 * F, 0,
+                                (const char *)w->up + (size_t)le * F * H * BF16, H, dxr, H, 0, 1.0f,
+                                "cublasGemmEx(dx += du Wup)"));
+            }
+        }
     }
 
     /* 4. Home, and each token's choices summed (and the TP ranks' partials). */
-    r = ncclGroupStart();
+    ncclResult_t r = ncclGroupStart();
     for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++)
         r = ncclSend((char *)b->out + sv->recvs[i].offset * H * BF16, (size_t)sv->recvs[i].rows * H, ncclBfloat16,
                      sv->recvs[i].peer, nccl, stream);
@@ -139,7 +159,7 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
         r = ncclRecv((char *)b->back + ((size_t)(sv->sends[i].peer % tp) * stride + (size_t)sv->sends[i].offset * H) *
                                            BF16,
                      (size_t)sv->sends[i].rows * H, ncclBfloat16, sv->sends[i].peer, nccl, stream);
-    end = ncclGroupEnd();
+    const ncclResult_t end = ncclGroupEnd();
     COMETI_TRY(cometi_nccl(err, r != ncclSuccess ? r : end, "backward combine all-to-all"));
     return cometi_cuda(err, cometi_launch_combine(b->back, tp, stride, sv->send_pos, NULL, m, k, H, args->dx, stream),
                        "launch combine_kernel (dx)");

@@ -184,7 +184,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     ncclComm_t nccl = moe->comm->nccl;
     comet_status_t st;
 
-    b->io_recv = saved ? saved->recv : b->recv;
+    b->io_recv = saved && saved->recv ? saved->recv : b->recv; /* none kept where the config resends x */
     b->io_h = saved ? saved->h : b->h;
     b->io_back = saved ? saved->back : b->back;
     b->io_send_pos = saved ? saved->send_pos : b->send_pos;

@@ -77,6 +77,8 @@ comet_status_t cometi_cublas_rows(cublasHandle_t h, char *err, int rows, int n, 
                                   void *c, int ldc);
 
 /* ---- kernels (baseline.cu) ---- */
+/* Each (token, choice) row of x to its send place, send_base[id] + pos (recorded in
+ * send_pos); ids NULL: to the place send_pos holds. */
 cudaError_t cometi_launch_permute(const void *x, const int32_t *ids, const int32_t *pos, const int32_t *send_base,
                                   int n, int k, int hidden, void *send, int32_t *send_pos, cudaStream_t stream);
 cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, const cometi_segment_t *segs, int num_segs,

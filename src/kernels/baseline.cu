@@ -13,14 +13,15 @@
 #include "../baseline/baseline.h"
 
 /* One block per (token, choice): copy the token's row to its place in the send
- * buffer, and remember that place for the combine. */
+ * buffer, and remember that place for the combine; with no ids, to the place send_pos
+ * already holds (a backward sending x again). */
 static __global__ void permute_kernel(const uint4 *x, const int32_t *ids, const int32_t *pos,
                                       const int32_t *send_base, int k, int row_vecs, uint4 *send,
                                       int32_t *send_pos)
 {
     const int i = blockIdx.x, t = i / k;
-    const int dst = send_base[ids[i]] + pos[i];
-    if (threadIdx.x == 0) send_pos[i] = dst;
+    const int dst = ids ? send_base[ids[i]] + pos[i] : send_pos[i];
+    if (ids && threadIdx.x == 0) send_pos[i] = dst;
     const uint4 *src = x + (size_t)t * row_vecs;
     uint4 *out = send + (size_t)dst * row_vecs;
     for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) out[v] = src[v];

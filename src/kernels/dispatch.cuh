@@ -20,12 +20,20 @@
  * local experts go first, so local tiles can start at once. Workers take pieces
  * round-robin. Two ways to copy a piece (COMETI_DISPATCH_*): */
 
+/* A piece's source: d->x (rows per choice or per token), or d->x2 (per token). */
+typedef struct piece_source {
+    const void *x;
+    int row_div;
+} piece_source_t;
+
 /* Stores: the warp's lanes load and store 16 bytes at a time (row_copy.cuh). */
-static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const int32_t *src_of, int n_rows, uint4 *out)
+static __device__ void copy_piece_stores(const cometi_dispatch_t *d, piece_source_t src, const int32_t *src_of,
+                                         int n_rows, uint4 *out)
 {
     const int vecs = d->hidden / 8;
     for (int q = 0; q < n_rows; q++)
-        cometi_warp_copy_row(out + (size_t)q * vecs, (const uint4 *)d->x + (size_t)(src_of[q] / d->row_div) * vecs, vecs);
+        cometi_warp_copy_row(out + (size_t)q * vecs, (const uint4 *)src.x + (size_t)(src_of[q] / src.row_div) * vecs,
+                             vecs);
     __syncwarp();
 }
 
@@ -52,7 +60,7 @@ typedef struct bulk_ring {
     uint32_t row_bytes;
 } bulk_ring_t;
 
-static __device__ void copy_piece_bulk(const cometi_dispatch_t *d, bulk_ring_t *ring, const int32_t *src_of, int n_rows,
+static __device__ void copy_piece_bulk(bulk_ring_t *ring, piece_source_t from, const int32_t *src_of, int n_rows,
                                        unsigned char *out, cometi_async_error_t *err, unsigned long long timeout_ns)
 {
     const uint32_t rb = ring->row_bytes;
@@ -77,7 +85,7 @@ static __device__ void copy_piece_bulk(const cometi_dispatch_t *d, bulk_ring_t *
             for (int i = 0; i < BULK_GROUP; i++)
                 if (i < rows)
                     bulk_load(ring->slots + (size_t)(s * BULK_GROUP + i) * rb,
-                              (const unsigned char *)d->x + (size_t)(src[i] / d->row_div) * rb, rb, &ring->full[s]);
+                              (const unsigned char *)from.x + (size_t)(src[i] / from.row_div) * rb, rb, &ring->full[s]);
         }
         const int r = g - BULK_LAG_GROUPS;
         if (r >= 0) {
@@ -179,12 +187,16 @@ static __device__ void copy_pieces(const cometi_dispatch_t *d, const int *table,
         const piece_t pc = find_piece(d, t, i);
         const int row = pc.row, n_rows = pc.n_rows, group = pc.e / d->experts_per_group;
         const int32_t *src_of = d->src_of + pc.send;
-        /* To every TP rank of the group (the same rows, the same place), this rank first. */
+        /* To every TP rank of the group (the same rows, the same place), this rank first;
+         * x2's rows too before the count. */
+        const piece_source_t srcs[2] = {{d->x, d->row_div}, {d->x2, d->top_k}};
         for (int u = 0; u < d->tp; u++) {
             const int dst = group * d->tp + (me + u) % d->tp;
-            unsigned char *out = (unsigned char *)d->recv[dst] + (size_t)row * row_bytes;
-            if (ring) copy_piece_bulk(d, ring, src_of, n_rows, out, err, timeout_ns);
-            else copy_piece_stores(d, src_of, n_rows, (uint4 *)out);
+            for (int which = 0; which < (d->x2 ? 2 : 1); which++) {
+                unsigned char *out = (unsigned char *)d->recv[dst] + (size_t)row * row_bytes + (which ? d->x2_offset : 0);
+                if (ring) copy_piece_bulk(ring, srcs[which], src_of, n_rows, out, err, timeout_ns);
+                else copy_piece_stores(d, srcs[which], src_of, n_rows, (uint4 *)out);
+            }
             if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / COMETI_BLOCK_M, (unsigned long long)n_rows);
         }
     }
@@ -262,8 +274,11 @@ static __device__ void copy_head(const cometi_dispatch_t *d, int gemm_block, int
         int j = 0;
         while (j + 1 < head && desc[j + 1].w <= q) j++;
         const int r = q - desc[j].w;
-        copy_piece_stores(d, d->src_of + desc[j].z + r, 1,
-                          (uint4 *)((unsigned char *)d->recv[me] + (size_t)(desc[j].x + r) * row_bytes));
+        unsigned char *out = (unsigned char *)d->recv[me] + (size_t)(desc[j].x + r) * row_bytes;
+        const piece_source_t srcs[2] = {{d->x, d->row_div}, {d->x2, d->top_k}};
+        for (int which = 0; which < (d->x2 ? 2 : 1); which++)
+            copy_piece_stores(d, srcs[which], d->src_of + desc[j].z + r, 1,
+                              (uint4 *)(out + (which ? d->x2_offset : 0)));
     }
     __syncthreads();
     if ((int)threadIdx.x < head) {

@@ -27,6 +27,11 @@ typedef struct cometi_dispatch {
     const void *x;                  /* [tokens][hidden] bf16, or with row_div 1 a row per choice,
                                      * [tokens x top_k][hidden] (the backward's weighted dy) */
     int row_div;                    /* (t, j) index / row_div = x's row: top_k, or 1 */
+    const void *x2;                 /* NULL, or a second source, [tokens][hidden] bf16 (the backward
+                                     * sending x again, config.resend_x): each piece's rows of it go
+                                     * x2_offset bytes past the piece's place in the receive buffer,
+                                     * before the piece is counted */
+    size_t x2_offset;
     const int32_t *src_of;          /* [n] send order -> (t, j) index */
     cometi_route_tables_t plan;     /* the route's tables (counts, send_offset, seg_start, recv_offset) */
     int num_experts, top_k, hidden, experts_per_group, tp, rank; /* rank r is TP rank r % tp of group r / tp */

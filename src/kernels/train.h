@@ -34,7 +34,7 @@ cudaError_t cometi_launch_keep_choices(const void *slots, void *back, const int3
 
 /* Buffers in the receive layout whose padding rows (after each segment, up to the next 128,
  * below cap_rows) are zeroed: the weight gradients sum whole 64-row blocks. */
-#define COMETI_PADDED_BUFFERS 3
+#define COMETI_PADDED_BUFFERS 4
 typedef struct cometi_padded_rows {
     void *rows[COMETI_PADDED_BUFFERS]; /* NULL: none */
     int row_bytes[COMETI_PADDED_BUFFERS]; /* multiples of 16 */
