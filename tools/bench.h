@@ -33,6 +33,12 @@ typedef struct train_result {
     float step_turns_ms[TRAIN_IMPLS]; /* the two steps timed in turns; 0 unless both ran */
     double check; /* comet's dx against the baseline's, the worst element over its row's RMS (input
                    * set 0); -1 if not compared */
+    /* comet's step keeping x rows, and on a twin handle whose config resends x, in turns (0
+     * unless both ran); a saved state's bytes each way; the twin's dW13 bit-equal to comet's
+     * (1), or not (0), or not compared (-1). */
+    float resend_turns_ms[2];
+    size_t saved_bytes[2];
+    int resend_grads_equal;
 } train_result_t;
 
 #define SWEEP_MAX 16
@@ -81,8 +87,10 @@ enum {
                       * an untimed TRAIN_FORWARD: a backward consumes its saved state) */
     TRAIN_STEP,      /* the two back to back */
     BASE_TRAIN_STEP, /* the same on the baseline path (in turns with TRAIN_STEP) */
-    BACKWARD_GEMMS   /* cometi_moe_backward_gemms on the input set's saved state (a fused forward's,
+    BACKWARD_GEMMS,  /* cometi_moe_backward_gemms on the input set's saved state (a fused forward's,
                       * fresh as for TRAIN_BACKWARD) */
+    RESEND_TRAIN_STEP /* TRAIN_STEP, fused, on the twin handle whose config resends x (tr->resend_*):
+                       * its own saved states, the input set's x given to the backward */
 };
 
 /* What the training calls take beside the forward's args: the backward's args (dx,
@@ -93,6 +101,8 @@ typedef struct train_bufs {
     comet_moe_saved_t saved[NSETS];
     void *dy[NSETS];
     int gemm_mask; /* BACKWARD_GEMMS: which (cometi_moe_backward_gemms), 0 all */
+    comet_moe_t resend_moe; /* RESEND_TRAIN_STEP's handle (config.resend_x = 1) and saved states */
+    comet_moe_saved_t resend_saved[NSETS];
 } train_bufs_t;
 
 typedef struct timed_call {

@@ -62,6 +62,19 @@ static comet_status_t run_train_call(const timed_call_t *c, comet_impl_t impl, i
     return st;
 }
 
+/* A fused step on the twin handle that sends x again: its saved state of the set, the
+ * set's x given to the backward. */
+static comet_status_t run_resend_step(const timed_call_t *c, int set)
+{
+    timed_call_t t = *c;
+    train_bufs_t tr = *c->tr;
+    tr.b.saved = tr.resend_saved[set];
+    tr.b.x = c->a->x;
+    t.moe = tr.resend_moe;
+    t.tr = &tr;
+    return run_train_call(&t, COMET_IMPL_FUSED, 1, 1);
+}
+
 /* Any failure here makes the column "n/a": its reason printed on rank 0 alone. */
 static comet_status_t run_backward_gemms(const timed_call_t *c)
 {
@@ -107,6 +120,7 @@ static comet_status_t run_timed_call(const timed_call_t *c, int n)
     case TRAIN_STEP: return run_train_call(c, a->impl, 1, 1);
     case BASE_TRAIN_STEP: return run_train_call(c, COMET_IMPL_BASELINE, 1, 1);
     case BACKWARD_GEMMS: return run_backward_gemms(c);
+    case RESEND_TRAIN_STEP: return run_resend_step(c, set);
     case WHOLE_BEST: {
         comet_status_t st = cometi_dispatch_gemm_run(c->comm, c->l0, a, c->k0, 0);
         return st != COMET_SUCCESS ? st : cometi_gemm_combine_run(c->comm, c->l1, c->l0, a, c->k1, 0);

@@ -183,6 +183,49 @@ static int time_impl(const timed_call_t *base, const tool_options_t *o, train_ca
     return 0;
 }
 
+/* comet's step against the same on a twin handle whose config resends x (its saved states
+ * keep no x rows; the backward sends x again), in turns, after a check that the twin's
+ * weight gradients come out bit-equal (the same x rows, the same sums). */
+static int time_resend(const timed_call_t *base, const comet_moe_config_t *cfg, train_case_t *tc,
+                       const tool_options_t *o, train_result_t *res)
+{
+    train_bufs_t *tr = base->tr;
+    comet_moe_config_t twin = *cfg;
+    twin.resend_x = 1;
+    FAIL_IF(comet_moe_create(base->comm, &twin, &tr->resend_moe) != COMET_SUCCESS, "comet_moe_create (resend_x): %s",
+            comet_last_create_error());
+    for (int set = 0; set < NSETS; set++)
+        FAIL_IF(comet_moe_saved_create(tr->resend_moe, NULL, &tr->resend_saved[set]) != COMET_SUCCESS,
+                "comet_moe_saved_create: %s", comet_last_create_error());
+    FAIL_IF(comet_moe_saved_bytes(base->moe, NULL, &res->saved_bytes[0]) != COMET_SUCCESS ||
+            comet_moe_saved_bytes(tr->resend_moe, NULL, &res->saved_bytes[1]) != COMET_SUCCESS,
+            "comet_moe_saved_bytes failed");
+    /* dW13 of input set 0 each way, the buffer poisoned before each. */
+    unsigned char *grads[2];
+    for (int i = 0; i < 2; i++) {
+        grads[i] = TOOL_MALLOC(tc->gate_up_bytes);
+        FAIL_IF(!grads[i], "out of host memory");
+        timed_call_t c = *base;
+        c.what = i ? RESEND_TRAIN_STEP : TRAIN_STEP;
+        CUDA_OK(cudaMemset(tr->b.grads.gate_up, 0xff, tc->gate_up_bytes));
+        int served = 0;
+        if (try_call(&c, &served)) return 1;
+        FAIL_IF(!served, "the training step refused (see above)");
+        CUDA_OK(cudaMemcpy(grads[i], tr->b.grads.gate_up, tc->gate_up_bytes, cudaMemcpyDeviceToHost));
+    }
+    float differ = memcmp(grads[0], grads[1], tc->gate_up_bytes) != 0;
+    free(grads[0]), free(grads[1]);
+    if (allreduce(base->comm, &differ, 1, ncclMax)) return 1;
+    res->resend_grads_equal = differ == 0;
+    const int whats[2] = {TRAIN_STEP, RESEND_TRAIN_STEP};
+    if (time_in_turns(base, whats, 2, o->iters, res->resend_turns_ms)) return 1;
+    for (int set = 0; set < NSETS; set++) comet_moe_saved_destroy(tr->resend_saved[set]);
+    FAIL_IF(comet_moe_destroy(tr->resend_moe) != COMET_SUCCESS, "comet_moe_destroy (resend_x): %s",
+            comet_last_create_error());
+    tr->resend_moe = NULL;
+    return 0;
+}
+
 int run_train(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm, comet_moe_t moe,
               const comet_moe_config_t *cfg, const char *label, const comet_moe_args_t *a_fwd, void **x,
               int32_t **ids, float **w, train_result_t *res)
@@ -191,6 +234,8 @@ int run_train(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_
     for (int i = 0; i < TRAIN_IMPLS; i++) res->forward_ms[i] = res->backward_ms[i] = res->step_ms[i] = -1;
     res->gemms_ms = -1;
     res->check = -1;
+    res->resend_turns_ms[0] = res->resend_turns_ms[1] = 0;
+    res->resend_grads_equal = -1;
     if (ctx->rank == 0) {
         size_t bytes = 0;
         comet_moe_saved_bytes(moe, NULL, &bytes);
@@ -215,6 +260,8 @@ int run_train(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_
         use_impl(c.a, &tc, TRAIN_COMET);
         const int whats[TRAIN_IMPLS] = {BASE_TRAIN_STEP, TRAIN_STEP};
         if (time_in_turns(&c, whats, TRAIN_IMPLS, o->iters, res->step_turns_ms)) return 1;
+        if (ctx->rank == 0) fprintf(stderr, "[bench] %s: training with x sent again (config.resend_x)\n", label);
+        if (time_resend(&c, cfg, &tc, o, res)) return 1;
     }
     train_free(&tc);
     res->ran = 1;
@@ -270,6 +317,11 @@ static void train_json(FILE *json, int *records, const cometi_rank_ctx_t *ctx, c
         if (turns) fprintf(json, ", \"step_speedup_in_turns\": %.4f",
                            r->step_turns_ms[TRAIN_BASE] / r->step_turns_ms[TRAIN_COMET]);
         else fprintf(json, ", \"step_speedup_in_turns\": null");
+        json_ms(json, "resend_x_step_in_turns_ms", r->resend_turns_ms[1] > 0 ? r->resend_turns_ms[1] : -1);
+        json_ms(json, "keep_x_step_in_turns_ms", r->resend_turns_ms[1] > 0 ? r->resend_turns_ms[0] : -1);
+        if (r->resend_turns_ms[1] > 0)
+            fprintf(json, ", \"saved_bytes\": %zu, \"resend_x_saved_bytes\": %zu, \"resend_x_dw13_bit_equal\": %s",
+                    r->saved_bytes[0], r->saved_bytes[1], r->resend_grads_equal == 1 ? "true" : "false");
         if (r->check < 0) fprintf(json, ", \"dx_diff_vs_baseline\": null");
         else if (!isfinite(r->check)) fprintf(json, ", \"dx_diff_vs_baseline\": Infinity"); /* as Python's json */
         else fprintf(json, ", \"dx_diff_vs_baseline\": %.3g", r->check);
@@ -285,6 +337,7 @@ void report_train(const cometi_rank_ctx_t *ctx, const tool_options_t *o, const s
 {
     if (!r->ran) return;
     if (r->check >= 0 && !(r->check <= DX_LIMIT)) *failed_check = 1;
+    if (r->resend_grads_equal == 0) *failed_check = 1;
     if (ctx->rank != 0) return;
     const int nimpl = o->run_comet ? TRAIN_IMPLS : 1;
     printf("  training: comet_moe_forward_train, comet_moe_backward (bf16 weight gradients), the two back to back "
@@ -296,6 +349,11 @@ void report_train(const cometi_rank_ctx_t *ctx, const tool_options_t *o, const s
         train_row(label, cfg->max_tokens, i, r);
         if (json) train_json(json, records, ctx, o, prop, cfg, label, i, r);
     }
+    if (r->resend_turns_ms[1] > 0)
+        printf("  x sent again in the backward (config.resend_x): step %.3f ms against %.3f keeping x rows, in "
+               "turns (%.3fx); a saved state %.3f GB against %.3f; dW13 %s\n", r->resend_turns_ms[1],
+               r->resend_turns_ms[0], r->resend_turns_ms[0] / r->resend_turns_ms[1], r->saved_bytes[1] / 1e9,
+               r->saved_bytes[0] / 1e9, r->resend_grads_equal == 1 ? "bit-equal" : "NOT bit-equal");
     if (nimpl == TRAIN_IMPLS && r->gemms_ms >= 0) {
         /* TFLOP/s on the rows of balanced routing: every rank receives tokens x top_k. */
         const double rows = (double)cfg->max_tokens * cfg->top_k, tp = cfg->tp_size > 0 ? cfg->tp_size : 1;
