@@ -405,7 +405,10 @@ typedef struct comet_moe_backward_args {
  * calls it for the same forward call. It consumes args->saved. A token's dx sums its
  * choices in a fixed order (fp32): the same inputs give the same bits. The fused path
  * never waits for the host (capturable in a CUDA graph as its forward); a peer that
- * stops calling gives COMET_TIMEOUT through comet_comm_get_async_error(). Errors:
+ * stops calling gives COMET_TIMEOUT through comet_comm_get_async_error(), and ranks that
+ * run the backwards of different forward calls (layers out of order) get
+ * COMET_INVALID_ARGUMENT there, every one of them, with nothing sent (its route compares
+ * each saved state's forward call across ranks). Errors:
  * COMET_INVALID_ARGUMENT (a field; a saved state empty, consumed, of another layer or
  * another path: nothing is launched), COMET_TIMEOUT, COMET_NCCL_ERROR, COMET_CUDA_ERROR.
  */

@@ -245,6 +245,12 @@ comet_status_t cometi_check_async(comet_comm_t comm)
                            "have kept them all (the sequential path refuses such a call). Create saved states with "
                            "a larger bound (0: the worst case). The communicator is unusable now: destroy it",
                            comm->rank, e->seen, e->peer, e->expected);
+    if (e->site == COMETI_SITE_CALL_MISMATCH)
+        return cometi_fail(comm->err, (comet_status_t)status, "rank %d: the routing-count exchange found rank %d in "
+                           "another call: forward call id %llu there, %llu here (0: a forward; else the backward of "
+                           "that training forward). Every rank must run the backward of the same forward call (the "
+                           "same layer's, the same step's saved state), at the same point. Nothing was sent. The "
+                           "communicator is unusable now: destroy it", comm->rank, e->peer, e->seen, e->expected);
     char who[48] = "";
     if (e->peer >= 0) snprintf(who, sizeof(who), " on rank %d", e->peer);
     return cometi_fail(comm->err, (comet_status_t)status,

@@ -112,13 +112,15 @@ comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_
                                         const cometi_dispatch_knobs_t *knobs, cudaStream_t stream)
 {
     const cometi_gemm_t core = cometi_dispatch_gemm_gemm(comm, l, a);
-    return cometi_dispatch_gemm_run_core(comm, l, a, &core, 0, NULL, knobs, stream);
+    return cometi_dispatch_gemm_run_core(comm, l, a, &core, NULL, knobs, stream);
 }
 
 comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
-                                             const cometi_gemm_t *core, int row_per_choice, const void *x_again,
+                                             const cometi_gemm_t *core, const cometi_dispatch_backward_t *backward,
                                              const cometi_dispatch_knobs_t *knobs, cudaStream_t stream)
 {
+    const int row_per_choice = backward != NULL;
+    const void *x_again = backward ? backward->x_again : NULL;
     if (x_again && !l->x_rows)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "x sent again, but the layer has no room for it "
                            "(config.resend_x = 0)");
@@ -145,7 +147,7 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     const int col_tiles = (l->ffn + 127) / 128, gemm_blocks = comm->sm_count - dispatch_blocks;
     int wave = cometi_first_wave_blocks(knobs->first_wave, (int)cometi_param_int(COMETI_PARAM_FIRST_WAVE), l->tp,
                                         comm->sm_count, dispatch_blocks, col_tiles);
-    if (row_per_choice || x_again || (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x,
+    if (row_per_choice || (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x,
                                                               l->hidden)))
         wave = 0; /* nothing may fail once the side stream has forked; its copy reads a row per token */
     cometi_gemm_t g = *core;
@@ -196,6 +198,7 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
         COMETI_TRY(cometi_gemm_prepare(comm->err, &w, &wave_prepared));
     }
     COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->topk_weights, a->num_tokens, l->top_k, wave,
+                                    backward ? backward->call : 0,
                                     wave ? l->ranks_done : NULL, stream));
     if (!wave) return cometi_gemm_launch(comm->err, &prepared, stream);
     /* Forked: whatever fails from here, the side stream is joined before returning (an

@@ -76,6 +76,9 @@ typedef enum cometi_wait_site {
     COMETI_SITE_SAVED_BOUND = 8, /* a fused training forward routed more rows to an EP group
                                   * than its saved state's bound (expected: max_recv_rows,
                                   * seen: the rows, peer: the group) */
+    COMETI_SITE_CALL_MISMATCH = 9, /* the route found ranks in different calls: a backward of
+                                    * another forward call, or a forward beside a backward
+                                    * (expected: this rank's call id, seen: rank peer's) */
 } cometi_wait_site_t;
 
 /* Written by kernels into host-mapped memory, read by the host without a sync. */
@@ -138,6 +141,8 @@ struct comet_moe {
     struct cometi_baseline *baseline; /* the sequential path's buffers, made by its first call, or NULL */
     struct cometi_fused *fused;       /* layer0 + layer1, made by the first fused call, or NULL */
     int fused_unsupported;            /* the config cannot run fused (AUTO runs the baseline) */
+    unsigned int train_calls;         /* fused training forwards so far (never 0 once one ran): each
+                                       * saved state's call id, the same on every rank */
     cudaEvent_t *marks;               /* COMETI_NUM_MARKS events, or NULL: phase timing */
 };
 
@@ -155,6 +160,8 @@ struct comet_moe_saved {
     void *memory;                /* the one device block the arrays below are carved from */
     int owned;                   /* allocated by comet_moe_saved_create (else the caller's) */
     int num_tokens;
+    unsigned int call;           /* fused: its forward's id (comet_moe.train_calls), which the
+                                  * backward's route compares across ranks */
     void *recv;                  /* [cap_rows][H] bf16: x rows received, in the plan's layout; NULL
                                   * where the config resends x (the backward sends it again) */
     void *h;                     /* [cap_rows][2 Fl] bf16: their gate and up projections (the fused

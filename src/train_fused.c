@@ -7,7 +7,8 @@
  *           output is kept per choice).
  * backward  1. at home: each choice's dy weighted (w dy), d topk_weights = <dy, o> beside it;
  *           2. dispatch -> GEMM: those rows to their experts over the forward's routing
- *              (route again from the kept ids), into s = (w dy) W2 (B read MN-major);
+ *              (route again from the kept ids, with the forward's call id, which every
+ *              rank's must match), into s = (w dy) W2 (B read MN-major);
  *              where the config resends x, x's rows beside them (the forward kept none);
  *           3. SwiGLU's backward in place: [g u] becomes dh = [dg du], s becomes a (a
  *              kernel: in the GEMM's epilogue it cost more, see fused.h); the padding rows
@@ -124,7 +125,7 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     /* Each choice's output must come home on its own (the push) to be kept per choice. */
     cometi_combine_knobs_t k1 = f->k1;
     k1.push = 1, k1.combine_blocks = 0, k1.n_splits = 1, k1.tail = 0;
-    comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, 0, NULL, &f->k0, stream);
+    comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, NULL, &f->k0, stream);
     if (st == COMET_SUCCESS && !l0->x_rows) /* else the backward sends x again */
         st = cometi_cuda(comm->err, cometi_launch_keep_rows(l0->recv.local, sv->recv, H, plan->local_segs,
                                                             l0->experts_per_group, sv->cap_rows, sv->max_recv_rows,
@@ -149,6 +150,8 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
         return st;
     }
     sv->num_tokens = a->num_tokens;
+    if (++moe->train_calls == 0) moe->train_calls = 1; /* 0 is a forward's in the route */
+    sv->call = moe->train_calls;
     sv->path = COMETI_SAVED_FUSED;
     sv->filled = 1;
     return COMET_SUCCESS;
@@ -192,8 +195,8 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
                                                                  f->dy_rows, ba->d_topk_weights, stream),
                            "launch scale_permute_kernel"));
     /* 2. */
-    comet_status_t st = cometi_dispatch_gemm_run_core(comm, &f->l0, &a, &g.dgrad_down, 1, f->l0.x_rows ? ba->x : NULL,
-                                                      &k0, stream);
+    const cometi_dispatch_backward_t bwd = {f->l0.x_rows ? ba->x : NULL, sv->call};
+    comet_status_t st = cometi_dispatch_gemm_run_core(comm, &f->l0, &a, &g.dgrad_down, &bwd, &k0, stream);
     /* 3. */
     const cometi_segment_t *segs = f->l0.route.plan.local_segs;
     if (st == COMET_SUCCESS && !f->dswiglu_epilogue)

@@ -484,3 +484,49 @@ static int backward_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
 }
 
 int test_gpu_backward_missing_peer_times_out(void) { return launch_two_seeded(backward_missing_peer_rank, 100); }
+
+/* ---- ranks in the backwards of different forward calls: refused on every rank (two GPUs) ---- */
+
+/* Two training forwards, then rank 0 runs the backward of the first and rank 1 of the
+ * second (as with layers run out of order): the route's exchange finds the call ids apart,
+ * so every rank gets COMET_INVALID_ARGUMENT naming the other, nothing moves, no hang. */
+static int backward_other_call_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const moe_case_t c = {"another call", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
+    comet_moe_args_t a;
+    if (fixture_open_timed(&fx, ctx, seed, &c, &a)) return 1;
+    const int H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens, k = fx.cfg.top_k, per = fx.per;
+    void *d_dy, *d_dx, *g_gu, *g_dn;
+    float *d_dw;
+    CUDA_OK(cudaMalloc(&d_dy, (size_t)M * H * 2));
+    CUDA_OK(cudaMemset(d_dy, 0, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc(&d_dx, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc((void **)&d_dw, sizeof(float) * M * k));
+    CUDA_OK(cudaMalloc(&g_gu, (size_t)per * 2 * F * H * 2));
+    CUDA_OK(cudaMalloc(&g_dn, (size_t)per * H * F * 2));
+    comet_moe_saved_t saved[2];
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved[i]), COMET_SUCCESS);
+        COMET_OK(comet_moe_forward_train(fx.moe, &a, saved[i], 0), fx.comm);
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+    comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
+    b.saved = saved[ctx->rank % 2], b.dy = d_dy, b.weights = a.weights, b.dx = d_dx, b.d_topk_weights = d_dw;
+    b.grads.gate_up = g_gu, b.grads.down = g_dn;
+    const double t0 = now_s();
+    COMET_OK(comet_moe_backward(fx.moe, &b, 0), fx.comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    const double took = now_s() - t0;
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_INVALID_ARGUMENT);
+    printf("rank %d: %.3f s: %s\n", ctx->rank, took, comet_comm_last_error(fx.comm));
+    CHECK_CONTAINS(comet_comm_last_error(fx.comm), "in another call");
+    CHECK(took < 1.0); /* refused at the exchange, not after a timeout */
+    comet_comm_destroy(fx.comm);
+    fx.comm = NULL;
+    return 0;
+}
+
+int test_gpu_backward_of_another_call_refused(void) { return launch_two_seeded(backward_other_call_rank, 100); }

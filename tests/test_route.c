@@ -77,8 +77,9 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
         /* Every other call without weights: then the records are not written. With tp 1,
          * 0-3 first-wave row blocks (changing apart from the routing kind, call % 4): the
          * fused GEMM's segments leave them out. */
+        /* A call id the same on every rank (0, a forward's, every third call) passes. */
         COMET_OK(cometi_route_dev_run(comm, &r, d_ids, call % 2 ? NULL : d_w, m[me], k, tp == 1 ? call / 4 % 4 : 0,
-                                      NULL, 0), comm);
+                                      (unsigned int)(call % 3) * 0x9e3779b9u, NULL, 0), comm);
         CUDA_OK(cudaDeviceSynchronize());
         CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
         cometi_route_plan_t p;
@@ -406,7 +407,7 @@ static int route_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemset(d_ids, 0, sizeof(int32_t) * 64));
     double t0 = now_s();
     /* Rank 1 never routes; it waits on a flag nobody raises instead. */
-    if (ctx->rank == 0) COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 32, 2, 0, NULL, 0), comm);
+    if (ctx->rank == 0) COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 32, 2, 0, 0, NULL, 0), comm);
     else COMET_OK(cometi_wait_flag(comm, 3, 1, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     double took = now_s() - t0;
@@ -427,6 +428,41 @@ int test_gpu_route_missing_peer_times_out(void)
     return launch(2, route_missing_peer_rank, NULL, 100);
 }
 
+/* Ranks in different calls (rank 0 the backward of call 5, rank 1 of call 6): every rank
+ * records COMET_INVALID_ARGUMENT naming the other, and places nothing. */
+static int route_call_mismatch_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    (void)arg;
+    comet_comm_t comm;
+    if (open_comm(ctx, 2000, &comm)) return 1;
+    cometi_route_dev_t r;
+    COMET_OK(cometi_route_dev_create(comm, 8, 1, 64, 2 * 64 + 4 * 127, COMETI_BLOCK_M, &r), comm);
+    int32_t ids[8] = {0, 1, 2, 3, 4, 5, 6, 7}, *d_ids;
+    CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(ids)));
+    CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(r.plan.recv_rows, 0xff, sizeof(int32_t) * ctx->nranks));
+    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0, 5u + (unsigned int)ctx->rank, NULL, 0), comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(comm), COMET_INVALID_ARGUMENT);
+    printf("rank %d: %s\n", ctx->rank, comet_comm_last_error(comm));
+    char want[96];
+    snprintf(want, sizeof(want), "found rank %d in another call: forward call id %d there, %d here",
+             1 - ctx->rank, 6 - ctx->rank, 5 + ctx->rank);
+    CHECK_CONTAINS(comet_comm_last_error(comm), want);
+    int32_t rows[2];
+    CUDA_OK(cudaMemcpy(rows, r.plan.recv_rows, sizeof(rows), cudaMemcpyDeviceToHost));
+    CHECK_EQ(rows[0], 0); /* the plan emptied: nothing received, so nothing sent */
+    CHECK_EQ(rows[1], 0);
+    comet_comm_destroy(comm);
+    return 0;
+}
+
+int test_gpu_route_call_mismatch_refused(void)
+{
+    if (!have_gpus(2)) return TEST_SKIP;
+    return launch(2, route_call_mismatch_rank, NULL, 100);
+}
+
 static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     (void)arg;
@@ -437,7 +473,7 @@ static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     int32_t ids[8] = {0, 1, 2, 3, 4, 9, 6, 7}, *d_ids;
     CUDA_OK(cudaMalloc((void **)&d_ids, sizeof(ids)));
     CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
-    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0, NULL, 0), comm);
+    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0, 0, NULL, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_INVALID_ARGUMENT);
     printf("%s\n", comet_comm_last_error(comm));
@@ -450,7 +486,7 @@ static int route_bad_id_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
     ids[5] = 5;
     CUDA_OK(cudaMemcpy(d_ids, ids, sizeof(ids), cudaMemcpyHostToDevice));
-    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0, NULL, 0), comm);
+    COMET_OK(cometi_route_dev_run(comm, &r, d_ids, NULL, 4, 2, 0, 0, NULL, 0), comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
     CUDA_OK(cudaMemcpy(pos, r.plan.recv_pos, sizeof(pos), cudaMemcpyDeviceToHost));

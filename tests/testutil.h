@@ -105,6 +105,7 @@ uint64_t test_seed(void);
     X(gpu_route_matches_plan, 180)              \
     X(gpu_route_plan_any_world, 120)            \
     X(gpu_route_missing_peer_times_out, 120)    \
+    X(gpu_route_call_mismatch_refused, 120)     \
     X(gpu_route_reports_bad_expert_id, 60)      \
     X(gpu_baseline_vs_reference, 300)           \
     X(gpu_baseline_repeated_calls, 300)         \
@@ -129,7 +130,8 @@ uint64_t test_seed(void);
     X(gpu_training_1000_steps, 300)             \
     X(gpu_layers_share_a_handle, 150)           \
     X(gpu_gpt_oss_shape, 240)                   \
-    X(gpu_backward_missing_peer_times_out, 120)
+    X(gpu_backward_missing_peer_times_out, 120) \
+    X(gpu_backward_of_another_call_refused, 120)
 
 #define DECLARE_TEST(name, timeout) int test_##name(void);
 COMET_TESTS(DECLARE_TEST)

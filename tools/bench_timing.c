@@ -98,7 +98,7 @@ static comet_status_t run_timed_call(const timed_call_t *c, int n)
     case L0_GEMM_ALONE_DYNAMIC: return cometi_dispatch_gemm_alone(c->comm, c->l0, a, c->what == L0_GEMM_ALONE_DYNAMIC, 0);
     case L0_ROUTE_ALONE:
         return cometi_route_dev_run(c->comm, &c->l0->route, a->topk_ids, a->topk_weights, a->num_tokens,
-                                    c->l0->top_k, 0, NULL, 0);
+                                    c->l0->top_k, 0, 0, NULL, 0);
     case L1_FUSED: return cometi_gemm_combine_run(c->comm, c->l1, c->l0, a, c->k1, 0);
     case L1_GEMM_ALONE:
     case L1_GEMM_ALONE_DYNAMIC:

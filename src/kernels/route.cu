@@ -130,9 +130,12 @@ typedef struct peer_tables {
  * One block. 1) Push this rank's counts into slot [me] of every peer's table (the half
  *    for this call's parity, so a peer one call ahead cannot overwrite what is read),
  *    each as one 8-byte word tagged with this call (release, system): the call number is
- *    one more than the last call's, kept in device memory (*seq).
+ *    one more than the last call's, kept in device memory (*seq). After the counts, one
+ *    more word: the caller's `call` (0 for a forward; a backward's, its forward's id).
  * 2) Wait for every peer's words of this call (acquire, timeout); meanwhile the last
- *    threads write the chunk prefixes.
+ *    threads write the chunk prefixes. Every rank sees every rank's `call`: where they
+ *    differ (ranks running the backwards of different forward calls, or a forward beside a
+ *    backward), every rank records the error and empties its plan, as for a timeout.
  * 3) Build the plan of plan.h for tp ranks per group, with no serial walk: one thread per
  *    expert sums its segment over the sources (in the group's order) and pads it; then one
  *    warp per source scans that source's counts into its send offsets, and one warp per
@@ -246,7 +249,7 @@ exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int 
                      unsigned long long *seq_counter, int32_t *local_counts, const int32_t *chunk_counts,
                      int32_t *chunk_prefix, int chunks,
                      const int32_t *ids, int n, cometi_route_dev_plan_t plan, int counts_in_smem,
-                     unsigned long long timeout_ns, cometi_async_error_t *err)
+                     unsigned int call, unsigned long long timeout_ns, cometi_async_error_t *err)
 {
     cometi_grid_wait(); /* chunk_rank_kernel's counts */
     /* place_rows_kernel may start now, unless the first wave is on: its blocks would sit
@@ -276,11 +279,12 @@ exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int 
      * release orders this rank's earlier work (its last call's reads of its receive
      * buffer) before the count, as the flag did: a peer writes rows only after it. */
     const unsigned int tag = (unsigned int)(seq % 0xffffffffull) + 1u;
-    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
-        const int p = i / E, e = i % E;
+    const int row = E + 1; /* a rank's words: its counts, then its call */
+    for (int i = threadIdx.x; i < world * row; i += blockDim.x) {
+        const int p = i / row, e = i % row;
         unsigned long long *table = (unsigned long long *)peers.base[p];
-        cometi_st_release_sys(table + (size_t)half * world * E + (size_t)me * E + e,
-                              (unsigned long long)tag << 32 | (unsigned int)total_s[e]);
+        cometi_st_release_sys(table + (size_t)half * world * row + (size_t)me * row + e,
+                              (unsigned long long)tag << 32 | (e < E ? (unsigned int)total_s[e] : call));
     }
     /* While the peers' words cross NVLink, the last threads turn each chunk's count into
      * the rows of its expert in earlier chunks, which place_rows_kernel adds to the chunk's
@@ -288,15 +292,23 @@ exchange_plan_kernel(peer_tables_t peers, unsigned long long *mine, int me, int 
     for (int e = (int)(blockDim.x - 1 - threadIdx.x); e < E; e += blockDim.x)
         sum_chunks(chunk_counts + (size_t)e * chunks, chunks, chunk_prefix + (size_t)e * chunks);
     /* The peers' counts of this call, as their words arrive. */
-    const unsigned long long *words = mine + (size_t)half * world * E;
+    const unsigned long long *words = mine + (size_t)half * world * row;
     bool dead = false; /* once a wait of this thread has failed, the rest are not waited for */
-    for (int i = threadIdx.x; i < world * E; i += blockDim.x) {
+    for (int i = threadIdx.x; i < world * row; i += blockDim.x) {
+        const int p = i / row, e = i % row;
         unsigned long long w = 0;
-        if (!dead && !cometi_wait_tag(words + i, tag, timeout_ns, err, COMETI_SITE_ROUTE, i / E, i % E, &w))
+        if (!dead && !cometi_wait_tag(words + i, tag, timeout_ns, err, COMETI_SITE_ROUTE, p, e, &w))
             dead = true, failed = 1;
-        const int32_t v = (int32_t)(unsigned int)w;
-        plan.counts[i] = v;
-        if (counts_in_smem) counts_s[i] = v;
+        const unsigned int v = (unsigned int)w;
+        if (e == E) { /* rank p's call */
+            if (!dead && v != call) {
+                cometi_record_error(err, COMET_INVALID_ARGUMENT, COMETI_SITE_CALL_MISMATCH, p, me, call, v, 0);
+                failed = 1;
+            }
+            continue;
+        }
+        plan.counts[p * E + e] = (int32_t)v;
+        if (counts_in_smem) counts_s[p * E + e] = (int32_t)v;
     }
     __syncthreads();
     /* Without every peer's counts of this call the plan would be stale: make it empty, so
@@ -464,7 +476,7 @@ extern "C" comet_status_t cometi_route_dev_create(comet_comm_t comm, int num_exp
      * 11248 - E). */
     r->counts_in_smem =
         sizeof(int32_t) * ((size_t)W * E + E + COMETI_MAX_EXPERTS) <= 48 * 1024 - 64;
-    size_t table_bytes = sizeof(unsigned long long) * 2 * W * E; /* [2][world][E] tagged counts */
+    size_t table_bytes = sizeof(unsigned long long) * 2 * W * (E + 1); /* [2][world][E + 1] tagged words */
     COMETI_TRY(cometi_window_create(comm, table_bytes, &r->table));
     comet_status_t st;
     COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(cometi_row_meta_t) * (size_t)(max_rows > 0 ? max_rows : 1),
@@ -524,7 +536,7 @@ extern "C" void cometi_route_dev_destroy(comet_comm_t comm, cometi_route_dev_t *
 
 extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids,
                                                const float *weights, int m, int k, int wave_blocks,
-                                               cudaEvent_t ranks_done, cudaStream_t stream)
+                                               unsigned int call, cudaEvent_t ranks_done, cudaStream_t stream)
 {
     const int n = m * k, E = r->num_experts;
     if (n > r->max_rows)
@@ -553,8 +565,7 @@ extern "C" comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_d
     const cudaError_t launched = cudaLaunchKernelEx(
         &cfg, exchange_plan_kernel, peers, (unsigned long long *)r->table.local, comm->rank, r->world, r->tp, E, r->block_m,
         r->seq, r->local_counts, (const int32_t *)r->chunk_counts, r->chunk_prefix, chunks, topk_ids, n, r->plan,
-        counts_in_smem,
-        (unsigned long long)comm->timeout_ms * 1000000ull, comm->async_dev);
+        counts_in_smem, call, (unsigned long long)comm->timeout_ms * 1000000ull, comm->async_dev);
     if (launched != cudaSuccess) /* the ranks may have noted a bad id that only the exchange resets */
         cudaMemsetAsync(r->local_counts + E, 0xff, sizeof(int32_t), stream);
     COMETI_TRY(cometi_cuda(comm->err, launched, "launch exchange_plan_kernel"));

@@ -64,7 +64,8 @@ static inline cometi_route_tables_t cometi_route_tables(const cometi_route_dev_p
 
 typedef struct cometi_route_dev {
     int world, tp, num_experts, max_rows, block_m, max_blocks; /* tp ranks per group (plan.h) */
-    cometi_window_t table;          /* [2][world][E] u64 counts, each tagged with its call (high 32 bits) */
+    cometi_window_t table;          /* [2][world][E + 1] u64: each rank's counts, then its call id
+                                     * (cometi_route_dev_run), each tagged with the exchange (high 32 bits) */
     cometi_window_t meta;           /* [max_rows] this rank's rows' records for layer1, in send
                                      * order (written when the run is given weights) */
     int32_t *local_counts;          /* [E + 1]: this rank's counts, then the first bad id's index (-1
@@ -104,9 +105,12 @@ cudaError_t cometi_route_plan_from_counts(const int32_t *counts, int me, int wor
  * 0 without a first wave) goes into the plan for this call: the fused GEMM's segments
  * leave out that many of the first expert's own row blocks. ranks_done (or NULL) is
  * recorded once the chunk ranks are launched (cometi_first_rows waits for it). With `weights`
- * ([m][k]), each row's layer1 record is written into `meta` too. */
+ * ([m][k]), each row's layer1 record is written into `meta` too. call: 0 for a forward, a
+ * backward's forward call id (cometi_fused_backward); ranks that pass different ids get
+ * COMET_INVALID_ARGUMENT through comet_comm_get_async_error(), every one of them, and
+ * empty plans (nothing moves). */
 comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids,
-                                    const float *weights, int m, int k, int wave_blocks,
+                                    const float *weights, int m, int k, int wave_blocks, unsigned int call,
                                     cudaEvent_t ranks_done, cudaStream_t stream);
 
 /* The first-wave kernel's rows (tp 1), on the caller's stream once the chunk ranks of
