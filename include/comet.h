@@ -322,7 +322,9 @@ typedef struct comet_moe_saved_config {
      * more here is refused (COMET_INVALID_ARGUMENT on every rank, before any row moves);
      * on the fused path, which never waits for the host, the forward runs and
      * comet_comm_get_async_error() then reports COMET_INVALID_ARGUMENT (the communicator is
-     * unusable after it). Give every rank the same bound. */
+     * unusable after it). Give every rank the same bound: on the fused path a training
+     * forward whose ranks' bounds differ is refused on every rank the same way, with
+     * nothing sent. */
     int64_t max_recv_rows;
 } comet_moe_saved_config_t;
 
@@ -408,7 +410,7 @@ typedef struct comet_moe_backward_args {
  * stops calling gives COMET_TIMEOUT through comet_comm_get_async_error(), and ranks that
  * run the backwards of different forward calls (layers out of order) get
  * COMET_INVALID_ARGUMENT there, every one of them, with nothing sent (its route compares
- * each saved state's forward call across ranks). Errors:
+ * each saved state's forward call across ranks; a training forward's, the bound). Errors:
  * COMET_INVALID_ARGUMENT (a field; a saved state empty, consumed, of another layer or
  * another path: nothing is launched), COMET_TIMEOUT, COMET_NCCL_ERROR, COMET_CUDA_ERROR.
  */

@@ -226,6 +226,15 @@ static const char *site_name(int site)
     }
 }
 
+/* A route call id (internal.h's COMETI_CALL_*) in words. */
+static void call_text(unsigned long long id, char *out, size_t len)
+{
+    if (id == 0) snprintf(out, len, "an inference forward");
+    else if (id >= COMETI_CALL_TRAIN_FORWARD)
+        snprintf(out, len, "a training forward with max_recv_rows = %llu (mod 2^31)", id - COMETI_CALL_TRAIN_FORWARD);
+    else snprintf(out, len, "the backward of training forward %llu", id);
+}
+
 comet_status_t cometi_check_async(comet_comm_t comm)
 {
     volatile cometi_async_error_t *e = comm->async_host;
@@ -245,12 +254,16 @@ comet_status_t cometi_check_async(comet_comm_t comm)
                            "have kept them all (the sequential path refuses such a call). Create saved states with "
                            "a larger bound (0: the worst case). The communicator is unusable now: destroy it",
                            comm->rank, e->seen, e->peer, e->expected);
-    if (e->site == COMETI_SITE_CALL_MISMATCH)
+    if (e->site == COMETI_SITE_CALL_MISMATCH) {
+        char there[96], here[96];
+        call_text(e->seen, there, sizeof(there));
+        call_text(e->expected, here, sizeof(here));
         return cometi_fail(comm->err, (comet_status_t)status, "rank %d: the routing-count exchange found rank %d in "
-                           "another call: forward call id %llu there, %llu here (0: a forward; else the backward of "
-                           "that training forward). Every rank must run the backward of the same forward call (the "
-                           "same layer's, the same step's saved state), at the same point. Nothing was sent. The "
-                           "communicator is unusable now: destroy it", comm->rank, e->peer, e->seen, e->expected);
+                           "another call: %s there, %s here. Every rank makes the same calls in the same order: "
+                           "the backward of the same forward call (the same layer's, the same step's saved state), "
+                           "saved states of the same max_recv_rows. Nothing was sent. The communicator is unusable "
+                           "now: destroy it", comm->rank, e->peer, there, here);
+    }
     char who[48] = "";
     if (e->peer >= 0) snprintf(who, sizeof(who), " on rank %d", e->peer);
     return cometi_fail(comm->err, (comet_status_t)status,

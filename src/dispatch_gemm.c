@@ -116,11 +116,11 @@ comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_
 }
 
 comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
-                                             const cometi_gemm_t *core, const cometi_dispatch_backward_t *backward,
+                                             const cometi_gemm_t *core, const cometi_dispatch_call_t *kind,
                                              const cometi_dispatch_knobs_t *knobs, cudaStream_t stream)
 {
-    const int row_per_choice = backward != NULL;
-    const void *x_again = backward ? backward->x_again : NULL;
+    const int row_per_choice = kind && kind->backward;
+    const void *x_again = row_per_choice ? kind->x_again : NULL;
     if (x_again && !l->x_rows)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "x sent again, but the layer has no room for it "
                            "(config.resend_x = 0)");
@@ -198,7 +198,7 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
         COMETI_TRY(cometi_gemm_prepare(comm->err, &w, &wave_prepared));
     }
     COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->topk_weights, a->num_tokens, l->top_k, wave,
-                                    backward ? backward->call : 0,
+                                    kind ? kind->call : 0,
                                     wave ? l->ranks_done : NULL, stream));
     if (!wave) return cometi_gemm_launch(comm->err, &prepared, stream);
     /* Forked: whatever fails from here, the side stream is joined before returning (an

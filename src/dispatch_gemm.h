@@ -55,20 +55,20 @@ void cometi_dispatch_gemm_destroy(comet_comm_t comm, cometi_dispatch_gemm_t *l);
 comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
                                         const cometi_dispatch_knobs_t *knobs, cudaStream_t stream);
 
-/* What a backward's call adds: a->x then holds a row per (token, choice), [tokens x
- * top_k][hidden] (no first wave). */
-typedef struct cometi_dispatch_backward {
-    const void *x_again; /* NULL, or (config.resend_x) the forward's x, [tokens][hidden], whose
-                          * rows go into x_rows beside a->x's, in the same places */
-    unsigned int call;   /* the forward call's id (never 0): every rank must pass the same, or
-                          * the route refuses the call on every rank (cometi_route_dev_run) */
-} cometi_dispatch_backward_t;
+/* What kind of call a training call is (NULL: an inference forward). */
+typedef struct cometi_dispatch_call {
+    int backward;        /* a->x holds a row per (token, choice), [tokens x top_k][hidden] (no
+                          * first wave) */
+    const void *x_again; /* a backward's: NULL, or (config.resend_x) the forward's x,
+                          * [tokens][hidden], whose rows go into x_rows beside a->x's */
+    unsigned int call;   /* the call's id (cometi_train_call_id): every rank must pass the same,
+                          * or the route refuses the call on every rank (cometi_route_dev_run) */
+} cometi_dispatch_call_t;
 
 /* The same with another GEMM on the received rows (`core`: A the receive buffer, the
- * segments of this call's route; the backward's dgrad of W2); `backward` NULL for a
- * forward. */
+ * segments of this call's route; the backward's dgrad of W2), for a call of `kind`. */
 comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
-                                             const cometi_gemm_t *core, const cometi_dispatch_backward_t *backward,
+                                             const cometi_gemm_t *core, const cometi_dispatch_call_t *kind,
                                              const cometi_dispatch_knobs_t *knobs, cudaStream_t stream);
 
 /* The GEMM of a call alone (GEMM0 + SwiGLU on the receive buffer into `act`, every SM, no

@@ -81,6 +81,12 @@ typedef enum cometi_wait_site {
                                     * (expected: this rank's call id, seen: rank peer's) */
 } cometi_wait_site_t;
 
+/* The route's call ids (cometi_route_dev_run), which every rank of a call must share: 0 an
+ * inference forward; COMETI_CALL_TRAIN_FORWARD + (the saved state's max_recv_rows mod
+ * 2^31) a training forward; 1 .. 2^31 - 1 the backward of the training forward of that
+ * number (comet_moe.train_calls). */
+#define COMETI_CALL_TRAIN_FORWARD 0x80000000u
+
 /* Written by kernels into host-mapped memory, read by the host without a sync. */
 typedef struct cometi_async_error {
     int status; /* comet_status_t; 0 while nothing failed; written last */
@@ -141,8 +147,8 @@ struct comet_moe {
     struct cometi_baseline *baseline; /* the sequential path's buffers, made by its first call, or NULL */
     struct cometi_fused *fused;       /* layer0 + layer1, made by the first fused call, or NULL */
     int fused_unsupported;            /* the config cannot run fused (AUTO runs the baseline) */
-    unsigned int train_calls;         /* fused training forwards so far (never 0 once one ran): each
-                                       * saved state's call id, the same on every rank */
+    unsigned int train_calls;         /* fused training forwards so far, 1 .. 2^31 - 1 once one ran:
+                                       * each saved state's call id, the same on every rank */
     cudaEvent_t *marks;               /* COMETI_NUM_MARKS events, or NULL: phase timing */
 };
 

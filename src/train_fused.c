@@ -125,7 +125,10 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     /* Each choice's output must come home on its own (the push) to be kept per choice. */
     cometi_combine_knobs_t k1 = f->k1;
     k1.push = 1, k1.combine_blocks = 0, k1.n_splits = 1, k1.tail = 0;
-    comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, NULL, &f->k0, stream);
+    /* The route's call id of a training forward: its bound, which every rank must share. */
+    const cometi_dispatch_call_t kind = {0, NULL, COMETI_CALL_TRAIN_FORWARD | (unsigned int)(sv->max_recv_rows %
+                                                                                             COMETI_CALL_TRAIN_FORWARD)};
+    comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, &kind, &f->k0, stream);
     if (st == COMET_SUCCESS && !l0->x_rows) /* else the backward sends x again */
         st = cometi_cuda(comm->err, cometi_launch_keep_rows(l0->recv.local, sv->recv, H, plan->local_segs,
                                                             l0->experts_per_group, sv->cap_rows, sv->max_recv_rows,
@@ -150,7 +153,7 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
         return st;
     }
     sv->num_tokens = a->num_tokens;
-    if (++moe->train_calls == 0) moe->train_calls = 1; /* 0 is a forward's in the route */
+    moe->train_calls = moe->train_calls % (COMETI_CALL_TRAIN_FORWARD - 1) + 1; /* 1 .. 2^31 - 1 */
     sv->call = moe->train_calls;
     sv->path = COMETI_SAVED_FUSED;
     sv->filled = 1;
@@ -195,8 +198,8 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
                                                                  f->dy_rows, ba->d_topk_weights, stream),
                            "launch scale_permute_kernel"));
     /* 2. */
-    const cometi_dispatch_backward_t bwd = {f->l0.x_rows ? ba->x : NULL, sv->call};
-    comet_status_t st = cometi_dispatch_gemm_run_core(comm, &f->l0, &a, &g.dgrad_down, &bwd, &k0, stream);
+    const cometi_dispatch_call_t kind = {1, f->l0.x_rows ? ba->x : NULL, sv->call};
+    comet_status_t st = cometi_dispatch_gemm_run_core(comm, &f->l0, &a, &g.dgrad_down, &kind, &k0, stream);
     /* 3. */
     const cometi_segment_t *segs = f->l0.route.plan.local_segs;
     if (st == COMET_SUCCESS && !f->dswiglu_epilogue)

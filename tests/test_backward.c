@@ -530,3 +530,36 @@ static int backward_other_call_rank(const cometi_rank_ctx_t *ctx, void *arg)
 }
 
 int test_gpu_backward_of_another_call_refused(void) { return launch_two_seeded(backward_other_call_rank, 100); }
+
+/* Saved states of different bounds on the two ranks: the training forward is refused on
+ * both at the route (its call id carries the bound), nothing sent, no wait. */
+static int forward_other_bound_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const moe_case_t c = {"another bound", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
+    comet_moe_args_t a;
+    if (fixture_open_timed(&fx, ctx, seed, &c, &a)) return 1;
+    comet_moe_saved_config_t sc = COMET_MOE_SAVED_CONFIG_INIT;
+    sc.max_recv_rows = 1000 + ctx->rank; /* each above the 128 rows a rank receives here */
+    comet_moe_saved_t saved;
+    CHECK_EQ(comet_moe_saved_create(fx.moe, &sc, &saved), COMET_SUCCESS);
+    const double t0 = now_s();
+    COMET_OK(comet_moe_forward_train(fx.moe, &a, saved, 0), fx.comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    const double took = now_s() - t0;
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_INVALID_ARGUMENT);
+    printf("rank %d: %.3f s: %s\n", ctx->rank, took, comet_comm_last_error(fx.comm));
+    char want[96];
+    snprintf(want, sizeof(want), "a training forward with max_recv_rows = %d (mod 2^31) there", 1001 - ctx->rank);
+    CHECK_CONTAINS(comet_comm_last_error(fx.comm), want);
+    CHECK(took < 1.0);
+    comet_comm_destroy(fx.comm);
+    fx.comm = NULL;
+    return 0;
+}
+
+int test_gpu_training_forward_of_other_bounds_refused(void)
+{
+    return launch_two_seeded(forward_other_bound_rank, 100);
+}

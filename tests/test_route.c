@@ -445,9 +445,9 @@ static int route_call_mismatch_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(comm), COMET_INVALID_ARGUMENT);
     printf("rank %d: %s\n", ctx->rank, comet_comm_last_error(comm));
-    char want[96];
-    snprintf(want, sizeof(want), "found rank %d in another call: forward call id %d there, %d here",
-             1 - ctx->rank, 6 - ctx->rank, 5 + ctx->rank);
+    char want[160];
+    snprintf(want, sizeof(want), "found rank %d in another call: the backward of training forward %d there, the "
+             "backward of training forward %d here", 1 - ctx->rank, 6 - ctx->rank, 5 + ctx->rank);
     CHECK_CONTAINS(comet_comm_last_error(comm), want);
     int32_t rows[2];
     CUDA_OK(cudaMemcpy(rows, r.plan.recv_rows, sizeof(rows), cudaMemcpyDeviceToHost));
