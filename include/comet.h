@@ -174,7 +174,8 @@ typedef struct comet_moe_config {
                       * (hidden x 2 bytes per row). 1: it keeps none, and the backward sends
                       * x again from the caller's x (comet_moe_backward_args_t.x, the forward's
                       * x unchanged): less memory per layer in flight, for a second dispatch
-                      * of x in the backward (PERF.md measures both). */
+                      * of x in the backward (PERF.md measures both); the handle's fused
+                      * receive buffer doubles to hold those rows (once per handle). */
 } comet_moe_config_t;
 
 #define COMET_MOE_CONFIG_INIT \

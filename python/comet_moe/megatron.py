@@ -35,6 +35,7 @@ The config mapping and the checks need no torch; the layer needs torch and megat
 from __future__ import annotations
 
 import re
+import weakref
 
 _EXPERT_KEY = re.compile(r"experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.(weight|_extra_state)")
 
@@ -81,9 +82,17 @@ def moe_config_from_megatron(config, max_tokens: int):
                      ep_size=int(_field(config, "expert_model_parallel_size", 1) or 1), tp_size=int(etp))
 
 
-# (process group or Comm, the handle's settings, Comm, Moe) of the layers made so far: one
-# handle per shape and communicator.
+# (process group or Comm, the handle's settings, Comm, Moe) of the layers made so far, each
+# held weakly where it can be: one handle per shape and communicator, which goes (and its
+# GPU memory with it) once no layer holds it.
 _SHARED = []
+
+
+def _ref(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:  # not weakly referable: held (a process group outlives its layers anyway)
+        return lambda: obj
 
 
 def _fields(cfg):
@@ -94,11 +103,12 @@ def _fields(cfg):
 def _shared_handle(source, settings, make):
     """The (Comm, Moe) made for `source` (a process group or a Comm) with these settings,
     else make() once and remember it."""
+    _SHARED[:] = [entry for entry in _SHARED if entry[3]() is not None and not getattr(entry[3](), "closed", False)]
     for owner, known, comm, moe in _SHARED:
-        if owner is source and known == settings and not getattr(moe, "closed", False):
-            return comm, moe
+        if owner() is source and known == settings:
+            return comm(), moe()
     comm, moe = make()
-    _SHARED.append((source, settings, comm, moe))
+    _SHARED.append((_ref(source), settings, _ref(comm), _ref(moe)))
     return comm, moe
 
 

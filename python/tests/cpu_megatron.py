@@ -9,6 +9,7 @@ conversion, weight layout and names, reshapes.
 """
 from __future__ import annotations
 
+import gc
 import os
 from types import SimpleNamespace
 
@@ -106,6 +107,12 @@ def megatron_layers_share_one_handle_per_shape():
         first[1].closed = True
         check(megatron._shared_handle(group, settings, make)[1] is made[-1] and len(made) == 5,
               "a closed handle is replaced, not reused")
+        # Held weakly: once no layer holds it, the next layer of the shape makes a new one.
+        del first
+        made.clear()
+        gc.collect()
+        again = megatron._shared_handle(group, settings, make)
+        check(len(made) == 1 and again[1] is made[0], "a handle no layer holds is not kept alive")
     finally:
         megatron._SHARED[:] = kept
 
