@@ -206,7 +206,8 @@ typedef struct comet_moe *comet_moe_t;
  * Plan the layer. Collective. Each path allocates its buffers at its first call on the
  * handle (the fused path's collectively), sized for max_tokens per rank with the worst
  * routing (every row of every rank sent to this rank); a handle that only runs fused never
- * pays for the sequential path's. One handle serves every layer of its config: the weights
+ * pays for the sequential path's. That first call also compares the ranks' configs and
+ * refuses on every rank (COMET_INVALID_ARGUMENT naming the field) where they differ. One handle serves every layer of its config: the weights
  * come with each call, and between calls its buffers hold nothing a later call reads (a
  * training forward keeps what its backward needs in its own saved state), so a model of
  * many MoE layers of one shape needs one handle, its calls in the model's order on one

@@ -61,8 +61,8 @@ typedef struct cometi_dispatch_call {
                           * first wave) */
     const void *x_again; /* a backward's: NULL, or (config.resend_x) the forward's x,
                           * [tokens][hidden], whose rows go into x_rows beside a->x's */
-    unsigned int call;   /* the call's id (cometi_train_call_id): every rank must pass the same,
-                          * or the route refuses the call on every rank (cometi_route_dev_run) */
+    unsigned int call;   /* the call's id (internal.h's COMETI_CALL_TRAIN_FORWARD): every rank
+                          * must pass the same, or the route refuses the call on every rank */
 } cometi_dispatch_call_t;
 
 /* The same with another GEMM on the received rows (`core`: A the receive buffer, the

@@ -186,7 +186,8 @@ struct comet_moe_saved {
 };
 
 /* The sequential path's buffers and cuBLAS handle, allocated by the first call that runs
- * it on this layer (moe.c): a layer that only runs fused never pays for them. */
+ * it on this layer (moe.c), after the ranks compare their configs (collective): a layer
+ * that only runs fused never pays for them. */
 comet_status_t cometi_moe_baseline(comet_moe_t moe, struct cometi_baseline **out);
 
 /* A forward's arguments checked (moe.c): COMET_INVALID_ARGUMENT naming the field. */

@@ -56,9 +56,38 @@ static comet_status_t pick_knobs(comet_moe_t moe, struct cometi_fused *f)
     return st;
 }
 
+/* Collective, at a path's first call on the handle: every rank's layer config is this
+ * rank's. A rank with another would size, route or send rows as its peers do not expect
+ * (resend_x apart: rows past a peer's receive buffer). */
+static comet_status_t config_agrees(comet_moe_t moe, const char *path)
+{
+    enum { N = 8 };
+    const comet_moe_config_t *c = &moe->cfg;
+    const int mine[N] = {c->hidden, c->ffn, c->num_experts, c->top_k, c->max_tokens, c->ep_size, c->tp_size,
+                         c->resend_x};
+    static const char *const names[N] = {"hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size",
+                                         "tp_size", "resend_x"};
+    comet_comm_t comm = moe->comm;
+    int *all = malloc(sizeof(mine) * comm->size);
+    if (!all) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "%s: out of host memory", path);
+    comet_status_t st = cometi_allgather_ints(comm, mine, N, all);
+    if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "%s: %.480s", path, comm->err);
+    for (int r = 0; st == COMET_SUCCESS && r < comm->size; r++)
+        for (int i = 0; i < N; i++)
+            if (all[r * N + i] != mine[i]) {
+                st = cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "%s: rank %d's layer has config.%s = %d, this "
+                                 "rank's (%d) has %d: create the layer with the same config on every rank", path, r,
+                                 names[i], all[r * N + i], comm->rank, mine[i]);
+                break;
+            }
+    free(all);
+    return st;
+}
+
 /* Collective, on the first fused call: every rank makes the same choice (same config). */
 static comet_status_t fused_create(comet_moe_t moe)
 {
+    COMETI_TRY(config_agrees(moe, "fused path"));
     struct cometi_fused *f = calloc(1, sizeof(*f));
     if (!f) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "fused path: out of host memory");
     comet_status_t st = pick_knobs(moe, f);
@@ -136,7 +165,10 @@ static comet_status_t fused_forward(comet_moe_t moe, const comet_moe_args_t *a, 
 
 comet_status_t cometi_moe_baseline(comet_moe_t moe, struct cometi_baseline **out)
 {
-    if (!moe->baseline) COMETI_TRY(cometi_baseline_create(moe, &moe->baseline));
+    if (!moe->baseline) {
+        COMETI_TRY(config_agrees(moe, "baseline path"));
+        COMETI_TRY(cometi_baseline_create(moe, &moe->baseline));
+    }
     *out = moe->baseline;
     return COMET_SUCCESS;
 }

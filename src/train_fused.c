@@ -129,7 +129,7 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     const cometi_dispatch_call_t kind = {0, NULL, COMETI_CALL_TRAIN_FORWARD | (unsigned int)(sv->max_recv_rows %
                                                                                              COMETI_CALL_TRAIN_FORWARD)};
     comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, &kind, &f->k0, stream);
-    if (st == COMET_SUCCESS && !l0->x_rows) /* else the backward sends x again */
+    if (st == COMET_SUCCESS) /* sv->recv NULL where the backward sends x again: the bound's check alone */
         st = cometi_cuda(comm->err, cometi_launch_keep_rows(l0->recv.local, sv->recv, H, plan->local_segs,
                                                             l0->experts_per_group, sv->cap_rows, sv->max_recv_rows,
                                                             plan->seg_rows, comm->size / moe->tp, comm->async_dev,

@@ -443,6 +443,40 @@ static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
 
 int test_gpu_backward_refusals(void) { return launch_seeded(backward_refusals_rank, 120); }
 
+/* A layer that sends x again keeps no x rows, but its fused training forward checks the
+ * bound all the same: an exceeded one is reported on every rank (the communicator is
+ * unusable after it, hence a test of its own). */
+static int resend_x_bound_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(const uint64_t *)arg;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 0, 0, 0, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    CHECK_EQ(comet_moe_destroy(fx.moe), COMET_SUCCESS);
+    fx.cfg.resend_x = 1;
+    COMET_OK(comet_moe_create(fx.comm, &fx.cfg, &fx.moe), fx.comm);
+    const moe_case_t c = {"resend_x bound", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
+    fx.skip_reference = 1;
+    comet_status_t st;
+    double rel;
+    if (run_case(&fx, &c, seed, 0, &st, &rel)) return 1; /* inputs in place */
+    comet_moe_args_t a = fused_args(&fx, &c);
+    a.impl = COMET_IMPL_FUSED;
+    comet_moe_saved_config_t sc = COMET_MOE_SAVED_CONFIG_INIT;
+    sc.max_recv_rows = 10;
+    comet_moe_saved_t small;
+    CHECK_EQ(comet_moe_saved_create(fx.moe, &sc, &small), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &a, small, 0), COMET_SUCCESS);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_comm_last_error(fx.comm), "more than the saved state's max_recv_rows = 10");
+    CHECK_EQ(comet_moe_saved_destroy(small), COMET_SUCCESS);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_resend_x_bound_reported(void) { return launch_seeded(resend_x_bound_rank, 60); }
+
 /* ---- a peer gone in the backward: COMET_TIMEOUT, not a hang (two GPUs) ---- */
 
 static int backward_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
@@ -563,3 +597,32 @@ int test_gpu_training_forward_of_other_bounds_refused(void)
 {
     return launch_two_seeded(forward_other_bound_rank, 100);
 }
+
+/* Layers of different configs on the two ranks (resend_x 0 and 1): each path's first call
+ * compares them and refuses on both ranks, naming the field, before any row moves. */
+static int configs_differ_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const moe_case_t c = {"configs differ", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
+    comet_moe_args_t a;
+    if (fixture_open_timed(&fx, ctx, seed, &c, &a)) return 1;
+    comet_moe_config_t cfg = fx.cfg;
+    cfg.resend_x = ctx->rank % 2;
+    comet_moe_t other;
+    COMET_OK(comet_moe_create(fx.comm, &cfg, &other), fx.comm);
+    for (int p = 0; p < 2; p++) {
+        a.impl = p ? COMET_IMPL_BASELINE : COMET_IMPL_FUSED;
+        CHECK_EQ(comet_moe_forward(other, &a, 0), COMET_INVALID_ARGUMENT);
+        printf("rank %d: %s\n", ctx->rank, comet_moe_last_error(other));
+        CHECK_CONTAINS(comet_moe_last_error(other), p ? "baseline path: rank" : "fused path: rank");
+        CHECK_CONTAINS(comet_moe_last_error(other), "config.resend_x = ");
+    }
+    CHECK_EQ(comet_moe_destroy(other), COMET_SUCCESS);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_layer_configs_differ_refused(void) { return launch_two_seeded(configs_differ_rank, 100); }

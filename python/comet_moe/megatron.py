@@ -28,14 +28,14 @@ instead.
 Layers of one shape share one communicator and one comet layer handle (share_handle=True,
 the default): the weights come with each call and the handle's buffers are workspaces
 between calls, so a model of many MoE layers pays for them once, and every layer's calls
-run on the current stream in the model's order, as Megatron runs them.
+run on the current stream in the model's order, as Megatron runs them. The shared handles
+live until release_shared_handles() (collective) or the end of the process.
 
 The config mapping and the checks need no torch; the layer needs torch and megatron-core.
 """
 from __future__ import annotations
 
 import re
-import weakref
 
 _EXPERT_KEY = re.compile(r"experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.(weight|_extra_state)")
 
@@ -82,34 +82,33 @@ def moe_config_from_megatron(config, max_tokens: int):
                      ep_size=int(_field(config, "expert_model_parallel_size", 1) or 1), tp_size=int(etp))
 
 
-# (process group or Comm, the handle's settings, Comm, Moe) of the layers made so far, each
-# held weakly where it can be: one handle per shape and communicator, which goes (and its
-# GPU memory with it) once no layer holds it.
+# (process group or Comm, the handle's settings, Comm, Moe, whether the Comm was made here)
+# of the layers made so far: one handle per shape and communicator. Held until
+# release_shared_handles(): a weak hold would let each rank's garbage collector decide
+# when a handle goes, and ranks that decided apart would use different handles.
 _SHARED = []
-
-
-def _ref(obj):
-    try:
-        return weakref.ref(obj)
-    except TypeError:  # not weakly referable: held (a process group outlives its layers anyway)
-        return lambda: obj
-
-
-def _fields(cfg):
-    return tuple(int(getattr(cfg, name)) for name in ("hidden", "ffn", "num_experts", "top_k", "max_tokens",
-                                                       "ep_size", "tp_size", "resend_x"))
 
 
 def _shared_handle(source, settings, make):
     """The (Comm, Moe) made for `source` (a process group or a Comm) with these settings,
-    else make() once and remember it."""
-    _SHARED[:] = [entry for entry in _SHARED if entry[3]() is not None and not getattr(entry[3](), "closed", False)]
-    for owner, known, comm, moe in _SHARED:
-        if owner() is source and known == settings:
-            return comm(), moe()
-    comm, moe = make()
-    _SHARED.append((_ref(source), settings, _ref(comm), _ref(moe)))
+    else make() -> (Comm, Moe, made_comm) once and remember it."""
+    for owner, known, comm, moe, _ in _SHARED:
+        if owner is source and known == settings and not getattr(moe, "closed", False):
+            return comm, moe
+    comm, moe, made_comm = make()
+    _SHARED.append((source, settings, comm, moe, made_comm))
     return comm, moe
+
+
+def release_shared_handles() -> None:
+    """Close the comet handles CometMoELayer shares, and the communicators it made for
+    them. Collective: every rank calls it at the same point, after the last call of the
+    layers that use them (a layer called after it raises, its handle closed)."""
+    while _SHARED:
+        _, _, comm, moe, made_comm = _SHARED.pop()
+        moe.close()
+        if made_comm:
+            comm.close()
 
 
 def _layer_class():
@@ -121,7 +120,8 @@ def _layer_class():
         serves tests with a stand-in layer). share_handle: reuse the Comm and Moe an
         earlier layer of the same shape, group and settings made (False: make its own).
         resend_x: keep no x rows between the forward and the backward, which sends x
-        again (comet_moe_config_t.resend_x): less memory per layer in flight."""
+        again (comet_moe_config_t.resend_x): less memory per layer in flight, for a
+        receive buffer that grows once per handle (it pays from two layers in flight)."""
 
         def __init__(self, config, max_tokens: int, pg_collection=None, layer_number=None, *, comm=None,
                      moe=None, impl="auto", max_recv_rows: int = 0, grad_accumulation: str = "main_grad",
@@ -141,12 +141,13 @@ def _layer_class():
 
                 def make():
                     c = comm or Comm.from_process_group(group=pg_collection.tp_ep)
-                    return c, Moe(c, cfg, max_recv_rows=max_recv_rows, grad_accumulation=grad_accumulation)
+                    return c, Moe(c, cfg, max_recv_rows=max_recv_rows, grad_accumulation=grad_accumulation), \
+                        comm is None
                 if share_handle:  # the same on every rank: the layers are built in the same order
                     comm, moe = _shared_handle(comm or pg_collection.tp_ep,
                                                (_fields(cfg), max_recv_rows, grad_accumulation), make)
                 else:
-                    comm, moe = make()
+                    comm, moe, _ = make()
             self.moe = moe
             self.top_k, self.hidden = int(cfg.top_k), int(cfg.hidden)
             E, Fl, H = int(moe.experts_per_rank), int(moe.ffn_local), int(cfg.hidden)

@@ -9,7 +9,6 @@ conversion, weight layout and names, reshapes.
 """
 from __future__ import annotations
 
-import gc
 import os
 from types import SimpleNamespace
 
@@ -84,35 +83,46 @@ class StandInMoe:
 @test
 def megatron_layers_share_one_handle_per_shape():
     from comet_moe import megatron
-    made = []
+    made, closed = [], []
 
     class Handle:
-        closed = False
+        def __init__(self, name):
+            self.name, self.closed = name, False
 
-    def make():
-        made.append(Handle())
-        return f"comm {len(made)}", made[-1]
+        def close(self):
+            self.closed = True
+            closed.append(self.name)
+
+    def make(made_comm=True):
+        def f():
+            made.append(Handle(f"moe {len(made) + 1}"))
+            return Handle(f"comm {len(made)}"), made[-1], made_comm
+        return f
     group, other_group = object(), object()
-    settings = ((512, 256, 8, 2, 128, 1, 1), 0, "main_grad")
+    settings = ((512, 256, 8, 2, 128, 1, 1, 0), 0, "main_grad")
     kept = list(megatron._SHARED)
     megatron._SHARED.clear()
     try:
-        first = megatron._shared_handle(group, settings, make)
-        check(megatron._shared_handle(group, settings, make)[1] is first[1], "a second layer of the shape shares it")
+        first = megatron._shared_handle(group, settings, make())
+        check(megatron._shared_handle(group, settings, make())[1] is first[1], "a second layer of the shape shares it")
         check_eq(len(made), 1, "handles made for two layers of one shape")
-        megatron._shared_handle(other_group, settings, make)
-        megatron._shared_handle(group, (settings[0], 4096, "main_grad"), make)
-        megatron._shared_handle(group, (settings[0], 0, "grad"), make)
+        megatron._shared_handle(other_group, settings, make())
+        megatron._shared_handle(group, (settings[0], 4096, "main_grad"), make())
+        megatron._shared_handle(group, (settings[0], 0, "grad"), make(made_comm=False))
         check_eq(len(made), 4, "another group, bound or gradient mode: a handle of its own")
         first[1].closed = True
-        check(megatron._shared_handle(group, settings, make)[1] is made[-1] and len(made) == 5,
+        check(megatron._shared_handle(group, settings, make())[1] is made[-1] and len(made) == 5,
               "a closed handle is replaced, not reused")
-        # Held weakly: once no layer holds it, the next layer of the shape makes a new one.
         del first
-        made.clear()
+        import gc
         gc.collect()
-        again = megatron._shared_handle(group, settings, make)
-        check(len(made) == 1 and again[1] is made[0], "a handle no layer holds is not kept alive")
+        check(megatron._shared_handle(group, settings, make())[1] is made[-1] and len(made) == 5,
+              "held until released, not by each rank's garbage collector")
+        closed.clear()
+        megatron.release_shared_handles()
+        check_eq(megatron._SHARED, [], "released")
+        check_eq(sorted(closed), ["comm 1", "comm 2", "comm 3", "comm 5", "moe 1", "moe 2", "moe 3", "moe 4", "moe 5"],
+                 "every shared handle closed, and the communicators made for them (not one the caller gave)")
     finally:
         megatron._SHARED[:] = kept
 

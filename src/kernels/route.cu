@@ -131,7 +131,7 @@ typedef struct peer_tables {
  *    for this call's parity, so a peer one call ahead cannot overwrite what is read),
  *    each as one 8-byte word tagged with this call (release, system): the call number is
  *    one more than the last call's, kept in device memory (*seq). After the counts, one
- *    more word: the caller's `call` (0 for a forward; a backward's, its forward's id).
+ *    more word: the caller's `call` (internal.h's COMETI_CALL_TRAIN_FORWARD).
  * 2) Wait for every peer's words of this call (acquire, timeout); meanwhile the last
  *    threads write the chunk prefixes. Every rank sees every rank's `call`: where they
  *    differ (ranks running the backwards of different forward calls, or a forward beside a

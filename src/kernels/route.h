@@ -105,8 +105,9 @@ cudaError_t cometi_route_plan_from_counts(const int32_t *counts, int me, int wor
  * 0 without a first wave) goes into the plan for this call: the fused GEMM's segments
  * leave out that many of the first expert's own row blocks. ranks_done (or NULL) is
  * recorded once the chunk ranks are launched (cometi_first_rows waits for it). With `weights`
- * ([m][k]), each row's layer1 record is written into `meta` too. call: 0 for a forward, a
- * backward's forward call id (cometi_fused_backward); ranks that pass different ids get
+ * ([m][k]), each row's layer1 record is written into `meta` too. call: the call's id
+ * (internal.h's COMETI_CALL_TRAIN_FORWARD: 0 for an inference forward, a training
+ * forward's bound, a backward's forward number); ranks that pass different ids get
  * COMET_INVALID_ARGUMENT through comet_comm_get_async_error(), every one of them, and
  * empty plans (nothing moves). */
 comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, const int32_t *topk_ids,

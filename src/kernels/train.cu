@@ -60,6 +60,7 @@ static __global__ void keep_rows_kernel(const uint4 *src, uint4 *dst, int row_ve
                 break;
             }
         }
+    if (!dst) return; /* the check alone: the rows are not kept (config.resend_x) */
     const int warps = blockDim.x / 32;
     const long long visit = rows_to_visit(segs, groups, cap_rows);
     for (long long row = (long long)blockIdx.x * warps + threadIdx.x / 32; row < visit;
@@ -81,7 +82,8 @@ extern "C" cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int h
                                                cudaStream_t stream)
 {
     if (cap_rows == 0) return cudaSuccess;
-    keep_rows_kernel<<<sm_count * 4, 256, 0, stream>>>((const uint4 *)src, (uint4 *)dst, hidden / 8, segs, groups,
+    keep_rows_kernel<<<dst ? sm_count * 4 : 1, dst ? 256 : 32, 0, stream>>>((const uint4 *)src, (uint4 *)dst,
+                                                                            hidden / 8, segs, groups,
                                                        (long long)cap_rows, (long long)bound, seg_rows, num_groups,
                                                        err);
     return cudaGetLastError();

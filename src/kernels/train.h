@@ -19,7 +19,7 @@ extern "C" {
  * expert, the same on every rank) pass `bound` (the saved state's max_recv_rows; its
  * cap_rows adds the padding), COMET_INVALID_ARGUMENT is recorded in err
  * (COMETI_SITE_SAVED_BOUND, sticky) on every rank alike, as the sequential path refuses
- * the same call. */
+ * the same call. dst NULL: the check alone (a layer that resends x keeps no rows). */
 cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int hidden, const cometi_segment_t *segs, int groups,
                                     int64_t cap_rows, int64_t bound, const int32_t *seg_rows, int num_groups,
                                     cometi_async_error_t *err, int sm_count, cudaStream_t stream);
