@@ -477,6 +477,28 @@ static int resend_x_bound_rank(const cometi_rank_ctx_t *ctx, void *arg)
 
 int test_gpu_resend_x_bound_reported(void) { return launch_seeded(resend_x_bound_rank, 60); }
 
+/* ---- two-rank failures of the backward ---- */
+
+/* The backward's arguments for the two-rank tests (fixture_open_timed's layer, a's
+ * weights): dy zeros, its outputs and bf16 gradients allocated; saved left to the test.
+ * Their memory goes with the process (the communicator of these tests ends unusable). */
+static int peer_backward_args(const fixture_t *fx, const comet_moe_args_t *a, comet_moe_backward_args_t *b)
+{
+    const int H = fx->cfg.hidden, F = fx->cfg.ffn, M = fx->cfg.max_tokens, k = fx->cfg.top_k, per = fx->per;
+    *b = (comet_moe_backward_args_t)COMET_MOE_BACKWARD_ARGS_INIT;
+    void *dy, *dx, *g_gu, *g_dn;
+    float *dw;
+    CUDA_OK(cudaMalloc(&dy, (size_t)M * H * 2));
+    CUDA_OK(cudaMemset(dy, 0, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc(&dx, (size_t)M * H * 2));
+    CUDA_OK(cudaMalloc((void **)&dw, sizeof(float) * M * k));
+    CUDA_OK(cudaMalloc(&g_gu, (size_t)per * 2 * F * H * 2));
+    CUDA_OK(cudaMalloc(&g_dn, (size_t)per * H * F * 2));
+    b->dy = dy, b->weights = a->weights, b->dx = dx, b->d_topk_weights = dw;
+    b->grads.gate_up = g_gu, b->grads.down = g_dn;
+    return 0;
+}
+
 /* ---- a peer gone in the backward: COMET_TIMEOUT, not a hang (two GPUs) ---- */
 
 static int backward_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
@@ -486,23 +508,14 @@ static int backward_missing_peer_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const moe_case_t c = {"missing peer", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
     comet_moe_args_t a;
     if (fixture_open_timed(&fx, ctx, seed, &c, &a)) return 1;
-    const int H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens, k = fx.cfg.top_k, per = fx.per;
-    void *d_dy, *d_dx, *g_gu, *g_dn;
-    float *d_dw;
-    CUDA_OK(cudaMalloc(&d_dy, (size_t)M * H * 2));
-    CUDA_OK(cudaMemset(d_dy, 0, (size_t)M * H * 2));
-    CUDA_OK(cudaMalloc(&d_dx, (size_t)M * H * 2));
-    CUDA_OK(cudaMalloc((void **)&d_dw, sizeof(float) * M * k));
-    CUDA_OK(cudaMalloc(&g_gu, (size_t)per * 2 * F * H * 2));
-    CUDA_OK(cudaMalloc(&g_dn, (size_t)per * H * F * 2));
+    comet_moe_backward_args_t b;
+    if (peer_backward_args(&fx, &a, &b)) return 1;
     comet_moe_saved_t saved;
     CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved), COMET_SUCCESS);
     COMET_OK(comet_moe_forward_train(fx.moe, &a, saved, 0), fx.comm);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
-    comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
-    b.saved = saved, b.dy = d_dy, b.weights = a.weights, b.dx = d_dx, b.d_topk_weights = d_dw;
-    b.grads.gate_up = g_gu, b.grads.down = g_dn;
+    b.saved = saved;
     const double t0 = now_s();
     if (ctx->rank == 0) COMET_OK(comet_moe_backward(fx.moe, &b, 0), fx.comm); /* rank 1 never calls it */
     else COMET_OK(cometi_wait_flag(fx.comm, 3, 1, 0), fx.comm);
@@ -531,15 +544,8 @@ static int backward_other_call_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const moe_case_t c = {"another call", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
     comet_moe_args_t a;
     if (fixture_open_timed(&fx, ctx, seed, &c, &a)) return 1;
-    const int H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens, k = fx.cfg.top_k, per = fx.per;
-    void *d_dy, *d_dx, *g_gu, *g_dn;
-    float *d_dw;
-    CUDA_OK(cudaMalloc(&d_dy, (size_t)M * H * 2));
-    CUDA_OK(cudaMemset(d_dy, 0, (size_t)M * H * 2));
-    CUDA_OK(cudaMalloc(&d_dx, (size_t)M * H * 2));
-    CUDA_OK(cudaMalloc((void **)&d_dw, sizeof(float) * M * k));
-    CUDA_OK(cudaMalloc(&g_gu, (size_t)per * 2 * F * H * 2));
-    CUDA_OK(cudaMalloc(&g_dn, (size_t)per * H * F * 2));
+    comet_moe_backward_args_t b;
+    if (peer_backward_args(&fx, &a, &b)) return 1;
     comet_moe_saved_t saved[2];
     for (int i = 0; i < 2; i++) {
         CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved[i]), COMET_SUCCESS);
@@ -547,9 +553,7 @@ static int backward_other_call_rank(const cometi_rank_ctx_t *ctx, void *arg)
     }
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
-    comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
-    b.saved = saved[ctx->rank % 2], b.dy = d_dy, b.weights = a.weights, b.dx = d_dx, b.d_topk_weights = d_dw;
-    b.grads.gate_up = g_gu, b.grads.down = g_dn;
+    b.saved = saved[ctx->rank % 2];
     const double t0 = now_s();
     COMET_OK(comet_moe_backward(fx.moe, &b, 0), fx.comm);
     CUDA_OK(cudaDeviceSynchronize());
