@@ -59,7 +59,7 @@ for step in $steps; do
                > "$OUT/torch-train.log" 2>&1
            timeout 200 torchrun --nproc-per-node "$(nvidia-smi -L | wc -l)" bench/trace_train.py \
                > "$OUT/trace-train.log" 2>&1
-           grep -E "step|GEMMs" "$OUT/train.log" | tail -12; tail -6 "$OUT/torch-train.log"
+           grep -E "step|GEMMs|x sent again" "$OUT/train.log" | tail -17; tail -6 "$OUT/torch-train.log"
            grep " backward:" "$OUT/trace-train.log" | cut -c1-400 ;;
     megatron) wheel=$(ls wheels/megatron_core-*.whl 2>/dev/null | head -1)
               if [ -z "$wheel" ]; then echo "megatron: no wheels/megatron_core-*.whl (see the header)"; continue; fi
