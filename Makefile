@@ -63,9 +63,13 @@ $(BUILD)/comet: $(TOOL_OBJ) $(STATIC)
 $(BUILD)/comet_tests: $(TEST_OBJ) $(STATIC)
 	$(CC) -o $@ $(TEST_OBJ) $(STATIC) $(LDLIBS)
 
+# The device memory of a handle per preset (bench/handle_memory.c), on one GPU.
+$(BUILD)/handle_memory: $(BUILD)/bench/handle_memory.o $(BUILD)/libcomet.a
+	$(CC) -o $@ $^ $(LDLIBS)
+
 # The C tests, then the Python package's CPU tests; one closing line sums both. The tool
 # is built too, so every source file compiles in CI.
-test: $(BUILD)/comet_tests $(BUILD)/libcomet.so $(BUILD)/comet
+test: $(BUILD)/comet_tests $(BUILD)/libcomet.so $(BUILD)/comet $(BUILD)/handle_memory
 	scripts/run-tests.sh
 
 bench: $(BUILD)/comet
