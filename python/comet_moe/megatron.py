@@ -145,7 +145,7 @@ def _layer_class():
                         comm is None
                 if share_handle:  # the same on every rank: the layers are built in the same order
                     comm, moe = _shared_handle(comm or pg_collection.tp_ep,
-                                               (_fields(cfg), max_recv_rows, grad_accumulation), make)
+                                               (bytes(cfg), max_recv_rows, grad_accumulation), make)
                 else:
                     comm, moe, _ = make()
             self.moe = moe

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -96,7 +96,7 @@ class Reference:
     def block(self, x, ids):
         """The router on x (float32), with the experts comet's block picked (bf16 logits
         may tie differently), weights renormalised over them."""
-        torch, F = self.torch, self.torch.nn.functional
+        F = self.torch.nn.functional
         probs = F.softmax(x @ self.gate.T, dim=-1)
         w = probs.gather(1, ids.long())
         return self.experts(x, ids, w / w.sum(-1, keepdim=True))

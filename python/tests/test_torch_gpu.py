@@ -493,7 +493,7 @@ def tensor_parallel_block_matches_torch(c):
 
 @test
 def wrong_arguments_raise_before_launch(c):
-    torch, cm, block = c.torch, c.cm, c.block
+    torch, block = c.torch, c.block
     m = 64
     x = c.tokens(m)
     ids, w = c.routing(m, "random")
@@ -671,9 +671,9 @@ def closing_order_and_use_after_close(c):
     moe.close(), block.close(), comm.close()  # closing again does nothing
     # Dropped without close(): __del__ destroys the layer, then the communicator (every
     # rank drops them at the same point).
-    comm = cm.Comm.from_process_group(timeout_ms=10000)
-    moe = cm.Moe(comm, c.config(max_tokens=64))
-    del moe, comm
+    dropped_comm = cm.Comm.from_process_group(timeout_ms=10000)
+    dropped = cm.Moe(dropped_comm, c.config(max_tokens=64))
+    del dropped, dropped_comm
     gc.collect()
     c.note("layers and communicators closed in order, explicitly and by the garbage collector")
 
