@@ -84,18 +84,20 @@ def trace(moe, tensors, steps, warmup):
 def phase_medians(events):
     """{phase: ([(label, median us)], median span us)} from a chrome trace's events, the
     phases split at the marker kernels (spin_kernel) launched before each of them."""
-    kernels = sorted((e["ts"], e["dur"], e.get("name", "")) for e in events
-                     if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
+    # Split by start time at the markers; within a phase, kernels in launch order (the
+    # correlation id): kernels of two streams may start in either order.
+    kernels = sorted((e["ts"], e["dur"], e.get("name", ""), e.get("args", {}).get("correlation", 0))
+                     for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy"))
     phases, current = {"forward": [], "backward": []}, None
-    for ts, dur, name in kernels:
+    for ts, dur, name, corr in kernels:
         if "spin_kernel" in name:
             current = "backward" if current == "forward" else "forward"
             phases[current].append([])
         elif current:
-            phases[current][-1].append((ts, dur, name))
+            phases[current][-1].append((ts, dur, name, corr))
     out = {}
     for name, per_step in phases.items():
-        per_step = [s for s in per_step if s]
+        per_step = [sorted(s, key=lambda k: k[3]) for s in per_step if s]
         # Medians by position need the same kernels in the same order in every step.
         names = [[short_name(k[2]) for k in s] for s in per_step]
         if any(n != names[0] for n in names):
@@ -107,7 +109,7 @@ def phase_medians(events):
                 gemm += 1
                 label = f"gemm#{gemm}"
             rows.append((label, statistics.median(s[i][1] for s in per_step)))
-        spans = [max(ts + d for ts, d, _ in s) - s[0][0] for s in per_step]
+        spans = [max(k[0] + k[1] for k in s) - min(k[0] for k in s) for s in per_step]
         out[name] = (rows, statistics.median(spans))
     return out
 

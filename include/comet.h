@@ -22,8 +22,11 @@
  * reported by comet_comm_get_async_error().
  *
  * Collective calls (create, destroy, forward, forward_train, backward) must be made by
- * every rank of the communicator, in the same order, from one host thread per rank; a
- * communicator and its layers are not thread-safe (use them from one thread at a time).
+ * every rank of the communicator, in the same order; a communicator and its layers are
+ * not thread-safe (use them from one thread at a time), but any thread may make a call
+ * (a framework's backward thread, say): each call that touches the GPU binds the
+ * communicator's CUDA context (the one current at its create) and gives the thread's own
+ * back before it returns.
  * Calls that are not collective (configs, presets, saved-state sizes, messages) are
  * thread-safe. Strings returned by the library live until the next call on the same
  * handle (messages), or forever (names, version). Device pointers passed to the layer must
@@ -360,6 +363,9 @@ COMET_API comet_status_t comet_moe_saved_destroy(comet_moe_saved_t saved);
  * y = MoE(x) as comet_moe_forward, and `saved` (of this layer) filled for the backward.
  * Collective. Errors as comet_moe_forward's, COMET_INVALID_ARGUMENT for a saved state of
  * another layer or (sequential path) a call that routes more rows here than its bound,
+ * and, on every rank, where ranks are in different calls (a training forward beside an
+ * inference forward or a backward, saved states of different bounds: reported by
+ * comet_comm_get_async_error() on the fused path, by the call on the sequential one),
  * and COMET_NOT_SUPPORTED for COMET_IMPL_FUSED where the fused path cannot train (the
  * message says why).
  */
@@ -412,7 +418,10 @@ typedef struct comet_moe_backward_args {
  * stops calling gives COMET_TIMEOUT through comet_comm_get_async_error(), and ranks that
  * run the backwards of different forward calls (layers out of order) get
  * COMET_INVALID_ARGUMENT there, every one of them, with nothing sent (its route compares
- * each saved state's forward call across ranks; a training forward's, the bound). Errors:
+ * each saved state's forward call across ranks; a training forward's, the bound). The
+ * sequential path synchronizes the host once, at a count exchange that makes the same
+ * comparison: there every rank's call returns COMET_INVALID_ARGUMENT, the saved state
+ * stays filled and the communicator usable. Errors:
  * COMET_INVALID_ARGUMENT (a field; a saved state empty, consumed, of another layer or
  * another path: nothing is launched), COMET_TIMEOUT, COMET_NCCL_ERROR, COMET_CUDA_ERROR.
  */

@@ -3,12 +3,56 @@
  * id), the control window in symmetric memory, and the host-mapped word where kernels
  * report a wait that timed out.
  */
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
 #include "params.h"
+
+/* The driver's current-context calls, through the runtime (nothing links libcuda: the
+ * tests must start where no driver is installed). */
+static PFN_cuCtxGetCurrent_v4000 ctx_get;
+static PFN_cuCtxSetCurrent_v4000 ctx_set;
+
+static comet_status_t load_ctx_calls(char *err)
+{
+    void *get = NULL, *set = NULL;
+    enum cudaDriverEntryPointQueryResult q1, q2;
+    if (!ctx_get || !ctx_set) {
+        if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &get, 4000, cudaEnableDefault, &q1) != cudaSuccess ||
+            q1 != cudaDriverEntryPointSuccess ||
+            cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", &set, 4000, cudaEnableDefault, &q2) != cudaSuccess ||
+            q2 != cudaDriverEntryPointSuccess)
+            return cometi_fail(err, COMET_CUDA_ERROR, "cuCtxGetCurrent and cuCtxSetCurrent are not available from "
+                               "the driver");
+        ctx_get = (PFN_cuCtxGetCurrent_v4000)get;
+        ctx_set = (PFN_cuCtxSetCurrent_v4000)set;
+    }
+    return COMET_SUCCESS;
+}
+
+comet_status_t cometi_context_enter(comet_comm_t comm, char *err, void **prev)
+{
+    CUcontext cur = NULL;
+    *prev = NULL;
+    CUresult r = ctx_get(&cur);
+    if (r != CUDA_SUCCESS) return cometi_fail(err, COMET_CUDA_ERROR, "cuCtxGetCurrent failed: error %d", (int)r);
+    if (cur == (CUcontext)comm->ctx) return COMET_SUCCESS;
+    r = ctx_set((CUcontext)comm->ctx);
+    if (r != CUDA_SUCCESS)
+        return cometi_fail(err, COMET_CUDA_ERROR, "cuCtxSetCurrent(device %d's primary context) failed: error %d",
+                           comm->device, (int)r);
+    *prev = cur;
+    return COMET_SUCCESS;
+}
+
+void cometi_context_leave(void *prev)
+{
+    if (prev) ctx_set((CUcontext)prev);
+}
 
 /* The config, and the environment (params.h): a malformed variable stops the create. */
 static comet_status_t check_comm_config(const comet_comm_config_t *c, char *err)
@@ -88,6 +132,16 @@ static comet_status_t comm_init(comet_comm_t comm, const comet_comm_config_t *co
     if (nccl_dev != comm->device)
         return cometi_fail(err, COMET_INVALID_USAGE, "the current CUDA device is %d but the NCCL communicator "
                            "lives on device %d; call cudaSetDevice(%d) first", comm->device, nccl_dev, nccl_dev);
+    /* The context every call binds: the caller's current one (the device's primary one
+     * unless it made its own). */
+    COMETI_TRY(load_ctx_calls(err));
+    CUresult cr = ctx_get((CUcontext *)&comm->ctx);
+    if (cr == CUDA_SUCCESS && !comm->ctx) { /* none bound yet: the device's primary one */
+        COMETI_TRY(cometi_cuda(err, cudaSetDevice(comm->device), "cudaSetDevice"));
+        cr = ctx_get((CUcontext *)&comm->ctx);
+    }
+    if (cr != CUDA_SUCCESS || !comm->ctx)
+        return cometi_fail(err, COMET_CUDA_ERROR, "cuCtxGetCurrent on device %d: error %d", comm->device, (int)cr);
     COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&comm->sm_count, cudaDevAttrMultiProcessorCount, comm->device),
                            "cudaDeviceGetAttribute(SM count)"));
     comm->timeout_ms = config && config->timeout_ms ? config->timeout_ms
@@ -169,9 +223,8 @@ comet_status_t comet_comm_create_from_id(const ncclUniqueId *id, int nranks, int
     return comm_create(nccl, 1, config, out);
 }
 
-comet_status_t comet_comm_destroy(comet_comm_t comm)
+static comet_status_t comm_destroy(comet_comm_t comm)
 {
-    if (!comm) return COMET_SUCCESS;
     comet_status_t st = cometi_cuda(comm->err, cudaDeviceSynchronize(), "comet_comm_destroy: device sync");
     /* Windows are deregistered collectively, so first make sure every rank is here, with a
      * device barrier that times out (an NCCL host barrier would wait forever for a rank
@@ -207,6 +260,16 @@ comet_status_t comet_comm_destroy(comet_comm_t comm)
     return st;
 }
 
+comet_status_t comet_comm_destroy(comet_comm_t comm)
+{
+    if (!comm) return COMET_SUCCESS;
+    void *prev;
+    COMETI_TRY(cometi_context_enter(comm, comm->err, &prev));
+    comet_status_t st = comm_destroy(comm);
+    cometi_context_leave(prev);
+    return st;
+}
+
 int comet_comm_rank(comet_comm_t comm) { return comm ? comm->rank : -1; }
 int comet_comm_size(comet_comm_t comm) { return comm ? comm->size : -1; }
 ncclComm_t comet_comm_nccl(comet_comm_t comm) { return comm ? comm->nccl : NULL; }
@@ -226,8 +289,7 @@ static const char *site_name(int site)
     }
 }
 
-/* A route call id (internal.h's COMETI_CALL_*) in words. */
-static void call_text(unsigned long long id, char *out, size_t len)
+void cometi_call_text(unsigned long long id, char *out, size_t len)
 {
     if (id == 0) snprintf(out, len, "an inference forward");
     else if (id >= COMETI_CALL_TRAIN_FORWARD)
@@ -256,8 +318,8 @@ comet_status_t cometi_check_async(comet_comm_t comm)
                            comm->rank, e->seen, e->peer, e->expected);
     if (e->site == COMETI_SITE_CALL_MISMATCH) {
         char there[96], here[96];
-        call_text(e->seen, there, sizeof(there));
-        call_text(e->expected, here, sizeof(here));
+        cometi_call_text(e->seen, there, sizeof(there));
+        cometi_call_text(e->expected, here, sizeof(here));
         return cometi_fail(comm->err, (comet_status_t)status, "rank %d: the routing-count exchange found rank %d in "
                            "another call: %s there, %s here. Every rank makes the same calls in the same order: "
                            "the backward of the same forward call (the same layer's, the same step's saved state), "

@@ -86,6 +86,8 @@ typedef enum cometi_wait_site {
  * 2^31) a training forward; 1 .. 2^31 - 1 the backward of the training forward of that
  * number (comet_moe.train_calls). */
 #define COMETI_CALL_TRAIN_FORWARD 0x80000000u
+/* A call id in words ("an inference forward", ...), for the messages of both paths. */
+void cometi_call_text(unsigned long long id, char *out, size_t len);
 
 /* Written by kernels into host-mapped memory, read by the host without a sync. */
 typedef struct cometi_async_error {
@@ -119,6 +121,8 @@ struct comet_comm {
     ncclComm_t nccl;
     int owns_nccl;
     int rank, size, device, sm_count;
+    void *ctx;                        /* CUcontext: the device's primary context, bound by
+                                       * cometi_context_enter for each call */
     int timeout_ms;
     char err[COMETI_ERR_LEN];
     void *devcomm;                    /* ncclDevComm_t, owned by symmetric.cu */
@@ -147,8 +151,8 @@ struct comet_moe {
     struct cometi_baseline *baseline; /* the sequential path's buffers, made by its first call, or NULL */
     struct cometi_fused *fused;       /* layer0 + layer1, made by the first fused call, or NULL */
     int fused_unsupported;            /* the config cannot run fused (AUTO runs the baseline) */
-    unsigned int train_calls;         /* fused training forwards so far, 1 .. 2^31 - 1 once one ran:
-                                       * each saved state's call id, the same on every rank */
+    unsigned int train_calls;         /* training forwards so far, 1 .. 2^31 - 1 once one ran: each
+                                       * saved state's call id, the same on every rank */
     cudaEvent_t *marks;               /* COMETI_NUM_MARKS events, or NULL: phase timing */
 };
 
@@ -166,8 +170,8 @@ struct comet_moe_saved {
     void *memory;                /* the one device block the arrays below are carved from */
     int owned;                   /* allocated by comet_moe_saved_create (else the caller's) */
     int num_tokens;
-    unsigned int call;           /* fused: its forward's id (comet_moe.train_calls), which the
-                                  * backward's route compares across ranks */
+    unsigned int call;           /* its forward's number (comet_moe.train_calls), the backward's
+                                  * call id, which every rank's must match */
     void *recv;                  /* [cap_rows][H] bf16: x rows received, in the plan's layout; NULL
                                   * where the config resends x (the backward sends it again) */
     void *h;                     /* [cap_rows][2 Fl] bf16: their gate and up projections (the fused
@@ -229,6 +233,14 @@ comet_status_t cometi_check_async(comet_comm_t comm);
  * an expert id's one-time report to comet_comm_get_async_error: collective calls refuse
  * only on what every rank's later calls refuse too, or one rank would step out alone. */
 comet_status_t cometi_check_sticky(comet_comm_t comm);
+
+/* Each public call that touches the device runs with comm's context current, whatever
+ * thread calls it: a framework's worker thread (torch's autograd one) may have none
+ * bound, which the driver calls behind the tensor maps need, or another device's.
+ * enter binds comm->ctx and returns the thread's previous context in *prev; leave gives
+ * it back (nothing where it was comm's, or none). */
+comet_status_t cometi_context_enter(comet_comm_t comm, char *err, void **prev);
+void cometi_context_leave(void *prev);
 
 #ifdef __cplusplus
 }

@@ -215,9 +215,8 @@ static comet_status_t fused_teardown_ready(comet_moe_t moe, comet_status_t st)
     return st;
 }
 
-comet_status_t comet_moe_destroy(comet_moe_t moe)
+static comet_status_t moe_destroy(comet_moe_t moe)
 {
-    if (!moe) return COMET_SUCCESS;
     comet_status_t st = cometi_cuda(moe->err, cudaDeviceSynchronize(), "comet_moe_destroy: device sync");
     if (moe->fused) st = fused_teardown_ready(moe, st);
     fused_destroy(moe);
@@ -225,6 +224,16 @@ comet_status_t comet_moe_destroy(comet_moe_t moe)
     /* The handle goes now: a failure's message moves to where comet_last_create_error() reads. */
     if (st != COMET_SUCCESS) snprintf(cometi_create_error_buffer(), COMETI_ERR_LEN, "%s", moe->err);
     free(moe);
+    return st;
+}
+
+comet_status_t comet_moe_destroy(comet_moe_t moe)
+{
+    if (!moe) return COMET_SUCCESS;
+    void *prev;
+    COMETI_TRY(cometi_context_enter(moe->comm, moe->err, &prev));
+    comet_status_t st = moe_destroy(moe);
+    cometi_context_leave(prev);
     return st;
 }
 
@@ -268,10 +277,8 @@ comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *a)
     return COMET_SUCCESS;
 }
 
-comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream)
+static comet_status_t moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream)
 {
-    if (!moe) return COMET_INVALID_ARGUMENT;
-    moe->err[0] = '\0';
     COMETI_TRY(cometi_moe_check_args(moe, args));
     comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
@@ -289,5 +296,16 @@ comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, 
     COMETI_TRY(cometi_moe_baseline(moe, &b));
     st = cometi_baseline_forward(moe, b, args, NULL, stream);
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward");
+    return st;
+}
+
+comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream)
+{
+    if (!moe) return COMET_INVALID_ARGUMENT;
+    moe->err[0] = '\0';
+    void *prev;
+    COMETI_TRY(cometi_context_enter(moe->comm, moe->err, &prev));
+    comet_status_t st = moe_forward(moe, args, stream);
+    cometi_context_leave(prev);
     return st;
 }

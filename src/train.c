@@ -69,9 +69,8 @@ comet_status_t comet_moe_saved_bytes(comet_moe_t moe, const comet_moe_saved_conf
     return COMET_SUCCESS;
 }
 
-comet_status_t comet_moe_saved_destroy(comet_moe_saved_t s)
+static comet_status_t saved_destroy(comet_moe_saved_t s)
 {
-    if (!s) return COMET_SUCCESS;
     comet_status_t st = COMET_SUCCESS;
     if (s->owned) { /* the device may still read it */
         st = cometi_cuda(cometi_create_error_buffer(), cudaDeviceSynchronize(), "comet_moe_saved_destroy: device sync");
@@ -81,6 +80,16 @@ comet_status_t comet_moe_saved_destroy(comet_moe_saved_t s)
     free(s->sends);
     free(s->recvs);
     free(s);
+    return st;
+}
+
+comet_status_t comet_moe_saved_destroy(comet_moe_saved_t s)
+{
+    if (!s) return COMET_SUCCESS;
+    void *prev;
+    COMETI_TRY(cometi_context_enter(s->moe->comm, cometi_create_error_buffer(), &prev));
+    comet_status_t st = saved_destroy(s);
+    cometi_context_leave(prev);
     return st;
 }
 
@@ -113,7 +122,10 @@ static comet_status_t saved_create(comet_moe_t moe, const comet_moe_saved_config
     if (s->owned) {
         char what[96];
         snprintf(what, sizeof(what), "comet_moe_saved_create: cudaMalloc(%zu bytes)", bytes);
-        st = cometi_cuda(cerr, cudaMalloc(&memory, bytes), what);
+        void *prev;
+        st = cometi_context_enter(moe->comm, cerr, &prev);
+        if (st == COMET_SUCCESS) st = cometi_cuda(cerr, cudaMalloc(&memory, bytes), what);
+        cometi_context_leave(prev);
     }
     s->memory = memory;
     if (st == COMET_SUCCESS) {
@@ -135,7 +147,7 @@ static comet_status_t saved_create(comet_moe_t moe, const comet_moe_saved_config
     if (st != COMET_SUCCESS) {
         char keep[COMETI_ERR_LEN];
         snprintf(keep, sizeof(keep), "%s", cerr);
-        comet_moe_saved_destroy(s);
+        saved_destroy(s);
         snprintf(cerr, COMETI_ERR_LEN, "%s", keep);
         return st;
     }
@@ -181,11 +193,9 @@ static comet_status_t training_path(comet_moe_t moe, const comet_moe_args_t *a, 
     return COMET_SUCCESS;
 }
 
-comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *args, comet_moe_saved_t saved,
-                                       cudaStream_t stream)
+static comet_status_t forward_train(comet_moe_t moe, const comet_moe_args_t *args, comet_moe_saved_t saved,
+                                    cudaStream_t stream)
 {
-    if (!moe) return COMET_INVALID_ARGUMENT;
-    moe->err[0] = '\0';
     COMETI_TRY(cometi_moe_check_args(moe, args));
     if (!saved) return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "saved is NULL: a training forward fills one "
                                    "(comet_moe_saved_create)");
@@ -202,8 +212,14 @@ comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *
     comet_status_t st = path == COMETI_SAVED_FUSED ? cometi_fused_forward_train(moe, args, saved, stream)
                                                    : cometi_baseline_forward(moe, b, args, saved, stream);
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward_train");
-    if (st != COMET_SUCCESS) saved->filled = 0;
-    return st;
+    if (st != COMET_SUCCESS) {
+        saved->filled = 0;
+        return st;
+    }
+    /* Its backward's call id: this forward's number, the same on every rank. */
+    moe->train_calls = moe->train_calls % (COMETI_CALL_TRAIN_FORWARD - 1) + 1; /* 1 .. 2^31 - 1 */
+    saved->call = moe->train_calls;
+    return COMET_SUCCESS;
 }
 
 static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backward_args_t *a)
@@ -264,10 +280,8 @@ static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backw
     return COMET_SUCCESS;
 }
 
-comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args_t *args, cudaStream_t stream)
+static comet_status_t backward(comet_moe_t moe, const comet_moe_backward_args_t *args, cudaStream_t stream)
 {
-    if (!moe) return COMET_INVALID_ARGUMENT;
-    moe->err[0] = '\0';
     COMETI_TRY(check_backward_args(moe, args));
     comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
@@ -280,5 +294,28 @@ comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args
         st = cometi_baseline_backward(moe, b, args, stream);
     }
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_backward");
+    return st;
+}
+
+comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *args, comet_moe_saved_t saved,
+                                       cudaStream_t stream)
+{
+    if (!moe) return COMET_INVALID_ARGUMENT;
+    moe->err[0] = '\0';
+    void *prev;
+    COMETI_TRY(cometi_context_enter(moe->comm, moe->err, &prev));
+    comet_status_t st = forward_train(moe, args, saved, stream);
+    cometi_context_leave(prev);
+    return st;
+}
+
+comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args_t *args, cudaStream_t stream)
+{
+    if (!moe) return COMET_INVALID_ARGUMENT;
+    moe->err[0] = '\0';
+    void *prev;
+    COMETI_TRY(cometi_context_enter(moe->comm, moe->err, &prev));
+    comet_status_t st = backward(moe, args, stream);
+    cometi_context_leave(prev);
     return st;
 }

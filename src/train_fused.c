@@ -153,8 +153,6 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
         return st;
     }
     sv->num_tokens = a->num_tokens;
-    moe->train_calls = moe->train_calls % (COMETI_CALL_TRAIN_FORWARD - 1) + 1; /* 1 .. 2^31 - 1 */
-    sv->call = moe->train_calls;
     sv->path = COMETI_SAVED_FUSED;
     sv->filled = 1;
     return COMET_SUCCESS;

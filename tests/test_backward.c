@@ -569,6 +569,48 @@ static int backward_other_call_rank(const cometi_rank_ctx_t *ctx, void *arg)
 
 int test_gpu_backward_of_another_call_refused(void) { return launch_two_seeded(backward_other_call_rank, 100); }
 
+/* The sequential path: the backward of another forward call, and a training forward
+ * beside an inference forward, are refused on every rank at the count exchange (on the
+ * host, before any row moves), the saved states left filled; the communicator stays
+ * usable, and the backwards in the right order then run. */
+static int sequential_other_call_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const moe_case_t c = {"sequential, another call", COMETI_ROUTING_RANDOM, 1, {64, 64}, 0, 0};
+    comet_moe_args_t a;
+    if (fixture_open_timed(&fx, ctx, seed, &c, &a)) return 1;
+    a.impl = COMET_IMPL_BASELINE;
+    comet_moe_backward_args_t b;
+    if (peer_backward_args(&fx, &a, &b)) return 1;
+    comet_moe_saved_t saved[2];
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved[i]), COMET_SUCCESS);
+        COMET_OK(comet_moe_forward_train(fx.moe, &a, saved[i], 0), fx.comm);
+    }
+    b.saved = saved[ctx->rank % 2];
+    CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_INVALID_ARGUMENT);
+    printf("rank %d: %s\n", ctx->rank, comet_moe_last_error(fx.moe));
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), "in another call: the backward of training forward");
+    for (int i = 1; i >= 0; i--) { /* the right order: both refused states are still whole */
+        b.saved = saved[i];
+        COMET_OK(comet_moe_backward(fx.moe, &b, 0), fx.comm);
+    }
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &a, saved[0], 0), COMET_SUCCESS);
+    const comet_status_t st = ctx->rank == 0 ? comet_moe_backward(fx.moe, &b, 0) : comet_moe_forward(fx.moe, &a, 0);
+    CHECK_EQ(st, COMET_INVALID_ARGUMENT);
+    printf("rank %d: %s\n", ctx->rank, comet_moe_last_error(fx.moe));
+    CHECK_CONTAINS(comet_moe_last_error(fx.moe), ctx->rank == 0 ? "an inference forward there"
+                                                                  : "the backward of training forward");
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+    for (int i = 0; i < 2; i++) CHECK_EQ(comet_moe_saved_destroy(saved[i]), COMET_SUCCESS);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_sequential_other_call_refused(void) { return launch_two_seeded(sequential_other_call_rank, 100); }
+
 /* Saved states of different bounds on the two ranks: the training forward is refused on
  * both at the route (its call id carries the bound), nothing sent, no wait. */
 static int forward_other_bound_rank(const cometi_rank_ctx_t *ctx, void *arg)

@@ -10,8 +10,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <unistd.h>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
@@ -210,6 +213,47 @@ static int layer_outputs(const model_layer_t *L, unsigned char *host)
     return 0;
 }
 
+/* Bytes layer_outputs copies: y, dx, d topk_weights, the weight gradients. */
+static size_t layer_bytes(const model_layer_t *L) { return L->n_y * 2 + L->n_dw + L->n_g; }
+
+/* A model layer of fx's shape with m tokens on this rank: its weights, inputs and routing
+ * from seed s, its outputs poisoned, its saved state of fx's handle. */
+static int layer_open(model_layer_t *L, const fixture_t *fx, int m, uint64_t s, cometi_routing_t routing)
+{
+    const int H = fx->cfg.hidden, F = fx->cfg.ffn, M = fx->cfg.max_tokens, k = fx->cfg.top_k,
+              E = fx->cfg.num_experts, per = fx->per, me = fx->ctx->rank;
+    L->n_y = (size_t)m * H * 2, L->n_dw = sizeof(float) * m * k, L->n_g = (size_t)per * 3 * F * H * 2;
+    void **bufs[] = {&L->gate_up, &L->down, &L->x, &L->dy, &L->y, &L->dx, &L->g_gu, (void **)&L->ids,
+                     (void **)&L->w, (void **)&L->dw};
+    const size_t sizes[] = {(size_t)per * 2 * F * H * 2, (size_t)per * H * F * 2, L->n_y, L->n_y, L->n_y, L->n_y,
+                            L->n_g, sizeof(int32_t) * m * k, L->n_dw, L->n_dw};
+    for (int i = 0; i < 10; i++) CUDA_OK(cudaMalloc(bufs[i], sizes[i]));
+    L->g_dn = (char *)L->g_gu + (size_t)per * 2 * F * H * 2;
+    CUDA_OK(cometi_fill_hash_bf16(L->gate_up, (size_t)per * 2 * F * H, s, 0, (float)(1.0 / sqrt(H)), 0));
+    CUDA_OK(cometi_fill_hash_bf16(L->down, (size_t)per * H * F, s + 1, 0, (float)(1.0 / sqrt(F)), 0));
+    CUDA_OK(cometi_fill_hash_bf16(L->x, (size_t)m * H, s + 2, (uint64_t)me * M * H, 1.0f, 0));
+    CUDA_OK(cometi_fill_hash_bf16(L->dy, (size_t)m * H, s + 3, (uint64_t)me * M * H, 1.0f, 0));
+    int32_t *ids = malloc(sizeof(int32_t) * m * k);
+    float *w = malloc(sizeof(float) * m * k);
+    cometi_make_routing(routing, 8.0, m, k, E, s, me, ids, w);
+    CUDA_OK(cudaMemcpy(L->ids, ids, sizeof(int32_t) * m * k, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(L->w, w, sizeof(float) * m * k, cudaMemcpyHostToDevice));
+    free(ids), free(w);
+    void *outs[] = {L->y, L->dx, L->dw, L->g_gu};
+    const size_t n_outs[] = {L->n_y, L->n_y, L->n_dw, L->n_g};
+    for (int i = 0; i < 4; i++) CUDA_OK(cudaMemset(outs[i], 0xff, n_outs[i]));
+    CHECK_EQ(comet_moe_saved_create(fx->moe, NULL, &L->saved), COMET_SUCCESS);
+    return 0;
+}
+
+static int layer_close(model_layer_t *L)
+{
+    CHECK_EQ(comet_moe_saved_destroy(L->saved), COMET_SUCCESS);
+    void *bufs[] = {L->gate_up, L->down, L->x, L->dy, L->y, L->dx, L->g_gu, L->ids, L->w, L->dw};
+    for (int i = 0; i < 10; i++) cudaFree(bufs[i]);
+    return 0;
+}
+
 /* Two model layers of one shape, with their own weights, inputs and saved states, through
  * one comet_moe_t in a model's order (forward A, forward B, backward B, backward A): every
  * output and gradient bit-equal to a step of that layer alone, on both paths. Weights come
@@ -220,36 +264,15 @@ static int shared_handle_rank(const cometi_rank_ctx_t *ctx, void *arg)
     fixture_t fx;
     const fixture_shape_t shape = {256, 320, 0, 0, 0};
     if (fixture_open(&fx, ctx, seed, &shape)) return 1;
-    const int H = fx.cfg.hidden, F = fx.cfg.ffn, M = fx.cfg.max_tokens, k = fx.cfg.top_k, E = fx.cfg.num_experts,
-              per = fx.per, me = ctx->rank;
-    const int m = M - 3 * me - 1; /* odd, and the ranks' counts differ */
+    const int me = ctx->rank;
+    const int m = fx.cfg.max_tokens - 3 * me - 1; /* odd, and the ranks' counts differ */
     model_layer_t layers[2];
     size_t total = 0;
     for (int l = 0; l < 2; l++) {
-        model_layer_t *L = &layers[l];
-        L->n_y = (size_t)m * H * 2, L->n_dw = sizeof(float) * m * k, L->n_g = (size_t)per * 3 * F * H * 2;
-        total = L->n_y * 2 + L->n_dw + L->n_g;
-        void **bufs[] = {&L->gate_up, &L->down, &L->x, &L->dy, &L->y, &L->dx, &L->g_gu, (void **)&L->ids,
-                         (void **)&L->w, (void **)&L->dw};
-        const size_t sizes[] = {(size_t)per * 2 * F * H * 2, (size_t)per * H * F * 2, L->n_y, L->n_y, L->n_y, L->n_y,
-                                L->n_g, sizeof(int32_t) * m * k, L->n_dw, L->n_dw};
-        for (int i = 0; i < 10; i++) CUDA_OK(cudaMalloc(bufs[i], sizes[i]));
-        L->g_dn = (char *)L->g_gu + (size_t)per * 2 * F * H * 2;
-        const uint64_t s = seed + 1000 * (uint64_t)(l + 1);
-        CUDA_OK(cometi_fill_hash_bf16(L->gate_up, (size_t)per * 2 * F * H, s, 0, (float)(1.0 / sqrt(H)), 0));
-        CUDA_OK(cometi_fill_hash_bf16(L->down, (size_t)per * H * F, s + 1, 0, (float)(1.0 / sqrt(F)), 0));
-        CUDA_OK(cometi_fill_hash_bf16(L->x, (size_t)m * H, s + 2, (uint64_t)me * M * H, 1.0f, 0));
-        CUDA_OK(cometi_fill_hash_bf16(L->dy, (size_t)m * H, s + 3, (uint64_t)me * M * H, 1.0f, 0));
-        int32_t *ids = malloc(sizeof(int32_t) * m * k);
-        float *w = malloc(sizeof(float) * m * k);
-        cometi_make_routing(l ? COMETI_ROUTING_SKEWED : COMETI_ROUTING_RANDOM, 8.0, m, k, E, s, me, ids, w);
-        CUDA_OK(cudaMemcpy(L->ids, ids, sizeof(int32_t) * m * k, cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemcpy(L->w, w, sizeof(float) * m * k, cudaMemcpyHostToDevice));
-        free(ids), free(w);
-        void *outs[] = {L->y, L->dx, L->dw, L->g_gu};
-        const size_t n_outs[] = {L->n_y, L->n_y, L->n_dw, L->n_g};
-        for (int i = 0; i < 4; i++) CUDA_OK(cudaMemset(outs[i], 0xff, n_outs[i]));
-        CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &L->saved), COMET_SUCCESS);
+        if (layer_open(&layers[l], &fx, m, seed + 1000 * (uint64_t)(l + 1),
+                       l ? COMETI_ROUTING_SKEWED : COMETI_ROUTING_RANDOM))
+            return 1;
+        total = layer_bytes(&layers[l]);
     }
     unsigned char *together = malloc(2 * total), *alone = malloc(2 * total);
     const comet_impl_t impls[2] = {COMET_IMPL_FUSED, COMET_IMPL_BASELINE};
@@ -297,18 +320,131 @@ static int shared_handle_rank(const cometi_rank_ctx_t *ctx, void *arg)
         printf("rank %d, %s path: two layers through one handle, bit-equal to each alone (%zu bytes each)\n", me,
                p ? "sequential" : "fused", total);
     }
-    for (int l = 0; l < 2; l++) {
-        model_layer_t *L = &layers[l];
-        CHECK_EQ(comet_moe_saved_destroy(L->saved), COMET_SUCCESS);
-        void *bufs[] = {L->gate_up, L->down, L->x, L->dy, L->y, L->dx, L->g_gu, L->ids, L->w, L->dw};
-        for (int i = 0; i < 10; i++) cudaFree(bufs[i]);
-    }
+    for (int l = 0; l < 2; l++)
+        if (layer_close(&layers[l])) return 1;
     free(together), free(alone);
     fixture_close(&fx);
     return 0;
 }
 
 int test_gpu_layers_share_a_handle(void) { return launch_seeded(shared_handle_rank, 120); }
+
+/* ---- calls from threads that are not the one that made the handle ---- */
+
+/* The driver calls the test needs, through the runtime (nothing links libcuda). */
+static void *driver_call(const char *name, int version)
+{
+    void *p = NULL;
+    enum cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+        return NULL;
+    return p;
+}
+
+typedef struct thread_step {
+    const fixture_t *fx;
+    model_layer_t *L;
+    int m, device;
+    comet_impl_t impl;
+    int own_context;      /* make and bind a context of the thread's own before the calls */
+    comet_status_t st;    /* the first call that failed, or success */
+    int kept_own_context; /* own_context: that context is current again after the calls */
+    char err[160];
+} thread_step_t;
+
+/* A training step in a thread that made no CUDA call before (so no context is bound, as in
+ * torch's autograd threads), or that bound its own context: comet's calls must run in the
+ * handle's context and give the thread's back. */
+static void *thread_step_main(void *arg)
+{
+    thread_step_t *t = arg;
+    PFN_cuCtxCreate_v3020 create = (PFN_cuCtxCreate_v3020)driver_call("cuCtxCreate", 3020);
+    PFN_cuCtxDestroy_v4000 destroy = (PFN_cuCtxDestroy_v4000)driver_call("cuCtxDestroy", 4000);
+    PFN_cuCtxGetCurrent_v4000 get = (PFN_cuCtxGetCurrent_v4000)driver_call("cuCtxGetCurrent", 4000);
+    PFN_cuDeviceGet_v2000 device_get = (PFN_cuDeviceGet_v2000)driver_call("cuDeviceGet", 2000);
+    CUcontext mine = NULL, after = NULL;
+    CUdevice dev;
+    t->st = COMET_SUCCESS;
+    if (t->own_context && (!create || !destroy || !get || !device_get || device_get(&dev, t->device) != CUDA_SUCCESS ||
+                           create(&mine, 0, dev) != CUDA_SUCCESS)) {
+        t->st = COMET_CUDA_ERROR;
+        snprintf(t->err, sizeof(t->err), "could not make a context of the thread's own");
+        return NULL;
+    }
+    comet_moe_saved_t old = t->L->saved;
+    const comet_moe_args_t a = layer_args(t->L, t->m, t->impl);
+    comet_status_t st = comet_moe_saved_create(t->fx->moe, NULL, &t->L->saved);
+    if (st == COMET_SUCCESS) st = comet_moe_forward_train(t->fx->moe, &a, t->L->saved, 0);
+    if (st == COMET_SUCCESS) {
+        const comet_moe_backward_args_t b = layer_backward_args(t->L, t->impl);
+        st = comet_moe_backward(t->fx->moe, &b, 0);
+    }
+    if (st != COMET_SUCCESS) snprintf(t->err, sizeof(t->err), "%s", comet_moe_last_error(t->fx->moe));
+    if (st == COMET_SUCCESS) st = comet_moe_saved_destroy(t->L->saved);
+    t->L->saved = old;
+    t->st = st;
+    if (mine) {
+        t->kept_own_context = get(&after) == CUDA_SUCCESS && after == mine;
+        destroy(mine);
+    }
+    return NULL;
+}
+
+/* The same training step from the calling thread, from a fresh thread with no context,
+ * and from one with a context of its own: the same bits, on both paths. */
+static int other_threads_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 320, 0, 0, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    const int m = fx.cfg.max_tokens - 2 * ctx->rank - 1;
+    int device;
+    CUDA_OK(cudaGetDevice(&device));
+    model_layer_t L;
+    if (layer_open(&L, &fx, m, seed + 7, COMETI_ROUTING_RANDOM)) return 1;
+    const size_t total = layer_bytes(&L);
+    unsigned char *here = malloc(total), *there = malloc(total);
+    const comet_impl_t impls[2] = {COMET_IMPL_FUSED, COMET_IMPL_BASELINE};
+    for (int p = 0; p < 2; p++) {
+        const comet_moe_args_t a = layer_args(&L, m, impls[p]);
+        const comet_moe_backward_args_t b = layer_backward_args(&L, impls[p]);
+        COMET_OK(comet_moe_forward_train(fx.moe, &a, L.saved, 0), fx.comm);
+        COMET_OK(comet_moe_backward(fx.moe, &b, 0), fx.comm);
+        if (layer_outputs(&L, here)) return 1;
+        for (int own = 0; own < 2; own++) {
+            thread_step_t t = {&fx, &L, m, device, impls[p], own, COMET_SUCCESS, 0, ""};
+            pthread_t th;
+            CHECK_EQ(pthread_create(&th, NULL, thread_step_main, &t), 0);
+            CHECK_EQ(pthread_join(th, NULL), 0);
+            if (t.st != COMET_SUCCESS) {
+                printf("rank %d, %s path, a thread with %s: %s: %s\n", ctx->rank, p ? "sequential" : "fused",
+                       own ? "its own context" : "no context", comet_status_string(t.st), t.err);
+                return 1;
+            }
+            if (own && !t.kept_own_context) {
+                printf("rank %d: the thread's own context was not current again after comet's calls\n", ctx->rank);
+                return 1;
+            }
+            if (layer_outputs(&L, there)) return 1;
+            if (memcmp(here, there, total)) {
+                printf("rank %d, %s path: the step from a thread with %s differs from the calling thread's\n",
+                       ctx->rank, p ? "sequential" : "fused", own ? "its own context" : "no context");
+                return 1;
+            }
+        }
+        printf("rank %d, %s path: a step from a thread with no context and from one with its own, bit-equal "
+               "(%zu bytes)\n", ctx->rank, p ? "sequential" : "fused", total);
+    }
+    CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+    if (layer_close(&L)) return 1;
+    free(here), free(there);
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_calls_from_other_threads(void) { return launch_seeded(other_threads_rank, 120); }
 
 /* ---- gpt-oss-120b's shape: hidden = ffn = 2880, off the 256 grid, 128 experts, top-4 ---- */
 

@@ -130,9 +130,11 @@ uint64_t test_seed(void);
     X(gpu_resend_x_bound_reported, 60)          \
     X(gpu_training_1000_steps, 300)             \
     X(gpu_layers_share_a_handle, 150)           \
+    X(gpu_calls_from_other_threads, 150)        \
     X(gpu_gpt_oss_shape, 240)                   \
     X(gpu_backward_missing_peer_times_out, 120) \
     X(gpu_backward_of_another_call_refused, 120) \
+    X(gpu_sequential_other_call_refused, 120) \
     X(gpu_training_forward_of_other_bounds_refused, 120) \
     X(gpu_layer_configs_differ_refused, 120)
 

@@ -83,6 +83,13 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
     const size_t gsize = fp32 ? 4 : BF16;
     ncclComm_t nccl = moe->comm->nccl;
     COMETI_TRY(cublas_ok(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
+    /* The count exchange with no counts, only the call id: ranks in the backward of another
+     * forward (or in a forward) refuse with this rank, before anything is sent, and the
+     * saved state stays filled. */
+    const int E = moe->cfg.num_experts;
+    COMETI_TRY(cometi_cuda(err, cudaMemsetAsync(b->counts, 0, sizeof(int32_t) * E, stream), "clear the counts"));
+    COMETI_TRY(cometi_cuda(err, cudaMemsetAsync(b->counts + E, 0xff, sizeof(int32_t), stream), "no bad id"));
+    COMETI_TRY(cometi_baseline_exchange(moe, b, sv->call, stream));
     sv->filled = 0; /* consumed from here on, as the fused path's is */
 
     /* 0. Where the config resends x: its rows again, into the dx rows' buffer, which holds

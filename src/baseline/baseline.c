@@ -16,6 +16,9 @@
 
 #include "baseline.h"
 
+/* A rank's message in the count exchange: its rows per expert, its first bad id's index
+ * (or -1), its call id. */
+#define COUNT_WORDS(E) ((E) + 2)
 
 void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, const void **act)
 {
@@ -54,8 +57,8 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
     if (!b) return cometi_fail(err, COMET_OUT_OF_MEMORY, "baseline: out of host memory");
     comet_status_t st;
     struct { void **p; size_t bytes; const char *what; } dev[] = {
-        {(void **)&b->counts, sizeof(int32_t) * (E + 1), "counts"},
-        {(void **)&b->counts_all, sizeof(int32_t) * W * (E + 1), "counts of all ranks"},
+        {(void **)&b->counts, sizeof(int32_t) * COUNT_WORDS(E), "counts"},
+        {(void **)&b->counts_all, sizeof(int32_t) * W * COUNT_WORDS(E), "counts of all ranks"},
         {(void **)&b->pos, sizeof(int32_t) * rows_out, "positions"},
         {(void **)&b->route_scratch, sizeof(int32_t) * E * cometi_route_chunks((int)rows_out), "route scratch"},
         {(void **)&b->send_pos, sizeof(int32_t) * rows_out, "send positions"},
@@ -79,7 +82,7 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
         st = cometi_fail(err, COMET_OUT_OF_MEMORY, "baseline: out of host memory");
         goto fail;
     }
-    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->counts_host, sizeof(int32_t) * W * (E + 1)),
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->counts_host, sizeof(int32_t) * W * COUNT_WORDS(E)),
                                     "baseline: cudaMallocHost(counts)"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->send_base_host, sizeof(int32_t) * E),
                                     "baseline: cudaMallocHost(send offsets)"), fail);
@@ -104,6 +107,38 @@ comet_status_t cometi_cublas_rows(cublasHandle_t h, char *err, int rows, int n, 
                                            a, CUDA_R_16BF, k, &zero, c, CUDA_R_16BF, ldc, CUBLAS_COMPUTE_32F,
                                            CUBLAS_GEMM_DEFAULT),
                          "cublasGemmEx");
+}
+
+/* The count exchange, the host's one sync per call: every rank's message (b->counts, E + 2
+ * words; the caller wrote the counts and the bad id's index) into b->counts_host, this
+ * rank's call id (internal.h's COMETI_CALL_*) added here. Forwards and backwards alike
+ * make it first, so ranks in different calls meet in the same collective, see it, and
+ * all refuse (COMET_INVALID_ARGUMENT) before anything is sent. */
+comet_status_t cometi_baseline_exchange(comet_moe_t moe, cometi_baseline_t *b, unsigned int call, cudaStream_t stream)
+{
+    char *err = moe->err;
+    const int W = moe->comm->size, E = moe->cfg.num_experts, words = COUNT_WORDS(E);
+    /* Pageable: staged at once, so the local may go out of scope. */
+    COMETI_TRY(cometi_cuda(err, cudaMemcpyAsync(b->counts + E + 1, &call, sizeof(call), cudaMemcpyHostToDevice, stream),
+                           "copy the call id"));
+    COMETI_TRY(cometi_nccl(err, ncclAllGather(b->counts, b->counts_all, words, ncclInt32, moe->comm->nccl, stream),
+                           "ncclAllGather(routing counts)"));
+    COMETI_TRY(cometi_cuda(err, cudaMemcpyAsync(b->counts_host, b->counts_all, sizeof(int32_t) * W * words,
+                                                cudaMemcpyDeviceToHost, stream), "copy counts to host"));
+    COMETI_TRY(cometi_cuda(err, cudaStreamSynchronize(stream), "baseline: sync for routing counts"));
+    for (int r = 0; r < W; r++) {
+        const unsigned int theirs = (unsigned int)b->counts_host[(size_t)r * words + E + 1];
+        if (theirs == call) continue;
+        char there[96], here[96];
+        cometi_call_text(theirs, there, sizeof(there));
+        cometi_call_text(call, here, sizeof(here));
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "rank %d: the routing-count exchange found rank %d in another "
+                           "call: %s there, %s here. Every rank makes the same calls in the same order: the "
+                           "backward of the same forward call (the same layer's, the same step's saved state), "
+                           "saved states of the same max_recv_rows. Nothing was sent; every rank refused this call",
+                           moe->comm->rank, r, there, here);
+    }
+    return COMET_SUCCESS;
 }
 
 static comet_status_t mark(comet_moe_t moe, int which, cudaStream_t stream)
@@ -195,13 +230,11 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     COMETI_TRY(cometi_cuda(err, cometi_launch_route(args->topk_ids, n, E, b->counts, b->pos,
                                                     (unsigned int *)(b->counts + E), b->route_scratch, stream),
                            "launch route_kernel"));
-    COMETI_TRY(cometi_nccl(err, ncclAllGather(b->counts, b->counts_all, E + 1, ncclInt32, nccl, stream),
-                           "ncclAllGather(routing counts)"));
-    COMETI_TRY(cometi_cuda(err, cudaMemcpyAsync(b->counts_host, b->counts_all, sizeof(int32_t) * W * (E + 1),
-                                                cudaMemcpyDeviceToHost, stream), "copy counts to host"));
-    COMETI_TRY(cometi_cuda(err, cudaStreamSynchronize(stream), "baseline: sync for routing counts"));
+    const unsigned int call = saved ? COMETI_CALL_TRAIN_FORWARD | (unsigned int)(saved->max_recv_rows %
+                                                                                 COMETI_CALL_TRAIN_FORWARD) : 0;
+    COMETI_TRY(cometi_baseline_exchange(moe, b, call, stream));
     for (int r = 0; r < W; r++) {
-        int32_t first_bad = b->counts_host[(size_t)r * (E + 1) + E];
+        int32_t first_bad = b->counts_host[(size_t)r * COUNT_WORDS(E) + E];
         if (first_bad < 0) continue;
         if (r != me)
             return cometi_fail(err, COMET_REMOTE_ERROR, "rank %d passed an expert id out of [0, %d) "
@@ -215,7 +248,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     int64_t *counts = malloc(sizeof(int64_t) * W * E);
     if (!counts) return cometi_fail(err, COMET_OUT_OF_MEMORY, "baseline: out of host memory");
     for (int r = 0; r < W; r++)
-        for (int e = 0; e < E; e++) counts[(size_t)r * E + e] = b->counts_host[(size_t)r * (E + 1) + e];
+        for (int e = 0; e < E; e++) counts[(size_t)r * E + e] = b->counts_host[(size_t)r * COUNT_WORDS(E) + e];
     cometi_route_plan_t plan;
     int bad = cometi_route_plan_build(&plan, counts, W, moe->tp, E, COMETI_BLOCK_M, err, COMETI_ERR_LEN);
     free(counts);

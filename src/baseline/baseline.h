@@ -34,8 +34,9 @@ enum {
 typedef struct cometi_baseline {
     cublasHandle_t cublas;
     /* device */
-    int32_t *counts;      /* [E + 1] this rank's rows per expert, then its first bad id index (or -1) */
-    int32_t *counts_all;  /* [world][E + 1] */
+    int32_t *counts;      /* [E + 2] this rank's message of the count exchange (exchange_counts):
+                           * rows per expert, its first bad id index (or -1), its call id */
+    int32_t *counts_all;  /* [world][E + 2] */
     int32_t *pos;         /* [max_tokens * k] rank of (t, j) among this rank's rows of its expert */
     int32_t *route_scratch; /* the route's per-chunk counts */
     int32_t *send_pos;    /* [max_tokens * k] row of (t, j) in the send (and returned) buffer */
@@ -45,7 +46,7 @@ typedef struct cometi_baseline {
     void *back;           /* [tp][max_tokens * k][hidden]: the rows returned by each TP rank */
     cometi_a2a_msg_t *sends, *recvs; /* the dispatch's NCCL messages (host) */
     /* pinned host */
-    int32_t *counts_host; /* [world][E + 1] */
+    int32_t *counts_host; /* [world][E + 2] */
     int32_t *send_base_host;
     cometi_segment_t *segs_host;
     int max_seg_rows;     /* the last call's largest local segment */
@@ -63,6 +64,9 @@ void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, cons
  * (its bound checked on every rank before any row moves) and it is marked filled. */
 comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        comet_moe_saved_t saved, cudaStream_t stream);
+/* The count exchange every call of the path makes first (baseline.c); a backward's
+ * message carries no counts, only its call id. */
+comet_status_t cometi_baseline_exchange(comet_moe_t moe, cometi_baseline_t *b, unsigned int call, cudaStream_t stream);
 /* The backward of the training forward that filled args->saved (checked by the caller). */
 comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
                                         cudaStream_t stream);
