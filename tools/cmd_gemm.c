@@ -224,7 +224,8 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
 /* One of the backward's GEMMs of shape `sh`: a dgrad GEMM (B MN-major) or a weight
  * gradient (sh->wgrad). Ours, cooperative at both tile widths (256 with a partial last tile
  * where it does not divide n), against cuBLAS per expert, checked on poisoned C before it is
- * timed. */
+ * timed; with --sweep also 128x256 tiles with the registers' epilogue and other tile
+ * orders (group_m), each on a line of its own. */
 static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublasHandle_t cublas,
                               cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int si, void *tail_ws)
 {
@@ -242,13 +243,21 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
     FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
     uint16_t *ref = TOOL_MALLOC(nc * 2), *got = TOOL_MALLOC(nc * 2);
     CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
-    float t[2];
+    /* {block_n, group_m, epilogue}: the two defaults first. */
+    static const int variants[][3] = {{256, 8, COMETI_EPILOGUE_AUTO},  {128, 8, COMETI_EPILOGUE_AUTO},
+                                      {256, 8, COMETI_EPILOGUE_DIRECT}, {256, 1, COMETI_EPILOGUE_AUTO},
+                                      {256, 4, COMETI_EPILOGUE_AUTO},   {256, 16, COMETI_EPILOGUE_AUTO},
+                                      {256, 64, COMETI_EPILOGUE_AUTO}};
+    const int nvariants = o->sweep ? (int)(sizeof(variants) / sizeof(variants[0])) : 2;
+    const double flop = 2.0 * rows * sh->n * sh->k;
+    float t[sizeof(variants) / sizeof(variants[0])];
     double worst = 0;
-    for (int v = 0; v < 2; v++) {
+    for (int v = 0; v < nvariants; v++) {
         r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .b_mn_major = !sh->wgrad, .wgrad = sh->wgrad,
                               .m_out = sh->wgrad ? sh->k : 0, .c = c, .ldc = sh->n, .segs = segs,
                               .groups = sh->groups, .n = sh->n, .k = sh->wgrad ? 0 : sh->k,
-                              .block_n = v ? 128 : 256, /* 256: a partial last tile where it does not divide n */
+                              .block_n = variants[v][0], /* 256: a partial last tile where it does not divide n */
+                              .group_m = variants[v][1], .epilogue = variants[v][2],
                               .err = err_dev, .tail_ws = sh->wgrad ? NULL : tail_ws};
         CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
         FAIL_IF(run_ours(&r, 0), "%s: ours: %s", sh->name, r.err);
@@ -259,8 +268,11 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
         if (!(d <= worst)) worst = d;
         t[v] = time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
         FAIL_IF(failed, "%s: ours: %s", sh->name, r.err);
+        if (o->sweep)
+            printf("  %-22s block_n %3d group_m %2d %-6s: %6.0f TFLOP/s, diff %.1e\n", sh->name, variants[v][0],
+                   variants[v][1], variants[v][2] == COMETI_EPILOGUE_DIRECT ? "direct" : "tma",
+                   flop / (t[v] * 1e-3) / 1e12, d);
     }
-    const double flop = 2.0 * rows * sh->n * sh->k;
     const float best = t[0] < t[1] ? t[0] : t[1];
     printf("%-24s %6d %6d %6d %6d %9.0f %9.0f %9s %9.0f %8.3f %9.1e%s\n", sh->name, sh->groups, sh->rows,
            sh->wgrad ? sh->k : sh->n, sh->wgrad ? sh->n : sh->k, flop / (t_cublas * 1e-3) / 1e12,

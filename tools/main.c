@@ -181,7 +181,7 @@ static const flag_t flags[] = {
      "step vs the baseline's in turns and its dx vs the baseline's; n/a where an impl does not serve a call"},
     {"--sweep", NULL, CMD_GEMM, set_switch, AT(o.sweep), 1, 0,
      "also every variant of ours, a line each: epilogues, tile orders, grid sizes, the shared tile counter, "
-     "two column splits, no cut of the last wave"},
+     "two column splits, no cut of the last wave (the backward's GEMMs: epilogues and tile orders)"},
     {"--mib", "N", CMD_BANDWIDTH, parse_int, AT(o.mib), 1, 16384, "bytes per transfer, MiB [256]"},
     {"--ranks", "N", RUNS, parse_int, AT(ranks), 1, COMETI_MAX_RANKS,
      "processes, one per GPU [EP x TP with --ep, else every visible GPU]"},
