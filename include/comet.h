@@ -26,7 +26,7 @@
  * not thread-safe (use them from one thread at a time), but any thread may make a call
  * (a framework's backward thread, say): each call that touches the GPU binds the
  * communicator's CUDA context (the one current at its create) and gives the thread's own
- * back before it returns.
+ * (or none) back before it returns.
  * Calls that are not collective (configs, presets, saved-state sizes, messages) are
  * thread-safe. Strings returned by the library live until the next call on the same
  * handle (messages), or forever (names, version). Device pointers passed to the layer must
@@ -283,7 +283,8 @@ typedef struct comet_moe_args {
  * them may change between replays; every rank replays alike). The baseline path synchronizes the host with `stream` once
  * per call (to size its NCCL transfers, as Megatron-LM does). Consecutive calls must use
  * the same stream. Errors: COMET_INVALID_ARGUMENT (a field, or an expert id out of
- * range: the message names the token), COMET_NOT_SUPPORTED (an impl the config does not
+ * range: the message names the token; or, on every rank, ranks in different calls, a
+ * training forward or a backward beside this one), COMET_NOT_SUPPORTED (an impl the config does not
  * allow), COMET_TIMEOUT (fused: a peer that stopped calling, reported by this call or
  * comet_comm_get_async_error()), COMET_REMOTE_ERROR (another rank refused the call: its
  * expert id out of range, or a tuning file that differs), COMET_OUT_OF_MEMORY (a path's

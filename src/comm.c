@@ -5,6 +5,7 @@
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,42 +17,48 @@
  * tests must start where no driver is installed). */
 static PFN_cuCtxGetCurrent_v4000 ctx_get;
 static PFN_cuCtxSetCurrent_v4000 ctx_set;
+static pthread_once_t ctx_calls_once = PTHREAD_ONCE_INIT;
 
-static comet_status_t load_ctx_calls(char *err)
+static void load_ctx_calls_once(void)
 {
     void *get = NULL, *set = NULL;
     enum cudaDriverEntryPointQueryResult q1, q2;
-    if (!ctx_get || !ctx_set) {
-        if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &get, 4000, cudaEnableDefault, &q1) != cudaSuccess ||
-            q1 != cudaDriverEntryPointSuccess ||
-            cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", &set, 4000, cudaEnableDefault, &q2) != cudaSuccess ||
-            q2 != cudaDriverEntryPointSuccess)
-            return cometi_fail(err, COMET_CUDA_ERROR, "cuCtxGetCurrent and cuCtxSetCurrent are not available from "
-                               "the driver");
+    if (cudaGetDriverEntryPointByVersion("cuCtxGetCurrent", &get, 4000, cudaEnableDefault, &q1) == cudaSuccess &&
+        q1 == cudaDriverEntryPointSuccess &&
+        cudaGetDriverEntryPointByVersion("cuCtxSetCurrent", &set, 4000, cudaEnableDefault, &q2) == cudaSuccess &&
+        q2 == cudaDriverEntryPointSuccess) {
         ctx_get = (PFN_cuCtxGetCurrent_v4000)get;
         ctx_set = (PFN_cuCtxSetCurrent_v4000)set;
     }
+}
+
+static comet_status_t load_ctx_calls(char *err)
+{
+    pthread_once(&ctx_calls_once, load_ctx_calls_once);
+    if (!ctx_get || !ctx_set)
+        return cometi_fail(err, COMET_CUDA_ERROR, "cuCtxGetCurrent and cuCtxSetCurrent are not available from the "
+                           "driver");
     return COMET_SUCCESS;
 }
 
-comet_status_t cometi_context_enter(comet_comm_t comm, char *err, void **prev)
+comet_status_t cometi_context_enter(void *ctx, char *err, cometi_context_t *prev)
 {
     CUcontext cur = NULL;
-    *prev = NULL;
+    prev->ctx = NULL, prev->bound = 0;
     CUresult r = ctx_get(&cur);
     if (r != CUDA_SUCCESS) return cometi_fail(err, COMET_CUDA_ERROR, "cuCtxGetCurrent failed: error %d", (int)r);
-    if (cur == (CUcontext)comm->ctx) return COMET_SUCCESS;
-    r = ctx_set((CUcontext)comm->ctx);
+    if (cur == (CUcontext)ctx) return COMET_SUCCESS;
+    r = ctx_set((CUcontext)ctx);
     if (r != CUDA_SUCCESS)
-        return cometi_fail(err, COMET_CUDA_ERROR, "cuCtxSetCurrent(device %d's primary context) failed: error %d",
-                           comm->device, (int)r);
-    *prev = cur;
+        return cometi_fail(err, COMET_CUDA_ERROR, "cuCtxSetCurrent(the communicator's context) failed: error %d",
+                           (int)r);
+    prev->ctx = cur, prev->bound = 1;
     return COMET_SUCCESS;
 }
 
-void cometi_context_leave(void *prev)
+void cometi_context_leave(const cometi_context_t *prev)
 {
-    if (prev) ctx_set((CUcontext)prev);
+    if (prev->bound) ctx_set((CUcontext)prev->ctx); /* NULL where the thread had none */
 }
 
 /* The config, and the environment (params.h): a malformed variable stops the create. */
@@ -263,10 +270,10 @@ static comet_status_t comm_destroy(comet_comm_t comm)
 comet_status_t comet_comm_destroy(comet_comm_t comm)
 {
     if (!comm) return COMET_SUCCESS;
-    void *prev;
-    COMETI_TRY(cometi_context_enter(comm, comm->err, &prev));
+    cometi_context_t prev; /* if it cannot be bound, the destroy's own CUDA calls say so; it frees anyway */
+    cometi_context_enter(comm->ctx, comm->err, &prev);
     comet_status_t st = comm_destroy(comm);
-    cometi_context_leave(prev);
+    cometi_context_leave(&prev);
     return st;
 }
 

@@ -121,8 +121,8 @@ struct comet_comm {
     ncclComm_t nccl;
     int owns_nccl;
     int rank, size, device, sm_count;
-    void *ctx;                        /* CUcontext: the device's primary context, bound by
-                                       * cometi_context_enter for each call */
+    void *ctx;                        /* CUcontext current at create (the device's primary one
+                                       * unless the caller made its own), bound by each call */
     int timeout_ms;
     char err[COMETI_ERR_LEN];
     void *devcomm;                    /* ncclDevComm_t, owned by symmetric.cu */
@@ -162,6 +162,7 @@ enum { COMETI_SAVED_SEQUENTIAL = 1, COMETI_SAVED_FUSED = 2 };
 
 struct comet_moe_saved {
     comet_moe_t moe;
+    void *ctx;                   /* its layer's CUDA context (destroy may come after the layer's) */
     int64_t max_recv_rows;       /* the bound: (token, choice) rows received, padding excluded */
     int64_t cap_rows;            /* rows allocated: the bound and a 128-row block of padding per local expert */
     int filled;                  /* a training forward filled it, nothing failed after, and no
@@ -234,13 +235,17 @@ comet_status_t cometi_check_async(comet_comm_t comm);
  * only on what every rank's later calls refuse too, or one rank would step out alone. */
 comet_status_t cometi_check_sticky(comet_comm_t comm);
 
-/* Each public call that touches the device runs with comm's context current, whatever
- * thread calls it: a framework's worker thread (torch's autograd one) may have none
- * bound, which the driver calls behind the tensor maps need, or another device's.
- * enter binds comm->ctx and returns the thread's previous context in *prev; leave gives
- * it back (nothing where it was comm's, or none). */
-comet_status_t cometi_context_enter(comet_comm_t comm, char *err, void **prev);
-void cometi_context_leave(void *prev);
+/* Each public call that touches the device runs with its communicator's context (ctx)
+ * current, whatever thread calls it: a framework's worker thread (torch's autograd one)
+ * may have none bound, which the driver calls behind the tensor maps need, or another
+ * device's. enter binds ctx and notes the thread's own in *prev; leave gives that back
+ * (none, where the thread had none). */
+typedef struct cometi_context {
+    void *ctx; /* the thread's context before enter (NULL: none) */
+    int bound; /* enter changed it */
+} cometi_context_t;
+comet_status_t cometi_context_enter(void *ctx, char *err, cometi_context_t *prev);
+void cometi_context_leave(const cometi_context_t *prev);
 
 #ifdef __cplusplus
 }

@@ -230,10 +230,10 @@ static comet_status_t moe_destroy(comet_moe_t moe)
 comet_status_t comet_moe_destroy(comet_moe_t moe)
 {
     if (!moe) return COMET_SUCCESS;
-    void *prev;
-    COMETI_TRY(cometi_context_enter(moe->comm, moe->err, &prev));
+    cometi_context_t prev; /* if it cannot be bound, the destroy's own CUDA calls say so; it frees anyway */
+    cometi_context_enter(moe->comm->ctx, moe->err, &prev);
     comet_status_t st = moe_destroy(moe);
-    cometi_context_leave(prev);
+    cometi_context_leave(&prev);
     return st;
 }
 
@@ -303,9 +303,9 @@ comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, 
 {
     if (!moe) return COMET_INVALID_ARGUMENT;
     moe->err[0] = '\0';
-    void *prev;
-    COMETI_TRY(cometi_context_enter(moe->comm, moe->err, &prev));
+    cometi_context_t prev;
+    COMETI_TRY(cometi_context_enter(moe->comm->ctx, moe->err, &prev));
     comet_status_t st = moe_forward(moe, args, stream);
-    cometi_context_leave(prev);
+    cometi_context_leave(&prev);
     return st;
 }

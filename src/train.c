@@ -86,22 +86,20 @@ static comet_status_t saved_destroy(comet_moe_saved_t s)
 comet_status_t comet_moe_saved_destroy(comet_moe_saved_t s)
 {
     if (!s) return COMET_SUCCESS;
-    void *prev;
-    COMETI_TRY(cometi_context_enter(s->moe->comm, cometi_create_error_buffer(), &prev));
+    /* The caller's memory: nothing on the device, and its layer may be gone already. */
+    cometi_context_t prev = {NULL, 0};
+    if (s->owned) cometi_context_enter(s->ctx, cometi_create_error_buffer(), &prev); /* freed whatever it says */
     comet_status_t st = saved_destroy(s);
-    cometi_context_leave(prev);
+    cometi_context_leave(&prev);
     return st;
 }
 
-/* A saved state over `memory` (NULL: allocated here, freed by destroy). */
-static comet_status_t saved_create(comet_moe_t moe, const comet_moe_saved_config_t *config, void *memory,
-                                   size_t memory_bytes, comet_moe_saved_t *out)
+/* A saved state over `memory` (NULL: allocated here, freed by destroy), the layer's
+ * context current where it allocates. */
+static comet_status_t saved_create_on(comet_moe_t moe, const comet_moe_saved_config_t *config, void *memory,
+                                      size_t memory_bytes, comet_moe_saved_t *out)
 {
     char *cerr = cometi_create_error_buffer();
-    cerr[0] = '\0';
-    if (!out) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_create: out is NULL");
-    *out = NULL;
-    if (!moe) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_create: moe is NULL");
     int64_t bound, cap;
     COMETI_TRY(saved_rows(moe, config, &bound, &cap));
     size_t offset[SAVED_PARTS];
@@ -115,6 +113,7 @@ static comet_status_t saved_create(comet_moe_t moe, const comet_moe_saved_config
     comet_moe_saved_t s = calloc(1, sizeof(*s));
     if (!s) return cometi_fail(cerr, COMET_OUT_OF_MEMORY, "comet_moe_saved_create: out of host memory");
     s->moe = moe;
+    s->ctx = moe->comm->ctx;
     s->max_recv_rows = bound;
     s->cap_rows = cap;
     s->owned = memory == NULL;
@@ -122,10 +121,7 @@ static comet_status_t saved_create(comet_moe_t moe, const comet_moe_saved_config
     if (s->owned) {
         char what[96];
         snprintf(what, sizeof(what), "comet_moe_saved_create: cudaMalloc(%zu bytes)", bytes);
-        void *prev;
-        st = cometi_context_enter(moe->comm, cerr, &prev);
-        if (st == COMET_SUCCESS) st = cometi_cuda(cerr, cudaMalloc(&memory, bytes), what);
-        cometi_context_leave(prev);
+        st = cometi_cuda(cerr, cudaMalloc(&memory, bytes), what);
     }
     s->memory = memory;
     if (st == COMET_SUCCESS) {
@@ -153,6 +149,21 @@ static comet_status_t saved_create(comet_moe_t moe, const comet_moe_saved_config
     }
     *out = s;
     return COMET_SUCCESS;
+}
+
+static comet_status_t saved_create(comet_moe_t moe, const comet_moe_saved_config_t *config, void *memory,
+                                   size_t memory_bytes, comet_moe_saved_t *out)
+{
+    char *cerr = cometi_create_error_buffer();
+    cerr[0] = '\0';
+    if (!out) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_create: out is NULL");
+    *out = NULL;
+    if (!moe) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_create: moe is NULL");
+    cometi_context_t prev = {NULL, 0};
+    if (!memory) COMETI_TRY(cometi_context_enter(moe->comm->ctx, cerr, &prev));
+    const comet_status_t st = saved_create_on(moe, config, memory, memory_bytes, out);
+    cometi_context_leave(&prev);
+    return st;
 }
 
 comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe_saved_config_t *config,
@@ -209,17 +220,15 @@ static comet_status_t forward_train(comet_moe_t moe, const comet_moe_args_t *arg
     struct cometi_baseline *b = NULL;
     if (path == COMETI_SAVED_SEQUENTIAL) COMETI_TRY(cometi_moe_baseline(moe, &b));
     saved->filled = 0;
+    /* Its backward's call id: this forward's number, counted by every rank that goes on to
+     * the collective part (whatever fails after), so the ranks' numbers stay together. */
+    moe->train_calls = moe->train_calls % (COMETI_CALL_TRAIN_FORWARD - 1) + 1; /* 1 .. 2^31 - 1 */
+    saved->call = moe->train_calls;
     comet_status_t st = path == COMETI_SAVED_FUSED ? cometi_fused_forward_train(moe, args, saved, stream)
                                                    : cometi_baseline_forward(moe, b, args, saved, stream);
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward_train");
-    if (st != COMET_SUCCESS) {
-        saved->filled = 0;
-        return st;
-    }
-    /* Its backward's call id: this forward's number, the same on every rank. */
-    moe->train_calls = moe->train_calls % (COMETI_CALL_TRAIN_FORWARD - 1) + 1; /* 1 .. 2^31 - 1 */
-    saved->call = moe->train_calls;
-    return COMET_SUCCESS;
+    if (st != COMET_SUCCESS) saved->filled = 0;
+    return st;
 }
 
 static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backward_args_t *a)
@@ -302,10 +311,10 @@ comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *
 {
     if (!moe) return COMET_INVALID_ARGUMENT;
     moe->err[0] = '\0';
-    void *prev;
-    COMETI_TRY(cometi_context_enter(moe->comm, moe->err, &prev));
+    cometi_context_t prev;
+    COMETI_TRY(cometi_context_enter(moe->comm->ctx, moe->err, &prev));
     comet_status_t st = forward_train(moe, args, saved, stream);
-    cometi_context_leave(prev);
+    cometi_context_leave(&prev);
     return st;
 }
 
@@ -313,9 +322,9 @@ comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args
 {
     if (!moe) return COMET_INVALID_ARGUMENT;
     moe->err[0] = '\0';
-    void *prev;
-    COMETI_TRY(cometi_context_enter(moe->comm, moe->err, &prev));
+    cometi_context_t prev;
+    COMETI_TRY(cometi_context_enter(moe->comm->ctx, moe->err, &prev));
     comet_status_t st = backward(moe, args, stream);
-    cometi_context_leave(prev);
+    cometi_context_leave(&prev);
     return st;
 }

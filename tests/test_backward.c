@@ -589,9 +589,16 @@ static int sequential_other_call_rank(const cometi_rank_ctx_t *ctx, void *arg)
         COMET_OK(comet_moe_forward_train(fx.moe, &a, saved[i], 0), fx.comm);
     }
     b.saved = saved[ctx->rank % 2];
+    const size_t dx_bytes = (size_t)a.num_tokens * fx.cfg.hidden * 2;
+    CUDA_OK(cudaMemset(b.dx, 0xff, dx_bytes)); /* poison: a refused call writes nothing */
     CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_INVALID_ARGUMENT);
     printf("rank %d: %s\n", ctx->rank, comet_moe_last_error(fx.moe));
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "in another call: the backward of training forward");
+    CUDA_OK(cudaDeviceSynchronize());
+    unsigned char *dx = malloc(dx_bytes);
+    CUDA_OK(cudaMemcpy(dx, b.dx, dx_bytes, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < dx_bytes; i++) CHECK_EQ(dx[i], 0xff);
+    free(dx);
     for (int i = 1; i >= 0; i--) { /* the right order: both refused states are still whole */
         b.saved = saved[i];
         COMET_OK(comet_moe_backward(fx.moe, &b, 0), fx.comm);

@@ -349,7 +349,7 @@ typedef struct thread_step {
     comet_impl_t impl;
     int own_context;      /* make and bind a context of the thread's own before the calls */
     comet_status_t st;    /* the first call that failed, or success */
-    int kept_own_context; /* own_context: that context is current again after the calls */
+    int given_back;       /* the thread's context (its own, or none) is current again after the calls */
     char err[160];
 } thread_step_t;
 
@@ -384,10 +384,8 @@ static void *thread_step_main(void *arg)
     if (st == COMET_SUCCESS) st = comet_moe_saved_destroy(t->L->saved);
     t->L->saved = old;
     t->st = st;
-    if (mine) {
-        t->kept_own_context = get(&after) == CUDA_SUCCESS && after == mine;
-        destroy(mine);
-    }
+    t->given_back = get && get(&after) == CUDA_SUCCESS && after == mine;
+    if (mine) destroy(mine);
     return NULL;
 }
 
@@ -423,8 +421,9 @@ static int other_threads_rank(const cometi_rank_ctx_t *ctx, void *arg)
                        own ? "its own context" : "no context", comet_status_string(t.st), t.err);
                 return 1;
             }
-            if (own && !t.kept_own_context) {
-                printf("rank %d: the thread's own context was not current again after comet's calls\n", ctx->rank);
+            if (!t.given_back) {
+                printf("rank %d: after comet's calls the thread's %s was not current again\n", ctx->rank,
+                       own ? "own context" : "lack of a context");
                 return 1;
             }
             if (layer_outputs(&L, there)) return 1;

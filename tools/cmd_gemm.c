@@ -270,7 +270,7 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
         FAIL_IF(failed, "%s: ours: %s", sh->name, r.err);
         if (o->sweep)
             printf("  %-22s block_n %3d group_m %2d %-6s: %6.0f TFLOP/s, diff %.1e\n", sh->name, variants[v][0],
-                   variants[v][1], variants[v][2] == COMETI_EPILOGUE_DIRECT ? "direct" : "tma",
+                   variants[v][1], variants[v][2] == COMETI_EPILOGUE_DIRECT ? "direct" : "auto",
                    flop / (t[v] * 1e-3) / 1e12, d);
     }
     const float best = t[0] < t[1] ? t[0] : t[1];
@@ -409,7 +409,7 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
             if (sweep)
                 printf("  %-22s block_n %3d group_m %2d sms %3d %-6s %-9s %-7s splits %d %-6s: %6.0f TFLOP/s (min "
                        "%.3f, max %.3f ms), diff %.1e\n", sh->name, variants[v][0], variants[v][1], variants[v][2],
-                       variants[v][3] == COMETI_EPILOGUE_DIRECT ? "direct" : "tma",
+                       variants[v][3] == COMETI_EPILOGUE_DIRECT ? "direct" : "auto",
                        variants[v][4] == COMETI_SCHEDULE_PINGPONG ? "ping-pong" : "coop",
                        variants[v][5] ? "dynamic" : "static", variants[v][6] ? variants[v][6] : 1,
                        variants[v][7] ? "no cut" : "cut",
