@@ -310,7 +310,7 @@ COMET_API comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args
  * and costs nothing extra. */
 
 /* What one training forward keeps for its backward: the rows this rank received (x, and
- * the gate and up projections), each of its tokens' expert outputs, and the routing. The
+ * the gate and up projections) and the routing (each choice's expert, weight and place). The
  * caller owns it; a training forward fills it, its backward consumes it (a second
  * backward on it is refused: run a training forward again), the next training forward
  * into it replaces it. */
