@@ -5,8 +5,8 @@
  * and accumulated into fp32; random and skewed routing, odd token counts, a rank with no
  * tokens, top-1 to top-8; the same bits twice; and the refusals (another layer's or an
  * empty saved state, a missing or misaligned buffer, a bound too small); a peer gone. Runs at any world
- * size (one GPU: world 1): each rank rebuilds every rank's inputs from the seed, since an
- * expert's weight gradient sums the rows of every rank routed to it.
+ * size (one GPU: world 1), and at TP 2 on two GPUs: each rank rebuilds every rank's inputs
+ * from the seed, since an expert's weight gradient sums the rows of every rank routed to it.
  *
  * Tolerances: train_util.h derives them from bf16.
  */
@@ -265,15 +265,13 @@ static int backward_case(fixture_t *fx, const bwd_case_t *c, uint64_t seed, come
     return 0;
 }
 
-static int backward_rank(const cometi_rank_ctx_t *ctx, void *arg)
+/* Every case of bwd_cases on the tiny preset changed by `shape`. */
+static int backward_cases_rank(const cometi_rank_ctx_t *ctx, uint64_t seed, const fixture_shape_t *shape)
 {
-    const uint64_t seed = *(const uint64_t *)arg;
     /* One communicator for every case (its id serves one init); the fixture's buffers for
      * top-8, and a layer of each case's top-k made on it. */
     fixture_t fx;
-    /* ffn 192 and hidden 320: every GEMM of the backward ends in a partial column tile. */
-    const fixture_shape_t shape = {192, 320, 8, 0, 0};
-    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    if (fixture_open(&fx, ctx, seed, shape)) return 1;
     for (size_t i = 0; i < sizeof(bwd_cases) / sizeof(bwd_cases[0]); i++) {
         CHECK_EQ(comet_moe_destroy(fx.moe), COMET_SUCCESS);
         fx.cfg.top_k = bwd_cases[i].top_k ? bwd_cases[i].top_k : 2;
@@ -319,7 +317,24 @@ static int backward_rank(const cometi_rank_ctx_t *ctx, void *arg)
     return 0;
 }
 
+static int backward_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    /* ffn 192 and hidden 320: every GEMM of the backward ends in a partial column tile. */
+    const fixture_shape_t shape = {192, 320, 8, 0, 0};
+    return backward_cases_rank(ctx, *(const uint64_t *)arg, &shape);
+}
+
 int test_gpu_backward_matches_reference(void) { return launch_seeded(backward_rank, 280); }
+
+/* TP 2 (two ranks, one EP group): dy goes to both TP ranks of the group, each runs its
+ * ffn / 2 columns, and a token's dx sums both ranks' partial rows. */
+static int backward_tp_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const fixture_shape_t shape = {256, 320, 8, 0, 2}; /* 128 ffn columns a TP rank */
+    return backward_cases_rank(ctx, *(const uint64_t *)arg, &shape);
+}
+
+int test_gpu_backward_tp2_matches_reference(void) { return launch_two_seeded(backward_tp_rank, 280); }
 
 /* Refusals, each before anything is launched, naming what is wrong; and a bound too
  * small refused on every rank before any row moves. */

@@ -126,6 +126,7 @@ uint64_t test_seed(void);
     X(gpu_moe_destroy_missing_peer, 100)        \
     X(gpu_faults, 150)                          \
     X(gpu_backward_matches_reference, 300)      \
+    X(gpu_backward_tp2_matches_reference, 300)  \
     X(gpu_backward_refusals, 120)               \
     X(gpu_resend_x_bound_reported, 60)          \
     X(gpu_training_1000_steps, 300)             \
