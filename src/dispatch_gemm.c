@@ -166,7 +166,6 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     d->plan = cometi_route_tables(&l->route.plan);
     d->num_experts = l->num_experts;
     d->top_k = l->top_k;
-    d->row_div = l->top_k; /* a row per token: x, or the backward's dy */
     d->x2 = x_again;
     d->x2_offset = x_again ? (size_t)((char *)l->x_rows - (char *)l->recv.local) : 0;
     d->hidden = l->hidden;

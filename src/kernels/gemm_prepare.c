@@ -181,9 +181,6 @@ static comet_status_t check_dispatch(char *err, const cometi_gemm_t *g)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: head_pieces = %d: must be 0..%d, and 0 "
                            "with tp %d > 1 (the head goes to this rank alone)", d->rows.head_pieces,
                            COMETI_DISPATCH_HEAD_MAX_PIECES, d->rows.tp);
-    if (d->rows.row_div != d->rows.top_k && d->rows.row_div != 1)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: row_div = %d: must be top_k = %d (a row per "
-                           "token) or 1 (a row per choice)", d->rows.row_div, d->rows.top_k);
     if (d->rows.x2 && ((uintptr_t)d->rows.x2 % 16 || d->rows.x2_offset % 16 || d->rows.wave_blocks))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: x2 = %p, %zu bytes on: both 16-byte "
                            "aligned, and no first wave (it copies x alone)", d->rows.x2, d->rows.x2_offset);
