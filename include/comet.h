@@ -101,9 +101,10 @@ typedef struct comet_comm_config {
  * Collective: every rank of `nccl` calls it. The caller keeps ownership of `nccl`
  * and must keep it alive until comet_comm_destroy(). The current CUDA device must be
  * the one `nccl` was created on. `config` may be NULL for defaults.
- * Errors: COMET_INVALID_ARGUMENT (NULL out, bad config), COMET_NOT_SUPPORTED (NCCL too
- * old, ranks not all reachable by NVLink loads and stores), COMET_NCCL_ERROR,
- * COMET_CUDA_ERROR, COMET_OUT_OF_MEMORY. On failure *out is NULL; the message is
+ * Errors: COMET_INVALID_ARGUMENT (NULL out, bad config), COMET_INVALID_USAGE (the current
+ * device is not the communicator's), COMET_NOT_SUPPORTED (NCCL too old, ranks not all
+ * reachable by NVLink loads and stores), COMET_NCCL_ERROR, COMET_CUDA_ERROR,
+ * COMET_OUT_OF_MEMORY. On failure *out is NULL; the message is
  * available from comet_last_create_error().
  */
 COMET_API comet_status_t comet_comm_create(ncclComm_t nccl, const comet_comm_config_t *config,
@@ -148,8 +149,9 @@ COMET_API const char *comet_last_create_error(void);
  * Errors found by kernels after the launching call had returned: a device-side wait
  * that ran past timeout_ms gives COMET_TIMEOUT and a message naming the wait and the
  * peer; a fused training forward that received more rows than its saved state holds
- * gives COMET_INVALID_ARGUMENT. Both are sticky: every later call on the communicator
- * returns them, and it must be destroyed. An expert id out of range on the fused path is
+ * gives COMET_INVALID_ARGUMENT, as does a fused call whose ranks were in different calls
+ * (the message names the rank and both calls). These are sticky: every later call on the
+ * communicator returns them, and it must be destroyed. An expert id out of range on the fused path is
  * reported once (COMET_INVALID_ARGUMENT; that row was left out) and the communicator
  * stays usable. Does not synchronize; call it after synchronizing the stream to be sure.
  */
@@ -167,7 +169,7 @@ typedef struct comet_moe_config {
     int hidden;      /* H: model hidden size. Multiple of 64. */
     int ffn;         /* F: one expert's FFN size (SwiGLU: W1 is H -> 2F, W2 is F -> H). Multiple of 64. */
     int num_experts; /* E: experts in the whole model. Divisible by ep_size. */
-    int top_k;       /* experts per token, 1..num_experts */
+    int top_k;       /* experts per token, 1..min(num_experts, 32) */
     int max_tokens;  /* the most tokens one rank passes in one forward call */
     int ep_size;     /* expert-parallel ranks; 0: world size / tp_size */
     int tp_size;     /* tensor-parallel ranks inside an expert; 0: 1. Rank r is TP rank r % tp_size
@@ -214,7 +216,7 @@ typedef struct comet_moe *comet_moe_t;
  * come with each call, and between calls its buffers hold nothing a later call reads (a
  * training forward keeps what its backward needs in its own saved state), so a model of
  * many MoE layers of one shape needs one handle, its calls in the model's order on one
- * stream. Errors: COMET_INVALID_ARGUMENT (config), COMET_OUT_OF_MEMORY, COMET_CUDA_ERROR.
+ * stream. Errors: COMET_INVALID_ARGUMENT (config), COMET_OUT_OF_MEMORY.
  */
 COMET_API comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_config_t *config,
                                 comet_moe_t *out);
@@ -277,14 +279,16 @@ typedef struct comet_moe_args {
 /*
  * y = MoE(x), enqueued on `stream`. Collective: every rank calls it, each with its own
  * tokens (num_tokens may differ between ranks) and the same impl. All pointers are
- * device pointers. The fused path never synchronizes the host; its first call allocates
+ * device pointers. After its first call the fused path never synchronizes the host; that call allocates
  * its buffers (collective), as the baseline path's first call allocates its own. After that first call, a fused call can be captured in a CUDA
  * graph and replayed (the token count and pointers are fixed in the graph; the data in
  * them may change between replays; every rank replays alike). The baseline path synchronizes the host with `stream` once
  * per call (to size its NCCL transfers, as Megatron-LM does). Consecutive calls must use
  * the same stream. Errors: COMET_INVALID_ARGUMENT (a field, or an expert id out of
- * range: the message names the token; or, on every rank, ranks in different calls, a
- * training forward or a backward beside this one), COMET_NOT_SUPPORTED (an impl the config does not
+ * range: the message names the token; or, on every rank, ranks on this path in different
+ * calls, a training forward or a backward beside this one: returned by the call on the
+ * sequential path, by comet_comm_get_async_error() on the fused one, whose communicator is
+ * unusable then), COMET_NOT_SUPPORTED (an impl the config does not
  * allow), COMET_TIMEOUT (fused: a peer that stopped calling, reported by this call or
  * comet_comm_get_async_error()), COMET_REMOTE_ERROR (another rank refused the call: its
  * expert id out of range, or a tuning file that differs), COMET_OUT_OF_MEMORY (a path's
@@ -327,9 +331,10 @@ typedef struct comet_moe_saved_config {
      * more here is refused (COMET_INVALID_ARGUMENT on every rank, before any row moves);
      * on the fused path, which never waits for the host, the forward runs and
      * comet_comm_get_async_error() then reports COMET_INVALID_ARGUMENT (the communicator is
-     * unusable after it). Give every rank the same bound: on the fused path a training
-     * forward whose ranks' bounds differ is refused on every rank the same way, with
-     * nothing sent. */
+     * unusable after it). Give every rank the same bound: a training forward whose ranks'
+     * bounds differ is refused on every rank, with nothing sent (by the call on the
+     * sequential path; on the fused path through comet_comm_get_async_error(), the
+     * communicator unusable after it). */
     int64_t max_recv_rows;
 } comet_moe_saved_config_t;
 
@@ -355,8 +360,9 @@ COMET_API comet_status_t comet_moe_saved_create(comet_moe_t moe, const comet_moe
  * neither waits for the device nor frees the memory. */
 COMET_API comet_status_t comet_moe_saved_create_in(comet_moe_t moe, const comet_moe_saved_config_t *config,
                                                    void *memory, size_t bytes, comet_moe_saved_t *out);
-/* NULL is a no-op. Destroy it before its layer. One from comet_moe_saved_create waits for
- * the device and frees its memory. */
+/* NULL is a no-op; it may come after its layer's destroy. One from comet_moe_saved_create
+ * waits for the device and frees its memory. The saved-state calls (bytes, create,
+ * destroy) leave their messages where comet_last_create_error() reads. */
 COMET_API comet_status_t comet_moe_saved_destroy(comet_moe_saved_t saved);
 
 /*
