@@ -558,6 +558,16 @@ int test_gpu_backward_missing_peer_times_out(void) { return launch_two_seeded(ba
 
 /* ---- ranks in the backwards of different forward calls: refused on every rank (two GPUs) ---- */
 
+/* Two training forwards of a's tokens, each into a saved state of its own. */
+static int two_training_forwards(const fixture_t *fx, const comet_moe_args_t *a, comet_moe_saved_t saved[2])
+{
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ(comet_moe_saved_create(fx->moe, NULL, &saved[i]), COMET_SUCCESS);
+        COMET_OK(comet_moe_forward_train(fx->moe, a, saved[i], 0), fx->comm);
+    }
+    return 0;
+}
+
 /* Two training forwards, then rank 0 runs the backward of the first and rank 1 of the
  * second (as with layers run out of order): the route's exchange finds the call ids apart,
  * so every rank gets COMET_INVALID_ARGUMENT naming the other, nothing moves, no hang. */
@@ -571,10 +581,7 @@ static int backward_other_call_rank(const cometi_rank_ctx_t *ctx, void *arg)
     comet_moe_backward_args_t b;
     if (peer_backward_args(&fx, &a, &b)) return 1;
     comet_moe_saved_t saved[2];
-    for (int i = 0; i < 2; i++) {
-        CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved[i]), COMET_SUCCESS);
-        COMET_OK(comet_moe_forward_train(fx.moe, &a, saved[i], 0), fx.comm);
-    }
+    if (two_training_forwards(&fx, &a, saved)) return 1;
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
     b.saved = saved[ctx->rank % 2];
@@ -608,10 +615,7 @@ static int sequential_other_call_rank(const cometi_rank_ctx_t *ctx, void *arg)
     comet_moe_backward_args_t b;
     if (peer_backward_args(&fx, &a, &b)) return 1;
     comet_moe_saved_t saved[2];
-    for (int i = 0; i < 2; i++) {
-        CHECK_EQ(comet_moe_saved_create(fx.moe, NULL, &saved[i]), COMET_SUCCESS);
-        COMET_OK(comet_moe_forward_train(fx.moe, &a, saved[i], 0), fx.comm);
-    }
+    if (two_training_forwards(&fx, &a, saved)) return 1;
     b.saved = saved[ctx->rank % 2];
     const size_t dx_bytes = (size_t)a.num_tokens * fx.cfg.hidden * 2;
     CUDA_OK(cudaMemset(b.dx, 0xff, dx_bytes)); /* poison: a refused call writes nothing */
