@@ -119,8 +119,8 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
                                              const cometi_gemm_t *core, const cometi_dispatch_call_t *kind,
                                              const cometi_dispatch_knobs_t *knobs, cudaStream_t stream)
 {
-    const int row_per_choice = kind && kind->backward;
-    const void *x_again = row_per_choice ? kind->x_again : NULL;
+    const int backward = kind && kind->backward;
+    const void *x_again = backward ? kind->x_again : NULL;
     if (x_again && !l->x_rows)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "x sent again, but the layer has no room for it "
                            "(config.resend_x = 0)");
@@ -147,7 +147,7 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     const int col_tiles = (l->ffn + 127) / 128, gemm_blocks = comm->sm_count - dispatch_blocks;
     int wave = cometi_first_wave_blocks(knobs->first_wave, (int)cometi_param_int(COMETI_PARAM_FIRST_WAVE), l->tp,
                                         comm->sm_count, dispatch_blocks, col_tiles);
-    if (row_per_choice || (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x,
+    if (backward || (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x,
                                                               l->hidden)))
         wave = 0; /* nothing may fail once the side stream has forked; its copy reads a row per token */
     cometi_gemm_t g = *core;
@@ -166,7 +166,6 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     d->plan = cometi_route_tables(&l->route.plan);
     d->num_experts = l->num_experts;
     d->top_k = l->top_k;
-    d->row_div = row_per_choice ? 1 : l->top_k;
     d->x2 = x_again;
     d->x2_offset = x_again ? (size_t)((char *)l->x_rows - (char *)l->recv.local) : 0;
     d->hidden = l->hidden;

@@ -57,8 +57,8 @@ comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_
 
 /* What kind of call a training call is (NULL: an inference forward). */
 typedef struct cometi_dispatch_call {
-    int backward;        /* a->x holds a row per (token, choice), [tokens x top_k][hidden] (no
-                          * first wave) */
+    int backward;        /* a->x is dy, [tokens][hidden], a row per token as x's (no first
+                          * wave) */
     const void *x_again; /* a backward's: NULL, or (config.resend_x) the forward's x,
                           * [tokens][hidden], whose rows go into x_rows beside a->x's */
     unsigned int call;   /* the call's id (internal.h's COMETI_CALL_TRAIN_FORWARD): every rank

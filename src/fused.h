@@ -20,17 +20,16 @@ struct cometi_fused {
     cometi_dispatch_knobs_t k0;
     cometi_combine_knobs_t k1;
     /* The backward's: */
-    void *dy_rows;               /* [max_tokens x top_k][hidden] bf16: each choice's dy, weighted;
-                                  * layer1's output rows (max_recv_rows >= that), free until the
-                                  * backward's dgrad of W13 writes them, after the dispatch read these */
     float *ones;                 /* [max_tokens x top_k]: the weights its route is given (dx sums
                                   * a token's choices unweighted) */
+    cometi_window_t weights;     /* the routing weights in this rank's send order, then their
+                                  * gradients from the experts' ranks (train.h's
+                                  * cometi_weight_windows_t) */
+    float *w_rows, *dw_rows;     /* [max_recv_rows]: each received row's routing weight, and its
+                                  * part of that weight's gradient */
     comet_status_t unusable;     /* not 0: the first call could not make the backward's route
                                   * weights on this rank; every later call is refused (the
                                   * operators stay, to be destroyed with the layer, collectively) */
-    int dswiglu_epilogue;        /* SwiGLU's backward in the dgrad of W2's epilogue (direct stores,
-                                  * [g u] loaded there) instead of a kernel of its own after it: it
-                                  * made that GEMM 1.6x slower on one H200, so 0 (tests run both) */
 };
 
 /* The layer's fused path, created by the first call (collective: picks the knobs,

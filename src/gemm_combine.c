@@ -142,6 +142,18 @@ static comet_status_t push_mark(comet_comm_t comm, const cometi_gemm_combine_t *
     return cometi_cuda(comm->err, cudaEventRecord(l->push_marks[which], stream), "cudaEventRecord(push mark)");
 }
 
+comet_status_t cometi_gemm_combine_row_homes(comet_comm_t comm, cometi_gemm_combine_t *l,
+                                             const cometi_dispatch_gemm_t *l0, const comet_moe_args_t *a,
+                                             cudaStream_t stream)
+{
+    cometi_combine_t c;
+    memset(&c, 0, sizeof(c));
+    combine_tables(comm, l, l0, a, &c);
+    return cometi_launch_push_dest(comm->err, &c, l0->route.plan.local_segs, l0->experts_per_group,
+                                   l0->max_recv_rows, l0->route.plan.recv_rows + comm->rank / l0->tp, l->push_dest,
+                                   stream);
+}
+
 /* Column tiles of layer1's GEMM `g` (a partial last one counts: it stores its rows too). */
 static int gemm_col_tiles(const cometi_gemm_t *g)
 {

@@ -62,6 +62,13 @@ comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combi
                                             const comet_moe_args_t *a, const cometi_gemm_t *core,
                                             const cometi_combine_knobs_t *knobs, cudaStream_t stream);
 
+/* Where each row this rank received in layer0's last route goes home (its source rank and
+ * slot, cometi_launch_push_dest) into l->push_dest, on `stream`: the backward sends each
+ * row's routing-weight gradient there. */
+comet_status_t cometi_gemm_combine_row_homes(comet_comm_t comm, cometi_gemm_combine_t *l,
+                                             const cometi_dispatch_gemm_t *l0, const comet_moe_args_t *a,
+                                             cudaStream_t stream);
+
 /* The GEMM of a call alone (GEMM1 on layer0's activations into `out`, every SM, one
  * split, no roles), as the fused run describes it: benchmarks time it against the fused
  * call. */

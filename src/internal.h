@@ -177,10 +177,8 @@ struct comet_moe_saved {
                                   * where the config resends x (the backward sends it again) */
     void *h;                     /* [cap_rows][2 Fl] bf16: their gate and up projections (the fused
                                   * backward turns them into their gradients in place) */
-    void *back;                  /* [tp][max_tokens x k][H] bf16: each choice's expert output, home
-                                  * (each TP rank's partial); the sequential path's in send order,
-                                  * the fused path's in choice order */
-    int32_t *send_pos;           /* [max_tokens x k] each choice's row in the send order (sequential) */
+    int32_t *send_pos;           /* [max_tokens x k] each choice's place in the send order (-1: an
+                                  * expert id out of range, no row) */
     int32_t *ids;                /* [max_tokens x k] the forward's topk_ids (fused: its route again) */
     float *weights;              /* [max_tokens x k] the forward's topk_weights */
     cometi_segment_t *segs;      /* [E_local] device: this rank's segments */

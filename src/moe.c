@@ -95,10 +95,18 @@ static comet_status_t fused_create(comet_moe_t moe)
         free(f);
         return st;
     }
+    const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k;
     st = cometi_dispatch_gemm_create(moe->comm, &moe->cfg, &f->l0);
     if (st == COMET_SUCCESS) {
         st = cometi_gemm_combine_create(moe->comm, &moe->cfg, &f->l0, &f->l1);
         if (st != COMET_SUCCESS) cometi_dispatch_gemm_destroy(moe->comm, &f->l0);
+    }
+    if (st == COMET_SUCCESS) { /* the backward's routing weights and their gradients, by send place */
+        st = cometi_window_create(moe->comm, choices * (1 + moe->tp) * sizeof(float), &f->weights);
+        if (st != COMET_SUCCESS) {
+            cometi_gemm_combine_destroy(moe->comm, &f->l1);
+            cometi_dispatch_gemm_destroy(moe->comm, &f->l0);
+        }
     }
     if (st != COMET_SUCCESS) {
         snprintf(moe->err, COMETI_ERR_LEN, "fused path: %.480s", moe->comm->err);
@@ -106,10 +114,9 @@ static comet_status_t fused_create(comet_moe_t moe)
         if (st == COMET_NOT_SUPPORTED) moe->fused_unsupported = 1;
         return st;
     }
-    /* The backward's route weights (its dx sums a token's choices unweighted), made here
-     * where every rank allocates alike, so no backward allocates on one rank alone; its dy
-     * rows use layer1's output rows (cometi_fused_backward). */
-    const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k;
+    /* The backward's route weights (its dx sums a token's choices unweighted) and its rows'
+     * routing weights, made here where every rank allocates alike, so no backward allocates
+     * on one rank alone. */
     float *ones = malloc(choices * sizeof(float) + 4);
     st = ones ? COMET_SUCCESS : cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "fused path: out of host memory");
     for (size_t i = 0; ones && i < choices; i++) ones[i] = 1.0f;
@@ -120,12 +127,17 @@ static comet_status_t fused_create(comet_moe_t moe)
         st = cometi_cuda(moe->err, cudaMemcpy(f->ones, ones, choices * sizeof(float), cudaMemcpyHostToDevice),
                          "copy the backward's route weights");
     free(ones);
-    f->dy_rows = f->l1.out;
+    const size_t row_floats = (size_t)f->l0.max_recv_rows * sizeof(float) + 4;
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(moe->err, cudaMalloc((void **)&f->w_rows, row_floats), "cudaMalloc(the rows' weights)");
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(moe->err, cudaMalloc((void **)&f->dw_rows, row_floats),
+                         "cudaMalloc(the rows' weight gradients)");
     /* Published either way: the operators are collective and go with the layer; a failure
      * here leaves the path refusing every call rather than running without its weights. */
     if (st != COMET_SUCCESS) {
-        cudaFree(f->ones);
-        f->ones = NULL;
+        cudaFree(f->ones), cudaFree(f->w_rows), cudaFree(f->dw_rows);
+        f->ones = f->w_rows = f->dw_rows = NULL;
         f->unusable = st;
     }
     moe->fused = f;
@@ -137,7 +149,7 @@ comet_status_t cometi_fused_get(comet_moe_t moe, struct cometi_fused **out)
     if (!moe->fused) COMETI_TRY(fused_create(moe));
     if (moe->fused->unusable)
         return cometi_fail(moe->err, moe->fused->unusable, "fused path: its first call could not allocate the "
-                           "backward's route weights on this rank (%s); destroy the layer",
+                           "backward's routing-weight buffers on this rank (%s); destroy the layer",
                            comet_status_string(moe->fused->unusable));
     *out = moe->fused;
     return COMET_SUCCESS;
@@ -146,7 +158,8 @@ comet_status_t cometi_fused_get(comet_moe_t moe, struct cometi_fused **out)
 static void fused_destroy(comet_moe_t moe)
 {
     if (!moe->fused) return;
-    cudaFree(moe->fused->ones);
+    cudaFree(moe->fused->ones), cudaFree(moe->fused->w_rows), cudaFree(moe->fused->dw_rows);
+    cometi_window_destroy(moe->comm, &moe->fused->weights);
     cometi_gemm_combine_destroy(moe->comm, &moe->fused->l1);
     cometi_dispatch_gemm_destroy(moe->comm, &moe->fused->l0);
     free(moe->fused);

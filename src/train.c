@@ -36,14 +36,14 @@ static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t
 
 /* The saved state's device parts, each starting on a 256-byte boundary of one block. */
 #define SAVED_ALIGN 256
-#define SAVED_PARTS 7
+#define SAVED_PARTS 6
 static size_t saved_layout(comet_moe_t moe, int64_t cap, size_t offset[SAVED_PARTS])
 {
     const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k, H = (size_t)moe->cfg.hidden;
+    /* No expert outputs: d topk_weights is <s, a>, from rows the backward has anyway. */
     const size_t size[SAVED_PARTS] = {
         moe->cfg.resend_x ? 0 : (size_t)cap * H * 2, /* recv: x rows, unless the backward sends x again */
         (size_t)cap * 2 * moe->ffn_local * 2,       /* h: gate and up */
-        choices * moe->tp * H * 2,                  /* back: expert outputs */
         choices * sizeof(int32_t),                  /* send_pos */
         choices * sizeof(int32_t),                  /* ids */
         choices * sizeof(float),                    /* weights */
@@ -128,11 +128,10 @@ static comet_status_t saved_create_on(comet_moe_t moe, const comet_moe_saved_con
         char *m = memory;
         s->recv = moe->cfg.resend_x ? NULL : m + offset[0];
         s->h = m + offset[1];
-        s->back = m + offset[2];
-        s->send_pos = (int32_t *)(m + offset[3]);
-        s->ids = (int32_t *)(m + offset[4]);
-        s->weights = (float *)(m + offset[5]);
-        s->segs = (cometi_segment_t *)(m + offset[6]);
+        s->send_pos = (int32_t *)(m + offset[2]);
+        s->ids = (int32_t *)(m + offset[3]);
+        s->weights = (float *)(m + offset[4]);
+        s->segs = (cometi_segment_t *)(m + offset[5]);
     }
     const int per = moe->experts_per_rank, W = moe->comm->size;
     s->segs_host = malloc(per * sizeof(cometi_segment_t));

@@ -3,20 +3,24 @@
  * backward needs, and the backward is the same two operators again:
  *
  * forward   dispatch -> GEMM0 + SwiGLU, its epilogue keeping [g u]; x rows kept (unless the
- *           config resends x); GEMM1 -> combine by the push (each choice's row home, so its
- *           output is kept per choice).
- * backward  1. at home: each choice's dy weighted (w dy), d topk_weights = <dy, o> beside it;
- *           2. dispatch -> GEMM: those rows to their experts over the forward's routing
- *              (route again from the kept ids, with the forward's call id, which every
- *              rank's must match), into s = (w dy) W2 (B read MN-major);
- *              where the config resends x, x's rows beside them (the forward kept none);
- *           3. SwiGLU's backward in place: [g u] becomes dh = [dg du], s becomes a (a
- *              kernel: in the GEMM's epilogue it cost more, see fused.h); the padding rows
- *              zeroed for the weight gradients;
+ *           config resends x); GEMM1 -> combine as the inference forward's; each choice's
+ *           place in the send order kept.
+ * backward  1. at home: the routing weights into this rank's window, in the send order;
+ *           2. dispatch -> GEMM: dy's rows to their experts over the forward's routing, as
+ *              x went (route again from the kept ids, with the forward's call id, which
+ *              every rank's must match), into s = dy W2 (B read MN-major); where the config
+ *              resends x, x's rows beside them (the forward kept none);
+ *           3. at the experts: each received row's weight w from its source's window;
+ *              SwiGLU's backward in place with d topk_weights' part <s, a> ([g u] becomes
+ *              dh = [dg du] of da = w s, s becomes w a); each row's <s, a> into its
+ *              source's window; the padding rows zeroed for the weight gradients;
  *           4. GEMM -> combine: dx rows = dh W13 (B MN-major) home, each token's choices
- *              summed (the route's weights are 1);
- *           5. the weight gradients, groups along K: dW2 = (w dy)^T a, dW13 = dh^T x.
- * The backward consumes the saved state ([g u] becomes dh).
+ *              summed (the route's weights are 1); once they are home, so are the <s, a>
+ *              (sent before), and d topk_weights sums each choice's TP partials;
+ *           5. the weight gradients, groups along K: dW2 = dy^T (w a), dW13 = dh^T x.
+ * d topk_weights is <s, a> rather than <dy, o>: the forward keeps no expert outputs (a
+ * row of hidden per choice) and needs no pass over them, and the backward's dy goes per
+ * token, unweighted. The backward consumes the saved state ([g u] becomes dh).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,10 +37,6 @@ comet_status_t cometi_fused_train_supported(comet_moe_t moe, const comet_moe_wei
     if (moe->fused_unsupported)
         return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "the fused path does not run this config (see "
                            "comet_moe_forward with COMET_IMPL_FUSED)");
-    if (moe->comm->size > COMETI_PUSH_MAX_RANKS)
-        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "%d ranks: the fused training forward sends each choice's "
-                           "output home from GEMM1's epilogue (the push), which reaches at most %d ranks",
-                           moe->comm->size, COMETI_PUSH_MAX_RANKS);
     if (!w->gate_up)
         return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "weights.gate and weights.up apart: the fused backward "
                            "reads gate_up, [E_local][2F][H] in one tensor");
@@ -88,11 +88,6 @@ static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *
     b.dgrad_down.k = H;
     b.dgrad_down.c = f->l0.act;
     b.dgrad_down.ldc = F;
-    if (f->dswiglu_epilogue) { /* s never leaves the registers: [g u] -> [dg du], C = the activation */
-        b.dgrad_down.dswiglu_gu = sv->h;
-        b.dgrad_down.gu_rows = sv->cap_rows;
-        b.dgrad_down.epilogue = COMETI_EPILOGUE_DIRECT;
-    }
     b.dgrad_gate_up = cometi_gemm_combine_gemm(comm, &f->l1, &f->l0, a);
     b.dgrad_gate_up.a = sv->h; /* dh, once SwiGLU's backward has run */
     b.dgrad_gate_up.a_rows = sv->cap_rows;
@@ -122,9 +117,6 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     cometi_gemm_t core0 = cometi_dispatch_gemm_gemm(comm, l0, a);
     core0.gu = sv->h;
     core0.gu_rows = sv->cap_rows;
-    /* Each choice's output must come home on its own (the push) to be kept per choice. */
-    cometi_combine_knobs_t k1 = f->k1;
-    k1.push = 1, k1.combine_blocks = 0, k1.n_splits = 1, k1.tail = 0;
     /* The route's call id of a training forward: its bound, which every rank must share. */
     const cometi_dispatch_call_t kind = {0, NULL, COMETI_CALL_TRAIN_FORWARD | (unsigned int)(sv->max_recv_rows %
                                                                                              COMETI_CALL_TRAIN_FORWARD)};
@@ -134,14 +126,13 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
                                                             l0->experts_per_group, sv->cap_rows, sv->max_recv_rows,
                                                             plan->seg_rows, comm->size / moe->tp, comm->async_dev,
                                                             comm->sm_count, stream), "launch keep_rows_kernel");
-    if (st == COMET_SUCCESS) st = cometi_gemm_combine_run(comm, &f->l1, l0, a, &k1, stream);
+    if (st == COMET_SUCCESS) st = cometi_gemm_combine_run(comm, &f->l1, l0, a, &f->k1, stream);
     if (st == COMET_SUCCESS)
-        st = cometi_cuda(comm->err, cometi_launch_keep_choices(f->l1.slots.local, sv->back, a->topk_ids, plan->pos,
-                                                               plan->send_offset + (size_t)comm->rank *
-                                                                                       moe->cfg.num_experts,
-                                                               n, moe->cfg.num_experts, moe->tp, H,
-                                                               (size_t)moe->cfg.max_tokens * k * H, comm->sm_count,
-                                                               stream), "launch keep_choices_kernel");
+        st = cometi_cuda(comm->err, cometi_launch_keep_send_pos(a->topk_ids, plan->pos,
+                                                                plan->send_offset + (size_t)comm->rank *
+                                                                                        moe->cfg.num_experts,
+                                                                n, moe->cfg.num_experts, sv->send_pos, stream),
+                         "launch keep_send_pos_kernel");
     if (st == COMET_SUCCESS && n > 0)
         st = cometi_cuda(comm->err, cudaMemcpyAsync(sv->ids, a->topk_ids, (size_t)n * 4, cudaMemcpyDeviceToDevice,
                                                     stream), "keep topk_ids");
@@ -158,13 +149,13 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     return COMET_SUCCESS;
 }
 
-/* The operators' arguments for the backward: rows are the weighted dy per choice, the
+/* The operators' arguments for the backward: rows are dy's, per token as x's were, the
  * route is the forward's ids with weights of 1, and the combine's y is dx. */
 static comet_moe_args_t backward_args(const struct cometi_fused *f, const comet_moe_backward_args_t *ba)
 {
     comet_moe_args_t a = COMET_MOE_ARGS_INIT;
     a.num_tokens = ba->saved->num_tokens;
-    a.x = f->dy_rows;
+    a.x = ba->dy;
     a.topk_ids = ba->saved->ids;
     a.topk_weights = f->ones;
     a.y = ba->dx;
@@ -190,20 +181,34 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     cometi_dispatch_knobs_t k0 = f->k0;
     k0.first_wave = -1;
     sv->filled = 0; /* consumed, whatever happens next */
-    /* 1. */
-    COMETI_TRY(cometi_cuda(moe->err, cometi_launch_scale_permute(ba->dy, sv->weights, NULL, sv->num_tokens * k, k, H,
-                                                                 moe->tp, (size_t)moe->cfg.max_tokens * k * H, sv->back,
-                                                                 f->dy_rows, ba->d_topk_weights, stream),
-                           "launch scale_permute_kernel"));
+    const int n = sv->num_tokens * k;
+    cometi_weight_windows_t win;
+    memset(&win, 0, sizeof(win));
+    for (int r = 0; r < comm->size; r++) win.peer[r] = f->weights.peer[r];
+    win.grads_at = (int64_t)moe->cfg.max_tokens * k;
+    /* 1. Read by the experts' ranks once this rank's rows have come (the dispatch's release). */
+    COMETI_TRY(cometi_cuda(moe->err, cometi_launch_weights_to_send_order(sv->weights, sv->send_pos, n,
+                                                                         (float *)f->weights.local, stream),
+                           "launch weights_to_send_order_kernel"));
     /* 2. */
     const cometi_dispatch_call_t kind = {1, f->l0.x_rows ? ba->x : NULL, sv->call};
     comet_status_t st = cometi_dispatch_gemm_run_core(comm, &f->l0, &a, &g.dgrad_down, &kind, &k0, stream);
     /* 3. */
     const cometi_segment_t *segs = f->l0.route.plan.local_segs;
-    if (st == COMET_SUCCESS && !f->dswiglu_epilogue)
+    if (st == COMET_SUCCESS) st = cometi_gemm_combine_row_homes(comm, &f->l1, &f->l0, &a, stream);
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_pull_weights(&win, f->l1.push_dest, segs, per, sv->cap_rows, moe->tp,
+                                                               f->w_rows, comm->sm_count, stream),
+                         "launch pull_weights_kernel");
+    if (st == COMET_SUCCESS)
         st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, f->l0.act, sv->h, F, segs, per,
-                                                                  (int)sv->cap_rows, sv->cap_rows, stream),
+                                                                  (int)sv->cap_rows, sv->cap_rows, f->w_rows,
+                                                                  f->dw_rows, stream),
                          "launch swiglu_backward_kernel");
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_send_weight_grads(&win, f->l1.push_dest, segs, per, sv->cap_rows,
+                                                                    f->dw_rows, comm->sm_count, stream),
+                         "launch send_weight_grads_kernel");
     cometi_padded_rows_t pad = {{sv->h, f->l0.act, f->l0.recv.local, f->l0.x_rows},
                                 {2 * F * BF16, F * BF16, H * BF16, H * BF16}};
     if (st == COMET_SUCCESS)
@@ -211,6 +216,11 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
                          "launch zero_padding_kernel");
     /* 4. */
     if (st == COMET_SUCCESS) st = cometi_gemm_combine_run_core(comm, &f->l1, &f->l0, &a, &g.dgrad_gate_up, &f->k1, stream);
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_gather_weight_grads((const float *)f->weights.local + win.grads_at,
+                                                                      moe->tp, 1, moe->tp, sv->send_pos, n,
+                                                                      ba->d_topk_weights, stream),
+                         "launch gather_weight_grads_kernel");
     /* 5. */
     if (st == COMET_SUCCESS) st = cometi_gemm_run(comm->err, &g.wgrad_down, stream);
     if (st == COMET_SUCCESS) st = cometi_gemm_run(comm->err, &g.wgrad_gate_up, stream);

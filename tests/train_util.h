@@ -13,9 +13,9 @@
 
 /*
  * The training tests' tolerances, from bf16: every rounding to bf16 errs by at most 2^-9 (0.2%) of the value.
- * The backward's dx passes through six roundings after the forward's three (g and u, the
- * activation, the expert output): the weighted dy rows, s = dy W2, dh, the dx rows, the dx
- * rows home, dx; the weight gradients through three to four. So the norm-wise relative
+ * The backward's dx passes through five roundings after the forward's two (g and u, the
+ * activation): s = dy W2, dh, the dx rows, the dx rows home, dx; d topk_weights = <s, a>
+ * through two (g and u, s); the weight gradients through three to four. So the norm-wise relative
  * error stays under 1e-2 (5 full roundings). Element by element, an output is a sum whose
  * terms can cancel, so its error is bounded by the roundings of its terms, not of itself:
  * each element within 2e-2 of itself (10 roundings) plus 5% of its group's RMS, the size

@@ -2,17 +2,16 @@
  * backward.c - the sequential path's backward, step after step as Megatron-LM runs an
  * unfused expert-parallel layer, over the routing its training forward saved:
  *   0. where the config resends x, x's rows again: permuted and sent as in the forward;
- *   1. each choice's dy row, weighted, to where its x row went; d topk_weights beside it
- *      (dy against the choice's expert output, saved as it came home);
- *   2. the dispatch's all-to-all, the same messages as the forward's;
- *   3. per local expert: s = dy W2 (cuBLAS), SwiGLU's backward (dh = [dg du], and the
- *      activation again), the weight gradients dW2 = dy^T act, dW13 = dh^T x (cuBLAS, K
- *      the expert's rows), and dx rows = dh W13;
- *   4. the return all-to-all, and each token's dx summed over its choices (and TP ranks'
- *      partials) in a fixed order.
+ *   1. each choice's dy row to where its x row went, and its routing weight beside it;
+ *   2. the dispatch's all-to-all, the same messages as the forward's, for both;
+ *   3. per local expert: s = dy W2 (cuBLAS); SwiGLU's backward with d topk_weights' part
+ *      <s, a> (dh = [dg du] of da = w s, and w a); the weight gradients dW2 = dy^T (w a),
+ *      dW13 = dh^T x (cuBLAS, K the expert's rows), and dx rows = dh W13;
+ *   4. the return all-to-all of dx rows and of <s, a>, each token's dx summed over its
+ *      choices (and TP ranks' partials) in a fixed order, and d topk_weights over the TP
+ *      partials: the fused path's arithmetic, so the two give the same bits.
  * The forward's buffers are the workspaces: send (x or dy rows), recv (dy received), act
- * (s, then the activation), h (dh), out (x rows received again, then dx rows), back (dx
- * rows home).
+ * (s, then w a), h (dh), out (x rows received again, then dx rows), back (dx rows home).
  */
 #include <stdio.h>
 #include <string.h>
@@ -56,18 +55,28 @@ static comet_status_t weight_grad(cometi_baseline_t *b, char *err, int m, int n,
 }
 
 /* The dispatch's all-to-all as the forward's messages: send (in send order) -> recv
- * (each expert's segment). */
+ * (each expert's segment), rows of H bf16 and, with w_send, each row's weight beside it
+ * (w_send -> w_recv, one float a row). */
 static comet_status_t dispatch_rows(comet_moe_t moe, const comet_moe_saved_t sv, const void *send, void *recv,
-                                    cudaStream_t stream, const char *what)
+                                    const float *w_send, float *w_recv, cudaStream_t stream, const char *what)
 {
     const int H = moe->cfg.hidden;
+    ncclComm_t nccl = moe->comm->nccl;
     ncclResult_t r = ncclGroupStart();
-    for (int i = 0; i < sv->n_sends && r == ncclSuccess; i++)
+    for (int i = 0; i < sv->n_sends && r == ncclSuccess; i++) {
         r = ncclSend((const char *)send + sv->sends[i].offset * H * BF16, (size_t)sv->sends[i].rows * H, ncclBfloat16,
-                     sv->sends[i].peer, moe->comm->nccl, stream);
-    for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++)
+                     sv->sends[i].peer, nccl, stream);
+        if (w_send && r == ncclSuccess)
+            r = ncclSend(w_send + sv->sends[i].offset, (size_t)sv->sends[i].rows, ncclFloat32, sv->sends[i].peer, nccl,
+                         stream);
+    }
+    for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++) {
         r = ncclRecv((char *)recv + sv->recvs[i].offset * H * BF16, (size_t)sv->recvs[i].rows * H, ncclBfloat16,
-                     sv->recvs[i].peer, moe->comm->nccl, stream);
+                     sv->recvs[i].peer, nccl, stream);
+        if (w_send && r == ncclSuccess)
+            r = ncclRecv(w_recv + sv->recvs[i].offset, (size_t)sv->recvs[i].rows, ncclFloat32, sv->recvs[i].peer, nccl,
+                         stream);
+    }
     const ncclResult_t end = ncclGroupEnd();
     return cometi_nccl(moe->err, r != ncclSuccess ? r : end, what);
 }
@@ -98,15 +107,16 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
     if (!x_rows) {
         COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->x, NULL, NULL, NULL, n, k, H, b->send, sv->send_pos,
                                                           stream), "launch permute_kernel (x again)"));
-        COMETI_TRY(dispatch_rows(moe, sv, b->send, b->out, stream, "backward all-to-all of x again"));
+        COMETI_TRY(dispatch_rows(moe, sv, b->send, b->out, NULL, NULL, stream, "backward all-to-all of x again"));
         x_rows = b->out;
     }
-    /* 1. dy rows, weighted, to their send places; d topk_weights. */
-    COMETI_TRY(cometi_cuda(err, cometi_launch_scale_permute(args->dy, sv->weights, sv->send_pos, n, k, H, tp, stride,
-                                                            sv->back, b->send, args->d_topk_weights, stream),
-                           "launch scale_permute_kernel"));
+    /* 1. dy rows to their send places, the weights beside them. */
+    COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->dy, NULL, NULL, NULL, n, k, H, b->send, sv->send_pos,
+                                                      stream), "launch permute_kernel (dy)"));
+    COMETI_TRY(cometi_cuda(err, cometi_launch_weights_to_send_order(sv->weights, sv->send_pos, n, b->w_send, stream),
+                           "launch weights_to_send_order_kernel"));
     /* 2. Dispatch, as the forward's. */
-    COMETI_TRY(dispatch_rows(moe, sv, b->send, b->recv, stream, "backward dispatch all-to-all"));
+    COMETI_TRY(dispatch_rows(moe, sv, b->send, b->recv, b->w_send, b->w_recv, stream, "backward dispatch all-to-all"));
 
     /* 3. The experts. */
     const comet_moe_weights_t *w = &args->weights;
@@ -118,8 +128,9 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
                         (const char *)w->down + (size_t)le * H * F * BF16, F, (char *)b->act + (size_t)start * F * BF16,
                         F, 0, 0.0f, "cublasGemmEx(s = dy W2)"));
     }
-    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu_backward(sv->h, b->act, b->h, F, sv->segs, per, sv->max_seg_rows, sv->cap_rows,
-                                                              stream), "launch swiglu_backward_kernel"));
+    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu_backward(sv->h, b->act, b->h, F, sv->segs, per, sv->max_seg_rows,
+                                                              sv->cap_rows, b->w_recv, b->dw_recv, stream),
+                           "launch swiglu_backward_kernel"));
     for (int le = 0; le < per; le++) {
         const int rows = sv->segs_host[le].rows, start = sv->segs_host[le].start;
         const char *dh = (const char *)b->h + (size_t)start * 2 * F * BF16;
@@ -127,9 +138,9 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
         const char *act = (const char *)b->act + (size_t)start * F * BF16;
         const char *x = (const char *)x_rows + (size_t)start * H * BF16;
         char *dxr = (char *)b->out + (size_t)start * H * BF16;
-        /* dW2 [H][F] = dy^T act; dW13 [2F][H] = dh^T x. */
+        /* dW2 [H][F] = dy^T (w a); dW13 [2F][H] = dh^T x. */
         COMETI_TRY(weight_grad(b, err, H, F, rows, dyr, H, act, F, (char *)gr->down + (size_t)le * H * F * gsize, fp32,
-                               stream, "cublasGemmEx(dW2 = dy^T act)"));
+                               stream, "cublasGemmEx(dW2 = dy^T (w a))"));
         if (gr->gate_up) {
             COMETI_TRY(weight_grad(b, err, 2 * F, H, rows, dh, 2 * F, x, H,
                                    (char *)gr->gate_up + (size_t)le * 2 * F * H * gsize, fp32, stream,
@@ -157,17 +168,29 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
         }
     }
 
-    /* 4. Home, and each token's choices summed (and the TP ranks' partials). */
+    /* 4. Home, each token's choices summed (and the TP ranks' partials), and d topk_weights. */
+    const size_t choices = (size_t)moe->cfg.max_tokens * k;
     ncclResult_t r = ncclGroupStart();
-    for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++)
+    for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++) {
         r = ncclSend((char *)b->out + sv->recvs[i].offset * H * BF16, (size_t)sv->recvs[i].rows * H, ncclBfloat16,
                      sv->recvs[i].peer, nccl, stream);
-    for (int i = 0; i < sv->n_sends && r == ncclSuccess; i++)
-        r = ncclRecv((char *)b->back + ((size_t)(sv->sends[i].peer % tp) * stride + (size_t)sv->sends[i].offset * H) *
-                                           BF16,
+        if (r == ncclSuccess)
+            r = ncclSend(b->dw_recv + sv->recvs[i].offset, (size_t)sv->recvs[i].rows, ncclFloat32, sv->recvs[i].peer,
+                         nccl, stream);
+    }
+    for (int i = 0; i < sv->n_sends && r == ncclSuccess; i++) {
+        const int c = sv->sends[i].peer % tp;
+        r = ncclRecv((char *)b->back + ((size_t)c * stride + (size_t)sv->sends[i].offset * H) * BF16,
                      (size_t)sv->sends[i].rows * H, ncclBfloat16, sv->sends[i].peer, nccl, stream);
+        if (r == ncclSuccess)
+            r = ncclRecv(b->dw_back + (size_t)c * choices + sv->sends[i].offset, (size_t)sv->sends[i].rows,
+                         ncclFloat32, sv->sends[i].peer, nccl, stream);
+    }
     const ncclResult_t end = ncclGroupEnd();
     COMETI_TRY(cometi_nccl(err, r != ncclSuccess ? r : end, "backward combine all-to-all"));
+    COMETI_TRY(cometi_cuda(err, cometi_launch_gather_weight_grads(b->dw_back, tp, choices, 1, sv->send_pos, n,
+                                                                  args->d_topk_weights, stream),
+                           "launch gather_weight_grads_kernel"));
     return cometi_cuda(err, cometi_launch_combine(b->back, tp, stride, sv->send_pos, NULL, m, k, H, args->dx, stream),
                        "launch combine_kernel (dx)");
 }

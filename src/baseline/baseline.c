@@ -38,7 +38,7 @@ void cometi_baseline_destroy(cometi_baseline_t *b)
     if (!b) return;
     if (b->cublas) cublasDestroy(b->cublas);
     void *dev[] = {b->counts, b->counts_all, b->pos, b->route_scratch, b->send_pos, b->send_base, b->segs,
-                   b->send, b->recv, b->h, b->act, b->out, b->back};
+                   b->send, b->recv, b->h, b->act, b->out, b->back, b->w_send, b->w_recv, b->dw_recv, b->dw_back};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) cudaFree(dev[i]);
     void *host[] = {b->counts_host, b->send_base_host, b->segs_host};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) cudaFreeHost(host[i]);
@@ -70,6 +70,10 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
         {&b->act, 2 * rows_in * F, "SwiGLU output"},
         {&b->out, 2 * rows_in * H, "GEMM1 output"},
         {&b->back, 2 * rows_out * H * tp, "returned rows"},
+        {(void **)&b->w_send, sizeof(float) * rows_out, "weights in the send order"},
+        {(void **)&b->w_recv, sizeof(float) * rows_in, "received rows' weights"},
+        {(void **)&b->dw_recv, sizeof(float) * rows_in, "received rows' weight gradients"},
+        {(void **)&b->dw_back, sizeof(float) * rows_out * tp, "returned weight gradients"},
     };
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) {
         char what[96];
@@ -90,7 +94,7 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
                                                         sizeof(cometi_segment_t) * moe->experts_per_rank),
                                     "baseline: cudaMallocHost(segments)"), fail);
     COMETI_TRY_GOTO(st, cublas_status(err, cublasCreate(&b->cublas), "cublasCreate"), fail);
-    b->io_recv = b->recv, b->io_h = b->h, b->io_back = b->back, b->io_send_pos = b->send_pos;
+    b->io_recv = b->recv, b->io_h = b->h, b->io_send_pos = b->send_pos;
     *out = b;
     return COMET_SUCCESS;
 fail:
@@ -221,7 +225,6 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
 
     b->io_recv = saved && saved->recv ? saved->recv : b->recv; /* none kept where the config resends x */
     b->io_h = saved ? saved->h : b->h;
-    b->io_back = saved ? saved->back : b->back;
     b->io_send_pos = saved ? saved->send_pos : b->send_pos;
     if (saved) saved->filled = 0; /* until this call has enqueued all of its work */
     COMETI_TRY(mark(moe, COMETI_MARK_START, stream));
@@ -311,7 +314,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
         r = ncclSend((char *)b->out + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * H,
                      ncclBfloat16, b->recvs[i].peer, nccl, stream);
     for (int i = 0; i < n_sends && r == ncclSuccess; i++)
-        r = ncclRecv((char *)b->io_back + ((size_t)(b->sends[i].peer % moe->tp) * back_stride +
+        r = ncclRecv((char *)b->back + ((size_t)(b->sends[i].peer % moe->tp) * back_stride +
                                         (size_t)b->sends[i].offset * H) * BF16,
                      (size_t)b->sends[i].rows * H, ncclBfloat16, b->sends[i].peer, nccl, stream);
     end = ncclGroupEnd();
@@ -319,7 +322,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_RETURNED, stream), out);
 
     /* 5. Weighted top-k sum. */
-    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_combine(b->io_back, moe->tp, back_stride, b->io_send_pos,
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_combine(b->back, moe->tp, back_stride, b->io_send_pos,
                                                                args->topk_weights, m, k, H, args->y, stream), "launch combine_kernel"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_END, stream), out);
     if (saved) COMETI_TRY_GOTO(st, save_routing(moe, b, args, saved, n_sends, n_recvs, stream), out);

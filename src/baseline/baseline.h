@@ -44,15 +44,18 @@ typedef struct cometi_baseline {
     cometi_segment_t *segs; /* [E_local] */
     void *send, *recv, *h, *act, *out;
     void *back;           /* [tp][max_tokens * k][hidden]: the rows returned by each TP rank */
+    float *w_send;        /* [max_tokens * k] the backward's routing weights in the send order */
+    float *w_recv, *dw_recv; /* [max_recv_rows] each received row's weight, and its gradient's part */
+    float *dw_back;       /* [tp][max_tokens * k] those parts home, in the send order */
     cometi_a2a_msg_t *sends, *recvs; /* the dispatch's NCCL messages (host) */
     /* pinned host */
     int32_t *counts_host; /* [world][E + 2] */
     int32_t *send_base_host;
     cometi_segment_t *segs_host;
     int max_seg_rows;     /* the last call's largest local segment */
-    /* Where the last forward put its received rows, GEMM0 output, returned rows and send
-     * positions: the buffers above, or a training forward's saved state. */
-    void *io_recv, *io_h, *io_back;
+    /* Where the last forward put its received rows, GEMM0 output and send positions: the
+     * buffers above, or a training forward's saved state. */
+    void *io_recv, *io_h;
     int32_t *io_send_pos;
 } cometi_baseline_t;
 
@@ -92,17 +95,23 @@ cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, const cometi
 cudaError_t cometi_launch_combine(const void *back, int tp, size_t copy_stride, const int32_t *send_pos,
                                   const float *w, int m, int k, int hidden, void *y, cudaStream_t stream);
 
-/* The backward's first step, per (token, choice) i of n: send[send_pos[i]] = w[i] x dy[t]
- * (bf16), and dw[i] = <dy[t], sum over the tp copies of back[c][send_pos[i]]> (fp32).
- * send_pos NULL: place i (choice order; the fused path's). */
-cudaError_t cometi_launch_scale_permute(const void *dy, const float *w, const int32_t *send_pos, int n, int k,
-                                        int hidden, int tp, size_t copy_stride, const void *back, void *send, float *dw,
-                                        cudaStream_t stream);
-/* SwiGLU's backward over the segments: dh [rows][2 ffn] from h [rows][2 ffn] and sa
- * [rows][ffn] (da), and sa overwritten with the activation silu(g) u; rows at or past
- * row_limit (the buffers' rows) are left alone. */
+/* The backward's routing weights: out[send_pos[i]] = w[i] for each (token, choice) i of n
+ * with a row (send_pos -1: none), the weights in the send order. */
+cudaError_t cometi_launch_weights_to_send_order(const float *w, const int32_t *send_pos, int n, float *out,
+                                                cudaStream_t stream);
+/* d topk_weights: dw[i] = sum over c < tp of rows[c x c_stride + send_pos[i] x pos_stride]
+ * (each TP rank's partial <s, a> of the choice's row), fp32, c in order; 0 where send_pos
+ * is -1. */
+cudaError_t cometi_launch_gather_weight_grads(const float *rows, int tp, size_t c_stride, int pos_stride,
+                                              const int32_t *send_pos, int n, float *dw, cudaStream_t stream);
+/* SwiGLU's backward over the segments, with d topk_weights' part: from h [rows][2 ffn] =
+ * [g u], sa [rows][ffn] = s = dy W2 (dy unweighted) and w_rows [rows] (each row's routing
+ * weight): dh [rows][2 ffn] = [dg du] of da = w s, dw_rows[row] = <s, silu(g) u> (fp32),
+ * and sa overwritten with w silu(g) u (what dW2 = dy^T (w a) reads); rows at or past
+ * row_limit (the buffers' rows) are left alone. max_rows: the largest segment's rows. */
 cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int ffn, const cometi_segment_t *segs,
-                                          int num_segs, int max_rows, int64_t row_limit, cudaStream_t stream);
+                                          int num_segs, int max_rows, int64_t row_limit, const float *w_rows,
+                                          float *dw_rows, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

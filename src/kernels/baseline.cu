@@ -120,107 +120,112 @@ extern "C" cudaError_t cometi_launch_combine(const void *back, int tp, size_t co
     return cudaGetLastError();
 }
 
-/* One block per (token, choice) i: dy's row of token t, times the choice's weight, to the
- * choice's place in the send order (where its x row went), and the weight's gradient:
- * dw[i] = <dy[t], sum_c back[c][place]>, the choice's expert output as it came home (each
- * TP rank's partial), in fp32, summed in a fixed order (the same bits every run). */
-#define DW_THREADS 128
-static __global__ void __launch_bounds__(DW_THREADS)
-scale_permute_kernel(const __nv_bfloat16 *dy, const float *w, const int32_t *send_pos, int k, int hidden, int tp,
-                     size_t copy_stride, const __nv_bfloat16 *back, __nv_bfloat16 *send, float *dw)
+/* The routing weights in the send order: out[send_pos[i]] = w[i] (send_pos -1: a choice
+ * with no row, left out). */
+static __global__ void weights_to_send_order_kernel(const float *w, const int32_t *send_pos, int n, float *out)
 {
-    __shared__ float warp_sums[DW_THREADS / 32];
-    const int i = blockIdx.x, t = i / k, place = send_pos ? send_pos[i] : i;
-    const float wi = w[i];
-    float dot = 0.0f;
-    for (int h = threadIdx.x * 8; h < hidden; h += DW_THREADS * 8) {
-        const uint4 d4 = *(const uint4 *)(dy + (size_t)t * hidden + h);
-        const __nv_bfloat162 *d = (const __nv_bfloat162 *)&d4;
-        float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int c = 0; c < tp; c++) {
-            const uint4 b4 = *(const uint4 *)(back + c * copy_stride + (size_t)place * hidden + h);
-            const __nv_bfloat162 *b = (const __nv_bfloat162 *)&b4;
-            for (int q = 0; q < 4; q++) {
-                const float2 f = __bfloat1622float2(b[q]);
-                o[2 * q] += f.x;
-                o[2 * q + 1] += f.y;
-            }
-        }
-        uint4 s4;
-        __nv_bfloat162 *sv = (__nv_bfloat162 *)&s4;
-        for (int q = 0; q < 4; q++) {
-            const float2 f = __bfloat1622float2(d[q]);
-            dot += f.x * o[2 * q] + f.y * o[2 * q + 1];
-            sv[q] = __floats2bfloat162_rn(wi * f.x, wi * f.y);
-        }
-        *(uint4 *)(send + (size_t)place * hidden + h) = s4;
-    }
-    for (int off = 16; off > 0; off /= 2) dot += __shfl_down_sync(0xffffffffu, dot, off);
-    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = dot;
-    __syncthreads();
-    if (threadIdx.x == 0) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        if (send_pos[i] >= 0) out[send_pos[i]] = w[i];
+}
+
+extern "C" cudaError_t cometi_launch_weights_to_send_order(const float *w, const int32_t *send_pos, int n, float *out,
+                                                           cudaStream_t stream)
+{
+    if (n == 0) return cudaSuccess;
+    weights_to_send_order_kernel<<<(n + 255) / 256, 256, 0, stream>>>(w, send_pos, n, out);
+    return cudaGetLastError();
+}
+
+/* d topk_weights[i] = sum over the tp partials c of rows[c c_stride + send_pos[i] pos_stride]
+ * in fp32, c in order (the same bits every run); 0 for a choice with no row. */
+static __global__ void gather_weight_grads_kernel(const float *rows, int tp, size_t c_stride, int pos_stride,
+                                                  const int32_t *send_pos, int n, float *dw)
+{
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         float sum = 0.0f;
-        for (int q = 0; q < DW_THREADS / 32; q++) sum += warp_sums[q];
+        if (send_pos[i] >= 0)
+            for (int c = 0; c < tp; c++) sum += rows[c * c_stride + (size_t)send_pos[i] * pos_stride];
         dw[i] = sum;
     }
 }
 
-extern "C" cudaError_t cometi_launch_scale_permute(const void *dy, const float *w, const int32_t *send_pos, int n,
-                                                   int k, int hidden, int tp, size_t copy_stride, const void *back,
-                                                   void *send, float *dw, cudaStream_t stream)
+extern "C" cudaError_t cometi_launch_gather_weight_grads(const float *rows, int tp, size_t c_stride, int pos_stride,
+                                                         const int32_t *send_pos, int n, float *dw,
+                                                         cudaStream_t stream)
 {
     if (n == 0) return cudaSuccess;
-    scale_permute_kernel<<<n, DW_THREADS, 0, stream>>>((const __nv_bfloat16 *)dy, w, send_pos, k, hidden, tp,
-                                                       copy_stride, (const __nv_bfloat16 *)back,
-                                                       (__nv_bfloat16 *)send, dw);
+    gather_weight_grads_kernel<<<(n + 255) / 256, 256, 0, stream>>>(rows, tp, c_stride, pos_stride, send_pos, n, dw);
     return cudaGetLastError();
 }
 
-/* SwiGLU's backward over the rows of each expert's segment (blockIdx.y the local expert):
- * from h = [g u] (the forward's GEMM0 output) and sa = s (dy W2, already weighted, so da),
- * dh = [da u silu'(g), da silu(g)], and sa is overwritten with a = silu(g) u, which the
- * down projection's weight gradient needs. silu'(g) = sig(g) (1 + g (1 - sig(g))). */
-static __global__ void swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *sa, __nv_bfloat16 *dh, int ffn,
-                                              const cometi_segment_t *segs, long long row_limit)
+/* SwiGLU's backward and the routing weight's gradient, one block per row of each expert's
+ * segment (blockIdx.y the local expert), from h = [g u] (GEMM0's output), sa = s = dy W2
+ * (dy unweighted) and the row's weight w:
+ *   a = silu(g) u,  dw = <s, a> (fp32, this rank's ffn columns; a fixed order: the same
+ *   bits every run),  da = w s,  dh = [da u silu'(g), da silu(g)],
+ * and sa overwritten with w a, so that dW2 = dy^T (w a). silu'(g) = sig(g) (1 + g (1 - sig(g))). */
+#define DSWIGLU_THREADS 256
+static __global__ void __launch_bounds__(DSWIGLU_THREADS)
+swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *sa, __nv_bfloat16 *dh, int ffn,
+                       const cometi_segment_t *segs, long long row_limit, const float *w_rows, float *dw_rows)
 {
+    __shared__ float warp_sums[DSWIGLU_THREADS / 32];
     const cometi_segment_t seg = segs[blockIdx.y];
     const int vecs = ffn / 8; /* 16-byte loads and stores: 8 columns at a time */
     const long long rows = seg.start + (long long)seg.rows <= row_limit ? seg.rows
                            : seg.start < row_limit                   ? row_limit - seg.start
                                                                      : 0;
-    for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < rows * vecs;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const long long row = seg.start + idx / vecs;
-        const int f = (int)(idx % vecs) * 8;
-        const uint4 g4 = *(const uint4 *)(h + row * 2 * ffn + f), u4 = *(const uint4 *)(h + row * 2 * ffn + ffn + f);
-        const uint4 d4 = *(const uint4 *)(sa + row * ffn + f);
-        const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
-                             *da = (const __nv_bfloat162 *)&d4;
-        uint4 dg4, du4, a4;
-        __nv_bfloat162 *dg = (__nv_bfloat162 *)&dg4, *du = (__nv_bfloat162 *)&du4, *a = (__nv_bfloat162 *)&a4;
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const long long row = seg.start + r;
+        const float w = w_rows[row];
+        float dot = 0.0f;
+        for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+            const int f = v * 8;
+            const uint4 g4 = *(const uint4 *)(h + row * 2 * ffn + f), u4 = *(const uint4 *)(h + row * 2 * ffn + ffn + f);
+            const uint4 s4 = *(const uint4 *)(sa + row * ffn + f);
+            const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
+                                 *s = (const __nv_bfloat162 *)&s4;
+            uint4 dg4, du4, a4;
+            __nv_bfloat162 *dg = (__nv_bfloat162 *)&dg4, *du = (__nv_bfloat162 *)&du4, *wa = (__nv_bfloat162 *)&a4;
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const float2 gf = __bfloat1622float2(g[q]), uf = __bfloat1622float2(u[q]), df = __bfloat1622float2(da[q]);
-            const float sx = 1.0f / (1.0f + expf(-gf.x)), sy = 1.0f / (1.0f + expf(-gf.y));
-            const float silu_x = gf.x * sx, silu_y = gf.y * sy;
-            dg[q] = __floats2bfloat162_rn(df.x * uf.x * sx * (1.0f + gf.x * (1.0f - sx)),
-                                          df.y * uf.y * sy * (1.0f + gf.y * (1.0f - sy)));
-            du[q] = __floats2bfloat162_rn(df.x * silu_x, df.y * silu_y);
-            a[q] = __floats2bfloat162_rn(silu_x * uf.x, silu_y * uf.y);
+            for (int q = 0; q < 4; q++) {
+                const float2 gf = __bfloat1622float2(g[q]), uf = __bfloat1622float2(u[q]), sf = __bfloat1622float2(s[q]);
+                const float sx = 1.0f / (1.0f + expf(-gf.x)), sy = 1.0f / (1.0f + expf(-gf.y));
+                const float silu_x = gf.x * sx, silu_y = gf.y * sy, ax = silu_x * uf.x, ay = silu_y * uf.y;
+                const float dax = w * sf.x, day = w * sf.y;
+                dot += sf.x * ax + sf.y * ay;
+                dg[q] = __floats2bfloat162_rn(dax * uf.x * sx * (1.0f + gf.x * (1.0f - sx)),
+                                              day * uf.y * sy * (1.0f + gf.y * (1.0f - sy)));
+                du[q] = __floats2bfloat162_rn(dax * silu_x, day * silu_y);
+                wa[q] = __floats2bfloat162_rn(w * ax, w * ay);
+            }
+            /* Read before written, element by element: h and dh may be one buffer (the fused path's). */
+            *(uint4 *)(dh + row * 2 * ffn + f) = dg4;
+            *(uint4 *)(dh + row * 2 * ffn + ffn + f) = du4;
+            *(uint4 *)(sa + row * ffn + f) = a4;
         }
-        /* Read before written, element by element: h and dh may be one buffer (the fused path's). */
-        *(uint4 *)(dh + row * 2 * ffn + f) = dg4;
-        *(uint4 *)(dh + row * 2 * ffn + ffn + f) = du4;
-        *(uint4 *)(sa + row * ffn + f) = a4;
+        for (int off = 16; off > 0; off /= 2) dot += __shfl_down_sync(0xffffffffu, dot, off);
+        if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = dot;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float sum = 0.0f;
+            for (int q = 0; q < (int)blockDim.x / 32; q++) sum += warp_sums[q];
+            dw_rows[row] = sum;
+        }
+        __syncthreads(); /* warp_sums free for the next row */
     }
 }
 
 extern "C" cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int ffn,
                                                      const cometi_segment_t *segs, int num_segs, int max_rows,
-                                                     int64_t row_limit, cudaStream_t stream)
+                                                     int64_t row_limit, const float *w_rows, float *dw_rows,
+                                                     cudaStream_t stream)
 {
     if (num_segs == 0 || max_rows == 0) return cudaSuccess;
-    swiglu_backward_kernel<<<segments_grid(num_segs, max_rows, ffn / 8), 256, 0, stream>>>(
-        (const __nv_bfloat16 *)h, (__nv_bfloat16 *)sa, (__nv_bfloat16 *)dh, ffn, segs, (long long)row_limit);
+    const int vecs = ffn / 8, threads = vecs >= DSWIGLU_THREADS ? DSWIGLU_THREADS : (vecs + 31) / 32 * 32;
+    const dim3 grid((unsigned int)(max_rows < 1024 ? max_rows : 1024), (unsigned int)num_segs);
+    swiglu_backward_kernel<<<grid, threads, 0, stream>>>((const __nv_bfloat16 *)h, (__nv_bfloat16 *)sa,
+                                                         (__nv_bfloat16 *)dh, ffn, segs, (long long)row_limit, w_rows,
+                                                         dw_rows);
     return cudaGetLastError();
 }

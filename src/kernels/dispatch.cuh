@@ -20,20 +20,14 @@
  * local experts go first, so local tiles can start at once. Workers take pieces
  * round-robin. Two ways to copy a piece (COMETI_DISPATCH_*): */
 
-/* A piece's source: d->x (rows per choice or per token), or d->x2 (per token). */
-typedef struct piece_source {
-    const void *x;
-    int row_div;
-} piece_source_t;
-
-/* Stores: the warp's lanes load and store 16 bytes at a time (row_copy.cuh). */
-static __device__ void copy_piece_stores(const cometi_dispatch_t *d, piece_source_t src, const int32_t *src_of,
-                                         int n_rows, uint4 *out)
+/* Stores: the warp's lanes load and store 16 bytes at a time (row_copy.cuh). A piece's
+ * source, x or x2, holds a row per token: (t, j) reads row t. */
+static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const void *x, const int32_t *src_of, int n_rows,
+                                         uint4 *out)
 {
     const int vecs = d->hidden / 8;
     for (int q = 0; q < n_rows; q++)
-        cometi_warp_copy_row(out + (size_t)q * vecs, (const uint4 *)src.x + (size_t)(src_of[q] / src.row_div) * vecs,
-                             vecs);
+        cometi_warp_copy_row(out + (size_t)q * vecs, (const uint4 *)x + (size_t)(src_of[q] / d->top_k) * vecs, vecs);
     __syncwarp();
 }
 
@@ -60,8 +54,9 @@ typedef struct bulk_ring {
     uint32_t row_bytes;
 } bulk_ring_t;
 
-static __device__ void copy_piece_bulk(bulk_ring_t *ring, piece_source_t from, const int32_t *src_of, int n_rows,
-                                       unsigned char *out, cometi_async_error_t *err, unsigned long long timeout_ns)
+static __device__ void copy_piece_bulk(bulk_ring_t *ring, const void *from, int top_k, const int32_t *src_of,
+                                       int n_rows, unsigned char *out, cometi_async_error_t *err,
+                                       unsigned long long timeout_ns)
 {
     const uint32_t rb = ring->row_bytes;
     const int groups = (n_rows + BULK_GROUP - 1) / BULK_GROUP;
@@ -85,7 +80,7 @@ static __device__ void copy_piece_bulk(bulk_ring_t *ring, piece_source_t from, c
             for (int i = 0; i < BULK_GROUP; i++)
                 if (i < rows)
                     bulk_load(ring->slots + (size_t)(s * BULK_GROUP + i) * rb,
-                              (const unsigned char *)from.x + (size_t)(src[i] / from.row_div) * rb, rb, &ring->full[s]);
+                              (const unsigned char *)from + (size_t)(src[i] / top_k) * rb, rb, &ring->full[s]);
         }
         const int r = g - BULK_LAG_GROUPS;
         if (r >= 0) {
@@ -189,12 +184,12 @@ static __device__ void copy_pieces(const cometi_dispatch_t *d, const int *table,
         const int32_t *src_of = d->src_of + pc.send;
         /* To every TP rank of the group (the same rows, the same place), this rank first;
          * x2's rows too before the count. */
-        const piece_source_t srcs[2] = {{d->x, d->row_div}, {d->x2, d->top_k}};
+        const void *srcs[2] = {d->x, d->x2};
         for (int u = 0; u < d->tp; u++) {
             const int dst = group * d->tp + (me + u) % d->tp;
             for (int which = 0; which < (d->x2 ? 2 : 1); which++) {
                 unsigned char *out = (unsigned char *)d->recv[dst] + (size_t)row * row_bytes + (which ? d->x2_offset : 0);
-                if (ring) copy_piece_bulk(ring, srcs[which], src_of, n_rows, out, err, timeout_ns);
+                if (ring) copy_piece_bulk(ring, srcs[which], d->top_k, src_of, n_rows, out, err, timeout_ns);
                 else copy_piece_stores(d, srcs[which], src_of, n_rows, (uint4 *)out);
             }
             if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / COMETI_BLOCK_M, (unsigned long long)n_rows);
@@ -275,7 +270,7 @@ static __device__ void copy_head(const cometi_dispatch_t *d, int gemm_block, int
         while (j + 1 < head && desc[j + 1].w <= q) j++;
         const int r = q - desc[j].w;
         unsigned char *out = (unsigned char *)d->recv[me] + (size_t)(desc[j].x + r) * row_bytes;
-        const piece_source_t srcs[2] = {{d->x, d->row_div}, {d->x2, d->top_k}};
+        const void *srcs[2] = {d->x, d->x2};
         for (int which = 0; which < (d->x2 ? 2 : 1); which++)
             copy_piece_stores(d, srcs[which], d->src_of + desc[j].z + r, 1,
                               (uint4 *)(out + (which ? d->x2_offset : 0)));

@@ -24,9 +24,8 @@ enum {
 #define COMETI_DISPATCH_HEAD_MAX_PIECES 64
 
 typedef struct cometi_dispatch {
-    const void *x;                  /* [tokens][hidden] bf16, or with row_div 1 a row per choice,
-                                     * [tokens x top_k][hidden] (the backward's weighted dy) */
-    int row_div;                    /* (t, j) index / row_div = x's row: top_k, or 1 */
+    const void *x;                  /* [tokens][hidden] bf16: the forward's x, the backward's dy
+                                     * ((t, j) index / top_k = its row) */
     const void *x2;                 /* NULL, or a second source, [tokens][hidden] bf16 (the backward
                                      * sending x again, config.resend_x): each piece's rows of it go
                                      * x2_offset bytes past the piece's place in the receive buffer,

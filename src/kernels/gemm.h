@@ -151,11 +151,6 @@ typedef struct cometi_gemm {
                                     * rest straight from registers; rows at or past gu_rows are not
                                     * kept. Not with column splits. NULL: not kept */
     int64_t gu_rows;
-    void *dswiglu_gu;              /* the backward's dgrad of W2 (no SwiGLU, no wgrad): SwiGLU's backward
-                                    * in the epilogue. dswiglu_gu [gu_rows][2n] holds the forward's g and
-                                    * u and becomes dg and du in place (rows at or past gu_rows are left
-                                    * alone); C gets the activation silu(g) u, for dW2. The tile (da,
-                                    * weighted) is not stored. Direct epilogue */
     int c_fp32_add;                /* wgrad: C is fp32 and the tile is added to it (gradient
                                     * accumulation); the direct epilogue. A group without rows adds 0 */
     const int32_t *row_index;      /* A row r stored to C row row_index[r] (< 0: dropped), or NULL;

@@ -41,7 +41,6 @@ typedef struct cometi_gemm_args {
     int c_fp32_add;                      /* wgrad: C += the tile, fp32 */
     void *gu;                            /* swiglu: gate and up kept, [gu_rows][2n] bf16, or NULL */
     int gu_tma;                          /* full tiles' gate and up leave by TMA stores (map gu) */
-    void *dswiglu_gu;                    /* the dgrad of W2's epilogue: g, u in; dg, du out; C = act */
     long long gu_rows;
     cometi_async_error_t *err;
     unsigned long long timeout_ns;         /* pipeline waits */

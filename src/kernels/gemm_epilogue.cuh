@@ -38,19 +38,6 @@ static __device__ __forceinline__ uint32_t swizzled_chunk(int j, int r)
  * 2^-11 error turns into 0.5% of silu for x near -3.) */
 static __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
-/* SwiGLU's backward for one element, as the sequential path's kernel computes it (from
- * the fp32 da, where the kernel reads it rounded to bf16): from da (the dgrad of W2,
- * already weighted) and the forward's g and u, dg =
- * da u silu'(g), du = da silu(g), and the activation a = silu(g) u for dW2;
- * silu'(g) = sig(g) (1 + g (1 - sig(g))). */
-static __device__ __forceinline__ void dswiglu(float da, float g, float u, float *dg, float *du, float *a)
-{
-    const float sg = 1.0f / (1.0f + expf(-g)), silu_g = g * sg;
-    *dg = da * u * sg * (1.0f + g * (1.0f - sg));
-    *du = da * silu_g;
-    *a = silu_g * u;
-}
-
 /* A consumer thread's state across its tiles. */
 typedef struct epilogue_state {
     int pending_split;      /* TMA epilogue: the split of this warpgroup's last store, not yet counted */
@@ -232,7 +219,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         }
         return;
     }
-    if (push_whole || (TMA_EPILOGUE && !p.push_dest && !p.row_index && !p.dswiglu_gu && full_tile)) {
+    if (push_whole || (TMA_EPILOGUE && !p.push_dest && !p.row_index && full_tile)) {
         /* Into shared memory as ON/64 swizzled boxes (swizzled_chunk), then one thread
          * stores the boxes asynchronously: to C, or to a push part's owner. */
         unsigned char *stage_c = sc + half * (64 * ON * 2);
@@ -286,27 +273,6 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         if (hi_ok) dst_row[1] = p.row_index[seg.start + row0 + 8];
         ok[0] = ok[0] && dst_row[0] >= 0;
         ok[1] = ok[1] && dst_row[1] >= 0;
-    }
-    if (!SWIGLU && !MAY_BE_EMPTY && p.dswiglu_gu) { /* the backward's dgrad of W2: SwiGLU's backward */
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            if (!ok[h] || dst_row[h] >= p.gu_rows) continue; /* rows past the saved state's */
-            __nv_bfloat16 *gate = (__nv_bfloat16 *)p.dswiglu_gu + dst_row[h] * 2 * p.n + col0, *up = gate + p.n;
-            __nv_bfloat16 *act = (__nv_bfloat16 *)p.c + dst_row[h] * p.ldc + col0;
-#pragma unroll
-            for (int j = 0; j < ON / 8; j++) {
-                if (j >= pairs) continue;
-                const float2 g = __bfloat1622float2(*(const __nv_bfloat162 *)(gate + j * 8));
-                const float2 u = __bfloat1622float2(*(const __nv_bfloat162 *)(up + j * 8));
-                float2 dg, du, a;
-                dswiglu(OUT(j, h, 0), g.x, u.x, &dg.x, &du.x, &a.x);
-                dswiglu(OUT(j, h, 1), g.y, u.y, &dg.y, &du.y, &a.y);
-                *(__nv_bfloat162 *)(gate + j * 8) = __floats2bfloat162_rn(dg.x, dg.y);
-                *(__nv_bfloat162 *)(up + j * 8) = __floats2bfloat162_rn(du.x, du.y);
-                *(__nv_bfloat162 *)(act + j * 8) = __floats2bfloat162_rn(a.x, a.y);
-            }
-        }
-        return;
     }
     if (MAY_BE_EMPTY && p.c_fp32_add) { /* gradient accumulation: C += the tile, fp32 */
 #pragma unroll

@@ -151,11 +151,6 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, int *block_n
     if (g->gu && (!g->swiglu || g->gu_rows <= 0 || (uintptr_t)g->gu % 4 || g->splits))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu: needs swiglu, gu_rows = %lld > 0, a 4-byte "
                            "aligned gu and no column splits", (long long)g->gu_rows);
-    if (g->dswiglu_gu && (g->swiglu || g->wgrad || g->push || g->splits || g->row_index || g->row_scale ||
-                          g->epilogue == COMETI_EPILOGUE_TMA || (uintptr_t)g->dswiglu_gu % 4 || g->gu_rows <= 0))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dswiglu_gu: needs no SwiGLU, weight gradient, push, "
-                           "splits, row index or scale, the direct epilogue, a 4-byte aligned buffer and its rows "
-                           "(gu_rows)");
     if (g->c_fp32_add && (!g->wgrad || g->epilogue == COMETI_EPILOGUE_TMA || (uintptr_t)g->c % 8))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm c_fp32_add: for a weight gradient, with the direct "
                            "epilogue and an 8-byte aligned C");
@@ -164,7 +159,7 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, int *block_n
                            "schedule");
     *block_n_out = block_n;
     *out_n_out = out_n;
-    *tma_epilogue_out = !g->c_fp32_add && !g->dswiglu_gu && (g->epilogue == COMETI_EPILOGUE_TMA ||
+    *tma_epilogue_out = !g->c_fp32_add && (g->epilogue == COMETI_EPILOGUE_TMA ||
                                            (g->epilogue == COMETI_EPILOGUE_AUTO && tma_ok));
     return COMET_SUCCESS;
 }
@@ -186,9 +181,6 @@ static comet_status_t check_dispatch(char *err, const cometi_gemm_t *g)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: head_pieces = %d: must be 0..%d, and 0 "
                            "with tp %d > 1 (the head goes to this rank alone)", d->rows.head_pieces,
                            COMETI_DISPATCH_HEAD_MAX_PIECES, d->rows.tp);
-    if (d->rows.row_div != d->rows.top_k && d->rows.row_div != 1)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: row_div = %d: must be top_k = %d (a row per "
-                           "token) or 1 (a row per choice)", d->rows.row_div, d->rows.top_k);
     if (d->rows.x2 && ((uintptr_t)d->rows.x2 % 16 || d->rows.x2_offset % 16 || d->rows.wave_blocks))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: x2 = %p, %zu bytes on: both 16-byte "
                            "aligned, and no first wave (it copies x alone)", d->rows.x2, d->rows.x2_offset);
@@ -322,7 +314,6 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     args.gu = g->gu;
     args.gu_rows = g->gu_rows;
     args.gu_tma = gu_tma;
-    args.dswiglu_gu = g->dswiglu_gu;
     args.err = g->err;
     args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
     args.timeout_ns = 2 * args.arrival_timeout_ns;

@@ -1,8 +1,9 @@
 /*
  * train.cu - the fused training path's row kernels (train_fused.c): what a training
- * forward keeps of the rows it received and of the rows that came home, and the padding
- * the backward's weight gradients need zeroed. The arithmetic (SwiGLU's backward, dy
- * weighted with the weights' gradient beside it) is the sequential path's (baseline.cu).
+ * forward keeps of the rows it received and of its choices' places, the routing weights
+ * and their gradients between each row's source and its expert's rank, and the padding
+ * the backward's weight gradients need zeroed. The arithmetic (SwiGLU's backward with
+ * the weights' gradient beside it) is the sequential path's (baseline.cu).
  */
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -89,34 +90,73 @@ extern "C" cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int h
     return cudaGetLastError();
 }
 
-/* One warp per (choice, TP rank): the row that came home, from its slot in the send order
- * to its place in choice order; a choice with an expert id out of range has no row (0). */
-static __global__ void keep_choices_kernel(const uint4 *slots, uint4 *back, const int32_t *ids, const int32_t *pos,
-                                           const int32_t *send_offset, int n, int num_experts, int tp, int row_vecs,
-                                           size_t copy_stride)
+static __global__ void keep_send_pos_kernel(const int32_t *ids, const int32_t *pos, const int32_t *send_offset,
+                                            int n, int num_experts, int32_t *send_pos)
 {
-    const int warps = blockDim.x / 32;
-    for (long long w = (long long)blockIdx.x * warps + threadIdx.x / 32; w < (long long)n * tp;
-         w += (long long)gridDim.x * warps) {
-        const int i = (int)(w / tp), c = (int)(w % tp), e = ids[i];
-        uint4 *out = back + c * copy_stride / 8 + (size_t)i * row_vecs;
-        if (e < 0 || e >= num_experts) {
-            for (int v = threadIdx.x % 32; v < row_vecs; v += 32) out[v] = make_uint4(0, 0, 0, 0);
-            continue;
-        }
-        const long long at = (long long)send_offset[e] + pos[i];
-        cometi_warp_copy_row(out, slots + (size_t)(at * tp + c) * row_vecs, row_vecs);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const int e = ids[i];
+        send_pos[i] = e < 0 || e >= num_experts ? -1 : send_offset[e] + pos[i];
     }
 }
 
-extern "C" cudaError_t cometi_launch_keep_choices(const void *slots, void *back, const int32_t *ids,
-                                                  const int32_t *pos, const int32_t *send_offset, int n,
-                                                  int num_experts, int tp, int hidden, size_t copy_stride,
-                                                  int sm_count, cudaStream_t stream)
+extern "C" cudaError_t cometi_launch_keep_send_pos(const int32_t *ids, const int32_t *pos, const int32_t *send_offset,
+                                                   int n, int num_experts, int32_t *send_pos, cudaStream_t stream)
 {
     if (n == 0) return cudaSuccess;
-    keep_choices_kernel<<<sm_count * 4, 256, 0, stream>>>((const uint4 *)slots, (uint4 *)back, ids, pos, send_offset,
-                                                          n, num_experts, tp, hidden / 8, copy_stride);
+    keep_send_pos_kernel<<<(n + 255) / 256, 256, 0, stream>>>(ids, pos, send_offset, n, num_experts, send_pos);
+    return cudaGetLastError();
+}
+
+/* A thread per row of the segments below cap_rows: its source and slot, or {-1, .} for
+ * padding (and rows outside every segment). */
+static __device__ int2 row_home(const int2 *dest, const cometi_segment_t *segs, int groups, long long row)
+{
+    cometi_segment_t s;
+    if (segment_of(segs, groups, row, &s) < 0 || row >= s.start + s.rows) return make_int2(-1, 0);
+    return dest[row];
+}
+
+static __global__ void pull_weights_kernel(cometi_weight_windows_t win, const int2 *dest, const cometi_segment_t *segs,
+                                           int groups, long long cap_rows, int tp, float *w_rows)
+{
+    const long long visit = rows_to_visit(segs, groups, cap_rows);
+    for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < visit;
+         row += (long long)gridDim.x * blockDim.x) {
+        const int2 d = row_home(dest, segs, groups, row);
+        w_rows[row] = d.x < 0 ? 0.0f : win.peer[d.x][d.y / tp];
+    }
+}
+
+extern "C" cudaError_t cometi_launch_pull_weights(const cometi_weight_windows_t *win, const void *dest,
+                                                  const cometi_segment_t *segs, int groups, int64_t cap_rows, int tp,
+                                                  float *w_rows, int sm_count, cudaStream_t stream)
+{
+    if (cap_rows == 0) return cudaSuccess;
+    pull_weights_kernel<<<sm_count, 256, 0, stream>>>(*win, (const int2 *)dest, segs, groups, (long long)cap_rows, tp,
+                                                      w_rows);
+    return cudaGetLastError();
+}
+
+static __global__ void send_weight_grads_kernel(cometi_weight_windows_t win, const int2 *dest,
+                                                const cometi_segment_t *segs, int groups, long long cap_rows,
+                                                const float *dw_rows)
+{
+    const long long visit = rows_to_visit(segs, groups, cap_rows);
+    for (long long row = (long long)blockIdx.x * blockDim.x + threadIdx.x; row < visit;
+         row += (long long)gridDim.x * blockDim.x) {
+        const int2 d = row_home(dest, segs, groups, row);
+        if (d.x >= 0) win.peer[d.x][win.grads_at + d.y] = dw_rows[row];
+    }
+    __threadfence_system(); /* before the dx rows' release, which the owner acquires */
+}
+
+extern "C" cudaError_t cometi_launch_send_weight_grads(const cometi_weight_windows_t *win, const void *dest,
+                                                       const cometi_segment_t *segs, int groups, int64_t cap_rows,
+                                                       const float *dw_rows, int sm_count, cudaStream_t stream)
+{
+    if (cap_rows == 0) return cudaSuccess;
+    send_weight_grads_kernel<<<sm_count, 256, 0, stream>>>(*win, (const int2 *)dest, segs, groups,
+                                                           (long long)cap_rows, dw_rows);
     return cudaGetLastError();
 }
 
