@@ -308,14 +308,14 @@ COMET_API comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args
  * The fused path trains with COMET's two patterns again (dispatch -> GEMM for dy into the
  * dgrad GEMM of W2, GEMM -> combine for the dgrad GEMM of W13 with dx sent home, the weight
  * gradients as grouped GEMMs along K). It needs gate_up in one tensor, and runs wherever
- * the fused forward does; COMET_IMPL_AUTO takes it where it can and the sequential path (NCCL all-to-all +
- * cuBLAS, as Megatron-LM runs an expert-parallel layer unfused) elsewhere. The backward
- * runs the path its forward ran. An inference forward (comet_moe_forward) saves nothing
- * and costs nothing extra. */
+ * the fused forward does; COMET_IMPL_AUTO takes it where it can and the sequential path
+ * (NCCL all-to-all + cuBLAS, as Megatron-LM runs an expert-parallel layer unfused)
+ * elsewhere. The backward runs the path its forward ran. An inference forward
+ * (comet_moe_forward) saves nothing and costs nothing extra. */
 
 /* What one training forward keeps for its backward: the rows this rank received (x, and
- * the gate and up projections) and the routing (each choice's expert, weight and place). The
- * caller owns it; a training forward fills it, its backward consumes it (a second
+ * the gate and up projections) and the routing (each choice's expert, weight and place).
+ * The caller owns it; a training forward fills it, its backward consumes it (a second
  * backward on it is refused: run a training forward again), the next training forward
  * into it replaces it. */
 typedef struct comet_moe_saved *comet_moe_saved_t;
@@ -343,11 +343,12 @@ typedef struct comet_moe_saved_config {
 /*
  * The device memory a saved state of this layer takes: per received row, (hidden + 2 x
  * ffn / tp_size) x 2 bytes (x, gate and up, bf16; 2 x ffn / tp_size x 2 where the config
- * resends x); per token, top_k x 12 bytes (each choice's place in the send order,
- * expert id and weight; no expert outputs: d topk_weights is <dy W2, silu(g) u> at the
- * expert, from rows the backward has anyway); plus, per local expert, one 128-row block of padding and 8 bytes (its rows'
- * place), and at most 2 KB of alignment. Rows are allocated for the bound (max_recv_rows). `config` may be NULL (the
- * worst case). Not collective; allocates nothing.
+ * resends x); per token, top_k x 12 bytes (each choice's place in the send order, expert
+ * id and weight; no expert outputs: d topk_weights is <dy W2, silu(g) u> at the expert,
+ * from rows the backward has anyway); plus, per local expert, one 128-row block of
+ * padding and 8 bytes (its rows' place), and at most 2 KB of alignment. Rows are
+ * allocated for the bound (max_recv_rows). `config` may be NULL (the worst case). Not
+ * collective; allocates nothing.
  */
 COMET_API comet_status_t comet_moe_saved_bytes(comet_moe_t moe, const comet_moe_saved_config_t *config,
                                                size_t *bytes);
