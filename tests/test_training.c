@@ -464,6 +464,71 @@ static int other_threads_rank(const cometi_rank_ctx_t *ctx, void *arg)
 
 int test_gpu_calls_from_other_threads(void) { return launch_seeded(other_threads_rank, 120); }
 
+/* ---- a training step captured in a CUDA graph and replayed ---- */
+
+/* The fused training forward and its backward captured once in a CUDA graph (after an
+ * eager step: no allocation may be captured), then for each of three new sets of x, dy
+ * and weights in the same buffers (the token count and routing fixed in the graph): an
+ * eager step, then the graph replayed; y, dx, d topk_weights and the weight gradients
+ * bit-equal, each output poisoned before each run. */
+static int graph_step_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    const uint64_t seed = *(uint64_t *)arg;
+    fixture_t fx;
+    const fixture_shape_t shape = {256, 320, 0, 0, 0};
+    if (fixture_open(&fx, ctx, seed, &shape)) return 1;
+    const int m = fx.cfg.max_tokens - 2 * ctx->rank - 5, H = fx.cfg.hidden, F = fx.cfg.ffn, per = fx.per;
+    model_layer_t L;
+    if (layer_open(&L, &fx, m, seed + 21, COMETI_ROUTING_SKEWED)) return 1;
+    const size_t total = layer_bytes(&L);
+    unsigned char *eager = malloc(total), *replayed = malloc(total);
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    const comet_moe_args_t a = layer_args(&L, m, COMET_IMPL_FUSED);
+    const comet_moe_backward_args_t b = layer_backward_args(&L, COMET_IMPL_FUSED);
+    COMET_OK(comet_moe_forward_train(fx.moe, &a, L.saved, s), fx.comm);
+    COMET_OK(comet_moe_backward(fx.moe, &b, s), fx.comm);
+    if (layer_outputs(&L, eager)) return 1;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+    comet_status_t st = comet_moe_forward_train(fx.moe, &a, L.saved, s);
+    if (st == COMET_SUCCESS) st = comet_moe_backward(fx.moe, &b, s);
+    CUDA_OK(cudaStreamEndCapture(s, &graph));
+    if (st != COMET_SUCCESS) printf("rank %d, the captured step: %s\n", ctx->rank, comet_moe_last_error(fx.moe));
+    CHECK_EQ(st, COMET_SUCCESS);
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int r = 0; r < 3; r++) {
+        const uint64_t t = seed + 100 * (uint64_t)(r + 1);
+        CUDA_OK(cometi_fill_hash_bf16(L.x, (size_t)m * H, t, (uint64_t)ctx->rank * fx.cfg.max_tokens * H, 1.0f, 0));
+        CUDA_OK(cometi_fill_hash_bf16(L.dy, (size_t)m * H, t + 1, (uint64_t)ctx->rank * fx.cfg.max_tokens * H, 1.0f,
+                                      0));
+        CUDA_OK(cometi_fill_hash_bf16(L.down, (size_t)per * H * F, t + 2, 0, (float)(1.0 / sqrt(F)), 0));
+        COMET_OK(comet_moe_forward_train(fx.moe, &a, L.saved, s), fx.comm);
+        COMET_OK(comet_moe_backward(fx.moe, &b, s), fx.comm);
+        if (layer_outputs(&L, eager)) return 1;
+        CUDA_OK(cudaGraphLaunch(exec, s));
+        CUDA_OK(cudaStreamSynchronize(s));
+        CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
+        if (layer_outputs(&L, replayed)) return 1;
+        if (memcmp(eager, replayed, total)) {
+            printf("rank %d, replay %d: the graph's step differs from the eager one\n", ctx->rank, r);
+            return 1;
+        }
+    }
+    printf("rank %d, %d tokens: 3 replays of a captured training step (forward_train, backward), bit-equal to "
+           "eager steps on new inputs (%zu bytes each)\n", ctx->rank, m, total);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(s);
+    free(eager), free(replayed);
+    if (layer_close(&L)) return 1;
+    fixture_close(&fx);
+    return 0;
+}
+
+int test_gpu_training_graph_replay(void) { return launch_seeded(graph_step_rank, 100); }
+
 /* ---- gpt-oss-120b's shape: hidden = ffn = 2880, off the 256 grid, 128 experts, top-4 ---- */
 
 /* The preset itself at 2048 tokens a rank (weights filled on the device: 128 experts of

@@ -132,6 +132,7 @@ uint64_t test_seed(void);
     X(gpu_training_1000_steps, 300)             \
     X(gpu_layers_share_a_handle, 150)           \
     X(gpu_calls_from_other_threads, 150)        \
+    X(gpu_training_graph_replay, 120)           \
     X(gpu_gpt_oss_shape, 240)                   \
     X(gpu_backward_missing_peer_times_out, 120) \
     X(gpu_backward_of_another_call_refused, 120) \
