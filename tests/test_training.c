@@ -486,9 +486,13 @@ static int graph_step_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     const comet_moe_args_t a = layer_args(&L, m, COMET_IMPL_FUSED);
     const comet_moe_backward_args_t b = layer_backward_args(&L, COMET_IMPL_FUSED);
+    /* s does not wait for the legacy stream, where the fills and poisons run: the device is
+     * idle before each run on s. */
+    CUDA_OK(cudaDeviceSynchronize());
     COMET_OK(comet_moe_forward_train(fx.moe, &a, L.saved, s), fx.comm);
     COMET_OK(comet_moe_backward(fx.moe, &b, s), fx.comm);
     if (layer_outputs(&L, eager)) return 1;
+    CUDA_OK(cudaDeviceSynchronize());
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
@@ -504,9 +508,11 @@ static int graph_step_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CUDA_OK(cometi_fill_hash_bf16(L.dy, (size_t)m * H, t + 1, (uint64_t)ctx->rank * fx.cfg.max_tokens * H, 1.0f,
                                       0));
         CUDA_OK(cometi_fill_hash_bf16(L.down, (size_t)per * H * F, t + 2, 0, (float)(1.0 / sqrt(F)), 0));
+        CUDA_OK(cudaDeviceSynchronize());
         COMET_OK(comet_moe_forward_train(fx.moe, &a, L.saved, s), fx.comm);
         COMET_OK(comet_moe_backward(fx.moe, &b, s), fx.comm);
         if (layer_outputs(&L, eager)) return 1;
+        CUDA_OK(cudaDeviceSynchronize());
         CUDA_OK(cudaGraphLaunch(exec, s));
         CUDA_OK(cudaStreamSynchronize(s));
         CHECK_EQ(comet_comm_get_async_error(fx.comm), COMET_SUCCESS);
