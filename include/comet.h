@@ -430,7 +430,8 @@ typedef struct comet_moe_backward_args {
  * comparison: there every rank's call returns COMET_INVALID_ARGUMENT, the saved state
  * stays filled and the communicator usable. Errors:
  * COMET_INVALID_ARGUMENT (a field; a saved state empty, consumed, of another layer or
- * another path: nothing is launched), COMET_TIMEOUT, COMET_NCCL_ERROR, COMET_CUDA_ERROR.
+ * another path: nothing is launched), COMET_TIMEOUT, COMET_NCCL_ERROR, COMET_CUDA_ERROR,
+ * COMET_OUT_OF_MEMORY (the sequential path: cuBLAS's workspace).
  */
 COMET_API comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args_t *args,
                                             cudaStream_t stream);

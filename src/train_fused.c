@@ -66,7 +66,7 @@ static cometi_gemm_t wgrad_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t 
     return g;
 }
 
-/* The backward's GEMMs: s = (w dy) W2 on the received rows, dx rows = dh W13, and the two
+/* The backward's GEMMs: s = dy W2 on the received rows, dx rows = dh W13, and the two
  * weight gradients. */
 typedef struct backward_gemms {
     cometi_gemm_t dgrad_down, dgrad_gate_up, wgrad_down, wgrad_gate_up;

@@ -215,8 +215,10 @@ class Comm(_Handle):
     def check_async_error(self, synchronize: bool = False) -> None:
         """Raise errors kernels found after the launching call returned: COMET_TIMEOUT
         (a peer that stopped answering; the communicator is unusable then) and, on the
-        fused path, an expert id out of range (CometInvalidArgumentError; reported
-        once). Does not synchronize unless `synchronize`: to be sure, synchronize the
+        fused path, CometInvalidArgumentError for an expert id out of range (reported
+        once), a training forward routing more rows than its saved state's bound, or
+        ranks in different calls (the backwards of different forwards, a forward beside
+        a backward); these two leave the communicator unusable. Does not synchronize unless `synchronize`: to be sure, synchronize the
         stream of the forward calls first."""
         ptr = self._require()
         if synchronize:

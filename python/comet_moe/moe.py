@@ -133,8 +133,8 @@ class Moe(_Handle):
         tp_size > 1 these are this TP rank's slice: rows tp_rank*Fl..(tp_rank+1)*Fl-1 of
         w1 and w3, those columns of w2. out: [M, H] bf16 (allocated when None), the full
         y of this rank's tokens (comet sums the TP ranks' partial results). All on the
-        communicator's device. impl: "auto" (fused where the config allows: top_k <= 8;
-        else the baseline), "baseline" or "fused"; every
+        communicator's device. impl: "auto" (fused where the config allows: top_k <= 8
+        and, with tp_size > 1, at most 32 ranks; else the baseline), "baseline" or "fused"; every
         rank must pass the same. stream: a torch.cuda.Stream or raw cudaStream_t (int);
         default torch.cuda.current_stream(); consecutive calls must use the same stream.
         Returns out.

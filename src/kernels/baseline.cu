@@ -1,8 +1,9 @@
 /*
  * baseline.cu - the small kernels of the sequential baseline path (what Megatron-LM
  * runs around its all-to-alls and expert GEMMs): the permutation of token rows into the
- * send buffer, SwiGLU, and the weighted top-k sum; for the backward, dy's rows permuted
- * and weighted with the routing weights' gradient beside them, and SwiGLU's backward.
+ * send buffer, SwiGLU, and the weighted top-k sum; for the backward, the routing weights
+ * to and from the send order, d topk_weights gathered home, and SwiGLU's backward with
+ * <s, a> beside it.
  * Routing counts come from route.cu, the GEMMs from cuBLAS and the transfers from NCCL
  * (src/baseline/).
  */

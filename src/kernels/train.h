@@ -1,6 +1,8 @@
 /*
- * train.h - the fused training path's row kernels (train.cu): the rows a training
- * forward keeps, and the padding the backward's weight gradients need zeroed.
+ * train.h - the fused training path's row kernels (train.cu): the rows and send places a
+ * training forward keeps, the routing weights and their gradients between each row's
+ * source and its expert's rank (the weight windows), and the padding the backward's weight
+ * gradients need zeroed.
  */
 #ifndef COMET_TRAIN_KERNELS_H
 #define COMET_TRAIN_KERNELS_H
