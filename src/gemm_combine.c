@@ -209,8 +209,11 @@ static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, come
     COMETI_TRY(push_mark(comm, l, 1, stream));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
     COMETI_TRY(push_mark(comm, l, 2, stream));
-    if (between) COMETI_TRY(between->run(between->ctx, stream));
+    /* The sum is enqueued whatever `between` returns: it advances the running totals the
+     * next call's sum waits for (left behind, that sum would read slots before their rows). */
+    const comet_status_t between_st = between ? between->run(between->ctx, stream) : COMET_SUCCESS;
     COMETI_TRY(cometi_launch_push_sum(comm->err, &s, sum_blocks, comm->async_dev, g.timeout_ns, stream));
+    COMETI_TRY(between_st);
     return push_mark(comm, l, 3, stream);
 }
 
@@ -266,11 +269,14 @@ comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combi
     cometi_gemm_prepared_t prepared;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
-    if (between) COMETI_TRY(between->run(between->ctx, stream));
-    if (c->kernel_splits == knobs->n_splits) return COMET_SUCCESS;
-    const int tiles_per_split = gemm_col_tiles(&g) / knobs->n_splits; /* as the GEMM's split_tiles */
-    c->trace = l->trace + (size_t)COMETI_COMBINE_TRACE * comm->sm_count; /* the tail's own rows */
-    return cometi_launch_combine_tail(comm->err, c, l->out, l->hidden, g.segs, g.groups, knobs->n_splits,
-                                      tiles_per_split, l->split_done, knobs->combine_blocks == 0, comm->async_dev,
-                                      g.timeout_ns, stream);
+    /* Here the tail sends rows too (the last split's, or all of them with no combine
+     * blocks): `between` goes after it, since before it no row would be on its way. */
+    if (c->kernel_splits < knobs->n_splits) {
+        const int tiles_per_split = gemm_col_tiles(&g) / knobs->n_splits; /* as the GEMM's split_tiles */
+        c->trace = l->trace + (size_t)COMETI_COMBINE_TRACE * comm->sm_count; /* the tail's own rows */
+        COMETI_TRY(cometi_launch_combine_tail(comm->err, c, l->out, l->hidden, g.segs, g.groups, knobs->n_splits,
+                                              tiles_per_split, l->split_done, knobs->combine_blocks == 0,
+                                              comm->async_dev, g.timeout_ns, stream));
+    }
+    return between ? between->run(between->ctx, stream) : COMET_SUCCESS;
 }

@@ -55,9 +55,10 @@ void cometi_gemm_combine_destroy(comet_comm_t comm, cometi_gemm_combine_t *l);
 comet_status_t cometi_gemm_combine_run(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
                                  const comet_moe_args_t *a, const cometi_combine_knobs_t *knobs, cudaStream_t stream);
 
-/* Work a caller puts between the GEMM and what ends the combine after it (the owner's
- * sum of the push, or the tail): it runs while the peers' rows are still on their way
- * (the backward's weight gradients, which need no communication). */
+/* Work a caller puts beside the combine (the backward's weight gradients, which need no
+ * communication): with the push, between the GEMM and the owner's sum, so it runs while
+ * the peers' rows are still on their way; with combine blocks or the tail, after the
+ * combine's end (the tail sends rows itself: before it, none would be on their way). */
 typedef struct cometi_combine_between {
     comet_status_t (*run)(void *ctx, cudaStream_t stream); /* enqueues on `stream`; an error
                                                             * there leaves the combine unended */
@@ -66,8 +67,8 @@ typedef struct cometi_combine_between {
 
 /* The same with another GEMM whose rows go home (`core`: the segments of layer0's route,
  * n = hidden columns into `out`; the backward's dgrad of W13, its rows summed unweighted
- * when the route was given weights of 1), and `between` (or NULL) enqueued after the
- * GEMM, before the combine's end. */
+ * when the route was given weights of 1), and `between` (or NULL) enqueued as its comment
+ * says; the combine is enqueued whole even when `between` fails. */
 comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
                                             const comet_moe_args_t *a, const cometi_gemm_t *core,
                                             const cometi_combine_knobs_t *knobs,

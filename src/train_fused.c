@@ -17,10 +17,10 @@
  *           4. GEMM -> combine: dx rows = dh W13 (B MN-major) home, each token's choices
  *              summed (the route's weights are 1); once they are home, so are the <s, a>
  *              (sent before), and d topk_weights sums each choice's TP partials;
- *           5. the weight gradients, groups along K: dW2 = dy^T (w a), dW13 = dh^T x,
- *              enqueued between 4's GEMM and its sum at home, so that they compute while
- *              the dx rows of peers are on their way (DESIGN: the work that fills the SMs
- *              while rows are in flight).
+ *           5. the weight gradients, groups along K: dW2 = dy^T (w a), dW13 = dh^T x;
+ *              with the push, enqueued between 4's GEMM and its sum at home, so that they
+ *              compute while the dx rows of peers are on their way (DESIGN: the work that
+ *              fills the SMs while rows are in flight).
  * d topk_weights is <s, a> rather than <dy, o>: the forward keeps no expert outputs (a
  * row of hidden per choice) and needs no pass over them, and the backward's dy goes per
  * token, unweighted. The backward consumes the saved state ([g u] becomes dh).
@@ -167,8 +167,8 @@ static comet_moe_args_t backward_args(const struct cometi_fused *f, const comet_
     return a;
 }
 
-/* The weight gradients, put between the dgrad GEMM of W13 and the sum of its dx rows at
- * home: they need no communication, so they run while the peers' rows are on their way. */
+/* The weight gradients, put beside the combine of the dgrad GEMM of W13 (between it and
+ * the sum at home, with the push): they need no communication. */
 typedef struct weight_grads {
     char *err;
     const cometi_gemm_t *down, *gate_up;
