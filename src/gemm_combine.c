@@ -165,7 +165,8 @@ static int gemm_col_tiles(const cometi_gemm_t *g)
  * owner's sum. */
 static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
                                const comet_moe_args_t *a, const cometi_gemm_t *core,
-                               const cometi_combine_knobs_t *knobs, cudaStream_t stream)
+                               const cometi_combine_knobs_t *knobs, const cometi_combine_between_t *between,
+                               cudaStream_t stream)
 {
     cometi_gemm_t g = *core;
     g.sched = knobs->dynamic_tiles ? l->sched : NULL;
@@ -208,7 +209,11 @@ static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, come
     COMETI_TRY(push_mark(comm, l, 1, stream));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
     COMETI_TRY(push_mark(comm, l, 2, stream));
+    /* The sum is enqueued whatever `between` returns: it advances the running totals the
+     * next call's sum waits for (left behind, that sum would read slots before their rows). */
+    const comet_status_t between_st = between ? between->run(between->ctx, stream) : COMET_SUCCESS;
     COMETI_TRY(cometi_launch_push_sum(comm->err, &s, sum_blocks, comm->async_dev, g.timeout_ns, stream));
+    COMETI_TRY(between_st);
     return push_mark(comm, l, 3, stream);
 }
 
@@ -217,12 +222,13 @@ comet_status_t cometi_gemm_combine_run(comet_comm_t comm, cometi_gemm_combine_t 
                                        cudaStream_t stream)
 {
     const cometi_gemm_t core = cometi_gemm_combine_gemm(comm, l, l0, a);
-    return cometi_gemm_combine_run_core(comm, l, l0, a, &core, knobs, stream);
+    return cometi_gemm_combine_run_core(comm, l, l0, a, &core, knobs, NULL, stream);
 }
 
 comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
                                             const comet_moe_args_t *a, const cometi_gemm_t *core,
-                                            const cometi_combine_knobs_t *knobs, cudaStream_t stream)
+                                            const cometi_combine_knobs_t *knobs,
+                                            const cometi_combine_between_t *between, cudaStream_t stream)
 {
     if (knobs->combine_blocks < 0 || knobs->combine_blocks >= comm->sm_count)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "combine blocks = %d: must be 0..%d (the rest of the "
@@ -239,7 +245,7 @@ comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combi
     if (core->c != l->out || core->n != l->hidden)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "GEMM -> combine: the GEMM must write its %d columns "
                            "into the layer's output rows (the combine reads them there)", l->hidden);
-    if (knobs->push) return run_push(comm, l, l0, a, core, knobs, stream);
+    if (knobs->push) return run_push(comm, l, l0, a, core, knobs, between, stream);
     if (l->tp > 1)
         return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "GEMM -> combine with tp_size = %d: only the push sends partial "
                            "rows home (the combine blocks and the tail pre-sum per rank, which TP does not allow)",
@@ -263,10 +269,14 @@ comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combi
     cometi_gemm_prepared_t prepared;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
     COMETI_TRY(cometi_gemm_launch(comm->err, &prepared, stream));
-    if (c->kernel_splits == knobs->n_splits) return COMET_SUCCESS;
-    const int tiles_per_split = gemm_col_tiles(&g) / knobs->n_splits; /* as the GEMM's split_tiles */
-    c->trace = l->trace + (size_t)COMETI_COMBINE_TRACE * comm->sm_count; /* the tail's own rows */
-    return cometi_launch_combine_tail(comm->err, c, l->out, l->hidden, g.segs, g.groups, knobs->n_splits,
-                                      tiles_per_split, l->split_done, knobs->combine_blocks == 0, comm->async_dev,
-                                      g.timeout_ns, stream);
+    /* Here the tail sends rows too (the last split's, or all of them with no combine
+     * blocks): `between` goes after it, since before it no row would be on its way. */
+    if (c->kernel_splits < knobs->n_splits) {
+        const int tiles_per_split = gemm_col_tiles(&g) / knobs->n_splits; /* as the GEMM's split_tiles */
+        c->trace = l->trace + (size_t)COMETI_COMBINE_TRACE * comm->sm_count; /* the tail's own rows */
+        COMETI_TRY(cometi_launch_combine_tail(comm->err, c, l->out, l->hidden, g.segs, g.groups, knobs->n_splits,
+                                              tiles_per_split, l->split_done, knobs->combine_blocks == 0,
+                                              comm->async_dev, g.timeout_ns, stream));
+    }
+    return between ? between->run(between->ctx, stream) : COMET_SUCCESS;
 }

@@ -55,12 +55,24 @@ void cometi_gemm_combine_destroy(comet_comm_t comm, cometi_gemm_combine_t *l);
 comet_status_t cometi_gemm_combine_run(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
                                  const comet_moe_args_t *a, const cometi_combine_knobs_t *knobs, cudaStream_t stream);
 
+/* Work a caller puts beside the combine (the backward's weight gradients, which need no
+ * communication): with the push, between the GEMM and the owner's sum, so it runs while
+ * the peers' rows are still on their way; with combine blocks or the tail, after the
+ * combine's end (the tail sends rows itself: before it, none would be on their way). */
+typedef struct cometi_combine_between {
+    comet_status_t (*run)(void *ctx, cudaStream_t stream); /* enqueues on `stream`; an error
+                                                            * there leaves the combine unended */
+    void *ctx;
+} cometi_combine_between_t;
+
 /* The same with another GEMM whose rows go home (`core`: the segments of layer0's route,
  * n = hidden columns into `out`; the backward's dgrad of W13, its rows summed unweighted
- * when the route was given weights of 1). */
+ * when the route was given weights of 1), and `between` (or NULL) enqueued as its comment
+ * says; the combine is enqueued whole even when `between` fails. */
 comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
                                             const comet_moe_args_t *a, const cometi_gemm_t *core,
-                                            const cometi_combine_knobs_t *knobs, cudaStream_t stream);
+                                            const cometi_combine_knobs_t *knobs,
+                                            const cometi_combine_between_t *between, cudaStream_t stream);
 
 /* Where each row this rank received in layer0's last route goes home (its source rank and
  * slot, cometi_launch_push_dest) into l->push_dest, on `stream`: the backward sends each

@@ -17,7 +17,10 @@
  *           4. GEMM -> combine: dx rows = dh W13 (B MN-major) home, each token's choices
  *              summed (the route's weights are 1); once they are home, so are the <s, a>
  *              (sent before), and d topk_weights sums each choice's TP partials;
- *           5. the weight gradients, groups along K: dW2 = dy^T (w a), dW13 = dh^T x.
+ *           5. the weight gradients, groups along K: dW2 = dy^T (w a), dW13 = dh^T x;
+ *              with the push, enqueued between 4's GEMM and its sum at home, so that they
+ *              compute while the dx rows of peers are on their way (DESIGN: the work that
+ *              fills the SMs while rows are in flight).
  * d topk_weights is <s, a> rather than <dy, o>: the forward keeps no expert outputs (a
  * row of hidden per choice) and needs no pass over them, and the backward's dy goes per
  * token, unweighted. The backward consumes the saved state ([g u] becomes dh).
@@ -164,6 +167,20 @@ static comet_moe_args_t backward_args(const struct cometi_fused *f, const comet_
     return a;
 }
 
+/* The weight gradients, put beside the combine of the dgrad GEMM of W13 (between it and
+ * the sum at home, with the push): they need no communication. */
+typedef struct weight_grads {
+    char *err;
+    const cometi_gemm_t *down, *gate_up;
+} weight_grads_t;
+
+static comet_status_t run_weight_grads(void *ctx, cudaStream_t stream)
+{
+    const weight_grads_t *w = (const weight_grads_t *)ctx;
+    COMETI_TRY(cometi_gemm_run(w->err, w->down, stream));
+    return cometi_gemm_run(w->err, w->gate_up, stream);
+}
+
 comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_args_t *ba, cudaStream_t stream)
 {
     comet_comm_t comm = moe->comm;
@@ -214,16 +231,16 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     if (st == COMET_SUCCESS)
         st = cometi_cuda(comm->err, cometi_launch_zero_padding(&pad, segs, per, sv->cap_rows, comm->sm_count, stream),
                          "launch zero_padding_kernel");
-    /* 4. */
-    if (st == COMET_SUCCESS) st = cometi_gemm_combine_run_core(comm, &f->l1, &f->l0, &a, &g.dgrad_gate_up, &f->k1, stream);
+    /* 4 and 5. */
+    weight_grads_t wg = {comm->err, &g.wgrad_down, &g.wgrad_gate_up};
+    const cometi_combine_between_t between = {run_weight_grads, &wg};
+    if (st == COMET_SUCCESS)
+        st = cometi_gemm_combine_run_core(comm, &f->l1, &f->l0, &a, &g.dgrad_gate_up, &f->k1, &between, stream);
     if (st == COMET_SUCCESS)
         st = cometi_cuda(comm->err, cometi_launch_gather_weight_grads((const float *)f->weights.local + win.grads_at,
                                                                       moe->tp, 1, moe->tp, sv->send_pos, n,
                                                                       ba->d_topk_weights, stream),
                          "launch gather_weight_grads_kernel");
-    /* 5. */
-    if (st == COMET_SUCCESS) st = cometi_gemm_run(comm->err, &g.wgrad_down, stream);
-    if (st == COMET_SUCCESS) st = cometi_gemm_run(comm->err, &g.wgrad_gate_up, stream);
     if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "%.500s", comm->err);
     return st;
 }
