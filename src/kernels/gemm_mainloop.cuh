@@ -100,30 +100,33 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
                                                     int a_off, int kb0, int kb1, ring_pos_t *pos, uint64_t *hand_over)
 {
     const uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2;
+    /* Descriptors of stage 0 at k16 0, made once: a stage or a k16 step moves only the start
+     * address (bits 0-13, in 16-byte units; no shared-memory address here carries out of
+     * them), so each is an add to the low word. Made per k16 from the pointer, they cost
+     * about 60 of a k-step's 97 instructions. k16 is 32 bytes further along a K-major row,
+     * 16 rows of 128 bytes further in an MN-major tile. */
+    const uint32_t a0 = WGRAD ? smem_desc_mn_lo(sm.a + a_off, 8192) : smem_desc_lo(sm.a + a_off);
+    const uint32_t b0 = WGRAD || B_MN ? smem_desc_mn_lo(sm.b, 8192) : smem_desc_lo(sm.b);
+    const uint32_t a_k16 = (WGRAD ? 2048 : 32) >> 4, b_k16 = (WGRAD || B_MN ? 2048 : 32) >> 4;
     int prev = -1;
     for (int kb = kb0; kb < kb1; kb++) {
         mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
-        const unsigned char *a = sm.a + pos->stage * A_BYTES + a_off, *b = sm.b + pos->stage * B_BYTES;
+        const uint32_t a = a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b = b0 + (uint32_t)pos->stage * (B_BYTES >> 4);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < COMETI_GEMM_BK / 16; kk++) {
             const int accumulate = (kb - kb0) | kk;
-            if (WGRAD) { /* both MN-major: k16 is 16 rows of 128 bytes further in each */
-                if (BN == 256)
-                    cometi_wgmma_m64n256k16_amn_bmn(acc, smem_desc_mn(a + kk * 2048, 8192),
-                                                    smem_desc_mn(b + kk * 2048, 8192), accumulate);
-                else
-                    cometi_wgmma_m64n128k16_amn_bmn(acc, smem_desc_mn(a + kk * 2048, 8192),
-                                                    smem_desc_mn(b + kk * 2048, 8192), accumulate);
-            } else if (B_MN) { /* k16 is 16 rows of 128 bytes further */
-                if (BN == 256)
-                    cometi_wgmma_m64n256k16_bmn(acc, smem_desc(a + kk * 32), smem_desc_mn(b + kk * 2048, 8192), accumulate);
-                else
-                    cometi_wgmma_m64n128k16_bmn(acc, smem_desc(a + kk * 32), smem_desc_mn(b + kk * 2048, 8192), accumulate);
+            const uint64_t da = smem_desc_at(a + kk * a_k16), db = smem_desc_at(b + kk * b_k16);
+            if (WGRAD) { /* both MN-major */
+                if (BN == 256) cometi_wgmma_m64n256k16_amn_bmn(acc, da, db, accumulate);
+                else cometi_wgmma_m64n128k16_amn_bmn(acc, da, db, accumulate);
+            } else if (B_MN) {
+                if (BN == 256) cometi_wgmma_m64n256k16_bmn(acc, da, db, accumulate);
+                else cometi_wgmma_m64n128k16_bmn(acc, da, db, accumulate);
             } else if (BN == 256) {
-                cometi_wgmma_m64n256k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), accumulate);
+                cometi_wgmma_m64n256k16(acc, da, db, accumulate);
             } else {
-                cometi_wgmma_m64n128k16(acc, smem_desc(a + kk * 32), smem_desc(b + kk * 32), accumulate);
+                cometi_wgmma_m64n128k16(acc, da, db, accumulate);
             }
         }
         wgmma_commit();

@@ -250,21 +250,28 @@ static __device__ __forceinline__ void warp_bar_sync(int id) { asm volatile("bar
  * 3-10 the warps'). */
 static __device__ __forceinline__ void consumers_sync(void) { asm volatile("bar.sync 11, 256;" ::: "memory"); }
 
-/* Shared-memory matrix descriptor for a K-major tile with 128-byte swizzle: rows of 128
- * bytes, 8-row groups 1024 bytes apart (SBO), leading offset unused (1). */
-static __device__ __forceinline__ uint64_t smem_desc(const void *p)
+/* Shared-memory matrix descriptors for 128-byte swizzled tiles, as a low word (the start
+ * address in 16-byte units, bits 0-13, and the leading offset, bits 16-29) under a high
+ * word that is the same for every tile here (8-row groups 1024 bytes apart, the SBO, and
+ * the 128-byte swizzle). Moving a descriptor along its tile is an add to the low word: no
+ * shared-memory address (under 228 KB) carries out of its 14 bits. */
+#define COMETI_SMEM_DESC_HI (((uint32_t)(1024 >> 4)) | (1u << 30))
+static __device__ __forceinline__ uint64_t smem_desc_at(uint32_t lo)
 {
-    uint64_t addr = smem_u32(p);
-    return ((addr & 0x3ffff) >> 4) | (1ull << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+    return ((uint64_t)COMETI_SMEM_DESC_HI << 32) | lo;
 }
 
-/* The same for an MN-major tile with 128-byte swizzle: rows of 128 bytes (64 elements of
- * N) along K, 8-row groups 1024 bytes apart (SBO), and each next 64 elements of N in a box
- * of its own, `box_bytes` further (LBO). */
-static __device__ __forceinline__ uint64_t smem_desc_mn(const void *p, uint32_t box_bytes)
+/* The low word for a K-major tile: rows of 128 bytes, leading offset unused (1). */
+static __device__ __forceinline__ uint32_t smem_desc_lo(const void *p)
 {
-    uint64_t addr = smem_u32(p);
-    return ((addr & 0x3ffff) >> 4) | ((uint64_t)(box_bytes >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+    return (smem_u32(p) & 0x3ffff) >> 4 | 1u << 16;
+}
+
+/* The low word for an MN-major tile: rows of 128 bytes (64 elements of N) along K, and each
+ * next 64 elements of N in a box of its own, `box_bytes` further (the leading offset). */
+static __device__ __forceinline__ uint32_t smem_desc_mn_lo(const void *p, uint32_t box_bytes)
+{
+    return (smem_u32(p) & 0x3ffff) >> 4 | (box_bytes >> 4) << 16;
 }
 
 static __device__ __forceinline__ void wgmma_fence(void) { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
