@@ -29,13 +29,13 @@ NVCCFLAGS := -std=c++17 -O3 -g $(ARCH) -Xcompiler -fPIC,-Wall,-fvisibility=hidde
 LDLIBS    := -L$(CUDA_HOME)/lib64 -lcublas -lcudart -L$(NCCL_LIB) -l:libnccl.so.2 \
              -Wl,-rpath,$(NCCL_LIB) -Wl,-rpath,$(CUDA_HOME)/lib64 -lstdc++ -lm -lpthread -ldl -lrt
 
-LIB_SRC     := $(wildcard src/*.c src/baseline/*.c src/kernels/*.c src/kernels/*.cu)
+LIB_SRC     := $(wildcard src/*/*.c src/*/*.cu)
 HARNESS_SRC := $(wildcard harness/*.c harness/*.cu)
 LIB_OBJ     := $(patsubst %,$(BUILD)/%.o,$(basename $(LIB_SRC)))
 HARNESS_OBJ := $(patsubst %,$(BUILD)/%.o,$(basename $(HARNESS_SRC)))
 TOOL_OBJ    := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tools/*.c))
 TEST_OBJ    := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tests/*.c))
-HEADERS     := $(wildcard include/*.h src/*.h src/*/*.h src/kernels/*.cuh harness/*.h tests/*.h tools/*.h)
+HEADERS     := $(wildcard include/*.h src/*/*.h src/*/*.cuh harness/*.h tests/*.h tools/*.h)
 STATIC      := $(BUILD)/libcomet_harness.a $(BUILD)/libcomet.a
 
 all: $(BUILD)/libcomet.a $(BUILD)/libcomet.so $(BUILD)/comet $(BUILD)/comet_tests

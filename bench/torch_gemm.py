@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-PRESETS = {  # name: (experts, top_k, hidden, ffn), as in src/config.c
+PRESETS = {  # name: (experts, top_k, hidden, ffn), as in src/layer/config.c
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "phi-3.5-moe": (16, 2, 4096, 6400),
     "qwen2-57b-a14b": (64, 8, 3584, 2560),

@@ -23,7 +23,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../src/kernels/row_copy.cuh"
+#include "../src/base/row_copy.cuh"
 
 #define CK(x)                                                                                                \
     do {                                                                                                     \

@@ -6,7 +6,7 @@
 #ifndef COMET_HARNESS_DATA_H
 #define COMET_HARNESS_DATA_H
 
-#include "../src/internal.h"
+#include "layer/layer.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -7,7 +7,7 @@
 #include <string.h>
 
 #include "gpu.h"
-#include "../src/kernels/ptx.cuh"
+#include "base/ptx.cuh"
 
 static __global__ void wait_flag_kernel(const unsigned long long *flag, unsigned long long expected,
                                         unsigned long long timeout_ns, cometi_async_error_t *err, int slot)

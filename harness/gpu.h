@@ -6,8 +6,8 @@
 #ifndef COMET_HARNESS_GPU_H
 #define COMET_HARNESS_GPU_H
 
-#include "../src/internal.h"
-#include "../src/gemm_combine.h"
+#include "layer/layer.h"
+#include "patterns/gemm_combine.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -5,7 +5,7 @@
 #ifndef COMET_HARNESS_REFERENCE_H
 #define COMET_HARNESS_REFERENCE_H
 
-#include "../src/plan.h"
+#include "comm/plan.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "timeline.h"
-#include "../src/kernels/gemm.h"
+#include "gemm/gemm.h"
 
 comet_status_t cometi_timeline_summarize(char *err, const unsigned long long *trace, int blocks,
                                          cometi_timeline_t *out)

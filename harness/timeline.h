@@ -1,12 +1,12 @@
 /*
- * timeline.h - where a GEMM kernel's time went, from its tile timeline (kernels/gemm.h,
+ * timeline.h - where a GEMM kernel's time went, from its tile timeline (gemm/gemm.h,
  * `tile_trace`): every block's time from the first block's start to the last block's
  * end, cut into what the block was doing. Plain C, so the CPU tests check it.
  */
 #ifndef COMET_TIMELINE_H
 #define COMET_TIMELINE_H
 
-#include "../src/internal.h"
+#include "layer/layer.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -14,7 +14,7 @@ extern "C" {
 
 /* Means over the blocks that ran, in us. Per block, the parts add up to the span:
  * launch (its start after the first block's), dispatch (a dispatch block's copying, or a
- * GEMM block's share of the head: kernels/dispatch.h, head_pieces),
+ * GEMM block's share of the head: comm/dispatch.h, head_pieces),
  * row waits (its consumers done with the last tile, the next tile's rows not all there
  * yet), tiles (from a tile's rows being ready, or the last tile's end if later, to its
  * epilogue issued: loads, MMAs, epilogue, a ticket's wait), tail (its last tile done,

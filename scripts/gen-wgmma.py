@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes src/kernels/wgmma.cuh: one inline-PTX wrapper per wgmma shape comet uses.
+"""Writes src/gemm/wgmma.cuh: one inline-PTX wrapper per wgmma shape comet uses.
 The operand lists are long and regular, so they are generated, not typed."""
 import sys
 

@@ -14,7 +14,7 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
+#include "layer/layer.h"
 #include "../harness/gpu.h"
 #include "../harness/launch.h"
 #include "testutil.h"

@@ -20,8 +20,8 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
-#include "../src/fused.h"
+#include "layer/layer.h"
+#include "layer/fused.h"
 #include "testutil.h"
 #include "gpu_util.h"
 #include "train_util.h"

@@ -5,7 +5,7 @@
  */
 #define _GNU_SOURCE
 #include "comet.h"
-#include "../src/internal.h"
+#include "layer/layer.h"
 #include "testutil.h"
 
 int test_status_strings(void)

@@ -20,7 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
+#include "layer/layer.h"
 #include "testutil.h"
 #include "gpu_util.h"
 

@@ -13,7 +13,7 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
+#include "layer/layer.h"
 #include "../harness/launch.h"
 #include "testutil.h"
 #include "gpu_util.h"
@@ -61,7 +61,7 @@ static int forward_vs_baseline(const cometi_rank_ctx_t *ctx, uint64_t seed, int 
     /* Two more ffns per rank, each on a second layer over the same communicator (an NCCL
      * unique id serves one communicator only), with weights of its own: 192, a half-full
      * last SwiGLU tile; 2048, a GEMM1 long enough along k (32 steps) for its last wave to
-     * be cut (kernels/gemm.h, tail_ws). */
+     * be cut (gemm/gemm.h, tail_ws). */
     comet_moe_config_t cfg = fx.cfg;
     comet_moe_t moe2;
     comet_moe_args_t a;

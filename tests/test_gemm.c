@@ -11,12 +11,12 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
+#include "layer/layer.h"
 #include "../harness/launch.h"
-#include "../src/plan.h"
-#include "../src/kernels/gemm.h"
-#include "../src/kernels/gemm_args.h"
-#include "../src/kernels/gemm_schedule.h"
+#include "comm/plan.h"
+#include "gemm/gemm.h"
+#include "gemm/args.h"
+#include "gemm/schedule.h"
 #include "../harness/timeline.h"
 #include "testutil.h"
 #include "gpu_util.h"

@@ -10,8 +10,8 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
-#include "../src/kernels/gemm.h"
+#include "layer/layer.h"
+#include "gemm/gemm.h"
 #include "testutil.h"
 #include "gpu_util.h"
 

@@ -8,10 +8,10 @@
 #include <stdlib.h>
 
 #include "comet.h"
-#include "../src/internal.h"
-#include "../src/plan.h"
+#include "layer/layer.h"
+#include "comm/plan.h"
 #include "../harness/timeline.h"
-#include "../src/kernels/gemm.h"
+#include "gemm/gemm.h"
 #include "testutil.h"
 
 /* A tile timeline made by hand: a dispatch block that waits for rows, a GEMM block with

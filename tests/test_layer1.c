@@ -12,10 +12,10 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
+#include "layer/layer.h"
 #include "../harness/launch.h"
-#include "../src/dispatch_gemm.h"
-#include "../src/gemm_combine.h"
+#include "patterns/dispatch_gemm.h"
+#include "patterns/gemm_combine.h"
 #include "testutil.h"
 #include "gpu_util.h"
 

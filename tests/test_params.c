@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "comet.h"
-#include "../src/params.h"
+#include "base/params.h"
 #include "testutil.h"
 
 typedef struct outcome {

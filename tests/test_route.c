@@ -10,11 +10,11 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
+#include "layer/layer.h"
 #include "../harness/launch.h"
-#include "../src/plan.h"
-#include "../src/kernels/gemm.h"
-#include "../src/kernels/route.h"
+#include "comm/plan.h"
+#include "gemm/gemm.h"
+#include "comm/route.h"
 #include "testutil.h"
 #include "gpu_util.h"
 

@@ -9,8 +9,8 @@
 #include <stdlib.h>
 
 #include "comet.h"
-#include "../src/internal.h"
-#include "../src/plan.h"
+#include "layer/layer.h"
+#include "comm/plan.h"
 #include "testutil.h"
 
 int test_bf16_rounding(void)

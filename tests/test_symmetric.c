@@ -9,7 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
+#include "layer/layer.h"
 #include "../harness/launch.h"
 #include "testutil.h"
 #include "gpu_util.h"

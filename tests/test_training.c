@@ -18,8 +18,8 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
-#include "../src/fused.h"
+#include "layer/layer.h"
+#include "layer/fused.h"
 #include "../harness/data.h"
 #include "testutil.h"
 #include "gpu_util.h"

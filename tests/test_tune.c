@@ -10,10 +10,10 @@
 #include <unistd.h>
 
 #include "comet.h"
-#include "../src/internal.h"
-#include "../src/plan.h"
-#include "../src/kernels/gemm.h"
-#include "../src/tune.h"
+#include "layer/layer.h"
+#include "comm/plan.h"
+#include "gemm/gemm.h"
+#include "patterns/tune.h"
 #include "testutil.h"
 
 /* The model's times as tune.h defines them, recomputed here from that definition (not

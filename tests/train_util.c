@@ -4,7 +4,7 @@
 #include <math.h>
 #include <stdio.h>
 
-#include "../src/plan.h"
+#include "comm/plan.h"
 #include "../harness/reference.h"
 #include "train_util.h"
 

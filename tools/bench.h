@@ -12,10 +12,10 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
-#include "../src/dispatch_gemm.h"
-#include "../src/gemm_combine.h"
-#include "../src/tune.h"
+#include "layer/layer.h"
+#include "patterns/dispatch_gemm.h"
+#include "patterns/gemm_combine.h"
+#include "patterns/tune.h"
 #include "tool.h"
 
 #define NSETS 3 /* input sets rotated between calls, so they do not sit in L2 */

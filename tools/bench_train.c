@@ -18,7 +18,7 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/internal.h"
+#include "layer/layer.h"
 #include "bench.h"
 #include "alloc.h"
 #include "tool.h"

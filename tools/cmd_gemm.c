@@ -14,9 +14,10 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
-#include "../src/baseline/baseline.h"
-#include "../src/internal.h"
-#include "../src/kernels/gemm.h"
+#include "baseline/baseline.h"
+#include "pointwise/pointwise.h"
+#include "layer/layer.h"
+#include "gemm/gemm.h"
 #include "alloc.h"
 #include "tool.h"
 

@@ -31,7 +31,7 @@
 #include <unistd.h>
 
 #include "comet.h"
-#include "../src/internal.h"
+#include "layer/layer.h"
 #include "tool.h"
 
 #define STR_(x) #x

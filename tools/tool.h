@@ -12,7 +12,7 @@
 #include "../harness/gpu.h"
 #include "../harness/launch.h"
 #include "../harness/reference.h"
-#include "../src/plan.h"
+#include "comm/plan.h"
 
 #define TOOL_MAX_PRESETS 8
 

@@ -47,7 +47,7 @@ def _records_grad(*tensors) -> bool:
 
 
 def _rank_layout(config, world: int, rank: int) -> dict:
-    """Where `rank` of `world` sits, as comet_moe_create resolves it (src/moe.c): tp_size
+    """Where `rank` of `world` sits, as comet_moe_create resolves it (src/layer/moe.c): tp_size
     (0 read as 1), ep_size (0: world // tp_size), ep_rank = rank // tp_size (its EP group),
     tp_rank = rank % tp_size, experts_per_rank = num_experts // ep_size, first_expert =
     ep_rank * experts_per_rank and ffn_local = ffn // tp_size."""
@@ -101,7 +101,7 @@ class Moe(_Handle):
         self._lib = lib
         self._box = _Box(handle.value)
         comm._moe_boxes.append(self._box)
-        # As comet_moe_create resolves them (src/moe.c).
+        # As comet_moe_create resolves them (src/layer/moe.c).
         layout = _rank_layout(self.config, comm.size, comm.rank)
         self.tp_size = layout["tp_size"]
         self.tp_rank = layout["tp_rank"]

@@ -18,7 +18,11 @@
 
 #include <cublas_v2.h>
 
-#include "baseline.h"
+#include "baseline/baseline.h"
+#include "baseline/rows.h"
+#include "comm/route.h"
+#include "layer/layer.h"
+#include "pointwise/pointwise.h"
 
 #define BF16 2
 

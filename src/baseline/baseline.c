@@ -14,7 +14,11 @@
 
 #include <cublas_v2.h>
 
-#include "baseline.h"
+#include "baseline/baseline.h"
+#include "baseline/rows.h"
+#include "comm/route.h"
+#include "layer/layer.h"
+#include "pointwise/pointwise.h"
 
 /* A rank's message in the count exchange: its rows per expert, its first bad id's index
  * (or -1), its call id. */
@@ -115,7 +119,7 @@ comet_status_t cometi_cublas_rows(cublasHandle_t h, char *err, int rows, int n, 
 
 /* The count exchange, the host's one sync per call: every rank's message (b->counts, E + 2
  * words; the caller wrote the counts and the bad id's index) into b->counts_host, this
- * rank's call id (internal.h's COMETI_CALL_*) added here. Forwards and backwards alike
+ * rank's call id (types.h's COMETI_CALL_*) added here. Forwards and backwards alike
  * make it first, so ranks in different calls meet in the same collective, see it, and
  * all refuse (COMET_INVALID_ARGUMENT) before anything is sent. */
 comet_status_t cometi_baseline_exchange(comet_moe_t moe, cometi_baseline_t *b, unsigned int call, cudaStream_t stream)

@@ -9,9 +9,8 @@
 
 #include <stdint.h>
 #include <cublas_v2.h>
-#include "../internal.h"
-#include "../kernels/gemm.h"
-#include "../kernels/route.h"
+#include "base/host.h"
+#include "comm/plan.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -82,36 +81,6 @@ comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, co
  * handle's stream: what the baseline runs per expert. */
 comet_status_t cometi_cublas_rows(cublasHandle_t h, char *err, int rows, int n, int k, const void *a, const void *w,
                                   void *c, int ldc);
-
-/* ---- kernels (baseline.cu) ---- */
-/* Each (token, choice) row of x to its send place, send_base[id] + pos (recorded in
- * send_pos); ids NULL: to the place send_pos holds. */
-cudaError_t cometi_launch_permute(const void *x, const int32_t *ids, const int32_t *pos, const int32_t *send_base,
-                                  int n, int k, int hidden, void *send, int32_t *send_pos, cudaStream_t stream);
-cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, const cometi_segment_t *segs, int num_segs,
-                                 int max_rows, cudaStream_t stream);
-/* y[t] = sum_j w[t][j] * sum_c back[c][send_pos[t][j]] over the tp copies c (each TP rank's
- * partial rows, copy_stride elements apart), fp32, in order; w NULL weighs each choice 1. */
-cudaError_t cometi_launch_combine(const void *back, int tp, size_t copy_stride, const int32_t *send_pos,
-                                  const float *w, int m, int k, int hidden, void *y, cudaStream_t stream);
-
-/* The backward's routing weights: out[send_pos[i]] = w[i] for each (token, choice) i of n
- * with a row (send_pos -1: none), the weights in the send order. */
-cudaError_t cometi_launch_weights_to_send_order(const float *w, const int32_t *send_pos, int n, float *out,
-                                                cudaStream_t stream);
-/* d topk_weights: dw[i] = sum over c < tp of rows[c x c_stride + send_pos[i] x pos_stride]
- * (each TP rank's partial <s, a> of the choice's row), fp32, c in order; 0 where send_pos
- * is -1. */
-cudaError_t cometi_launch_gather_weight_grads(const float *rows, int tp, size_t c_stride, int pos_stride,
-                                              const int32_t *send_pos, int n, float *dw, cudaStream_t stream);
-/* SwiGLU's backward over the segments, with d topk_weights' part: from h [rows][2 ffn] =
- * [g u], sa [rows][ffn] = s = dy W2 (dy unweighted) and w_rows [rows] (each row's routing
- * weight): dh [rows][2 ffn] = [dg du] of da = w s, dw_rows[row] = <s, silu(g) u> (fp32),
- * and sa overwritten with w silu(g) u (what dW2 = dy^T (w a) reads); rows at or past
- * row_limit (the buffers' rows) are left alone. max_rows: the largest segment's rows. */
-cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int ffn, const cometi_segment_t *segs,
-                                          int num_segs, int max_rows, int64_t row_limit, const float *w_rows,
-                                          float *dw_rows, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

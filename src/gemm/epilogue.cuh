@@ -1,0 +1,335 @@
+/*
+ * epilogue.cuh - what a consumer warpgroup does with its 64 x BN accumulators once a
+ * unit's MMAs are done: a part of a tile cut along k hands its fp32 partials to the last
+ * part (which adds them in part order); then the tile's rows, after SwiGLU (gate and up
+ * columns of one expert meet in one 128 x 256 tile, so GEMM0's output is the activation
+ * itself) and a per-row scale, leave one of three ways:
+ *   the push      straight to their token owners' slots (the push role);
+ *   a TMA store   staged in swizzled shared memory, one thread stores asynchronously;
+ *   registers     straight to global memory (partial tiles, a row index).
+ * With column splits, every stored row is counted in its split's split_done.
+ */
+#ifndef COMET_GEMM_EPILOGUE_CUH
+#define COMET_GEMM_EPILOGUE_CUH
+
+#include <cuda_bf16.h>
+
+#include "gemm/args.h"
+#include "gemm/schedule.cuh"
+#include "base/ptx.cuh"
+
+/* The epilogue's staging in shared memory for 128 rows of `on` columns: the TMA store's
+ * swizzled boxes (C's, or the push's whole parts), 64 rows per consumer warpgroup. */
+static __host__ __device__ constexpr uint32_t c_stage_bytes(int on) { return COMETI_GEMM_BM * on * 2; }
+
+/* Where 16-byte chunk j (8 columns) of staged row r goes among the TMA store's boxes of 64
+ * rows x 128 bytes, 128B-swizzled: the chunk index XOR the row's low 3 bits (conflict-free,
+ * and the layout the store reads). */
+static __device__ __forceinline__ uint32_t swizzled_chunk(int j, int r)
+{
+    return (uint32_t)((j / 8) * 8192 + r * 128 + (((j % 8) ^ (r & 7)) << 4));
+}
+
+/* silu(x) = x / (1 + exp(-x)) with the fast divide (an RCP and a multiply, 2 ulp): the IEEE
+ * division's Newton steps and range check cost 64 values x ~8 instructions per thread in
+ * an epilogue the cooperative schedule does not overlap with MMAs. Below x = -87.3 the
+ * denominator passes 2^126, where __fdividef gives 0 (and x / inf = -0 below -88.7): the
+ * true value is under 1e-36. (tanh.approx would save the second MUFU op too, but its
+ * 2^-11 error turns into 0.5% of silu for x near -3.) */
+static __device__ __forceinline__ float silu(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+
+/* A consumer thread's state across its tiles. */
+typedef struct epilogue_state {
+    int pending_split;      /* TMA epilogue: the split of this warpgroup's last store, not yet counted */
+    unsigned int push_sent; /* push: lane s of each warp, rows that warp sent to rank s */
+} epilogue_state_t;
+
+/* The push's destinations of this warpgroup's rows, loaded before the mainloop so the
+ * epilogue does not start with a trip to L2: both ends of the part (is it one chunk?) and
+ * this thread's two fragment rows. x = -1: none. */
+typedef struct push_rows {
+    int2 first, last, row[2];
+} push_rows_t;
+
+static __device__ __forceinline__ push_rows_t load_push_rows(const cometi_gemm_args_t &p, tile_t tl, int part,
+                                                              int r_lo)
+{
+    push_rows_t r;
+    r.first = make_int2(-1, 0), r.last = r.first, r.row[0] = r.row[1] = r.first;
+    const int2 *dest = (const int2 *)p.push_dest;
+    const cometi_segment_t sg = p.segs[tl.group];
+    if (part + 64 <= sg.rows) {
+        r.first = dest[sg.start + part];
+        r.last = dest[sg.start + part + 63];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+        if (part + r_lo + 8 * h < sg.rows) r.row[h] = dest[sg.start + part + r_lo + 8 * h];
+    return r;
+}
+
+/* A part of a tile cut along k (see cometi_gemm_tail_plan): partials are [cut tile][part]
+ * [BN/8][256 threads] float4, so each store and load instruction is coalesced. A part
+ * other than the last stores its partials, counts itself and returns true (no epilogue).
+ * The last waits for the others' counts and adds their partials into acc, in part order
+ * (the same bits every run). Both consumer warpgroups call it (cooperative schedule). */
+template <int BN>
+static __device__ __forceinline__ bool exchange_cut_partials(float *acc, const cometi_gemm_args_t &p,
+                                                             const cometi_tail_plan_t *tail, int t, int k_blocks)
+{
+    /* Decoded again from t: fewer registers live across the mainloop. */
+    const unit_t cut = decode_unit(t, tail, k_blocks);
+    const int x = cut.tile - tail->first, tid = threadIdx.x - 128;
+    unsigned long long *count = p.tail_ws + x;
+    float4 *parts = (float4 *)(p.tail_ws + COMETI_GEMM_TAIL_COUNTERS) + (size_t)x * (tail->parts - 1) * (BN * 32);
+    if (cut.part < tail->parts - 1) {
+        float4 *mine = parts + (size_t)cut.part * (BN * 32);
+#pragma unroll
+        for (int i = 0; i < BN / 8; i++)
+            __stcg(&mine[i * 256 + tid], make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+        __threadfence();
+        consumers_sync(); /* every thread's partials, then one count */
+        if (threadIdx.x == 128) cometi_red_release_gpu_add(count, 1ull);
+        return true;
+    }
+    /* Zeroed for the next call once every other part has counted (after a failed wait it
+     * stays: the error is reported, and the workspace must be cleared). */
+    if (threadIdx.x == 128 &&
+        cometi_wait_geq(count, (unsigned long long)(tail->parts - 1), p.timeout_ns, p.err, COMETI_SITE_GEMM, -1, x))
+        *count = 0;
+    consumers_sync();
+    for (int q = 0; q < tail->parts - 1; q++) {
+        const float4 *theirs = parts + (size_t)q * (BN * 32);
+#pragma unroll
+        for (int i = 0; i < BN / 8; i++) {
+            const float4 v = __ldcg(&theirs[i * 256 + tid]);
+            acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
+        }
+    }
+    return false;
+}
+
+/* The tile's rows out. Fragment (j, q) of this thread is row warp*16 + lane/4 (+8 for
+ * q >= 2), column j*8 + (lane%4)*2 (+1 for odd q) of this warpgroup's 64 x BN part `part`
+ * (its first row in the group). OUT(j, h, e) is output column j*8 + (lane%4)*2 + e of row
+ * r_lo + 8h, after SwiGLU and scaling. `seg`: the rows of C this tile's group owns (A's
+ * segment; a weight gradient's, its m_out rows); `sc`: this block's staging;
+ * `split_tiles`: column tiles per split; `empty` (with MAY_BE_EMPTY): the tile had no k. */
+template <int BN, bool TMA_EPILOGUE, bool SWIGLU, int TM, bool MAY_BE_EMPTY>
+static __device__ __forceinline__ void store_tile(const float *acc, const cometi_gemm_args_t &p,
+                                                  const CUtensorMap *map_c, const CUtensorMap *map_gu,
+                                                  unsigned char *sc, tile_t tl,
+                                                  cometi_segment_t seg, int part, int half, int split_tiles,
+                                                  const push_rows_t &push, epilogue_state_t *st, bool empty)
+{
+    const int ON = SWIGLU ? BN / 2 : BN;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
+    const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
+    /* This thread's first output column, and how many of its column pairs (8 apart) lie
+     * before n: a partial last column tile stores nothing at or past n (a pair never
+     * straddles n, a multiple of 64). */
+    const int col0 = tl.n * ON + (lane % 4) * 2, pairs = min(ON / 8, (p.n - col0 + 7) / 8);
+    float scale[2] = {1.0f, 1.0f};
+    if (p.row_scale) {
+        if (lo_ok) scale[0] = p.row_scale[seg.start + row0];
+        if (hi_ok) scale[1] = p.row_scale[seg.start + row0 + 8];
+    }
+    /* A tile with no k (a weight gradient's group without rows) had no MMA: its sum is 0,
+     * whatever the registers hold (zeroing them before the MMAs would serialize them). */
+    const bool zero = MAY_BE_EMPTY && empty;
+#define OUT(j, h, e)                                                                                           \
+    (zero ? 0.0f                                                                                               \
+          : SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)] \
+                   : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
+    /* Training: the gate and up projections kept beside the activation, for the backward.
+     * A full tile's leave like C's boxes, through the staging: the gate half, then the up
+     * half, each into the gu map's matching half (a box past n or gu_rows is clipped);
+     * other tiles' straight from registers. Both are the same bf16 values. */
+    const bool full_tile = tl.m * TM + TM <= seg.rows;
+    if (SWIGLU && TMA_EPILOGUE && p.gu_tma && full_tile) {
+        unsigned char *stage = sc + half * (64 * ON * 2);
+#pragma unroll
+        for (int which = 0; which < 2; which++) { /* 0: gate, 1: up */
+            if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the last store has read the staging */
+            warpgroup_sync(1 + half);
+#pragma unroll
+            for (int j = 0; j < ON / 8; j++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float *v = &acc[(j + which * (BN / 16)) * 4 + 2 * h];
+                    __nv_bfloat162 x = __floats2bfloat162_rn(v[0], v[1]);
+                    unsigned char *dst = stage + swizzled_chunk(j, r_lo + 8 * h) + (lane % 4) * 4;
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&x) : "memory");
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
+            warpgroup_sync(1 + half);
+            if (threadIdx.x % 128 == 0) {
+#pragma unroll
+                for (int box = 0; box < ON / 64; box++)
+                    tma_store_3d(map_gu, stage + box * 8192, tl.n * ON + box * 64, which, (int)(seg.start + part));
+                bulk_commit();
+            }
+        }
+    } else if (SWIGLU && p.gu) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const long long row = seg.start + row0 + 8 * h;
+            if (!(h ? hi_ok : lo_ok) || row >= p.gu_rows) continue;
+            __nv_bfloat16 *gate = (__nv_bfloat16 *)p.gu + row * 2 * p.n + col0, *up = gate + p.n;
+#pragma unroll
+            for (int j = 0; j < ON / 8; j++)
+                if (j < pairs) {
+                    *(__nv_bfloat162 *)(gate + j * 8) =
+                        __floats2bfloat162_rn(acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
+                    *(__nv_bfloat162 *)(up + j * 8) =
+                        __floats2bfloat162_rn(acc[(j + BN / 16) * 4 + 2 * h], acc[(j + BN / 16) * 4 + 2 * h + 1]);
+                }
+        }
+    }
+    /* The push: the tile's rows go straight to their token owners' slots (gemm.h), over
+     * NVLink for other ranks. If this warpgroup's 64 rows all go to consecutive slots of
+     * one owner (one chunk: one owner at both ends of a full part, since a segment holds
+     * one chunk per source rank), they leave like C's boxes, through that owner's map
+     * (below); otherwise (two chunks meet, or a group's last rows) every thread stores its
+     * fragments straight to their rows, keeping the copies off the SM's TMA unit (64 small
+     * bulk copies there held the next tile's loads back). The rows are counted once, at the
+     * block's end (the owner sums after the whole GEMM anyway), so no tile waits for its
+     * stores to land. */
+    const bool push_whole = TMA_EPILOGUE && p.push_dest && push.first.x >= 0 && push.last.x == push.first.x &&
+                            push.last.y - push.first.y == 63 * p.combine.tp;
+    if (TMA_EPILOGUE && p.push_dest && !push_whole) {
+        const cometi_combine_t *cb = &p.combine;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int2 d = push.row[h];
+            if (d.x >= 0) {
+                __nv_bfloat16 *c = (__nv_bfloat16 *)cb->peers[d.x].slots + (size_t)d.y * p.n + tl.n * ON +
+                                   (lane % 4) * 2;
+#pragma unroll
+                for (int j = 0; j < ON / 8; j++)
+                    if (j < pairs)
+                        *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
+            }
+            for (int s = 0; s < cb->world; s++) { /* a row is four lanes' */
+                const unsigned int n = __popc(__ballot_sync(0xffffffffu, lane % 4 == 0 && d.x == s));
+                if (lane == s) st->push_sent += n;
+            }
+        }
+        return;
+    }
+    if (push_whole || (TMA_EPILOGUE && !p.push_dest && !p.row_index && full_tile)) {
+        /* Into shared memory as ON/64 swizzled boxes (swizzled_chunk), then one thread
+         * stores the boxes asynchronously: to C, or to a push part's owner. */
+        unsigned char *stage_c = sc + half * (64 * ON * 2);
+        if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the previous tile's store has read it */
+        warpgroup_sync(1 + half);
+#pragma unroll
+        for (int j = 0; j < ON / 8; j++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int r = r_lo + 8 * h;
+                __nv_bfloat162 v = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
+                unsigned char *dst = stage_c + swizzled_chunk(j, r) + (lane % 4) * 4;
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&v) : "memory");
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
+        warpgroup_sync(1 + half);
+        if (threadIdx.x % 128 == 0) {
+            const int t_rank = p.combine.rank % p.combine.tp;
+            const CUtensorMap *map = push_whole ? &p.push_maps[push.first.x] : map_c;
+            const int row = push_whole ? (push.first.y - t_rank) / p.combine.tp /* in the map's rows */
+                                       : seg.start + part;
+            /* (A partial last tile's boxes past n are clipped by the store: the maps end at n.) */
+#pragma unroll
+            for (int box = 0; box < ON / 64; box++) tma_store_2d(map, stage_c + box * 8192, tl.n * ON + box * 64, row);
+            bulk_commit();
+            if (p.split_done) {
+                /* The split's readers load these rows with ordinary loads: a store must have
+                 * landed, and the async proxy's writes be ordered before its count. Count
+                 * each store one tile late (wait for all but the newest), so the next tile's
+                 * MMAs never wait for a store to land; at a split's end, wait for all, so a
+                 * finished split is not held back by a tile. (TMA stores are whole tiles:
+                 * this warpgroup's 64 rows are all real.) */
+                const int split = tl.n / split_tiles;
+                if (st->pending_split >= 0 && st->pending_split != split) bulk_wait();
+                else asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
+                asm volatile("fence.proxy.async.global;" ::: "memory");
+                if (st->pending_split >= 0) cometi_red_release_gpu_add(&p.split_done[st->pending_split], 64ull);
+                st->pending_split = split;
+            }
+        }
+        if (push_whole && warp == 0 && lane == push.first.x) st->push_sent += 64; /* thread 0 sent them */
+        return;
+    }
+    /* Straight from registers; rows past the group's end are padding, rows whose index is
+     * negative are dropped. */
+    long long dst_row[2] = {seg.start + row0, seg.start + row0 + 8};
+    bool ok[2] = {lo_ok, hi_ok};
+    if (p.row_index) {
+        if (lo_ok) dst_row[0] = p.row_index[seg.start + row0];
+        if (hi_ok) dst_row[1] = p.row_index[seg.start + row0 + 8];
+        ok[0] = ok[0] && dst_row[0] >= 0;
+        ok[1] = ok[1] && dst_row[1] >= 0;
+    }
+    if (MAY_BE_EMPTY && p.c_fp32_add) { /* gradient accumulation: C += the tile, fp32 */
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            float *c = (float *)p.c + dst_row[h] * p.ldc + col0;
+#pragma unroll
+            for (int j = 0; j < ON / 8; j++)
+                if (ok[h] && j < pairs) {
+                    float2 v = *(float2 *)(c + j * 8);
+                    v.x += OUT(j, h, 0), v.y += OUT(j, h, 1);
+                    *(float2 *)(c + j * 8) = v;
+                }
+        }
+        return;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        __nv_bfloat16 *c = (__nv_bfloat16 *)p.c + dst_row[h] * p.ldc + col0;
+#pragma unroll
+        for (int j = 0; j < ON / 8; j++)
+            if (ok[h] && j < pairs)
+                *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
+    }
+#undef OUT
+    if (p.split_done) {
+        /* Every thread's stores, then one count for the warpgroup's rows. */
+        __threadfence();
+        warpgroup_sync(1 + half);
+        const int valid = min(64, seg.rows - part);
+        if (threadIdx.x % 128 == 0 && valid > 0)
+            cometi_red_release_gpu_add(&p.split_done[tl.n / split_tiles], (unsigned long long)valid);
+    }
+}
+
+/* After a warpgroup's last tile: its stores have landed before anyone is told. The push:
+ * every tensor store of this thread has landed (and shared memory outlived them), the
+ * warp's own stores are before its barrier, then lane s releases the warp's count for
+ * owner s at system scope. The TMA epilogue: the last store counted in its split. */
+template <bool TMA_EPILOGUE>
+static __device__ __forceinline__ void finish_stores(const cometi_gemm_args_t &p, int half,
+                                                     const epilogue_state_t *st)
+{
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    if (TMA_EPILOGUE && p.push_dest) {
+        bulk_wait();
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        warp_bar_sync(3 + half * 4 + warp);
+        if (st->push_sent)
+            cometi_red_release_sys_add(p.combine.peers[lane].arrive + COMETI_PUSH_COUNTER, st->push_sent);
+    }
+    if (TMA_EPILOGUE && threadIdx.x % 128 == 0) {
+        bulk_wait(); /* shared memory must outlive the stores */
+        if (st->pending_split >= 0) {
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+            cometi_red_release_gpu_add(&p.split_done[st->pending_split], 64ull);
+        }
+    }
+}
+
+#endif /* COMET_GEMM_EPILOGUE_CUH */

@@ -1,0 +1,144 @@
+/*
+ * mainloop.cuh - the GEMM kernel's mainloop, both sides of its shared-memory ring
+ * of stages: the producer thread's TMA loads of one unit's A and B tiles (k-steps
+ * [kb0, kb1)), and a consumer warpgroup's wgmma over them, accumulating in registers. B is
+ * K-major ([n][k], nn.Linear's [out][in]) or, for a dgrad GEMM, MN-major ([k][n]: the
+ * instruction's B transpose reads it as it lies).
+ *
+ * Checklist followed (Hopper's TMA and wgmma rules): 128B-swizzled K-major tiles of 64
+ * bf16, stages 1024-byte aligned, full[s] count 1 with expect_tx, empty[s] one arrive per
+ * consumer warpgroup of the stage, wgmma fence / commit / wait before touching
+ * accumulators or releasing a stage.
+ */
+#ifndef COMET_GEMM_MAINLOOP_CUH
+#define COMET_GEMM_MAINLOOP_CUH
+
+#include "gemm/args.h"
+#include "base/ptx.cuh"
+#include "gemm/wgmma.cuh"
+
+/* Where a block's shared memory is (gemm.cu lays it out). */
+typedef struct gemm_smem {
+    unsigned char *a, *b, *c;   /* the stages of A and of B, the epilogue's staging */
+    uint64_t *full, *empty;     /* per stage: loaded, released by its consumers */
+    uint64_t *turn;             /* ping-pong: [2] each warpgroup's turn at the mainloop */
+    uint64_t *ticket_full, *ticket_empty; /* the ring of tickets (dynamic schedule) */
+    int *first_tile, *tickets;
+    cometi_tail_plan_t *tail;   /* the last wave's cut */
+} gemm_smem_t;
+
+/* A ring position: the stage and the parity its barriers are at. */
+typedef struct ring_pos {
+    int stage;
+    uint32_t phase;
+} ring_pos_t;
+
+/* With dispatch blocks, in the last two rounds of tiles, how many k-steps before a tile's
+ * last load its block takes its next ticket: early enough that the atomic's round trip
+ * hides behind the stages still to compute, late enough that the ticket is not held while
+ * other blocks go idle (on qwen2-57b's fused layer0 the last round cost 40-45 us per SM
+ * with the ticket taken a whole tile ahead, 25-29 with 8 steps). Taking it late on every
+ * tile left qwen2-moe-2.7b's layer0 1.5% slower, hence only the last two rounds. */
+#define LATE_CLAIM_KBLOCKS 8
+
+/* The producer's loads of k-steps [kb0, kb1) of tile `tl` into the ring. With a late claim
+ * pending (!*claimed), the next ticket is taken LATE_CLAIM_KBLOCKS steps before the end.
+ * a_row: A's first row (a weight gradient: the group's first row, where its k starts). */
+template <int BN, int STAGES, bool SWIGLU, int TM, bool B_MN, bool WGRAD>
+static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
+                                                    const CUtensorMap *map_a, const CUtensorMap *map_b,
+                                                    const CUtensorMap *map_up, tile_t tl, int a_row, int kb0, int kb1,
+                                                    ring_pos_t *pos, bool *claimed, int *next)
+{
+    const int ON = SWIGLU ? BN / 2 : BN;
+    const uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2;
+    const int b_row = tl.group * p.b_group_rows + tl.n * ON;
+    for (int kb = kb0; kb < kb1; kb++) {
+        if (!*claimed && kb >= kb1 - LATE_CLAIM_KBLOCKS) *next = (int)atomicAdd(&p.sched[0], 1u), *claimed = true;
+        const int stage = pos->stage;
+        mbar_wait(&sm.empty[stage], pos->phase ^ 1, p.err, p.timeout_ns);
+        mbar_expect_tx(&sm.full[stage], A_BYTES + B_BYTES);
+        if (WGRAD) {
+            /* A [rows][m] and B [rows][n], K down the rows: boxes of 64 columns x 64 rows, 8 KB
+             * apart (A: TM / 64 of them, one per consumer warpgroup; B: BN / 64). */
+            const int k_row = a_row + kb * COMETI_GEMM_BK;
+#pragma unroll
+            for (int j = 0; j < TM / 64; j++)
+                tma_load_2d(sm.a + stage * A_BYTES + j * 8192, map_a, tl.m * TM + j * 64, k_row, &sm.full[stage]);
+#pragma unroll
+            for (int j = 0; j < BN / 64; j++)
+                tma_load_2d(sm.b + stage * B_BYTES + j * 8192, map_b, tl.n * ON + j * 64, k_row, &sm.full[stage]);
+            if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+            continue;
+        }
+        tma_load_2d(sm.a + stage * A_BYTES, map_a, kb * COMETI_GEMM_BK, a_row, &sm.full[stage]);
+        if (B_MN) {
+            /* B MN-major ([groups][k][n]): BN / 64 boxes of 64 k rows x 64 columns, 8 KB apart. */
+#pragma unroll
+            for (int j = 0; j < BN / 64; j++)
+                tma_load_3d(sm.b + stage * B_BYTES + j * 8192, map_b, tl.n * ON + j * 64, kb * COMETI_GEMM_BK, tl.group,
+                            &sm.full[stage]);
+        } else if (SWIGLU) {
+            /* Gate rows, then the matching up rows in the second half of the B tile,
+             * each from a [groups][n][k] view, so a ragged last tile reads zeros. */
+            tma_load_3d(sm.b + stage * B_BYTES, map_b, kb * COMETI_GEMM_BK, tl.n * ON, tl.group, &sm.full[stage]);
+            tma_load_3d(sm.b + stage * B_BYTES + ON * 128, map_up, kb * COMETI_GEMM_BK, tl.n * ON, tl.group,
+                        &sm.full[stage]);
+        } else {
+            tma_load_2d(sm.b + stage * B_BYTES, map_b, kb * COMETI_GEMM_BK, b_row, &sm.full[stage]);
+        }
+        if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+    }
+}
+
+/* A consumer warpgroup's MMAs over k-steps [kb0, kb1): its 64 rows of the stage's A tile
+ * (`a_off` bytes in) against the whole B tile, into acc. Each stage is released once the
+ * MMAs that read it are done, the last one once all are. Ping-pong: the mainloop is handed
+ * to the other warpgroup (`hand_over`) as soon as this one's MMAs are issued. */
+template <int BN, int STAGES, int TM, bool PINGPONG, bool B_MN, bool WGRAD>
+static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gemm_args_t &p, const gemm_smem_t &sm,
+                                                    int a_off, int kb0, int kb1, ring_pos_t *pos, uint64_t *hand_over)
+{
+    const uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2;
+    /* Descriptors of stage 0 at k16 0, made once: a stage or a k16 step moves only the start
+     * address (bits 0-13, in 16-byte units; no shared-memory address here carries out of
+     * them), so each is an add to the low word. Made per k16 from the pointer, they cost
+     * about 60 of a k-step's 97 instructions. k16 is 32 bytes further along a K-major row,
+     * 16 rows of 128 bytes further in an MN-major tile. */
+    const uint32_t a0 = WGRAD ? smem_desc_mn_lo(sm.a + a_off, 8192) : smem_desc_lo(sm.a + a_off);
+    const uint32_t b0 = WGRAD || B_MN ? smem_desc_mn_lo(sm.b, 8192) : smem_desc_lo(sm.b);
+    const uint32_t a_k16 = (WGRAD ? 2048 : 32) >> 4, b_k16 = (WGRAD || B_MN ? 2048 : 32) >> 4;
+    int prev = -1;
+    for (int kb = kb0; kb < kb1; kb++) {
+        mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
+        const uint32_t a = a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b = b0 + (uint32_t)pos->stage * (B_BYTES >> 4);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < COMETI_GEMM_BK / 16; kk++) {
+            const int accumulate = (kb - kb0) | kk;
+            const uint64_t da = smem_desc_at(a + kk * a_k16), db = smem_desc_at(b + kk * b_k16);
+            if (WGRAD) { /* both MN-major */
+                if (BN == 256) cometi_wgmma_m64n256k16_amn_bmn(acc, da, db, accumulate);
+                else cometi_wgmma_m64n128k16_amn_bmn(acc, da, db, accumulate);
+            } else if (B_MN) {
+                if (BN == 256) cometi_wgmma_m64n256k16_bmn(acc, da, db, accumulate);
+                else cometi_wgmma_m64n128k16_bmn(acc, da, db, accumulate);
+            } else if (BN == 256) {
+                cometi_wgmma_m64n256k16(acc, da, db, accumulate);
+            } else {
+                cometi_wgmma_m64n128k16(acc, da, db, accumulate);
+            }
+        }
+        wgmma_commit();
+        /* The previous step's MMAs are done once at most this one is in flight. */
+        wgmma_wait<1>();
+        if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[prev]);
+        prev = pos->stage;
+        if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+    }
+    if (PINGPONG && threadIdx.x % 128 == 0) mbar_arrive(hand_over); /* the other's turn */
+    wgmma_wait<0>();
+    if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[prev]);
+}
+
+#endif /* COMET_GEMM_MAINLOOP_CUH */

@@ -1,0 +1,266 @@
+/*
+ * train_fused.c - training on the fused path: the forward's two operators keep what the
+ * backward needs, and the backward is the same two operators again:
+ *
+ * forward   dispatch -> GEMM0 + SwiGLU, its epilogue keeping [g u]; x rows kept (unless the
+ *           config resends x); GEMM1 -> combine as the inference forward's; each choice's
+ *           place in the send order kept.
+ * backward  1. at home: the routing weights into this rank's window, in the send order;
+ *           2. dispatch -> GEMM: dy's rows to their experts over the forward's routing, as
+ *              x went (route again from the kept ids, with the forward's call id, which
+ *              every rank's must match), into s = dy W2 (B read MN-major); where the config
+ *              resends x, x's rows beside them (the forward kept none);
+ *           3. at the experts: each received row's weight w from its source's window;
+ *              SwiGLU's backward in place with d topk_weights' part <s, a> ([g u] becomes
+ *              dh = [dg du] of da = w s, s becomes w a); each row's <s, a> into its
+ *              source's window; the padding rows zeroed for the weight gradients;
+ *           4. GEMM -> combine: dx rows = dh W13 (B MN-major) home, each token's choices
+ *              summed (the route's weights are 1); once they are home, so are the <s, a>
+ *              (sent before), and d topk_weights sums each choice's TP partials;
+ *           5. the weight gradients, groups along K: dW2 = dy^T (w a), dW13 = dh^T x;
+ *              with the push, enqueued between 4's GEMM and its sum at home, so that they
+ *              compute while the dx rows of peers are on their way (DESIGN: the work that
+ *              fills the SMs while rows are in flight).
+ * d topk_weights is <s, a> rather than <dy, o>: the forward keeps no expert outputs (a
+ * row of hidden per choice) and needs no pass over them, and the backward's dy goes per
+ * token, unweighted. The backward consumes the saved state ([g u] becomes dh).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "layer/fused.h"
+#include "baseline/baseline.h"
+#include "pointwise/pointwise.h"
+#include "layer/train_rows.h"
+
+#define BF16 2
+
+comet_status_t cometi_fused_train_supported(comet_moe_t moe, const comet_moe_weights_t *w)
+{
+    if (moe->fused_unsupported)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "the fused path does not run this config (see "
+                           "comet_moe_forward with COMET_IMPL_FUSED)");
+    if (!w->gate_up)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "weights.gate and weights.up apart: the fused backward "
+                           "reads gate_up, [E_local][2F][H] in one tensor");
+    return COMET_SUCCESS;
+}
+
+/* The weight gradient of one weight: C_g = A_g^T B_g over each expert's rows. */
+static cometi_gemm_t wgrad_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t *l0, const void *a, int m_out,
+                                const void *b, int n, int64_t rows, void *c, int fp32)
+{
+    cometi_gemm_t g;
+    memset(&g, 0, sizeof(g));
+    g.wgrad = 1;
+    g.a = a;
+    g.m_out = m_out;
+    g.b = b;
+    g.n = n;
+    g.a_rows = rows;
+    g.c = c;
+    g.ldc = n;
+    g.c_fp32_add = fp32;
+    g.epilogue = fp32 ? COMETI_EPILOGUE_DIRECT : COMETI_EPILOGUE_AUTO;
+    g.segs = l0->route.plan.local_segs;
+    g.groups = l0->experts_per_group;
+    g.err = comm->async_dev;
+    g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
+    return g;
+}
+
+/* The backward's GEMMs: s = dy W2 on the received rows, dx rows = dh W13, and the two
+ * weight gradients. */
+typedef struct backward_gemms {
+    cometi_gemm_t dgrad_down, dgrad_gate_up, wgrad_down, wgrad_gate_up;
+} backward_gemms_t;
+
+static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *f, const comet_moe_args_t *a,
+                                          const comet_moe_backward_args_t *ba)
+{
+    comet_comm_t comm = moe->comm;
+    const comet_moe_saved_t sv = ba->saved;
+    const int H = moe->cfg.hidden, F = moe->ffn_local, fp32 = ba->grads.mode == COMET_GRAD_ACCUMULATE_FP32;
+    backward_gemms_t b;
+    b.dgrad_down = cometi_dispatch_gemm_gemm(comm, &f->l0, a);
+    b.dgrad_down.b = ba->weights.down; /* [E][H][F]: k = H rows of n = F */
+    b.dgrad_down.b_up = NULL;
+    b.dgrad_down.b_mn_major = 1;
+    b.dgrad_down.swiglu = 0;
+    b.dgrad_down.n = F;
+    b.dgrad_down.k = H;
+    b.dgrad_down.c = f->l0.act;
+    b.dgrad_down.ldc = F;
+    b.dgrad_gate_up = cometi_gemm_combine_gemm(comm, &f->l1, &f->l0, a);
+    b.dgrad_gate_up.a = sv->h; /* dh, once SwiGLU's backward has run */
+    b.dgrad_gate_up.a_rows = sv->cap_rows;
+    b.dgrad_gate_up.b = ba->weights.gate_up; /* [E][2F][H]: k = 2F rows of n = H */
+    b.dgrad_gate_up.b_mn_major = 1;
+    b.dgrad_gate_up.k = 2 * F;
+    /* The layer's buffers (dy rows, the activation) hold max_recv_rows; the bound may be larger. */
+    const int64_t layer_rows = sv->cap_rows < f->l0.max_recv_rows ? sv->cap_rows : f->l0.max_recv_rows;
+    b.wgrad_down = wgrad_gemm(comm, &f->l0, f->l0.recv.local, H, f->l0.act, F, layer_rows, ba->grads.down, fp32);
+    if (f->l0.x_rows) /* x sent again into the layer's rows */
+        b.wgrad_gate_up = wgrad_gemm(comm, &f->l0, sv->h, 2 * F, f->l0.x_rows, H, layer_rows, ba->grads.gate_up, fp32);
+    else
+        b.wgrad_gate_up = wgrad_gemm(comm, &f->l0, sv->h, 2 * F, sv->recv, H, sv->cap_rows, ba->grads.gate_up, fp32);
+    return b;
+}
+
+comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_t *a, comet_moe_saved_t sv,
+                                          cudaStream_t stream)
+{
+    comet_comm_t comm = moe->comm;
+    struct cometi_fused *f;
+    COMETI_TRY(cometi_fused_get(moe, &f));
+    const int k = moe->cfg.top_k, H = moe->cfg.hidden, n = a->num_tokens * k;
+    cometi_dispatch_gemm_t *l0 = &f->l0;
+    const cometi_route_dev_plan_t *plan = &l0->route.plan;
+    /* GEMM0's epilogue keeps [g u] beside the activation. */
+    cometi_gemm_t core0 = cometi_dispatch_gemm_gemm(comm, l0, a);
+    core0.gu = sv->h;
+    core0.gu_rows = sv->cap_rows;
+    /* The route's call id of a training forward: its bound, which every rank must share. */
+    const cometi_dispatch_call_t kind = {0, NULL, COMETI_CALL_TRAIN_FORWARD | (unsigned int)(sv->max_recv_rows %
+                                                                                             COMETI_CALL_TRAIN_FORWARD)};
+    comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, &kind, &f->k0, stream);
+    if (st == COMET_SUCCESS) /* sv->recv NULL where the backward sends x again: the bound's check alone */
+        st = cometi_cuda(comm->err, cometi_launch_keep_rows(l0->recv.local, sv->recv, H, plan->local_segs,
+                                                            l0->experts_per_group, sv->cap_rows, sv->max_recv_rows,
+                                                            plan->seg_rows, comm->size / moe->tp, comm->async_dev,
+                                                            comm->sm_count, stream), "launch keep_rows_kernel");
+    if (st == COMET_SUCCESS) st = cometi_gemm_combine_run(comm, &f->l1, l0, a, &f->k1, stream);
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_keep_send_pos(a->topk_ids, plan->pos,
+                                                                plan->send_offset + (size_t)comm->rank *
+                                                                                        moe->cfg.num_experts,
+                                                                n, moe->cfg.num_experts, sv->send_pos, stream),
+                         "launch keep_send_pos_kernel");
+    if (st == COMET_SUCCESS && n > 0)
+        st = cometi_cuda(comm->err, cudaMemcpyAsync(sv->ids, a->topk_ids, (size_t)n * 4, cudaMemcpyDeviceToDevice,
+                                                    stream), "keep topk_ids");
+    if (st == COMET_SUCCESS && n > 0)
+        st = cometi_cuda(comm->err, cudaMemcpyAsync(sv->weights, a->topk_weights, (size_t)n * 4,
+                                                    cudaMemcpyDeviceToDevice, stream), "keep topk_weights");
+    if (st != COMET_SUCCESS) {
+        snprintf(moe->err, COMETI_ERR_LEN, "%.500s", comm->err);
+        return st;
+    }
+    sv->num_tokens = a->num_tokens;
+    sv->path = COMETI_SAVED_FUSED;
+    sv->filled = 1;
+    return COMET_SUCCESS;
+}
+
+/* The operators' arguments for the backward: rows are dy's, per token as x's were, the
+ * route is the forward's ids with weights of 1, and the combine's y is dx. */
+static comet_moe_args_t backward_args(const struct cometi_fused *f, const comet_moe_backward_args_t *ba)
+{
+    comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+    a.num_tokens = ba->saved->num_tokens;
+    a.x = ba->dy;
+    a.topk_ids = ba->saved->ids;
+    a.topk_weights = f->ones;
+    a.y = ba->dx;
+    a.weights = ba->weights;
+    a.impl = COMET_IMPL_FUSED;
+    return a;
+}
+
+/* The weight gradients, put beside the combine of the dgrad GEMM of W13 (between it and
+ * the sum at home, with the push): they need no communication. */
+typedef struct weight_grads {
+    char *err;
+    const cometi_gemm_t *down, *gate_up;
+} weight_grads_t;
+
+static comet_status_t run_weight_grads(void *ctx, cudaStream_t stream)
+{
+    const weight_grads_t *w = (const weight_grads_t *)ctx;
+    COMETI_TRY(cometi_gemm_run(w->err, w->down, stream));
+    return cometi_gemm_run(w->err, w->gate_up, stream);
+}
+
+comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_args_t *ba, cudaStream_t stream)
+{
+    comet_comm_t comm = moe->comm;
+    struct cometi_fused *f;
+    COMETI_TRY(cometi_fused_get(moe, &f));
+    const comet_moe_saved_t sv = ba->saved;
+    const int k = moe->cfg.top_k, H = moe->cfg.hidden, F = moe->ffn_local, per = f->l0.experts_per_group;
+    const comet_moe_args_t a = backward_args(f, ba);
+    backward_gemms_t g = describe_backward(moe, f, &a, ba);
+    /* Checked before anything is enqueued: once the route has run, peers count on this
+     * rank's rows. */
+    cometi_gemm_prepared_t check;
+    const cometi_gemm_t *later[3] = {&g.dgrad_gate_up, &g.wgrad_down, &g.wgrad_gate_up};
+    for (int i = 0; i < 3; i++) COMETI_TRY(cometi_gemm_prepare(moe->err, later[i], &check));
+    cometi_dispatch_knobs_t k0 = f->k0;
+    k0.first_wave = -1;
+    sv->filled = 0; /* consumed, whatever happens next */
+    const int n = sv->num_tokens * k;
+    cometi_weight_windows_t win;
+    memset(&win, 0, sizeof(win));
+    for (int r = 0; r < comm->size; r++) win.peer[r] = f->weights.peer[r];
+    win.grads_at = (int64_t)moe->cfg.max_tokens * k;
+    /* 1. Read by the experts' ranks once this rank's rows have come (the dispatch's release). */
+    COMETI_TRY(cometi_cuda(moe->err, cometi_launch_weights_to_send_order(sv->weights, sv->send_pos, n,
+                                                                         (float *)f->weights.local, stream),
+                           "launch weights_to_send_order_kernel"));
+    /* 2. */
+    const cometi_dispatch_call_t kind = {1, f->l0.x_rows ? ba->x : NULL, sv->call};
+    comet_status_t st = cometi_dispatch_gemm_run_core(comm, &f->l0, &a, &g.dgrad_down, &kind, &k0, stream);
+    /* 3. */
+    const cometi_segment_t *segs = f->l0.route.plan.local_segs;
+    if (st == COMET_SUCCESS) st = cometi_gemm_combine_row_homes(comm, &f->l1, &f->l0, &a, stream);
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_pull_weights(&win, f->l1.push_dest, segs, per, sv->cap_rows, moe->tp,
+                                                               f->w_rows, comm->sm_count, stream),
+                         "launch pull_weights_kernel");
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, f->l0.act, sv->h, F, segs, per,
+                                                                  (int)sv->cap_rows, sv->cap_rows, f->w_rows,
+                                                                  f->dw_rows, stream),
+                         "launch swiglu_backward_kernel");
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_send_weight_grads(&win, f->l1.push_dest, segs, per, sv->cap_rows,
+                                                                    f->dw_rows, comm->sm_count, stream),
+                         "launch send_weight_grads_kernel");
+    cometi_padded_rows_t pad = {{sv->h, f->l0.act, f->l0.recv.local, f->l0.x_rows},
+                                {2 * F * BF16, F * BF16, H * BF16, H * BF16}};
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_zero_padding(&pad, segs, per, sv->cap_rows, comm->sm_count, stream),
+                         "launch zero_padding_kernel");
+    /* 4 and 5. */
+    weight_grads_t wg = {comm->err, &g.wgrad_down, &g.wgrad_gate_up};
+    const cometi_combine_between_t between = {run_weight_grads, &wg};
+    if (st == COMET_SUCCESS)
+        st = cometi_gemm_combine_run_core(comm, &f->l1, &f->l0, &a, &g.dgrad_gate_up, &f->k1, &between, stream);
+    if (st == COMET_SUCCESS)
+        st = cometi_cuda(comm->err, cometi_launch_gather_weight_grads((const float *)f->weights.local + win.grads_at,
+                                                                      moe->tp, 1, moe->tp, sv->send_pos, n,
+                                                                      ba->d_topk_weights, stream),
+                         "launch gather_weight_grads_kernel");
+    if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "%.500s", comm->err);
+    return st;
+}
+
+comet_status_t cometi_moe_backward_gemms(comet_moe_t moe, const comet_moe_backward_args_t *ba, int mask,
+                                         cudaStream_t stream)
+{
+    if (!moe || !ba || !ba->saved || ba->saved->moe != moe || ba->saved->path != COMETI_SAVED_FUSED || !moe->fused)
+        return moe ? cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "backward GEMMs alone: need a saved state of this "
+                                 "layer filled by a fused training forward") : COMET_INVALID_ARGUMENT;
+    struct cometi_fused *f = moe->fused;
+    const comet_moe_args_t a = backward_args(f, ba);
+    backward_gemms_t g = describe_backward(moe, f, &a, ba);
+    /* Alone: every SM, no roles, on the segments of the layer's last route. */
+    g.dgrad_down.local_rows = NULL;
+    g.dgrad_down.tail_ws = NULL;
+    g.dgrad_gate_up.tail_ws = NULL;
+    const cometi_gemm_t *all[4] = {&g.dgrad_down, &g.dgrad_gate_up, &g.wgrad_down, &g.wgrad_gate_up};
+    for (int i = 0; i < 4; i++)
+        if (!mask || mask & (1 << i)) COMETI_TRY(cometi_gemm_run(moe->err, all[i], stream));
+    return COMET_SUCCESS;
+}
