@@ -8,7 +8,7 @@ comet_status_t cometi_dispatch_gemm_alone(comet_comm_t comm, cometi_dispatch_gem
                                           int dynamic_tiles, cudaStream_t stream)
 {
     cometi_gemm_t g = cometi_dispatch_gemm_gemm(comm, l, a);
-    g.sched = dynamic_tiles ? l->sched : NULL;
+    g.launch.sched = dynamic_tiles ? l->sched : NULL;
     return cometi_gemm_run(comm->err, &g, stream);
 }
 
@@ -16,6 +16,6 @@ comet_status_t cometi_gemm_combine_alone(comet_comm_t comm, cometi_gemm_combine_
                                          const comet_moe_args_t *a, int dynamic_tiles, cudaStream_t stream)
 {
     cometi_gemm_t g = cometi_gemm_combine_gemm(comm, l, l0, a);
-    g.sched = dynamic_tiles ? l->sched : NULL;
+    g.launch.sched = dynamic_tiles ? l->sched : NULL;
     return cometi_gemm_run(comm->err, &g, stream);
 }

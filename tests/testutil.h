@@ -76,6 +76,8 @@ uint64_t test_seed(void);
     X(timeline_accounting, 10)                  \
     X(gemm_tail_plan, 10)                       \
     X(gemm_tile_width, 10)                      \
+    X(gemm_variant_table, 10)                   \
+    X(gemm_descriptions_resolve, 10)            \
     X(fused_training_layers, 10)                \
     X(routing_generators, 10)                   \
     X(reference_known_answer, 10)               \
@@ -94,11 +96,10 @@ uint64_t test_seed(void);
     X(api_rejects_bad_arguments, 10)            \
     X(params_table, 30)                         \
     X(gpu_flag_wait_times_out, 60)              \
+    X(gpu_gemm_every_variant, 240)              \
     X(gpu_gemm_vs_reference, 120)               \
     X(gpu_gemm_epilogues, 120)                  \
     X(gpu_gemm_last_wave_cut, 120)              \
-    X(gpu_gemm_b_mn_major, 120)                 \
-    X(gpu_gemm_wgrad, 120)                      \
     X(gpu_symmetric_push_pull_exact, 120)       \
     X(gpu_barrier_and_flags, 120)               \
     X(gpu_barrier_missing_peer_times_out, 120)  \

@@ -53,7 +53,7 @@ typedef int (*runner_t)(void *ctx, cudaStream_t s);
 
 typedef struct run_ctx {
     cometi_gemm_t g;
-    cometi_gemm_splits_t splits; /* g.splits points here when set */
+    cometi_gemm_splits_t splits; /* g.roles.splits points here when set */
     cublasHandle_t cublas;
     const shape_t *sh;
     const void *a, *b;
@@ -191,8 +191,12 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
     FAIL_IF(failed, "%s: cuBLAS + SwiGLU: %s", sh->name, x.gemm.err);
     run_ctx_t r;
     memset(&r, 0, sizeof(r));
-    r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .c = act, .ldc = F, .segs = segs,
-                          .groups = sh->groups, .n = F, .k = sh->k, .swiglu = 1, .err = err_dev, .tail_ws = tail_ws};
+    r.g = (cometi_gemm_t){.problem = {.groups = sh->groups, .n = F, .k = sh->k, .segs = segs},
+                          .a = {.ptr = a, .rows = (int64_t)rows},
+                          .b = {.ptr = b},
+                          .out = {.epilogue = COMETI_GEMM_EPI_SWIGLU, .c = act, .ldc = F},
+                          .launch = {.tail_ws = tail_ws},
+                          .err = err_dev};
     CUDA_OK(cudaMemset(act, 0xff, rows * F * 2));
     FAIL_IF(run_ours(&r, 0), "%s: ours with SwiGLU: %s", sh->name, r.err);
     CUDA_OK(cudaDeviceSynchronize());
@@ -203,7 +207,7 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
     double d = rel_diff(got, want, rows * F);
     float t_ours = time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s: ours with SwiGLU: %s", sh->name, r.err);
-    r.g.schedule = COMETI_SCHEDULE_PINGPONG;
+    r.g.launch.schedule = COMETI_GEMM_PINGPONG;
     CUDA_OK(cudaMemset(act, 0xff, rows * F * 2));
     FAIL_IF(run_ours(&r, 0), "%s: ours with SwiGLU, ping-pong: %s", sh->name, r.err);
     CUDA_OK(cudaDeviceSynchronize());
@@ -245,21 +249,24 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
     uint16_t *ref = TOOL_MALLOC(nc * 2), *got = TOOL_MALLOC(nc * 2);
     CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
     /* {block_n, group_m, epilogue}: the two defaults first. */
-    static const int variants[][3] = {{256, 8, COMETI_EPILOGUE_AUTO},  {128, 8, COMETI_EPILOGUE_AUTO},
-                                      {256, 8, COMETI_EPILOGUE_DIRECT}, {256, 1, COMETI_EPILOGUE_AUTO},
-                                      {256, 4, COMETI_EPILOGUE_AUTO},   {256, 16, COMETI_EPILOGUE_AUTO},
-                                      {256, 64, COMETI_EPILOGUE_AUTO}};
+    enum { A = COMETI_GEMM_STORE_AUTO, D = COMETI_GEMM_STORE_DIRECT };
+    static const int variants[][3] = {{256, 8, A}, {128, 8, A}, {256, 8, D}, {256, 1, A},
+                                      {256, 4, A}, {256, 16, A}, {256, 64, A}};
     const int nvariants = o->sweep ? (int)(sizeof(variants) / sizeof(variants[0])) : 2;
     const double flop = 2.0 * rows * sh->n * sh->k;
     float t[sizeof(variants) / sizeof(variants[0])];
     double worst = 0;
     for (int v = 0; v < nvariants; v++) {
-        r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .b_mn_major = !sh->wgrad, .wgrad = sh->wgrad,
-                              .m_out = sh->wgrad ? sh->k : 0, .c = c, .ldc = sh->n, .segs = segs,
-                              .groups = sh->groups, .n = sh->n, .k = sh->wgrad ? 0 : sh->k,
-                              .block_n = variants[v][0], /* 256: a partial last tile where it does not divide n */
-                              .group_m = variants[v][1], .epilogue = variants[v][2],
-                              .err = err_dev, .tail_ws = sh->wgrad ? NULL : tail_ws};
+        r.g = (cometi_gemm_t){
+            .problem = {.along = sh->wgrad ? COMETI_GEMM_GROUPS_ALONG_K : COMETI_GEMM_GROUPS_ALONG_M,
+                        .groups = sh->groups, .n = sh->n, .k = sh->wgrad ? 0 : sh->k, .m_out = sh->wgrad ? sh->k : 0,
+                        .segs = segs},
+            .a = {.ptr = a, .rows = (int64_t)rows, .major = sh->wgrad ? COMETI_GEMM_MN_MAJOR : COMETI_GEMM_K_MAJOR},
+            .b = {.ptr = b, .major = COMETI_GEMM_MN_MAJOR},
+            .out = {.store = variants[v][2], .c = c, .ldc = sh->n},
+            .launch = {.block_n = variants[v][0], /* 256: a partial last tile where it does not divide n */
+                       .group_m = variants[v][1], .tail_ws = sh->wgrad ? NULL : tail_ws},
+            .err = err_dev};
         CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
         FAIL_IF(run_ours(&r, 0), "%s: ours: %s", sh->name, r.err);
         CUDA_OK(cudaDeviceSynchronize());
@@ -271,7 +278,7 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
         FAIL_IF(failed, "%s: ours: %s", sh->name, r.err);
         if (o->sweep)
             printf("  %-22s block_n %3d group_m %2d %-6s: %6.0f TFLOP/s, diff %.1e\n", sh->name, variants[v][0],
-                   variants[v][1], variants[v][2] == COMETI_EPILOGUE_DIRECT ? "direct" : "auto",
+                   variants[v][1], variants[v][2] == COMETI_GEMM_STORE_DIRECT ? "direct" : "auto",
                    flop / (t[v] * 1e-3) / 1e12, d);
     }
     const float best = t[0] < t[1] ? t[0] : t[1];
@@ -372,8 +379,8 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
          * epilogue; with --sweep also epilogues, tile orders, grid sizes, the
          * shared tile counter (layer0's schedule), two column splits with their counts
          * (layer1's order), and the first without the last wave's cut. */
-        enum { A = COMETI_EPILOGUE_AUTO, D = COMETI_EPILOGUE_DIRECT, C = COMETI_SCHEDULE_COOPERATIVE,
-               P = COMETI_SCHEDULE_PINGPONG };
+        enum { A = COMETI_GEMM_STORE_AUTO, D = COMETI_GEMM_STORE_DIRECT, C = COMETI_GEMM_COOPERATIVE,
+               P = COMETI_GEMM_PINGPONG };
         static const int variants[][8] = {{256, 8, 0, A, C, 0, 0, 0},   {256, 8, 0, A, P, 0, 0, 0},
                                           {128, 8, 0, A, C, 0, 0, 0},   {256, 8, 0, D, C, 0, 0, 0},
                                           {128, 8, 0, D, C, 0, 0, 0},   {256, 8, 0, D, P, 0, 0, 0},
@@ -386,14 +393,17 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         double worst = 0;
         for (int v = 0; v < nvariants; v++) {
             if (variants[v][6] && sh->n % (variants[v][0] * variants[v][6])) continue; /* whole tiles */
-            r.g = (cometi_gemm_t){.a = a, .a_rows = (int64_t)rows, .b = b, .c = c, .ldc = sh->n, .segs = segs,
-                                  .groups = sh->groups, .n = sh->n, .k = sh->k, .sms = variants[v][2],
-                                  .block_n = variants[v][0], .group_m = variants[v][1],
-                                  .epilogue = variants[v][3], .schedule = variants[v][4], .err = err_dev,
-                                  .sched = variants[v][5] ? sched : NULL,
-                                  .tail_ws = variants[v][7] ? NULL : tail_ws};
+            r.g = (cometi_gemm_t){.problem = {.groups = sh->groups, .n = sh->n, .k = sh->k, .segs = segs},
+                                  .a = {.ptr = a, .rows = (int64_t)rows},
+                                  .b = {.ptr = b},
+                                  .out = {.store = variants[v][3], .c = c, .ldc = sh->n},
+                                  .launch = {.sms = variants[v][2], .block_n = variants[v][0],
+                                             .group_m = variants[v][1], .schedule = variants[v][4],
+                                             .sched = variants[v][5] ? sched : NULL,
+                                             .tail_ws = variants[v][7] ? NULL : tail_ws},
+                                  .err = err_dev};
             r.splits = (cometi_gemm_splits_t){.n_splits = variants[v][6], .split_done = split_done};
-            if (variants[v][6]) r.g.splits = &r.splits;
+            if (variants[v][6]) r.g.roles.splits = &r.splits;
             CUDA_OK(cudaMemset(c, 0xff, nc * 2)); /* poison: bf16 NaN */
             FAIL_IF(run_ours(&r, 0), "%s: ours-%d: %s", sh->name, variants[v][0], r.err);
             CUDA_OK(cudaDeviceSynchronize());
@@ -410,8 +420,8 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
             if (sweep)
                 printf("  %-22s block_n %3d group_m %2d sms %3d %-6s %-9s %-7s splits %d %-6s: %6.0f TFLOP/s (min "
                        "%.3f, max %.3f ms), diff %.1e\n", sh->name, variants[v][0], variants[v][1], variants[v][2],
-                       variants[v][3] == COMETI_EPILOGUE_DIRECT ? "direct" : "auto",
-                       variants[v][4] == COMETI_SCHEDULE_PINGPONG ? "ping-pong" : "coop",
+                       variants[v][3] == COMETI_GEMM_STORE_DIRECT ? "direct" : "auto",
+                       variants[v][4] == COMETI_GEMM_PINGPONG ? "ping-pong" : "coop",
                        variants[v][5] ? "dynamic" : "static", variants[v][6] ? variants[v][6] : 1,
                        variants[v][7] ? "no cut" : "cut",
                        2.0 * rows * sh->n * sh->k / (t_v[v] * 1e-3) / 1e12, lo, hi, d);

@@ -13,12 +13,12 @@
 #include "base/types.h"
 #include "comm/combine.h"
 #include "comm/dispatch.h"
+#include "gemm/variants.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define COMETI_GEMM_MAX_GROUPS 1024
 /* Shared counters of the dynamic schedule: tiles taken, blocks done, dispatch pieces taken,
  * combine blocks past their setup, combine blocks done. */
 #define COMETI_GEMM_SCHED_WORDS 5
@@ -35,10 +35,6 @@ extern "C" {
  * consumers had issued its epilogue. The harness's timeline.h reads it. */
 #define COMETI_TILE_TRACE_TILES 240
 #define COMETI_TILE_TRACE_WORDS (4 + 4 * COMETI_TILE_TRACE_TILES)
-
-/* Rows of an A tile (and of the arrival counters' blocks), and k per pipeline stage. */
-#define COMETI_GEMM_BM COMETI_BLOCK_M
-#define COMETI_GEMM_BK 64
 
 typedef struct cometi_gemm_args {
     const cometi_segment_t *segs;
@@ -58,8 +54,8 @@ typedef struct cometi_gemm_args {
     cometi_dispatch_t dispatch;          /* dispatch role: what its blocks copy */
     int combine_blocks;                  /* the first blocks combine instead (they never compute) */
     cometi_combine_t combine;            /* splits role with combine blocks, or the push role */
-    void *c;                             /* bf16; fp32 with c_fp32_add */
-    int c_fp32_add;                      /* wgrad: C += the tile, fp32 */
+    void *c;                             /* bf16; fp32 with the ADD_FP32 epilogue */
+    int c_fp32_add;                      /* the ADD_FP32 epilogue: C += the tile, fp32 */
     void *gu;                            /* swiglu: gate and up kept, [gu_rows][2n] bf16, or NULL */
     int gu_tma;                          /* full tiles' gate and up leave by TMA stores (map gu) */
     long long gu_rows;
@@ -79,12 +75,16 @@ typedef struct cometi_gemm_maps {
 typedef struct cometi_gemm_plan {
     cometi_gemm_maps_t maps;
     cometi_gemm_args_t args;
-    int blocks, block_n, swiglu, pingpong, tma_epilogue, b_mn_major, wgrad;
+    int variant; /* its row of variants.h's table */
+    int blocks;
 } cometi_gemm_plan_t;
 
-/* Launch a prepared GEMM's kernel (gemm.cu): the C side (prepare.c) turns the error into
- * a status. */
-cudaError_t cometi_gemm_kernel_launch(const cometi_gemm_plan_t *plan, cudaStream_t stream);
+/* Launch a prepared GEMM's kernel, by the family of its row (gemm_forward.cu,
+ * gemm_dgrad.cu, gemm_wgrad.cu): cudaErrorInvalidValue for a row of another family. The
+ * C side (prepare.c) picks the family and turns the error into a status. */
+cudaError_t cometi_gemm_launch_forward(const cometi_gemm_plan_t *plan, cudaStream_t stream);
+cudaError_t cometi_gemm_launch_dgrad(const cometi_gemm_plan_t *plan, cudaStream_t stream);
+cudaError_t cometi_gemm_launch_wgrad(const cometi_gemm_plan_t *plan, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

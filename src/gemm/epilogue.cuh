@@ -115,14 +115,21 @@ static __device__ __forceinline__ bool exchange_cut_partials(float *acc, const c
  * r_lo + 8h, after SwiGLU and scaling. `seg`: the rows of C this tile's group owns (A's
  * segment; a weight gradient's, its m_out rows); `sc`: this block's staging;
  * `split_tiles`: column tiles per split; `empty` (with MAY_BE_EMPTY): the tile had no k. */
-template <int BN, bool TMA_EPILOGUE, bool SWIGLU, int TM, bool MAY_BE_EMPTY>
+template <int V>
 static __device__ __forceinline__ void store_tile(const float *acc, const cometi_gemm_args_t &p,
                                                   const CUtensorMap *map_c, const CUtensorMap *map_gu,
                                                   unsigned char *sc, tile_t tl,
                                                   cometi_segment_t seg, int part, int half, int split_tiles,
                                                   const push_rows_t &push, epilogue_state_t *st, bool empty)
 {
-    const int ON = SWIGLU ? BN / 2 : BN;
+    constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
+    constexpr int BN = T.block_n, TM = cometi_gemm_tile_rows(T), ON = cometi_gemm_out_cols(T);
+    /* The gate and up kept are compiled into the rows that keep them alone; the push, the
+     * fp32 add and the split counts are tested at run time in every row: compiled out of the
+     * rows without them, the 256-wide kernels spilled a register or two (the register
+     * allocation shifts with the code around the loop). */
+    constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA, SWIGLU = ON != BN,
+                   GU = T.epilogue == COMETI_GEMM_EPI_SWIGLU_GU, MAY_BE_EMPTY = T.along == COMETI_GEMM_GROUPS_ALONG_K;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
     const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
@@ -147,7 +154,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
      * half, each into the gu map's matching half (a box past n or gu_rows is clipped);
      * other tiles' straight from registers. Both are the same bf16 values. */
     const bool full_tile = tl.m * TM + TM <= seg.rows;
-    if (SWIGLU && TMA_EPILOGUE && p.gu_tma && full_tile) {
+    if (GU && TMA_EPILOGUE && p.gu_tma && full_tile) {
         unsigned char *stage = sc + half * (64 * ON * 2);
 #pragma unroll
         for (int which = 0; which < 2; which++) { /* 0: gate, 1: up */
@@ -172,7 +179,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
                 bulk_commit();
             }
         }
-    } else if (SWIGLU && p.gu) {
+    } else if (GU && p.gu) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const long long row = seg.start + row0 + 8 * h;
@@ -311,10 +318,11 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
  * every tensor store of this thread has landed (and shared memory outlived them), the
  * warp's own stores are before its barrier, then lane s releases the warp's count for
  * owner s at system scope. The TMA epilogue: the last store counted in its split. */
-template <bool TMA_EPILOGUE>
+template <int V>
 static __device__ __forceinline__ void finish_stores(const cometi_gemm_args_t &p, int half,
                                                      const epilogue_state_t *st)
 {
+    constexpr bool TMA_EPILOGUE = cometi_gemm_variants[V].store == COMETI_GEMM_STORE_TMA;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     if (TMA_EPILOGUE && p.push_dest) {
         bulk_wait();

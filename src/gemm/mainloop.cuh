@@ -44,13 +44,17 @@ typedef struct ring_pos {
 /* The producer's loads of k-steps [kb0, kb1) of tile `tl` into the ring. With a late claim
  * pending (!*claimed), the next ticket is taken LATE_CLAIM_KBLOCKS steps before the end.
  * a_row: A's first row (a weight gradient: the group's first row, where its k starts). */
-template <int BN, int STAGES, bool SWIGLU, int TM, bool B_MN, bool WGRAD>
+template <int V>
 static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                     const CUtensorMap *map_a, const CUtensorMap *map_b,
                                                     const CUtensorMap *map_up, tile_t tl, int a_row, int kb0, int kb1,
                                                     ring_pos_t *pos, bool *claimed, int *next)
 {
-    const int ON = SWIGLU ? BN / 2 : BN;
+    constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
+    constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T),
+                  ON = cometi_gemm_out_cols(T);
+    constexpr bool SWIGLU = ON != BN, WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K,
+                   B_MN = !WGRAD && T.b_major == COMETI_GEMM_MN_MAJOR;
     const uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2;
     const int b_row = tl.group * p.b_group_rows + tl.n * ON;
     for (int kb = kb0; kb < kb1; kb++) {
@@ -95,10 +99,14 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
  * (`a_off` bytes in) against the whole B tile, into acc. Each stage is released once the
  * MMAs that read it are done, the last one once all are. Ping-pong: the mainloop is handed
  * to the other warpgroup (`hand_over`) as soon as this one's MMAs are issued. */
-template <int BN, int STAGES, int TM, bool PINGPONG, bool B_MN, bool WGRAD>
+template <int V>
 static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                     int a_off, int kb0, int kb1, ring_pos_t *pos, uint64_t *hand_over)
 {
+    constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
+    constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T);
+    constexpr bool PINGPONG = T.schedule == COMETI_GEMM_PINGPONG, WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K,
+                   B_MN = !WGRAD && T.b_major == COMETI_GEMM_MN_MAJOR;
     const uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2;
     /* Descriptors of stage 0 at k16 0, made once: a stage or a k16 step moves only the start
      * address (bits 0-13, in 16-byte units; no shared-memory address here carries out of

@@ -1,12 +1,13 @@
 /*
- * prepare.c - the grouped GEMM's host side: a description (gemm.h) checked field by
- * field, the core first and then each role, its tensor maps encoded, and the kernel's
- * arguments laid out (gemm/args.h) for cometi_gemm_launch (gemm.cu). Plain C: no kernel
- * here, and nothing is enqueued.
+ * prepare.c - the grouped GEMM's host side: a description (gemm.h) resolved to its row of
+ * variants.h's table, checked field by field (the problem, the operands, the output, then
+ * each role), its tensor maps encoded and the kernel's arguments laid out (args.h); and
+ * the launch, by the row's family. Plain C: no kernel here.
  */
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "gemm/gemm.h"
@@ -93,81 +94,142 @@ comet_status_t cometi_gemm_push_maps_create(char *err, void *const *peer_slots, 
     return COMET_SUCCESS;
 }
 
-/* The core: operands, shape, tile width, epilogue and schedule. Sets the tile width of
- * the output (*out_n) and of B (*block_n), and whether C leaves through the TMA store. */
-static comet_status_t check_core(char *err, const cometi_gemm_t *g, int *block_n_out, int *out_n_out,
-                                 int *tma_epilogue_out)
+/* ---- the variant ---- */
+
+static const char *epilogue_name(int e)
 {
-    /* SwiGLU tiles are 128 output columns: 128 gate and 128 up columns of B. */
-    const int block_n = g->swiglu ? 256 : g->block_n ? g->block_n : cometi_gemm_tile_n(g->n);
-    const int out_n = g->swiglu ? block_n / 2 : block_n;
-    if (g->swiglu && g->block_n && g->block_n != 256)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm block_n = %d with swiglu: only 256 (128 gate + 128 up "
-                           "columns) is built", g->block_n);
-    if (block_n != 128 && block_n != 256)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm block_n = %d: must be 128 or 256", block_n);
+    static const char *names[] = {"store", "swiglu", "swiglu keeping g and u", "push", "fp32 add"};
+    return e >= 0 && e < (int)(sizeof(names) / sizeof(names[0])) ? names[e] : "?";
+}
+
+/* The choices of a variant in words, for messages and tests. */
+void cometi_gemm_variant_text(const cometi_gemm_variant_t *v, char *out, size_t len)
+{
+    snprintf(out, len, "%s x %s, A %s-major, B %s-major, groups along %s, epilogue %s, %s store, %s, block_n %d, "
+             "roles %s", v->a_type == COMETI_GEMM_BF16 ? "bf16" : "?", v->b_type == COMETI_GEMM_BF16 ? "bf16" : "?",
+             v->a_major == COMETI_GEMM_MN_MAJOR ? "MN" : "K", v->b_major == COMETI_GEMM_MN_MAJOR ? "MN" : "K",
+             v->along == COMETI_GEMM_GROUPS_ALONG_K ? "K" : "M", epilogue_name(v->epilogue),
+             v->store == COMETI_GEMM_STORE_DIRECT ? "direct" : v->store == COMETI_GEMM_STORE_TMA ? "TMA" : "any",
+             v->schedule == COMETI_GEMM_PINGPONG ? "ping-pong" : "cooperative", v->block_n,
+             v->roles == (COMETI_GEMM_ROLE_DISPATCH | COMETI_GEMM_ROLE_SPLITS) ? "dispatch and splits"
+             : v->roles == COMETI_GEMM_ROLE_DISPATCH                           ? "dispatch"
+             : v->roles == COMETI_GEMM_ROLE_SPLITS                             ? "splits"
+                                                                               : "none");
+}
+
+/* Whether C can leave through the TMA store: 16-byte rows, a 16-byte aligned C, and rows in
+ * place (no index). The push stores through its owners' maps, not C's. */
+static int tma_store_ok(const cometi_gemm_t *g)
+{
+    return g->out.epilogue == COMETI_GEMM_EPI_PUSH ||
+           (g->out.ldc % 8 == 0 && (uintptr_t)g->out.c % 16 == 0 && !g->out.row_index);
+}
+
+/* The row of the table with the description's choices: its formats, layouts, epilogue,
+ * schedule (0: cooperative) and roles exactly; its store as asked (0: TMA where
+ * tma_store_ok, else direct); its width as asked (0: cometi_gemm_tile_n's where a row has
+ * it, else the row's). COMET_NOT_SUPPORTED names the choices no row has. */
+static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *out)
+{
+    cometi_gemm_variant_t want;
+    memset(&want, 0, sizeof(want));
+    want.a_type = g->a.type, want.b_type = g->b.type;
+    want.a_major = g->a.major, want.b_major = g->b.major;
+    want.along = g->problem.along;
+    want.epilogue = g->out.epilogue;
+    want.store = g->out.store;
+    want.schedule = g->launch.schedule ? g->launch.schedule : COMETI_GEMM_COOPERATIVE;
+    want.block_n = g->launch.block_n;
+    want.roles = (g->roles.dispatch ? COMETI_GEMM_ROLE_DISPATCH : 0) | (g->roles.splits ? COMETI_GEMM_ROLE_SPLITS : 0);
+    if (want.store == COMETI_GEMM_STORE_TMA && !tma_store_ok(g))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm store TMA: ldc = %d must be a multiple of 8, c "
+                           "16-byte aligned and row_index NULL", g->out.ldc);
+    const int tile_n = cometi_gemm_tile_n(g->problem.n);
+    int best = -1, best_score = -1;
+    for (int i = 0; i < COMETI_GEMM_NUM_VARIANTS; i++) {
+        const cometi_gemm_variant_t *v = &cometi_gemm_variants[i];
+        if (v->a_type != want.a_type || v->b_type != want.b_type || v->a_major != want.a_major ||
+            v->b_major != want.b_major || v->along != want.along || v->epilogue != want.epilogue ||
+            v->schedule != want.schedule || v->roles != want.roles)
+            continue;
+        if (want.store ? v->store != want.store : v->store == COMETI_GEMM_STORE_TMA && !tma_store_ok(g)) continue;
+        if (want.block_n && v->block_n != want.block_n) continue;
+        /* Among the rest: the TMA store before the direct one, then the width tile_n asks. */
+        const int score = 2 * (v->store == COMETI_GEMM_STORE_TMA) + (v->block_n == tile_n);
+        if (score > best_score) best = i, best_score = score;
+    }
+    if (best < 0) {
+        char text[256];
+        cometi_gemm_variant_text(&want, text, sizeof(text));
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "gemm: no variant is built for %s%s (src/gemm/variants.h lists "
+                           "those that are)", text, want.block_n ? "" : " (any block_n)");
+    }
+    *out = best;
+    return COMET_SUCCESS;
+}
+
+/* ---- the checks ---- */
+
+/* The problem, the operands and the output, once the variant v is known. */
+static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi_gemm_variant_t *v)
+{
+    const int along_k = v->along == COMETI_GEMM_GROUPS_ALONG_K, epi = v->epilogue;
+    const int swiglu = epi == COMETI_GEMM_EPI_SWIGLU || epi == COMETI_GEMM_EPI_SWIGLU_GU;
     /* The last column tile may be partial (the ffn of a TP rank, say 1408 / 2, or
      * gpt-oss's 2880): its loads past n read zeros or columns no store keeps, and every
      * store stops at n. */
-    if (g->n <= 0 || g->n % 64)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n = %d: must be a positive multiple of 64", g->n);
-    if (g->wgrad && (g->m_out <= 0 || g->m_out % 64 || g->swiglu || g->b_up || g->row_scale ||
-                     g->row_index || g->schedule == COMETI_SCHEDULE_PINGPONG || g->dispatch || g->splits || g->push ||
-                     g->ldc != g->n))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm wgrad: m_out = %d must be a positive multiple of 64, "
-                           "ldc = %d equal to n = %d, and no SwiGLU, scale, row index, ping-pong or role",
-                           g->m_out, g->ldc, g->n);
-    if (!g->wgrad && (g->k <= 0 || g->k % COMETI_GEMM_BK))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm k = %d: must be a positive multiple of %d", g->k,
-                           COMETI_GEMM_BK);
-    if (g->groups < 1 || g->groups > COMETI_GEMM_MAX_GROUPS)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm groups = %d: must be 1..%d", g->groups,
+    if (g->problem.n <= 0 || g->problem.n % 64)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n = %d: must be a positive multiple of 64",
+                           g->problem.n);
+    if (along_k && (g->problem.m_out <= 0 || g->problem.m_out % 64 || g->out.ldc != g->problem.n))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm groups along K: m_out = %d must be a positive "
+                           "multiple of 64, and ldc = %d equal to n = %d", g->problem.m_out, g->out.ldc,
+                           g->problem.n);
+    if (!along_k && (g->problem.k <= 0 || g->problem.k % COMETI_GEMM_BK))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm k = %d: must be a positive multiple of %d",
+                           g->problem.k, COMETI_GEMM_BK);
+    if (g->problem.groups < 1 || g->problem.groups > COMETI_GEMM_MAX_GROUPS)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm groups = %d: must be 1..%d", g->problem.groups,
                            COMETI_GEMM_MAX_GROUPS);
-    if (g->ldc < g->n || g->ldc % 2)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ldc = %d: must be even and >= n = %d", g->ldc, g->n);
-    if ((uintptr_t)g->a % 16 || (uintptr_t)g->b % 16 || (uintptr_t)g->b_up % 16 || (uintptr_t)g->c % 4)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a, b and b_up must be 16-byte aligned, c 4-byte aligned");
-    if (g->b_up && !g->swiglu)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: b_up is for swiglu only");
-    if (g->group_m < 0 || g->group_m > 64)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm group_m = %d: must be 0..64 (0: 8)", g->group_m);
-    if (!g->err || !g->segs)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: err (the failure report word) and segs must be set");
-    if (g->a_rows < 1)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm a_rows = %lld: must be >= 1", (long long)g->a_rows);
-    /* A TMA store needs 16-byte rows, a 16-byte aligned C, and rows in place (no index). */
-    const int tma_ok = g->ldc % 8 == 0 && (uintptr_t)g->c % 16 == 0 && !g->row_index;
-    if (g->epilogue == COMETI_EPILOGUE_TMA && !tma_ok)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm epilogue TMA: ldc = %d must be a multiple of 8, c "
-                           "16-byte aligned and row_index NULL", g->ldc);
-    if (g->epilogue < COMETI_EPILOGUE_AUTO || g->epilogue > COMETI_EPILOGUE_TMA)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm epilogue = %d: must be 0..2", g->epilogue);
-    if (g->schedule < COMETI_SCHEDULE_AUTO || g->schedule > COMETI_SCHEDULE_PINGPONG)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm schedule = %d: must be 0..2", g->schedule);
-    if (g->schedule == COMETI_SCHEDULE_PINGPONG && block_n != 256)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm ping-pong schedule: built for block_n 256 only");
-    /* (With column splits a tile's TMA stores would be counted one tile late, and the gate
-     * and up stores before C's would be waited for with it: not built.) */
-    if (g->gu && (!g->swiglu || g->gu_rows <= 0 || (uintptr_t)g->gu % 4 || g->splits))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu: needs swiglu, gu_rows = %lld > 0, a 4-byte "
-                           "aligned gu and no column splits", (long long)g->gu_rows);
-    if (g->c_fp32_add && (!g->wgrad || g->epilogue == COMETI_EPILOGUE_TMA || (uintptr_t)g->c % 8))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm c_fp32_add: for a weight gradient, with the direct "
-                           "epilogue and an 8-byte aligned C");
-    if (g->b_mn_major && (g->swiglu || g->schedule == COMETI_SCHEDULE_PINGPONG))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm b_mn_major: needs no swiglu and the cooperative "
-                           "schedule");
-    *block_n_out = block_n;
-    *out_n_out = out_n;
-    *tma_epilogue_out = !g->c_fp32_add && (g->epilogue == COMETI_EPILOGUE_TMA ||
-                                           (g->epilogue == COMETI_EPILOGUE_AUTO && tma_ok));
+    if (!g->err || !g->problem.segs)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: err (the failure report word) and problem.segs "
+                           "must be set");
+    if (!g->a.ptr || !g->b.ptr || g->a.rows < 1)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a = %p with %lld rows (>= 1) and b = %p must be set",
+                           g->a.ptr, (long long)g->a.rows, g->b.ptr);
+    if ((uintptr_t)g->a.ptr % 16 || (uintptr_t)g->b.ptr % 16 || (uintptr_t)g->b.up % 16)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a, b and b.up must be 16-byte aligned");
+    if (g->b.up && !swiglu)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: b.up is for the SwiGLU epilogues only");
+    if (epi != COMETI_GEMM_EPI_PUSH) {
+        if (!g->out.c || g->out.ldc < g->problem.n || g->out.ldc % 2)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: c = %p must be set, ldc = %d even and >= n = %d",
+                               g->out.c, g->out.ldc, g->problem.n);
+        if ((uintptr_t)g->out.c % (epi == COMETI_GEMM_EPI_ADD_FP32 ? 8 : 4))
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: c must be %d-byte aligned",
+                               epi == COMETI_GEMM_EPI_ADD_FP32 ? 8 : 4);
+    }
+    if ((g->out.row_scale || g->out.row_index) && (along_k || (epi != COMETI_GEMM_EPI_STORE && !swiglu)))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a row scale or index is for the store and SwiGLU "
+                           "epilogues with groups along M (epilogue %s here)", epilogue_name(epi));
+    if (epi == COMETI_GEMM_EPI_SWIGLU_GU ? !g->out.gu || g->out.gu_rows <= 0 || (uintptr_t)g->out.gu % 4
+                                         : g->out.gu != NULL)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu = %p, %lld rows: the epilogue keeping g and u "
+                           "needs them (rows > 0, 4-byte aligned), the others take none", g->out.gu,
+                           (long long)g->out.gu_rows);
+    if ((epi == COMETI_GEMM_EPI_PUSH) != (g->out.push != NULL))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push = %p: the push epilogue needs where its rows go, "
+                           "the others take none", (const void *)g->out.push);
+    if (g->launch.group_m < 0 || g->launch.group_m > 64)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm group_m = %d: must be 0..64 (0: 8)",
+                           g->launch.group_m);
     return COMET_SUCCESS;
 }
 
 static comet_status_t check_dispatch(char *err, const cometi_gemm_t *g)
 {
-    const cometi_gemm_dispatch_t *d = g->dispatch;
-    if (d->blocks < 1 || !d->arrive || !d->expected || !g->sched)
+    const cometi_gemm_dispatch_t *d = g->roles.dispatch;
+    if (d->blocks < 1 || !d->arrive || !d->expected || !g->launch.sched)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: %d blocks (>= 1), arrival counters and "
                            "their totals, and the shared tile counter (sched) must be set", d->blocks);
     if (d->rows.num_experts < 1 || d->rows.num_experts > COMETI_MAX_EXPERTS)
@@ -184,21 +246,20 @@ static comet_status_t check_dispatch(char *err, const cometi_gemm_t *g)
     if (d->rows.x2 && ((uintptr_t)d->rows.x2 % 16 || d->rows.x2_offset % 16 || d->rows.wave_blocks))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: x2 = %p, %zu bytes on: both 16-byte "
                            "aligned, and no first wave (it copies x alone)", d->rows.x2, d->rows.x2_offset);
-    if (g->splits || g->push)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: not with the splits or push role");
     return COMET_SUCCESS;
 }
 
 static comet_status_t check_splits(char *err, const cometi_gemm_t *g, int n_tiles, int out_n)
 {
-    const cometi_gemm_splits_t *s = g->splits;
+    const cometi_gemm_splits_t *s = g->roles.splits;
     if (s->n_splits < 1 || n_tiles % s->n_splits)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n_splits = %d: must divide the %d column tiles of %d "
                            "columns", s->n_splits, n_tiles, out_n);
     /* The combine reads n / n_splits columns per split: equal splits of whole tiles. */
-    if (s->n_splits > 1 && g->n % out_n)
+    if (s->n_splits > 1 && g->problem.n % out_n)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm n_splits = %d with n = %d: splits need n a multiple "
-                           "of the %d-column tile (a partial last tile allows 1 split)", s->n_splits, g->n, out_n);
+                           "of the %d-column tile (a partial last tile allows 1 split)", s->n_splits, g->problem.n,
+                           out_n);
     if (!s->split_done)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm splits: split_done (the rows finished per split) "
                            "must be set");
@@ -222,117 +283,151 @@ static comet_status_t check_splits(char *err, const cometi_gemm_t *g, int n_tile
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm combine: world %d, rank %d, tp %d (must be 1), "
                            "experts %d / %d per rank, tokens %d, or a NULL table", c->world, c->rank, c->tp,
                            c->num_experts, c->experts_per_group, c->num_tokens);
-    if ((uintptr_t)c->y % 16 || g->n % 8)
+    if ((uintptr_t)c->y % 16 || g->problem.n % 8)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm combine: y must be 16-byte aligned (is %p)", c->y);
     return COMET_SUCCESS;
 }
 
-static comet_status_t check_push(char *err, const cometi_gemm_t *g, int tma_epilogue)
+static comet_status_t check_push(char *err, const cometi_gemm_t *g)
 {
-    const cometi_gemm_push_t *p = g->push;
+    const cometi_gemm_push_t *p = g->out.push;
     const cometi_combine_t *c = &p->combine;
-    if (!tma_epilogue || g->swiglu || g->row_index || g->splits || !p->dest || !p->maps ||
-        (uintptr_t)p->maps % 64)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: needs the TMA epilogue, the destinations, the "
-                           "owners' tensor maps (64-byte aligned) and no SwiGLU, row index or splits role");
+    if (g->out.row_index || !p->dest || !p->maps || (uintptr_t)p->maps % 64)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: needs the destinations, the owners' tensor maps "
+                           "(64-byte aligned) and no row index");
     if (c->world < 1 || c->world > COMETI_MAX_RANKS || c->world > COMETI_PUSH_MAX_RANKS || c->rank < 0 ||
         c->rank >= c->world || c->tp < 1 || c->world % c->tp ||
         c->experts_per_group * (c->world / c->tp) != c->num_experts ||
-        c->experts_per_group != g->groups || !c->peers || !c->plan.counts || !c->plan.send_offset ||
+        c->experts_per_group != g->problem.groups || !c->peers || !c->plan.counts || !c->plan.send_offset ||
         !c->plan.recv_offset)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push: world %d, rank %d, tp %d, experts %d / %d per "
                            "group (GEMM groups %d), or a NULL table", c->world, c->rank, c->tp, c->num_experts,
-                           c->experts_per_group, g->groups);
+                           c->experts_per_group, g->problem.groups);
+    return COMET_SUCCESS;
+}
+
+/* ---- the tensor maps and the arguments ---- */
+
+comet_status_t cometi_gemm_check(char *err, const cometi_gemm_t *g, int *variant)
+{
+    if (g->problem.along != COMETI_GEMM_GROUPS_ALONG_M && g->problem.along != COMETI_GEMM_GROUPS_ALONG_K)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm problem.along = %d: must be %d (M) or %d (K)",
+                           g->problem.along, COMETI_GEMM_GROUPS_ALONG_M, COMETI_GEMM_GROUPS_ALONG_K);
+    if (g->out.epilogue < COMETI_GEMM_EPI_STORE || g->out.epilogue > COMETI_GEMM_EPI_ADD_FP32)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm out.epilogue = %d: must be %d..%d", g->out.epilogue,
+                           COMETI_GEMM_EPI_STORE, COMETI_GEMM_EPI_ADD_FP32);
+    if (g->out.store < COMETI_GEMM_STORE_AUTO || g->out.store > COMETI_GEMM_STORE_DIRECT)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm out.store = %d: must be %d (choose), %d (TMA) or %d "
+                           "(direct)", g->out.store, COMETI_GEMM_STORE_AUTO, COMETI_GEMM_STORE_TMA,
+                           COMETI_GEMM_STORE_DIRECT);
+    if (g->launch.schedule < COMETI_GEMM_SCHEDULE_AUTO || g->launch.schedule > COMETI_GEMM_PINGPONG)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm launch.schedule = %d: must be %d (choose), %d "
+                           "(cooperative) or %d (ping-pong)", g->launch.schedule, COMETI_GEMM_SCHEDULE_AUTO,
+                           COMETI_GEMM_COOPERATIVE, COMETI_GEMM_PINGPONG);
+    if (g->launch.block_n && g->launch.block_n != 128 && g->launch.block_n != 256)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm block_n = %d: must be 128, 256 or 0 (choose)",
+                           g->launch.block_n);
+    int vi = 0;
+    COMETI_TRY(resolve_variant(err, g, &vi));
+    const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
+    COMETI_TRY(check_core(err, g, v));
+    const int out_n = cometi_gemm_out_cols(*v), n_tiles = (g->problem.n + out_n - 1) / out_n;
+    if (g->roles.dispatch) COMETI_TRY(check_dispatch(err, g));
+    if (g->roles.splits) COMETI_TRY(check_splits(err, g, n_tiles, out_n));
+    if (g->out.push) COMETI_TRY(check_push(err, g));
+    *variant = vi;
     return COMET_SUCCESS;
 }
 
 comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gemm_prepared_t *out)
 {
-    int block_n = 0, out_n = 0, tma_epilogue = 0;
-    COMETI_TRY(check_core(err, g, &block_n, &out_n, &tma_epilogue));
-    const int n_tiles = (g->n + out_n - 1) / out_n, pingpong = g->schedule == COMETI_SCHEDULE_PINGPONG;
-    if (g->dispatch) COMETI_TRY(check_dispatch(err, g));
-    if (g->splits) COMETI_TRY(check_splits(err, g, n_tiles, out_n));
-    if (g->push) COMETI_TRY(check_push(err, g, tma_epilogue));
-    const int dispatch_blocks = g->dispatch ? g->dispatch->blocks : 0;
-    const int combine_blocks = g->splits ? g->splits->combine_blocks : 0;
+    int vi = 0;
+    COMETI_TRY(cometi_gemm_check(err, g, &vi));
+    const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
+    const int out_n = cometi_gemm_out_cols(*v);
+    const int pingpong = v->schedule == COMETI_GEMM_PINGPONG, along_k = v->along == COMETI_GEMM_GROUPS_ALONG_K;
+    const int swiglu = out_n != v->block_n, tma_store = v->store == COMETI_GEMM_STORE_TMA;
+    const int b_mn = !along_k && v->b_major == COMETI_GEMM_MN_MAJOR;
+    const int dispatch_blocks = g->roles.dispatch ? g->roles.dispatch->blocks : 0;
+    const int combine_blocks = g->roles.splits ? g->roles.splits->combine_blocks : 0;
+    const int n = g->problem.n, k = g->problem.k, groups = g->problem.groups, m_out = g->problem.m_out;
     /* B rows per group, and where a group's up rows sit relative to its gate rows. */
-    const int fused_up = g->swiglu && !g->b_up;
-    const int b_group_rows = fused_up ? 2 * g->n : g->n;
+    const int fused_up = swiglu && !g->b.up;
+    const int b_group_rows = fused_up ? 2 * n : n;
     cometi_gemm_maps_t m;
     memset(&m, 0, sizeof(m));
-    if (g->wgrad) /* A [a_rows][m_out]: boxes of 64 rows of m x 64 k rows */
-        COMETI_TRY(make_map(err, &m.a, g->a, (uint64_t)g->m_out, (uint64_t)g->a_rows, COMETI_GEMM_BK, "A (wgrad)"));
+    if (along_k) /* A [rows][m_out]: boxes of 64 rows of m x 64 k rows */
+        COMETI_TRY(make_map(err, &m.a, g->a.ptr, (uint64_t)m_out, (uint64_t)g->a.rows, COMETI_GEMM_BK, "A (along K)"));
     else
-        COMETI_TRY(make_map(err, &m.a, g->a, (uint64_t)g->k, (uint64_t)g->a_rows, pingpong ? 64 : COMETI_GEMM_BM,
+        COMETI_TRY(make_map(err, &m.a, g->a.ptr, (uint64_t)k, (uint64_t)g->a.rows, pingpong ? 64 : COMETI_GEMM_BM,
                             "A"));
-    if (g->wgrad) { /* B [a_rows][n]: boxes of 64 columns x 64 k rows */
-        COMETI_TRY(make_map(err, &m.b, g->b, (uint64_t)g->n, (uint64_t)g->a_rows, COMETI_GEMM_BK, "B (wgrad)"));
-    } else if (g->swiglu) { /* [groups][n][k] views of the gate rows and of the up rows */
-        const void *up = g->b_up ? g->b_up : (const char *)g->b + (size_t)g->n * g->k * 2;
-        COMETI_TRY(make_map_3d(err, &m.b, g->b, (uint64_t)g->k, (uint64_t)g->n, (uint64_t)g->groups, (uint64_t)g->k,
-                               (uint64_t)b_group_rows * g->k, (uint32_t)out_n, "B gate"));
-        COMETI_TRY(make_map_3d(err, &m.up, up, (uint64_t)g->k, (uint64_t)g->n, (uint64_t)g->groups, (uint64_t)g->k,
-                               (uint64_t)b_group_rows * g->k, (uint32_t)out_n, "B up"));
-    } else if (g->b_mn_major) { /* [groups][k][n]: boxes of 64 columns x 64 k rows */
-        COMETI_TRY(make_map_3d(err, &m.b, g->b, (uint64_t)g->n, (uint64_t)g->k, (uint64_t)g->groups, (uint64_t)g->n,
-                               (uint64_t)g->k * g->n, COMETI_GEMM_BK, "B (MN-major)"));
+    if (along_k) { /* B [rows][n]: boxes of 64 columns x 64 k rows */
+        COMETI_TRY(make_map(err, &m.b, g->b.ptr, (uint64_t)n, (uint64_t)g->a.rows, COMETI_GEMM_BK, "B (along K)"));
+    } else if (swiglu) { /* [groups][n][k] views of the gate rows and of the up rows */
+        const void *up = g->b.up ? g->b.up : (const char *)g->b.ptr + (size_t)n * k * 2;
+        COMETI_TRY(make_map_3d(err, &m.b, g->b.ptr, (uint64_t)k, (uint64_t)n, (uint64_t)groups, (uint64_t)k,
+                               (uint64_t)b_group_rows * k, (uint32_t)out_n, "B gate"));
+        COMETI_TRY(make_map_3d(err, &m.up, up, (uint64_t)k, (uint64_t)n, (uint64_t)groups, (uint64_t)k,
+                               (uint64_t)b_group_rows * k, (uint32_t)out_n, "B up"));
+    } else if (b_mn) { /* [groups][k][n]: boxes of 64 columns x 64 k rows */
+        COMETI_TRY(make_map_3d(err, &m.b, g->b.ptr, (uint64_t)n, (uint64_t)k, (uint64_t)groups, (uint64_t)n,
+                               (uint64_t)k * n, COMETI_GEMM_BK, "B (MN-major)"));
     } else {
-        COMETI_TRY(make_map(err, &m.b, g->b, (uint64_t)g->k, (uint64_t)g->groups * b_group_rows, (uint32_t)out_n,
+        COMETI_TRY(make_map(err, &m.b, g->b.ptr, (uint64_t)k, (uint64_t)groups * b_group_rows, (uint32_t)out_n,
                             "B"));
     }
     /* C's columns end at n (a ragged last tile stores nothing past it), rows ldc apart. */
-    const uint64_t c_rows = g->wgrad ? (uint64_t)g->groups * g->m_out : (uint64_t)g->a_rows;
-    if (tma_epilogue)
-        COMETI_TRY(make_map_3d(err, &m.c, g->c, (uint64_t)g->n, c_rows, 1, (uint64_t)g->ldc, 0, 64, "C"));
+    const uint64_t c_rows = along_k ? (uint64_t)groups * m_out : (uint64_t)g->a.rows;
+    if (tma_store && v->epilogue != COMETI_GEMM_EPI_PUSH)
+        COMETI_TRY(make_map_3d(err, &m.c, g->out.c, (uint64_t)n, c_rows, 1, (uint64_t)g->out.ldc, 0, 64, "C"));
     /* The kept gate and up, [gu_rows][2n] seen as [gu_rows][2][n]: a box of 64 rows x 64
      * columns of one half, stored like C's (rows past gu_rows clipped). */
-    const int gu_tma = g->gu && tma_epilogue && (uintptr_t)g->gu % 16 == 0;
+    const int gu_tma = g->out.gu && tma_store && (uintptr_t)g->out.gu % 16 == 0;
     if (gu_tma) {
-        const uint64_t dims[3] = {(uint64_t)g->n, 2, (uint64_t)g->gu_rows}, strides[2] = {(uint64_t)g->n,
-                                                                                         2 * (uint64_t)g->n};
+        const uint64_t dims[3] = {(uint64_t)n, 2, (uint64_t)g->out.gu_rows}, strides[2] = {(uint64_t)n,
+                                                                                           2 * (uint64_t)n};
         const uint32_t box[3] = {64, 1, 64};
-        COMETI_TRY(encode_map(err, &m.gu, g->gu, 3, dims, strides, box, "gu"));
+        COMETI_TRY(encode_map(err, &m.gu, g->out.gu, 3, dims, strides, box, "gu"));
     }
     cometi_gemm_args_t args;
     memset(&args, 0, sizeof(args));
-    args.segs = g->segs;
-    args.groups = g->groups;
-    args.n = g->n;
-    args.k = g->wgrad ? COMETI_GEMM_BK : g->k; /* wgrad: each group's own rows set its k */
-    args.ldc = g->ldc;
-    args.m_out = g->wgrad ? g->m_out : 0;
-    args.group_m = g->group_m ? g->group_m : 8;
+    args.segs = g->problem.segs;
+    args.groups = groups;
+    args.n = n;
+    args.k = along_k ? COMETI_GEMM_BK : k; /* along K: each group's own rows set its k */
+    args.ldc = g->out.ldc;
+    args.m_out = along_k ? m_out : 0;
+    args.group_m = g->launch.group_m ? g->launch.group_m : 8;
     args.b_group_rows = b_group_rows;
-    args.row_scale = g->row_scale;
-    args.row_index = g->row_index;
-    args.local_rows = g->local_rows;
-    args.sched = g->sched;
-    args.n_splits = g->splits ? g->splits->n_splits : 1;
-    args.c = g->c;
-    args.c_fp32_add = g->c_fp32_add;
-    args.gu = g->gu;
-    args.gu_rows = g->gu_rows;
+    args.row_scale = g->out.row_scale;
+    args.row_index = g->out.row_index;
+    args.local_rows = g->problem.local_rows;
+    args.sched = g->launch.sched;
+    args.n_splits = g->roles.splits ? g->roles.splits->n_splits : 1;
+    args.c = g->out.c;
+    args.c_fp32_add = v->epilogue == COMETI_GEMM_EPI_ADD_FP32;
+    args.gu = g->out.gu;
+    args.gu_rows = g->out.gu_rows;
     args.gu_tma = gu_tma;
     args.err = g->err;
     args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
     args.timeout_ns = 2 * args.arrival_timeout_ns;
-    args.tile_trace = g->tile_trace;
-    args.tail_ws = g->wgrad ? NULL : (unsigned long long *)g->tail_ws;
-    if (g->dispatch) {
-        args.arrive = g->dispatch->arrive;
-        args.expected = g->dispatch->expected;
-        args.dispatch = g->dispatch->rows;
+    args.tile_trace = g->roles.tile_trace;
+    args.tail_ws = along_k ? NULL : (unsigned long long *)g->launch.tail_ws;
+    if (g->roles.dispatch) {
+        args.arrive = g->roles.dispatch->arrive;
+        args.expected = g->roles.dispatch->expected;
+        args.dispatch = g->roles.dispatch->rows;
     }
-    if (g->splits) {
-        args.split_done = g->splits->split_done;
+    if (g->roles.splits) {
+        args.split_done = g->roles.splits->split_done;
         args.combine_blocks = combine_blocks;
-        args.combine = g->splits->combine;
+        args.combine = g->roles.splits->combine;
     }
-    if (g->push) {
-        args.push_dest = g->push->dest;
-        args.push_maps = (const CUtensorMap *)g->push->maps;
-        args.combine = g->push->combine;
+    if (g->out.push) {
+        args.push_dest = g->out.push->dest;
+        args.push_maps = (const CUtensorMap *)g->out.push->maps;
+        args.combine = g->out.push->combine;
     }
     int sm_count = 0, dev = 0;
     COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "cudaGetDevice"));
@@ -340,16 +435,16 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
                            "cudaDeviceGetAttribute(SM count)"));
     const int side_blocks = dispatch_blocks + combine_blocks;
     /* GEMM blocks, then dispatch (or combine) blocks. */
-    args.gemm_blocks = g->sms > 0 ? g->sms : sm_count - side_blocks;
+    args.gemm_blocks = g->launch.sms > 0 ? g->launch.sms : sm_count - side_blocks;
     const int blocks = args.gemm_blocks + side_blocks;
     /* Blocks that wait for others must never keep those off the GPU: one per SM, all resident. */
-    if ((g->dispatch || combine_blocks) && (args.gemm_blocks < 1 || blocks > sm_count))
+    if ((g->roles.dispatch || combine_blocks) && (args.gemm_blocks < 1 || blocks > sm_count))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm with arrival waits or combine: %d GEMM + %d dispatch "
                            "or combine blocks must be 1..%d (one per SM, so every block is resident)",
                            args.gemm_blocks, side_blocks, sm_count);
     if (args.gemm_blocks < 1)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm sms = %d with %d dispatch or combine blocks: no GEMM "
-                           "block left", g->sms, side_blocks);
+                           "block left", g->launch.sms, side_blocks);
     /* The workspace holds two partials per SM (COMETI_GEMM_TAIL_SLOTS), and the plan's
      * no-deadlock argument needs every block resident: a grid past the SMs goes without
      * the cut. */
@@ -357,20 +452,26 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     cometi_gemm_plan_t *pr = (cometi_gemm_plan_t *)out->bytes;
     pr->maps = m;
     pr->args = args;
+    pr->variant = vi;
     pr->blocks = blocks;
-    pr->block_n = block_n;
-    pr->swiglu = g->swiglu != 0;
-    pr->pingpong = pingpong;
-    pr->tma_epilogue = tma_epilogue;
-    pr->b_mn_major = g->b_mn_major != 0;
-    pr->wgrad = g->wgrad != 0;
     return COMET_SUCCESS;
 }
 
 comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepared_t *p, cudaStream_t stream)
 {
-    return cometi_cuda(err, cometi_gemm_kernel_launch((const cometi_gemm_plan_t *)p->bytes, stream),
-                       "launch grouped_gemm_kernel");
+    const cometi_gemm_plan_t *plan = (const cometi_gemm_plan_t *)p->bytes;
+    if (plan->variant < 0 || plan->variant >= COMETI_GEMM_NUM_VARIANTS)
+        return cometi_fail(err, COMET_INTERNAL_ERROR, "gemm: variant %d is not a row of the table", plan->variant);
+    cudaError_t e;
+    switch (cometi_gemm_family(cometi_gemm_variants[plan->variant])) {
+    case COMETI_GEMM_FAMILY_WGRAD: e = cometi_gemm_launch_wgrad(plan, stream); break;
+    case COMETI_GEMM_FAMILY_DGRAD: e = cometi_gemm_launch_dgrad(plan, stream); break;
+    default: e = cometi_gemm_launch_forward(plan, stream); break;
+    }
+    if (e == cudaSuccess) return COMET_SUCCESS;
+    char what[96];
+    snprintf(what, sizeof(what), "launch grouped_gemm_kernel (%s)", cometi_gemm_variants[plan->variant].name);
+    return cometi_cuda(err, e, what);
 }
 
 comet_status_t cometi_gemm_run(char *err, const cometi_gemm_t *g, cudaStream_t stream)

@@ -53,18 +53,19 @@ static cometi_gemm_t wgrad_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t 
 {
     cometi_gemm_t g;
     memset(&g, 0, sizeof(g));
-    g.wgrad = 1;
-    g.a = a;
-    g.m_out = m_out;
-    g.b = b;
-    g.n = n;
-    g.a_rows = rows;
-    g.c = c;
-    g.ldc = n;
-    g.c_fp32_add = fp32;
-    g.epilogue = fp32 ? COMETI_EPILOGUE_DIRECT : COMETI_EPILOGUE_AUTO;
-    g.segs = l0->route.plan.local_segs;
-    g.groups = l0->experts_per_group;
+    g.problem.along = COMETI_GEMM_GROUPS_ALONG_K;
+    g.problem.groups = l0->experts_per_group;
+    g.problem.n = n;
+    g.problem.m_out = m_out;
+    g.problem.segs = l0->route.plan.local_segs;
+    g.a.ptr = a;
+    g.a.rows = rows;
+    g.a.major = COMETI_GEMM_MN_MAJOR;
+    g.b.ptr = b;
+    g.b.major = COMETI_GEMM_MN_MAJOR;
+    g.out.epilogue = fp32 ? COMETI_GEMM_EPI_ADD_FP32 : COMETI_GEMM_EPI_STORE;
+    g.out.c = c;
+    g.out.ldc = n;
     g.err = comm->async_dev;
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
     return g;
@@ -84,20 +85,20 @@ static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *
     const int H = moe->cfg.hidden, F = moe->ffn_local, fp32 = ba->grads.mode == COMET_GRAD_ACCUMULATE_FP32;
     backward_gemms_t b;
     b.dgrad_down = cometi_dispatch_gemm_gemm(comm, &f->l0, a);
-    b.dgrad_down.b = ba->weights.down; /* [E][H][F]: k = H rows of n = F */
-    b.dgrad_down.b_up = NULL;
-    b.dgrad_down.b_mn_major = 1;
-    b.dgrad_down.swiglu = 0;
-    b.dgrad_down.n = F;
-    b.dgrad_down.k = H;
-    b.dgrad_down.c = f->l0.act;
-    b.dgrad_down.ldc = F;
+    b.dgrad_down.problem.n = F;
+    b.dgrad_down.problem.k = H;
+    b.dgrad_down.b.ptr = ba->weights.down; /* [E][H][F]: k = H rows of n = F */
+    b.dgrad_down.b.up = NULL;
+    b.dgrad_down.b.major = COMETI_GEMM_MN_MAJOR;
+    b.dgrad_down.out.epilogue = COMETI_GEMM_EPI_STORE;
+    b.dgrad_down.out.c = f->l0.act;
+    b.dgrad_down.out.ldc = F;
     b.dgrad_gate_up = cometi_gemm_combine_gemm(comm, &f->l1, &f->l0, a);
-    b.dgrad_gate_up.a = sv->h; /* dh, once SwiGLU's backward has run */
-    b.dgrad_gate_up.a_rows = sv->cap_rows;
-    b.dgrad_gate_up.b = ba->weights.gate_up; /* [E][2F][H]: k = 2F rows of n = H */
-    b.dgrad_gate_up.b_mn_major = 1;
-    b.dgrad_gate_up.k = 2 * F;
+    b.dgrad_gate_up.problem.k = 2 * F;
+    b.dgrad_gate_up.a.ptr = sv->h; /* dh, once SwiGLU's backward has run */
+    b.dgrad_gate_up.a.rows = sv->cap_rows;
+    b.dgrad_gate_up.b.ptr = ba->weights.gate_up; /* [E][2F][H]: k = 2F rows of n = H */
+    b.dgrad_gate_up.b.major = COMETI_GEMM_MN_MAJOR;
     /* The layer's buffers (dy rows, the activation) hold max_recv_rows; the bound may be larger. */
     const int64_t layer_rows = sv->cap_rows < f->l0.max_recv_rows ? sv->cap_rows : f->l0.max_recv_rows;
     b.wgrad_down = wgrad_gemm(comm, &f->l0, f->l0.recv.local, H, f->l0.act, F, layer_rows, ba->grads.down, fp32);
@@ -119,8 +120,9 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     const cometi_route_dev_plan_t *plan = &l0->route.plan;
     /* GEMM0's epilogue keeps [g u] beside the activation. */
     cometi_gemm_t core0 = cometi_dispatch_gemm_gemm(comm, l0, a);
-    core0.gu = sv->h;
-    core0.gu_rows = sv->cap_rows;
+    core0.out.epilogue = COMETI_GEMM_EPI_SWIGLU_GU;
+    core0.out.gu = sv->h;
+    core0.out.gu_rows = sv->cap_rows;
     /* The route's call id of a training forward: its bound, which every rank must share. */
     const cometi_dispatch_call_t kind = {0, NULL, COMETI_CALL_TRAIN_FORWARD | (unsigned int)(sv->max_recv_rows %
                                                                                              COMETI_CALL_TRAIN_FORWARD)};
@@ -256,9 +258,9 @@ comet_status_t cometi_moe_backward_gemms(comet_moe_t moe, const comet_moe_backwa
     const comet_moe_args_t a = backward_args(f, ba);
     backward_gemms_t g = describe_backward(moe, f, &a, ba);
     /* Alone: every SM, no roles, on the segments of the layer's last route. */
-    g.dgrad_down.local_rows = NULL;
-    g.dgrad_down.tail_ws = NULL;
-    g.dgrad_gate_up.tail_ws = NULL;
+    g.dgrad_down.problem.local_rows = NULL;
+    g.dgrad_down.launch.tail_ws = NULL;
+    g.dgrad_gate_up.launch.tail_ws = NULL;
     const cometi_gemm_t *all[4] = {&g.dgrad_down, &g.dgrad_gate_up, &g.wgrad_down, &g.wgrad_gate_up};
     for (int i = 0; i < 4; i++)
         if (!mask || mask & (1 << i)) COMETI_TRY(cometi_gemm_run(moe->err, all[i], stream));

@@ -89,22 +89,22 @@ cometi_gemm_t cometi_dispatch_gemm_gemm(comet_comm_t comm, const cometi_dispatch
 {
     cometi_gemm_t g;
     memset(&g, 0, sizeof(g));
-    g.a = l->recv.local;
-    g.a_rows = l->max_recv_rows;
-    g.b = a->weights.gate_up ? a->weights.gate_up : a->weights.gate;
-    g.b_up = a->weights.gate_up ? NULL : a->weights.up;
-    g.c = l->act;
-    g.ldc = l->ffn;
-    g.segs = l->route.plan.local_segs;
-    g.groups = l->experts_per_group;
-    g.n = l->ffn;
-    g.k = l->hidden;
-    g.swiglu = 1;
+    g.problem.groups = l->experts_per_group;
+    g.problem.n = l->ffn;
+    g.problem.k = l->hidden;
+    g.problem.segs = l->route.plan.local_segs;
+    g.problem.local_rows = l->route.plan.local_rows; /* the fused run's tile order */
+    g.a.ptr = l->recv.local;
+    g.a.rows = l->max_recv_rows;
+    g.b.ptr = a->weights.gate_up ? a->weights.gate_up : a->weights.gate;
+    g.b.up = a->weights.gate_up ? NULL : a->weights.up;
+    g.out.epilogue = COMETI_GEMM_EPI_SWIGLU;
+    g.out.c = l->act;
+    g.out.ldc = l->ffn;
+    g.launch.tail_ws = l->tail_ws;
     g.err = comm->async_dev;
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
-    g.tile_trace = l->tile_trace;
-    g.tail_ws = l->tail_ws;
-    g.local_rows = l->route.plan.local_rows; /* the fused run's tile order */
+    g.roles.tile_trace = l->tile_trace;
     return g;
 }
 
@@ -151,10 +151,10 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
                                                               l->hidden)))
         wave = 0; /* nothing may fail once the side stream has forked; its copy reads a row per token */
     cometi_gemm_t g = *core;
-    g.segs = l->route.plan.fused_segs;
-    g.local_rows = l->route.plan.fused_local_rows;
-    g.sms = gemm_blocks;
-    g.sched = l->sched;
+    g.problem.segs = l->route.plan.fused_segs;
+    g.problem.local_rows = l->route.plan.fused_local_rows;
+    g.launch.sms = gemm_blocks;
+    g.launch.sched = l->sched;
     cometi_gemm_dispatch_t role;
     memset(&role, 0, sizeof(role));
     role.blocks = dispatch_blocks;
@@ -179,7 +179,7 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
         d->recv[p] = l->recv.peer[p];
         d->arrive[p] = (unsigned long long *)l->arrive.peer[p];
     }
-    g.dispatch = &role;
+    g.roles.dispatch = &role;
     /* Check everything before the route: once it has run, peers expect this rank's rows
      * and its arrival totals have grown, so failing after it would leave them waiting. The
      * plan's arrays are allocated once, so the GEMM can be described before they are filled. */
@@ -188,12 +188,12 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     if (wave) { /* static tiles, no shared counters or workspace: it runs beside the fused kernel */
         cometi_gemm_t w = *core;
         const int free_sms = comm->sm_count - COMETI_FIRST_WAVE_FREE_SMS;
-        w.segs = l->wave_seg;
-        w.groups = 1;
-        w.local_rows = NULL;
-        w.sms = wave * col_tiles < free_sms ? wave * col_tiles : free_sms;
-        w.tail_ws = NULL;
-        w.tile_trace = NULL;
+        w.problem.segs = l->wave_seg;
+        w.problem.groups = 1;
+        w.problem.local_rows = NULL;
+        w.launch.sms = wave * col_tiles < free_sms ? wave * col_tiles : free_sms;
+        w.launch.tail_ws = NULL;
+        w.roles.tile_trace = NULL;
         COMETI_TRY(cometi_gemm_prepare(comm->err, &w, &wave_prepared));
     }
     COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->topk_weights, a->num_tokens, l->top_k, wave,

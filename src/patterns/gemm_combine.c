@@ -96,23 +96,23 @@ cometi_gemm_t cometi_gemm_combine_gemm(comet_comm_t comm, const cometi_gemm_comb
 {
     cometi_gemm_t g;
     memset(&g, 0, sizeof(g));
-    g.a = l0->act;
-    g.a_rows = l0->max_recv_rows;
-    g.b = a->weights.down;
-    g.c = l->out;
-    g.ldc = l->hidden;
-    g.segs = l0->route.plan.local_segs;
-    g.groups = l0->experts_per_group;
-    g.n = l->hidden;
-    g.k = l0->ffn;
+    g.problem.groups = l0->experts_per_group;
+    g.problem.n = l->hidden;
+    g.problem.k = l0->ffn;
+    g.problem.segs = l0->route.plan.local_segs;
+    g.a.ptr = l0->act;
+    g.a.rows = l0->max_recv_rows;
+    g.b.ptr = a->weights.down;
+    g.out.c = l->out;
+    g.out.ldc = l->hidden;
     g.err = comm->async_dev;
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
-    g.tile_trace = l->tile_trace;
+    g.roles.tile_trace = l->tile_trace;
     /* The last wave's cut (the kernels share a stream and never overlap). Which tiles it
      * cuts depends on the blocks that take tiles and on the tile order, so the combine
      * path, whose bits must not depend on its knobs (combine blocks, splits), goes
      * without it: cometi_gemm_combine_run clears it on that path. */
-    g.tail_ws = l0->tail_ws;
+    g.launch.tail_ws = l0->tail_ws;
     return g;
 }
 
@@ -156,11 +156,12 @@ comet_status_t cometi_gemm_combine_row_homes(comet_comm_t comm, cometi_gemm_comb
                        "launch push_dest_kernel");
 }
 
-/* Column tiles of layer1's GEMM `g` (a partial last one counts: it stores its rows too). */
-static int gemm_col_tiles(const cometi_gemm_t *g)
+/* Column tiles of layer1's GEMM `g` as prepared (a partial last one counts: it stores its
+ * rows too). */
+static int gemm_col_tiles(const cometi_gemm_t *g, const cometi_gemm_prepared_t *prepared)
 {
-    const int tile_n = g->block_n ? g->block_n : cometi_gemm_tile_n(g->n);
-    return (g->n + tile_n - 1) / tile_n;
+    const int tile_n = cometi_gemm_variants[((const cometi_gemm_plan_t *)prepared->bytes)->variant].block_n;
+    return (g->problem.n + tile_n - 1) / tile_n;
 }
 
 /* The push: GEMM1 on every SM, each tile's rows sent home from its epilogue, then the
@@ -171,15 +172,16 @@ static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, come
                                cudaStream_t stream)
 {
     cometi_gemm_t g = *core;
-    g.sched = knobs->dynamic_tiles ? l->sched : NULL;
-    g.epilogue = COMETI_EPILOGUE_TMA;
+    g.launch.sched = knobs->dynamic_tiles ? l->sched : NULL;
+    g.out.epilogue = COMETI_GEMM_EPI_PUSH;
+    g.out.store = COMETI_GEMM_STORE_TMA;
     cometi_gemm_push_t push;
     memset(&push, 0, sizeof(push));
     push.dest = l->push_dest;
     push.maps = l->push_maps;
     cometi_combine_t *c = &push.combine;
     combine_tables(comm, l, l0, a, c);
-    g.push = &push;
+    g.out.push = &push;
     cometi_push_sum_t s;
     memset(&s, 0, sizeof(s));
     s.slots = l->slots.local;
@@ -197,11 +199,11 @@ static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, come
     s.num_experts = l0->num_experts;
     s.rank = comm->rank;
     s.tp = l0->tp;
-    s.col_tiles = gemm_col_tiles(&g);
     /* Everything checked before anything is enqueued: peers count what this GEMM sends. */
     cometi_gemm_prepared_t prepared;
     unsigned int sum_blocks;
     COMETI_TRY(cometi_gemm_prepare(comm->err, &g, &prepared));
+    s.col_tiles = gemm_col_tiles(&g, &prepared);
     if (s.hidden % 8 || s.top_k < 1 || s.top_k > COMETI_COMBINE_MAX_TOP_K || s.num_tokens < 0 || s.col_tiles < 1 ||
         s.tp < 1 || (uintptr_t)s.y % 16 || (uintptr_t)s.slots % 16)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "push sum: hidden %d (a multiple of 8), top_k %d "
@@ -212,7 +214,7 @@ static comet_status_t run_push(comet_comm_t comm, cometi_gemm_combine_t *l, come
     /* Every row this call received gets its destination: rows past another A's end (the
      * backward's dh, bounded by its saved state) would keep an earlier call's. */
     COMETI_TRY(cometi_cuda(comm->err,
-                           cometi_launch_push_dest(c, g.segs, g.groups, l0->max_recv_rows,
+                           cometi_launch_push_dest(c, g.problem.segs, g.problem.groups, l0->max_recv_rows,
                                                    l0->route.plan.recv_rows + comm->rank / l0->tp, l->push_dest,
                                                    stream),
                            "launch push_dest_kernel"));
@@ -253,7 +255,7 @@ comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combi
     if (knobs->push && (knobs->combine_blocks || knobs->n_splits != 1))
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "push with %d combine blocks and %d splits: the push "
                            "needs 0 combine blocks and 1 split", knobs->combine_blocks, knobs->n_splits);
-    if (core->c != l->out || core->n != l->hidden)
+    if (core->out.c != l->out || core->problem.n != l->hidden)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "GEMM -> combine: the GEMM must write its %d columns "
                            "into the layer's output rows (the combine reads them there)", l->hidden);
     if (knobs->push) return run_push(comm, l, l0, a, core, knobs, between, stream);
@@ -262,9 +264,9 @@ comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combi
                            "rows home (the combine blocks and the tail pre-sum per rank, which TP does not allow)",
                            l->tp);
     cometi_gemm_t g = *core;
-    g.tail_ws = NULL; /* the same bits whatever the knobs (cometi_gemm_combine_gemm) */
-    g.sms = comm->sm_count - knobs->combine_blocks;
-    g.sched = knobs->dynamic_tiles ? l->sched : NULL;
+    g.launch.tail_ws = NULL; /* the same bits whatever the knobs (cometi_gemm_combine_gemm) */
+    g.launch.sms = comm->sm_count - knobs->combine_blocks;
+    g.launch.sched = knobs->dynamic_tiles ? l->sched : NULL;
     cometi_gemm_splits_t splits;
     memset(&splits, 0, sizeof(splits));
     splits.n_splits = knobs->n_splits;
@@ -272,7 +274,7 @@ comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combi
     splits.combine_blocks = knobs->combine_blocks;
     cometi_combine_t *c = &splits.combine;
     combine_tables(comm, l, l0, a, c);
-    g.splits = &splits;
+    g.roles.splits = &splits;
     c->kernel_splits = knobs->combine_blocks ? knobs->n_splits - (knobs->tail != 0) : 0;
     c->expected = l->expected;
     c->sync = l->sched + 3; /* the kernel's words 3 and 4, used on either schedule */
@@ -283,10 +285,11 @@ comet_status_t cometi_gemm_combine_run_core(comet_comm_t comm, cometi_gemm_combi
     /* Here the tail sends rows too (the last split's, or all of them with no combine
      * blocks): `between` goes after it, since before it no row would be on its way. */
     if (c->kernel_splits < knobs->n_splits) {
-        const int tiles_per_split = gemm_col_tiles(&g) / knobs->n_splits; /* as the GEMM's split_tiles */
+        const int tiles_per_split = gemm_col_tiles(&g, &prepared) / knobs->n_splits; /* as the GEMM's split_tiles */
         c->trace = l->trace + (size_t)COMETI_COMBINE_TRACE * comm->sm_count; /* the tail's own rows */
         COMETI_TRY(cometi_cuda(comm->err,
-                               cometi_launch_combine_tail(c, l->out, l->hidden, g.segs, g.groups, knobs->n_splits,
+                               cometi_launch_combine_tail(c, l->out, l->hidden, g.problem.segs, g.problem.groups,
+                                                          knobs->n_splits,
                                                           tiles_per_split, l->split_done, knobs->combine_blocks == 0,
                                                           comm->async_dev, g.timeout_ns, stream),
                                "launch combine_tail_kernel"));

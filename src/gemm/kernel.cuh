@@ -1,5 +1,7 @@
 /*
- * gemm.cu - the persistent, warp-specialized grouped GEMM (sm_90a), and its launch.
+ * kernel.cuh - the persistent, warp-specialized grouped GEMM (sm_90a), one kernel per row
+ * V of variants.h's table, and its launch. The files gemm_forward.cu, gemm_dgrad.cu and
+ * gemm_wgrad.cu compile the rows of one family each (launch_family below).
  *
  * One block per SM, 384 threads: warpgroup 0 is the producer (one thread issues TMA loads
  * of A and B tiles into a ring of shared-memory stages, completing on mbarriers);
@@ -15,6 +17,9 @@
  * The group table (rows per expert) is read on the device: no host sync. The host side
  * (checks, tensor maps, arguments) is gemm/prepare.c.
  */
+#ifndef COMET_GEMM_KERNEL_CUH
+#define COMET_GEMM_KERNEL_CUH
+
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -31,18 +36,24 @@
 
 #define BM COMETI_GEMM_BM
 #define THREADS 384
-#define TICKETS 4 /* tiles the producer may announce ahead of the consumers (dynamic schedule) */
+#define TICKETS COMETI_GEMM_TICKETS
+static_assert(sizeof(cometi_tail_plan_t) == 3 * 4, "variants.h counts the last wave's plan as 3 ints");
 
-template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG, bool B_MN, bool WGRAD>
+template <int V>
 static __global__ void __launch_bounds__(THREADS, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                     const __grid_constant__ CUtensorMap map_up, const __grid_constant__ CUtensorMap map_c,
                     const __grid_constant__ CUtensorMap map_gu, cometi_gemm_args_t p)
 {
-    /* Output columns per tile: SwiGLU pairs gate column c with up column c + BN/2. */
-    const int ON = SWIGLU ? BN / 2 : BN;
-    /* Rows per tile: 128 shared by both consumers, or 64 for one (ping-pong). */
-    const int TM = PINGPONG ? 64 : BM;
+    constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
+    constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T);
+    constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA,
+                   SWIGLU = T.epilogue == COMETI_GEMM_EPI_SWIGLU || T.epilogue == COMETI_GEMM_EPI_SWIGLU_GU,
+                   PINGPONG = T.schedule == COMETI_GEMM_PINGPONG, WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K,
+                   DISPATCH = T.roles & COMETI_GEMM_ROLE_DISPATCH, SPLITS = T.roles & COMETI_GEMM_ROLE_SPLITS;
+    /* Output columns per tile (SwiGLU pairs gate column c with up column c + BN/2), and rows
+     * per tile: 128 shared by both consumers, or 64 for one (ping-pong). */
+    constexpr int ON = cometi_gemm_out_cols(T), TM = cometi_gemm_tile_rows(T);
     const uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2,
                    C_BYTES = TMA_EPILOGUE ? c_stage_bytes(ON) : 0;
     extern __shared__ unsigned char smem_raw[];
@@ -70,21 +81,27 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     unsigned long long *trace = p.tile_trace ? p.tile_trace + (size_t)blockIdx.x * COMETI_TILE_TRACE_WORDS : NULL;
     const unsigned long long t_entry = trace ? cometi_globaltimer_ns() : 0;
     cometi_grid_wait(); /* the route's plan, the inputs, the tile counters */
-    if (p.combine_blocks && (int)blockIdx.x < p.combine_blocks) {
-        combine_rows(&p.combine, (const __nv_bfloat16 *)p.c, p.n, p.segs, p.groups, p.n_splits, split_tiles,
-                     p.split_done, p.combine_blocks, smem, p.err, p.arrival_timeout_ns);
-        return;
+    if constexpr (SPLITS) {
+        if (p.combine_blocks && (int)blockIdx.x < p.combine_blocks) {
+            combine_rows(&p.combine, (const __nv_bfloat16 *)p.c, p.n, p.segs, p.groups, p.n_splits, split_tiles,
+                         p.split_done, p.combine_blocks, smem, p.err, p.arrival_timeout_ns);
+            return;
+        }
     }
-    if ((int)blockIdx.x < dispatch_blocks) {
-        /* Pieces are claimed from counter 2; once done, the block computes too. */
-        dispatch_rows(&p.dispatch, smem, p.sched + 2, p.err, p.timeout_ns);
-        /* The piece table's generic writes, before the GEMM's tensor loads reuse the space. */
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
-        if (trace && threadIdx.x == 0) trace[1] = cometi_globaltimer_ns();
+    if constexpr (DISPATCH) {
+        if ((int)blockIdx.x < dispatch_blocks) {
+            /* Pieces are claimed from counter 2; once done, the block computes too. */
+            dispatch_rows(&p.dispatch, smem, p.sched + 2, p.err, p.timeout_ns);
+            /* The piece table's generic writes, before the GEMM's tensor loads reuse the space. */
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncthreads();
+            if (trace && threadIdx.x == 0) trace[1] = cometi_globaltimer_ns();
+        } else {
+            if (p.dispatch.head_pieces) copy_head(&p.dispatch, blockIdx.x - dispatch_blocks, p.gemm_blocks, smem);
+            if (trace && threadIdx.x == 0) trace[1] = p.dispatch.head_pieces ? cometi_globaltimer_ns() : 0;
+        }
     } else {
-        if (p.dispatch.head_pieces) copy_head(&p.dispatch, blockIdx.x - dispatch_blocks, p.gemm_blocks, smem);
-        if (trace && threadIdx.x == 0) trace[1] = p.dispatch.head_pieces ? cometi_globaltimer_ns() : 0;
+        if (trace && threadIdx.x == 0) trace[1] = 0;
     }
     if (trace && threadIdx.x == 0) trace[0] = t_entry;
     const int block = blockIdx.x - dispatch_blocks; /* among the GEMM blocks (static schedule) */
@@ -113,7 +130,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
         if (TMA_EPILOGUE) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_c) : "memory");
         if (SWIGLU) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_up) : "memory");
-        if (SWIGLU && p.gu_tma) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_gu) : "memory");
+        if (T.epilogue == COMETI_GEMM_EPI_SWIGLU_GU && p.gu_tma) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_gu) : "memory");
     }
     __syncthreads();
     const int per_split = sm.first_tile[2 * p.groups];
@@ -131,7 +148,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
          * for a whole tile keeps the last tiles from the blocks that are free first: there,
          * in the last two rounds, the ticket is taken LATE_CLAIM_KBLOCKS steps before this
          * tile's last load. */
-        const bool staggered = p.sched && !p.combine_blocks && dispatch_blocks > 0;
+        const bool staggered = DISPATCH && p.sched && dispatch_blocks > 0;
         const int late_from = tail->units - 2 * ((int)gridDim.x - p.combine_blocks);
         int t = p.sched ? (int)atomicAdd(&p.sched[0], 1u) : block;
         for (int ordinal = 0;; ordinal++) {
@@ -152,7 +169,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             /* A weight gradient's k is its group's rows, from the segment's first. */
             const int a_row = WGRAD ? p.segs[tl.group].start : p.segs[tl.group].start + tl.m * TM;
             const int kb1 = WGRAD ? (p.segs[tl.group].rows + COMETI_GEMM_BK - 1) / COMETI_GEMM_BK : un.kb1;
-            if (p.arrive) {
+            if constexpr (DISPATCH) {
                 /* Every row of this 128-row block has arrived (from any rank); the rows were
                  * written by ordinary stores, so order them before the TMA's async reads. */
                 const int blk = a_row / BM;
@@ -161,8 +178,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 asm volatile("fence.proxy.async.global;" ::: "memory");
                 if (rec) rec[2] = cometi_globaltimer_ns();
             }
-            produce_unit<BN, STAGES, SWIGLU, TM, B_MN, WGRAD>(p, sm, &map_a, &map_b, &map_up, tl, a_row, un.kb0, kb1,
-                                                        &pos, &claimed, &next);
+            produce_unit<V>(p, sm, &map_a, &map_b, &map_up, tl, a_row, un.kb0, kb1, &pos, &claimed, &next);
             t = p.sched ? next : t + p.gemm_blocks;
             if (trace) trace[2] = (unsigned long long)ordinal + 1;
         }
@@ -230,27 +246,17 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         push_rows_t push;
         push.first = make_int2(-1, 0), push.last = push.first, push.row[0] = push.row[1] = push.first;
         if (TMA_EPILOGUE && p.push_dest) push = load_push_rows(p, tl, part, warp * 16 + lane / 4);
-        consume_unit<BN, STAGES, TM, PINGPONG, B_MN, WGRAD>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1,
-                                                             &pos, &sm.turn[half ^ 1]);
+        consume_unit<V>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1, &pos, &sm.turn[half ^ 1]);
         if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN>(acc, p, tail, t, k_blocks)) continue;
-        store_tile<BN, TMA_EPILOGUE, SWIGLU, TM, WGRAD>(acc, p, &map_c, &map_gu, sm.c, tl, seg, part, half,
-                                                       split_tiles, push, &st, kb1 <= un.kb0);
+        store_tile<V>(acc, p, &map_c, &map_gu, sm.c, tl, seg, part, half, split_tiles, push, &st, kb1 <= un.kb0);
     }
     if (recorder) trace[3] = cometi_globaltimer_ns();
-    finish_stores<TMA_EPILOGUE>(p, half, &st);
+    finish_stores<V>(p, half, &st);
 }
 
 /* ---- the launch ---- */
 
-template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG> static size_t smem_bytes(void)
-{
-    const int on = SWIGLU ? BN / 2 : BN, tm = PINGPONG ? 64 : BM;
-    return 1024 + STAGES * (tm * COMETI_GEMM_BK * 2 + BN * COMETI_GEMM_BK * 2) + (TMA_EPILOGUE ? c_stage_bytes(on) : 0) +
-           (2 * STAGES + 2 + 2 * TICKETS) * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 + TICKETS * 4 +
-           sizeof(cometi_tail_plan_t);
-}
-
-template <int BN, int STAGES, bool TMA_EPILOGUE, bool SWIGLU, bool PINGPONG, bool B_MN = false, bool WGRAD = false>
+template <int V>
 static cudaError_t launch(const cometi_gemm_maps_t *m, const cometi_gemm_args_t *args, int blocks, cudaStream_t stream)
 {
     /* The shared-memory limit is set per device, once (setting it twice is harmless). */
@@ -258,53 +264,42 @@ static cudaError_t launch(const cometi_gemm_maps_t *m, const cometi_gemm_args_t 
     int dev = 0;
     cudaError_t e = cudaGetDevice(&dev);
     if (e != cudaSuccess) return e;
-    size_t smem = smem_bytes<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG>();
+    const size_t smem = cometi_gemm_smem_bytes(cometi_gemm_variants[V]);
     if (dev >= 64 || !(configured >> dev & 1)) {
-        e = cudaFuncSetAttribute(grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG, B_MN, WGRAD>,
+        e = cudaFuncSetAttribute(grouped_gemm_kernel<V>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) return e;
         if (dev < 64) configured |= 1ull << dev;
     }
     cudaLaunchAttribute pdl[1];
     const cudaLaunchConfig_t cfg = cometi_pdl_config(blocks, THREADS, smem, stream, pdl);
-    return cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<BN, STAGES, TMA_EPILOGUE, SWIGLU, PINGPONG, B_MN, WGRAD>, m->a,
+    return cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<V>, m->a,
                               m->b, m->up, m->c, m->gu, *args);
 }
 
-extern "C" cudaError_t cometi_gemm_kernel_launch(const cometi_gemm_plan_t *pr, cudaStream_t stream)
+/* Row V's kernel where it belongs to FAMILY (variants.h's cometi_gemm_family), else nothing
+ * is compiled for it here. */
+template <int FAMILY, int V>
+static cudaError_t launch_if_in(const cometi_gemm_plan_t *pr, cudaStream_t stream)
 {
-    const cometi_gemm_maps_t *m = &pr->maps;
-    const cometi_gemm_args_t *args = &pr->args;
-    const int blocks = pr->blocks;
-    /* The TMA epilogue's 64 KB staging of boxes leaves room for 3 stages at 128x256; ping-pong's
-     * 64-row A tiles make stages smaller (40 KB). */
-    if (pr->pingpong) {
-        if (pr->swiglu)
-            return pr->tma_epilogue ? launch<256, 3, true, true, true>(m, args, blocks, stream)
-                                    : launch<256, 4, false, true, true>(m, args, blocks, stream);
-        return pr->tma_epilogue ? launch<256, 3, true, false, true>(m, args, blocks, stream)
-                                : launch<256, 4, false, false, true>(m, args, blocks, stream);
-    }
-    if (pr->swiglu)
-        return pr->tma_epilogue ? launch<256, 3, true, true, false>(m, args, blocks, stream)
-                                : launch<256, 4, false, true, false>(m, args, blocks, stream);
-    if (pr->wgrad) {
-        if (pr->block_n == 256)
-            return pr->tma_epilogue ? launch<256, 3, true, false, false, true, true>(m, args, blocks, stream)
-                                    : launch<256, 4, false, false, false, true, true>(m, args, blocks, stream);
-        return pr->tma_epilogue ? launch<128, 4, true, false, false, true, true>(m, args, blocks, stream)
-                                : launch<128, 4, false, false, false, true, true>(m, args, blocks, stream);
-    }
-    if (pr->b_mn_major) {
-        if (pr->block_n == 256)
-            return pr->tma_epilogue ? launch<256, 3, true, false, false, true>(m, args, blocks, stream)
-                                    : launch<256, 4, false, false, false, true>(m, args, blocks, stream);
-        return pr->tma_epilogue ? launch<128, 4, true, false, false, true>(m, args, blocks, stream)
-                                : launch<128, 4, false, false, false, true>(m, args, blocks, stream);
-    }
-    if (pr->block_n == 256)
-        return pr->tma_epilogue ? launch<256, 3, true, false, false>(m, args, blocks, stream)
-                                : launch<256, 4, false, false, false>(m, args, blocks, stream);
-    return pr->tma_epilogue ? launch<128, 4, true, false, false>(m, args, blocks, stream)
-                            : launch<128, 4, false, false, false>(m, args, blocks, stream);
+    if constexpr (cometi_gemm_family(cometi_gemm_variants[V]) == FAMILY)
+        return launch<V>(&pr->maps, &pr->args, pr->blocks, stream);
+    else
+        return cudaErrorInvalidValue;
 }
+
+/* A case per row of the table: the launch switch of one family's file. */
+template <int FAMILY>
+static cudaError_t launch_family(const cometi_gemm_plan_t *pr, cudaStream_t stream)
+{
+    switch (pr->variant) {
+#define LAUNCH_ROW(name, ...)                                                                                  \
+    case COMETI_GEMM_V_##name:                                                                                 \
+        return launch_if_in<FAMILY, COMETI_GEMM_V_##name>(pr, stream);
+        COMETI_GEMM_VARIANTS(LAUNCH_ROW)
+#undef LAUNCH_ROW
+    }
+    return cudaErrorInvalidValue; /* not a row of the table */
+}
+
+#endif /* COMET_GEMM_KERNEL_CUH */

@@ -1,0 +1,235 @@
+/*
+ * variants.h - every variant of the grouped GEMM that is built, as one table, and what
+ * follows from a row of it. A variant is the set of choices the kernel is compiled for:
+ * the operands' number formats and layouts, the epilogue, how C leaves the registers,
+ * the schedule, the tile width and the roles it can take. Everything else (shapes,
+ * pointers, the grid, the tile order, row scales and indices, the last wave's cut) is a
+ * run-time argument.
+ *
+ * From this one table come:
+ *   - the kernels: gemm.cu instantiates grouped_gemm_kernel<V> for every row V, and its
+ *     launch switch is a case per row;
+ *   - the host checks: cometi_gemm_prepare (prepare.c) resolves a description (gemm.h) to
+ *     the row with exactly its choices, or refuses it naming the choices no row has;
+ *   - the tests: test_gemm_variants.c runs every row against float64.
+ * Adding a number format or a layout is a row here plus the mainloop and epilogue code
+ * its new values need (docs/ARCHITECTURE.md, "How to add a GEMM variant").
+ *
+ * Plain C and C++ (constexpr there), no CUDA header: host C, kernels and tests share it.
+ */
+#ifndef COMET_GEMM_VARIANTS_H
+#define COMET_GEMM_VARIANTS_H
+
+#include "base/types.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Operand number formats. */
+enum {
+    COMETI_GEMM_BF16 = 0 /* bf16 values, fp32 accumulation */
+};
+
+/* Where an operand's k runs: along its rows' contiguous elements (K-major, nn.Linear's
+ * [out][in] read as B of x W^T), or down its rows (MN-major: a weight read as B of dy W, or
+ * a weight gradient's operands). */
+enum {
+    COMETI_GEMM_K_MAJOR = 0,
+    COMETI_GEMM_MN_MAJOR = 1
+};
+
+/* What the groups (experts) split: A's rows (the forward and the dgrad GEMMs: group g's
+ * rows of A and C are its segment), or the contraction (the weight gradients: group g's
+ * rows of A and B are its k, and C holds one [m_out][n] matrix per group). */
+enum {
+    COMETI_GEMM_GROUPS_ALONG_M = 0,
+    COMETI_GEMM_GROUPS_ALONG_K = 1
+};
+
+/* What the epilogue makes of a tile's fp32 sums. */
+enum {
+    COMETI_GEMM_EPI_STORE = 0,     /* C = the sums in bf16 (times a row scale, to a row index, when
+                                    * the description gives them) */
+    COMETI_GEMM_EPI_SWIGLU = 1,    /* C = silu(A B_gate^T) * (A B_up^T): gate and up columns of one
+                                    * expert meet in a tile of 128 + 128 columns */
+    COMETI_GEMM_EPI_SWIGLU_GU = 2, /* SwiGLU, and each row's gate and up kept (training) */
+    COMETI_GEMM_EPI_PUSH = 3,      /* each row to its token owner's slot, over NVLink (GEMM -> combine) */
+    COMETI_GEMM_EPI_ADD_FP32 = 4   /* C (fp32) += the sums: gradient accumulation (main_grad) */
+};
+
+/* How C leaves the registers (0 is a description's "choose", gemm.h). */
+enum {
+    COMETI_GEMM_STORE_TMA = 1,   /* through swizzled shared memory and an asynchronous tensor store
+                                  * (whole tiles; a group's last partial tile goes direct) */
+    COMETI_GEMM_STORE_DIRECT = 2 /* straight from the registers, 4 bytes at a time */
+};
+
+/* How the two consumer warpgroups share tiles (0 is a description's "choose": cooperative). */
+enum {
+    COMETI_GEMM_COOPERATIVE = 1, /* both on one 128-row tile */
+    COMETI_GEMM_PINGPONG = 2     /* each on its own 64-row tile, taking turns at the mainloop */
+};
+
+/* Roles a variant can take (a mask): blocks or counts beside the GEMM that make it one of
+ * COMET's two patterns. A variant takes exactly the roles of its row. */
+#define COMETI_GEMM_ROLE_NONE 0     /* none */
+#define COMETI_GEMM_ROLE_DISPATCH 1 /* dispatch -> GEMM: rows copied into A over NVLink, tiles wait */
+#define COMETI_GEMM_ROLE_SPLITS 2   /* GEMM -> combine: column splits counted, combine blocks */
+
+#define COMETI_GEMM_VARIANT_NAME_MAX 32
+
+typedef struct cometi_gemm_variant {
+    char name[COMETI_GEMM_VARIANT_NAME_MAX];
+    int a_type, b_type;   /* COMETI_GEMM_BF16 */
+    int a_major, b_major; /* COMETI_GEMM_K_MAJOR, COMETI_GEMM_MN_MAJOR */
+    int along;            /* COMETI_GEMM_GROUPS_ALONG_* */
+    int epilogue;         /* COMETI_GEMM_EPI_* */
+    int store;            /* COMETI_GEMM_STORE_* */
+    int schedule;         /* COMETI_GEMM_COOPERATIVE, COMETI_GEMM_PINGPONG */
+    int block_n;          /* columns of B per tile: 128 or 256 (SwiGLU: 128 gate + 128 up) */
+    int roles;            /* COMETI_GEMM_ROLE_* */
+} cometi_gemm_variant_t;
+
+/*
+ * The table. Columns: name, A's and B's format, A's and B's majorness, what the groups
+ * split, epilogue, store, schedule, tile width, roles. Rows are what the layer runs (the
+ * forward's GEMM0 and GEMM1, the backward's dgrad GEMMs and weight gradients, each alone
+ * and with the role its pattern gives it), what `comet gemm` compares, and the plain
+ * forms their epilogues and stores fall back to. Names are the variant's choices, short.
+ */
+#define COMETI_GEMM_VARIANTS(X)                                                                      \
+    /* the forward: x W^T, A and B K-major */                                                        \
+    X(swiglu,             BF16, BF16, K,  K,  M, SWIGLU,    TMA,    COOPERATIVE, 256, NONE)          \
+    X(swiglu_direct,      BF16, BF16, K,  K,  M, SWIGLU,    DIRECT, COOPERATIVE, 256, NONE)          \
+    X(swiglu_pingpong,    BF16, BF16, K,  K,  M, SWIGLU,    TMA,    PINGPONG,    256, NONE)          \
+    X(swiglu_dispatch,    BF16, BF16, K,  K,  M, SWIGLU,    TMA,    COOPERATIVE, 256, DISPATCH)      \
+    X(swiglu_gu,          BF16, BF16, K,  K,  M, SWIGLU_GU, TMA,    COOPERATIVE, 256, NONE)          \
+    X(swiglu_gu_dispatch, BF16, BF16, K,  K,  M, SWIGLU_GU, TMA,    COOPERATIVE, 256, DISPATCH)      \
+    X(nt_256,             BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
+    X(nt_128,             BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
+    X(nt_256_direct,      BF16, BF16, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
+    X(nt_128_direct,      BF16, BF16, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
+    X(nt_pingpong,        BF16, BF16, K,  K,  M, STORE,     TMA,    PINGPONG,    256, NONE)          \
+    X(nt_pingpong_direct, BF16, BF16, K,  K,  M, STORE,     DIRECT, PINGPONG,    256, NONE)          \
+    X(nt_256_splits,      BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, SPLITS)        \
+    X(nt_128_splits,      BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
+    X(nt_256_push,        BF16, BF16, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 256, NONE)          \
+    X(nt_128_push,        BF16, BF16, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE)          \
+    /* the dgrad GEMMs: dy W, B MN-major (a weight as the forward keeps it) */                       \
+    X(nn_256,             BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
+    X(nn_128,             BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
+    X(nn_256_direct,      BF16, BF16, K,  MN, M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
+    X(nn_128_direct,      BF16, BF16, K,  MN, M, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
+    X(nn_256_dispatch,    BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 256, DISPATCH)      \
+    X(nn_128_dispatch,    BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 128, DISPATCH)      \
+    X(nn_256_splits,      BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 256, SPLITS)        \
+    X(nn_128_splits,      BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
+    X(nn_256_push,        BF16, BF16, K,  MN, M, PUSH,      TMA,    COOPERATIVE, 256, NONE)          \
+    X(nn_128_push,        BF16, BF16, K,  MN, M, PUSH,      TMA,    COOPERATIVE, 128, NONE)          \
+    /* the weight gradients: A^T B, groups along K, both MN-major */                                 \
+    X(wgrad_256,          BF16, BF16, MN, MN, K, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
+    X(wgrad_128,          BF16, BF16, MN, MN, K, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
+    X(wgrad_256_direct,   BF16, BF16, MN, MN, K, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
+    X(wgrad_128_direct,   BF16, BF16, MN, MN, K, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
+    X(wgrad_256_add,      BF16, BF16, MN, MN, K, ADD_FP32,  DIRECT, COOPERATIVE, 256, NONE)          \
+    X(wgrad_128_add,      BF16, BF16, MN, MN, K, ADD_FP32,  DIRECT, COOPERATIVE, 128, NONE)
+
+/* The rows' ids, COMETI_GEMM_V_<name>, in table order. */
+#define COMETI_GEMM_VARIANT_ID(name, at, bt, am, bm, along, epi, store, sched, bn, roles) COMETI_GEMM_V_##name,
+enum { COMETI_GEMM_VARIANTS(COMETI_GEMM_VARIANT_ID) COMETI_GEMM_NUM_VARIANTS };
+#undef COMETI_GEMM_VARIANT_ID
+
+/* The rows as data: a constexpr table in C++ (the kernels read it at compile time), a
+ * const one in C. */
+#ifdef __cplusplus
+#define COMETI_GEMM_TABLE_CONST constexpr
+#else
+#define COMETI_GEMM_TABLE_CONST const
+#endif
+#define COMETI_GEMM_VARIANT_ROW(name, at, bt, am, bm, along, epi, store, sched, bn, roles)                     \
+    {#name, COMETI_GEMM_##at, COMETI_GEMM_##bt, COMETI_GEMM_##am##_MAJOR, COMETI_GEMM_##bm##_MAJOR,             \
+     COMETI_GEMM_GROUPS_ALONG_##along, COMETI_GEMM_EPI_##epi, COMETI_GEMM_STORE_##store, COMETI_GEMM_##sched, \
+     bn, COMETI_GEMM_ROLE_##roles},
+static COMETI_GEMM_TABLE_CONST cometi_gemm_variant_t cometi_gemm_variants[COMETI_GEMM_NUM_VARIANTS] = {
+    COMETI_GEMM_VARIANTS(COMETI_GEMM_VARIANT_ROW)};
+#undef COMETI_GEMM_VARIANT_ROW
+
+#ifdef __cplusplus
+}
+#endif
+
+/* ---- what follows from a row: the kernel's shape and its shared memory ---- */
+
+#ifdef __cplusplus
+#define COMETI_GEMM_FN constexpr COMETI_HD inline
+#else
+#define COMETI_GEMM_FN static inline
+#endif
+
+/* Rows of an A tile (and of the arrival counters' blocks), k per pipeline stage, and the
+ * ring's depth at most. The stages a variant gets are the most that fit its shared memory
+ * (cometi_gemm_stages), up to this: 4 is the depth every row was measured with; the
+ * 128-wide tiles would fit 5 or 6. */
+#define COMETI_GEMM_BM COMETI_BLOCK_M
+#define COMETI_GEMM_BK 64
+#define COMETI_GEMM_MAX_STAGES 4
+/* Dynamic shared memory a block may have on sm_90 (227 KB), what the stages are fit into. */
+#define COMETI_GEMM_SMEM_LIMIT (227 * 1024)
+/* Tickets the producer may announce ahead of the consumers (dynamic schedule). */
+#define COMETI_GEMM_TICKETS 4
+#define COMETI_GEMM_MAX_GROUPS 1024
+
+COMETI_GEMM_FN int cometi_gemm_element_bytes(int type) { return type == COMETI_GEMM_BF16 ? 2 : 0; }
+/* Rows of a tile: 128 shared by both consumers, or 64 for one (ping-pong). */
+COMETI_GEMM_FN int cometi_gemm_tile_rows(cometi_gemm_variant_t v) { return v.schedule == COMETI_GEMM_PINGPONG ? 64 : 128; }
+/* Output columns of a tile: SwiGLU pairs gate column c with up column c + block_n / 2. */
+COMETI_GEMM_FN int cometi_gemm_out_cols(cometi_gemm_variant_t v)
+{
+    return v.epilogue == COMETI_GEMM_EPI_SWIGLU || v.epilogue == COMETI_GEMM_EPI_SWIGLU_GU ? v.block_n / 2 : v.block_n;
+}
+/* One stage of the ring: A's and B's boxes of one k-step. */
+COMETI_GEMM_FN int cometi_gemm_stage_bytes(cometi_gemm_variant_t v)
+{
+    return (cometi_gemm_tile_rows(v) * cometi_gemm_element_bytes(v.a_type) +
+            v.block_n * cometi_gemm_element_bytes(v.b_type)) * COMETI_GEMM_BK;
+}
+/* The TMA store's staging: 128 rows of the tile's output columns, bf16. */
+COMETI_GEMM_FN int cometi_gemm_staging_bytes(cometi_gemm_variant_t v)
+{
+    return v.store == COMETI_GEMM_STORE_TMA ? COMETI_GEMM_BM * cometi_gemm_out_cols(v) * 2 : 0;
+}
+/* Everything but the stages' boxes: the 1 KB alignment of the stages, the mbarriers (full
+ * and empty per stage, the two ping-pong turns, the ticket ring's), the group table
+ * (first_tile), the tickets and the last wave's plan (gemm.cu lays them out). */
+COMETI_GEMM_FN int cometi_gemm_fixed_bytes(int stages)
+{
+    return 1024 + (2 * stages + 2 + 2 * COMETI_GEMM_TICKETS) * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 +
+           COMETI_GEMM_TICKETS * 4 + 3 * 4;
+}
+/* The ring's depth: the most stages that fit beside the staging, at most MAX_STAGES. */
+COMETI_GEMM_FN int cometi_gemm_stages(cometi_gemm_variant_t v)
+{
+    int stages = COMETI_GEMM_MAX_STAGES;
+    while (stages > 1 && cometi_gemm_fixed_bytes(stages) + cometi_gemm_staging_bytes(v) +
+                                 stages * cometi_gemm_stage_bytes(v) > COMETI_GEMM_SMEM_LIMIT)
+        stages--;
+    return stages;
+}
+/* The file a row's kernel is compiled in (gemm_forward.cu, gemm_dgrad.cu, gemm_wgrad.cu):
+ * its layout. */
+enum { COMETI_GEMM_FAMILY_FORWARD = 0, COMETI_GEMM_FAMILY_DGRAD = 1, COMETI_GEMM_FAMILY_WGRAD = 2 };
+COMETI_GEMM_FN int cometi_gemm_family(cometi_gemm_variant_t v)
+{
+    return v.along == COMETI_GEMM_GROUPS_ALONG_K ? COMETI_GEMM_FAMILY_WGRAD
+           : v.b_major == COMETI_GEMM_MN_MAJOR   ? COMETI_GEMM_FAMILY_DGRAD
+                                                 : COMETI_GEMM_FAMILY_FORWARD;
+}
+/* The dynamic shared memory a block of the variant asks for. */
+COMETI_GEMM_FN int cometi_gemm_smem_bytes(cometi_gemm_variant_t v)
+{
+    const int stages = cometi_gemm_stages(v);
+    return cometi_gemm_fixed_bytes(stages) + cometi_gemm_staging_bytes(v) + stages * cometi_gemm_stage_bytes(v);
+}
+
+#endif /* COMET_GEMM_VARIANTS_H */

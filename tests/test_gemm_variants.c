@@ -1,0 +1,612 @@
+/*
+ * test_gemm_variants.c - every row of the grouped GEMM's table (src/gemm/variants.h):
+ * on the CPU, the table's promises (each row's stages fit its shared memory, no two rows
+ * alike) and that a description with a row's choices resolves to that row and is checked
+ * against it; on a GPU, every row against float64, element by element, with the role its
+ * row takes: a new row is tested here without a new test.
+ *
+ * The problem (groups along M): tokens routed to 4 experts by a random routing (one
+ * expert gets none), each expert's rows a segment of A padded to 128, as the route lays
+ * them out on one rank; A holds each row's token. Groups along K: the same segments as
+ * each expert's k, padding rows zero. Per row:
+ *   store, swiglu   C (bf16) against float64, padding rows and columns past n untouched;
+ *   swiglu_gu       the kept gate and up too;
+ *   push            the rows in their owners' slots (one rank: its own), the count raised;
+ *   fp32 add        C = C0 + the sums;
+ *   dispatch        A filled by the dispatch blocks from the tokens (A poisoned first);
+ *   splits          two column splits, each split's rows counted.
+ * Each row runs on a small static grid (many tiles a block) and on the shared tile counter
+ * (every SM), poisoned outputs before each.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdlib.h>
+
+#include <cuda_runtime_api.h>
+
+#include "comet.h"
+#include "layer/layer.h"
+#include "gemm/gemm.h"
+#include "testutil.h"
+#include "gpu_util.h"
+
+/* ---- the table ---- */
+
+/* Every row: a known format and tile width, stages that fit (the most that do, up to the
+ * cap), the choices a kernel needs together, and no two rows alike. */
+int test_gemm_variant_table(void)
+{
+    for (int i = 0; i < COMETI_GEMM_NUM_VARIANTS; i++) {
+        const cometi_gemm_variant_t v = cometi_gemm_variants[i];
+        const int stages = cometi_gemm_stages(v), smem = cometi_gemm_smem_bytes(v);
+        printf("%-20s %d stages, %6d bytes of shared memory\n", v.name, stages, smem);
+        CHECK(cometi_gemm_element_bytes(v.a_type) > 0 && cometi_gemm_element_bytes(v.b_type) > 0);
+        CHECK(v.block_n == 128 || v.block_n == 256);
+        CHECK(stages >= 2 && smem <= COMETI_GEMM_SMEM_LIMIT);
+        CHECK(stages == COMETI_GEMM_MAX_STAGES ||
+              cometi_gemm_fixed_bytes(stages + 1) + cometi_gemm_staging_bytes(v) +
+                      (stages + 1) * cometi_gemm_stage_bytes(v) > COMETI_GEMM_SMEM_LIMIT);
+        const int swiglu = v.epilogue == COMETI_GEMM_EPI_SWIGLU || v.epilogue == COMETI_GEMM_EPI_SWIGLU_GU;
+        const int along_k = v.along == COMETI_GEMM_GROUPS_ALONG_K;
+        /* SwiGLU tiles hold 128 gate and 128 up columns of one expert. */
+        CHECK(!swiglu || (v.block_n == 256 && v.b_major == COMETI_GEMM_K_MAJOR && !along_k));
+        /* The push stages its parts like C's boxes; fp32 adds go from the registers. */
+        CHECK(v.epilogue != COMETI_GEMM_EPI_PUSH || v.store == COMETI_GEMM_STORE_TMA);
+        CHECK(v.epilogue != COMETI_GEMM_EPI_ADD_FP32 || (v.store == COMETI_GEMM_STORE_DIRECT && along_k));
+        /* Groups along K: both operands MN-major, cooperative, no role (k is per group). */
+        CHECK(!along_k || (v.a_major == COMETI_GEMM_MN_MAJOR && v.b_major == COMETI_GEMM_MN_MAJOR &&
+                           v.schedule == COMETI_GEMM_COOPERATIVE && !v.roles));
+        CHECK(along_k || v.a_major == COMETI_GEMM_K_MAJOR);
+        /* Ping-pong: 64-row tiles of the forward's layout, no role, 256 wide. */
+        CHECK(v.schedule != COMETI_GEMM_PINGPONG ||
+              (v.block_n == 256 && !v.roles && v.b_major == COMETI_GEMM_K_MAJOR));
+        /* A role is one pattern: dispatch -> GEMM or GEMM -> combine, never both, never
+         * beside the push (which is GEMM -> combine already). */
+        CHECK(v.roles != (COMETI_GEMM_ROLE_DISPATCH | COMETI_GEMM_ROLE_SPLITS));
+        CHECK(v.epilogue != COMETI_GEMM_EPI_PUSH || !v.roles);
+        for (int j = 0; j < i; j++) {
+            cometi_gemm_variant_t w = cometi_gemm_variants[j];
+            CHECK(strcmp(w.name, v.name) != 0);
+            memcpy(w.name, v.name, sizeof(w.name));
+            CHECK(memcmp(&w, &v, sizeof(v)) != 0); /* two rows alike: one kernel twice */
+        }
+    }
+    return 0;
+}
+
+/* ---- a description of a row's choices ---- */
+
+/* The buffers a description points at (device memory on a GPU; aligned stand-ins on the
+ * CPU, where only the checks read them). */
+typedef struct problem {
+    int groups, n, k, m_out, ldc;
+    int64_t a_rows;
+    const cometi_segment_t *segs;
+    void *a, *b, *c, *gu;
+    int64_t gu_rows;
+    cometi_async_error_t *err;
+    unsigned int *sched;
+    cometi_gemm_dispatch_t dispatch;
+    cometi_gemm_splits_t splits;
+    cometi_gemm_push_t push;
+} problem_t;
+
+/* n per row: SwiGLU 192 (a half-full last tile of 128 outputs), the push 320 (its slots'
+ * width), splits 512 (two splits of whole tiles at both widths), the rest 320 (a partial
+ * last tile at both widths), C 64 columns wider where the store allows (a store past n
+ * would show there). */
+static int row_n(const cometi_gemm_variant_t *v)
+{
+    if (v->epilogue == COMETI_GEMM_EPI_SWIGLU || v->epilogue == COMETI_GEMM_EPI_SWIGLU_GU) return 192;
+    return v->roles & COMETI_GEMM_ROLE_SPLITS ? 512 : 320;
+}
+
+static cometi_gemm_t describe(const cometi_gemm_variant_t *v, problem_t *p)
+{
+    cometi_gemm_t g;
+    memset(&g, 0, sizeof(g));
+    g.problem.along = v->along;
+    g.problem.groups = p->groups;
+    g.problem.n = p->n;
+    g.problem.k = v->along == COMETI_GEMM_GROUPS_ALONG_K ? 0 : p->k;
+    g.problem.m_out = v->along == COMETI_GEMM_GROUPS_ALONG_K ? p->m_out : 0;
+    g.problem.segs = p->segs;
+    g.a.ptr = p->a;
+    g.a.rows = p->a_rows;
+    g.a.type = v->a_type;
+    g.a.major = v->a_major;
+    g.b.ptr = p->b;
+    g.b.type = v->b_type;
+    g.b.major = v->b_major;
+    g.out.epilogue = v->epilogue;
+    g.out.store = v->store;
+    g.out.c = v->epilogue == COMETI_GEMM_EPI_PUSH ? NULL : p->c;
+    g.out.ldc = p->ldc;
+    if (v->epilogue == COMETI_GEMM_EPI_SWIGLU_GU) g.out.gu = p->gu, g.out.gu_rows = p->gu_rows;
+    if (v->epilogue == COMETI_GEMM_EPI_PUSH) g.out.push = &p->push;
+    g.launch.schedule = v->schedule;
+    g.launch.block_n = v->block_n;
+    g.launch.sched = p->sched;
+    g.err = p->err;
+    if (v->roles & COMETI_GEMM_ROLE_DISPATCH) g.roles.dispatch = &p->dispatch;
+    if (v->roles & COMETI_GEMM_ROLE_SPLITS) g.roles.splits = &p->splits;
+    return g;
+}
+
+/* Stand-ins for the checks on the CPU: aligned addresses that are never read. */
+static void stand_in_problem(const cometi_gemm_variant_t *v, problem_t *p)
+{
+    static unsigned long long words[64];
+    memset(p, 0, sizeof(*p));
+    void *any = (void *)(uintptr_t)0x10000;
+    p->groups = 4, p->n = row_n(v), p->k = 192, p->m_out = 192;
+    p->ldc = v->along == COMETI_GEMM_GROUPS_ALONG_K ? p->n : p->n + 64;
+    p->a_rows = 1024;
+    p->segs = (const cometi_segment_t *)any;
+    p->a = p->b = p->c = p->gu = any;
+    p->gu_rows = 1024;
+    p->err = (cometi_async_error_t *)any;
+    p->sched = (unsigned int *)words;
+    p->dispatch.blocks = 8, p->dispatch.arrive = words, p->dispatch.expected = words;
+    p->dispatch.rows.num_experts = 4, p->dispatch.rows.experts_per_group = 4, p->dispatch.rows.tp = 1;
+    p->dispatch.rows.top_k = 2, p->dispatch.rows.hidden = p->k;
+    p->splits.n_splits = 2, p->splits.split_done = words;
+    cometi_combine_t *c = &p->push.combine;
+    p->push.dest = any, p->push.maps = any;
+    c->peers = (const cometi_combine_peer_t *)any;
+    c->plan.counts = c->plan.send_offset = c->plan.recv_offset = (const int32_t *)any;
+    c->world = 1, c->tp = 1, c->num_experts = 4, c->experts_per_group = 4, c->top_k = 2;
+}
+
+/* A description with a row's choices resolves to that row; one with choices no row has is
+ * refused, naming them; a role's missing piece is named. */
+int test_gemm_descriptions_resolve(void)
+{
+    char err[COMETI_ERR_LEN];
+    for (int i = 0; i < COMETI_GEMM_NUM_VARIANTS; i++) {
+        const cometi_gemm_variant_t *v = &cometi_gemm_variants[i];
+        problem_t p;
+        stand_in_problem(v, &p);
+        cometi_gemm_t g = describe(v, &p);
+        int got = -1;
+        comet_status_t st = cometi_gemm_check(err, &g, &got);
+        if (st != COMET_SUCCESS || got != i) printf("%s: status %d, row %d: %s\n", v->name, (int)st, got, err);
+        CHECK_EQ(st, COMET_SUCCESS);
+        CHECK_EQ(got, i);
+        /* With the store, schedule and width left to choose, a row of the same choices
+         * otherwise: the TMA store where one is built. */
+        g.out.store = COMETI_GEMM_STORE_AUTO, g.launch.schedule = 0, g.launch.block_n = 0;
+        if (v->schedule == COMETI_GEMM_PINGPONG) g.launch.schedule = COMETI_GEMM_PINGPONG;
+        CHECK_EQ(cometi_gemm_check(err, &g, &got), COMET_SUCCESS);
+        const cometi_gemm_variant_t *w = &cometi_gemm_variants[got];
+        CHECK(w->epilogue == v->epilogue && w->roles == v->roles && w->along == v->along && w->b_major == v->b_major);
+        int tma_built = 0;
+        for (int j = 0; j < COMETI_GEMM_NUM_VARIANTS; j++) {
+            const cometi_gemm_variant_t *u = &cometi_gemm_variants[j];
+            tma_built |= u->store == COMETI_GEMM_STORE_TMA && u->epilogue == v->epilogue && u->roles == v->roles &&
+                         u->along == v->along && u->b_major == v->b_major && u->schedule == v->schedule;
+        }
+        CHECK_EQ(w->store == COMETI_GEMM_STORE_TMA, tma_built);
+        /* A C whose rows are not 16-byte multiples cannot leave by TMA: the direct row, or a
+         * refusal where none is built. */
+        if (v->epilogue != COMETI_GEMM_EPI_PUSH && v->along == COMETI_GEMM_GROUPS_ALONG_M) {
+            g.out.ldc = p.n + 2;
+            st = cometi_gemm_check(err, &g, &got);
+            if (st == COMET_SUCCESS) CHECK_EQ(cometi_gemm_variants[got].store, COMETI_GEMM_STORE_DIRECT);
+            else CHECK_EQ(st, COMET_NOT_SUPPORTED);
+        }
+    }
+    /* Choices no row has: named, with COMET_NOT_SUPPORTED. */
+    problem_t p;
+    stand_in_problem(&cometi_gemm_variants[COMETI_GEMM_V_nn_256], &p);
+    cometi_gemm_t g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nn_256], &p);
+    g.out.epilogue = COMETI_GEMM_EPI_SWIGLU;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_NOT_SUPPORTED);
+    CHECK_CONTAINS(err, "no variant is built for bf16 x bf16, A K-major, B MN-major, groups along M, epilogue swiglu");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_swiglu], &p);
+    g.launch.block_n = 128;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_NOT_SUPPORTED);
+    CHECK_CONTAINS(err, "block_n 128");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_wgrad_256], &p);
+    g.launch.schedule = COMETI_GEMM_PINGPONG;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_NOT_SUPPORTED);
+    CHECK_CONTAINS(err, "groups along K, epilogue store, TMA store, ping-pong");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nt_256], &p);
+    g.a.type = 3; /* a format no row has */
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_NOT_SUPPORTED);
+    /* Fields a row's choices need, missing or out of range: named. */
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_swiglu_gu], &p);
+    g.out.gu = NULL;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "gu = (nil)");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nt_256_push], &p);
+    g.out.push = NULL;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "the push epilogue needs where its rows go");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nt_256], &p);
+    g.problem.k = 100;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "gemm k = 100");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nt_256], &p);
+    g.out.store = COMETI_GEMM_STORE_TMA, g.out.ldc = 330;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "ldc = 330 must be a multiple of 8");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_wgrad_256], &p);
+    g.problem.m_out = 100;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "m_out = 100");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nt_256_splits], &p);
+    g.problem.n = 320; /* a partial last tile: splits need whole tiles */
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "n_splits = 2");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nn_256_dispatch], &p);
+    g.launch.sched = NULL;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "shared tile counter (sched)");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nt_256], &p);
+    g.out.row_scale = (const float *)g.a.ptr, g.out.epilogue = COMETI_GEMM_EPI_PUSH, g.out.push = &p.push;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "a row scale or index is for the store and SwiGLU epilogues");
+    return 0;
+}
+
+/* ---- every row on a GPU ---- */
+
+#define GROUPS 4
+#define K 192     /* along M: A's columns */
+#define M_OUT 192 /* along K: C's rows per group (a partial last row tile at both widths) */
+#define N_MAX 512
+#define TOP_K 2
+
+/* What every row shares: the routing, the segments, the tokens and A (along M), A and B
+ * along K, and the report word. */
+typedef struct shared {
+    cometi_async_error_t *err_host, *err_dev;
+    int tokens, rows, a_rows;          /* (token, choice) rows; A's rows with padding */
+    cometi_segment_t segs_host[GROUPS];
+    cometi_segment_t *segs;
+    int32_t *src_of_host;              /* [a_rows] A row r's (t, j) index, -1 for padding */
+    int32_t *slot_of_host;             /* [a_rows] its place in the send order (the push's slot) */
+    uint16_t *x16, *a16;               /* tokens [tokens][K]; A [a_rows][K] as the route lays them */
+    float *xf;
+    void *x, *a;
+    /* The dispatch's tables for one rank, int32 on the device. */
+    int32_t *counts, *send_offset, *seg_start, *recv_offset, *src_of;
+    unsigned long long *arrive, *expected;
+    unsigned int *sched;
+    /* Along K: A [a_rows][M_OUT] and B [a_rows][N_MAX] with zero padding rows. */
+    uint16_t *ka16, *kb16;
+    float *kaf, *kbf;
+    void *ka, *kb;
+} shared_t;
+
+/* The routing and everything built from it (one rank, so every row is local). */
+static int shared_open(shared_t *s, uint64_t *rng)
+{
+    s->tokens = 180;
+    const int n = s->tokens * TOP_K;
+    int32_t *ids = malloc(sizeof(int32_t) * n);
+    for (int t = 0; t < s->tokens; t++) { /* two distinct experts of 0, 2, 3: expert 1 gets no row */
+        const int e0 = (int)(cometi_rand_next(rng) % 3), e1 = (e0 + 1 + (int)(cometi_rand_next(rng) % 2)) % 3;
+        ids[t * TOP_K] = e0 ? e0 + 1 : 0;
+        ids[t * TOP_K + 1] = e1 ? e1 + 1 : 0;
+    }
+    int64_t counts[GROUPS] = {0};
+    CHECK_EQ(cometi_route_count(ids, s->tokens, TOP_K, GROUPS, counts), -1);
+    cometi_route_plan_t plan;
+    char why[256];
+    CHECK_EQ(cometi_route_plan_build(&plan, counts, 1, 1, GROUPS, COMETI_BLOCK_M, why, sizeof(why)), 0);
+    int64_t *send_pos = malloc(sizeof(int64_t) * n), *recv_pos = malloc(sizeof(int64_t) * n);
+    cometi_route_positions(&plan, 0, ids, s->tokens, TOP_K, send_pos, recv_pos);
+    s->rows = n;
+    s->a_rows = (int)plan.recv_rows[0] + 128; /* slack: no load reads past A */
+    for (int g = 0; g < GROUPS; g++) s->segs_host[g] = (cometi_segment_t){(int)plan.seg_start[g], (int)plan.seg_rows[g]};
+    CHECK_EQ(s->segs_host[1].rows, 0);
+    s->src_of_host = malloc(sizeof(int32_t) * s->a_rows);
+    s->slot_of_host = malloc(sizeof(int32_t) * s->a_rows);
+    for (int r = 0; r < s->a_rows; r++) s->src_of_host[r] = s->slot_of_host[r] = -1;
+    int32_t *src_of_send = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++)
+        s->src_of_host[recv_pos[i]] = i, s->slot_of_host[recv_pos[i]] = (int32_t)send_pos[i], src_of_send[send_pos[i]] = i;
+    s->x16 = malloc((size_t)s->tokens * K * 2), s->xf = malloc((size_t)s->tokens * K * 4);
+    fill_bf16(s->xf, s->x16, (size_t)s->tokens * K, 1.0, rng);
+    s->a16 = calloc((size_t)s->a_rows * K, 2);
+    for (int r = 0; r < s->a_rows; r++)
+        if (s->src_of_host[r] >= 0) memcpy(s->a16 + (size_t)r * K, s->x16 + (size_t)(s->src_of_host[r] / TOP_K) * K, K * 2);
+    CUDA_OK(cudaMalloc(&s->x, (size_t)s->tokens * K * 2));
+    CUDA_OK(cudaMalloc(&s->a, (size_t)s->a_rows * K * 2));
+    CUDA_OK(cudaMemcpy(s->x, s->x16, (size_t)s->tokens * K * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMalloc((void **)&s->segs, sizeof(s->segs_host)));
+    CUDA_OK(cudaMemcpy(s->segs, s->segs_host, sizeof(s->segs_host), cudaMemcpyHostToDevice));
+    /* The plan's tables as the device route keeps them (int32). */
+    int32_t t32[4][GROUPS];
+    for (int e = 0; e < GROUPS; e++)
+        t32[0][e] = (int32_t)plan.counts[e], t32[1][e] = (int32_t)plan.send_offset[e],
+        t32[2][e] = (int32_t)plan.seg_start[e], t32[3][e] = (int32_t)plan.recv_offset[e];
+    int32_t **dst[4] = {&s->counts, &s->send_offset, &s->seg_start, &s->recv_offset};
+    for (int q = 0; q < 4; q++) {
+        CUDA_OK(cudaMalloc((void **)dst[q], sizeof(t32[q])));
+        CUDA_OK(cudaMemcpy(*dst[q], t32[q], sizeof(t32[q]), cudaMemcpyHostToDevice));
+    }
+    CUDA_OK(cudaMalloc((void **)&s->src_of, sizeof(int32_t) * n));
+    CUDA_OK(cudaMemcpy(s->src_of, src_of_send, sizeof(int32_t) * n, cudaMemcpyHostToDevice));
+    const int blocks = s->a_rows / 128 + 1;
+    CUDA_OK(cudaMalloc((void **)&s->arrive, sizeof(unsigned long long) * blocks));
+    CUDA_OK(cudaMalloc((void **)&s->expected, sizeof(unsigned long long) * blocks));
+    CUDA_OK(cudaMalloc((void **)&s->sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+    CUDA_OK(cudaMemset(s->sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
+    /* Along K: each group's k is its segment's rows; padding rows zero in both operands. */
+    s->ka16 = calloc((size_t)s->a_rows * M_OUT, 2), s->kaf = calloc((size_t)s->a_rows * M_OUT, 4);
+    s->kb16 = calloc((size_t)s->a_rows * N_MAX, 2), s->kbf = calloc((size_t)s->a_rows * N_MAX, 4);
+    for (int g = 0; g < GROUPS; g++) {
+        const size_t r0 = (size_t)s->segs_host[g].start, nr = (size_t)s->segs_host[g].rows;
+        fill_bf16(s->kaf + r0 * M_OUT, s->ka16 + r0 * M_OUT, nr * M_OUT, 1.0, rng);
+        fill_bf16(s->kbf + r0 * N_MAX, s->kb16 + r0 * N_MAX, nr * N_MAX, 0.5, rng);
+    }
+    CUDA_OK(cudaMalloc(&s->ka, (size_t)s->a_rows * M_OUT * 2));
+    CUDA_OK(cudaMalloc(&s->kb, (size_t)s->a_rows * N_MAX * 2));
+    CUDA_OK(cudaMemcpy(s->ka, s->ka16, (size_t)s->a_rows * M_OUT * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(s->kb, s->kb16, (size_t)s->a_rows * N_MAX * 2, cudaMemcpyHostToDevice));
+    free(ids), free(send_pos), free(recv_pos), free(src_of_send);
+    cometi_route_plan_free(&plan);
+    return 0;
+}
+
+/* The dispatch role of one rank: its rows copied into A, each 128-row block's arrivals
+ * counted against this call's totals (counters zeroed first). */
+static int dispatch_role(shared_t *s, void *a, cometi_gemm_dispatch_t *d)
+{
+    const int blocks = s->a_rows / 128 + 1;
+    unsigned long long *want = calloc(blocks, sizeof(unsigned long long));
+    for (int g = 0; g < GROUPS; g++)
+        for (int r = 0; r < s->segs_host[g].rows; r++) want[(s->segs_host[g].start + r) / 128]++;
+    CUDA_OK(cudaMemcpy(s->expected, want, sizeof(unsigned long long) * blocks, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(s->arrive, 0, sizeof(unsigned long long) * blocks));
+    free(want);
+    memset(d, 0, sizeof(*d));
+    d->blocks = 8;
+    d->arrive = s->arrive;
+    d->expected = s->expected;
+    cometi_dispatch_t *r = &d->rows;
+    r->x = s->x;
+    r->src_of = s->src_of;
+    r->plan = (cometi_route_tables_t){s->counts, s->send_offset, s->seg_start, s->recv_offset};
+    r->num_experts = GROUPS, r->top_k = TOP_K, r->hidden = K, r->experts_per_group = GROUPS, r->tp = 1;
+    r->rank = 0;
+    r->mode = COMETI_DISPATCH_BULK;
+    r->recv[0] = a;
+    r->arrive[0] = s->arrive;
+    return 0;
+}
+
+/* |got - want| within 2^-8 of want plus 1e-2 of the RMS of its row (bf16 output: one
+ * rounding, 2^-9, over fp32 sums of at most 300 products). */
+static int within(double got, double want, double rms) { return fabs(got - want) <= fabs(want) / 256 + 1e-2 * rms; }
+
+/* One row of the table on this GPU, twice: on 5 blocks (static tiles) and on every SM
+ * (the shared counter); with the dispatch role, on every SM with 8 dispatch blocks. */
+static int run_row(shared_t *s, int vi, uint64_t *rng)
+{
+    const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
+    const int along_k = v->along == COMETI_GEMM_GROUPS_ALONG_K, epi = v->epilogue;
+    const int swiglu = epi == COMETI_GEMM_EPI_SWIGLU || epi == COMETI_GEMM_EPI_SWIGLU_GU;
+    const int n = row_n(v), ldc = along_k ? n : n + 64;
+    const int b_rows = along_k ? 0 : (swiglu ? 2 * n : n); /* B's rows per group */
+    /* B: K-major [groups][b_rows][K], MN-major [groups][K][n] (along K: kb, n of N_MAX). */
+    const size_t nb = along_k ? 0 : (size_t)GROUPS * b_rows * K;
+    uint16_t *b16 = malloc(nb * 2 + 2);
+    float *bf = malloc(nb * 4 + 4);
+    fill_bf16(bf, b16, nb, 1.0 / 16, rng);
+    void *b = NULL;
+    if (!along_k) {
+        CUDA_OK(cudaMalloc(&b, nb * 2));
+        CUDA_OK(cudaMemcpy(b, b16, nb * 2, cudaMemcpyHostToDevice));
+    }
+    /* B_g(k, j), the operand of output column j (SwiGLU: gate j, up j + n). */
+#define B_AT(g, q, j) (v->b_major == COMETI_GEMM_MN_MAJOR ? bf[((size_t)(g) * K + (q)) * n + (j)] \
+                                                          : bf[((size_t)(g) * b_rows + (j)) * K + (q)])
+    /* The reference, float64: C rows (along M: a_rows x n; along K: groups x M_OUT x n), and
+     * SwiGLU's gate and up. */
+    const size_t c_rows = along_k ? (size_t)GROUPS * M_OUT : (size_t)s->a_rows;
+    double *ref = calloc(c_rows * n, sizeof(double)), *ref_g = NULL, *ref_u = NULL;
+    if (swiglu) ref_g = calloc(c_rows * n, sizeof(double)), ref_u = calloc(c_rows * n, sizeof(double));
+    for (int g = 0; g < GROUPS; g++) {
+        const cometi_segment_t sg = s->segs_host[g];
+        if (along_k) {
+            for (int r = sg.start; r < sg.start + sg.rows; r++)
+                for (int i = 0; i < M_OUT; i++) {
+                    const double av = s->kaf[(size_t)r * M_OUT + i];
+                    double *out = ref + ((size_t)g * M_OUT + i) * n;
+                    for (int j = 0; j < n; j++) out[j] += av * s->kbf[(size_t)r * N_MAX + j];
+                }
+            continue;
+        }
+        for (int r = sg.start; r < sg.start + sg.rows; r++) {
+            const float *x = s->xf + (size_t)(s->src_of_host[r] / TOP_K) * K;
+            for (int j = 0; j < n; j++) {
+                double acc = 0, up = 0;
+                for (int q = 0; q < K; q++) {
+                    acc += (double)x[q] * B_AT(g, q, j);
+                    if (swiglu) up += (double)x[q] * B_AT(g, q, j + n);
+                }
+                if (swiglu) ref_g[(size_t)r * n + j] = acc, ref_u[(size_t)r * n + j] = up;
+                ref[(size_t)r * n + j] = swiglu ? cometi_swiglu(acc, up) : acc;
+            }
+        }
+    }
+#undef B_AT
+    /* Outputs: C (bf16, or fp32 with a random start for the fp32 add), gu, the push's
+     * slots and counters, the splits' counters, and A again for the dispatch. */
+    const size_t nc = c_rows * ldc, c_bytes = nc * (epi == COMETI_GEMM_EPI_ADD_FP32 ? 4 : 2);
+    void *c, *gu = NULL, *a = s->a;
+    CUDA_OK(cudaMalloc(&c, c_bytes));
+    float *c0 = NULL;
+    if (epi == COMETI_GEMM_EPI_ADD_FP32) {
+        c0 = malloc(c_bytes);
+        for (size_t i = 0; i < nc; i++) c0[i] = (float)(cometi_rand_unit(rng) - 0.5);
+    }
+    if (epi == COMETI_GEMM_EPI_SWIGLU_GU) CUDA_OK(cudaMalloc(&gu, (size_t)s->a_rows * 2 * n * 2));
+    if (v->roles & COMETI_GEMM_ROLE_DISPATCH) CUDA_OK(cudaMalloc(&a, (size_t)s->a_rows * K * 2));
+    problem_t p;
+    memset(&p, 0, sizeof(p));
+    p.groups = GROUPS, p.n = n, p.k = K, p.m_out = M_OUT, p.ldc = ldc;
+    p.a_rows = s->a_rows, p.segs = s->segs;
+    p.a = along_k ? s->ka : a;
+    p.b = along_k ? s->kb : b;
+    p.c = c, p.gu = gu, p.gu_rows = s->a_rows;
+    p.err = s->err_dev;
+    unsigned long long *split_done = NULL, *peer_arrive = NULL;
+    void *slots = NULL, *dest = NULL, *maps = NULL;
+    cometi_combine_peer_t *peers = NULL;
+    if (v->roles & COMETI_GEMM_ROLE_SPLITS) {
+        CUDA_OK(cudaMalloc((void **)&split_done, 2 * sizeof(unsigned long long)));
+        CUDA_OK(cudaMemset(split_done, 0, 2 * sizeof(unsigned long long)));
+        p.splits.n_splits = 2, p.splits.split_done = split_done;
+    }
+    if (epi == COMETI_GEMM_EPI_PUSH) {
+        /* One rank's push: row r of A to its place in the send order, as the layer's push
+         * sends it (a whole 64-row part of one expert's rows then goes as tensor stores). */
+        CUDA_OK(cudaMalloc(&slots, (size_t)s->rows * n * 2));
+        CUDA_OK(cudaMalloc((void **)&peer_arrive, (COMETI_PUSH_COUNTER + 1) * sizeof(unsigned long long)));
+        CUDA_OK(cudaMemset(peer_arrive, 0, (COMETI_PUSH_COUNTER + 1) * sizeof(unsigned long long)));
+        int2 *dest_host = malloc(sizeof(int2) * s->a_rows);
+        for (int r = 0; r < s->a_rows; r++) dest_host[r] = (int2){s->slot_of_host[r] >= 0 ? 0 : -1, s->slot_of_host[r]};
+        CUDA_OK(cudaMalloc(&dest, sizeof(int2) * s->a_rows));
+        CUDA_OK(cudaMemcpy(dest, dest_host, sizeof(int2) * s->a_rows, cudaMemcpyHostToDevice));
+        free(dest_host);
+        cometi_combine_peer_t peer = {NULL, slots, peer_arrive};
+        CUDA_OK(cudaMalloc((void **)&peers, sizeof(peer)));
+        CUDA_OK(cudaMemcpy(peers, &peer, sizeof(peer), cudaMemcpyHostToDevice));
+        char err[COMETI_ERR_LEN];
+        comet_status_t st = cometi_gemm_push_maps_create(err, &slots, 1, 1, 0, s->rows, n, &maps);
+        if (st != COMET_SUCCESS) printf("push maps: %s\n", err);
+        CHECK_EQ(st, COMET_SUCCESS);
+        p.push.dest = dest, p.push.maps = maps;
+        cometi_combine_t *cb = &p.push.combine;
+        cb->peers = peers;
+        cb->plan = (cometi_route_tables_t){s->counts, s->send_offset, s->seg_start, s->recv_offset};
+        cb->num_experts = GROUPS, cb->experts_per_group = GROUPS, cb->top_k = TOP_K, cb->world = 1, cb->tp = 1;
+    }
+    const int tiles_n = (n + cometi_gemm_out_cols(*v) - 1) / cometi_gemm_out_cols(*v);
+    uint16_t *c16 = malloc(c_bytes), *gu16 = gu ? malloc((size_t)s->a_rows * 2 * n * 2) : NULL;
+    uint16_t *slots16 = slots ? malloc((size_t)s->rows * n * 2) : NULL;
+    float *c32 = (float *)c16;
+    for (int run = 0; run < 2; run++) {
+        const int dynamic = run == 1 || (v->roles & COMETI_GEMM_ROLE_DISPATCH);
+        if (run == 1 && (v->roles & COMETI_GEMM_ROLE_DISPATCH)) break; /* it needs the shared counter: once */
+        if (c0) CUDA_OK(cudaMemcpy(c, c0, c_bytes, cudaMemcpyHostToDevice));
+        else CUDA_OK(cudaMemset(c, 0xff, c_bytes)); /* poison: bf16 NaN */
+        if (gu) CUDA_OK(cudaMemset(gu, 0xff, (size_t)s->a_rows * 2 * n * 2));
+        if (slots) CUDA_OK(cudaMemset(slots, 0xff, (size_t)s->rows * n * 2));
+        if (v->roles & COMETI_GEMM_ROLE_DISPATCH) {
+            CUDA_OK(cudaMemset(a, 0xff, (size_t)s->a_rows * K * 2)); /* every row must come from x */
+            if (dispatch_role(s, a, &p.dispatch)) return 1;
+        } else if (!along_k) {
+            CUDA_OK(cudaMemcpy(a, s->a16, (size_t)s->a_rows * K * 2, cudaMemcpyHostToDevice));
+        }
+        p.sched = dynamic ? s->sched : NULL;
+        cometi_gemm_t g = describe(v, &p);
+        g.launch.sms = dynamic ? 0 : 5;
+        char err[COMETI_ERR_LEN];
+        cometi_gemm_prepared_t prepared;
+        comet_status_t st = cometi_gemm_prepare(err, &g, &prepared);
+        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
+        CHECK_EQ(st, COMET_SUCCESS);
+        CHECK_EQ(((const cometi_gemm_plan_t *)prepared.bytes)->variant, vi); /* this row's kernel runs */
+        st = cometi_gemm_launch(err, &prepared, 0);
+        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
+        CHECK_EQ(st, COMET_SUCCESS);
+        CUDA_OK(cudaDeviceSynchronize());
+        if (s->err_host->status) printf("%s: the pipeline reported site %d\n", v->name, s->err_host->site);
+        CHECK_EQ(s->err_host->status, 0);
+        CUDA_OK(cudaMemcpy(c16, c, c_bytes, cudaMemcpyDeviceToHost));
+        if (gu) CUDA_OK(cudaMemcpy(gu16, gu, (size_t)s->a_rows * 2 * n * 2, cudaMemcpyDeviceToHost));
+        if (slots) CUDA_OK(cudaMemcpy(slots16, slots, (size_t)s->rows * n * 2, cudaMemcpyDeviceToHost));
+        /* Every output element of every row against float64; what no row owns untouched. */
+        int bad = 0;
+        double worst = 0;
+        for (size_t r = 0; r < c_rows && bad < 5; r++) {
+            int owned = along_k;
+            int64_t slot = -1;
+            if (!along_k) owned = s->src_of_host[r] >= 0, slot = s->slot_of_host[r];
+            double ss = 0;
+            for (int j = 0; j < n; j++) ss += ref[r * n + j] * ref[r * n + j];
+            const double rms = sqrt(ss / n);
+            for (int j = 0; j < ldc && bad < 5; j++) {
+                const size_t at = r * ldc + j;
+                if (epi == COMETI_GEMM_EPI_PUSH) {
+                    if (j >= n || !owned) continue;
+                    const double got = cometi_bf16_to_float(slots16[(size_t)slot * n + j]);
+                    if (!within(got, ref[r * n + j], rms)) bad++, printf("%s: slot %lld col %d = %g, float64 %g\n",
+                                                                         v->name, (long long)slot, j, got, ref[r * n + j]);
+                    continue;
+                }
+                if (epi == COMETI_GEMM_EPI_ADD_FP32) {
+                    const double want = c0[at] + ref[r * n + j];
+                    if (!(fabs(c32[at] - want) <= 1e-5 * fabs(want) + 1e-4 * rms))
+                        bad++, printf("%s: C[%zu][%d] = %g, want %g\n", v->name, r, j, c32[at], want);
+                    continue;
+                }
+                if (j >= n || !owned) { /* past n, or padding: the poison stays */
+                    if (c16[at] != 0xffff) bad++, printf("%s: C[%zu][%d] written (row owned %d)\n", v->name, r, j, owned);
+                    continue;
+                }
+                const double got = cometi_bf16_to_float(c16[at]), want = ref[r * n + j];
+                if (!within(got, want, rms)) bad++, printf("%s: C[%zu][%d] = %g, float64 %g\n", v->name, r, j, got, want);
+                if (rms > 0 && fabs(got - want) / rms > worst) worst = fabs(got - want) / rms;
+            }
+            /* The kept gate and up: each its fp32 sum rounded to bf16 once. */
+            for (int j = 0; gu && j < n && bad < 5; j++) {
+                const double kg = cometi_bf16_to_float(gu16[r * 2 * n + j]), ku = cometi_bf16_to_float(gu16[r * 2 * n + n + j]);
+                if (!owned) {
+                    if (gu16[r * 2 * n + j] != 0xffff || gu16[r * 2 * n + n + j] != 0xffff) bad++;
+                    continue;
+                }
+                const double wg = ref_g[r * n + j], wu = ref_u[r * n + j];
+                if (!(fabs(kg - wg) <= 0x1p-8 * fabs(wg) + 1e-4) || !(fabs(ku - wu) <= 0x1p-8 * fabs(wu) + 1e-4))
+                    bad++, printf("%s: kept g, u of row %zu col %d = %g, %g; float64 %g, %g\n", v->name, r, j, kg, ku, wg, wu);
+            }
+        }
+        CHECK_EQ(bad, 0);
+        if (split_done) { /* running totals: every row once per column tile of its split, per call */
+            unsigned long long done[2], want = (unsigned long long)s->rows * (tiles_n / 2) * (run + 1);
+            CUDA_OK(cudaMemcpy(done, split_done, sizeof(done), cudaMemcpyDeviceToHost));
+            CHECK_EQ(done[0], want);
+            CHECK_EQ(done[1], want);
+        }
+        if (peer_arrive) { /* rows pushed: every row once per column tile, per call */
+            unsigned long long pushed;
+            CUDA_OK(cudaMemcpy(&pushed, peer_arrive + COMETI_PUSH_COUNTER, sizeof(pushed), cudaMemcpyDeviceToHost));
+            CHECK_EQ(pushed, (unsigned long long)s->rows * tiles_n * (run + 1));
+        }
+        printf("%-20s %s: n %d, worst |error| / row RMS %.2e\n", v->name, dynamic ? "every SM, shared counter" :
+               "5 blocks, static tiles  ", n, worst);
+    }
+    free(b16), free(bf), free(ref), free(ref_g), free(ref_u), free(c0), free(c16), free(gu16), free(slots16);
+    cudaFree(b), cudaFree(c), cudaFree(gu), cudaFree(split_done), cudaFree(peer_arrive), cudaFree(slots);
+    cudaFree(dest), cudaFree(maps), cudaFree(peers);
+    if (a != s->a) cudaFree(a);
+    return 0;
+}
+
+static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    uint64_t rng = *(uint64_t *)arg;
+    shared_t s;
+    memset(&s, 0, sizeof(s));
+    if (gemm_setup(ctx, &s.err_host, &s.err_dev)) return 1;
+    if (shared_open(&s, &rng)) return 1;
+    for (int vi = 0; vi < COMETI_GEMM_NUM_VARIANTS; vi++)
+        if (run_row(&s, vi, &rng)) {
+            printf("variant %s failed\n", cometi_gemm_variants[vi].name);
+            return 1;
+        }
+    return 0;
+}
+
+int test_gpu_gemm_every_variant(void)
+{
+    if (!have_gpus(1)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(1, every_variant_rank, &seed, 240);
+}
