@@ -22,8 +22,14 @@
  * reported by comet_comm_get_async_error().
  *
  * Collective calls (create, destroy, forward, forward_train, backward) must be made by
- * every rank of the communicator, in the same order; a communicator and its layers are
- * not thread-safe (use them from one thread at a time), but any thread may make a call
+ * every rank of the communicator, in the same order: each layer call the same number of
+ * times, with the same impl and the same weight layout (gate_up, or gate and up: the
+ * layout picks the training path), on the same stream, at most max_tokens tokens each (0
+ * is fine), the backwards in the same order. A call refused on one rank alone before it
+ * reaches the others (a bad argument) leaves them waiting: on the fused path until the
+ * timeout (COMET_TIMEOUT), on the sequential one inside NCCL, as any NCCL collective.
+ * A communicator and its layers are not thread-safe (use them from one thread at a
+ * time), but any thread may make a call
  * (a framework's backward thread, say): each call that touches the GPU binds the
  * communicator's CUDA context (the one current at its create) and gives the thread's own
  * (or none) back before it returns.
@@ -32,6 +38,29 @@
  * handle (messages), or forever (names, version). Device pointers passed to the layer must
  * be 16-byte aligned (topk_ids and topk_weights 4-byte): the kernels move rows 16 bytes
  * at a time.
+ *
+ * Environment variables, read once, at the first comet_comm_create (a malformed value
+ * fails it with COMET_INVALID_ARGUMENT naming the variable); unset or empty: the default.
+ *   COMET_TIMEOUT_MS   1..3600000, default 5000: a device-side wait's limit, where the
+ *                      comm config's timeout_ms is 0
+ *   COMET_TUNING_FILE  a readable regular file, default none: the fused path's settings
+ *   COMET_PDL          0 or 1, default 1. 0: launch every kernel the ordinary way, not with
+ *                      programmatic dependent launch
+ *   COMET_FIRST_WAVE   0 or 1, default 1. 0: no first wave (layer0's first row blocks on
+ *                      a second stream beside the route, at tp_size 1)
+ *
+ * Settings. The fused path's settings (the SMs that dispatch rows in layer0; how layer1
+ * sends rows home: pushed from GEMM1's epilogue, or by combine blocks over column splits)
+ * come from a cost model, or from the line of $COMET_TUNING_FILE for the layer's shape
+ * (`comet tune` measures them and writes it). One line per shape and token count, '#'
+ * starts a comment, e.g.:
+ *   # world[tpT] experts top_k hidden ffn max_tokens : dispatch_blocks bulk|stores combine_blocks splits static|dynamic tail|notail|push
+ *   2 64 4 2048 1408 8192 : 12 bulk 0 1 dynamic push
+ * (world 2 at tp_size 2 is "2tp2"). A layer takes the line of its world, tp, experts,
+ * top_k, hidden and ffn whose max_tokens is closest to its own. The fused path's first
+ * call reads the file: a line that could not run on this GPU fails it
+ * (COMET_INVALID_ARGUMENT naming the line and the field), and ranks whose settings differ
+ * are refused on every rank.
  */
 #ifndef COMET_H
 #define COMET_H
@@ -97,13 +126,15 @@ typedef struct comet_comm_config {
 #define COMET_COMM_CONFIG_INIT {sizeof(comet_comm_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0}
 
 /*
- * Wrap a caller's NCCL communicator (NCCL >= 2.28, every rank on one NVLink node).
+ * Wrap a caller's NCCL communicator (NCCL >= 2.28, every rank on one NVLink node, at
+ * most 72 ranks).
  * Collective: every rank of `nccl` calls it. The caller keeps ownership of `nccl`
  * and must keep it alive until comet_comm_destroy(). The current CUDA device must be
  * the one `nccl` was created on. `config` may be NULL for defaults.
- * Errors: COMET_INVALID_ARGUMENT (NULL out, bad config), COMET_INVALID_USAGE (the current
- * device is not the communicator's), COMET_NOT_SUPPORTED (NCCL too old, ranks not all
- * reachable by NVLink loads and stores), COMET_NCCL_ERROR, COMET_CUDA_ERROR,
+ * Errors: COMET_INVALID_ARGUMENT (NULL out, bad config, a malformed environment
+ * variable), COMET_INVALID_USAGE (the current device is not the communicator's),
+ * COMET_NOT_SUPPORTED (NCCL too old, more than 72 ranks, ranks not all reachable by NVLink
+ * loads and stores), COMET_NCCL_ERROR, COMET_CUDA_ERROR,
  * COMET_OUT_OF_MEMORY. On failure *out is NULL; the message is
  * available from comet_last_create_error().
  */
