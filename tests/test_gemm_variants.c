@@ -255,7 +255,7 @@ int test_gemm_descriptions_resolve(void)
 #define GROUPS 4
 #define K 192     /* along M: A's columns */
 #define M_OUT 192 /* along K: C's rows per group (a partial last row tile at both widths) */
-#define N_MAX 512
+#define N_K 320   /* along K: B's columns (the rows' n) */
 #define TOP_K 2
 
 /* What every row shares: the routing, the segments, the tokens and A (along M), A and B
@@ -274,7 +274,7 @@ typedef struct shared {
     int32_t *counts, *send_offset, *seg_start, *recv_offset, *src_of;
     unsigned long long *arrive, *expected;
     unsigned int *sched;
-    /* Along K: A [a_rows][M_OUT] and B [a_rows][N_MAX] with zero padding rows. */
+    /* Along K: A [a_rows][M_OUT] and B [a_rows][N_K] with zero padding rows. */
     uint16_t *ka16, *kb16;
     float *kaf, *kbf;
     void *ka, *kb;
@@ -337,16 +337,16 @@ static int shared_open(shared_t *s, uint64_t *rng)
     CUDA_OK(cudaMemset(s->sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)));
     /* Along K: each group's k is its segment's rows; padding rows zero in both operands. */
     s->ka16 = calloc((size_t)s->a_rows * M_OUT, 2), s->kaf = calloc((size_t)s->a_rows * M_OUT, 4);
-    s->kb16 = calloc((size_t)s->a_rows * N_MAX, 2), s->kbf = calloc((size_t)s->a_rows * N_MAX, 4);
+    s->kb16 = calloc((size_t)s->a_rows * N_K, 2), s->kbf = calloc((size_t)s->a_rows * N_K, 4);
     for (int g = 0; g < GROUPS; g++) {
         const size_t r0 = (size_t)s->segs_host[g].start, nr = (size_t)s->segs_host[g].rows;
         fill_bf16(s->kaf + r0 * M_OUT, s->ka16 + r0 * M_OUT, nr * M_OUT, 1.0, rng);
-        fill_bf16(s->kbf + r0 * N_MAX, s->kb16 + r0 * N_MAX, nr * N_MAX, 0.5, rng);
+        fill_bf16(s->kbf + r0 * N_K, s->kb16 + r0 * N_K, nr * N_K, 0.5, rng);
     }
     CUDA_OK(cudaMalloc(&s->ka, (size_t)s->a_rows * M_OUT * 2));
-    CUDA_OK(cudaMalloc(&s->kb, (size_t)s->a_rows * N_MAX * 2));
+    CUDA_OK(cudaMalloc(&s->kb, (size_t)s->a_rows * N_K * 2));
     CUDA_OK(cudaMemcpy(s->ka, s->ka16, (size_t)s->a_rows * M_OUT * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(s->kb, s->kb16, (size_t)s->a_rows * N_MAX * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(s->kb, s->kb16, (size_t)s->a_rows * N_K * 2, cudaMemcpyHostToDevice));
     free(ids), free(send_pos), free(recv_pos), free(src_of_send);
     cometi_route_plan_free(&plan);
     return 0;
@@ -391,8 +391,9 @@ static int run_row(shared_t *s, int vi, uint64_t *rng)
     const int along_k = v->along == COMETI_GEMM_GROUPS_ALONG_K, epi = v->epilogue;
     const int swiglu = epi == COMETI_GEMM_EPI_SWIGLU || epi == COMETI_GEMM_EPI_SWIGLU_GU;
     const int n = row_n(v), ldc = along_k ? n : n + 64;
+    CHECK(!along_k || n == N_K);
     const int b_rows = along_k ? 0 : (swiglu ? 2 * n : n); /* B's rows per group */
-    /* B: K-major [groups][b_rows][K], MN-major [groups][K][n] (along K: kb, n of N_MAX). */
+    /* B: K-major [groups][b_rows][K], MN-major [groups][K][n] (along K: the shared kb). */
     const size_t nb = along_k ? 0 : (size_t)GROUPS * b_rows * K;
     uint16_t *b16 = malloc(nb * 2 + 2);
     float *bf = malloc(nb * 4 + 4);
@@ -417,7 +418,7 @@ static int run_row(shared_t *s, int vi, uint64_t *rng)
                 for (int i = 0; i < M_OUT; i++) {
                     const double av = s->kaf[(size_t)r * M_OUT + i];
                     double *out = ref + ((size_t)g * M_OUT + i) * n;
-                    for (int j = 0; j < n; j++) out[j] += av * s->kbf[(size_t)r * N_MAX + j];
+                    for (int j = 0; j < n; j++) out[j] += av * s->kbf[(size_t)r * N_K + j];
                 }
             continue;
         }
@@ -539,12 +540,14 @@ static int run_row(shared_t *s, int vi, uint64_t *rng)
                     const double got = cometi_bf16_to_float(slots16[(size_t)slot * n + j]);
                     if (!within(got, ref[r * n + j], rms)) bad++, printf("%s: slot %lld col %d = %g, float64 %g\n",
                                                                          v->name, (long long)slot, j, got, ref[r * n + j]);
+                    if (rms > 0 && fabs(got - ref[r * n + j]) / rms > worst) worst = fabs(got - ref[r * n + j]) / rms;
                     continue;
                 }
                 if (epi == COMETI_GEMM_EPI_ADD_FP32) {
                     const double want = c0[at] + ref[r * n + j];
                     if (!(fabs(c32[at] - want) <= 1e-5 * fabs(want) + 1e-4 * rms))
                         bad++, printf("%s: C[%zu][%d] = %g, want %g\n", v->name, r, j, c32[at], want);
+                    if (rms > 0 && fabs(c32[at] - want) / rms > worst) worst = fabs(c32[at] - want) / rms;
                     continue;
                 }
                 if (j >= n || !owned) { /* past n, or padding: the poison stays */
