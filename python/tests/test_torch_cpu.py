@@ -1,13 +1,13 @@
-"""cpu_torch.py - run_cpu.py's tests that need torch, on the CPU against a stand-in for
-the comet layer: the router, CometSparseMoeBlock's state dict (this rank's experts, this
-TP rank's slice, Hugging Face names) and its forward against HF Mixtral written out.
-They print SKIP when torch is not installed.
+"""test_torch_cpu.py - the tests that need torch, on the CPU against a stand-in for the
+comet layer: the router, CometSparseMoeBlock's state dict (this rank's experts, this TP
+rank's slice, Hugging Face names) and its forward against HF Mixtral written out. They
+skip, saying so, when torch is not installed.
 """
 from __future__ import annotations
 
 import comet_moe
 from comet_moe import _capi, checks
-from run_cpu import check, check_eq, need_torch, note, raises, test
+from helpers import check, check_eq, need_torch, note, raises
 
 
 # ---- with torch (on the CPU; skipped without it) ----
@@ -84,8 +84,7 @@ def rel_err(got, want):
     return float(((got.float() - want).norm() / want.norm()).item())
 
 
-@test
-def torch_mixtral_route():
+def test_torch_mixtral_route():
     torch = need_torch()
     from comet_moe import mixtral_route
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 0.5, 0.25, 0.0]], dtype=torch.bfloat16)
@@ -99,8 +98,7 @@ def torch_mixtral_route():
     check(torch.allclose(w.sum(1), torch.ones(2)), "each token's weights sum to 1")
 
 
-@test
-def torch_block_keeps_local_experts_and_names_them_the_hf_way():
+def test_torch_block_keeps_local_experts_and_names_them_the_hf_way():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
     E, H, Fd = 8, 64, 32
@@ -139,8 +137,7 @@ def torch_block_keeps_local_experts_and_names_them_the_hf_way():
              "load_full_state_dict with a prefix")
 
 
-@test
-def torch_block_keeps_this_tp_ranks_slice():
+def test_torch_block_keeps_this_tp_ranks_slice():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
     from comet_moe.block import _tp_slice
@@ -198,8 +195,7 @@ def torch_block_keeps_this_tp_ranks_slice():
         check(torch.equal(block.w2[le], sd[f"experts.{e}.w2.weight"][:, Fl:]), f"rank 3: expert {e} w2 columns")
 
 
-@test
-def torch_block_forward_matches_hf_mixtral():
+def test_torch_block_forward_matches_hf_mixtral():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
     E, H, Fd, k = 4, 64, 32, 2
@@ -224,8 +220,7 @@ def torch_block_forward_matches_hf_mixtral():
     note(f"block vs HF Mixtral (float32): relative error {err:.2e}")
 
 
-@test
-def torch_block_refuses_before_launching():
+def test_torch_block_refuses_before_launching():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
     cfg = comet_moe.MoeConfig(hidden=64, ffn=32, num_experts=4, top_k=2, max_tokens=16)

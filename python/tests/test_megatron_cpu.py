@@ -1,5 +1,5 @@
-"""cpu_megatron.py - run_cpu.py's tests of the Megatron-Core adapter (comet_moe.megatron) on
-the CPU: the config mapping and its refusals (no torch needed), and, with torch and
+"""test_megatron_cpu.py - the Megatron-Core adapter (comet_moe.megatron) on the CPU: the
+config mapping and its refusals (no torch needed), and, with torch and
 megatron-core installed, the layer's glue against Megatron's own modules: the same router
 (TopKRouter), the expert weights loaded under SequentialMLP's names from a SequentialMLP
 built by Megatron, and the output against that router's choices through those experts.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from run_cpu import Skip, check, check_eq, note, raises, test
+from helpers import check, check_eq, note, raises, skip
 
 
 def megatron_config(**changes):
@@ -29,8 +29,7 @@ def megatron_config(**changes):
     return c
 
 
-@test
-def megatron_config_mapping():
+def test_megatron_config_mapping():
     from comet_moe.megatron import moe_config_from_megatron
     cfg = moe_config_from_megatron(megatron_config(), max_tokens=4096)
     got = (cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.max_tokens, cfg.ep_size, cfg.tp_size)
@@ -43,8 +42,7 @@ def megatron_config_mapping():
     check_eq(cfg.tp_size, 2, "expert TP defaults to the tensor-parallel size, as Megatron's")
 
 
-@test
-def megatron_config_refusals_name_the_field():
+def test_megatron_config_refusals_name_the_field():
     from comet_moe.megatron import moe_config_from_megatron
     cases = [(dict(num_moe_experts=None), "config.num_moe_experts"),
              (dict(gated_linear_unit=False), "config.gated_linear_unit = False"),
@@ -80,8 +78,7 @@ class StandInMoe:
         return y.to(torch.bfloat16)
 
 
-@test
-def megatron_layers_share_one_handle_per_shape():
+def test_megatron_layers_share_one_handle_per_shape():
     from comet_moe import megatron
     made, closed = [], []
 
@@ -134,7 +131,7 @@ def megatron_or_skip():
         from megatron.core import parallel_state
         from megatron.core.transformer.transformer_config import TransformerConfig
     except ImportError as e:
-        raise Skip(f"needs torch and megatron-core ({e})") from None
+        skip(f"needs torch and megatron-core ({e})")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29561")
@@ -144,8 +141,7 @@ def megatron_or_skip():
     return torch, TransformerConfig
 
 
-@test
-def megatron_layer_glue_matches_megatrons_modules():
+def test_megatron_layer_glue_matches_megatrons_modules():
     torch, TransformerConfig = megatron_or_skip()
     import torch.nn.functional as F
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear

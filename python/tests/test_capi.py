@@ -1,8 +1,8 @@
-"""cpu_capi.py - run_cpu.py's tests of the library and its ctypes mirror: libcomet loads
-and is found (or the error says how to get it), the mirror of comet.h (struct field
-order, sizes, offsets, the *_INIT initializers, enum values and every bound function's
-signature, all read from the header itself, no C compiler), comet's statuses as
-exceptions through real C calls that fail on a CPU, and the presets and configs.
+"""test_capi.py - the library and its ctypes mirror, no GPU: libcomet loads and is found
+(or the error says how to get it), the mirror of comet.h (struct field order, sizes,
+offsets, the *_INIT initializers, enum values and every bound function's signature, all
+read from the header itself, no C compiler), comet's statuses as exceptions through real
+C calls that fail on a CPU, and the presets and configs.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import comet_moe
 from comet_moe import _capi, errors
 from comet_moe.moe import parse_impl
-from run_cpu import REPO, Skip, check, check_eq, note, raises, test
+from helpers import REPO, check, check_eq, note, raises, skip
 
 HEADER = REPO / "include" / "comet.h"
 
@@ -123,8 +123,8 @@ MIRRORS = {
     "comet_moe_weight_grads_t": _capi.MoeWeightGradsStruct,
     "comet_moe_backward_args_t": _capi.MoeBackwardArgsStruct,
 }
-# Sizes and offsets gcc gives on x86-64 (checked with offsetof on 2026-12-01), a second
-# witness beside the layout computed from the header.
+# Sizes and offsets gcc gives on x86-64 (as offsetof prints them), a second witness beside
+# the layout computed from the header.
 GCC_X86_64 = {
     "comet_comm_config_t": (24, {"timeout_ms": 16}),
     "comet_moe_config_t": (56, {"hidden": 16, "dtype": 44, "resend_x": 48}),
@@ -148,8 +148,7 @@ def leaves(struct):
 
 # ---- the library ----
 
-@test
-def library_loads_and_names_its_version():
+def test_library_loads_and_names_its_version():
     path = comet_moe.library_path()
     check(Path(path).exists(), f"library_path() = {path}: no such file")
     d = header_defines(header_text())
@@ -170,8 +169,7 @@ def run_python(code, env_changes, cwd=None):
                           timeout=60)
 
 
-@test
-def library_lookup_order_and_not_found_message():
+def test_library_lookup_order_and_not_found_message():
     probe = "import comet_moe; print(comet_moe.library_path())"
     built = str(REPO / "build" / "libcomet.so")
     # $COMET_LIBRARY first: a file, or a folder holding libcomet.so.
@@ -198,10 +196,42 @@ def library_lookup_order_and_not_found_message():
         check_eq(r.stdout.strip(), "imported", f"import without the library: {r.stderr[-400:]}")
 
 
+def unbuilt_tree(tmp):
+    """python/ of this repository copied into `tmp`, with no build/ beside it."""
+    for part in ("comet_moe", "tests"):
+        shutil.copytree(REPO / "python" / part, Path(tmp) / "python" / part,
+                        ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    return Path(tmp) / "python" / "tests"
+
+
+def test_tests_fail_once_where_the_library_is_not_built():
+    """On a tree where `make` has not run, the CPU tests fail once, saying to build first,
+    not once per test: under run_cpu.py, and under pytest where it is installed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tests = unbuilt_tree(tmp)
+        r = subprocess.run([sys.executable, str(tests / "run_cpu.py")], cwd=tmp, capture_output=True, text=True,
+                           env=dict(os.environ, LD_LIBRARY_PATH="", COMET_LIBRARY=""), timeout=120)
+        lines = r.stdout.splitlines()
+        fails = [line for line in lines if line.startswith("FAIL")]
+        check(r.returncode == 1 and len(fails) == 1 and "build first (make)" in fails[0],
+              f"run_cpu.py without the library: exit {r.returncode}, FAIL lines {fails}")
+        check_eq(lines[-1], "0 passed, 1 failed, 0 skipped", "run_cpu.py's closing line")
+        try:
+            import pytest  # noqa: F401
+        except ImportError:
+            note("pytest is not installed: its run without the library is left out")
+            return
+        r = subprocess.run([sys.executable, "-m", "pytest", str(tests), "-p", "no:cacheprovider"], cwd=tmp,
+                           capture_output=True, text=True, env=dict(os.environ, LD_LIBRARY_PATH="", COMET_LIBRARY=""),
+                           timeout=300)
+        out = r.stdout + r.stderr
+        check(r.returncode != 0 and out.count("build first (make)") == 1 and " passed" not in out,
+              f"pytest without the library: exit {r.returncode}\n{out[-2000:]}")
+
+
 # ---- the mirror of comet.h ----
 
-@test
-def constants_and_enums_match_the_header():
+def test_constants_and_enums_match_the_header():
     text = header_text()
     d = header_defines(text)
     check_eq(int(d["COMET_STRUCT_MAGIC"].rstrip("uU"), 0), _capi.STRUCT_MAGIC, "COMET_STRUCT_MAGIC")
@@ -219,10 +249,9 @@ def constants_and_enums_match_the_header():
         check(s.startswith(name + ":"), f"comet_status_string({code}) = {s!r}, want {name}: ...")
 
 
-@test
-def struct_layouts_match_the_header():
+def test_struct_layouts_match_the_header():
     if ctypes.sizeof(ctypes.c_void_p) != 8:
-        raise Skip("the layouts are checked for LP64 (64-bit Linux)")
+        skip("the layouts are checked for LP64 (64-bit Linux)")
     structs = header_structs(header_text())
     check_eq(set(structs), set(MIRRORS), "typedef structs in comet.h")
     for cname, mirror in MIRRORS.items():
@@ -251,8 +280,7 @@ def struct_layouts_match_the_header():
             note(f"ncclUniqueId checked against {nccl_h}")
 
 
-@test
-def init_macros_match_new_structs():
+def test_init_macros_match_new_structs():
     text = header_text()
     d = header_defines(text)
     enums = header_enums(text)
@@ -275,8 +303,7 @@ def init_macros_match_new_structs():
 PROTOTYPE = re.compile(r"([A-Za-z_][\w\s\*]*?)\b(comet_\w+)\s*\(([^;{)]*)\)\s*;")
 
 
-@test
-def function_signatures_match_the_header():
+def test_function_signatures_match_the_header():
     text = header_text()
     protos = {}
     for m in PROTOTYPE.finditer(text):
@@ -298,8 +325,7 @@ def function_signatures_match_the_header():
 
 # ---- statuses as exceptions ----
 
-@test
-def status_codes_map_to_exception_classes():
+def test_status_codes_map_to_exception_classes():
     for code, name in _capi.STATUS_NAMES.items():
         if code == _capi.SUCCESS:
             errors.check(code, "f", "never read")
@@ -320,8 +346,7 @@ def status_codes_map_to_exception_classes():
     check_eq(calls, [], "the message of a success is never read")
 
 
-@test
-def validate_failures_raise_with_comets_message():
+def test_validate_failures_raise_with_comets_message():
     bad = comet_moe.MoeConfig(hidden=100, ffn=256, num_experts=8, top_k=2, max_tokens=64)
     e = raises(comet_moe.CometInvalidArgumentError, lambda: bad.validate(2),
                "comet_moe_config_validate", "COMET_INVALID_ARGUMENT", "config.hidden = 100", "multiple of 64")
@@ -343,8 +368,7 @@ def validate_failures_raise_with_comets_message():
            "config.max_tokens = 0")
 
 
-@test
-def config_struct_size_is_what_comet_expects():
+def test_config_struct_size_is_what_comet_expects():
     # comet_moe_config_validate compares config.size with its own sizeof: a config made
     # here (size = ctypes.sizeof) passing means the mirror has C's size; that the fields
     # land where C reads them shows in the presets and the named fields of the failures.
@@ -360,8 +384,7 @@ def config_struct_size_is_what_comet_expects():
     raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(2), "config.version = 99")
 
 
-@test
-def comm_config_struct_reaches_comet():
+def test_comm_config_struct_reaches_comet():
     # comet_comm_create_from_id checks its config before NCCL is touched: a timeout_ms of
     # -1 (which Comm refuses itself, so through the C call here) is named, so size, magic,
     # version and the timeout_ms offset all matched.
@@ -379,8 +402,7 @@ def comm_config_struct_reaches_comet():
     raises(ValueError, lambda: comet_moe.Comm(b"short", 1, 0), "unique_id has 5 bytes", "128")
 
 
-@test
-def comm_refuses_ints_ctypes_would_truncate():
+def test_comm_refuses_ints_ctypes_would_truncate():
     # Each would reach comet as its low 32 bits (2**32 + 1 ranks as 1, rank 2**32 as 0);
     # a timeout past comet's range would wait an hour and more. Refused before any C call.
     uid = bytes(128)
@@ -399,20 +421,18 @@ def comm_refuses_ints_ctypes_would_truncate():
            "0..3600000")
 
 
-@test
-def nccl_unique_id_through_libcomet():
+def test_nccl_unique_id_through_libcomet():
     try:
         a, b = comet_moe.unique_id(), comet_moe.unique_id()
     except comet_moe.CometNcclError as e:
-        raise Skip(f"NCCL cannot make an id on this machine: {e}") from None
+        skip(f"NCCL cannot make an id on this machine: {e}")
     check(isinstance(a, bytes) and len(a) == 128, f"unique_id() gave {type(a).__name__} of {len(a)} bytes")
     check(any(a) and a != b, "two unique ids: empty, or equal")
 
 
 # ---- presets and configs ----
 
-@test
-def presets_from_the_library():
+def test_presets_from_the_library():
     names = comet_moe.presets()
     check_eq(names, ["mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b", "qwen2-moe-2.7b", "gpt-oss-120b", "tiny"],
              "presets()")
@@ -430,8 +450,7 @@ def presets_from_the_library():
     raises(TypeError, lambda: comet_moe.MoeConfig(hidden=4096.0), "MoeConfig.hidden = 4096.0", "int")
 
 
-@test
-def config_refuses_ints_ctypes_would_truncate():
+def test_config_refuses_ints_ctypes_would_truncate():
     # ctypes keeps the low bits of a wider int: cfg.max_tokens = 2**32 + 5 would read 5.
     cfg = comet_moe.MoeConfig.preset("tiny", 512)
     before = cfg.copy()
@@ -472,8 +491,7 @@ def config_refuses_ints_ctypes_would_truncate():
     raises(TypeError, lambda: comet_moe.MoeConfig.preset(b"tiny", 64), "name = b'tiny'", "expected a str")
 
 
-@test
-def validate_refuses_a_world_size_ctypes_would_truncate():
+def test_validate_refuses_a_world_size_ctypes_would_truncate():
     cfg = comet_moe.MoeConfig.preset("tiny", 512)
     raises(ValueError, lambda: cfg.validate(2**40), "world_size = 1099511627776", "1..2147483647")
     raises(ValueError, lambda: cfg.validate(2**32 + 2), "world_size = 4294967298")
@@ -485,15 +503,13 @@ def validate_refuses_a_world_size_ctypes_would_truncate():
     check(cfg.validate(2) is cfg, "world size 2")
 
 
-@test
-def impl_names():
+def test_impl_names():
     check_eq([parse_impl(v) for v in ("auto", "BASELINE", "fused", 0, 1, 2)], [0, 1, 2, 0, 1, 2], "parse_impl")
     for bad in ("fast", 3, True, None):
         raises(ValueError, lambda: parse_impl(bad), f"impl = {bad!r}")
 
 
-@test
-def layer_refuses_wrong_types_before_calling_comet():
+def test_layer_refuses_wrong_types_before_calling_comet():
     cfg = comet_moe.MoeConfig.preset("tiny", 16)
     raises(TypeError, lambda: comet_moe.Moe("comm", cfg), "comm: expected a comet_moe.Comm, got str")
     # Handles are never copied (a copy would destroy them twice), and an object whose
@@ -507,15 +523,14 @@ def layer_refuses_wrong_types_before_calling_comet():
         half_made.close()
 
 
-@test
-def python_sources_pass_flake8_names():
+def test_python_sources_pass_flake8_names():
     """Every Python file of the repo against flake8's pyflakes checks (F: undefined names,
     unused imports and locals): the GPU-only paths of the package run nowhere in CI, and a
     name lost in an edit there would first fail on a GPU."""
     try:
         import flake8  # noqa: F401
     except ImportError:
-        raise Skip("flake8 is not installed (pip install flake8 to run it)") from None
+        skip("flake8 is not installed (pip install flake8 to run it)")
     run = subprocess.run([sys.executable, "-m", "flake8", "--select=F", "python", "bench", "scripts"],
                          cwd=REPO, capture_output=True, text=True)
     check(run.returncode == 0, "flake8 --select=F:\n" + (run.stdout + run.stderr).strip())

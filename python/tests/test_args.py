@@ -1,13 +1,13 @@
-"""cpu_args.py - run_cpu.py's tests of the forward call's argument checks, on small
-stand-in tensors (no torch needed), of what Moe.forward passes to C (through a stand-in
-of libcomet), and of the rank layout under tensor parallelism.
+"""test_args.py - the forward call's argument checks, on small stand-in tensors (no torch
+needed), what Moe.forward passes to C (through a stand-in of libcomet), and the rank
+layout under tensor parallelism.
 """
 from __future__ import annotations
 
 import comet_moe
 from comet_moe import checks
 from comet_moe.checks import PTR_MAX
-from run_cpu import check, check_eq, raises, test
+from helpers import check, check_eq, raises
 
 
 # ---- the forward call's checks, on stand-in tensors ----
@@ -78,8 +78,7 @@ def args_cfg():
     return comet_moe.MoeConfig(hidden=ArgSet.H, ffn=ArgSet.F, num_experts=8, top_k=ArgSet.K, max_tokens=64)
 
 
-@test
-def forward_checks_accept_valid_arguments():
+def test_forward_checks_accept_valid_arguments():
     check_eq(ArgSet().run(), ArgSet.M, "num_tokens of a valid call")
     check_eq(ArgSet(m=64).run(), 64, "exactly max_tokens")
     check_eq(ArgSet(m=0, x=FakeTensor((0, 256), ptr=0), out=None).run(), 0, "no tokens (null data pointers)")
@@ -89,8 +88,7 @@ def forward_checks_accept_valid_arguments():
     check_eq(ArgSet(out=None).run(), ArgSet.M, "out allocated by forward")
 
 
-@test
-def forward_checks_refuse_wrong_dtypes():
+def test_forward_checks_refuse_wrong_dtypes():
     raises(TypeError, lambda: ArgSet(x=FakeTensor((40, 256), "torch.float16")).run(),
            "x.dtype = torch.float16", "expected torch.bfloat16", "x.to(torch.bfloat16)")
     raises(TypeError, lambda: ArgSet(topk_ids=FakeTensor((40, 2), "torch.int64")).run(),
@@ -103,8 +101,7 @@ def forward_checks_refuse_wrong_dtypes():
     raises(TypeError, lambda: ArgSet(topk_ids=None).run(), "topk_ids: expected a torch.Tensor, got NoneType")
 
 
-@test
-def forward_checks_refuse_wrong_shapes_and_sizes():
+def test_forward_checks_refuse_wrong_shapes_and_sizes():
     raises(ValueError, lambda: ArgSet(m=65).run(), "x.shape[0] = 65 tokens", "config.max_tokens = 64")
     raises(ValueError, lambda: ArgSet(x=FakeTensor((40, 255))).run(), "x.shape = (40, 255)", "hidden = 256")
     raises(ValueError, lambda: ArgSet(x=FakeTensor((2, 20, 256))).run(), "x.shape = (2, 20, 256)", "reshape(-1, 256)")
@@ -122,8 +119,7 @@ def forward_checks_refuse_wrong_shapes_and_sizes():
     raises(ValueError, lambda: ArgSet(down=None).run(), "down is None")
 
 
-@test
-def forward_checks_refuse_wrong_devices_and_layouts():
+def test_forward_checks_refuse_wrong_devices_and_layouts():
     raises(ValueError, lambda: ArgSet(x=FakeTensor((40, 256), device="cpu")).run(),
            "x is on cpu", "expected cuda:0, the communicator's device")
     raises(ValueError, lambda: ArgSet(topk_weights=FakeTensor((40, 2), checks.FLOAT32, device="cuda:1")).run(),
@@ -141,8 +137,7 @@ def forward_checks_refuse_wrong_devices_and_layouts():
            "out overlaps x")
 
 
-@test
-def forward_checks_refuse_out_over_any_input():
+def test_forward_checks_refuse_out_over_any_input():
     # comet reads every input, the weights too, while it writes out: no byte may be shared.
     H, F, E = ArgSet.H, ArgSet.F, ArgSet.E_LOCAL
     args = ArgSet(gate_up=None, gate=FakeTensor((E, F, H), ptr=0x90000000), up=FakeTensor((E, F, H), ptr=0xA0000000))
@@ -200,8 +195,7 @@ def stub_layer():
     return layer, lib
 
 
-@test
-def forward_refuses_a_stream_ctypes_would_truncate():
+def test_forward_refuses_a_stream_ctypes_would_truncate():
     layer, lib = stub_layer()
     try:
         kw = ArgSet().kw
@@ -228,8 +222,7 @@ def forward_refuses_a_stream_ctypes_would_truncate():
         layer._box = None  # no comet_moe_destroy on the stand-in
 
 
-@test
-def forward_checks_take_the_tp_slice():
+def test_forward_checks_take_the_tp_slice():
     H, F = ArgSet.H, ArgSet.F  # tp 2: Fl = 64
     check_eq(ArgSet(tp=2).run(), ArgSet.M, "tp 2: gate_up [4, 128, 256], down [4, 256, 64]")
     check_eq(ArgSet(tp=2).run(ffn_local=64, tp_size=2), ArgSet.M, "tp 2, as Moe passes it resolved")
@@ -255,8 +248,7 @@ def forward_checks_take_the_tp_slice():
     check("tp_size" not in str(e), f"tp 1 message mentions tp_size: {e}")
 
 
-@test
-def rank_layout_under_tensor_parallelism():
+def test_rank_layout_under_tensor_parallelism():
     from comet_moe.moe import _rank_layout
     cfg = comet_moe.MoeConfig(hidden=256, ffn=512, num_experts=8, top_k=2, max_tokens=64, tp_size=2)
     got = [_rank_layout(cfg, 4, r) for r in range(4)]
