@@ -90,7 +90,7 @@ class Moe(_Handle):
         if not isinstance(config, _capi.MoeConfigStruct):
             raise TypeError(f"config: expected a comet_moe.MoeConfig, got {type(config).__name__}")
         lib = _capi.load()
-        self.config = MoeConfig()
+        self.config = MoeConfig._blank()
         ctypes.memmove(ctypes.byref(self.config), ctypes.byref(config), ctypes.sizeof(config))
         handle = ctypes.c_void_p()
         ptr = comm._require()

@@ -347,7 +347,8 @@ def test_status_codes_map_to_exception_classes():
 
 
 def test_validate_failures_raise_with_comets_message():
-    bad = comet_moe.MoeConfig(hidden=100, ffn=256, num_experts=8, top_k=2, max_tokens=64)
+    bad = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64)
+    bad.hidden = 100  # assigned after the config was made: validate() and comet_moe_create check it
     e = raises(comet_moe.CometInvalidArgumentError, lambda: bad.validate(2),
                "comet_moe_config_validate", "COMET_INVALID_ARGUMENT", "config.hidden = 100", "multiple of 64")
     check_eq((e.status, e.status_name), (1, "COMET_INVALID_ARGUMENT"), "status")
@@ -357,15 +358,66 @@ def test_validate_failures_raise_with_comets_message():
     tp.ffn = 192
     raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "COMET_INVALID_ARGUMENT", "config.ffn = 192",
            "tp_size")
-    tp = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64, tp_size=3)
+    tp = comet_moe.MoeConfig(hidden=256, ffn=384, num_experts=8, top_k=2, max_tokens=64, tp_size=3)
     raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "config.tp_size = 3")
     tp = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64, ep_size=2, tp_size=2)
     raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "ep_size = 2", "tp_size = 2")
+    check(tp.validate(4) is tp, "ep_size 2 x tp_size 2 on 4 ranks")
     raises(comet_moe.CometInvalidArgumentError,
            lambda: comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=6, top_k=2, max_tokens=64).validate(4),
            "config.num_experts = 6", "ep_size = 4")
-    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig.preset("tiny", 0).validate(1),
-           "config.max_tokens = 0")
+    cfg = comet_moe.MoeConfig.preset("tiny", 64)
+    cfg.max_tokens = 0
+    raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(1), "config.max_tokens = 0")
+
+
+def test_config_refuses_what_no_world_size_allows():
+    """MoeConfig(...) and MoeConfig.preset() check what no world size makes right when the
+    config is made, in comet's words (field, value, limit); what depends on the world size
+    waits for validate() and comet_moe_create."""
+    good = dict(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64)
+
+    def made(**changes):
+        return lambda: comet_moe.MoeConfig(**dict(good, **changes))
+
+    cases = [(dict(hidden=0), "config.hidden = 0", "multiple of 64 in 64..65536"),
+             (dict(hidden=-64), "config.hidden = -64", "multiple of 64"),
+             (dict(hidden=100), "config.hidden = 100", "multiple of 64"),
+             (dict(ffn=0), "config.ffn = 0", "multiple of 64 in 64..65536"),
+             (dict(ffn=96), "config.ffn = 96", "multiple of 64"),
+             (dict(num_experts=0), "config.num_experts = 0", "must be 1.."),
+             (dict(num_experts=-8), "config.num_experts = -8", "must be 1.."),
+             (dict(top_k=0), "config.top_k = 0", "1..min(num_experts = 8, 32)"),
+             (dict(top_k=9), "config.top_k = 9", "1..min(num_experts = 8, 32)"),
+             (dict(max_tokens=0), "config.max_tokens = 0", "must be 1.."),
+             (dict(max_tokens=-1), "config.max_tokens = -1", "must be 1.."),
+             (dict(ep_size=-1), "config.ep_size = -1", "must be >= 0"),
+             (dict(tp_size=-2), "config.tp_size = -2", "must be >= 0"),
+             (dict(resend_x=2), "config.resend_x = 2", "must be 0"),
+             # Fixed by the config alone: ffn against its own tp_size, experts against its ep_size.
+             (dict(tp_size=3), "config.ffn = 256", "64 x tp_size = 192", "world size 3"),
+             (dict(ep_size=3), "config.num_experts = 8", "divisible by ep_size = 3")]
+    for change, *words in cases:
+        e = raises(comet_moe.CometInvalidArgumentError, made(**change), "MoeConfig", "COMET_INVALID_ARGUMENT", *words)
+        check_eq(e.status, _capi.INVALID_ARGUMENT, f"status for {change}")
+    # No sizes at all: the same refusal, naming the first field.
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig(), "config.hidden = 0")
+    # The presets: max_tokens and the overrides are checked the same way.
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig.preset("tiny", 0), "config.max_tokens = 0")
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig.preset("tiny", 64, top_k=16),
+           "config.top_k = 16", "num_experts = 8")
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig.preset("mixtral-8x7b", 64, ffn=100),
+           "config.ffn = 100")
+    # What depends on the world size is left to validate(): 8 experts on 3 ranks, tp_size 2 on 3.
+    cfg = comet_moe.MoeConfig(**good)
+    raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(3), "config.num_experts = 8", "ep_size = 3")
+    cfg = comet_moe.MoeConfig(**dict(good, tp_size=2))
+    raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(3), "config.tp_size = 2", "world size 3")
+    # The widest valid shapes are taken; ep_size x tp_size past one node is named as such.
+    check_eq(comet_moe.MoeConfig(**dict(good, top_k=8, ep_size=8, tp_size=4, ffn=256)).validate(32).top_k, 8,
+             "EP 8 x TP 4")
+    raises(comet_moe.CometInvalidArgumentError, made(ep_size=8, tp_size=16, ffn=1024), "world size 128",
+           "ep_size x tp_size")
 
 
 def test_config_struct_size_is_what_comet_expects():
@@ -448,6 +500,8 @@ def test_presets_from_the_library():
     raises(TypeError, lambda: comet_moe.MoeConfig.preset("tiny", 10, hiden=64), "unknown field 'hiden'")
     raises(ValueError, lambda: comet_moe.MoeConfig(max_tokens=2**31), "MoeConfig.max_tokens = 2147483648")
     raises(TypeError, lambda: comet_moe.MoeConfig(hidden=4096.0), "MoeConfig.hidden = 4096.0", "int")
+    blank = comet_moe.MoeConfig._blank()  # internal: the struct as COMET_MOE_CONFIG_INIT, for copies and presets
+    check_eq((blank.size, blank.hidden, blank.max_tokens), (56, 0, 0), "an unchecked blank config")
 
 
 def test_config_refuses_ints_ctypes_would_truncate():

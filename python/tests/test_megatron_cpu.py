@@ -149,7 +149,7 @@ def test_megatron_layer_glue_matches_megatrons_modules():
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from comet_moe.megatron import CometMoELayer, moe_config_from_megatron
-    E, k, H, Fd, s, b = 4, 2, 64, 32, 5, 2
+    E, k, H, Fd, s, b = 4, 2, 64, 64, 5, 2
     config = TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=Fd, num_attention_heads=4,
                                num_moe_experts=E, moe_router_topk=k, gated_linear_unit=True, activation_func=F.silu,
                                add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,

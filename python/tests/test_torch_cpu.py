@@ -101,7 +101,7 @@ def test_torch_mixtral_route():
 def test_torch_block_keeps_local_experts_and_names_them_the_hf_way():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
-    E, H, Fd = 8, 64, 32
+    E, H, Fd = 8, 64, 128
     cfg = comet_moe.MoeConfig(hidden=H, ffn=Fd, num_experts=E, top_k=2, max_tokens=16)
     block = CometSparseMoeBlock(moe=FakeMoe(torch, cfg, first_expert=4, experts_per_rank=2))  # rank 2 of 4
     sd = hf_state_dict(torch, E, H, Fd)
@@ -130,7 +130,7 @@ def test_torch_block_keeps_local_experts_and_names_them_the_hf_way():
     raises(RuntimeError, lambda: block.load_state_dict(bad), "Unexpected key(s)", "experts.9.w1.weight")
     wrong = dict(sd)
     wrong["experts.4.w2.weight"] = sd["experts.4.w1.weight"]  # [F, H] where [H, F] belongs
-    raises(RuntimeError, lambda: block.load_state_dict(wrong), "size mismatch for experts.4.w2.weight", "(32, 64)")
+    raises(RuntimeError, lambda: block.load_state_dict(wrong), "size mismatch for experts.4.w2.weight", "(128, 64)")
     prefixed = {"model.layers.3.block_sparse_moe." + k: v for k, v in sd.items()}
     prefixed["model.layers.3.self_attn.q_proj.weight"] = torch.zeros(1)
     check_eq(block.load_full_state_dict(prefixed, prefix="model.layers.3.block_sparse_moe.").missing_keys, [],
@@ -146,7 +146,7 @@ def test_torch_block_keeps_this_tp_ranks_slice():
     check_eq(_tp_slice("w3", w, 0, 6).tolist(), w.tolist(), "_tp_slice with one TP rank: all")
     w = torch.arange(4 * 6).view(4, 6)  # [H = 4, F = 6]
     check_eq(_tp_slice("w2", w, 1, 3).tolist(), w[:, 3:].tolist(), "_tp_slice of w2: columns")
-    E, H, Fd, k, tp = 4, 64, 64, 2, 2
+    E, H, Fd, k, tp = 4, 64, 128, 2, 2
     Fl = Fd // tp
     cfg = comet_moe.MoeConfig(hidden=H, ffn=Fd, num_experts=E, top_k=k, max_tokens=16, tp_size=tp)
     sd = hf_state_dict(torch, E, H, Fd, seed=3)
@@ -178,14 +178,14 @@ def test_torch_block_keeps_this_tp_ranks_slice():
     ids, tw = comet_moe.mixtral_route(blocks[0].gate(x), k)
     whole = torch.zeros(E, 2 * Fd, H, dtype=torch.bfloat16)
     raises(ValueError, lambda: blocks[0].moe.forward(x, ids, tw, gate_up=whole, down=blocks[0].w2),
-           "gate_up.shape = (4, 128, 64)", "2 * ffn / tp_size = 64")
+           "gate_up.shape = (4, 256, 64)", "2 * ffn / tp_size = 128")
     # The full HF shapes are still what load_state_dict takes: a slice is refused.
     wrong = dict(sd)
     wrong["experts.1.w1.weight"] = sd["experts.1.w1.weight"][:Fl]
     raises(RuntimeError, lambda: blocks[1].load_state_dict(wrong), "size mismatch for experts.1.w1.weight",
-           "(32, 64)", "(64, 64)", "ffn / tp_size = 32")
+           "(64, 64)", "(128, 64)", "ffn / tp_size = 64")
     # state_dict() cannot name a slice the HF way.
-    raises(NotImplementedError, lambda: blocks[0].state_dict(), "tp_size = 2", "ffn columns 0..31")
+    raises(NotImplementedError, lambda: blocks[0].state_dict(), "tp_size = 2", "ffn columns 0..63")
     # EP 2 x TP 2 on 4 ranks: rank 3 holds experts 2..3, columns Fl..F-1.
     block = CometSparseMoeBlock(moe=FakeMoe(torch, cfg, 2, 2, tp_size=tp, tp_rank=1))
     check_eq(block.load_state_dict(sd).missing_keys, [], "rank 3 of EP 2 x TP 2: load")
@@ -198,7 +198,7 @@ def test_torch_block_keeps_this_tp_ranks_slice():
 def test_torch_block_forward_matches_hf_mixtral():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
-    E, H, Fd, k = 4, 64, 32, 2
+    E, H, Fd, k = 4, 64, 64, 2
     cfg = comet_moe.MoeConfig(hidden=H, ffn=Fd, num_experts=E, top_k=k, max_tokens=16)
     fake = FakeMoe(torch, cfg, first_expert=0, experts_per_rank=E)  # one rank holds all
     block = CometSparseMoeBlock(moe=fake, impl="baseline")
@@ -223,7 +223,7 @@ def test_torch_block_forward_matches_hf_mixtral():
 def test_torch_block_refuses_before_launching():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
-    cfg = comet_moe.MoeConfig(hidden=64, ffn=32, num_experts=4, top_k=2, max_tokens=16)
+    cfg = comet_moe.MoeConfig(hidden=64, ffn=64, num_experts=4, top_k=2, max_tokens=16)
     fake = FakeMoe(torch, cfg, 0, 4)
     block = CometSparseMoeBlock(moe=fake)
     x = torch.zeros(17, 64, dtype=torch.bfloat16)
