@@ -229,6 +229,31 @@ def test_tests_fail_once_where_the_library_is_not_built():
               f"pytest without the library: exit {r.returncode}\n{out[-2000:]}")
 
 
+def test_torch_parts_say_what_to_install():
+    """Without torch, or with one older than 2.4 (no torch.library.custom_op and the
+    rest), CometSparseMoeBlock raises ImportError saying what to install; the library,
+    configs and presets still import."""
+    no_torch = ("import sys, importlib.abc\n"
+                "class NoTorch(importlib.abc.MetaPathFinder):\n"
+                "    def find_spec(self, name, path, target=None):\n"
+                "        if name.split('.')[0] == 'torch':\n"
+                "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+                "sys.meta_path.insert(0, NoTorch())\n")
+    probe = ("import comet_moe\ncomet_moe.MoeConfig.preset('tiny', 64)\n"
+             "try:\n    comet_moe.CometSparseMoeBlock\nexcept ImportError as e:\n    print('ImportError:', e)\n")
+    r = run_python(no_torch + probe, {"PYTHONPATH": str(REPO / "python")})
+    check(r.returncode == 0 and "ImportError: comet_moe's layer and nn.Modules need PyTorch >= 2.4" in r.stdout
+          and "pip install 'torch>=2.4'" in r.stdout, f"without torch: {r.stdout[-600:]} {r.stderr[-600:]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "torch").mkdir()
+        (Path(tmp) / "torch" / "__init__.py").write_text(
+            "__version__ = '2.3.1+cu121'\nclass library:\n    custom_op = register_fake = None\n")
+        r = run_python(probe.replace("comet_moe.CometSparseMoeBlock", "from comet_moe.block import CometSparseMoeBlock"),
+                       {"PYTHONPATH": f"{tmp}{os.pathsep}{REPO / 'python'}"})
+    check(r.returncode == 0 and "needs PyTorch >= 2.4 (torch.library.register_autograd, opcheck)" in r.stdout
+          and "this is torch 2.3.1+cu121" in r.stdout, f"with torch 2.3: {r.stdout[-600:]} {r.stderr[-600:]}")
+
+
 # ---- the mirror of comet.h ----
 
 def test_constants_and_enums_match_the_header():

@@ -25,7 +25,7 @@ class FakeMoe:
     sum only (comet adds the other TP ranks' to it)."""
 
     def __init__(self, torch, cfg, first_expert, experts_per_rank, tp_size=1, tp_rank=0):
-        self.torch, self.config, self.comm = torch, cfg, FakeComm(torch)
+        self.torch, self.config, self.comm, self._device = torch, cfg, FakeComm(torch), "cpu"
         self.first_expert, self.experts_per_rank, self.calls = first_expert, experts_per_rank, []
         self.tp_size, self.tp_rank, self.ffn_local = tp_size, tp_rank, int(cfg.ffn) // tp_size
 

@@ -6,19 +6,20 @@ one-expert routing, with both of comet's paths (baseline and fused, and auto), o
 poisoned with NaN before every call, also with tensor parallelism inside the experts
 (tp_size 2: each rank holds ffn / 2 columns of its experts); training under autograd, every
 gradient against torch's (gpu_train.py); Megatron's CometMoELayer against Megatron's own
-MoELayer (gpu_megatron.py); and the error paths: wrong dtype, device, size or layout raise
-in Python before anything is launched, and an expert id out of range or a bad config
-raise CometError with comet's own message.
+MoELayer (gpu_megatron.py); torch.compile(fullgraph=True) of training steps against eager,
+bit for bit, and opcheck of comet's custom operators (gpu_compile.py); and the error paths:
+wrong dtype, device, size or layout raise in Python before anything is launched, and an
+expert id out of range or a bad config raise CometError with comet's own message.
 
     torchrun --nproc-per-node N python/tests/test_torch_gpu.py [-v] [SUBSTRING...]    (N >= 1; N = 2 runs all)
 
-Needs N Hopper GPUs on one NVLink node, torch, and build/libcomet.so (`make`);
-megatron-core for the Megatron test; without torch or GPUs every test prints SKIP and
-says why, a library that does not load fails the run, and at one rank the tests that
-need two print SKIP (each says "needs 2 ranks"). Rank 0 prints PASS/FAIL/SKIP per test
-(a test passes when it passed on every rank) and ends with "N passed, N failed, N
-skipped"; every rank exits 1 when anything failed. A test that hangs is reported and the
-run stopped after its time limit.
+Needs N Hopper GPUs on one NVLink node, torch (>= 2.4; torch.compile's tests are written
+for 2.11), and build/libcomet.so (`make`); megatron-core for the Megatron tests; without
+torch or GPUs every test prints SKIP and says why, a library that does not load fails the
+run, and at one rank the tests that need two print SKIP (each says "needs 2 ranks").
+Rank 0 prints PASS/FAIL/SKIP per test (a test passes when it passed on every rank) and
+ends with "N passed, N failed, N skipped"; every rank exits 1 when anything failed. A
+test that hangs is reported and the run stopped after its time limit.
 
 Under pytest (`pytest python/tests`), this file's one test, test_gpu_suite_under_torchrun,
 runs this suite through torchrun on every visible GPU, and skips where there is none.
@@ -650,11 +651,13 @@ def comm_over_a_gloo_group(c):
     check(other.closed, "a comm used as a context manager is closed after it")
 
 
-# Training under autograd (gpu_train.py), before the tests that close the communicator.
+# Training under autograd (gpu_train.py), Megatron (gpu_megatron.py) and torch.compile
+# (gpu_compile.py), before the tests that close the communicator.
 from gpu_train import TESTS as _TRAINING_TESTS  # noqa: E402
 from gpu_megatron import TESTS as _MEGATRON_TESTS  # noqa: E402
+from gpu_compile import TESTS as _COMPILE_TESTS  # noqa: E402
 
-TESTS.extend(_TRAINING_TESTS + _MEGATRON_TESTS)
+TESTS.extend(_TRAINING_TESTS + _MEGATRON_TESTS + _COMPILE_TESTS)
 
 
 @gpu_test
@@ -734,8 +737,9 @@ def main():
         if only and fn is not TESTS[0] and not any(o in name for o in only):
             continue
         c.notes, c.failures = [], []
-        timer = threading.Timer(TEST_TIMEOUT_S, lambda n=name: (
-            print(f"FAIL {n}: rank {rank} still running after {TEST_TIMEOUT_S} s; stopping the run", flush=True),
+        limit = getattr(fn, "timeout_s", TEST_TIMEOUT_S)  # compiling takes longer
+        timer = threading.Timer(limit, lambda n=name: (
+            print(f"FAIL {n}: rank {rank} still running after {limit} s; stopping the run", flush=True),
             os._exit(1)))
         timer.daemon = True
         start = time.monotonic()
