@@ -143,8 +143,8 @@ def compiled_training_with_inductor(c):
     """The default backend (inductor), fullgraph=True: the experts with routing given
     (forward_routed; topk_weights a leaf) equal eager's bits (y, the loss, dx, d
     topk_weights, the expert gradients, the parameters after each step); the whole block,
-    router included, runs with no graph break and within bf16 of eager (its softmax is
-    inductor's kernel)."""
+    router included, runs a step with no graph break and within 2e-2 of eager (its
+    softmax is inductor's kernel, whose last bits may differ)."""
     torch, cm = c.torch, c.cm
     comm = compile_comm(c)
     moe = cm.Moe(comm, c.config())
@@ -181,12 +181,14 @@ def compiled_training_with_inductor(c):
     counters = fresh_compile(c)
     compare_bits(c, "inductor, routing given", want, routed_steps(True))
     no_graph_breaks(c, counters, "inductor, routing given")
-    # The whole block under inductor: close to eager, no graph break.
+    # The whole block under inductor: close to eager, no graph break. One step: after an
+    # optimizer step on gradients that differ in their last bits, a token whose two best
+    # experts nearly tie may pick another, which changes its row wholly.
     block = new_block(c, moe, "grad")
-    want = block_steps(c, block, block, "grad", steps=2)
+    want = block_steps(c, block, block, "grad", steps=1)
     counters = fresh_compile(c)
     block = new_block(c, moe, "grad")
-    got = block_steps(c, block, torch.compile(block, fullgraph=True), "grad", steps=2)
+    got = block_steps(c, block, torch.compile(block, fullgraph=True), "grad", steps=1)
     no_graph_breaks(c, counters, "inductor, the whole block")
     worst, same = 0.0, 0
     for a, b in zip(want, got):
@@ -282,7 +284,7 @@ def operators_pass_opcheck_and_fakes_match(c):
     torch, cm = c.torch, c.cm
     from torch._subclasses.fake_tensor import FakeTensorMode
     comm = compile_comm(c)
-    with cm.Moe(comm, c.config(), max_recv_rows=4096) as moe:
+    with cm.Moe(comm, c.config(), max_recv_rows=1000) as moe:  # a bound under the worst case at any world size
         block = new_block(c, moe, "grad")
         m = (120, 64)[c.rank % 2]
         x = c.tokens(m)
@@ -319,7 +321,7 @@ def operators_pass_opcheck_and_fakes_match(c):
         torch.cuda.synchronize()
         check(tuple(dx.shape) == (m, H) and tuple(dw.shape) == (m, TOP_K) and dweights[0].shape == block.w13.shape,
               "backward's outputs")
-        c.note(f"saved state {want} bytes (max_recv_rows 4096), fake and real alike")
+        c.note(f"saved state {want} bytes (max_recv_rows 1000), fake and real alike")
 
 
 @gpu_test
