@@ -13,7 +13,10 @@
 libcomet.so is found through $COMET_LIBRARY, then the repository's build/ beside this
 package's source, then the system loader. The package imports without torch (the
 library, configs, presets and errors need none); Comm.from_process_group, Moe.forward
-and CometSparseMoeBlock need torch.
+and CometSparseMoeBlock need torch (>= 2.4; without it they raise ImportError saying what
+to install). Under torch, comet's calls are torch custom operators (comet_moe::forward,
+forward_out, forward_train, backward; see ops.py), so torch.compile(model, fullgraph=True)
+traces a model that holds these layers, forward and backward, without a graph break.
 """
 from ._capi import (API_VERSION, IMPL_AUTO, IMPL_BASELINE, IMPL_FUSED, LibraryNotFoundError, STATUS_NAMES,
                     STRUCT_MAGIC, library_path)

@@ -2,7 +2,7 @@
 signature of every function this package calls, and the loading of libcomet.so.
 
 Nothing here knows about torch. The structs must match comet.h byte for byte; the CPU
-tests (python/tests/run_cpu.py) parse the header and check field order, sizes, offsets
+tests (python/tests/test_capi.py) parse the header and check field order, sizes, offsets
 and the *_INIT initializers against these classes, and comet's own checks (the size and
 magic fields) reject a struct of the wrong size at run time.
 """

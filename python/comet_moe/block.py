@@ -7,7 +7,9 @@ whose experts run through comet across the ranks of a communicator, trainable.
     loss(y).backward()                              # router, experts and input get gradients
 
 Training: the router (gate.weight) is an ordinary parameter; its gradient flows through
-torch's softmax and top-k into comet's gradient at the routing weights. The packed
+torch's softmax and top-k into comet's gradient at the routing weights. The block runs
+under torch.compile (fullgraph=True: comet's calls are torch custom operators, ops.py),
+forward and backward, with the same bits as eager. The packed
 expert weights w13 and w2 are parameters of this rank's experts only (expert
 parallelism): reduce their gradients over the ranks that hold the same experts (the
 expert-data-parallel group, as Megatron-LM does), never over the whole world. Under
@@ -31,10 +33,11 @@ from __future__ import annotations
 
 import re
 
-import torch
+from ._torch import torch  # ImportError that says what to install, without torch or with an old one
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import ops
 from .checks import BF16, check_tensor
 from ._capi import IMPL_NAMES as _IMPL_NAMES
 from .moe import Moe, parse_impl
@@ -131,11 +134,12 @@ class CometSparseMoeBlock(nn.Module):
                              f"config.max_tokens = {self.max_tokens}; create the layer with a larger max_tokens, "
                              f"or split the batch (every rank must then make the same number of calls)")
         dims = [(None, f"dim {i}") for i in range(len(shape) - 1)] + [(H, "hidden")]
-        device = str(self.moe.comm.device)
-        check_tensor("hidden_states", hidden_states, BF16, dims, device, 16)
+        device = self.moe._device
+        pointers = ops.has_address(hidden_states)  # else the operator checks the addresses when it runs
+        check_tensor("hidden_states", hidden_states, BF16, dims, device, 16, pointers=pointers)
         if out is not None:
             check_tensor("out", out, BF16, [(d, f"dim {i}") for i, d in enumerate(shape[:-1])] + [(H, "hidden")],
-                         device, 16)
+                         device, 16, pointers=pointers)
             out = out.view(tokens, H)
         x = hidden_states.view(tokens, H)
         router_logits = self.gate(x)

@@ -6,8 +6,12 @@
 
 Every field is checked as it is set (constructor, preset overrides, `cfg.field = v`): an
 int that fits its C type, else TypeError / ValueError, since ctypes would keep only the
-low bits of a wider one. What the values mean (multiples, divisibility, the world size)
-comet checks in validate() and comet_moe_create.
+low bits of a wider one. A config that is made (MoeConfig(...), MoeConfig.preset) is then
+checked by comet as a whole for what is wrong at any world size (sizes 0 or negative, a
+hidden or ffn that is not a multiple of 64, top_k above num_experts, a negative ep_size or
+tp_size, ...): CometInvalidArgumentError with comet's sentence naming the field, the value
+and the limit. What depends on the world size, and fields assigned after the config was
+made, comet checks in validate() and comet_moe_create.
 """
 from __future__ import annotations
 
@@ -35,18 +39,47 @@ def presets() -> list:
 
 
 class MoeConfig(_capi.MoeConfigStruct):
-    """comet_moe_config_t. Fields: hidden (H, multiple of 64), ffn (F, one expert's FFN
-    size, a multiple of 64 x tp_size), num_experts (E, all ranks together, divisible by ep_size), top_k, max_tokens
-    (the most tokens one rank passes in one call), ep_size and tp_size (expert- and
-    tensor-parallel ranks, ep_size x tp_size = the world size; tp_size 0 means 1, ep_size
-    0 means world size / tp_size; tp_size must divide the world size), dtype (bf16
-    only), resend_x (training: 1 keeps no x rows between forward and backward and sends
-    x again in the backward, for memory; 0 keeps them). size, magic and version are set as COMET_MOE_CONFIG_INIT sets them."""
+    """comet_moe_config_t. Fields: hidden (H, a multiple of 64), ffn (F, one expert's FFN
+    size, a multiple of 64 x tp_size), num_experts (E, all ranks together, divisible by
+    ep_size), top_k (1..min(num_experts, 32)), max_tokens (the most tokens one rank passes
+    in one call), ep_size and tp_size (expert- and tensor-parallel ranks, ep_size x tp_size
+    = the world size; tp_size 0 means 1, ep_size 0 means world size / tp_size; tp_size must
+    divide the world size), resend_x (training: 1 keeps no x rows between forward and
+    backward and sends x again in the backward, for memory; 0 keeps them). size, magic,
+    version and dtype (comet_dtype_t: bf16, the only one) are set as COMET_MOE_CONFIG_INIT
+    sets them.
+
+    Made with its sizes (MoeConfig(hidden=..., ...)) or from a preset, a config is checked
+    at once for what no world size makes right (see the module's note); MoeConfig() with
+    no sizes is refused for the same reason."""
 
     def __init__(self, hidden: int = 0, ffn: int = 0, num_experts: int = 0, top_k: int = 0,
                  max_tokens: int = 0, ep_size: int = 0, tp_size: int = 0, resend_x: int = 0):
         super().__init__(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
                          ep_size=ep_size, tp_size=tp_size, resend_x=resend_x)  # each through __setattr__'s check
+        self._check_any_world()
+
+    @classmethod
+    def _blank(cls) -> "MoeConfig":
+        """A config holding COMET_MOE_CONFIG_INIT (all sizes 0), not checked: for a copy or
+        a preset to be written into."""
+        cfg = cls.__new__(cls)
+        _capi.MoeConfigStruct.__init__(cfg)
+        return cfg
+
+    def _check_any_world(self) -> None:
+        """What is wrong whatever the world size, in comet's own words: comet's validate at
+        the smallest world size this config allows (ep_size x tp_size, each 0 read as 1).
+        The checks that depend on the world size pass there wherever they pass anywhere
+        (ep_size x tp_size ranks is a world the config takes; the row bound grows with the
+        world), so what fails there fails at every world size."""
+        ep, tp = int(self.ep_size), int(self.tp_size)
+        world = max(ep, 1) * max(tp, 1) if ep >= 0 and tp >= 0 else 1
+        lib = _capi.load()
+        msg = ctypes.create_string_buffer(512)
+        st = lib.comet_moe_config_validate(ctypes.byref(self), min(world, INT_MAX), msg, len(msg))
+        where = "" if world == 1 else f" (checked at world size {world} = ep_size x tp_size, the least they allow)"
+        check(st, "MoeConfig", lambda: _capi.text(msg.value) + where)
 
     def __setattr__(self, name, value):
         if name not in _LIMITS:  # a misspelt field would otherwise become a plain attribute
@@ -57,7 +90,8 @@ class MoeConfig(_capi.MoeConfigStruct):
     @classmethod
     def preset(cls, name: str, max_tokens: int, **overrides) -> "MoeConfig":
         """A named model's shape (see presets()), with max_tokens and any field of
-        `overrides` set. Unknown name: CometInvalidArgumentError listing the known ones."""
+        `overrides` set, checked as MoeConfig(...) is. Unknown name:
+        CometInvalidArgumentError listing the known ones."""
         if not isinstance(name, str):
             raise TypeError(f"MoeConfig.preset: name = {name!r}: expected a str (see presets())")
         if "\0" in name:  # C would read the name only up to the NUL
@@ -67,11 +101,12 @@ class MoeConfig(_capi.MoeConfigStruct):
             if field not in _FIELDS:
                 raise TypeError(f"MoeConfig.preset: unknown field {field!r}; fields: {', '.join(_FIELDS)}")
         lib = _capi.load()
-        cfg = cls()
+        cfg = cls._blank()
         st = lib.comet_moe_config_preset(name.encode(), max_tokens, ctypes.byref(cfg))
         check(st, "comet_moe_config_preset", lambda: _capi.text(lib.comet_last_create_error()))
         for field, value in overrides.items():
             setattr(cfg, field, value)
+        cfg._check_any_world()
         return cfg
 
     def validate(self, world_size: int) -> "MoeConfig":
@@ -87,7 +122,7 @@ class MoeConfig(_capi.MoeConfigStruct):
         return self
 
     def copy(self) -> "MoeConfig":
-        other = MoeConfig()
+        other = MoeConfig._blank()
         ctypes.memmove(ctypes.byref(other), ctypes.byref(self), ctypes.sizeof(self))
         return other
 

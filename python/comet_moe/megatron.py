@@ -22,8 +22,9 @@ The expert weights are parameters of this rank's experts with `allreduce = False
 Megatron marks expert parameters (their gradients reduce over the expert-data-parallel
 group). By default (grad_accumulation="main_grad") the layer adds their gradients to
 each weight's fp32 `main_grad`, which Megatron's DDP attaches, and a weight without one
-is refused at the backward (ValueError); grad_accumulation="grad" gives bf16 `.grad`
-instead.
+is refused by the training forward (ValueError); grad_accumulation="grad" gives bf16
+`.grad` instead. The layer runs under torch.compile (fullgraph=True) where Megatron's
+router does: comet's calls are torch custom operators (ops.py).
 
 Layers of one shape share one communicator and one comet layer handle (share_handle=True,
 the default): the weights come with each call and the handle's buffers are workspaces
@@ -112,7 +113,7 @@ def release_shared_handles() -> None:
 
 
 def _layer_class():
-    import torch
+    from ._torch import torch
 
     class CometMoELayer(torch.nn.Module):
         """Megatron-Core's MoELayer with comet's dispatcher and experts (see the module's

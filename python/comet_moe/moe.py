@@ -7,13 +7,17 @@ enqueued on the current torch CUDA stream.
     moe.close()                                                           # before comm.close()
 
 Every rank calls forward the same number of times with the same impl, each with its own
-tokens (0 is fine). Tensors are passed by data_ptr(); forward checks them first (see
-checks.py) and raises TypeError / ValueError before anything is launched. A failure
-comet reports raises a CometError subclass with comet's message.
+tokens (0 is fine). forward checks its arguments first (see checks.py) and raises
+TypeError / ValueError before anything is launched, then calls comet through torch's
+custom operators (ops.py), which torch.compile traces; comet gets the tensors by
+data_ptr(). A failure comet reports raises a CometError subclass with comet's message.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
+import itertools
+import weakref
 
 from . import _capi
 from .checks import PTR_MAX, check_forward_args, check_int
@@ -38,12 +42,24 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def _records_grad(*tensors) -> bool:
-    """Whether autograd records this call: grad enabled and an input requires grad."""
-    if not any(getattr(t, "requires_grad", False) for t in tensors if t is not None):
-        return False
-    import torch
-    return torch.is_grad_enabled()
+# A layer's config as plain ints, which torch.compile reads where it cannot read a ctypes field.
+_Shape = collections.namedtuple("_Shape", "hidden ffn num_experts top_k max_tokens ep_size tp_size resend_x")
+
+
+# The open layers by id. torch's custom operators (ops.py) name their layer by this int:
+# a compiled graph holds ints, not Python objects. Held weakly, so dropping the last
+# reference to a layer still closes it.
+_LAYERS = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count(1)
+
+
+def layer_by_id(layer_id: int) -> "Moe":
+    """The open layer whose _op_id is `layer_id`; RuntimeError when it was closed or dropped."""
+    layer = _LAYERS.get(layer_id)
+    if layer is None or layer.closed:
+        raise RuntimeError(f"comet_moe.Moe: layer {layer_id} used after close() (or after its Comm was closed, "
+                           f"or after the last reference to it was dropped)")
+    return layer
 
 
 def _rank_layout(config, world: int, rank: int) -> dict:
@@ -90,7 +106,7 @@ class Moe(_Handle):
         if not isinstance(config, _capi.MoeConfigStruct):
             raise TypeError(f"config: expected a comet_moe.MoeConfig, got {type(config).__name__}")
         lib = _capi.load()
-        self.config = MoeConfig()
+        self.config = MoeConfig._blank()
         ctypes.memmove(ctypes.byref(self.config), ctypes.byref(config), ctypes.sizeof(config))
         handle = ctypes.c_void_p()
         ptr = comm._require()
@@ -110,6 +126,15 @@ class Moe(_Handle):
         self.ep_rank = layout["ep_rank"]
         self.experts_per_rank = layout["experts_per_rank"]
         self.first_expert = layout["first_expert"]
+        self._register(f"cuda:{comm.device_index}")
+
+    def _register(self, device: str) -> None:
+        """Enter this layer in the table the custom operators read (its _op_id); `device`
+        is where its tensors must be, as str(torch.device) writes it."""
+        self._device = device
+        self._shape = _Shape(**self.config.as_dict())
+        self._op_id = next(_NEXT_ID)
+        _LAYERS[self._op_id] = self
 
     @property
     def local_experts(self) -> range:
@@ -140,48 +165,100 @@ class Moe(_Handle):
         Returns out.
 
         Under autograd (grad enabled, and x, topk_weights or a weight requires grad) the
-        call is a training forward (autograd.py): its backward gives x, topk_weights and
+        call is a training forward (ops.py): its backward gives x, topk_weights and
         the weights their gradients; out and stream are then not taken (the current
-        stream is used, as autograd's backward does). Otherwise nothing is saved."""
+        stream is used, as autograd's backward does). Otherwise nothing is saved. With
+        grad_accumulation="main_grad" every weight must carry an fp32 `main_grad` of its
+        shape (ValueError here, before anything is launched)."""
         if self.closed:
             raise RuntimeError("comet_moe.Moe: used after close() (or after its Comm was closed)")
         code = parse_impl(impl)
-        m = check_forward_args(self.config, self.experts_per_rank, f"cuda:{self.comm.device_index}", x, topk_ids,
-                               topk_weights, gate_up, gate, up, down, out, ffn_local=self.ffn_local,
-                               tp_size=self.tp_size)
-        if _records_grad(x, topk_weights, gate_up, gate, up, down):
-            if out is not None or stream is not None:
-                raise ValueError("out and stream are not taken under autograd (a training forward allocates y "
-                                 "and runs on the current stream); call it under torch.no_grad() to pass them")
-            from .autograd import MoeFunction
-            return MoeFunction.apply(self, code, self.grad_accumulation == "main_grad", topk_ids, x, topk_weights,
-                                     gate_up, gate, up, down)
-        if stream is None:
-            import torch
-            stream = torch.cuda.current_stream(self.comm.device_index).cuda_stream
-        else:  # a torch.cuda.Stream or a raw cudaStream_t; ctypes would truncate a wider int
+        # The pointers (alignment, out overlapping an input) are checked by the operator,
+        # where the tensors are real also under torch.compile.
+        check_forward_args(self._shape, self.experts_per_rank, self._device, x, topk_ids, topk_weights, gate_up,
+                           gate, up, down, out, ffn_local=self.ffn_local, tp_size=self.tp_size, pointers=False)
+        if stream is not None:  # a torch.cuda.Stream or a raw cudaStream_t; ctypes would truncate a wider int
             raw = stream.cuda_stream if hasattr(stream, "cuda_stream") else stream
             stream = check_int("stream", raw, 0, PTR_MAX, "a cudaStream_t: a torch.cuda.Stream or its .cuda_stream")
-        if out is None:
-            out = x.new_empty((m, int(self.config.hidden)))
-        args = _capi.MoeArgsStruct()
-        args.num_tokens = m
-        args.x = _ptr(x)
-        args.topk_ids = _ptr(topk_ids)
-        args.topk_weights = _ptr(topk_weights)
-        args.weights.gate_up = _ptr(gate_up)
-        args.weights.gate = _ptr(gate)
-        args.weights.up = _ptr(up)
-        args.weights.down = _ptr(down)
-        args.y = _ptr(out)
-        args.impl = code
-        ptr = self._box.ptr
-        with self.comm._on_device():
-            st = self._lib.comet_moe_forward(ptr, ctypes.byref(args), ctypes.c_void_p(stream))
-        check(st, "comet_moe_forward", lambda: _capi.text(self._lib.comet_moe_last_error(ptr)))
-        return out
+        from . import ops
+        return ops.moe_forward(self, code, x, topk_ids, topk_weights, (gate_up, gate, up, down), out, stream)
 
     __call__ = forward
+
+    # ---- the C calls of the custom operators (ops.py): tensors checked there, ints here ----
+
+    def _stream(self, stream):
+        if stream is not None:
+            return stream
+        import torch
+        return torch.cuda.current_stream(self.comm.device_index).cuda_stream
+
+    def _args(self, x, topk_ids, topk_weights, weights, y, impl):
+        args = _capi.MoeArgsStruct()
+        args.num_tokens = int(x.shape[0])
+        args.x, args.topk_ids, args.topk_weights, args.y = _ptr(x), _ptr(topk_ids), _ptr(topk_weights), _ptr(y)
+        args.weights.gate_up, args.weights.gate, args.weights.up, args.weights.down = map(_ptr, weights)
+        args.impl = impl
+        return args
+
+    def _comet_forward(self, x, topk_ids, topk_weights, weights, y, impl, stream=None):
+        """comet_moe_forward into y, on `stream` (None: torch's current stream)."""
+        args = self._args(x, topk_ids, topk_weights, weights, y, impl)
+        ptr = self._box.ptr
+        with self.comm._on_device():
+            st = self._lib.comet_moe_forward(ptr, ctypes.byref(args), ctypes.c_void_p(self._stream(stream)))
+        check(st, "comet_moe_forward", lambda: _capi.text(self._lib.comet_moe_last_error(ptr)))
+
+    def _saved_config(self):
+        return _capi.MoeSavedConfigStruct(int(self.max_recv_rows))
+
+    def _comet_saved_bytes(self) -> int:
+        """comet_moe_saved_bytes for this layer's bound (a host call: no GPU work)."""
+        nbytes = ctypes.c_size_t()
+        cfg = self._saved_config()
+        st = self._lib.comet_moe_saved_bytes(self._box.ptr, ctypes.byref(cfg), ctypes.byref(nbytes))
+        check(st, "comet_moe_saved_bytes", lambda: _capi.text(self._lib.comet_last_create_error()))
+        return int(nbytes.value)
+
+    def _comet_saved_create_in(self, memory) -> int:
+        """A saved state over `memory` (a uint8 tensor from torch's allocator, whose blocks
+        start 512-byte aligned; comet needs 256): comet_moe_saved_create_in's handle."""
+        handle = ctypes.c_void_p()
+        cfg = self._saved_config()
+        st = self._lib.comet_moe_saved_create_in(self._box.ptr, ctypes.byref(cfg), ctypes.c_void_p(memory.data_ptr()),
+                                                 ctypes.c_size_t(memory.numel()), ctypes.byref(handle))
+        check(st, "comet_moe_saved_create_in", lambda: _capi.text(self._lib.comet_last_create_error()))
+        return handle.value
+
+    def _comet_saved_destroy(self, handle) -> None:
+        """comet_moe_saved_destroy: host memory only (the device memory is torch's); it
+        may come after the layer's close()."""
+        self._lib.comet_moe_saved_destroy(ctypes.c_void_p(handle))
+
+    def _comet_forward_train(self, x, topk_ids, topk_weights, weights, y, saved, impl):
+        """comet_moe_forward_train into y and the saved state `saved`, on the current stream."""
+        args = self._args(x, topk_ids, topk_weights, weights, y, impl)
+        ptr = self._box.ptr
+        with self.comm._on_device():
+            st = self._lib.comet_moe_forward_train(ptr, ctypes.byref(args), ctypes.c_void_p(saved),
+                                                   ctypes.c_void_p(self._stream(None)))
+        check(st, "comet_moe_forward_train", lambda: _capi.text(self._lib.comet_moe_last_error(ptr)))
+
+    def _comet_backward(self, saved, dy, x, weights, dx, d_topk_weights, grads, accumulate, impl):
+        """comet_moe_backward of the forward that filled `saved`: dx, d_topk_weights, and the
+        weights' gradients written into `grads` (bf16) or added to them (fp32, accumulate),
+        on the current stream."""
+        b = _capi.MoeBackwardArgsStruct()
+        b.saved = saved
+        b.dy, b.x, b.dx, b.d_topk_weights = _ptr(dy), _ptr(x), _ptr(dx), _ptr(d_topk_weights)
+        b.weights.gate_up, b.weights.gate, b.weights.up, b.weights.down = map(_ptr, weights)
+        b.grads.gate_up, b.grads.gate, b.grads.up, b.grads.down = map(_ptr, grads)
+        b.grads.mode = _capi.GRAD_ACCUMULATE_FP32 if accumulate else _capi.GRAD_WRITE_BF16
+        b.impl = impl
+        ptr = self._box.ptr
+        with self.comm._on_device():
+            st = self._lib.comet_moe_backward(ptr, ctypes.byref(b), ctypes.c_void_p(self._stream(None)))
+        check(st, "comet_moe_backward", lambda: _capi.text(self._lib.comet_moe_last_error(ptr)))
 
     def close(self) -> None:
         """comet_moe_destroy (waits for the device). Collective: every rank closes the
@@ -192,6 +269,7 @@ class Moe(_Handle):
         collector breaks at a different time on each rank)."""
         if self.closed:
             return
+        _LAYERS.pop(getattr(self, "_op_id", None), None)
         box = self._box
         try:
             self.comm._moe_boxes.remove(box)

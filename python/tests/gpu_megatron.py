@@ -10,12 +10,12 @@ from gpu_train import compare_grad
 TESTS = []
 
 
-def test(fn):
+def gpu_test(fn):
     TESTS.append(fn)
     return fn
 
 
-@test
+@gpu_test
 def megatron_layer_matches_megatron_moelayer(c):
     try:
         import megatron.core  # noqa: F401

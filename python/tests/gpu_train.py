@@ -18,7 +18,7 @@ NORM_TOL, SELF_TOL, RMS_TOL = 2e-2, 2e-2, 5e-2
 TESTS = []
 
 
-def test(fn):
+def gpu_test(fn):
     TESTS.append(fn)
     return fn
 
@@ -140,7 +140,7 @@ def run_block(c, impl, x, dy):
     return out, ids
 
 
-@test
+@gpu_test
 def block_gradients_match_torch_autograd(c):
     """Both paths on the same tokens, each against the float32 reference and against
     each other."""
@@ -171,7 +171,7 @@ def ref_block(c):
     return Experts
 
 
-@test
+@gpu_test
 def routed_gradients_match_torch_skewed(c):
     """forward_routed with a skewed routing and the routing weights a leaf: their gradient
     too, and a rank with no tokens; both paths on the same inputs."""
@@ -204,7 +204,7 @@ def routed_gradients_match_torch_skewed(c):
             compare_grad(c, f"{name}: fused against baseline: {part}", got["fused"][part], got["baseline"][part])
 
 
-@test
+@gpu_test
 def gradients_accumulate_over_micro_batches(c):
     """Two micro-batches: .grad holds the sum (autograd adds comet's bf16 gradients);
     with grad_accumulation="main_grad" the fp32 main_grad does, and .grad stays None."""
@@ -235,7 +235,7 @@ def gradients_accumulate_over_micro_batches(c):
         block.close()
 
 
-@test
+@gpu_test
 def resend_x_gives_the_same_gradients(c):
     """A layer whose config resends x (its saved states keep no x rows; the backward sends
     the forward's x again) against one that keeps them: the same output and gradients, bit
@@ -261,7 +261,7 @@ def resend_x_gives_the_same_gradients(c):
             check(torch.equal(kept, outs[1][name]), f"{impl}: {name} with x sent again differs from x kept")
 
 
-@test
+@gpu_test
 def no_grad_saves_nothing_and_backward_runs_once(c):
     torch = c.torch
     block = new_block(c)

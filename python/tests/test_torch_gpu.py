@@ -5,24 +5,32 @@ block written out here (float32, from the same bf16 weights) on random, skewed a
 one-expert routing, with both of comet's paths (baseline and fused, and auto), outputs
 poisoned with NaN before every call, also with tensor parallelism inside the experts
 (tp_size 2: each rank holds ffn / 2 columns of its experts); training under autograd, every
-gradient against torch's (gpu_train.py); and the error paths: wrong dtype, device, size or
-layout raise in Python before anything is launched, and an expert id out of range or a
-bad config raise CometError with comet's own message.
+gradient against torch's (gpu_train.py); Megatron's CometMoELayer against Megatron's own
+MoELayer (gpu_megatron.py); torch.compile(fullgraph=True) of training steps against eager,
+bit for bit, and opcheck of comet's custom operators (gpu_compile.py); and the error paths:
+wrong dtype, device, size or layout raise in Python before anything is launched, and an
+expert id out of range or a bad config raise CometError with comet's own message.
 
     torchrun --nproc-per-node N python/tests/test_torch_gpu.py [-v] [SUBSTRING...]    (N >= 1; N = 2 runs all)
 
-Needs N Hopper GPUs on one NVLink node, torch, and build/libcomet.so (`make`); without
-torch or GPUs every test prints SKIP and says why, a library that does not load fails
-the run, and at one rank the tests that need two print SKIP. Rank 0 prints
-PASS/FAIL/SKIP per test (a test passes when it passed on every rank) and ends with "N
-passed, N failed, N skipped"; every rank exits 1 when anything failed. A test that
-hangs is reported and the run stopped after its time limit.
+Needs N Hopper GPUs on one NVLink node, torch (>= 2.4; torch.compile's tests are written
+for 2.11), and build/libcomet.so (`make`); megatron-core for the Megatron tests; without
+torch or GPUs every test prints SKIP and says why, a library that does not load fails the
+run, and at one rank the tests that need two print SKIP (each says "needs 2 ranks").
+Rank 0 prints PASS/FAIL/SKIP per test (a test passes when it passed on every rank) and
+ends with "N passed, N failed, N skipped"; every rank exits 1 when anything failed. A
+test that hangs is reported and the run stopped after its time limit.
+
+Under pytest (`pytest python/tests`), this file's one test, test_gpu_suite_under_torchrun,
+runs this suite through torchrun on every visible GPU, and skips where there is none.
 """
 import os
 
-# Before anything can initialise NCCL: no NVLink multicast (NVLS) on the lent machines.
+# Before anything can initialise NCCL: NVLink multicast off. comet never uses it
+# (src/kernels/symmetric.cu), and on a host whose GPUs are shared it can take them down.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 import gc  # noqa: E402
 import sys  # noqa: E402
@@ -39,7 +47,7 @@ TEST_TIMEOUT_S = 180
 TESTS = []
 
 
-def test(fn):
+def gpu_test(fn):
     TESTS.append(fn)
     return fn
 
@@ -187,7 +195,7 @@ def raises(exc_type, fn, *contains):
 
 # ---- the tests, in the order they run (each rank runs each, in step) ----
 
-@test
+@gpu_test
 def comm_from_process_group(c):
     cm = c.cm
     c.comm = cm.Comm.from_process_group(timeout_ms=10000)
@@ -197,7 +205,7 @@ def comm_from_process_group(c):
     c.note(f"{c.comm!r}, {cm.version()}, NCCL {cm.nccl_version()}, library {cm.library_path()}")
 
 
-@test
+@gpu_test
 def block_loads_this_ranks_experts(c):
     torch = c.torch
     c.block = c.cm.CometSparseMoeBlock(c.comm, c.config())
@@ -212,7 +220,7 @@ def block_loads_this_ranks_experts(c):
         check(torch.equal(c.block.w2[le].cpu(), c.full_sd[f"experts.{e}.w2.weight"]), f"expert {e} w2")
 
 
-@test
+@gpu_test
 def block_matches_torch_random_routing(c):
     torch = c.torch
     m = (300, 77)[c.rank % 2]  # not multiples of 128, different on each rank
@@ -239,7 +247,7 @@ def block_matches_torch_random_routing(c):
         c.compare(f"{impl}, [2, 24, H] batch", y3.reshape(-1, H), c.reference_experts(x3.view(-1, H), ids, w))
 
 
-@test
+@gpu_test
 def block_matches_torch_skewed_routing(c):
     torch = c.torch
     cases = [("skewed x16", (200, 129), dict(kind="skewed", skew=16.0)),
@@ -261,7 +269,7 @@ def block_matches_torch_skewed_routing(c):
             c.compare(f"{impl}, {name}", y, c.reference_experts(x, ids, w))
 
 
-@test
+@gpu_test
 def many_calls_with_changing_token_counts(c):
     torch = c.torch
     g = torch.Generator().manual_seed(7)  # the same impl sequence on every rank
@@ -283,7 +291,7 @@ def many_calls_with_changing_token_counts(c):
     c.note(f"30 calls, impls mixed, 0..{MAX_TOKENS} tokens: worst relative error {worst:.2e}")
 
 
-@test
+@gpu_test
 def block_replays_in_a_cuda_graph(c):
     """The fused layer captured in a torch CUDA graph (torch.cuda.graph, its default
     capture mode) and replayed on new inputs copied into the captured tensors: the
@@ -343,7 +351,7 @@ def block_replays_in_a_cuda_graph(c):
     c.block.impl = impl
 
 
-@test
+@gpu_test
 def two_blocks_on_one_comm(c):
     """Two MoE layers over one communicator, called in turns, as the layers of a model
     are (the fused path's buffers are per layer; the communicator's are shared)."""
@@ -369,7 +377,7 @@ def two_blocks_on_one_comm(c):
                 c.compare(f"{impl}, layer 2", y2, c.reference_experts(y1, ids, w, ref2))
 
 
-@test
+@gpu_test
 def layer_takes_gate_and_up_apart(c):
     torch = c.torch
     with c.cm.Moe(c.comm, c.config()) as moe:
@@ -395,7 +403,7 @@ def layer_takes_gate_and_up_apart(c):
     check(moe.closed, "a layer used as a context manager is closed after it")
 
 
-@test
+@gpu_test
 def tensor_parallel_block_matches_torch(c):
     """tp_size 2 (on 2 GPUs: EP 1 x TP 2, every rank holds every expert, ffn / 2 = 128
     columns of each): the block loads its slice from the full HF state dict and every
@@ -491,7 +499,7 @@ def tensor_parallel_block_matches_torch(c):
             c.compare(f"tp {tp}, {impl} with ffn {F2}", y, ref)
 
 
-@test
+@gpu_test
 def wrong_arguments_raise_before_launch(c):
     torch, block = c.torch, c.block
     m = 64
@@ -538,7 +546,7 @@ def wrong_arguments_raise_before_launch(c):
     c.compare("a good call after the refused ones", y, c.reference_experts(x, ids, w))
 
 
-@test
+@gpu_test
 def bad_config_raises_comets_message(c):
     cm = c.cm
     e = raises(cm.CometInvalidArgumentError, lambda: cm.Moe(c.comm, c.config(hidden=100)), "comet_moe_create",
@@ -554,7 +562,7 @@ def bad_config_raises_comets_message(c):
                "tp_size")
 
 
-@test
+@gpu_test
 def fused_path_runs_ffn_not_multiple_of_128(c):
     torch, cm = c.torch, c.cm
     with cm.Moe(c.comm, c.config(ffn=192)) as moe:
@@ -579,7 +587,7 @@ def fused_path_runs_ffn_not_multiple_of_128(c):
             c.compare(f"{impl} with ffn 192", y, ref)
 
 
-@test
+@gpu_test
 def expert_id_out_of_range_baseline(c):
     torch, cm, block = c.torch, c.cm, c.block
     block.impl = "baseline"
@@ -603,7 +611,7 @@ def expert_id_out_of_range_baseline(c):
     c.compare("baseline, the call after the bad id", y, c.reference_experts(x, ids, w))
 
 
-@test
+@gpu_test
 def expert_id_out_of_range_fused(c):
     torch, cm, block = c.torch, c.cm, c.block
     block.impl = "fused"
@@ -631,7 +639,7 @@ def expert_id_out_of_range_fused(c):
     c.compare("fused, the call after the bad id", y, c.reference_experts(x, ids, w))
 
 
-@test
+@gpu_test
 def comm_over_a_gloo_group(c):
     """A second communicator beside the first, its id broadcast on the CPU through a gloo
     group, closed again at once."""
@@ -643,14 +651,16 @@ def comm_over_a_gloo_group(c):
     check(other.closed, "a comm used as a context manager is closed after it")
 
 
-# Training under autograd (gpu_train.py), before the tests that close the communicator.
+# Training under autograd (gpu_train.py), Megatron (gpu_megatron.py) and torch.compile
+# (gpu_compile.py), before the tests that close the communicator.
 from gpu_train import TESTS as _TRAINING_TESTS  # noqa: E402
 from gpu_megatron import TESTS as _MEGATRON_TESTS  # noqa: E402
+from gpu_compile import TESTS as _COMPILE_TESTS  # noqa: E402
 
-TESTS.extend(_TRAINING_TESTS + _MEGATRON_TESTS)
+TESTS.extend(_TRAINING_TESTS + _MEGATRON_TESTS + _COMPILE_TESTS)
 
 
-@test
+@gpu_test
 def closing_order_and_use_after_close(c):
     torch, cm = c.torch, c.cm
     comm = cm.Comm.from_process_group(timeout_ms=10000)
@@ -678,7 +688,7 @@ def closing_order_and_use_after_close(c):
     c.note("layers and communicators closed in order, explicitly and by the garbage collector")
 
 
-@test
+@gpu_test
 def close_the_shared_communicator(c):
     c.block.close()
     check(c.block.moe.closed, "block.close() left its layer open")
@@ -727,8 +737,9 @@ def main():
         if only and fn is not TESTS[0] and not any(o in name for o in only):
             continue
         c.notes, c.failures = [], []
-        timer = threading.Timer(TEST_TIMEOUT_S, lambda n=name: (
-            print(f"FAIL {n}: rank {rank} still running after {TEST_TIMEOUT_S} s; stopping the run", flush=True),
+        limit = getattr(fn, "timeout_s", TEST_TIMEOUT_S)  # compiling takes longer
+        timer = threading.Timer(limit, lambda n=name: (
+            print(f"FAIL {n}: rank {rank} still running after {limit} s; stopping the run", flush=True),
             os._exit(1)))
         timer.daemon = True
         start = time.monotonic()
@@ -761,6 +772,32 @@ def main():
     dist.barrier(group=results_group)
     dist.destroy_process_group()
     return 1 if count["fail"] else 0
+
+
+# ---- under pytest ----
+
+def test_gpu_suite_under_torchrun():
+    """This suite through torchrun, one rank per visible GPU: its closing line must count no
+    failure. Skips, saying what it needs, where torch or Hopper GPUs are missing."""
+    import subprocess
+
+    import pytest
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("needs torch and Hopper GPUs (run it on a GPU machine: torchrun --nproc-per-node N "
+                    "python/tests/test_torch_gpu.py)")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus == 0:
+        pytest.skip("needs Hopper GPUs (sm_90); none is visible")
+    if any(torch.cuda.get_device_capability(i)[0] != 9 for i in range(gpus)):
+        pytest.skip(f"needs Hopper GPUs (sm_90); found {torch.cuda.get_device_name(0)}")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), __file__],
+                         capture_output=True, text=True, timeout=3600)
+    print(run.stdout[-20000:])
+    closing = [line for line in run.stdout.splitlines() if line.endswith(" skipped") and " failed, " in line]
+    assert run.returncode == 0 and closing and " 0 failed," in closing[-1], \
+        f"torchrun on {gpus} GPUs: exit {run.returncode}\n{run.stdout[-6000:]}\n{run.stderr[-3000:]}"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""cpu_capi.py - run_cpu.py's tests of the library and its ctypes mirror: libcomet loads
-and is found (or the error says how to get it), the mirror of comet.h (struct field
-order, sizes, offsets, the *_INIT initializers, enum values and every bound function's
-signature, all read from the header itself, no C compiler), comet's statuses as
-exceptions through real C calls that fail on a CPU, and the presets and configs.
+"""test_capi.py - the library and its ctypes mirror, no GPU: libcomet loads and is found
+(or the error says how to get it), the mirror of comet.h (struct field order, sizes,
+offsets, the *_INIT initializers, enum values and every bound function's signature, all
+read from the header itself, no C compiler), comet's statuses as exceptions through real
+C calls that fail on a CPU, and the presets and configs.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import comet_moe
 from comet_moe import _capi, errors
 from comet_moe.moe import parse_impl
-from run_cpu import REPO, Skip, check, check_eq, note, raises, test
+from helpers import REPO, check, check_eq, note, raises, skip
 
 HEADER = REPO / "include" / "comet.h"
 
@@ -123,8 +123,8 @@ MIRRORS = {
     "comet_moe_weight_grads_t": _capi.MoeWeightGradsStruct,
     "comet_moe_backward_args_t": _capi.MoeBackwardArgsStruct,
 }
-# Sizes and offsets gcc gives on x86-64 (checked with offsetof on 2026-12-01), a second
-# witness beside the layout computed from the header.
+# Sizes and offsets gcc gives on x86-64 (as offsetof prints them), a second witness beside
+# the layout computed from the header.
 GCC_X86_64 = {
     "comet_comm_config_t": (24, {"timeout_ms": 16}),
     "comet_moe_config_t": (56, {"hidden": 16, "dtype": 44, "resend_x": 48}),
@@ -148,8 +148,7 @@ def leaves(struct):
 
 # ---- the library ----
 
-@test
-def library_loads_and_names_its_version():
+def test_library_loads_and_names_its_version():
     path = comet_moe.library_path()
     check(Path(path).exists(), f"library_path() = {path}: no such file")
     d = header_defines(header_text())
@@ -170,8 +169,7 @@ def run_python(code, env_changes, cwd=None):
                           timeout=60)
 
 
-@test
-def library_lookup_order_and_not_found_message():
+def test_library_lookup_order_and_not_found_message():
     probe = "import comet_moe; print(comet_moe.library_path())"
     built = str(REPO / "build" / "libcomet.so")
     # $COMET_LIBRARY first: a file, or a folder holding libcomet.so.
@@ -198,10 +196,67 @@ def library_lookup_order_and_not_found_message():
         check_eq(r.stdout.strip(), "imported", f"import without the library: {r.stderr[-400:]}")
 
 
+def unbuilt_tree(tmp):
+    """python/ of this repository copied into `tmp`, with no build/ beside it."""
+    for part in ("comet_moe", "tests"):
+        shutil.copytree(REPO / "python" / part, Path(tmp) / "python" / part,
+                        ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    return Path(tmp) / "python" / "tests"
+
+
+def test_tests_fail_once_where_the_library_is_not_built():
+    """On a tree where `make` has not run, the CPU tests fail once, saying to build first,
+    not once per test: under run_cpu.py, and under pytest where it is installed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tests = unbuilt_tree(tmp)
+        r = subprocess.run([sys.executable, str(tests / "run_cpu.py")], cwd=tmp, capture_output=True, text=True,
+                           env=dict(os.environ, LD_LIBRARY_PATH="", COMET_LIBRARY=""), timeout=120)
+        lines = r.stdout.splitlines()
+        fails = [line for line in lines if line.startswith("FAIL")]
+        check(r.returncode == 1 and len(fails) == 1 and "build first (make)" in fails[0],
+              f"run_cpu.py without the library: exit {r.returncode}, FAIL lines {fails}")
+        check_eq(lines[-1], "0 passed, 1 failed, 0 skipped", "run_cpu.py's closing line")
+        try:
+            import pytest  # noqa: F401
+        except ImportError:
+            note("pytest is not installed: its run without the library is left out")
+            return
+        r = subprocess.run([sys.executable, "-m", "pytest", str(tests), "-p", "no:cacheprovider"], cwd=tmp,
+                           capture_output=True, text=True, env=dict(os.environ, LD_LIBRARY_PATH="", COMET_LIBRARY=""),
+                           timeout=300)
+        out = r.stdout + r.stderr
+        check(r.returncode != 0 and out.count("build first (make)") == 1 and " passed" not in out,
+              f"pytest without the library: exit {r.returncode}\n{out[-2000:]}")
+
+
+def test_torch_parts_say_what_to_install():
+    """Without torch, or with one older than 2.4 (no torch.library.custom_op and the
+    rest), CometSparseMoeBlock raises ImportError saying what to install; the library,
+    configs and presets still import."""
+    no_torch = ("import sys, importlib.abc\n"
+                "class NoTorch(importlib.abc.MetaPathFinder):\n"
+                "    def find_spec(self, name, path, target=None):\n"
+                "        if name.split('.')[0] == 'torch':\n"
+                "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+                "sys.meta_path.insert(0, NoTorch())\n")
+    probe = ("import comet_moe\ncomet_moe.MoeConfig.preset('tiny', 64)\n"
+             "try:\n    comet_moe.CometSparseMoeBlock\nexcept ImportError as e:\n    print('ImportError:', e)\n")
+    r = run_python(no_torch + probe, {"PYTHONPATH": str(REPO / "python")})
+    check(r.returncode == 0 and "ImportError: comet_moe's layer and nn.Modules need PyTorch >= 2.4" in r.stdout
+          and "pip install 'torch>=2.4'" in r.stdout, f"without torch: {r.stdout[-600:]} {r.stderr[-600:]}")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "torch").mkdir()
+        (Path(tmp) / "torch" / "__init__.py").write_text(
+            "__version__ = '2.3.1+cu121'\nclass library:\n    custom_op = register_fake = None\n")
+        r = run_python(probe.replace("comet_moe.CometSparseMoeBlock", "from comet_moe.block import CometSparseMoeBlock"),
+                       {"PYTHONPATH": f"{tmp}{os.pathsep}{REPO / 'python'}"})
+    check(r.returncode == 0 and "needs PyTorch >= 2.4 (torch.library.register_autograd, opcheck)" in r.stdout
+          and "this is torch 2.3.1+cu121" in r.stdout, f"with torch 2.3: {r.stdout[-600:]} {r.stderr[-600:]}")
+
+
 # ---- the mirror of comet.h ----
 
-@test
-def constants_and_enums_match_the_header():
+def test_constants_and_enums_match_the_header():
     text = header_text()
     d = header_defines(text)
     check_eq(int(d["COMET_STRUCT_MAGIC"].rstrip("uU"), 0), _capi.STRUCT_MAGIC, "COMET_STRUCT_MAGIC")
@@ -219,10 +274,9 @@ def constants_and_enums_match_the_header():
         check(s.startswith(name + ":"), f"comet_status_string({code}) = {s!r}, want {name}: ...")
 
 
-@test
-def struct_layouts_match_the_header():
+def test_struct_layouts_match_the_header():
     if ctypes.sizeof(ctypes.c_void_p) != 8:
-        raise Skip("the layouts are checked for LP64 (64-bit Linux)")
+        skip("the layouts are checked for LP64 (64-bit Linux)")
     structs = header_structs(header_text())
     check_eq(set(structs), set(MIRRORS), "typedef structs in comet.h")
     for cname, mirror in MIRRORS.items():
@@ -251,8 +305,7 @@ def struct_layouts_match_the_header():
             note(f"ncclUniqueId checked against {nccl_h}")
 
 
-@test
-def init_macros_match_new_structs():
+def test_init_macros_match_new_structs():
     text = header_text()
     d = header_defines(text)
     enums = header_enums(text)
@@ -275,8 +328,7 @@ def init_macros_match_new_structs():
 PROTOTYPE = re.compile(r"([A-Za-z_][\w\s\*]*?)\b(comet_\w+)\s*\(([^;{)]*)\)\s*;")
 
 
-@test
-def function_signatures_match_the_header():
+def test_function_signatures_match_the_header():
     text = header_text()
     protos = {}
     for m in PROTOTYPE.finditer(text):
@@ -298,8 +350,7 @@ def function_signatures_match_the_header():
 
 # ---- statuses as exceptions ----
 
-@test
-def status_codes_map_to_exception_classes():
+def test_status_codes_map_to_exception_classes():
     for code, name in _capi.STATUS_NAMES.items():
         if code == _capi.SUCCESS:
             errors.check(code, "f", "never read")
@@ -320,9 +371,9 @@ def status_codes_map_to_exception_classes():
     check_eq(calls, [], "the message of a success is never read")
 
 
-@test
-def validate_failures_raise_with_comets_message():
-    bad = comet_moe.MoeConfig(hidden=100, ffn=256, num_experts=8, top_k=2, max_tokens=64)
+def test_validate_failures_raise_with_comets_message():
+    bad = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64)
+    bad.hidden = 100  # assigned after the config was made: validate() and comet_moe_create check it
     e = raises(comet_moe.CometInvalidArgumentError, lambda: bad.validate(2),
                "comet_moe_config_validate", "COMET_INVALID_ARGUMENT", "config.hidden = 100", "multiple of 64")
     check_eq((e.status, e.status_name), (1, "COMET_INVALID_ARGUMENT"), "status")
@@ -332,19 +383,69 @@ def validate_failures_raise_with_comets_message():
     tp.ffn = 192
     raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "COMET_INVALID_ARGUMENT", "config.ffn = 192",
            "tp_size")
-    tp = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64, tp_size=3)
+    tp = comet_moe.MoeConfig(hidden=256, ffn=384, num_experts=8, top_k=2, max_tokens=64, tp_size=3)
     raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "config.tp_size = 3")
     tp = comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64, ep_size=2, tp_size=2)
     raises(comet_moe.CometInvalidArgumentError, lambda: tp.validate(2), "ep_size = 2", "tp_size = 2")
+    check(tp.validate(4) is tp, "ep_size 2 x tp_size 2 on 4 ranks")
     raises(comet_moe.CometInvalidArgumentError,
            lambda: comet_moe.MoeConfig(hidden=256, ffn=256, num_experts=6, top_k=2, max_tokens=64).validate(4),
            "config.num_experts = 6", "ep_size = 4")
-    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig.preset("tiny", 0).validate(1),
-           "config.max_tokens = 0")
+    cfg = comet_moe.MoeConfig.preset("tiny", 64)
+    cfg.max_tokens = 0
+    raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(1), "config.max_tokens = 0")
 
 
-@test
-def config_struct_size_is_what_comet_expects():
+def test_config_refuses_what_no_world_size_allows():
+    """MoeConfig(...) and MoeConfig.preset() check what no world size makes right when the
+    config is made, in comet's words (field, value, limit); what depends on the world size
+    waits for validate() and comet_moe_create."""
+    good = dict(hidden=256, ffn=256, num_experts=8, top_k=2, max_tokens=64)
+
+    def made(**changes):
+        return lambda: comet_moe.MoeConfig(**dict(good, **changes))
+
+    cases = [(dict(hidden=0), "config.hidden = 0", "multiple of 64 in 64..65536"),
+             (dict(hidden=-64), "config.hidden = -64", "multiple of 64"),
+             (dict(hidden=100), "config.hidden = 100", "multiple of 64"),
+             (dict(ffn=0), "config.ffn = 0", "multiple of 64 in 64..65536"),
+             (dict(ffn=96), "config.ffn = 96", "multiple of 64"),
+             (dict(num_experts=0), "config.num_experts = 0", "must be 1.."),
+             (dict(num_experts=-8), "config.num_experts = -8", "must be 1.."),
+             (dict(top_k=0), "config.top_k = 0", "1..min(num_experts = 8, 32)"),
+             (dict(top_k=9), "config.top_k = 9", "1..min(num_experts = 8, 32)"),
+             (dict(max_tokens=0), "config.max_tokens = 0", "must be 1.."),
+             (dict(max_tokens=-1), "config.max_tokens = -1", "must be 1.."),
+             (dict(ep_size=-1), "config.ep_size = -1", "must be >= 0"),
+             (dict(tp_size=-2), "config.tp_size = -2", "must be >= 0"),
+             (dict(resend_x=2), "config.resend_x = 2", "must be 0"),
+             # Fixed by the config alone: ffn against its own tp_size, experts against its ep_size.
+             (dict(tp_size=3), "config.ffn = 256", "64 x tp_size = 192", "world size 3"),
+             (dict(ep_size=3), "config.num_experts = 8", "divisible by ep_size = 3")]
+    for change, *words in cases:
+        e = raises(comet_moe.CometInvalidArgumentError, made(**change), "MoeConfig", "COMET_INVALID_ARGUMENT", *words)
+        check_eq(e.status, _capi.INVALID_ARGUMENT, f"status for {change}")
+    # No sizes at all: the same refusal, naming the first field.
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig(), "config.hidden = 0")
+    # The presets: max_tokens and the overrides are checked the same way.
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig.preset("tiny", 0), "config.max_tokens = 0")
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig.preset("tiny", 64, top_k=16),
+           "config.top_k = 16", "num_experts = 8")
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig.preset("mixtral-8x7b", 64, ffn=100),
+           "config.ffn = 100")
+    # What depends on the world size is left to validate(): 8 experts on 3 ranks, tp_size 2 on 3.
+    cfg = comet_moe.MoeConfig(**good)
+    raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(3), "config.num_experts = 8", "ep_size = 3")
+    cfg = comet_moe.MoeConfig(**dict(good, tp_size=2))
+    raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(3), "config.tp_size = 2", "world size 3")
+    # The widest valid shapes are taken; ep_size x tp_size past one node is named as such.
+    check_eq(comet_moe.MoeConfig(**dict(good, top_k=8, ep_size=8, tp_size=4, ffn=256)).validate(32).top_k, 8,
+             "EP 8 x TP 4")
+    raises(comet_moe.CometInvalidArgumentError, made(ep_size=8, tp_size=16, ffn=1024), "world size 128",
+           "ep_size x tp_size")
+
+
+def test_config_struct_size_is_what_comet_expects():
     # comet_moe_config_validate compares config.size with its own sizeof: a config made
     # here (size = ctypes.sizeof) passing means the mirror has C's size; that the fields
     # land where C reads them shows in the presets and the named fields of the failures.
@@ -360,8 +461,7 @@ def config_struct_size_is_what_comet_expects():
     raises(comet_moe.CometInvalidArgumentError, lambda: cfg.validate(2), "config.version = 99")
 
 
-@test
-def comm_config_struct_reaches_comet():
+def test_comm_config_struct_reaches_comet():
     # comet_comm_create_from_id checks its config before NCCL is touched: a timeout_ms of
     # -1 (which Comm refuses itself, so through the C call here) is named, so size, magic,
     # version and the timeout_ms offset all matched.
@@ -379,8 +479,7 @@ def comm_config_struct_reaches_comet():
     raises(ValueError, lambda: comet_moe.Comm(b"short", 1, 0), "unique_id has 5 bytes", "128")
 
 
-@test
-def comm_refuses_ints_ctypes_would_truncate():
+def test_comm_refuses_ints_ctypes_would_truncate():
     # Each would reach comet as its low 32 bits (2**32 + 1 ranks as 1, rank 2**32 as 0);
     # a timeout past comet's range would wait an hour and more. Refused before any C call.
     uid = bytes(128)
@@ -399,20 +498,18 @@ def comm_refuses_ints_ctypes_would_truncate():
            "0..3600000")
 
 
-@test
-def nccl_unique_id_through_libcomet():
+def test_nccl_unique_id_through_libcomet():
     try:
         a, b = comet_moe.unique_id(), comet_moe.unique_id()
     except comet_moe.CometNcclError as e:
-        raise Skip(f"NCCL cannot make an id on this machine: {e}") from None
+        skip(f"NCCL cannot make an id on this machine: {e}")
     check(isinstance(a, bytes) and len(a) == 128, f"unique_id() gave {type(a).__name__} of {len(a)} bytes")
     check(any(a) and a != b, "two unique ids: empty, or equal")
 
 
 # ---- presets and configs ----
 
-@test
-def presets_from_the_library():
+def test_presets_from_the_library():
     names = comet_moe.presets()
     check_eq(names, ["mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b", "qwen2-moe-2.7b", "gpt-oss-120b", "tiny"],
              "presets()")
@@ -428,10 +525,11 @@ def presets_from_the_library():
     raises(TypeError, lambda: comet_moe.MoeConfig.preset("tiny", 10, hiden=64), "unknown field 'hiden'")
     raises(ValueError, lambda: comet_moe.MoeConfig(max_tokens=2**31), "MoeConfig.max_tokens = 2147483648")
     raises(TypeError, lambda: comet_moe.MoeConfig(hidden=4096.0), "MoeConfig.hidden = 4096.0", "int")
+    blank = comet_moe.MoeConfig._blank()  # internal: the struct as COMET_MOE_CONFIG_INIT, for copies and presets
+    check_eq((blank.size, blank.hidden, blank.max_tokens), (56, 0, 0), "an unchecked blank config")
 
 
-@test
-def config_refuses_ints_ctypes_would_truncate():
+def test_config_refuses_ints_ctypes_would_truncate():
     # ctypes keeps the low bits of a wider int: cfg.max_tokens = 2**32 + 5 would read 5.
     cfg = comet_moe.MoeConfig.preset("tiny", 512)
     before = cfg.copy()
@@ -472,8 +570,7 @@ def config_refuses_ints_ctypes_would_truncate():
     raises(TypeError, lambda: comet_moe.MoeConfig.preset(b"tiny", 64), "name = b'tiny'", "expected a str")
 
 
-@test
-def validate_refuses_a_world_size_ctypes_would_truncate():
+def test_validate_refuses_a_world_size_ctypes_would_truncate():
     cfg = comet_moe.MoeConfig.preset("tiny", 512)
     raises(ValueError, lambda: cfg.validate(2**40), "world_size = 1099511627776", "1..2147483647")
     raises(ValueError, lambda: cfg.validate(2**32 + 2), "world_size = 4294967298")
@@ -485,15 +582,13 @@ def validate_refuses_a_world_size_ctypes_would_truncate():
     check(cfg.validate(2) is cfg, "world size 2")
 
 
-@test
-def impl_names():
+def test_impl_names():
     check_eq([parse_impl(v) for v in ("auto", "BASELINE", "fused", 0, 1, 2)], [0, 1, 2, 0, 1, 2], "parse_impl")
     for bad in ("fast", 3, True, None):
         raises(ValueError, lambda: parse_impl(bad), f"impl = {bad!r}")
 
 
-@test
-def layer_refuses_wrong_types_before_calling_comet():
+def test_layer_refuses_wrong_types_before_calling_comet():
     cfg = comet_moe.MoeConfig.preset("tiny", 16)
     raises(TypeError, lambda: comet_moe.Moe("comm", cfg), "comm: expected a comet_moe.Comm, got str")
     # Handles are never copied (a copy would destroy them twice), and an object whose
@@ -507,15 +602,14 @@ def layer_refuses_wrong_types_before_calling_comet():
         half_made.close()
 
 
-@test
-def python_sources_pass_flake8_names():
+def test_python_sources_pass_flake8_names():
     """Every Python file of the repo against flake8's pyflakes checks (F: undefined names,
     unused imports and locals): the GPU-only paths of the package run nowhere in CI, and a
     name lost in an edit there would first fail on a GPU."""
     try:
         import flake8  # noqa: F401
     except ImportError:
-        raise Skip("flake8 is not installed (pip install flake8 to run it)") from None
+        skip("flake8 is not installed (pip install flake8 to run it)")
     run = subprocess.run([sys.executable, "-m", "flake8", "--select=F", "python", "bench", "scripts"],
                          cwd=REPO, capture_output=True, text=True)
     check(run.returncode == 0, "flake8 --select=F:\n" + (run.stdout + run.stderr).strip())

@@ -1,13 +1,13 @@
-"""cpu_torch.py - run_cpu.py's tests that need torch, on the CPU against a stand-in for
-the comet layer: the router, CometSparseMoeBlock's state dict (this rank's experts, this
-TP rank's slice, Hugging Face names) and its forward against HF Mixtral written out.
-They print SKIP when torch is not installed.
+"""test_torch_cpu.py - the tests that need torch, on the CPU against a stand-in for the
+comet layer: the router, CometSparseMoeBlock's state dict (this rank's experts, this TP
+rank's slice, Hugging Face names) and its forward against HF Mixtral written out. They
+skip, saying so, when torch is not installed.
 """
 from __future__ import annotations
 
 import comet_moe
 from comet_moe import _capi, checks
-from run_cpu import check, check_eq, need_torch, note, raises, test
+from helpers import check, check_eq, need_torch, note, raises
 
 
 # ---- with torch (on the CPU; skipped without it) ----
@@ -25,7 +25,7 @@ class FakeMoe:
     sum only (comet adds the other TP ranks' to it)."""
 
     def __init__(self, torch, cfg, first_expert, experts_per_rank, tp_size=1, tp_rank=0):
-        self.torch, self.config, self.comm = torch, cfg, FakeComm(torch)
+        self.torch, self.config, self.comm, self._device = torch, cfg, FakeComm(torch), "cpu"
         self.first_expert, self.experts_per_rank, self.calls = first_expert, experts_per_rank, []
         self.tp_size, self.tp_rank, self.ffn_local = tp_size, tp_rank, int(cfg.ffn) // tp_size
 
@@ -84,8 +84,7 @@ def rel_err(got, want):
     return float(((got.float() - want).norm() / want.norm()).item())
 
 
-@test
-def torch_mixtral_route():
+def test_torch_mixtral_route():
     torch = need_torch()
     from comet_moe import mixtral_route
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 0.5, 0.25, 0.0]], dtype=torch.bfloat16)
@@ -99,11 +98,10 @@ def torch_mixtral_route():
     check(torch.allclose(w.sum(1), torch.ones(2)), "each token's weights sum to 1")
 
 
-@test
-def torch_block_keeps_local_experts_and_names_them_the_hf_way():
+def test_torch_block_keeps_local_experts_and_names_them_the_hf_way():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
-    E, H, Fd = 8, 64, 32
+    E, H, Fd = 8, 64, 128
     cfg = comet_moe.MoeConfig(hidden=H, ffn=Fd, num_experts=E, top_k=2, max_tokens=16)
     block = CometSparseMoeBlock(moe=FakeMoe(torch, cfg, first_expert=4, experts_per_rank=2))  # rank 2 of 4
     sd = hf_state_dict(torch, E, H, Fd)
@@ -132,15 +130,14 @@ def torch_block_keeps_local_experts_and_names_them_the_hf_way():
     raises(RuntimeError, lambda: block.load_state_dict(bad), "Unexpected key(s)", "experts.9.w1.weight")
     wrong = dict(sd)
     wrong["experts.4.w2.weight"] = sd["experts.4.w1.weight"]  # [F, H] where [H, F] belongs
-    raises(RuntimeError, lambda: block.load_state_dict(wrong), "size mismatch for experts.4.w2.weight", "(32, 64)")
+    raises(RuntimeError, lambda: block.load_state_dict(wrong), "size mismatch for experts.4.w2.weight", "(128, 64)")
     prefixed = {"model.layers.3.block_sparse_moe." + k: v for k, v in sd.items()}
     prefixed["model.layers.3.self_attn.q_proj.weight"] = torch.zeros(1)
     check_eq(block.load_full_state_dict(prefixed, prefix="model.layers.3.block_sparse_moe.").missing_keys, [],
              "load_full_state_dict with a prefix")
 
 
-@test
-def torch_block_keeps_this_tp_ranks_slice():
+def test_torch_block_keeps_this_tp_ranks_slice():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
     from comet_moe.block import _tp_slice
@@ -149,7 +146,7 @@ def torch_block_keeps_this_tp_ranks_slice():
     check_eq(_tp_slice("w3", w, 0, 6).tolist(), w.tolist(), "_tp_slice with one TP rank: all")
     w = torch.arange(4 * 6).view(4, 6)  # [H = 4, F = 6]
     check_eq(_tp_slice("w2", w, 1, 3).tolist(), w[:, 3:].tolist(), "_tp_slice of w2: columns")
-    E, H, Fd, k, tp = 4, 64, 64, 2, 2
+    E, H, Fd, k, tp = 4, 64, 128, 2, 2
     Fl = Fd // tp
     cfg = comet_moe.MoeConfig(hidden=H, ffn=Fd, num_experts=E, top_k=k, max_tokens=16, tp_size=tp)
     sd = hf_state_dict(torch, E, H, Fd, seed=3)
@@ -181,14 +178,14 @@ def torch_block_keeps_this_tp_ranks_slice():
     ids, tw = comet_moe.mixtral_route(blocks[0].gate(x), k)
     whole = torch.zeros(E, 2 * Fd, H, dtype=torch.bfloat16)
     raises(ValueError, lambda: blocks[0].moe.forward(x, ids, tw, gate_up=whole, down=blocks[0].w2),
-           "gate_up.shape = (4, 128, 64)", "2 * ffn / tp_size = 64")
+           "gate_up.shape = (4, 256, 64)", "2 * ffn / tp_size = 128")
     # The full HF shapes are still what load_state_dict takes: a slice is refused.
     wrong = dict(sd)
     wrong["experts.1.w1.weight"] = sd["experts.1.w1.weight"][:Fl]
     raises(RuntimeError, lambda: blocks[1].load_state_dict(wrong), "size mismatch for experts.1.w1.weight",
-           "(32, 64)", "(64, 64)", "ffn / tp_size = 32")
+           "(64, 64)", "(128, 64)", "ffn / tp_size = 64")
     # state_dict() cannot name a slice the HF way.
-    raises(NotImplementedError, lambda: blocks[0].state_dict(), "tp_size = 2", "ffn columns 0..31")
+    raises(NotImplementedError, lambda: blocks[0].state_dict(), "tp_size = 2", "ffn columns 0..63")
     # EP 2 x TP 2 on 4 ranks: rank 3 holds experts 2..3, columns Fl..F-1.
     block = CometSparseMoeBlock(moe=FakeMoe(torch, cfg, 2, 2, tp_size=tp, tp_rank=1))
     check_eq(block.load_state_dict(sd).missing_keys, [], "rank 3 of EP 2 x TP 2: load")
@@ -198,11 +195,10 @@ def torch_block_keeps_this_tp_ranks_slice():
         check(torch.equal(block.w2[le], sd[f"experts.{e}.w2.weight"][:, Fl:]), f"rank 3: expert {e} w2 columns")
 
 
-@test
-def torch_block_forward_matches_hf_mixtral():
+def test_torch_block_forward_matches_hf_mixtral():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
-    E, H, Fd, k = 4, 64, 32, 2
+    E, H, Fd, k = 4, 64, 64, 2
     cfg = comet_moe.MoeConfig(hidden=H, ffn=Fd, num_experts=E, top_k=k, max_tokens=16)
     fake = FakeMoe(torch, cfg, first_expert=0, experts_per_rank=E)  # one rank holds all
     block = CometSparseMoeBlock(moe=fake, impl="baseline")
@@ -224,11 +220,10 @@ def torch_block_forward_matches_hf_mixtral():
     note(f"block vs HF Mixtral (float32): relative error {err:.2e}")
 
 
-@test
-def torch_block_refuses_before_launching():
+def test_torch_block_refuses_before_launching():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
-    cfg = comet_moe.MoeConfig(hidden=64, ffn=32, num_experts=4, top_k=2, max_tokens=16)
+    cfg = comet_moe.MoeConfig(hidden=64, ffn=64, num_experts=4, top_k=2, max_tokens=16)
     fake = FakeMoe(torch, cfg, 0, 4)
     block = CometSparseMoeBlock(moe=fake)
     x = torch.zeros(17, 64, dtype=torch.bfloat16)

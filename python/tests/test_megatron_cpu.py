@@ -1,18 +1,19 @@
-"""cpu_megatron.py - run_cpu.py's tests of the Megatron-Core adapter (comet_moe.megatron) on
-the CPU: the config mapping and its refusals (no torch needed), and, with torch and
-megatron-core installed, the layer's glue against Megatron's own modules: the same router
-(TopKRouter), the expert weights loaded under SequentialMLP's names from a SequentialMLP
-built by Megatron, and the output against that router's choices through those experts.
-The experts' compute is comet's on a GPU; here a stand-in computes what
-comet_moe_forward does, in float32, so the test checks what the adapter adds: routing
-conversion, weight layout and names, reshapes.
+"""test_megatron_cpu.py - the Megatron-Core adapter (comet_moe.megatron) on the CPU: the
+config mapping and its refusals (no torch needed), and, with torch and megatron-core
+installed, the layer's glue against Megatron's own modules: the same router (TopKRouter),
+the expert weights loaded under SequentialMLP's names from a SequentialMLP built by
+Megatron, and the output against that router's choices through those experts; and the
+layer under torch.compile(fullgraph=True), forward and backward, against eager, bit for
+bit. The experts' compute is comet's on a GPU; here a stand-in computes what
+comet_moe_forward does, in float32, so the tests check what the adapter adds: routing
+conversion, weight layout and names, reshapes, and comet's custom operators in the graph.
 """
 from __future__ import annotations
 
 import os
 from types import SimpleNamespace
 
-from run_cpu import Skip, check, check_eq, note, raises, test
+from helpers import check, check_eq, note, raises, skip
 
 
 def megatron_config(**changes):
@@ -29,8 +30,7 @@ def megatron_config(**changes):
     return c
 
 
-@test
-def megatron_config_mapping():
+def test_megatron_config_mapping():
     from comet_moe.megatron import moe_config_from_megatron
     cfg = moe_config_from_megatron(megatron_config(), max_tokens=4096)
     got = (cfg.hidden, cfg.ffn, cfg.num_experts, cfg.top_k, cfg.max_tokens, cfg.ep_size, cfg.tp_size)
@@ -43,8 +43,7 @@ def megatron_config_mapping():
     check_eq(cfg.tp_size, 2, "expert TP defaults to the tensor-parallel size, as Megatron's")
 
 
-@test
-def megatron_config_refusals_name_the_field():
+def test_megatron_config_refusals_name_the_field():
     from comet_moe.megatron import moe_config_from_megatron
     cases = [(dict(num_moe_experts=None), "config.num_moe_experts"),
              (dict(gated_linear_unit=False), "config.gated_linear_unit = False"),
@@ -80,8 +79,7 @@ class StandInMoe:
         return y.to(torch.bfloat16)
 
 
-@test
-def megatron_layers_share_one_handle_per_shape():
+def test_megatron_layers_share_one_handle_per_shape():
     from comet_moe import megatron
     made, closed = [], []
 
@@ -134,7 +132,7 @@ def megatron_or_skip():
         from megatron.core import parallel_state
         from megatron.core.transformer.transformer_config import TransformerConfig
     except ImportError as e:
-        raise Skip(f"needs torch and megatron-core ({e})") from None
+        skip(f"needs torch and megatron-core ({e})")
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29561")
@@ -144,8 +142,7 @@ def megatron_or_skip():
     return torch, TransformerConfig
 
 
-@test
-def megatron_layer_glue_matches_megatrons_modules():
+def test_megatron_layer_glue_matches_megatrons_modules():
     torch, TransformerConfig = megatron_or_skip()
     import torch.nn.functional as F
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -153,7 +150,7 @@ def megatron_layer_glue_matches_megatrons_modules():
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from comet_moe.megatron import CometMoELayer, moe_config_from_megatron
-    E, k, H, Fd, s, b = 4, 2, 64, 32, 5, 2
+    E, k, H, Fd, s, b = 4, 2, 64, 64, 5, 2
     config = TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=Fd, num_attention_heads=4,
                                num_moe_experts=E, moe_router_topk=k, gated_linear_unit=True, activation_func=F.silu,
                                add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
@@ -203,3 +200,61 @@ def megatron_layer_glue_matches_megatrons_modules():
     err = ((y.float().view(-1, H) - want).norm() / want.norm()).item()
     check(err < 1e-2, f"against the router's choices through Megatron's experts: relative error {err:.3g}")
     note(f"adapter vs Megatron's TopKRouter + SequentialMLP (float32 experts): relative error {err:.2e}")
+
+
+def test_megatron_layer_compiles_with_no_graph_break():
+    """CometMoELayer (Megatron's TopKRouter, comet's operators over the CPU stand-in)
+    under torch.compile(fullgraph=True, backend aot_eager) against eager, two micro-batches:
+    the output, the loss, dx, the router's gradient and the experts' gradients (.grad, or
+    fp32 main_grad with Megatron's grad_added_to_main_grad), bit for bit. Megatron's gate
+    moves its weight to the GPU first: on the CPU the same linear runs in its place."""
+    torch, TransformerConfig = megatron_or_skip()
+    import torch._dynamo
+    import torch.nn.functional as F
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from comet_moe.megatron import CometMoELayer, moe_config_from_megatron
+    from standin import CpuMoe
+    E, k, H, Fd, s, b = 4, 2, 64, 64, 5, 2
+    config = TransformerConfig(num_layers=1, hidden_size=H, ffn_hidden_size=Fd, num_attention_heads=4,
+                               num_moe_experts=E, moe_router_topk=k, gated_linear_unit=True, activation_func=F.silu,
+                               add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
+                               moe_router_load_balancing_type="none")
+
+    def run(mode, compiled):
+        torch.manual_seed(3)
+        moe = CpuMoe(torch, moe_config_from_megatron(config, s * b), grad_accumulation=mode)
+        layer = CometMoELayer(config, max_tokens=s * b, pg_collection=get_default_pg_collection(), moe=moe)
+        router = layer.router
+        router.gating = lambda inp: F.linear(inp, router.weight.to(inp.dtype))
+        if mode == "main_grad":
+            for p in (layer.w13, layer.w2):
+                p.main_grad, p.grad_added_to_main_grad = torch.zeros(p.shape), False
+        torch._dynamo.reset()
+        f = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+        g, out = torch.Generator().manual_seed(5), []
+        for _ in range(2):
+            x = torch.randn(s, b, H, generator=g).to(torch.bfloat16).requires_grad_(True)
+            y, bias = f(x)
+            loss = (y.float() ** 2).sum()
+            loss.backward()
+            got = dict(y=y.detach(), loss=loss.detach(), dx=x.grad, router=layer.router.weight.grad.clone())
+            for name, p in (("w13", layer.w13), ("w2", layer.w2)):
+                if mode == "main_grad":
+                    check(p.grad_added_to_main_grad is True, f"{name}.grad_added_to_main_grad not set")
+                    got[name] = p.main_grad.clone()
+                    p.grad = None  # as Megatron's hook does
+                else:
+                    got[name] = p.grad.clone()
+            out.append(got)
+        check(bias is None and [c[0] for c in moe.calls] == ["forward_train", "backward"] * 2, f"calls {moe.calls}")
+        return out
+
+    for mode in ("grad", "main_grad"):
+        want = run(mode, False)
+        torch._dynamo.utils.counters.clear()
+        got = run(mode, True)
+        check_eq(torch._dynamo.utils.counters["graph_break"], {}, f"{mode}: graph breaks")
+        for step, (a, c) in enumerate(zip(want, got)):
+            for key in a:
+                check(torch.equal(a[key], c[key]), f"{mode}, micro-batch {step}: {key} differs from eager's bits")
+    note("CometMoELayer compiled (fullgraph, aot_eager): output and gradients equal eager's bits, grad and main_grad")

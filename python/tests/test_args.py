@@ -1,13 +1,14 @@
-"""cpu_args.py - run_cpu.py's tests of the forward call's argument checks, on small
-stand-in tensors (no torch needed), of what Moe.forward passes to C (through a stand-in
-of libcomet), and of the rank layout under tensor parallelism.
+"""test_args.py - the forward call's argument checks, on small stand-in tensors (no torch
+needed), what Moe.forward passes to C through torch's custom operators (a stand-in of
+libcomet records it; with torch, on the CPU), and the rank layout under tensor
+parallelism.
 """
 from __future__ import annotations
 
 import comet_moe
 from comet_moe import checks
 from comet_moe.checks import PTR_MAX
-from run_cpu import check, check_eq, raises, test
+from helpers import check, check_eq, need_torch, raises
 
 
 # ---- the forward call's checks, on stand-in tensors ----
@@ -78,8 +79,7 @@ def args_cfg():
     return comet_moe.MoeConfig(hidden=ArgSet.H, ffn=ArgSet.F, num_experts=8, top_k=ArgSet.K, max_tokens=64)
 
 
-@test
-def forward_checks_accept_valid_arguments():
+def test_forward_checks_accept_valid_arguments():
     check_eq(ArgSet().run(), ArgSet.M, "num_tokens of a valid call")
     check_eq(ArgSet(m=64).run(), 64, "exactly max_tokens")
     check_eq(ArgSet(m=0, x=FakeTensor((0, 256), ptr=0), out=None).run(), 0, "no tokens (null data pointers)")
@@ -89,8 +89,7 @@ def forward_checks_accept_valid_arguments():
     check_eq(ArgSet(out=None).run(), ArgSet.M, "out allocated by forward")
 
 
-@test
-def forward_checks_refuse_wrong_dtypes():
+def test_forward_checks_refuse_wrong_dtypes():
     raises(TypeError, lambda: ArgSet(x=FakeTensor((40, 256), "torch.float16")).run(),
            "x.dtype = torch.float16", "expected torch.bfloat16", "x.to(torch.bfloat16)")
     raises(TypeError, lambda: ArgSet(topk_ids=FakeTensor((40, 2), "torch.int64")).run(),
@@ -103,8 +102,7 @@ def forward_checks_refuse_wrong_dtypes():
     raises(TypeError, lambda: ArgSet(topk_ids=None).run(), "topk_ids: expected a torch.Tensor, got NoneType")
 
 
-@test
-def forward_checks_refuse_wrong_shapes_and_sizes():
+def test_forward_checks_refuse_wrong_shapes_and_sizes():
     raises(ValueError, lambda: ArgSet(m=65).run(), "x.shape[0] = 65 tokens", "config.max_tokens = 64")
     raises(ValueError, lambda: ArgSet(x=FakeTensor((40, 255))).run(), "x.shape = (40, 255)", "hidden = 256")
     raises(ValueError, lambda: ArgSet(x=FakeTensor((2, 20, 256))).run(), "x.shape = (2, 20, 256)", "reshape(-1, 256)")
@@ -122,8 +120,7 @@ def forward_checks_refuse_wrong_shapes_and_sizes():
     raises(ValueError, lambda: ArgSet(down=None).run(), "down is None")
 
 
-@test
-def forward_checks_refuse_wrong_devices_and_layouts():
+def test_forward_checks_refuse_wrong_devices_and_layouts():
     raises(ValueError, lambda: ArgSet(x=FakeTensor((40, 256), device="cpu")).run(),
            "x is on cpu", "expected cuda:0, the communicator's device")
     raises(ValueError, lambda: ArgSet(topk_weights=FakeTensor((40, 2), checks.FLOAT32, device="cuda:1")).run(),
@@ -141,8 +138,7 @@ def forward_checks_refuse_wrong_devices_and_layouts():
            "out overlaps x")
 
 
-@test
-def forward_checks_refuse_out_over_any_input():
+def test_forward_checks_refuse_out_over_any_input():
     # comet reads every input, the weights too, while it writes out: no byte may be shared.
     H, F, E = ArgSet.H, ArgSet.F, ArgSet.E_LOCAL
     args = ArgSet(gate_up=None, gate=FakeTensor((E, F, H), ptr=0x90000000), up=FakeTensor((E, F, H), ptr=0xA0000000))
@@ -188,8 +184,9 @@ class StubLib:
         return 0
 
 
-def stub_layer():
-    """A Moe on rank 0 of 2 over StubLib, with ArgSet's config, built without comet."""
+def stub_layer(device="cuda:0"):
+    """A Moe on rank 0 of 2 over StubLib, with ArgSet's config, built without comet; its
+    tensors live on `device`."""
     from comet_moe.comm import _Box
     lib = StubLib()
     comm = comet_moe.Comm.__new__(comet_moe.Comm)
@@ -197,19 +194,16 @@ def stub_layer():
     layer = comet_moe.Moe.__new__(comet_moe.Moe)
     layer._box, layer._lib, layer.comm, layer.config = _Box(0x1234), lib, comm, args_cfg()
     layer.experts_per_rank, layer.ffn_local, layer.tp_size, layer.grad_accumulation = ArgSet.E_LOCAL, ArgSet.F, 1, "grad"
+    layer._register(device)
     return layer, lib
 
 
-@test
-def forward_refuses_a_stream_ctypes_would_truncate():
+def test_forward_refuses_a_stream_ctypes_would_truncate():
+    # Each would reach C as its low 64 bits (2**64 + 0x5000 as 0x5000), or as a rounded
+    # int; refused in Python before torch is imported or anything is called.
     layer, lib = stub_layer()
     try:
         kw = ArgSet().kw
-        check_eq(layer.forward(**kw, stream=0x5000), kw["out"], "forward returns out")
-        check_eq(layer.forward(**kw, stream=PTR_MAX, impl="fused"), kw["out"], "the widest stream")
-        check_eq(lib.calls, [(ArgSet.M, 0, 0x5000), (ArgSet.M, 2, PTR_MAX)], "what reached comet_moe_forward")
-        lib.calls.clear()
-        # Each would reach C as its low 64 bits (2**64 + 0x5000 as 0x5000), or as a rounded int.
         raises(ValueError, lambda: layer.forward(**kw, stream=2**64 + 0x5000), "stream = 18446744073709572096",
                f"0..{PTR_MAX}", "cudaStream_t")
         raises(ValueError, lambda: layer.forward(**kw, stream=-1), "stream = -1")
@@ -221,15 +215,38 @@ def forward_refuses_a_stream_ctypes_would_truncate():
 
         raises(ValueError, lambda: layer.forward(**kw, stream=FakeStream()), "stream = 1180591620717411303424")
         raises(ValueError, lambda: layer.forward(**kw, impl=2**32 + 2, stream=0x5000), "impl = 4294967298")
-        raises(ValueError, lambda: layer.forward(**dict(kw, out=FakeTensor((40, 256), ptr=kw["down"].data_ptr())),
-                                                 stream=0x5000), "out overlaps down")
         check_eq(lib.calls, [], "calls that reached comet_moe_forward after a refused argument")
     finally:
         layer._box = None  # no comet_moe_destroy on the stand-in
 
 
-@test
-def forward_checks_take_the_tp_slice():
+def test_forward_passes_comet_what_it_was_given():
+    """Through the custom operators (comet_moe::forward and forward_out) to the C call:
+    the token count, the impl and the stream, the widest stream included; the addresses
+    checked on the way (an out over a weight is refused before the call)."""
+    torch = need_torch()
+    layer, lib = stub_layer("cpu")
+    try:
+        H, F, K, E, M = ArgSet.H, ArgSet.F, ArgSet.K, ArgSet.E_LOCAL, ArgSet.M
+        bf16 = torch.bfloat16
+        kw = dict(topk_ids=torch.zeros(M, K, dtype=torch.int32), topk_weights=torch.zeros(M, K),
+                  gate_up=torch.zeros(E, 2 * F, H, dtype=bf16), down=torch.zeros(E, H, F, dtype=bf16))
+        x, out = torch.zeros(M, H, dtype=bf16), torch.zeros(M, H, dtype=bf16)
+        check(layer.forward(x, **kw, out=out, stream=0x5000) is out, "forward returns out")
+        check(layer.forward(x, **kw, stream=PTR_MAX, impl="fused").shape == (M, H), "y allocated by the operator")
+        check_eq(lib.calls, [(M, 0, 0x5000), (M, 2, PTR_MAX)], "what reached comet_moe_forward")
+        lib.calls.clear()
+        inside = kw["down"].view(-1)[:M * H].view(M, H)
+        raises(ValueError, lambda: layer.forward(x, **kw, out=inside, stream=0x5000), "out overlaps down")
+        raises(ValueError, lambda: layer.forward(x.view(-1)[4:4 + M * H // 2].view(M // 2, H), **dict(
+            kw, topk_ids=kw["topk_ids"][:M // 2], topk_weights=kw["topk_weights"][:M // 2]), stream=1),
+            "x.data_ptr()", "16-byte aligned")
+        check_eq(lib.calls, [], "calls that reached comet_moe_forward after a refused argument")
+    finally:
+        layer._box = None
+
+
+def test_forward_checks_take_the_tp_slice():
     H, F = ArgSet.H, ArgSet.F  # tp 2: Fl = 64
     check_eq(ArgSet(tp=2).run(), ArgSet.M, "tp 2: gate_up [4, 128, 256], down [4, 256, 64]")
     check_eq(ArgSet(tp=2).run(ffn_local=64, tp_size=2), ArgSet.M, "tp 2, as Moe passes it resolved")
@@ -255,8 +272,7 @@ def forward_checks_take_the_tp_slice():
     check("tp_size" not in str(e), f"tp 1 message mentions tp_size: {e}")
 
 
-@test
-def rank_layout_under_tensor_parallelism():
+def test_rank_layout_under_tensor_parallelism():
     from comet_moe.moe import _rank_layout
     cfg = comet_moe.MoeConfig(hidden=256, ffn=512, num_experts=8, top_k=2, max_tokens=64, tp_size=2)
     got = [_rank_layout(cfg, 4, r) for r in range(4)]

@@ -1,0 +1,303 @@
+"""comet's calls as torch custom operators (torch.library): the one path Moe.forward takes
+to comet under torch, eager and under torch.compile alike.
+
+    comet_moe::forward        y = MoE(x), nothing saved (inference, or under no_grad)
+    comet_moe::forward_out    the same, written into `out` (mutated)
+    comet_moe::forward_train  (y, saved): the training forward and the state its backward reads
+    comet_moe::backward       (dx, d_topk_weights, d_gate_up, d_gate, d_up, d_down); with
+                              main_grads given, the weight gradients are added to them
+                              (mutated) and those four outputs are empty
+
+forward_train's autograd formula (register_autograd) calls backward, so torch.compile
+traces a training step through comet, forward and backward, with no graph break, and
+eager runs the same operators. Each operator has a fake implementation (register_fake)
+that gives its outputs' shapes and dtypes from its inputs' and the layer's config (the
+saved state's size from comet_moe_saved_bytes, a host call): FakeTensorMode and
+torch.compile trace them without running comet.
+
+An operator names its layer by an int, the layer's _op_id in moe.py's table of open
+layers: a compiled graph holds ints, not Python objects. The stream is torch's current
+one (forward and forward_out take a raw cudaStream_t too, as a signed 64-bit int).
+
+The saved state is a uint8 tensor from torch's allocator (comet_moe_saved_bytes of them)
+with comet's handle over it (comet_moe_saved_create_in). The handle carries host state
+from the forward to its backward (the routing's counts), which no tensor can, so it is
+kept in a table under the tensor's address, where backward finds it. backward consumes
+it: the handle is destroyed once the backward is enqueued, so a second backward through
+the same graph (retain_graph=True) raises CometInvalidArgumentError. The tensor is a
+saved tensor of forward_train's autograd node, which autograd (and a compiled backward)
+frees as soon as that backward has run, so its memory goes back to torch's allocator then
+(which hands it out again only after the work already enqueued on the stream), not when
+the graph goes; with retain_graph=True it lives as long as the graph. A forward whose
+backward never runs has its handle destroyed when the tensor goes.
+
+With grad_accumulation="main_grad" the weights' fp32 main_grad tensors (Megatron-LM's
+convention) are inputs of forward_train, unread there, so that its autograd formula can
+hand them to backward, which adds the gradients into them; the weights then get no
+gradient through autograd, except a placeholder where the weight carries Megatron's
+`grad_added_to_main_grad` (set True by the forward; the placeholder is zeros where
+`zero_out_wgrad` is set, uninitialised otherwise, as Megatron's hooks expect).
+"""
+import inspect
+import weakref
+from typing import List, Optional, Tuple
+
+from . import _capi
+from ._torch import torch
+from .checks import check_pointers
+from .errors import error_for
+from .moe import layer_by_id
+
+Tensor = torch.Tensor
+
+_WEIGHTS = ("gate_up", "gate", "up", "down")
+_MAIN_GRADS = tuple(f"{name}_main_grad" for name in _WEIGHTS)
+# A placeholder gradient for a weight whose gradient went into its main_grad.
+NO_PLACEHOLDER, EMPTY_PLACEHOLDER, ZERO_PLACEHOLDER = 0, 1, 2
+_U64 = 2**64
+
+# forward_train and backward keep host state in tables between calls, which a CUDA graph
+# replay would skip: torch.compile's cudagraphs (mode="reduce-overhead") must leave them out.
+_UNSAFE = getattr(torch._C.Tag, "cudagraph_unsafe", None)
+_HOST_STATE = ({"tags": (_UNSAFE,)} if _UNSAFE is not None and
+               "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+
+
+def has_address(t) -> bool:
+    """Whether t.data_ptr() means something: not while torch.compile traces the caller,
+    nor for a fake or meta tensor (the operators check the addresses when they run)."""
+    if torch.compiler.is_compiling():
+        return False
+    from torch._subclasses.fake_tensor import FakeTensor
+    return not isinstance(t, FakeTensor) and t.device.type != "meta"
+
+
+def _stream_i64(stream):
+    """A cudaStream_t (0..2^64-1) as the signed 64-bit int an operator takes, and back."""
+    return None if stream is None else (stream - _U64 if stream >= _U64 // 2 else stream)
+
+
+def _stream_u64(stream):
+    return None if stream is None else stream % _U64
+
+
+# ---- inference ----
+
+@torch.library.custom_op("comet_moe::forward", mutates_args=())
+def forward(layer: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Optional[Tensor],
+            gate: Optional[Tensor], up: Optional[Tensor], down: Tensor, impl: int, stream: Optional[int]) -> Tensor:
+    """comet_moe_forward: y [M, H] bf16 for x [M, H]; nothing saved."""
+    moe = layer_by_id(layer)
+    check_pointers(x, topk_ids, topk_weights, gate_up, gate, up, down)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    moe._comet_forward(x, topk_ids, topk_weights, (gate_up, gate, up, down), y, impl, _stream_u64(stream))
+    return y
+
+
+@forward.register_fake
+def _forward_fake(layer, x, topk_ids, topk_weights, gate_up, gate, up, down, impl, stream):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("comet_moe::forward_out", mutates_args=("out",))
+def forward_out(layer: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Optional[Tensor],
+                gate: Optional[Tensor], up: Optional[Tensor], down: Tensor, impl: int, stream: Optional[int],
+                out: Tensor) -> None:
+    """comet_moe_forward into `out` [M, H] bf16, which no input may overlap."""
+    moe = layer_by_id(layer)
+    check_pointers(x, topk_ids, topk_weights, gate_up, gate, up, down, out)
+    moe._comet_forward(x, topk_ids, topk_weights, (gate_up, gate, up, down), out, impl, _stream_u64(stream))
+
+
+@forward_out.register_fake
+def _forward_out_fake(layer, x, topk_ids, topk_weights, gate_up, gate, up, down, impl, stream, out):
+    return None
+
+
+# ---- training: the saved states' table ----
+
+_SAVED = {}  # (device, address) -> (token, handle, destroy) of each saved state not consumed yet
+
+
+def _saved_key(saved: Tensor):
+    return str(saved.device), saved.data_ptr()
+
+
+def _keep_saved(saved: Tensor, handle, destroy) -> None:
+    key, token = _saved_key(saved), object()  # the token tells this state from a later one at the address
+    _SAVED[key] = (token, handle, destroy)
+    weakref.finalize(saved, _drop_saved, key, token)
+
+
+def _drop_saved(key, token) -> None:
+    """The tensor of a saved state went (its backward never ran, or already did)."""
+    entry = _SAVED.get(key)
+    if entry is not None and entry[0] is token:
+        del _SAVED[key]
+        entry[2](entry[1])
+
+
+def _consume_saved(saved: Tensor):
+    """The (key, handle, destroy) of the state `saved` holds, or CometInvalidArgumentError."""
+    key = _saved_key(saved)
+    entry = _SAVED.get(key)
+    if entry is None:
+        raise error_for(_capi.INVALID_ARGUMENT, "comet_moe_backward", "args.saved holds no forward: a backward "
+                        "consumes it (backward through this graph once, or run the forward again)")
+    return key, entry[1], entry[2]
+
+
+# ---- training: the operators ----
+
+@torch.library.custom_op("comet_moe::forward_train", mutates_args=(), **_HOST_STATE)
+def forward_train(layer: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Optional[Tensor],
+                  gate: Optional[Tensor], up: Optional[Tensor], down: Tensor, gate_up_main_grad: Optional[Tensor],
+                  gate_main_grad: Optional[Tensor], up_main_grad: Optional[Tensor], down_main_grad: Optional[Tensor],
+                  impl: int, placeholders: List[int]) -> Tuple[Tensor, Tensor]:
+    """comet_moe_forward_train: (y [M, H] bf16, the saved state [comet_moe_saved_bytes] uint8).
+    The main_grads and placeholders are for the autograd formula (see the module's note)."""
+    moe = layer_by_id(layer)
+    check_pointers(x, topk_ids, topk_weights, gate_up, gate, up, down)
+    saved = torch.empty(moe._comet_saved_bytes(), dtype=torch.uint8, device=x.device)
+    handle = moe._comet_saved_create_in(saved)
+    try:
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        moe._comet_forward_train(x, topk_ids, topk_weights, (gate_up, gate, up, down), y, handle, impl)
+    except BaseException:
+        moe._comet_saved_destroy(handle)
+        raise
+    _keep_saved(saved, handle, moe._comet_saved_destroy)
+    return y, saved
+
+
+@forward_train.register_fake
+def _forward_train_fake(layer, x, topk_ids, topk_weights, gate_up, gate, up, down, gate_up_main_grad,
+                        gate_main_grad, up_main_grad, down_main_grad, impl, placeholders):
+    return x.new_empty(x.shape), x.new_empty((layer_by_id(layer)._comet_saved_bytes(),), dtype=torch.uint8)
+
+
+@torch.library.custom_op("comet_moe::backward", mutates_args=_MAIN_GRADS, **_HOST_STATE)
+def backward(layer: int, saved: Tensor, dy: Tensor, x: Optional[Tensor], gate_up: Optional[Tensor],
+             gate: Optional[Tensor], up: Optional[Tensor], down: Tensor, gate_up_main_grad: Optional[Tensor],
+             gate_main_grad: Optional[Tensor], up_main_grad: Optional[Tensor], down_main_grad: Optional[Tensor],
+             impl: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """comet_moe_backward of the forward that filled `saved` (which it consumes): dx [M, H]
+    bf16, d_topk_weights [M, top_k] fp32 and the weights' bf16 gradients (empty for a
+    weight not given); with main_grads given (one per weight), the gradients are added to
+    them instead and the four are empty. dy [M, H] bf16, contiguous; x the forward's
+    where the layer's config resends x (else None)."""
+    moe = layer_by_id(layer)
+    key, handle, destroy = _consume_saved(saved)
+    if dy.data_ptr() % 16:  # a view that starts inside a row: comet moves rows 16 bytes at a time
+        dy = dy.clone()
+    weights = (gate_up, gate, up, down)
+    main_grads = (gate_up_main_grad, gate_main_grad, up_main_grad, down_main_grad)
+    accumulate = any(g is not None for g in main_grads)
+    m, k = dy.shape[0], int(moe.config.top_k)
+    dx = torch.empty(dy.shape, dtype=torch.bfloat16, device=dy.device)
+    d_topk_weights = torch.empty((m, k), dtype=torch.float32, device=dy.device)
+    grads = main_grads if accumulate else tuple(None if w is None else torch.empty_like(w) for w in weights)
+    moe._comet_backward(handle, dy, x, weights, dx, d_topk_weights, grads, accumulate, impl)
+    # Consumed (after the call: one comet refused stays filled for another try).
+    _SAVED.pop(key, None)
+    destroy(handle)
+    outs = tuple(dy.new_empty((0,)) if accumulate or g is None else g for g in grads)  # outputs alias nothing
+    return (dx, d_topk_weights) + outs
+
+
+@backward.register_fake
+def _backward_fake(layer, saved, dy, x, gate_up, gate, up, down, gate_up_main_grad, gate_main_grad, up_main_grad,
+                   down_main_grad, impl):
+    k = int(layer_by_id(layer).config.top_k)
+    accumulate = any(g is not None for g in (gate_up_main_grad, gate_main_grad, up_main_grad, down_main_grad))
+    outs = tuple(dy.new_empty((0,)) if accumulate or w is None else w.new_empty(w.shape)
+                 for w in (gate_up, gate, up, down))
+    return (dy.new_empty(dy.shape), dy.new_empty((dy.shape[0], k), dtype=torch.float32)) + outs
+
+
+# ---- forward_train's autograd formula ----
+
+def _setup_context(ctx, inputs, output):
+    layer, x, _, _, gate_up, gate, up, down, *main_grads, impl, placeholders = inputs
+    ctx.layer, ctx.impl, ctx.placeholders = layer, impl, list(placeholders)
+    # Attributes, not saved tensors: other calls add to the same main_grads between this
+    # forward and its backward (micro-batches), which autograd's version check would refuse.
+    ctx.main_grads = tuple(main_grads)
+    # Where the config resends x, the backward sends the forward's x again: autograd keeps
+    # it (and refuses a backward after it was changed in place).
+    resend = bool(layer_by_id(layer).config.resend_x)
+    ctx.save_for_backward(output[1], gate_up, gate, up, down, x if resend else None)
+
+
+def _backward_formula(ctx, dy, _d_saved):
+    saved, gate_up, gate, up, down, x = ctx.saved_tensors
+    dy = dy.to(torch.bfloat16).contiguous()
+    dx, d_topk_weights, *d_weights = torch.ops.comet_moe.backward(ctx.layer, saved, dy, x, gate_up, gate, up, down,
+                                                                  *ctx.main_grads, ctx.impl)
+    weights = (gate_up, gate, up, down)
+    if any(g is not None for g in ctx.main_grads):
+        d_weights = [None if w is None or kind == NO_PLACEHOLDER else
+                     torch.zeros_like(w) if kind == ZERO_PLACEHOLDER else torch.empty_like(w)
+                     for w, kind in zip(weights, ctx.placeholders)]
+    else:
+        d_weights = [None if w is None else g for w, g in zip(weights, d_weights)]
+    need = ctx.needs_input_grad
+    return ((None, dx if need[1] else None, None, d_topk_weights if need[3] else None) +
+            tuple(g if need[4 + i] else None for i, g in enumerate(d_weights)) + (None,) * 6)
+
+
+forward_train.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+# ---- what Moe.forward calls ----
+
+def _records_grad(*tensors) -> bool:
+    """Whether autograd records this call: grad enabled and an input requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _main_grads(moe, weights):
+    """(main_grads, placeholders, the weights whose grad_added_to_main_grad to set) for
+    forward_train: Nones unless the layer accumulates into main_grad, where every weight
+    given must carry a contiguous fp32 main_grad of its shape (ValueError)."""
+    if moe.grad_accumulation != "main_grad":
+        return (None,) * 4, [NO_PLACEHOLDER] * 4, ()
+    main_grads, placeholders, flagged = [], [], []
+    for name, w in zip(_WEIGHTS, weights):
+        if w is None:
+            main_grads.append(None)
+            placeholders.append(NO_PLACEHOLDER)
+            continue
+        g = getattr(w, "main_grad", None)
+        if g is None:
+            raise ValueError(f"grad_accumulation='main_grad', but {name} (shape {tuple(w.shape)}) has no main_grad: "
+                             f"attach an fp32 main_grad to every expert weight")
+        if g.dtype != torch.float32 or g.shape != w.shape or not g.is_contiguous() or g.device != w.device:
+            raise ValueError(f"{name}.main_grad: expected a contiguous float32 tensor of shape {tuple(w.shape)} on "
+                             f"{w.device}, got {g.dtype} {tuple(g.shape)} on {g.device}")
+        main_grads.append(g)
+        if hasattr(w, "grad_added_to_main_grad"):
+            placeholders.append(ZERO_PLACEHOLDER if getattr(w, "zero_out_wgrad", False) else EMPTY_PLACEHOLDER)
+            flagged.append(w)
+        else:
+            placeholders.append(NO_PLACEHOLDER)
+    return tuple(main_grads), placeholders, flagged
+
+
+def moe_forward(moe, impl: int, x, topk_ids, topk_weights, weights, out, stream):
+    """Moe.forward after its checks: the training forward under autograd, else the
+    inference forward (into `out` when given, on `stream` when given)."""
+    if _records_grad(x, topk_weights, *weights):
+        if out is not None or stream is not None:
+            raise ValueError("out and stream are not taken under autograd (a training forward allocates y "
+                             "and runs on the current stream); call it under torch.no_grad() to pass them")
+        main_grads, placeholders, flagged = _main_grads(moe, weights)
+        y, _ = torch.ops.comet_moe.forward_train(moe._op_id, x, topk_ids, topk_weights, *weights, *main_grads, impl,
+                                                 placeholders)
+        for w in flagged:  # Megatron's hooks then leave the placeholder out of main_grad
+            w.grad_added_to_main_grad = True
+        return y
+    if out is None:
+        return torch.ops.comet_moe.forward(moe._op_id, x, topk_ids, topk_weights, *weights, impl, _stream_i64(stream))
+    torch.ops.comet_moe.forward_out(moe._op_id, x, topk_ids, topk_weights, *weights, impl, _stream_i64(stream), out)
+    return out

@@ -1,0 +1,324 @@
+"""test_compile_cpu.py - comet's custom operators (comet_moe/ops.py) on the CPU: their
+schemas, torch.library.opcheck, their fake implementations under FakeTensorMode, the
+saved states' lifetime and the backward's refusals, and torch.compile(fullgraph=True) of
+a training step with CometSparseMoeBlock against eager, bit for bit. comet's own C calls
+are computed on the CPU by standin.CpuMoe (what comet computes, in float32); everything
+between the model and those calls is the package's code. The same checks against the
+real kernels are in gpu_compile.py. Every test here needs torch and skips without it.
+"""
+from __future__ import annotations
+
+import gc
+import shutil
+
+import comet_moe
+from helpers import check, check_eq, need_torch, note, raises, skip
+
+H, FFN, E, TOP_K, MAX_TOKENS = 64, 64, 4, 2, 32
+
+
+def setup(grad_accumulation="grad", **changes):
+    """(torch, ops, a CpuMoe layer of the test shape)."""
+    torch = need_torch()
+    from comet_moe import ops
+    from standin import CpuMoe
+    cfg = comet_moe.MoeConfig(hidden=H, ffn=FFN, num_experts=E, top_k=TOP_K, max_tokens=MAX_TOKENS, **changes)
+    return torch, ops, CpuMoe(torch, cfg, grad_accumulation=grad_accumulation)
+
+
+def inputs(torch, m, seed=0, split=False):
+    """x, topk_ids, topk_weights, (gate_up, gate, up, down) for m tokens."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:TOP_K] for _ in range(m)]).to(torch.int32).reshape(m, TOP_K)
+    w = torch.rand(m, TOP_K, generator=g) + 0.1
+    gate_up = (torch.randn(E, 2 * FFN, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    down = (torch.randn(E, H, FFN, generator=g) / FFN ** 0.5).to(torch.bfloat16)
+    weights = (None, gate_up[:, :FFN].contiguous(), gate_up[:, FFN:].contiguous(), down) if split else \
+        (gate_up, None, None, down)
+    return x, ids, w, weights
+
+
+def test_ops_schemas_declare_what_they_mutate():
+    torch, ops, moe = setup()
+    schemas = {name: getattr(torch.ops.comet_moe, name).default._schema
+               for name in ("forward", "forward_out", "forward_train", "backward")}
+    mutated = {name: sorted(a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write)
+               for name, s in schemas.items()}
+    check_eq(mutated, {"forward": [], "forward_out": ["out"], "forward_train": [],
+                       "backward": ["down_main_grad", "gate_main_grad", "gate_up_main_grad", "up_main_grad"]},
+             "mutated arguments")
+    check_eq([str(r.type) for r in schemas["forward_train"].returns], ["Tensor", "Tensor"], "forward_train: y, saved")
+    check_eq(len(schemas["backward"].returns), 6, "backward: dx, d_topk_weights and four weight gradients")
+    check(all(r.alias_info is None for s in schemas.values() for r in s.returns), "a return aliases an input")
+    unsafe = getattr(torch._C.Tag, "cudagraph_unsafe", None)
+    if unsafe is not None and ops._HOST_STATE:
+        for name in ("forward_train", "backward"):
+            check(unsafe in getattr(torch.ops.comet_moe, name).default.tags, f"{name} is not marked cudagraph_unsafe")
+        check(unsafe not in torch.ops.comet_moe.forward.default.tags, "forward (capturable) marked cudagraph_unsafe")
+    for name, s in schemas.items():
+        note(f"{s}")
+    moe.close()
+
+
+def test_opcheck_forward_operators():
+    """torch.library.opcheck (schema, autograd registration, fake against real, AOT
+    dispatch with dynamic shapes) of forward, forward_out and forward_train, on gate_up
+    and on gate and up apart, and forward_train with main_grads. backward is not opchecked:
+    it consumes its saved state, and opcheck calls an operator several times on the same
+    arguments; test_backward_fake_matches_real and the compiled training steps cover it."""
+    torch, ops, moe = setup()
+    for split in (False, True):
+        x, ids, w, weights = inputs(torch, 6, split=split)
+        args = (moe._op_id, x, ids, w, *weights, 0, None)
+        for op, extra in ((torch.ops.comet_moe.forward.default, ()),
+                          (torch.ops.comet_moe.forward_out.default, (torch.empty(6, H, dtype=torch.bfloat16),))):
+            result = torch.library.opcheck(op, args + extra)
+            check(all(v == "SUCCESS" for v in result.values()), f"{op} (split {split}): {result}")
+        grad = [t.requires_grad_(True) if t is not None else None for t in (x, w) + weights]
+        main_grads = tuple(None if t is None else torch.zeros(t.shape) for t in weights)
+        for mg in ((None,) * 4, main_grads):
+            targs = (moe._op_id, grad[0], ids, grad[1], *grad[2:], *mg, 0, [0, 0, 0, 0])
+            result = torch.library.opcheck(torch.ops.comet_moe.forward_train.default, targs)
+            check(all(v == "SUCCESS" for v in result.values()), f"forward_train (split {split}): {result}")
+    note(f"opcheck: {sorted(result)} for forward, forward_out and forward_train")
+    moe.close()
+
+
+def test_backward_fake_matches_real():
+    """backward's fake implementation against the real call (shapes, dtypes, strides),
+    what it mutates (the main_grads it is given, nothing else), and its refusal of a
+    consumed saved state."""
+    torch, ops, moe = setup()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    for split in (False, True):
+        for accumulate in (False, True):
+            x, ids, w, weights = inputs(torch, 7, seed=3, split=split)
+            main_grads = tuple(None if t is None else torch.full(t.shape, 0.25) if accumulate else None
+                               for t in weights)
+            y, saved = torch.ops.comet_moe.forward_train(moe._op_id, x, ids, w, *weights, *(None,) * 4, 0, [0] * 4)
+            check_eq((saved.dtype, tuple(saved.shape)), (torch.uint8, (moe._comet_saved_bytes(),)), "saved state")
+            dy = torch.randn(7, H).to(torch.bfloat16)
+            before = [t.clone() for t in (saved, dy, *weights) if t is not None]
+            args = (moe._op_id, saved, dy, None, *weights, *main_grads, 0)
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+                fake = torch.ops.comet_moe.backward(*fake_args)
+            real = torch.ops.comet_moe.backward(*args)
+            what = f"split {split}, accumulate {accumulate}"
+            check_eq([(f.dtype, tuple(f.shape), f.stride()) for f in fake],
+                     [(r.dtype, tuple(r.shape), r.stride()) for r in real], f"{what}: fake against real outputs")
+            check_eq(tuple(real[1].shape), (7, TOP_K), f"{what}: d_topk_weights")
+            for i, t in enumerate(t for t in (saved, dy, *weights) if t is not None):
+                check(torch.equal(t, before[i]), f"{what}: backward changed an input it does not declare")
+            if accumulate:
+                check(all(g.numel() == 0 for g in real[2:]), f"{what}: weight gradients returned and accumulated")
+                check(any(not torch.equal(g, torch.full(g.shape, 0.25)) for g in main_grads if g is not None),
+                      f"{what}: main_grads unchanged")
+            else:
+                check_eq([tuple(g.shape) for g in real[2:]], [(0,) if t is None else tuple(t.shape) for t in weights],
+                         f"{what}: weight gradients")
+            raises(comet_moe.CometInvalidArgumentError, lambda: torch.ops.comet_moe.backward(*args),
+                   "comet_moe_backward", "consumes")
+    moe.close()
+
+
+class Model:
+    """What the training tests step: CometSparseMoeBlock over the CPU stand-in, its
+    weights drawn from a seed."""
+
+    def __init__(self, torch, grad_accumulation="grad", megatron_attrs=False, **changes):
+        from comet_moe import CometSparseMoeBlock
+        self.torch, self.ops, self.moe = setup(grad_accumulation, **changes)
+        self.block = CometSparseMoeBlock(moe=self.moe)
+        g = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for p in self.block.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        self.experts = (self.block.w13, self.block.w2)
+        if grad_accumulation == "main_grad":
+            for p in self.experts:
+                p.main_grad = torch.zeros(p.shape)
+                if megatron_attrs:
+                    p.grad_added_to_main_grad, p.zero_out_wgrad = False, True
+
+    def steps(self, forward, n=3):
+        """n training steps of SGD on token counts that change: for each, what it gave."""
+        torch = self.torch
+        opt = torch.optim.SGD(self.block.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(5)
+        out = []
+        for step in range(n):
+            x = torch.randn(2, 7 - step, H, generator=g).to(torch.bfloat16).requires_grad_(True)
+            y, logits = forward(x)
+            loss = (y.float() ** 2).sum() + logits.float().square().mean()
+            loss.backward()
+            states = self.moe.saved[-1:]
+            check(states and states[0].destroyed, f"step {step}: the saved state outlived its backward")
+            got = dict(y=y.detach().clone(), logits=logits.detach().clone(), loss=loss.detach().clone(),
+                       dx=x.grad.clone())
+            for name, p in self.block.named_parameters():
+                if getattr(p, "main_grad", None) is not None:
+                    got[f"{name}.main_grad"] = p.main_grad.clone()
+                    if hasattr(p, "grad_added_to_main_grad"):
+                        check(p.grad_added_to_main_grad is True, f"{name}.grad_added_to_main_grad not set")
+                        check(torch.equal(p.grad, torch.zeros_like(p)), f"{name}: placeholder not zeros")
+                    else:
+                        check(p.grad is None, f"{name}: a gradient beside its main_grad")
+                else:
+                    got[f"{name}.grad"] = p.grad.clone()
+            opt.step()
+            opt.zero_grad()
+            out.append(got)
+        out.append({name: p.detach().clone() for name, p in self.block.named_parameters()})
+        return out
+
+
+def compare_bits(torch, eager, compiled, what):
+    for step, (a, b) in enumerate(zip(eager, compiled)):
+        check_eq(sorted(a), sorted(b), f"{what}, step {step}: what was recorded")
+        for key in a:
+            check(torch.equal(a[key], b[key]), f"{what}, step {step}: {key} differs from eager's bits")
+
+
+def test_compiled_training_step_matches_eager_bits():
+    """torch.compile(block, fullgraph=True) (Dynamo and AOTAutograd, eager kernels:
+    backend aot_eager) against eager, three SGD steps on changing token counts: y, the
+    router logits, the loss, dx and every gradient (.grad, or main_grad with and without
+    Megatron's placeholder attributes), and the parameters after each step, bit for bit;
+    every saved state given back right after its backward."""
+    torch = need_torch()
+    import torch._dynamo
+    from comet_moe import ops
+    for mode, attrs, changes in (("grad", False, {}), ("grad", False, {"resend_x": 1}), ("main_grad", False, {}),
+                                 ("main_grad", True, {})):
+        what = f"{mode}{' with Megatron attributes' if attrs else ''}{', resend_x' if changes else ''}"
+        eager = Model(torch, mode, attrs, **changes)
+        want = eager.steps(eager.block)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        model = Model(torch, mode, attrs, **changes)
+        got = model.steps(torch.compile(model.block, fullgraph=True, backend="aot_eager"))
+        compare_bits(torch, want, got, what)
+        check_eq(torch._dynamo.utils.counters["graph_break"], {}, f"{what}: graph breaks")
+        check_eq([c[0] for c in model.moe.calls], ["forward_train", "backward"] * 3, f"{what}: comet's calls")
+        eager.moe.close()
+        model.moe.close()
+    gc.collect()
+    check_eq(ops._SAVED, {}, "saved states left in the table")
+
+
+def test_compiled_routed_training_with_inductor_matches_eager_bits():
+    """The default backend (inductor) over the experts with routing given
+    (forward_routed): y, the loss, dx, d topk_weights, the expert gradients and the
+    parameters after each step equal eager's bits. (With the router inside, inductor's own
+    softmax kernel may differ from eager's in the last bit, which is torch's, not comet's.)"""
+    torch = need_torch()
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        skip("inductor on the CPU needs a C++ compiler (g++)")
+    import torch._dynamo
+
+    def run(compiled):
+        model = Model(torch)
+        block = model.block
+
+        def routed(x, ids, w):
+            return block.forward_routed(x, ids, w)
+        f = torch.compile(routed, fullgraph=True) if compiled else routed
+        opt = torch.optim.SGD([block.w13, block.w2], lr=0.05)
+        out = []
+        for step in range(3):
+            x, ids, w, _ = inputs(torch, 12 - 2 * step, seed=20 + step)
+            x.requires_grad_(True)
+            w.requires_grad_(True)
+            y = f(x, ids, w)
+            loss = (y.float() ** 2).sum()
+            loss.backward()
+            out.append(dict(y=y.detach().clone(), loss=loss.detach(), dx=x.grad.clone(), dw=w.grad.clone(),
+                            w13=block.w13.grad.clone(), w2=block.w2.grad.clone()))
+            opt.step()
+            opt.zero_grad()
+        out.append(dict(w13=block.w13.detach().clone(), w2=block.w2.detach().clone()))
+        model.moe.close()
+        return out
+
+    want = run(False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compare_bits(torch, want, run(True), "inductor")
+    check_eq(torch._dynamo.utils.counters["graph_break"], {}, "graph breaks")
+
+
+def test_fake_tensor_mode_traces_a_training_step():
+    """Under FakeTensorMode nothing runs, yet a training step of the block gives every
+    output and gradient its shape and dtype; the saved state's size is the layer's
+    comet_moe_saved_bytes (here the stand-in's)."""
+    torch = need_torch()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from comet_moe import ops
+    with FakeTensorMode():
+        model = Model(torch, "main_grad")
+        x = torch.randn(3, 5, H).to(torch.bfloat16).requires_grad_(True)
+        y, logits = model.block(x)
+        _, ids, w, _ = inputs(torch, 15)
+        y2, saved = torch.ops.comet_moe.forward_train(model.moe._op_id, x.view(15, H), ids, w, model.block.w13, None,
+                                                      None, model.block.w2, None, None, None, None, 0, [0] * 4)
+        (y.float().sum() + logits.float().sum()).backward()
+    check_eq((tuple(y.shape), y.dtype, tuple(logits.shape)), ((3, 5, H), torch.bfloat16, (15, E)), "y, logits")
+    check_eq((tuple(saved.shape), saved.dtype), ((model.moe._comet_saved_bytes(),), torch.uint8), "saved state")
+    check_eq((tuple(x.grad.shape), x.grad.dtype), ((3, 5, H), torch.bfloat16), "dx")
+    check_eq(tuple(model.block.gate.weight.grad.shape), (E, H), "router gradient")
+    check_eq(model.moe.calls, [], "comet's calls under FakeTensorMode")
+    check_eq(ops._SAVED, {}, "saved states kept for fake tensors")
+    model.moe.close()
+
+
+def test_backward_runs_once_and_saved_states_go_back():
+    """A second backward through the same graph (retain_graph=True) raises
+    CometInvalidArgumentError, eager and compiled; each saved state is destroyed right
+    after its backward, and one whose backward never runs when its graph goes."""
+    torch = need_torch()
+    import torch._dynamo
+    from comet_moe import ops
+    for compiled in (False, True):
+        model = Model(torch)
+        torch._dynamo.reset()
+        f = torch.compile(model.block, fullgraph=True, backend="aot_eager") if compiled else model.block
+        x = torch.randn(9, H).to(torch.bfloat16).requires_grad_(True)
+        y, _ = f(x)
+        loss = y.float().square().sum()
+        loss.backward(retain_graph=True)
+        check(model.moe.saved[-1].destroyed, f"compiled {compiled}: state not destroyed after its backward")
+        raises(comet_moe.CometInvalidArgumentError, lambda: loss.backward(), "comet_moe_backward", "consumes")
+        held = [f(x)]  # a forward whose backward never runs
+        check(not model.moe.saved[-1].destroyed and len(ops._SAVED) == 1, "the state of a forward not kept")
+        held.clear()  # y and, compiled, the router logits hold the graph
+        loss = None
+        gc.collect()
+        check(model.moe.saved[-1].destroyed and ops._SAVED == {}, f"compiled {compiled}: state outlived its graph")
+        check_eq(len(model.moe.saved), 2, "saved states made")
+        model.moe.close()
+
+
+def test_training_forward_refuses_before_launch():
+    """main_grad mode: a weight without an fp32 main_grad of its shape is refused by the
+    forward (ValueError naming it) before anything runs; out= and stream= are not taken
+    under autograd; a closed layer raises."""
+    torch = need_torch()
+    model = Model(torch, "main_grad")
+    x = torch.randn(4, H).to(torch.bfloat16).requires_grad_(True)
+    del model.block.w2.main_grad
+    raises(ValueError, lambda: model.block(x), "grad_accumulation='main_grad'", "down (shape (4, 64, 64))",
+           "no main_grad")
+    model.block.w2.main_grad = torch.zeros(model.block.w2.shape, dtype=torch.bfloat16)
+    raises(ValueError, lambda: model.block(x), "down.main_grad", "float32", "torch.bfloat16")
+    model.block.w2.main_grad = torch.zeros(4, H)
+    raises(ValueError, lambda: model.block(x), "down.main_grad", "(4, 64, 64)", "(4, 64)")
+    model.block.w2.main_grad = torch.zeros(model.block.w2.shape)
+    raises(ValueError, lambda: model.block(x, out=torch.empty(4, H, dtype=torch.bfloat16)), "under autograd")
+    check_eq(model.moe.calls, [], "calls after refused arguments")
+    y, _ = model.block(x)
+    check_eq([c[0] for c in model.moe.calls], ["forward_train"], "a good call after them")
+    model.moe.close()
+    raises(RuntimeError, lambda: y.float().sum().backward(), "used after close")
+    raises(RuntimeError, lambda: model.block(x), "used after close")
