@@ -159,10 +159,15 @@ static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *ou
         if (score > best_score) best = i, best_score = score;
     }
     if (best < 0) {
+        /* Left to choose where C cannot leave by TMA, the store asked for is the direct one. */
+        const int direct_only = !want.store && !tma_store_ok(g);
+        if (direct_only) want.store = COMETI_GEMM_STORE_DIRECT;
         char text[256];
         cometi_gemm_variant_text(&want, text, sizeof(text));
-        return cometi_fail(err, COMET_NOT_SUPPORTED, "gemm: no variant is built for %s%s (src/gemm/variants.h lists "
-                           "those that are)", text, want.block_n ? "" : " (any block_n)");
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "gemm: no variant is built for %s%s%s (src/gemm/variants.h lists "
+                           "those that are)", text, want.block_n ? "" : " (any block_n)",
+                           direct_only ? "; the TMA store needs ldc a multiple of 8, c 16-byte aligned and no row index"
+                                       : "");
     }
     *out = best;
     return COMET_SUCCESS;
