@@ -27,7 +27,7 @@ runs this suite through torchrun on every visible GPU, and skips where there is 
 import os
 
 # Before anything can initialise NCCL: NVLink multicast off. comet never uses it
-# (src/kernels/symmetric.cu), and on a host whose GPUs are shared it can take them down.
+# (src/comm/symmetric.cu), and on a host whose GPUs are shared it can take them down.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")

@@ -1,6 +1,6 @@
 /*
  * combine.cuh - layer1's combine (COMET's layer1 communication), as device functions:
- * run by the combine blocks of the fused GEMM1 kernel (gemm.cu) and by the tail kernel
+ * run by the combine blocks of the fused GEMM1 kernel (gemm/kernel.cuh) and by the tail kernel
  * on every SM after it (combine.cu). GEMM1's rows are finished column split by column
  * split; the combine blocks send each finished split home, summed per token on this
  * rank, and sum what came home into y, while the GEMM blocks compute the next split. The

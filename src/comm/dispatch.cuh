@@ -3,7 +3,7 @@
  * rank's rows copied into their expert owners' receive buffers over NVLink, piece by
  * piece, each piece counted with one system-scope release; and the head, the first
  * pieces of this rank's own rows, which every GEMM block copies a share of at the
- * kernel's start. Run by gemm.cu's kernel when its dispatch role is on.
+ * kernel's start. Run by the GEMM kernel (gemm/kernel.cuh) in the rows with the dispatch role.
  */
 #ifndef COMET_DISPATCH_CUH
 #define COMET_DISPATCH_CUH

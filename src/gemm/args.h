@@ -1,6 +1,6 @@
 /*
  * args.h - what cometi_gemm_prepare (prepare.c, host C) hands the kernel
- * (gemm.cu): the kernel's flat arguments, its tensor maps and the launch's shape, laid out
+ * (kernel.cuh): the kernel's flat arguments, its tensor maps and the launch's shape, laid out
  * inside cometi_gemm_prepared_t. The roles of gemm.h become plain fields here: the kernel
  * reads them from its parameter space, one value each, whatever roles are on.
  */

@@ -17,7 +17,7 @@
 #include "base/ptx.cuh"
 #include "gemm/wgmma.cuh"
 
-/* Where a block's shared memory is (gemm.cu lays it out). */
+/* Where a block's shared memory is (kernel.cuh lays it out). */
 typedef struct gemm_smem {
     unsigned char *a, *b, *c;   /* the stages of A and of B, the epilogue's staging */
     uint64_t *full, *empty;     /* per stage: loaded, released by its consumers */

@@ -7,8 +7,9 @@
  * run-time argument.
  *
  * From this one table come:
- *   - the kernels: gemm.cu instantiates grouped_gemm_kernel<V> for every row V, and its
- *     launch switch is a case per row;
+ *   - the kernels: kernel.cuh is grouped_gemm_kernel<V> for row V; gemm_forward.cu,
+ *     gemm_dgrad.cu and gemm_wgrad.cu compile their family's rows, and the launch switch
+ *     is a case per row;
  *   - the host checks: cometi_gemm_prepare (prepare.c) resolves a description (gemm.h) to
  *     the row with exactly its choices, or refuses it naming the choices no row has;
  *   - the tests: test_gemm_variants.c runs every row against float64.
@@ -201,7 +202,7 @@ COMETI_GEMM_FN int cometi_gemm_staging_bytes(cometi_gemm_variant_t v)
 }
 /* Everything but the stages' boxes: the 1 KB alignment of the stages, the mbarriers (full
  * and empty per stage, the two ping-pong turns, the ticket ring's), the group table
- * (first_tile), the tickets and the last wave's plan (gemm.cu lays them out). */
+ * (first_tile), the tickets and the last wave's plan (kernel.cuh lays them out). */
 COMETI_GEMM_FN int cometi_gemm_fixed_bytes(int stages)
 {
     return 1024 + (2 * stages + 2 + 2 * COMETI_GEMM_TICKETS) * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 +
