@@ -12,20 +12,26 @@
 #include <unistd.h>
 
 #include "params.h"
+#include "tune.h"
 
 typedef struct param {
     const char *name;
     int is_path;    /* a file's path, else an integer in [lo, hi] */
     long def, lo, hi;
     const char *takes; /* what a valid value is, for the error message */
+    /* A path's contents checked by the code that reads them (NULL: none): 0, or -1 with `why`. */
+    int (*contents)(const char *path, char *why, size_t len);
 } param_t;
+
+static int tuning_lines(const char *path, char *why, size_t len);
 
 static const param_t table[COMETI_NUM_PARAMS] = {
     [COMETI_PARAM_TIMEOUT_MS] = {"COMET_TIMEOUT_MS", 0, COMETI_DEFAULT_TIMEOUT_MS, 1, 3600000,
                                  "milliseconds, a whole number in 1..3600000"},
     [COMETI_PARAM_PDL] = {"COMET_PDL", 0, 1, 0, 1, "0 (ordinary launches) or 1 (programmatic dependent launch)"},
     [COMETI_PARAM_FIRST_WAVE] = {"COMET_FIRST_WAVE", 0, 1, 0, 1, "0 (no first wave) or 1 (the first wave where it pays)"},
-    [COMETI_PARAM_TUNING_FILE] = {"COMET_TUNING_FILE", 1, 0, 0, 0, "the path of a readable regular file"},
+    [COMETI_PARAM_TUNING_FILE] = {"COMET_TUNING_FILE", 1, 0, 0, 0, "the path of a readable regular file",
+                                  tuning_lines},
 };
 
 static long values[COMETI_NUM_PARAMS];
@@ -59,6 +65,15 @@ int cometi_open_regular(const char *path, char *why, size_t why_len)
     return fd;
 }
 
+/* The tuning file's lines, each parsed and checked by the reader that picks a layer's line
+ * (tune.c); none matched, and the limits that need the GPU's SM count left to that reader. */
+static int tuning_lines(const char *path, char *why, size_t len)
+{
+    cometi_knobs_t unused;
+    memset(&unused, 0, sizeof(unused));
+    return cometi_tuning_lookup(path, NULL, 0, 0, &unused, why, len) < 0 ? -1 : 0;
+}
+
 /* A whole decimal number in [lo, hi], nothing before or after it (strtol alone would take
  * leading blanks and a '+'). */
 static int parse_long(const char *v, long lo, long hi, long *out)
@@ -84,6 +99,9 @@ static comet_status_t read_path(int i, const char *v, char *msg)
         return cometi_fail(msg, COMET_INVALID_ARGUMENT, "$%s = '%.300s': %s; it takes %s", p->name, v, why,
                            p->takes);
     close(fd);
+    char bad[COMETI_ERR_LEN - 32];
+    if (p->contents && p->contents(v, bad, sizeof(bad)))
+        return cometi_fail(msg, COMET_INVALID_ARGUMENT, "$%s: %s", p->name, bad);
     snprintf(paths[i], sizeof(paths[i]), "%s", v);
     return COMET_SUCCESS;
 }

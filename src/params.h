@@ -22,7 +22,10 @@ typedef enum cometi_param_id {
 } cometi_param_id_t;
 
 /* Read the table once (later calls return the first call's result). COMET_SUCCESS, or
- * COMET_INVALID_ARGUMENT with `err` naming the variable, its value and what it takes. */
+ * COMET_INVALID_ARGUMENT with `err` (COMETI_ERR_LEN bytes) naming the variable, its value
+ * and what it takes; the tuning file's lines are checked too, by tune.c's own parser.
+ * comet_comm_create calls it, and the comet tool before it touches a GPU, so a bad value
+ * stops both with the same sentence. */
 comet_status_t cometi_params_load(char *err);
 /* An integer parameter's value (its default where the table failed to load). */
 long cometi_param_int(cometi_param_id_t id);

@@ -109,7 +109,10 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
  * `comet bench` for the GPU it ran on, and a line that could not run there is a mistake to
  * report now, not mid-call. Returns 1 and fills *out when a line matches, 0 when none
  * does, -1 with `err` naming the file, the line, the field, its value and its limit when a
- * line is wrong, or the path and why when it is not a readable regular file.
+ * line is wrong, or the path and why when it is not a readable regular file. With `cfg`
+ * NULL no line matches and every line is only checked, and with `sm_count` 0 the limits
+ * that need the GPU's SM count are left out: how the environment's check (params.h) reads
+ * the file before any GPU is known.
  */
 int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int world, int sm_count,
                          cometi_knobs_t *out, char *err, size_t err_len);

@@ -4,7 +4,7 @@
 # a command does not take is refused (exit 2) by name; values are parsed strictly; bad
 # shapes and layouts are refused with the flag's name before anything forks or touches a
 # GPU or NCCL (with strace, when it works here, that is checked at the system calls);
-# comet tune --out is checked before the run. One line per check, "PASS name" or
+# comet tune --out and the library's environment variables are checked before the run. One line per check, "PASS name" or
 # "FAIL name: why" (or "SKIP name: why"), then "N passed, N failed, N skipped"; exit 1
 # when any failed.
 # Usage: tests/test_cli.sh [PATH/TO/comet]   (default build/comet)
@@ -31,6 +31,8 @@ trap 'rm -rf "$tmp"' EXIT
 # failed to stop a run ends at the GPU probe's message instead of running a benchmark.
 export CUDA_VISIBLE_DEVICES=
 unset RANK WORLD_SIZE LOCAL_RANK
+# The library's own variables are set by the checks that test them, and only there.
+unset COMET_TIMEOUT_MS COMET_PDL COMET_FIRST_WAVE COMET_TUNING_FILE
 
 # run ARGS...: comet ARGS with a time limit; sets rc, out (its stdout) and err (its stderr).
 run() {
@@ -272,6 +274,64 @@ else
     if grep -Eq 'clone|fork' "$tmp/good.calls"; then pass "syscalls-good-shape"
     else fail "syscalls-good-shape" "no fork seen on the way to the GPU probe: the trace sees nothing"; fi
 fi
+
+# ---------------------------------------------------------------------------------------
+# The library's environment variables (src/params.c's table, the tuning file's lines by
+# src/tune.c's parser): a malformed one is refused with its name and value (exit 2) before
+# any GPU check, as comet_comm_create would refuse it on a GPU machine.
+
+env_refused() { # env_refused NAME WANTS VAR=VALUE ARGS...: refused NAME WANTS ARGS with VAR=VALUE set
+    local name=$1 wants=$2 var=${3%%=*} value=${3#*=}
+    shift 3
+    export "$var=$value"
+    refused "$name" "$wants" "$@"
+    unset "$var"
+}
+env_refused "env-timeout-ms" "\$COMET_TIMEOUT_MS = 'abc';1..3600000" COMET_TIMEOUT_MS=abc bench --preset tiny
+env_refused "env-timeout-ms-zero" "\$COMET_TIMEOUT_MS = '0'" COMET_TIMEOUT_MS=0 bandwidth
+env_refused "env-pdl" "\$COMET_PDL = '2';0 (ordinary launches) or 1" COMET_PDL=2 gemm --preset tiny
+env_refused "env-first-wave" "\$COMET_FIRST_WAVE = 'off'" COMET_FIRST_WAVE=off tune --preset tiny --out "$tmp/t.txt"
+env_refused "env-tuning-missing" "\$COMET_TUNING_FILE = '$tmp/none.txt';No such file" \
+    COMET_TUNING_FILE="$tmp/none.txt" bench --preset tiny
+env_refused "env-tuning-directory" "\$COMET_TUNING_FILE = '$tmp';a directory, not a regular file" \
+    COMET_TUNING_FILE="$tmp" bench --preset tiny
+env_refused "env-under-id-file" "\$COMET_PDL = 'yes'" COMET_PDL=yes bench --preset tiny --id-file "$tmp/id"
+printf '# comet tuning file\n2 8 2 4096 14336 8192 : x bulk 0 1 dynamic push\n' >"$tmp/bad-tuning.txt"
+env_refused "env-tuning-malformed-line" \
+    "\$COMET_TUNING_FILE;$tmp/bad-tuning.txt line 2: field 7 (dispatch_blocks) = 'x': must be a whole number" \
+    COMET_TUNING_FILE="$tmp/bad-tuning.txt" bench --preset tiny
+printf '2 8 2 4096 14336 8192 : 8 bulk 0 1 dynamic push tail\n' >"$tmp/bad-tuning.txt"
+env_refused "env-tuning-too-many-fields" "\$COMET_TUNING_FILE;line 1: more than 12 fields" \
+    COMET_TUNING_FILE="$tmp/bad-tuning.txt" bench --preset tiny
+# Unreadable: mode 0, read by a user other than root (root reads any file).
+printf '2 8 2 4096 14336 8192 : 8 bulk 0 1 dynamic push\n' >"$tmp/good-tuning.txt"
+cp "$tmp/good-tuning.txt" "$tmp/unreadable.txt"
+chmod 0 "$tmp/unreadable.txt"
+if [ "$(id -u)" -ne 0 ]; then
+    env_refused "env-tuning-unreadable" "\$COMET_TUNING_FILE = '$tmp/unreadable.txt';Permission denied" \
+        COMET_TUNING_FILE="$tmp/unreadable.txt" bench --preset tiny
+elif setpriv --reuid=65534 --regid=65534 --clear-groups true 2>/dev/null; then
+    chmod 711 "$tmp" # nobody may reach the file, and finds it unreadable
+    export COMET_TUNING_FILE="$tmp/unreadable.txt"
+    timeout 30 setpriv --reuid=65534 --regid=65534 --clear-groups "$comet" bench --preset tiny >"$tmp/out" 2>"$tmp/err"
+    rc=$?
+    unset COMET_TUNING_FILE
+    chmod 700 "$tmp"
+    err=$(cat "$tmp/err")
+    if [ "$rc" -eq 2 ] && [[ $err == *"\$COMET_TUNING_FILE = '$tmp/unreadable.txt': Permission denied"* ]]; then
+        pass "env-tuning-unreadable"
+    else fail "env-tuning-unreadable" "exit code $rc, expected 2 naming the file and 'Permission denied': $err"; fi
+else
+    skip "env-tuning-unreadable" "running as root, and setpriv cannot run comet as another user here"
+fi
+# Good values pass: the run goes on to the GPU probe. Commands that touch no GPU do not read them.
+export COMET_TIMEOUT_MS=7000 COMET_PDL=0 COMET_FIRST_WAVE=1 COMET_TUNING_FILE="$tmp/good-tuning.txt"
+reaches_gpu "env-good-values" bench --preset tiny
+unset COMET_TIMEOUT_MS COMET_PDL COMET_FIRST_WAVE COMET_TUNING_FILE
+export COMET_PDL=2
+run presets
+unset COMET_PDL
+if [ "$rc" -eq 0 ]; then pass "env-not-read-by-presets"; else fail "env-not-read-by-presets" "exit code $rc: $err"; fi
 
 # ---------------------------------------------------------------------------------------
 # comet tune --out (and --json): checked before the run, and no file left behind by it.

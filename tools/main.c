@@ -13,9 +13,10 @@
  * it, its parser and its help line. The usage texts, the parsing and the refusals all
  * come from that table, so a command's --help lists exactly what it accepts. Whatever
  * can be checked before a process forks is checked here: each value, each flag's fit
- * with the command, each case's config (by the library's own comet_moe_config_validate)
- * and the files the run will write; a run that cannot succeed stops with exit 2 before
- * it touches a GPU or NCCL.
+ * with the command, each case's config (by the library's own comet_moe_config_validate),
+ * the files the run will write and the library's environment variables (by its own table,
+ * src/params.h); a run that cannot succeed stops with exit 2 before it touches a GPU or
+ * NCCL.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -32,6 +33,7 @@
 
 #include "comet.h"
 #include "../src/internal.h"
+#include "../src/params.h"
 #include "tool.h"
 
 #define STR_(x) #x
@@ -771,5 +773,12 @@ int main(int argc, char **argv)
     if (check_cases_early(&c) || check_writable(&c, "--out", c.o.tune_out, 1) ||
         check_writable(&c, "--json", c.o.json, 0))
         return 2;
+    /* The library's environment variables, checked by the library's own table (params.h)
+     * as comet_comm_create will check them, but now, before any GPU or NCCL is touched. */
+    char env_err[COMETI_ERR_LEN];
+    if (cometi_params_load(env_err) != COMET_SUCCESS) {
+        fprintf(stderr, "comet %s: %s\n", cmd->name, env_err);
+        return 2;
+    }
     return c.id_file ? launch_external(&c) : launch_local(&c);
 }
