@@ -124,6 +124,11 @@ if [ "$rc" -eq 2 ] && [[ $err == usage:* ]]; then pass "no-command"; else fail "
 refused "unknown-command" 'unknown command;"nope"' nope
 run version
 if [ "$rc" -eq 0 ] && [[ $out == "comet "* ]]; then pass "version"; else fail "version" "exit code $rc: $out$err"; fi
+version_out=$out
+run --version
+if [ "$rc" -eq 0 ] && [ "$out" == "$version_out" ] && [ -z "$err" ]; then pass "version--version"
+else fail "version--version" "exit code $rc, expected 0 and comet version's line ($version_out): $out$err"; fi
+refused "version--version-argument" 'comet version;"x"' --version x
 run presets
 if [ "$rc" -eq 0 ] && [[ $out == *mixtral-8x7b* ]]; then pass "presets"
 else fail "presets" "exit code $rc: $out$err"; fi
@@ -182,6 +187,22 @@ refused "unused-bandwidth--preset" 'comet bandwidth;--preset' bandwidth --preset
 refused "unused-bench-argument" 'comet bench;"mixtral-8x7b"' bench mixtral-8x7b
 refused "unknown-flag" 'comet bench;--foo' bench --foo
 refused "unknown-short-flag" 'comet bench;-x' bench -x
+
+# ---------------------------------------------------------------------------------------
+# A flag given twice is refused by name (the second would silently win), and --skew only
+# goes with skewed routing (or the suite's skewed cases).
+
+refused "twice-preset" '--preset given twice' bench --preset tiny --preset mixtral-8x7b
+refused "twice-tokens" '--tokens given twice' bench --tokens 5 --tokens 6
+refused "twice-tokens-equals" '--tokens given twice' tune --tokens=5 --tokens 5
+refused "twice-switch" '--no-check given twice' bench --no-check --no-check
+refused "twice-gemm-preset" '--preset given twice' gemm --preset all --preset tiny
+refused "twice-mib" '--mib given twice' bandwidth --mib 1 --mib=2
+refused "skew-without-routing" '--skew;the routing is balanced;--routing skewed' bench --skew 4
+refused "skew-with-random" '--skew;the routing is random' bench --skew 4 --routing random
+refused "skew-tune-without-routing" '--skew;--routing skewed' tune --skew 2
+reaches_gpu "skew-with-skewed" bench --preset tiny --routing skewed --skew 4
+reaches_gpu "skew-with-suite" bench --suite --skew 4
 
 # ---------------------------------------------------------------------------------------
 # Strict values: the whole string, finite, in range; the message names the flag, the value

@@ -11,7 +11,8 @@
  *
  * Every flag is one row of flags[]: its name, its value's name, the commands that take
  * it, its parser and its help line. The usage texts, the parsing and the refusals all
- * come from that table, so a command's --help lists exactly what it accepts. Whatever
+ * come from that table, so a command's --help lists exactly what it accepts; a flag given
+ * twice is refused, not overwritten. Whatever
  * can be checked before a process forks is checked here: each value, each flag's fit
  * with the command, each case's config (by the library's own comet_moe_config_validate),
  * the files the run will write and the library's environment variables (by its own table,
@@ -160,7 +161,8 @@ static const flag_t flags[] = {
      "tensor-parallel size: each expert's ffn split over TP ranks [1]"},
     {"--routing", "KIND", BT, parse_routing, AT(o.routing), 0, 0, "balanced | random | skewed [balanced]"},
     {"--skew", "S", BT, parse_skew, AT(o.skew), 0, 0,
-     "skewed routing: the most loaded expert's expected load over the least loaded's, a number >= 1 [8]"},
+     "with --routing skewed (or --suite): the most loaded expert's expected load over the least loaded's, a "
+     "number >= 1 [8]"},
     {"--impl", "WHICH", CMD_BENCH, parse_impl, 0, 0, 0, "baseline | comet | all [all]"},
     {"--warmup", "N", BT, parse_int, AT(o.warmup), 0, 10000, "untimed calls [5]"},
     {"--iters", "N", BT, parse_int, AT(o.iters), 1, 100000, "timed calls [20]"},
@@ -254,7 +256,7 @@ static void usage_command(FILE *out, const command_t *cmd)
         fprintf(out, "\ncomet %s takes no flags (-h, --help: this text).\n", cmd->name);
         return;
     }
-    fprintf(out, "\nflags (a value as %s):\n", flag_syntax);
+    fprintf(out, "\nflags (a value as %s; each at most once):\n", flag_syntax);
     for (int i = 0; i < NFLAGS; i++)
         if (flags[i].cmds & cmd->bit) print_flag(out, &flags[i]);
     fprintf(out, "  %-*s this text\n", HELP_COLUMN - 3, "-h, --help");
@@ -282,7 +284,8 @@ static void usage_flags_of(FILE *out, const command_t *cmd, unsigned earlier)
 static void usage_all(FILE *out)
 {
     fprintf(out, "usage: comet <command> [flags]\n       comet <command> --help    that command's flags alone\n"
-            "A flag takes its value as %s.\n\ncommands:\n", flag_syntax);
+            "       comet --version           the same as comet version\n"
+            "A flag takes its value as %s, and is given at most once.\n\ncommands:\n", flag_syntax);
     for (int i = 0; i < NCOMMANDS; i++) {
         fprintf(out, "  %-10s ", commands[i].name);
         print_wrapped(out, 13, commands[i].summary);
@@ -488,6 +491,10 @@ static int parse_arg(int argc, char **argv, int *i, cli_t *c)
     snprintf(name, sizeof(name), "%.*s", eq && !strncmp(arg, "--", 2) ? (int)(eq - arg) : (int)strlen(arg), arg);
     const flag_t *f = strncmp(arg, "--", 2) ? NULL : find_flag(name, c->cmd->bit);
     if (!f) return refuse_flag(c, arg, name);
+    if (c->given[f - flags]) {
+        fprintf(stderr, "comet %s: %s given twice: give each flag once\n", c->cmd->name, f->name);
+        return PARSE_ERROR;
+    }
     const char *v = eq ? eq + 1 : NULL;
     if (!f->value && v) {
         fprintf(stderr, "comet %s: %s takes no value (given \"%s\")\n", c->cmd->name, f->name, v);
@@ -534,6 +541,12 @@ static int check_combinations(cli_t *c)
     if (o->suite && (shape || given(c, "--tokens") || given(c, "--routing"))) {
         fprintf(stderr, "comet %s: --suite runs 1024 to 16384 tokens, both routings, on presets: leave out %s\n", cmd,
                 shape ? "--hidden/--ffn/--experts/--top-k" : given(c, "--tokens") ? "--tokens" : "--routing");
+        return -1;
+    }
+    /* The suite's skewed cases take --skew too. */
+    if (given(c, "--skew") && o->routing != COMETI_ROUTING_SKEWED && !o->suite) {
+        fprintf(stderr, "comet %s: --skew sets skewed routing's load ratio, but the routing is %s: give --routing "
+                "skewed with it, or leave --skew out\n", cmd, o->routing == COMETI_ROUTING_RANDOM ? "random" : "balanced");
         return -1;
     }
     if (c->id_file && c->ranks) {
@@ -748,7 +761,7 @@ int main(int argc, char **argv)
     }
     if (!strcmp(argv[1], "help") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))
         return help_command(argc, argv);
-    const command_t *cmd = find_command(argv[1]);
+    const command_t *cmd = find_command(strcmp(argv[1], "--version") ? argv[1] : "version");
     if (!cmd) {
         fprintf(stderr, "comet: unknown command \"%s\"; the commands:", argv[1]);
         for (int i = 0; i < NCOMMANDS; i++) fprintf(stderr, " %s", commands[i].name);
