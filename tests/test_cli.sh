@@ -4,7 +4,8 @@
 # a command does not take is refused (exit 2) by name; values are parsed strictly; bad
 # shapes and layouts are refused with the flag's name before anything forks or touches a
 # GPU or NCCL (with strace, when it works here, that is checked at the system calls);
-# comet tune --out and the library's environment variables are checked before the run. One line per check, "PASS name" or
+# comet tune --out and the library's environment variables are checked before the run; a
+# machine without a GPU gets exit code 3 and says so, under an external launcher too. One line per check, "PASS name" or
 # "FAIL name: why" (or "SKIP name: why"), then "N passed, N failed, N skipped"; exit 1
 # when any failed.
 # Usage: tests/test_cli.sh [PATH/TO/comet]   (default build/comet)
@@ -62,13 +63,15 @@ refused() {
 }
 
 # reaches_gpu NAME ARGS...: every check of comet ARGS passes; it stops only at the GPU
-# probe (no GPU is visible here).
+# probe (no GPU is visible here), with the exit code of "no usable GPU or NCCL" (3) and a
+# sentence that says no GPU was found, not a CUDA call's error string.
 reaches_gpu() {
     local name=$1
     shift
     run "$@"
-    if [ "$rc" -eq 2 ] && [[ $err == *"no CUDA GPU is visible"* ]]; then pass "$name"
-    else fail "$name" "exit code $rc, expected 2 at the GPU probe (stderr: $err)"; fi
+    if [ "$rc" -eq 3 ] && [[ $err == *"no GPU found: "*"needs at least one Hopper GPU"* ]] &&
+        [[ $err != *insufficient* ]] && [ "$(wc -l <"$tmp/err")" -eq 1 ]; then pass "$name"
+    else fail "$name" "exit code $rc, expected 3 and one line saying no GPU was found (stderr: $err)"; fi
 }
 
 # ---------------------------------------------------------------------------------------
@@ -108,6 +111,22 @@ for f in $all_flags $commands; do [[ $out == *"$f"* ]] || missing="$missing $f";
 if [ "$rc" -eq 0 ] && [ -z "$missing" ]; then pass "help-everything"
 else fail "help-everything" "exit code $rc, missing:$missing"; fi
 help_all=$out
+# The environment comet reads and sets, and the exit codes, in `comet help` and in the
+# --help of each command that runs.
+notes=("exit status:" "  2 " "usage" "  3 " "no usable GPU or NCCL" "NCCL_NVLS_ENABLE" "set to 0 unless already set"
+       "NVLink multicast is not used by comet" "COMET_TIMEOUT_MS" "COMET_TUNING_FILE")
+help_notes() { # help_notes NAME: $out holds every one of notes
+    local want
+    for want in "${notes[@]}"; do
+        if [[ $out != *"$want"* ]]; then fail "$1" "lacks '$want'"; return; fi
+    done
+    pass "$1"
+}
+help_notes "help-notes"
+for cmd in bench tune bandwidth gemm; do
+    run "$cmd" --help
+    help_notes "help-notes-$cmd"
+done
 for h in --help -h; do
     run "$h"
     if [ "$rc" -eq 0 ] && [ "$out" == "$help_all" ]; then pass "help-everything$h"
@@ -269,6 +288,19 @@ if [ -e "$tmp/id" ]; then fail "layout-external-no-id-file" "$tmp/id was written
 else pass "layout-external-no-id-file"; fi
 refused "external-and-ranks" '--ranks;--id-file' bench --id-file "$tmp/id" --ranks 3
 unset RANK WORLD_SIZE
+# Under an external launcher the same words and code as the local launcher's, not a rank's
+# raw CUDA call, and no id file left for peers that would wait on it; without RANK and
+# WORLD_SIZE the launcher's refusal (usage) comes first.
+for cmd in bench tune bandwidth; do
+    export RANK=0 WORLD_SIZE=1
+    reaches_gpu "external-no-gpu-$cmd" "$cmd" --id-file "$tmp/id"
+    unset RANK WORLD_SIZE
+    if [[ $err == *cudaSetDevice* ]]; then fail "external-no-gpu-$cmd-words" "a raw CUDA call: $err"
+    else pass "external-no-gpu-$cmd-words"; fi
+done
+if [ -e "$tmp/id" ]; then fail "external-no-gpu-no-id-file" "$tmp/id was written"
+else pass "external-no-gpu-no-id-file"; fi
+refused "external-without-rank" 'RANK and WORLD_SIZE;RANK=unset' bench --id-file "$tmp/id"
 reaches_gpu "layout-valid" bench --preset mixtral-8x7b --ep 2 --tp 2 --tokens 128
 reaches_gpu "layout-valid-tp-alone" bench --preset mixtral-8x7b --tp 2
 

@@ -219,12 +219,9 @@ typedef struct suite_row {
 int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const tool_options_t *o = arg;
-    CUDA_OK(cudaSetDevice(ctx->local_rank));
-    comet_comm_config_t cc = COMET_COMM_CONFIG_INIT;
-    cc.timeout_ms = o->timeout_ms;
     comet_comm_t comm;
-    comet_status_t st = comet_comm_create_from_id(&ctx->id, ctx->nranks, ctx->rank, &cc, &comm);
-    FAIL_IF(st != COMET_SUCCESS, "comet_comm_create_from_id: %s", comet_last_create_error());
+    int code = rank_device(ctx);
+    if (code || (code = rank_comm(ctx, o->timeout_ms, &comm))) return code;
     struct cudaDeviceProp prop;
     CUDA_OK(cudaGetDeviceProperties(&prop, ctx->local_rank));
     FILE *json = NULL;
@@ -257,7 +254,7 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 cfg.ep_size = oc.ep;
                 cfg.tp_size = oc.tp;
                 char msg[512];
-                st = comet_moe_config_validate(&cfg, ctx->nranks, msg, sizeof(msg));
+                const comet_status_t st = comet_moe_config_validate(&cfg, ctx->nranks, msg, sizeof(msg));
                 FAIL_IF(st != COMET_SUCCESS, "%s: %s", label, msg);
                 case_result_t base;
                 if (bench_case(ctx, &oc, comm, &prop, &cfg, label, json, &records, &failed_check, &base)) return 1;

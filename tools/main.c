@@ -18,6 +18,12 @@
  * the files the run will write and the library's environment variables (by its own table,
  * src/params.h); a run that cannot succeed stops with exit 2 before it touches a GPU or
  * NCCL.
+ *
+ * Exit codes (tool.h; `comet help` lists them too): 0 success; 1 the run failed (a rank, or
+ * a check marked !); 2 usage: a flag, a value or a COMET_* variable refused before the run;
+ * 3 no usable GPU or NCCL: no driver, no Hopper GPU visible, fewer than the ranks need, or
+ * an NCCL comet cannot use. NCCL_NVLS_ENABLE is set to 0 unless the user set it: comet does
+ * not use NVLink multicast, and it can take a shared host's GPUs out of service.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -245,6 +251,35 @@ static void print_flag(FILE *out, const flag_t *f)
 
 static const char *flag_syntax = "--flag VALUE or --flag=VALUE";
 
+/* After the flags of `comet help` and of each command that runs: what it reads and sets in
+ * the environment, and its exit codes (tool.h). */
+static void usage_notes(FILE *out)
+{
+    char names[256] = "";
+    for (int i = 0; i < COMETI_NUM_PARAMS; i++)
+        snprintf(names + strlen(names), sizeof(names) - strlen(names), "%s%s", i == 0 ? "" : i + 1 < COMETI_NUM_PARAMS
+                 ? ", " : " and ", cometi_param_name((cometi_param_id_t)i));
+    char text[512];
+    snprintf(text, sizeof(text), "%s: the library's settings, checked before the run starts", names);
+    fprintf(out, "\nenvironment:\n  %-*s ", HELP_COLUMN - 3, "COMET_*");
+    print_wrapped(out, HELP_COLUMN, text);
+    fprintf(out, "  %-*s ", HELP_COLUMN - 3, "NCCL_NVLS_ENABLE");
+    print_wrapped(out, HELP_COLUMN, "set to 0 unless already set: NVLink multicast is not used by comet and can "
+                  "take a shared host's GPUs out of service");
+    static const char *codes[][2] = {
+        {"0", "success"},
+        {"1", "the run failed: a rank, or a check (marked ! in its row)"},
+        {"2", "usage: a flag, a value or a COMET_* variable refused before the run"},
+        {"3", "no usable GPU or NCCL: no driver, no Hopper GPU visible, fewer than the ranks need, or an NCCL "
+              "comet cannot use (older than 2.28, or not the release comet was built against)"},
+    };
+    fprintf(out, "\nexit status:\n");
+    for (size_t i = 0; i < sizeof(codes) / sizeof(codes[0]); i++) {
+        fprintf(out, "  %-*s ", HELP_COLUMN - 3, codes[i][0]);
+        print_wrapped(out, HELP_COLUMN, codes[i][1]);
+    }
+}
+
 /* `comet CMD --help`: the command's line and its flags alone. */
 static void usage_command(FILE *out, const command_t *cmd)
 {
@@ -260,6 +295,7 @@ static void usage_command(FILE *out, const command_t *cmd)
     for (int i = 0; i < NFLAGS; i++)
         if (flags[i].cmds & cmd->bit) print_flag(out, &flags[i]);
     fprintf(out, "  %-*s this text\n", HELP_COLUMN - 3, "-h, --help");
+    if (cmd->bit & (RUNS | CMD_GEMM)) usage_notes(out);
 }
 
 /* Under `comet help`: the flags of `cmd` that no earlier command takes, in full; the
@@ -295,6 +331,7 @@ static void usage_all(FILE *out)
         usage_flags_of(out, &commands[i], earlier);
         earlier |= commands[i].bit;
     }
+    usage_notes(out);
 }
 
 /* `comet help [CMD]`. */
@@ -308,7 +345,7 @@ static int help_command(int argc, char **argv)
     if (!cmd || argc > 3) {
         fprintf(stderr, "comet help: %s \"%s\": give one command (comet help lists them)\n",
                 cmd ? "unexpected argument" : "unknown command", argv[cmd ? 3 : 2]);
-        return 2;
+        return TOOL_EXIT_USAGE;
     }
     usage_command(stdout, cmd);
     return 0;
@@ -706,16 +743,28 @@ static cometi_rank_main_t rank_body(const cli_t *c)
     return c->cmd->bit & BT ? bench_rank : c->cmd->bit == CMD_BANDWIDTH ? bandwidth_rank : gemm_rank;
 }
 
-/* This process as one rank of an external launcher's world (WORLD_SIZE). */
+/* No usable GPU: the probe's sentence ("no GPU found: no NVIDIA driver is installed", ...). */
+static int no_gpu(const cli_t *c, const char *why)
+{
+    fprintf(stderr, "comet %s: %s; comet %s needs at least one Hopper GPU\n", c->cmd->name, why, c->cmd->name);
+    return TOOL_EXIT_NO_GPU;
+}
+
+/* This process as one rank of an external launcher's world (WORLD_SIZE). The GPUs are
+ * probed first, as for the local launcher, so that a machine without one says so in the
+ * same words and rank 0 publishes no id file for a run that cannot start. */
 static int launch_external(cli_t *c)
 {
     const char *ws = getenv("WORLD_SIZE");
     long world;
-    char from[64];
-    if (ws && !whole_long(ws, &world) && world >= 1 && world <= INT_MAX) {
+    char from[64], why[256];
+    const int sized = ws && !whole_long(ws, &world) && world >= 1 && world <= INT_MAX;
+    if (sized) {
         snprintf(from, sizeof(from), "WORLD_SIZE=%ld (--id-file)", world);
-        if ((c->cmd->bit & BT) && check_cases(c, (int)world, from)) return 2;
+        if ((c->cmd->bit & BT) && check_cases(c, (int)world, from)) return TOOL_EXIT_USAGE;
     }
+    /* Without RANK and WORLD_SIZE the launcher's own refusal (exit 2) comes first. */
+    if (sized && getenv("RANK") && cometi_probe_gpus(why, sizeof(why)) == 0) return no_gpu(c, why);
     char report[600];
     const int rc = cometi_launch_external(c->id_file, rank_body(c), &c->o, 0, report, sizeof(report));
     if (rc) fprintf(stderr, "comet %s: %s\n", c->cmd->name, report[0] ? report : "this rank failed");
@@ -728,22 +777,18 @@ static int launch_local(cli_t *c)
 {
     char why[256], from[64] = "";
     const int gpus = cometi_probe_gpus(why, sizeof(why));
-    if (gpus == 0) {
-        fprintf(stderr, "comet %s: no CUDA GPU is visible (%s); comet %s needs at least one Hopper GPU\n",
-                c->cmd->name, why, c->cmd->name);
-        return 2;
-    }
+    if (gpus == 0) return no_gpu(c, why);
     int ranks = c->cmd->bit == CMD_GEMM ? 1 : flags_world(c, from, sizeof(from));
     if (ranks > gpus) {
-        fprintf(stderr, "comet %s: %s: %d ranks, but %d GPU%s visible\n", c->cmd->name, from, ranks, gpus,
+        fprintf(stderr, "comet %s: %s: %d ranks, but %d Hopper GPU%s visible\n", c->cmd->name, from, ranks, gpus,
                 gpus > 1 ? "s are" : " is");
-        return 2;
+        return TOOL_EXIT_NO_GPU;
     }
     if (ranks == 0) {
         ranks = gpus;
         snprintf(from, sizeof(from), "%d visible GPU%s", gpus, gpus > 1 ? "s" : "");
     }
-    if ((c->cmd->bit & BT) && check_cases(c, ranks, from)) return 2;
+    if ((c->cmd->bit & BT) && check_cases(c, ranks, from)) return TOOL_EXIT_USAGE;
     char report[600];
     const int rc = cometi_launch_local(ranks, rank_body(c), &c->o, 0, report, sizeof(report));
     if (rc) fprintf(stderr, "comet %s: %s\n", c->cmd->name, report);
@@ -752,12 +797,13 @@ static int launch_local(cli_t *c)
 
 int main(int argc, char **argv)
 {
-    /* Never NVLink multicast: it can take a shared host's GPUs out of service. */
+    /* Never NVLink multicast unless the user asks for it: comet does not use it, and it can
+     * take a shared host's GPUs out of service (`comet help` says so). */
     setenv("NCCL_NVLS_ENABLE", "0", 0);
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc < 2) {
         usage_all(stderr);
-        return 2;
+        return TOOL_EXIT_USAGE;
     }
     if (!strcmp(argv[1], "help") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))
         return help_command(argc, argv);
@@ -766,7 +812,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "comet: unknown command \"%s\"; the commands:", argv[1]);
         for (int i = 0; i < NCOMMANDS; i++) fprintf(stderr, " %s", commands[i].name);
         fprintf(stderr, " (comet help describes them)\n");
-        return 2;
+        return TOOL_EXIT_USAGE;
     }
     cli_t c;
     set_defaults(&c, cmd);
@@ -775,23 +821,23 @@ int main(int argc, char **argv)
         usage_command(stdout, cmd);
         return 0;
     }
-    if (parsed != PARSED) return 2;
+    if (parsed != PARSED) return TOOL_EXIT_USAGE;
     if (cmd->bit == CMD_VERSION) {
         printf("comet %s\n", comet_version_string());
         return 0;
     }
     if (cmd->bit == CMD_PRESETS) return print_presets();
-    if (check_combinations(&c)) return 2;
+    if (check_combinations(&c)) return TOOL_EXIT_USAGE;
     choose_defaults(&c);
     if (check_cases_early(&c) || check_writable(&c, "--out", c.o.tune_out, 1) ||
         check_writable(&c, "--json", c.o.json, 0))
-        return 2;
+        return TOOL_EXIT_USAGE;
     /* The library's environment variables, checked by the library's own table (params.h)
      * as comet_comm_create will check them, but now, before any GPU or NCCL is touched. */
     char env_err[COMETI_ERR_LEN];
     if (cometi_params_load(env_err) != COMET_SUCCESS) {
         fprintf(stderr, "comet %s: %s\n", cmd->name, env_err);
-        return 2;
+        return TOOL_EXIT_USAGE;
     }
     return c.id_file ? launch_external(&c) : launch_local(&c);
 }
