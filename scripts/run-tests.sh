@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # run-tests.sh - what `make test` runs: the C tests (build/comet_tests), the tool's
-# command-line checks (tests/test_cli.sh), then the Python package's CPU tests
-# (python/tests/run_cpu.py; tests that need torch or GPUs print SKIP), and one closing line
-# with the sums of all three: "N passed, N failed, N skipped". Each runner's own closing
-# line is shown as "[c] ...", "[cli] ..." and "[python] ...". Exit status 1 when anything
+# command-line checks (tests/test_cli.sh), the build's choices (tests/test_build.sh: which
+# NCCL, what `make` builds), then the Python package's CPU tests (python/tests/run_cpu.py;
+# tests that need torch or GPUs print SKIP), and one closing line with the sums of all
+# four: "N passed, N failed, N skipped". Each runner's own closing line is shown as
+# "[c] ...", "[cli] ...", "[build] ..." and "[python] ...". Exit status 1 when anything
 # failed, or a runner ended without its closing line.
 # Usage: scripts/run-tests.sh [ARGS...]   (ARGS go to the C runner: -v, name substrings)
 set -uo pipefail
@@ -31,6 +32,7 @@ run() { # run LABEL COMMAND...: run it, show its output, add its closing line to
 
 run c build/comet_tests "$@"
 run cli tests/test_cli.sh build/comet
+run build tests/test_build.sh
 if command -v "$python" >/dev/null 2>&1; then
     run python "$python" python/tests/run_cpu.py
 else
