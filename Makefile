@@ -1,5 +1,6 @@
 # comet - build libcomet (static and shared), the `comet` tool and the tests.
-#   make            build everything into build/
+#   make            build everything into build/: the libraries, the tool, the tests and
+#                   build/handle_memory
 #   make test       build the tool and the tests, run the C and Python tests (GPU and torch
 #                   tests skip visibly)
 #   make bench      build and run `comet bench` on every visible GPU
@@ -47,7 +48,7 @@ TEST_OBJ    := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tests/*.c))
 HEADERS     := $(wildcard include/*.h src/*.h src/*/*.h src/kernels/*.cuh harness/*.h tests/*.h tools/*.h)
 STATIC      := $(BUILD)/libcomet_harness.a $(BUILD)/libcomet.a
 
-all: $(BUILD)/libcomet.a $(BUILD)/libcomet.so $(BUILD)/comet $(BUILD)/comet_tests
+all: $(BUILD)/libcomet.a $(BUILD)/libcomet.so $(BUILD)/comet $(BUILD)/comet_tests $(BUILD)/handle_memory
 
 $(BUILD)/%.o: %.c $(HEADERS) $(BUILD)/nccl.mk
 	@mkdir -p $(dir $@)

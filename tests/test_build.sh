@@ -3,9 +3,9 @@
 # NCCL scripts/find-nccl.sh picks, with a fake CUDA toolkit, a fake nvidia-nccl package and
 # a stub `torch` module on PYTHONPATH standing in for the real ones (an explicit NCCL_HOME
 # wins, or fails naming itself; PyTorch's NCCL release is matched; the rest in the
-# documented order); and how make finds it. One line per check, "PASS name"
-# or "FAIL name: why" (or "SKIP name: why"), then "N passed, N failed, N skipped"; exit 1
-# when any failed.
+# documented order); how make finds it, and what `make` builds by default. One line per
+# check, "PASS name" or "FAIL name: why" (or "SKIP name: why"), then "N passed, N failed,
+# N skipped"; exit 1 when any failed.
 # Usage: tests/test_build.sh   (from anywhere; it runs in the repository's root)
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -122,15 +122,20 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------
-# make: NCCL_HOME pointing at nothing stops make, naming it; another NCCL_HOME looks again
-# by itself; make clean needs no NCCL.
-# Dry runs (-n) into a build directory of their own; make still finds NCCL for real then.
+# make: the default target builds build/handle_memory too (README cites it); NCCL_HOME
+# pointing at nothing stops make, naming it; another NCCL_HOME looks again by itself; make
+# clean needs no NCCL. Dry runs (-n) into a build directory of their own; make still finds NCCL for real then.
 
 if ! command -v make >/dev/null 2>&1; then
-    for n in make-nccl-home-missing make-nccl-home-looks-again make-clean-needs-no-nccl; do
+    for n in make-default-target make-nccl-home-missing make-nccl-home-looks-again make-clean-needs-no-nccl; do
         skip "$n" "make is not installed"
     done
 else
+    make -n BUILD="$tmp/b" >"$tmp/make.out" 2>&1
+    rc=$?
+    if [ "$rc" -ne 0 ]; then skip make-default-target "make -n failed here (no NCCL found?): $(tail -n 3 "$tmp/make.out")"
+    elif grep -q -- "-o $tmp/b/handle_memory " "$tmp/make.out"; then pass make-default-target
+    else fail make-default-target "make (all) would not build $tmp/b/handle_memory"; fi
     make -n BUILD="$tmp/b" NCCL_HOME="$tmp/none" >"$tmp/make.out" 2>&1
     rc=$?
     if [ "$rc" -ne 0 ] && grep -q "NCCL_HOME=$tmp/none: no such directory" "$tmp/make.out"; then pass make-nccl-home-missing
