@@ -49,10 +49,11 @@ typedef struct cometi_knobs {
     cometi_combine_knobs_t l1;
 } cometi_knobs_t;
 
-/* Rates measured on H200 (2026-11-29): our grouped GEMM at 650-790 TFLOP/s on the presets;
- * dispatch blocks copy about 8 GB/s per SM beside the GEMM (the fewest blocks that kept
- * layer0 within noise of its best); the combine on every SM after GEMM1 reads its output
- * at about 0.7 TB/s (134 MB in 188-290 us). */
+/* Rates measured by `comet bench`'s sweeps on 2 x H200 (EP 2, the presets at 8192 tokens
+ * per GPU): our grouped GEMM at 650-790 TFLOP/s; dispatch blocks copy about 8 GB/s per SM
+ * beside the GEMM (the fewest blocks that kept layer0 within noise of its best); the
+ * combine on every SM after GEMM1 reads its output at about 0.7 TB/s (134 MB in 188-290
+ * us). */
 #define COMETI_MODEL_GEMM_FLOPS 700e12
 #define COMETI_MODEL_DISPATCH_BYTES_PER_SM 8e9
 #define COMETI_MODEL_TAIL_BYTES 0.7e12
@@ -63,10 +64,10 @@ typedef struct cometi_knobs {
  * other parts were stored from registers at 0.07 (mixtral-8x7b: 1.6% on the whole layer,
  * timed in turns). The threshold keeps the tail for shapes with even less to send. */
 #define COMETI_MODEL_PUSH_SHARE 0.05
-/* One GPU alone copies every row into its receive buffer, locally: the world-1 sweeps'
- * best counts (1 x H200, 2026-12-01: 4-8 blocks on mixtral-8x7b, qwen2-57b-a14b and
- * gpt-oss-120b, 6-16 on qwen2-moe-2.7b, where 4 lost 20%) fit a local copy at twice the
- * per-SM rate of a copy to a peer. */
+/* One GPU alone copies every row into its receive buffer, locally: the best counts of
+ * `comet bench --ranks 1`'s sweeps on one H200 at 8192 tokens (4-8 blocks on mixtral-8x7b,
+ * qwen2-57b-a14b and gpt-oss-120b, 6-16 on qwen2-moe-2.7b, where 4 lost 20%) fit a local
+ * copy at twice the per-SM rate of a copy to a peer. */
 #define COMETI_MODEL_LOCAL_COPY_SPEEDUP 2.0
 /* The dispatch block counts the model picks from: even, in the range the sweeps measured. */
 #define COMETI_MODEL_MIN_DISPATCH 4

@@ -141,9 +141,10 @@ int test_cost_model_knobs(void)
                 CHECK_EQ(check_model_definition(&cfg, world, 132, &k), 0);
                 CHECK_EQ(check_operator_limits(&cfg, world, 132, &k), 0);
             }
-    /* Regression guards only, each the sweeps' best or within noise of it at 8192 tokens
-     * (2 x H200, 2026-11-29; 1 x H200, 2026-12-01): a change here means the model
-     * changed; measure again. One GPU picks what two do (the local copy at twice the rate). */
+    /* Regression guards only, each the best of `comet bench`'s sweeps, or within noise of
+     * it, at 8192 tokens per GPU (on 2 x H200 at EP 2, and on one H200 with --ranks 1): a
+     * change here means the model changed; measure again. One GPU picks what two do (the
+     * local copy at twice the rate). */
     static const struct { const char *preset; int world, blocks; } guard[] = {
         {"qwen2-moe-2.7b", 2, 16}, {"qwen2-moe-2.7b", 1, 16}, {"mixtral-8x7b", 1, 4}, {"gpt-oss-120b", 1, 8}};
     comet_moe_config_t q;
