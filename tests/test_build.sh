@@ -3,9 +3,9 @@
 # NCCL scripts/find-nccl.sh picks, with a fake CUDA toolkit, a fake nvidia-nccl package and
 # a stub `torch` module on PYTHONPATH standing in for the real ones (an explicit NCCL_HOME
 # wins, or fails naming itself; PyTorch's NCCL release is matched; the rest in the
-# documented order); how make finds it, and what `make` builds by default. One line per
-# check, "PASS name" or "FAIL name: why" (or "SKIP name: why"), then "N passed, N failed,
-# N skipped"; exit 1 when any failed.
+# documented order); how make finds it, and what `make` builds by default; and that the
+# sources' comments carry no dates. One line per check, "PASS name" or "FAIL name: why"
+# (or "SKIP name: why"), then "N passed, N failed, N skipped"; exit 1 when any failed.
 # Usage: tests/test_build.sh   (from anywhere; it runs in the repository's root)
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -148,5 +148,14 @@ else
     if [ "$rc" -eq 0 ] && [ ! -e "$tmp/b" ]; then pass make-clean-needs-no-nccl
     else fail make-clean-needs-no-nccl "exit code $rc: $(tail -n 3 "$tmp/make.out")"; fi
 fi
+
+# ---------------------------------------------------------------------------------------
+# The sources' comments say how a figure was measured, not when: no dates in the C, CUDA
+# and shell files (dates belong with the measurements, in docs/).
+
+dated=$(grep -rnE '20[0-9][0-9]-[01][0-9]' src tests tools harness scripts include bench Makefile --include='*.c' \
+    --include='*.h' --include='*.cu' --include='*.cuh' --include='*.sh' --include=Makefile)
+if [ -z "$dated" ]; then pass sources-carry-no-dates
+else fail sources-carry-no-dates "dates in: $(cut -c1-200 <<<"$dated" | tr '\n' ' ')"; fi
 
 finish
