@@ -9,16 +9,7 @@
 # Usage: tests/test_build.sh   (from anywhere; it runs in the repository's root)
 set -u
 cd "$(dirname "$0")/.." || exit 1
-passed=0 failed=0 skipped=0
-
-pass() { echo "PASS $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
-skip() { echo "SKIP $1: $2"; skipped=$((skipped + 1)); }
-finish() {
-    echo "$passed passed, $failed failed, $skipped skipped"
-    [ "$failed" -eq 0 ]
-    exit $?
-}
+. tests/check.sh
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

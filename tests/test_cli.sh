@@ -11,16 +11,7 @@
 # Usage: tests/test_cli.sh [PATH/TO/comet]   (default build/comet)
 set -u
 comet=${1:-build/comet}
-passed=0 failed=0 skipped=0
-
-pass() { echo "PASS $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
-skip() { echo "SKIP $1: $2"; skipped=$((skipped + 1)); }
-finish() {
-    echo "$passed passed, $failed failed, $skipped skipped"
-    [ "$failed" -eq 0 ]
-    exit $?
-}
+. "$(dirname "$0")/check.sh"
 
 if [ ! -x "$comet" ]; then
     fail setup "$comet is not an executable file (give the comet binary's path)"
