@@ -12,18 +12,17 @@
  * Every flag is one row of flags[]: its name, its value's name, the commands that take
  * it, its parser and its help line. The usage texts, the parsing and the refusals all
  * come from that table, so a command's --help lists exactly what it accepts; a flag given
- * twice is refused, not overwritten. Whatever
- * can be checked before a process forks is checked here: each value, each flag's fit
- * with the command, each case's config (by the library's own comet_moe_config_validate),
- * the files the run will write and the library's environment variables (by its own table,
- * src/params.h); a run that cannot succeed stops with exit 2 before it touches a GPU or
- * NCCL.
+ * twice is refused, not overwritten. Whatever can be checked before a process forks is
+ * checked here: each value, each flag's fit with the command, each case's config (by the
+ * library's own comet_moe_config_validate), the files the run will write and the
+ * library's environment variables (by its own table, src/params.h); a run that cannot
+ * succeed stops with exit 2 before it touches a GPU or NCCL.
  *
  * Exit codes (tool.h; `comet help` lists them too): 0 success; 1 the run failed (a rank, or
  * a check marked !); 2 usage: a flag, a value or a COMET_* variable refused before the run;
  * 3 no usable GPU or NCCL: no driver, no Hopper GPU visible, fewer than the ranks need, or
- * an NCCL comet cannot use. NCCL_NVLS_ENABLE is set to 0 unless the user set it: comet does
- * not use NVLink multicast, and it can take a shared host's GPUs out of service.
+ * an NCCL comet cannot use. NCCL_NVLS_ENABLE is set to 0 unless the user set it: NVLink
+ * multicast is not used by comet and can take a shared host's GPUs out of service.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -797,7 +796,7 @@ static int launch_local(cli_t *c)
 
 int main(int argc, char **argv)
 {
-    /* Never NVLink multicast unless the user asks for it: comet does not use it, and it can
+    /* No NVLink multicast unless the user asks for it: comet does not use it, and it can
      * take a shared host's GPUs out of service (`comet help` says so). */
     setenv("NCCL_NVLS_ENABLE", "0", 0);
     setvbuf(stdout, NULL, _IOLBF, 0);
