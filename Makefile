@@ -1,10 +1,14 @@
 # comet - build libcomet (static and shared), the `comet` tool and the tests.
-#   make            build everything into build/
+#   make            build everything into build/: the libraries, the tool, the tests and
+#                   build/handle_memory
 #   make test       build the tool and the tests, run the C and Python tests (GPU and torch
 #                   tests skip visibly)
 #   make bench      build and run `comet bench` on every visible GPU
 #   make PTXAS_V=1  print the kernels' register, shared memory and spill report
-# NCCL >= 2.28 is found by scripts/find-nccl.sh ($NCCL_HOME, CUDA, system, Python package).
+# NCCL >= 2.28 is found by scripts/find-nccl.sh, in this order: $NCCL_HOME when set (that
+# one, or an error naming it); else, where PyTorch is installed, the NCCL release PyTorch
+# loads (its nvidia-nccl package first), so the Python package runs beside it; else the
+# CUDA toolkit, the system paths, an installed nvidia-nccl-cu13 / -cu12 package.
 #
 # libcomet.so exports the comet_* names of include/comet.h alone (hidden visibility, the
 # COMET_API macro). The harness (harness/: launcher, float64 reference, synthetic data,
@@ -16,11 +20,17 @@ CC        ?= gcc
 BUILD     := build
 .DEFAULT_GOAL := all
 
-# Where NCCL lives, found once per build directory (make clean to look again).
-$(BUILD)/nccl.mk: scripts/find-nccl.sh
+# Where NCCL lives, found once per build directory (make clean to look again; another
+# NCCL_HOME than the one it was found with looks again by itself). make clean needs none.
+ifneq ($(MAKECMDGOALS),clean)
+include $(BUILD)/nccl.mk
+endif
+ifneq ($(NCCL_FOUND_WITH),$(NCCL_HOME))
+NCCL_LOOK_AGAIN := FORCE
+endif
+$(BUILD)/nccl.mk: scripts/find-nccl.sh $(NCCL_LOOK_AGAIN)
 	@mkdir -p $(BUILD)
 	@scripts/find-nccl.sh > $@.tmp && mv $@.tmp $@ || { rm -f $@.tmp; exit 1; }
-include $(BUILD)/nccl.mk
 
 ARCH      := -gencode=arch=compute_90a,code=sm_90a
 INCLUDES  := -Iinclude -Isrc -I$(NCCL_INC) -I$(CUDA_HOME)/include
@@ -38,7 +48,7 @@ TEST_OBJ    := $(patsubst %.c,$(BUILD)/%.o,$(wildcard tests/*.c))
 HEADERS     := $(wildcard include/*.h src/*/*.h src/*/*.cuh harness/*.h tests/*.h tools/*.h)
 STATIC      := $(BUILD)/libcomet_harness.a $(BUILD)/libcomet.a
 
-all: $(BUILD)/libcomet.a $(BUILD)/libcomet.so $(BUILD)/comet $(BUILD)/comet_tests
+all: $(BUILD)/libcomet.a $(BUILD)/libcomet.so $(BUILD)/comet $(BUILD)/comet_tests $(BUILD)/handle_memory
 
 $(BUILD)/%.o: %.c $(HEADERS) $(BUILD)/nccl.mk
 	@mkdir -p $(dir $@)
@@ -78,4 +88,6 @@ bench: $(BUILD)/comet
 clean:
 	rm -rf $(BUILD)
 
-.PHONY: all test bench clean
+FORCE:
+
+.PHONY: all test bench clean FORCE

@@ -75,6 +75,37 @@ int cometi_write_full(int fd, const void *buf, size_t n)
     return 0;
 }
 
+int cometi_no_gpu(int err, char *why, size_t len)
+{
+    const cudaError_t e = (cudaError_t)err;
+    const char *visible = getenv("CUDA_VISIBLE_DEVICES");
+    int driver = 0, runtime = 0;
+    switch (e) {
+    case cudaErrorNoDevice:
+        snprintf(why, len, "no GPU found: no CUDA device is visible%s%s%s", visible ? " (CUDA_VISIBLE_DEVICES=\"" : "",
+                 visible ? visible : "", visible ? "\")" : "");
+        return 1;
+    case cudaErrorInsufficientDriver:
+        /* The runtime says this for no driver at all as for an old one; the driver's
+         * version (0 where none is installed) tells them apart. */
+        cudaDriverGetVersion(&driver);
+        cudaRuntimeGetVersion(&runtime);
+        if (driver == 0) snprintf(why, len, "no GPU found: no NVIDIA driver is installed");
+        else snprintf(why, len, "no usable GPU: the NVIDIA driver supports CUDA %d.%d, older than the CUDA %d.%d "
+                      "runtime comet is built with; update the driver", driver / 1000, driver % 1000 / 10,
+                      runtime / 1000, runtime % 1000 / 10);
+        return 1;
+    case cudaErrorDevicesUnavailable:
+    case cudaErrorSystemDriverMismatch:
+    case cudaErrorSystemNotReady:
+    case cudaErrorCompatNotSupportedOnDevice:
+        snprintf(why, len, "no usable GPU: %s", cudaGetErrorString(e));
+        return 1;
+    default:
+        return 0;
+    }
+}
+
 int cometi_probe_gpus(char *why, size_t why_len)
 {
     int fds[2];
@@ -95,15 +126,16 @@ int cometi_probe_gpus(char *why, size_t why_len)
         char msg[200] = "";
         cudaError_t e = cudaGetDeviceCount(&all);
         if (e != cudaSuccess) {
-            snprintf(msg, sizeof(msg), "cudaGetDeviceCount: %s", cudaGetErrorString(e));
+            if (!cometi_no_gpu(e, msg, sizeof(msg)))
+                snprintf(msg, sizeof(msg), "no usable GPU: cudaGetDeviceCount: %s", cudaGetErrorString(e));
             all = 0;
         }
         for (int d = 0; d < all; d++) {
             int major = 0;
             if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d) == cudaSuccess && major == 9) n++;
         }
-        if (all > n) snprintf(msg, sizeof(msg), "%d CUDA device%s visible, %d of them Hopper (sm_90)", all,
-                              all > 1 ? "s" : "", n);
+        if (all > n) snprintf(msg, sizeof(msg), "%s%d CUDA device%s visible, %d of them Hopper (sm_90)",
+                              n ? "" : "no usable GPU: ", all, all > 1 ? "s" : "", n);
         cometi_write_full(fds[1], &n, sizeof(n));
         cometi_write_full(fds[1], msg, sizeof(msg));
         _exit(0);
@@ -115,7 +147,7 @@ int cometi_probe_gpus(char *why, size_t why_len)
     if (read_full(fds[0], msg, sizeof(msg)) != 0) snprintf(msg, sizeof(msg), "the GPU probe process crashed");
     close(fds[0]);
     waitpid(pid, NULL, 0);
-    if (why && why_len) snprintf(why, why_len, "%s", msg[0] ? msg : n ? "" : "no CUDA device is visible");
+    if (why && why_len) snprintf(why, why_len, "%s", msg[0] ? msg : n ? "" : "no GPU found: no CUDA device is visible");
     return n;
 }
 
@@ -266,12 +298,13 @@ int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeou
     int rc = 0;
     if (first_fail >= 0 && first_fail < started) {
         char how[96], reason[REASON_LEN + 1] = "";
-        describe_exit(procs[first_fail].status, how, sizeof(how));
+        const int status = procs[first_fail].status;
+        describe_exit(status, how, sizeof(how));
         ssize_t got = read(procs[first_fail].reason_rd, reason, REASON_LEN);
         reason[got > 0 ? got : 0] = '\0';
         snprintf(report, report_len, "rank %d of %d failed (%s)%s%s; the other ranks were stopped", first_fail,
                  nranks, how, reason[0] ? ": " : "", reason);
-        rc = 1;
+        rc = WIFEXITED(status) ? WEXITSTATUS(status) : 1; /* the rank's own code says what failed */
     } else if (first_fail >= 0) {
         rc = 1;
     } else if (timed_out) {

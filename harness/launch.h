@@ -25,15 +25,24 @@ typedef int (*cometi_rank_main_t)(const cometi_rank_ctx_t *ctx, void *arg);
 
 /* Visible Hopper (sm_90) devices, counted in a short-lived child so this process stays free of
  * CUDA (a CUDA context does not survive fork). 0 when there is no driver or device;
- * `why` (if not NULL) then says what the probe saw. */
+ * `why` (if not NULL) then says what the probe saw, from cometi_no_gpu where it applies. */
 int cometi_probe_gpus(char *why, size_t why_len);
+
+/* Whether the CUDA error `err` (a cudaError_t) means this process has no GPU it can use: no
+ * driver, no device visible, a driver older than the runtime, devices unavailable. 1 with a
+ * sentence in `why` that says which ("no GPU found: no NVIDIA driver is installed", rather
+ * than the runtime's "CUDA driver version is insufficient" for a machine without a driver),
+ * else 0. */
+int cometi_no_gpu(int err, char *why, size_t len);
 
 /*
  * Fork `nranks` ranks and run `fn` in each. Rank 0 makes the NCCL unique id and the
  * parent passes it to the others, so the parent never touches CUDA or NCCL. When a
  * rank fails (non-zero exit or a signal) or `timeout_s` (> 0) passes, the others are
  * stopped: nobody hangs. Returns 0 when every rank exited 0; else non-zero, with a
- * sentence in `report` naming the first failed rank and why.
+ * sentence in `report` naming the first failed rank and why: that rank's exit code where
+ * it exited with one, else 1 (a signal, the timeout, a rank that could not start) or 2
+ * (`nranks` out of range, no pipe).
  */
 int cometi_launch_local(int nranks, cometi_rank_main_t fn, void *arg, int timeout_s, char *report,
                         size_t report_len);

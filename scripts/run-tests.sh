@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # run-tests.sh - what `make test` runs: the tree's layout rules (scripts/check-tree.py), the
-# C tests (build/comet_tests), the tool's command-line checks (tests/test_cli.sh), then the
-# Python package's CPU tests (python/tests: `pytest python/tests` where pytest is installed,
-# else python/tests/run_cpu.py, which runs the same test functions; tests that need torch
-# or GPUs skip, saying why), and one closing line with the sums of all four: "N passed,
+# C tests (build/comet_tests), the tool's command-line checks (tests/test_cli.sh), the
+# build's choices (tests/test_build.sh: which NCCL, what `make` builds), then the Python
+# package's CPU tests (python/tests: `pytest python/tests` where pytest is installed, else
+# python/tests/run_cpu.py, which runs the same test functions; tests that need torch or
+# GPUs skip, saying why), and one closing line with the sums of all five: "N passed,
 # N failed, N skipped". Each runner's own closing line is shown as "[tree] ...", "[c] ...",
-# "[cli] ..." and "[python] ..." (pytest's summary translated into that form, its errors
-# counted as failures). Exit status 1 when anything failed, or a runner ended without its
-# closing line.
+# "[cli] ...", "[build] ..." and "[python] ..." (pytest's summary translated into that
+# form, its errors counted as failures). Exit status 1 when anything failed, or a runner
+# ended without its closing line.
 # Usage: scripts/run-tests.sh [ARGS...]   (ARGS go to the C runner: -v, name substrings)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +61,7 @@ if command -v "$python" >/dev/null 2>&1; then
 fi
 run c build/comet_tests "$@"
 run cli tests/test_cli.sh build/comet
+run build tests/test_build.sh
 if command -v "$python" >/dev/null 2>&1; then
     run python python_tests
 else

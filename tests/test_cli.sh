@@ -4,22 +4,14 @@
 # a command does not take is refused (exit 2) by name; values are parsed strictly; bad
 # shapes and layouts are refused with the flag's name before anything forks or touches a
 # GPU or NCCL (with strace, when it works here, that is checked at the system calls);
-# comet tune --out is checked before the run. One line per check, "PASS name" or
+# comet tune --out and the library's environment variables are checked before the run; a
+# machine without a GPU gets exit code 3 and says so, under an external launcher too. One line per check, "PASS name" or
 # "FAIL name: why" (or "SKIP name: why"), then "N passed, N failed, N skipped"; exit 1
 # when any failed.
 # Usage: tests/test_cli.sh [PATH/TO/comet]   (default build/comet)
 set -u
 comet=${1:-build/comet}
-passed=0 failed=0 skipped=0
-
-pass() { echo "PASS $1"; passed=$((passed + 1)); }
-fail() { echo "FAIL $1: $2"; failed=$((failed + 1)); }
-skip() { echo "SKIP $1: $2"; skipped=$((skipped + 1)); }
-finish() {
-    echo "$passed passed, $failed failed, $skipped skipped"
-    [ "$failed" -eq 0 ]
-    exit $?
-}
+. "$(dirname "$0")/check.sh"
 
 if [ ! -x "$comet" ]; then
     fail setup "$comet is not an executable file (give the comet binary's path)"
@@ -31,6 +23,8 @@ trap 'rm -rf "$tmp"' EXIT
 # failed to stop a run ends at the GPU probe's message instead of running a benchmark.
 export CUDA_VISIBLE_DEVICES=
 unset RANK WORLD_SIZE LOCAL_RANK
+# The library's own variables are set by the checks that test them, and only there.
+unset COMET_TIMEOUT_MS COMET_PDL COMET_FIRST_WAVE COMET_TUNING_FILE
 
 # run ARGS...: comet ARGS with a time limit; sets rc, out (its stdout) and err (its stderr).
 run() {
@@ -60,13 +54,15 @@ refused() {
 }
 
 # reaches_gpu NAME ARGS...: every check of comet ARGS passes; it stops only at the GPU
-# probe (no GPU is visible here).
+# probe (no GPU is visible here), with the exit code of "no usable GPU or NCCL" (3) and a
+# sentence that says no GPU was found, not a CUDA call's error string.
 reaches_gpu() {
     local name=$1
     shift
     run "$@"
-    if [ "$rc" -eq 2 ] && [[ $err == *"no CUDA GPU is visible"* ]]; then pass "$name"
-    else fail "$name" "exit code $rc, expected 2 at the GPU probe (stderr: $err)"; fi
+    if [ "$rc" -eq 3 ] && [[ $err == *"no GPU found: "*"needs at least one Hopper GPU"* ]] &&
+        [[ $err != *insufficient* ]] && [ "$(wc -l <"$tmp/err")" -eq 1 ]; then pass "$name"
+    else fail "$name" "exit code $rc, expected 3 and one line saying no GPU was found (stderr: $err)"; fi
 }
 
 # ---------------------------------------------------------------------------------------
@@ -106,6 +102,22 @@ for f in $all_flags $commands; do [[ $out == *"$f"* ]] || missing="$missing $f";
 if [ "$rc" -eq 0 ] && [ -z "$missing" ]; then pass "help-everything"
 else fail "help-everything" "exit code $rc, missing:$missing"; fi
 help_all=$out
+# The environment comet reads and sets, and the exit codes, in `comet help` and in the
+# --help of each command that runs.
+notes=("exit status:" "  2 " "usage" "  3 " "no usable GPU or NCCL" "NCCL_NVLS_ENABLE" "set to 0 unless already set"
+       "NVLink multicast is not used by comet" "COMET_TIMEOUT_MS" "COMET_TUNING_FILE")
+help_notes() { # help_notes NAME: $out holds every one of notes
+    local want
+    for want in "${notes[@]}"; do
+        if [[ $out != *"$want"* ]]; then fail "$1" "lacks '$want'"; return; fi
+    done
+    pass "$1"
+}
+help_notes "help-notes"
+for cmd in bench tune bandwidth gemm; do
+    run "$cmd" --help
+    help_notes "help-notes-$cmd"
+done
 for h in --help -h; do
     run "$h"
     if [ "$rc" -eq 0 ] && [ "$out" == "$help_all" ]; then pass "help-everything$h"
@@ -122,6 +134,11 @@ if [ "$rc" -eq 2 ] && [[ $err == usage:* ]]; then pass "no-command"; else fail "
 refused "unknown-command" 'unknown command;"nope"' nope
 run version
 if [ "$rc" -eq 0 ] && [[ $out == "comet "* ]]; then pass "version"; else fail "version" "exit code $rc: $out$err"; fi
+version_out=$out
+run --version
+if [ "$rc" -eq 0 ] && [ "$out" == "$version_out" ] && [ -z "$err" ]; then pass "version--version"
+else fail "version--version" "exit code $rc, expected 0 and comet version's line ($version_out): $out$err"; fi
+refused "version--version-argument" 'comet version;"x"' --version x
 run presets
 if [ "$rc" -eq 0 ] && [[ $out == *mixtral-8x7b* ]]; then pass "presets"
 else fail "presets" "exit code $rc: $out$err"; fi
@@ -180,6 +197,22 @@ refused "unused-bandwidth--preset" 'comet bandwidth;--preset' bandwidth --preset
 refused "unused-bench-argument" 'comet bench;"mixtral-8x7b"' bench mixtral-8x7b
 refused "unknown-flag" 'comet bench;--foo' bench --foo
 refused "unknown-short-flag" 'comet bench;-x' bench -x
+
+# ---------------------------------------------------------------------------------------
+# A flag given twice is refused by name (the second would silently win), and --skew only
+# goes with skewed routing (or the suite's skewed cases).
+
+refused "twice-preset" '--preset given twice' bench --preset tiny --preset mixtral-8x7b
+refused "twice-tokens" '--tokens given twice' bench --tokens 5 --tokens 6
+refused "twice-tokens-equals" '--tokens given twice' tune --tokens=5 --tokens 5
+refused "twice-switch" '--no-check given twice' bench --no-check --no-check
+refused "twice-gemm-preset" '--preset given twice' gemm --preset all --preset tiny
+refused "twice-mib" '--mib given twice' bandwidth --mib 1 --mib=2
+refused "skew-without-routing" '--skew;the routing is balanced;--routing skewed' bench --skew 4
+refused "skew-with-random" '--skew;the routing is random' bench --skew 4 --routing random
+refused "skew-tune-without-routing" '--skew;--routing skewed' tune --skew 2
+reaches_gpu "skew-with-skewed" bench --preset tiny --routing skewed --skew 4
+reaches_gpu "skew-with-suite" bench --suite --skew 4
 
 # ---------------------------------------------------------------------------------------
 # Strict values: the whole string, finite, in range; the message names the flag, the value
@@ -246,6 +279,19 @@ if [ -e "$tmp/id" ]; then fail "layout-external-no-id-file" "$tmp/id was written
 else pass "layout-external-no-id-file"; fi
 refused "external-and-ranks" '--ranks;--id-file' bench --id-file "$tmp/id" --ranks 3
 unset RANK WORLD_SIZE
+# Under an external launcher the same words and code as the local launcher's, not a rank's
+# raw CUDA call, and no id file left for peers that would wait on it; without RANK and
+# WORLD_SIZE the launcher's refusal (usage) comes first.
+for cmd in bench tune bandwidth; do
+    export RANK=0 WORLD_SIZE=1
+    reaches_gpu "external-no-gpu-$cmd" "$cmd" --id-file "$tmp/id"
+    unset RANK WORLD_SIZE
+    if [[ $err == *cudaSetDevice* ]]; then fail "external-no-gpu-$cmd-words" "a raw CUDA call: $err"
+    else pass "external-no-gpu-$cmd-words"; fi
+done
+if [ -e "$tmp/id" ]; then fail "external-no-gpu-no-id-file" "$tmp/id was written"
+else pass "external-no-gpu-no-id-file"; fi
+refused "external-without-rank" 'RANK and WORLD_SIZE;RANK=unset' bench --id-file "$tmp/id"
 reaches_gpu "layout-valid" bench --preset mixtral-8x7b --ep 2 --tp 2 --tokens 128
 reaches_gpu "layout-valid-tp-alone" bench --preset mixtral-8x7b --tp 2
 
@@ -274,6 +320,64 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------
+# The library's environment variables (src/params.c's table, the tuning file's lines by
+# src/tune.c's parser): a malformed one is refused with its name and value (exit 2) before
+# any GPU check, as comet_comm_create would refuse it on a GPU machine.
+
+env_refused() { # env_refused NAME WANTS VAR=VALUE ARGS...: refused NAME WANTS ARGS with VAR=VALUE set
+    local name=$1 wants=$2 var=${3%%=*} value=${3#*=}
+    shift 3
+    export "$var=$value"
+    refused "$name" "$wants" "$@"
+    unset "$var"
+}
+env_refused "env-timeout-ms" "\$COMET_TIMEOUT_MS = 'abc';1..3600000" COMET_TIMEOUT_MS=abc bench --preset tiny
+env_refused "env-timeout-ms-zero" "\$COMET_TIMEOUT_MS = '0'" COMET_TIMEOUT_MS=0 bandwidth
+env_refused "env-pdl" "\$COMET_PDL = '2';0 (ordinary launches) or 1" COMET_PDL=2 gemm --preset tiny
+env_refused "env-first-wave" "\$COMET_FIRST_WAVE = 'off'" COMET_FIRST_WAVE=off tune --preset tiny --out "$tmp/t.txt"
+env_refused "env-tuning-missing" "\$COMET_TUNING_FILE = '$tmp/none.txt';No such file" \
+    COMET_TUNING_FILE="$tmp/none.txt" bench --preset tiny
+env_refused "env-tuning-directory" "\$COMET_TUNING_FILE = '$tmp';a directory, not a regular file" \
+    COMET_TUNING_FILE="$tmp" bench --preset tiny
+env_refused "env-under-id-file" "\$COMET_PDL = 'yes'" COMET_PDL=yes bench --preset tiny --id-file "$tmp/id"
+printf '# comet tuning file\n2 8 2 4096 14336 8192 : x bulk 0 1 dynamic push\n' >"$tmp/bad-tuning.txt"
+env_refused "env-tuning-malformed-line" \
+    "\$COMET_TUNING_FILE;$tmp/bad-tuning.txt line 2: field 7 (dispatch_blocks) = 'x': must be a whole number" \
+    COMET_TUNING_FILE="$tmp/bad-tuning.txt" bench --preset tiny
+printf '2 8 2 4096 14336 8192 : 8 bulk 0 1 dynamic push tail\n' >"$tmp/bad-tuning.txt"
+env_refused "env-tuning-too-many-fields" "\$COMET_TUNING_FILE;line 1: more than 12 fields" \
+    COMET_TUNING_FILE="$tmp/bad-tuning.txt" bench --preset tiny
+# Unreadable: mode 0, read by a user other than root (root reads any file).
+printf '2 8 2 4096 14336 8192 : 8 bulk 0 1 dynamic push\n' >"$tmp/good-tuning.txt"
+cp "$tmp/good-tuning.txt" "$tmp/unreadable.txt"
+chmod 0 "$tmp/unreadable.txt"
+if [ "$(id -u)" -ne 0 ]; then
+    env_refused "env-tuning-unreadable" "\$COMET_TUNING_FILE = '$tmp/unreadable.txt';Permission denied" \
+        COMET_TUNING_FILE="$tmp/unreadable.txt" bench --preset tiny
+elif setpriv --reuid=65534 --regid=65534 --clear-groups true 2>/dev/null; then
+    chmod 711 "$tmp" # nobody may reach the file, and finds it unreadable
+    export COMET_TUNING_FILE="$tmp/unreadable.txt"
+    timeout 30 setpriv --reuid=65534 --regid=65534 --clear-groups "$comet" bench --preset tiny >"$tmp/out" 2>"$tmp/err"
+    rc=$?
+    unset COMET_TUNING_FILE
+    chmod 700 "$tmp"
+    err=$(cat "$tmp/err")
+    if [ "$rc" -eq 2 ] && [[ $err == *"\$COMET_TUNING_FILE = '$tmp/unreadable.txt': Permission denied"* ]]; then
+        pass "env-tuning-unreadable"
+    else fail "env-tuning-unreadable" "exit code $rc, expected 2 naming the file and 'Permission denied': $err"; fi
+else
+    skip "env-tuning-unreadable" "running as root, and setpriv cannot run comet as another user here"
+fi
+# Good values pass: the run goes on to the GPU probe. Commands that touch no GPU do not read them.
+export COMET_TIMEOUT_MS=7000 COMET_PDL=0 COMET_FIRST_WAVE=1 COMET_TUNING_FILE="$tmp/good-tuning.txt"
+reaches_gpu "env-good-values" bench --preset tiny
+unset COMET_TIMEOUT_MS COMET_PDL COMET_FIRST_WAVE COMET_TUNING_FILE
+export COMET_PDL=2
+run presets
+unset COMET_PDL
+if [ "$rc" -eq 0 ]; then pass "env-not-read-by-presets"; else fail "env-not-read-by-presets" "exit code $rc: $err"; fi
+
+# ---------------------------------------------------------------------------------------
 # comet tune --out (and --json): checked before the run, and no file left behind by it.
 
 refused "tune-out-no-directory" "--out $tmp/none/t.txt;cannot be written" tune --out "$tmp/none/t.txt"
@@ -286,5 +390,18 @@ echo "keep me" >"$tmp/kept.txt"
 reaches_gpu "tune-out-existing" tune --preset tiny --out="$tmp/kept.txt"
 if [ "$(cat "$tmp/kept.txt")" == "keep me" ]; then pass "tune-out-existing-kept"
 else fail "tune-out-existing-kept" "the existing tuning file was changed"; fi
+
+# ---------------------------------------------------------------------------------------
+# comet bench's whole-layer figures: one per setting, each call timed whole, the sweeps'
+# best in turns with the cost model's and the baseline (not a second, back-to-back figure
+# for the same settings beside the baseline's row). Seen only on a GPU, so checked here in
+# the tool's text: the old label is gone and the in-turns line names the baseline.
+
+if grep -q -a "best knobs of the sweeps" "$comet"; then
+    fail "bench-one-whole-figure-per-setting" "$comet still prints a back-to-back 'best knobs of the sweeps' figure"
+elif ! grep -q -a "the whole layer in turns, each call timed whole" "$comet" ||
+    ! grep -q -a "x the baseline's %.3f ms), the cost model's" "$comet"; then
+    fail "bench-one-whole-figure-per-setting" "$comet lacks the in-turns line with the baseline"
+else pass "bench-one-whole-figure-per-setting"; fi
 
 finish

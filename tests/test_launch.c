@@ -22,6 +22,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cuda_runtime_api.h>
+
 #include "comet.h"
 #include "../harness/launch.h"
 #include "testutil.h"
@@ -87,7 +89,7 @@ int test_launch_failed_rank_stops_others(void)
     int rc = cometi_launch_local(4, rank1_fails, NULL, 0, report, sizeof(report));
     double took = mono_s() - t0;
     printf("report: %s (%.2f s)\n", report, took);
-    CHECK(rc != 0);
+    CHECK_EQ(rc, 3); /* the failed rank's own exit code: the tool's codes say what failed */
     CHECK_CONTAINS(report, "rank 1 of 4 failed (exit code 3): boom: the test made rank 1 fail");
     CHECK(took < 10);
     return 0;
@@ -106,7 +108,7 @@ int test_launch_crashed_rank_is_reported(void)
     char report[512];
     int rc = cometi_launch_local(3, rank2_crashes, NULL, 0, report, sizeof(report));
     printf("report: %s\n", report);
-    CHECK(rc != 0);
+    CHECK_EQ(rc, 1);
     CHECK_CONTAINS(report, "rank 2 of 3 failed (killed by signal 11");
     return 0;
 }
@@ -123,9 +125,39 @@ int test_launch_timeout_stops_ranks(void)
     char report[512];
     double t0 = mono_s();
     int rc = cometi_launch_local(2, sleeps, NULL, 1, report, sizeof(report));
-    CHECK(rc != 0);
+    CHECK_EQ(rc, 1);
     CHECK_CONTAINS(report, "did not finish within 1 s");
     CHECK(mono_s() - t0 < 10);
+    return 0;
+}
+
+/* No usable GPU, in words a user reads: "no GPU found" for no device and for no driver at
+ * all (where the runtime itself says "CUDA driver version is insufficient"), the other
+ * errors left to their callers; the probe says the same with no device visible. */
+int test_launch_no_gpu_words(void)
+{
+    char why[300];
+    unsetenv("CUDA_VISIBLE_DEVICES");
+    CHECK_EQ(cometi_no_gpu(cudaErrorNoDevice, why, sizeof(why)), 1);
+    CHECK(strcmp(why, "no GPU found: no CUDA device is visible") == 0);
+    setenv("CUDA_VISIBLE_DEVICES", "", 1);
+    CHECK_EQ(cometi_no_gpu(cudaErrorNoDevice, why, sizeof(why)), 1);
+    CHECK_CONTAINS(why, "no GPU found: no CUDA device is visible (CUDA_VISIBLE_DEVICES=\"\")");
+    int driver = -1;
+    cudaDriverGetVersion(&driver);
+    CHECK_EQ(cometi_no_gpu(cudaErrorInsufficientDriver, why, sizeof(why)), 1);
+    printf("driver %d: %s\n", driver, why);
+    CHECK_CONTAINS(why, driver == 0 ? "no GPU found: no NVIDIA driver is installed" : "no usable GPU: the NVIDIA "
+                                                                                      "driver supports CUDA");
+    CHECK(!strstr(why, "insufficient"));
+    CHECK_EQ(cometi_no_gpu(cudaErrorDevicesUnavailable, why, sizeof(why)), 1);
+    CHECK_CONTAINS(why, "no usable GPU: ");
+    CHECK_EQ(cometi_no_gpu(cudaErrorMemoryAllocation, why, sizeof(why)), 0);
+    CHECK_EQ(cometi_no_gpu(cudaErrorInvalidValue, why, sizeof(why)), 0);
+    /* The probe, with no device visible (driver or none). */
+    CHECK_EQ(cometi_probe_gpus(why, sizeof(why)), 0);
+    printf("probe: %s\n", why);
+    CHECK_CONTAINS(why, "no GPU found: ");
     return 0;
 }
 

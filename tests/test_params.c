@@ -1,7 +1,7 @@
 /*
  * test_params.c - the environment table (src/params.h): each variable's malformed values
- * refused with a message naming it, good values taken, and comet_comm_create stopped by a
- * bad one before it touches NCCL or a GPU. The table is read once per process, so every
+ * (and the tuning file's malformed lines) refused with a message naming it, good values
+ * taken, and comet_comm_create stopped by a bad one before it touches NCCL or a GPU. The table is read once per process, so every
  * case runs in a child of its own.
  */
 #define _GNU_SOURCE
@@ -56,6 +56,16 @@ static int load_in_child(const char *name, const char *value, cometi_param_id_t 
     close(fds[0]);
     waitpid(pid, NULL, 0);
     return got == (ssize_t)sizeof(*out) ? 0 : -1;
+}
+
+/* load_in_child with COMET_TUNING_FILE naming `path`, whose text is `text` now. */
+static int load_tuning_text(const char *path, const char *text, outcome_t *out)
+{
+    FILE *f = fopen(path, "w");
+    if (!f) return -1;
+    const int unwritten = fputs(text, f) < 0;
+    if (fclose(f) != 0 || unwritten) return -1;
+    return load_in_child("COMET_TUNING_FILE", path, COMETI_PARAM_TUNING_FILE, 0, out);
 }
 
 int test_params_table(void)
@@ -117,6 +127,24 @@ int test_params_table(void)
     CHECK_EQ(load_in_child("COMET_TUNING_FILE", path, COMETI_PARAM_TUNING_FILE, 0, &o), 0);
     CHECK_EQ(o.status, COMET_SUCCESS);
     CHECK(strcmp(o.str, path) == 0);
+    /* Its lines too, by the tuning file's own parser (tune.c): a malformed one is refused at
+     * the load, naming the variable, the line, the field and the value, and the create stops
+     * on it. A count that only the GPU's SMs limit (dispatch blocks 500) waits for the read
+     * that knows them. */
+    CHECK_EQ(load_tuning_text(path, "# comment\n2 8 2 4096 14336 8192 : 500 bulk 0 1 dynamic push\n"
+                                    "2 8 2 4096 14336 4096 : x bulk 0 1 dynamic push\n", &o), 0);
+    printf("COMET_TUNING_FILE='%s' (a malformed line): %s\n", path, o.msg);
+    CHECK_EQ(o.status, COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(o.msg, "$COMET_TUNING_FILE");
+    CHECK_CONTAINS(o.msg, "line 3: field 7 (dispatch_blocks) = 'x'");
+    CHECK_EQ(o.create_status, COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(o.create_msg, "line 3");
+    CHECK_EQ(load_tuning_text(path, "2 8 2 4096 14336 8192 : 500 bulk 0 1 dynamic push\n"
+                                    "2 8 2 4096 14336 4096 : 4 bulk 0 1 dynamic\n", &o), 0);
+    CHECK_EQ(o.status, COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(o.msg, "line 2: 11 fields, want 12");
+    CHECK_EQ(load_tuning_text(path, "2 8 2 4096 14336 8192 : 500 bulk 0 1 dynamic push\n", &o), 0);
+    CHECK_EQ(o.status, COMET_SUCCESS);
     /* Unreadable (mode 0, read as nobody): refused, and why. */
     CHECK(chmod(path, 0) == 0);
     CHECK_EQ(load_in_child("COMET_TUNING_FILE", path, COMETI_PARAM_TUNING_FILE, 1, &o), 0);

@@ -141,9 +141,10 @@ int test_cost_model_knobs(void)
                 CHECK_EQ(check_model_definition(&cfg, world, 132, &k), 0);
                 CHECK_EQ(check_operator_limits(&cfg, world, 132, &k), 0);
             }
-    /* Regression guards only, each the sweeps' best or within noise of it at 8192 tokens
-     * (2 x H200, 2026-11-29; 1 x H200, 2026-12-01): a change here means the model
-     * changed; measure again. One GPU picks what two do (the local copy at twice the rate). */
+    /* Regression guards only, each the best of `comet bench`'s sweeps, or within noise of
+     * it, at 8192 tokens per GPU (on 2 x H200 at EP 2, and on one H200 with --ranks 1): a
+     * change here means the model changed; measure again. One GPU picks what two do (the
+     * local copy at twice the rate). */
     static const struct { const char *preset; int world, blocks; } guard[] = {
         {"qwen2-moe-2.7b", 2, 16}, {"qwen2-moe-2.7b", 1, 16}, {"mixtral-8x7b", 1, 4}, {"gpt-oss-120b", 1, 8}};
     comet_moe_config_t q;
@@ -392,6 +393,30 @@ int test_tuning_file_limits(void)
     char err[COMETI_ERR_LEN];
     CHECK_EQ(cometi_tuning_lookup(path, &cfg, 2, 132, &k, err, sizeof(err)), 1);
     CHECK_EQ(k.l0.dispatch_blocks, 120);
+    /* Before any GPU is known (sm_count 0: the environment's check, params.c) the SM limits
+     * wait for the read that knows them and every other limit holds; with no layer (cfg
+     * NULL) no line matches. */
+    static const struct {
+        const char *line;
+        int code;
+        const char *says;
+    } early[] = {
+        {"2 64 4 2048 1408 4096 : 100000 bulk 500 1 dynamic notail", 0, ""},
+        {"2 64 4 2048 1408 4096 : 0 bulk 0 1 dynamic push", -1, "line 3: field 7 (dispatch_blocks) = 0: must be at "
+                                                                "least 1"},
+        {"2 64 4 2048 1408 4096 : 8 bulk -1 1 dynamic notail", -1, "field 9 (combine_blocks) = -1: must be at least 0"},
+        {"2 64 4 2048 1408 4096 : 12x bulk 0 1 dynamic push", -1, "field 7 (dispatch_blocks) = '12x'"},
+        {"2 64 4 2048 1408 4096 : 8 bulk 8 7 dynamic notail", -1, "field 10 (splits) = 7"},
+    };
+    for (size_t i = 0; i < sizeof(early) / sizeof(early[0]); i++) {
+        FILE *f = fopen(path, "w");
+        CHECK(f != NULL);
+        fprintf(f, "%s%s\n", head, early[i].line);
+        fclose(f);
+        err[0] = '\0';
+        CHECK_EQ(cometi_tuning_lookup(path, NULL, 0, 0, &k, err, sizeof(err)), early[i].code);
+        CHECK_CONTAINS(err, early[i].says);
+    }
     /* A line longer than the reader's buffer is refused, not read as two lines. */
     memset(text, ' ', 600), text[600] = '\0';
     char longer[1200];

@@ -87,6 +87,7 @@ uint64_t test_seed(void);
     X(launch_failed_rank_stops_others, 30)      \
     X(launch_crashed_rank_is_reported, 30)      \
     X(launch_timeout_stops_ranks, 30)           \
+    X(launch_no_gpu_words, 30)                  \
     X(launch_external_env, 30)                  \
     X(launch_id_file_stale_run, 30)             \
     X(launch_id_file_malformed, 30)             \

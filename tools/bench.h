@@ -60,9 +60,10 @@ typedef struct case_result {
     float push_sum_ms; /* the push's owner's sum phase (its wait for the peers' rows included), 0 if not timed */
     float copy_gbs;    /* this GPU's copy rate on every SM (bytes copied per second: half its traffic) */
     double l1_diff;    /* y against the baseline's, every token */
-    float whole_ms;    /* the whole fused layer (route, layer0, layer1) with the best knobs of each */
     float public_ms;   /* comet_moe_forward on the fused path, its default knobs */
-    float tuned_turns_ms, model_turns_ms; /* the whole layer, sweeps' best against the model's, in turns */
+    /* The whole layer, each call one measurement (route, layer0, layer1), in turns on input
+     * set 0: the sweeps' best settings of each layer, the cost model's, and the baseline. */
+    float tuned_turns_ms, model_turns_ms, baseline_turns_ms;
     cometi_knobs_t model_knobs;
     float bound_cublas_ms; /* suite: the baseline's cuBLAS expert phase, in turns with the two below */
     float bound_baseline_ms; /* suite: the whole baseline, in turns with the same */

@@ -103,20 +103,20 @@ static int time_layer0(comet_comm_t comm, cometi_dispatch_gemm_t *l0, comet_moe_
     return time_calls(&c, warmup, iters, out);
 }
 
-/* Layer1 (or GEMM1 alone) on what layer0 left, or with WHOLE_BEST the whole fused layer
- * (layer0 with `k0`, then layer1). */
+/* Layer1 (or GEMM1 alone) on what layer0 left. */
 static int time_layer1(comet_comm_t comm, cometi_dispatch_gemm_t *l0, cometi_gemm_combine_t *l1, comet_moe_args_t *a, void **x,
-                       int32_t **ids, float **w, const cometi_dispatch_knobs_t *k0, const cometi_combine_knobs_t *k1,
-                       int warmup, int iters, int what, float *out)
+                       int32_t **ids, float **w, const cometi_combine_knobs_t *k1, int warmup, int iters, int what,
+                       float *out)
 {
-    const timed_call_t c = {what, comm, NULL, l0, l1, a, x, ids, w, k0, k1, NULL, NULL};
+    const timed_call_t c = {what, comm, NULL, l0, l1, a, x, ids, w, NULL, k1, NULL, NULL};
     return time_calls(&c, warmup, iters, out);
 }
 
 /* The fused layer1 on the rows layer0 left (input set 0, whose baseline output is in
  * a->y): a sweep of combine blocks x column splits, our GEMM1 alone in turns with the
- * best, y against the baseline's on every token; then the whole fused layer. */
-static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
+ * best, y against the baseline's on every token; then the whole layer with the best
+ * settings of both sweeps, in turns with the cost model's and the baseline. */
+static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm, comet_moe_t moe,
                       const comet_moe_config_t *cfg, const char *label, comet_moe_args_t *a, cometi_dispatch_gemm_t *l0,
                       void **x, int32_t **ids, float **w, case_result_t *res)
 {
@@ -152,7 +152,7 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
         if (k->push && ctx->nranks > COMETI_PUSH_MAX_RANKS) continue; /* past the push's reach */
         if (!memcmp(k, &model.l1, sizeof(*k))) model_run = res->l1_runs;
         float ms;
-        if (time_layer1(comm, l0, &l1, a, x, ids, w, NULL, k, o->warmup, o->iters, L1_FUSED, &ms)) return 1;
+        if (time_layer1(comm, l0, &l1, a, x, ids, w, k, o->warmup, o->iters, L1_FUSED, &ms)) return 1;
         if (allreduce(comm, &ms, 1, ncclMax)) return 1;
         res->l1_knobs[res->l1_runs] = *k;
         res->l1_ms[res->l1_runs] = ms;
@@ -181,19 +181,17 @@ static int run_layer1(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     FAIL_IF(st != COMET_SUCCESS, "layer1 (%s): %s", label, comet_comm_last_error(comm));
     if (o->trace && !best->push && ctx->rank == 0 && print_layer1_trace(comm, &l1, best)) return 1;
     if (y_error(comm, y, y_base, (size_t)M * H, &res->l1_diff)) return 1;
-    /* The whole fused layer, inputs rotating as in the baseline's timing. */
-    if (ctx->rank == 0) fprintf(stderr, "[bench] %s: the whole fused layer\n", label);
-    if (time_layer1(comm, l0, &l1, a, x, ids, w, &res->l0_knobs[res->l0_best], best, o->warmup, o->iters, WHOLE_BEST,
-                    &res->whole_ms))
-        return 1;
-    if (allreduce(comm, &res->whole_ms, 1, ncclMax)) return 1;
-    /* What `comet tune` writes against what the cost model picks, in turns on one input set. */
-    const timed_call_t pair = {WHOLE_BEST, comm, NULL, l0, &l1, a, x, ids, w, &res->l0_knobs[res->l0_best], best,
-                               &model, NULL};
-    const int whats[2] = {WHOLE_BEST, WHOLE_MODEL};
-    float med[2];
-    if (time_in_turns(&pair, whats, 2, o->iters, med)) return 1;
-    res->tuned_turns_ms = med[0], res->model_turns_ms = med[1];
+    /* The whole layer, each call one measurement from the route to layer1's end, in turns on
+     * input set 0: what `comet tune` writes (the sweeps' best of each layer), what the cost
+     * model picks, and the whole baseline, so the three share the run's clocks (each timed
+     * back to back would run at its own). */
+    if (ctx->rank == 0) fprintf(stderr, "[bench] %s: the whole layer in turns\n", label);
+    const timed_call_t turns = {WHOLE_BEST, comm, moe, l0, &l1, a, x, ids, w, &res->l0_knobs[res->l0_best], best,
+                                &model, NULL};
+    const int whats[3] = {WHOLE_BEST, WHOLE_MODEL, BASE_WHOLE};
+    float med[3];
+    if (time_in_turns(&turns, whats, 3, o->iters, med)) return 1;
+    res->tuned_turns_ms = med[0], res->model_turns_ms = med[1], res->baseline_turns_ms = med[2];
     res->model_knobs = model;
     a->y = y_base;
     cudaFree(y);
@@ -281,7 +279,7 @@ static int run_layer0(const cometi_rank_ctx_t *ctx, const tool_options_t *o, com
     if (allreduce(comm, &diff, 1, ncclMax)) return 1;
     res->l0_diff = diff;
     /* Layer1 on what this layer0 left (set 0), then the whole layer. */
-    if (run_layer1(ctx, o, comm, cfg, label, a, &l0, x, ids, w, res)) return 1;
+    if (run_layer1(ctx, o, comm, moe, cfg, label, a, &l0, x, ids, w, res)) return 1;
     /* The route alone, last: it raises the arrival totals the next fused call would wait for,
      * with no rows behind them, so no fused call may follow on this layer0. */
     if (time_layer0(comm, &l0, a, x, ids, w, NULL, o->warmup, o->iters, L0_ROUTE_ALONE, &res->l0_route_ms))

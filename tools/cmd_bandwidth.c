@@ -43,16 +43,13 @@ int timed_copy(comet_comm_t comm, void *dst, const void *src, size_t bytes, int 
 int bandwidth_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const tool_options_t *o = arg;
-    CUDA_OK(cudaSetDevice(ctx->local_rank));
-    comet_comm_config_t cc = COMET_COMM_CONFIG_INIT;
-    cc.timeout_ms = o->timeout_ms;
     comet_comm_t comm;
-    comet_status_t st = comet_comm_create_from_id(&ctx->id, ctx->nranks, ctx->rank, &cc, &comm);
-    FAIL_IF(st != COMET_SUCCESS, "comet_comm_create_from_id: %s", comet_last_create_error());
+    int code = rank_device(ctx);
+    if (code || (code = rank_comm(ctx, o->timeout_ms, &comm))) return code;
     const size_t bytes = (size_t)o->mib << 20;
     const int peer = (ctx->rank + 1) % ctx->nranks, reps = 10;
     cometi_window_t win;
-    st = cometi_window_create(comm, 2 * bytes, &win); /* [0, bytes): source, [bytes, 2 bytes): target */
+    comet_status_t st = cometi_window_create(comm, 2 * bytes, &win); /* [0, bytes): source, [bytes, 2 bytes): target */
     FAIL_IF(st != COMET_SUCCESS, "window: %s", comet_comm_last_error(comm));
     CUDA_OK(cometi_fill_hash_bf16(win.local, bytes / 2, 7, 0, 1.0f, 0));
     cudaEvent_t e0, e1;

@@ -316,7 +316,8 @@ static int time_backward_table(const tool_options_t *o, int wgrad, cublasHandle_
 int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const tool_options_t *o = arg;
-    CUDA_OK(cudaSetDevice(ctx->local_rank));
+    const int code = rank_device(ctx);
+    if (code) return code;
     struct cudaDeviceProp prop;
     CUDA_OK(cudaGetDeviceProperties(&prop, ctx->local_rank));
     shape_t shapes[2 * TOOL_MAX_PRESETS + 1];

@@ -11,11 +11,18 @@
  *
  * Every flag is one row of flags[]: its name, its value's name, the commands that take
  * it, its parser and its help line. The usage texts, the parsing and the refusals all
- * come from that table, so a command's --help lists exactly what it accepts. Whatever
- * can be checked before a process forks is checked here: each value, each flag's fit
- * with the command, each case's config (by the library's own comet_moe_config_validate)
- * and the files the run will write; a run that cannot succeed stops with exit 2 before
- * it touches a GPU or NCCL.
+ * come from that table, so a command's --help lists exactly what it accepts; a flag given
+ * twice is refused, not overwritten. Whatever can be checked before a process forks is
+ * checked here: each value, each flag's fit with the command, each case's config (by the
+ * library's own comet_moe_config_validate), the files the run will write and the
+ * library's environment variables (by its own table, src/params.h); a run that cannot
+ * succeed stops with exit 2 before it touches a GPU or NCCL.
+ *
+ * Exit codes (tool.h; `comet help` lists them too): 0 success; 1 the run failed (a rank, or
+ * a check marked !); 2 usage: a flag, a value or a COMET_* variable refused before the run;
+ * 3 no usable GPU or NCCL: no driver, no Hopper GPU visible, fewer than the ranks need, or
+ * an NCCL comet cannot use. NCCL_NVLS_ENABLE is set to 0 unless the user set it: NVLink
+ * multicast is not used by comet and can take a shared host's GPUs out of service.
  */
 #define _GNU_SOURCE
 #include <ctype.h>
@@ -32,6 +39,7 @@
 
 #include "comet.h"
 #include "layer/layer.h"
+#include "base/params.h"
 #include "tool.h"
 
 #define STR_(x) #x
@@ -158,7 +166,8 @@ static const flag_t flags[] = {
      "tensor-parallel size: each expert's ffn split over TP ranks [1]"},
     {"--routing", "KIND", BT, parse_routing, AT(o.routing), 0, 0, "balanced | random | skewed [balanced]"},
     {"--skew", "S", BT, parse_skew, AT(o.skew), 0, 0,
-     "skewed routing: the most loaded expert's expected load over the least loaded's, a number >= 1 [8]"},
+     "with --routing skewed (or --suite): the most loaded expert's expected load over the least loaded's, a "
+     "number >= 1 [8]"},
     {"--impl", "WHICH", CMD_BENCH, parse_impl, 0, 0, 0, "baseline | comet | all [all]"},
     {"--warmup", "N", BT, parse_int, AT(o.warmup), 0, 10000, "untimed calls [5]"},
     {"--iters", "N", BT, parse_int, AT(o.iters), 1, 100000, "timed calls [20]"},
@@ -241,6 +250,35 @@ static void print_flag(FILE *out, const flag_t *f)
 
 static const char *flag_syntax = "--flag VALUE or --flag=VALUE";
 
+/* After the flags of `comet help` and of each command that runs: what it reads and sets in
+ * the environment, and its exit codes (tool.h). */
+static void usage_notes(FILE *out)
+{
+    char names[256] = "";
+    for (int i = 0; i < COMETI_NUM_PARAMS; i++)
+        snprintf(names + strlen(names), sizeof(names) - strlen(names), "%s%s", i == 0 ? "" : i + 1 < COMETI_NUM_PARAMS
+                 ? ", " : " and ", cometi_param_name((cometi_param_id_t)i));
+    char text[512];
+    snprintf(text, sizeof(text), "%s: the library's settings, checked before the run starts", names);
+    fprintf(out, "\nenvironment:\n  %-*s ", HELP_COLUMN - 3, "COMET_*");
+    print_wrapped(out, HELP_COLUMN, text);
+    fprintf(out, "  %-*s ", HELP_COLUMN - 3, "NCCL_NVLS_ENABLE");
+    print_wrapped(out, HELP_COLUMN, "set to 0 unless already set: NVLink multicast is not used by comet and can "
+                  "take a shared host's GPUs out of service");
+    static const char *codes[][2] = {
+        {"0", "success"},
+        {"1", "the run failed: a rank, or a check (marked ! in its row)"},
+        {"2", "usage: a flag, a value or a COMET_* variable refused before the run"},
+        {"3", "no usable GPU or NCCL: no driver, no Hopper GPU visible, fewer than the ranks need, or an NCCL "
+              "comet cannot use (older than 2.28, or not the release comet was built against)"},
+    };
+    fprintf(out, "\nexit status:\n");
+    for (size_t i = 0; i < sizeof(codes) / sizeof(codes[0]); i++) {
+        fprintf(out, "  %-*s ", HELP_COLUMN - 3, codes[i][0]);
+        print_wrapped(out, HELP_COLUMN, codes[i][1]);
+    }
+}
+
 /* `comet CMD --help`: the command's line and its flags alone. */
 static void usage_command(FILE *out, const command_t *cmd)
 {
@@ -252,10 +290,11 @@ static void usage_command(FILE *out, const command_t *cmd)
         fprintf(out, "\ncomet %s takes no flags (-h, --help: this text).\n", cmd->name);
         return;
     }
-    fprintf(out, "\nflags (a value as %s):\n", flag_syntax);
+    fprintf(out, "\nflags (a value as %s; each at most once):\n", flag_syntax);
     for (int i = 0; i < NFLAGS; i++)
         if (flags[i].cmds & cmd->bit) print_flag(out, &flags[i]);
     fprintf(out, "  %-*s this text\n", HELP_COLUMN - 3, "-h, --help");
+    if (cmd->bit & (RUNS | CMD_GEMM)) usage_notes(out);
 }
 
 /* Under `comet help`: the flags of `cmd` that no earlier command takes, in full; the
@@ -280,7 +319,8 @@ static void usage_flags_of(FILE *out, const command_t *cmd, unsigned earlier)
 static void usage_all(FILE *out)
 {
     fprintf(out, "usage: comet <command> [flags]\n       comet <command> --help    that command's flags alone\n"
-            "A flag takes its value as %s.\n\ncommands:\n", flag_syntax);
+            "       comet --version           the same as comet version\n"
+            "A flag takes its value as %s, and is given at most once.\n\ncommands:\n", flag_syntax);
     for (int i = 0; i < NCOMMANDS; i++) {
         fprintf(out, "  %-10s ", commands[i].name);
         print_wrapped(out, 13, commands[i].summary);
@@ -290,6 +330,7 @@ static void usage_all(FILE *out)
         usage_flags_of(out, &commands[i], earlier);
         earlier |= commands[i].bit;
     }
+    usage_notes(out);
 }
 
 /* `comet help [CMD]`. */
@@ -303,7 +344,7 @@ static int help_command(int argc, char **argv)
     if (!cmd || argc > 3) {
         fprintf(stderr, "comet help: %s \"%s\": give one command (comet help lists them)\n",
                 cmd ? "unexpected argument" : "unknown command", argv[cmd ? 3 : 2]);
-        return 2;
+        return TOOL_EXIT_USAGE;
     }
     usage_command(stdout, cmd);
     return 0;
@@ -486,6 +527,10 @@ static int parse_arg(int argc, char **argv, int *i, cli_t *c)
     snprintf(name, sizeof(name), "%.*s", eq && !strncmp(arg, "--", 2) ? (int)(eq - arg) : (int)strlen(arg), arg);
     const flag_t *f = strncmp(arg, "--", 2) ? NULL : find_flag(name, c->cmd->bit);
     if (!f) return refuse_flag(c, arg, name);
+    if (c->given[f - flags]) {
+        fprintf(stderr, "comet %s: %s given twice: give each flag once\n", c->cmd->name, f->name);
+        return PARSE_ERROR;
+    }
     const char *v = eq ? eq + 1 : NULL;
     if (!f->value && v) {
         fprintf(stderr, "comet %s: %s takes no value (given \"%s\")\n", c->cmd->name, f->name, v);
@@ -532,6 +577,12 @@ static int check_combinations(cli_t *c)
     if (o->suite && (shape || given(c, "--tokens") || given(c, "--routing"))) {
         fprintf(stderr, "comet %s: --suite runs 1024 to 16384 tokens, both routings, on presets: leave out %s\n", cmd,
                 shape ? "--hidden/--ffn/--experts/--top-k" : given(c, "--tokens") ? "--tokens" : "--routing");
+        return -1;
+    }
+    /* The suite's skewed cases take --skew too. */
+    if (given(c, "--skew") && o->routing != COMETI_ROUTING_SKEWED && !o->suite) {
+        fprintf(stderr, "comet %s: --skew sets skewed routing's load ratio, but the routing is %s: give --routing "
+                "skewed with it, or leave --skew out\n", cmd, o->routing == COMETI_ROUTING_RANDOM ? "random" : "balanced");
         return -1;
     }
     if (c->id_file && c->ranks) {
@@ -691,16 +742,28 @@ static cometi_rank_main_t rank_body(const cli_t *c)
     return c->cmd->bit & BT ? bench_rank : c->cmd->bit == CMD_BANDWIDTH ? bandwidth_rank : gemm_rank;
 }
 
-/* This process as one rank of an external launcher's world (WORLD_SIZE). */
+/* No usable GPU: the probe's sentence ("no GPU found: no NVIDIA driver is installed", ...). */
+static int no_gpu(const cli_t *c, const char *why)
+{
+    fprintf(stderr, "comet %s: %s; comet %s needs at least one Hopper GPU\n", c->cmd->name, why, c->cmd->name);
+    return TOOL_EXIT_NO_GPU;
+}
+
+/* This process as one rank of an external launcher's world (WORLD_SIZE). The GPUs are
+ * probed first, as for the local launcher, so that a machine without one says so in the
+ * same words and rank 0 publishes no id file for a run that cannot start. */
 static int launch_external(cli_t *c)
 {
     const char *ws = getenv("WORLD_SIZE");
     long world;
-    char from[64];
-    if (ws && !whole_long(ws, &world) && world >= 1 && world <= INT_MAX) {
+    char from[64], why[256];
+    const int sized = ws && !whole_long(ws, &world) && world >= 1 && world <= INT_MAX;
+    if (sized) {
         snprintf(from, sizeof(from), "WORLD_SIZE=%ld (--id-file)", world);
-        if ((c->cmd->bit & BT) && check_cases(c, (int)world, from)) return 2;
+        if ((c->cmd->bit & BT) && check_cases(c, (int)world, from)) return TOOL_EXIT_USAGE;
     }
+    /* Without RANK and WORLD_SIZE the launcher's own refusal (exit 2) comes first. */
+    if (sized && getenv("RANK") && cometi_probe_gpus(why, sizeof(why)) == 0) return no_gpu(c, why);
     char report[600];
     const int rc = cometi_launch_external(c->id_file, rank_body(c), &c->o, 0, report, sizeof(report));
     if (rc) fprintf(stderr, "comet %s: %s\n", c->cmd->name, report[0] ? report : "this rank failed");
@@ -713,22 +776,18 @@ static int launch_local(cli_t *c)
 {
     char why[256], from[64] = "";
     const int gpus = cometi_probe_gpus(why, sizeof(why));
-    if (gpus == 0) {
-        fprintf(stderr, "comet %s: no CUDA GPU is visible (%s); comet %s needs at least one Hopper GPU\n",
-                c->cmd->name, why, c->cmd->name);
-        return 2;
-    }
+    if (gpus == 0) return no_gpu(c, why);
     int ranks = c->cmd->bit == CMD_GEMM ? 1 : flags_world(c, from, sizeof(from));
     if (ranks > gpus) {
-        fprintf(stderr, "comet %s: %s: %d ranks, but %d GPU%s visible\n", c->cmd->name, from, ranks, gpus,
+        fprintf(stderr, "comet %s: %s: %d ranks, but %d Hopper GPU%s visible\n", c->cmd->name, from, ranks, gpus,
                 gpus > 1 ? "s are" : " is");
-        return 2;
+        return TOOL_EXIT_NO_GPU;
     }
     if (ranks == 0) {
         ranks = gpus;
         snprintf(from, sizeof(from), "%d visible GPU%s", gpus, gpus > 1 ? "s" : "");
     }
-    if ((c->cmd->bit & BT) && check_cases(c, ranks, from)) return 2;
+    if ((c->cmd->bit & BT) && check_cases(c, ranks, from)) return TOOL_EXIT_USAGE;
     char report[600];
     const int rc = cometi_launch_local(ranks, rank_body(c), &c->o, 0, report, sizeof(report));
     if (rc) fprintf(stderr, "comet %s: %s\n", c->cmd->name, report);
@@ -737,21 +796,22 @@ static int launch_local(cli_t *c)
 
 int main(int argc, char **argv)
 {
-    /* Never NVLink multicast: it can take a shared host's GPUs out of service. */
+    /* No NVLink multicast unless the user asks for it: comet does not use it, and it can
+     * take a shared host's GPUs out of service (`comet help` says so). */
     setenv("NCCL_NVLS_ENABLE", "0", 0);
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc < 2) {
         usage_all(stderr);
-        return 2;
+        return TOOL_EXIT_USAGE;
     }
     if (!strcmp(argv[1], "help") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"))
         return help_command(argc, argv);
-    const command_t *cmd = find_command(argv[1]);
+    const command_t *cmd = find_command(strcmp(argv[1], "--version") ? argv[1] : "version");
     if (!cmd) {
         fprintf(stderr, "comet: unknown command \"%s\"; the commands:", argv[1]);
         for (int i = 0; i < NCOMMANDS; i++) fprintf(stderr, " %s", commands[i].name);
         fprintf(stderr, " (comet help describes them)\n");
-        return 2;
+        return TOOL_EXIT_USAGE;
     }
     cli_t c;
     set_defaults(&c, cmd);
@@ -760,16 +820,23 @@ int main(int argc, char **argv)
         usage_command(stdout, cmd);
         return 0;
     }
-    if (parsed != PARSED) return 2;
+    if (parsed != PARSED) return TOOL_EXIT_USAGE;
     if (cmd->bit == CMD_VERSION) {
         printf("comet %s\n", comet_version_string());
         return 0;
     }
     if (cmd->bit == CMD_PRESETS) return print_presets();
-    if (check_combinations(&c)) return 2;
+    if (check_combinations(&c)) return TOOL_EXIT_USAGE;
     choose_defaults(&c);
     if (check_cases_early(&c) || check_writable(&c, "--out", c.o.tune_out, 1) ||
         check_writable(&c, "--json", c.o.json, 0))
-        return 2;
+        return TOOL_EXIT_USAGE;
+    /* The library's environment variables, checked by the library's own table (params.h)
+     * as comet_comm_create will check them, but now, before any GPU or NCCL is touched. */
+    char env_err[COMETI_ERR_LEN];
+    if (cometi_params_load(env_err) != COMET_SUCCESS) {
+        fprintf(stderr, "comet %s: %s\n", cmd->name, env_err);
+        return TOOL_EXIT_USAGE;
+    }
     return c.id_file ? launch_external(&c) : launch_local(&c);
 }

@@ -16,6 +16,13 @@
 
 #define TOOL_MAX_PRESETS 8
 
+/* The tool's exit codes (main.c's header comment and `comet help` list them). */
+enum {
+    TOOL_EXIT_FAILED = 1, /* the run failed: a rank, a check (marked ! in its row) */
+    TOOL_EXIT_USAGE = 2,  /* refused before the run: a flag, a value, a COMET_* variable */
+    TOOL_EXIT_NO_GPU = 3  /* no usable GPU or NCCL: no driver, no Hopper GPU, too few, an NCCL comet cannot use */
+};
+
 /* In a rank's body: print the failure, hand it to the launcher as this rank's reason,
  * and return 1. */
 #define FAIL_IF(cond, ...)                                                                        \
@@ -58,6 +65,14 @@ typedef struct tool_options {
     /* both */
     int timeout_ms;
 } tool_options_t;
+
+/* rank.c: a rank body's first steps. Its GPU (cudaSetDevice(local_rank)), then its
+ * communicator; 0, or the exit code to return, the failure printed and handed to the
+ * launcher: TOOL_EXIT_NO_GPU where the GPU or the NCCL is not usable (cometi_no_gpu's
+ * sentence, or comet_comm_create's COMET_NOT_SUPPORTED: an NCCL comet cannot use), else
+ * TOOL_EXIT_FAILED. */
+int rank_device(const cometi_rank_ctx_t *ctx);
+int rank_comm(const cometi_rank_ctx_t *ctx, int timeout_ms, comet_comm_t *comm);
 
 int bench_rank(const cometi_rank_ctx_t *ctx, void *arg);
 int bandwidth_rank(const cometi_rank_ctx_t *ctx, void *arg);

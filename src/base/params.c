@@ -18,6 +18,8 @@ typedef struct param {
     int is_path;    /* a file's path, else an integer in [lo, hi] */
     long def, lo, hi;
     const char *takes; /* what a valid value is, for the error message */
+    /* A path's contents checked by the code that reads them (NULL: none): 0, or -1 with `why`. */
+    int (*contents)(const char *path, char *why, size_t len);
 } param_t;
 
 static const param_t table[COMETI_NUM_PARAMS] = {
@@ -25,7 +27,8 @@ static const param_t table[COMETI_NUM_PARAMS] = {
                                  "milliseconds, a whole number in 1..3600000"},
     [COMETI_PARAM_PDL] = {"COMET_PDL", 0, 1, 0, 1, "0 (ordinary launches) or 1 (programmatic dependent launch)"},
     [COMETI_PARAM_FIRST_WAVE] = {"COMET_FIRST_WAVE", 0, 1, 0, 1, "0 (no first wave) or 1 (the first wave where it pays)"},
-    [COMETI_PARAM_TUNING_FILE] = {"COMET_TUNING_FILE", 1, 0, 0, 0, "the path of a readable regular file"},
+    [COMETI_PARAM_TUNING_FILE] = {"COMET_TUNING_FILE", 1, 0, 0, 0, "the path of a readable regular file",
+                                  cometi_tuning_file_check},
 };
 
 static long values[COMETI_NUM_PARAMS];
@@ -84,6 +87,9 @@ static comet_status_t read_path(int i, const char *v, char *msg)
         return cometi_fail(msg, COMET_INVALID_ARGUMENT, "$%s = '%.300s': %s; it takes %s", p->name, v, why,
                            p->takes);
     close(fd);
+    char bad[COMETI_ERR_LEN - 32];
+    if (p->contents && p->contents(v, bad, sizeof(bad)))
+        return cometi_fail(msg, COMET_INVALID_ARGUMENT, "$%s: %s", p->name, bad);
     snprintf(paths[i], sizeof(paths[i]), "%s", v);
     return COMET_SUCCESS;
 }

@@ -22,7 +22,10 @@ typedef enum cometi_param_id {
 } cometi_param_id_t;
 
 /* Read the table once (later calls return the first call's result). COMET_SUCCESS, or
- * COMET_INVALID_ARGUMENT with `err` naming the variable, its value and what it takes. */
+ * COMET_INVALID_ARGUMENT with `err` (COMETI_ERR_LEN bytes) naming the variable, its value
+ * and what it takes; the tuning file's lines are checked too, by tune.c's own parser.
+ * comet_comm_create calls it, and the comet tool before it touches a GPU, so a bad value
+ * stops both with the same sentence. */
 comet_status_t cometi_params_load(char *err);
 /* An integer parameter's value (its default where the table failed to load). */
 long cometi_param_int(cometi_param_id_t id);
@@ -36,6 +39,12 @@ const char *cometi_param_name(cometi_param_id_t id);
  * fifo is refused without waiting for a writer. What $COMET_TUNING_FILE is checked with
  * when the table is read, and what the tuning file is opened with when it is read. */
 int cometi_open_regular(const char *path, char *why, size_t why_len);
+
+/* $COMET_TUNING_FILE's contents, every line parsed and checked as a layer's read of the
+ * file checks it, less the limits that need a GPU's SM count: 0, or -1 with `why` naming
+ * the line, the field, its value and its limit. Defined by the tuning file's reader
+ * (patterns/tune.c), so the table and the layer read one grammar. */
+int cometi_tuning_file_check(const char *path, char *why, size_t len);
 
 #ifdef __cplusplus
 }

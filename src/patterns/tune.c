@@ -163,12 +163,17 @@ static int check_settings(const tuning_line_t *l, int sm_count, char *why, size_
 {
     const int *v = l->v, tile = cometi_gemm_tile_n(v[F_HIDDEN]);
     const int col_tiles = (v[F_HIDDEN] + tile - 1) / tile;
-    if (v[F_DISPATCH] < 1 || v[F_DISPATCH] >= sm_count)
+    if (sm_count > 0 && (v[F_DISPATCH] < 1 || v[F_DISPATCH] >= sm_count))
         return field_error(why, len, F_DISPATCH, "%d: must be 1..%d (the rest of the %d SMs compute)",
                            v[F_DISPATCH], sm_count - 1, sm_count);
-    if (v[F_COMBINE] < 0 || v[F_COMBINE] >= sm_count)
+    if (sm_count > 0 && (v[F_COMBINE] < 0 || v[F_COMBINE] >= sm_count))
         return field_error(why, len, F_COMBINE, "%d: must be 0..%d (the rest of the %d SMs compute)", v[F_COMBINE],
                            sm_count - 1, sm_count);
+    /* No GPU known yet (tune.h, cometi_tuning_lookup with sm_count 0): the lower limits alone. */
+    if (v[F_DISPATCH] < 1)
+        return field_error(why, len, F_DISPATCH, "%d: must be at least 1", v[F_DISPATCH]);
+    if (v[F_COMBINE] < 0)
+        return field_error(why, len, F_COMBINE, "%d: must be at least 0", v[F_COMBINE]);
     if (v[F_SPLITS] < 1 || v[F_SPLITS] > COMETI_MAX_SPLITS || col_tiles % v[F_SPLITS])
         return field_error(why, len, F_SPLITS, "%d: must be 1..%d and divide the %d column tiles (%d wide) of "
                            "hidden = %d", v[F_SPLITS], COMETI_MAX_SPLITS, col_tiles, tile, v[F_HIDDEN]);
@@ -258,7 +263,7 @@ int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int wo
             st = -1;
             break;
         }
-        if (!got || !line_matches(&l, cfg, world)) continue;
+        if (!got || !cfg || !line_matches(&l, cfg, world)) continue;
         const double distance = fabs(log((double)l.v[F_MAX_TOKENS] / (cfg->max_tokens > 0 ? cfg->max_tokens : 1)));
         if (found && distance >= best) continue;
         found = 1;
@@ -351,4 +356,11 @@ int cometi_head_pieces(int tp, int group_m, int gemm_blocks, int col_tiles)
     if (tp != 1 || col_tiles < 1) return 0;
     const int pieces = 2 * (group_m + (gemm_blocks + col_tiles - 1) / col_tiles);
     return pieces < COMETI_DISPATCH_HEAD_MAX_PIECES ? pieces : COMETI_DISPATCH_HEAD_MAX_PIECES;
+}
+
+int cometi_tuning_file_check(const char *path, char *why, size_t len)
+{
+    cometi_knobs_t unused;
+    memset(&unused, 0, sizeof(unused));
+    return cometi_tuning_lookup(path, NULL, 0, 0, &unused, why, len) < 0 ? -1 : 0;
 }

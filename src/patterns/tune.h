@@ -49,10 +49,11 @@ typedef struct cometi_knobs {
     cometi_combine_knobs_t l1;
 } cometi_knobs_t;
 
-/* Rates measured on H200 (2026-11-29): our grouped GEMM at 650-790 TFLOP/s on the presets;
- * dispatch blocks copy about 8 GB/s per SM beside the GEMM (the fewest blocks that kept
- * layer0 within noise of its best); the combine on every SM after GEMM1 reads its output
- * at about 0.7 TB/s (134 MB in 188-290 us). */
+/* Rates measured by `comet bench`'s sweeps on 2 x H200 (EP 2, the presets at 8192 tokens
+ * per GPU): our grouped GEMM at 650-790 TFLOP/s; dispatch blocks copy about 8 GB/s per SM
+ * beside the GEMM (the fewest blocks that kept layer0 within noise of its best); the
+ * combine on every SM after GEMM1 reads its output at about 0.7 TB/s (134 MB in 188-290
+ * us). */
 #define COMETI_MODEL_GEMM_FLOPS 700e12
 #define COMETI_MODEL_DISPATCH_BYTES_PER_SM 8e9
 #define COMETI_MODEL_TAIL_BYTES 0.7e12
@@ -63,10 +64,10 @@ typedef struct cometi_knobs {
  * other parts were stored from registers at 0.07 (mixtral-8x7b: 1.6% on the whole layer,
  * timed in turns). The threshold keeps the tail for shapes with even less to send. */
 #define COMETI_MODEL_PUSH_SHARE 0.05
-/* One GPU alone copies every row into its receive buffer, locally: the world-1 sweeps'
- * best counts (1 x H200, 2026-12-01: 4-8 blocks on mixtral-8x7b, qwen2-57b-a14b and
- * gpt-oss-120b, 6-16 on qwen2-moe-2.7b, where 4 lost 20%) fit a local copy at twice the
- * per-SM rate of a copy to a peer. */
+/* One GPU alone copies every row into its receive buffer, locally: the best counts of
+ * `comet bench --ranks 1`'s sweeps on one H200 at 8192 tokens (4-8 blocks on mixtral-8x7b,
+ * qwen2-57b-a14b and gpt-oss-120b, 6-16 on qwen2-moe-2.7b, where 4 lost 20%) fit a local
+ * copy at twice the per-SM rate of a copy to a peer. */
 #define COMETI_MODEL_LOCAL_COPY_SPEEDUP 2.0
 /* The dispatch block counts the model picks from: even, in the range the sweeps measured. */
 #define COMETI_MODEL_MIN_DISPATCH 4
@@ -109,7 +110,10 @@ void cometi_model_knobs(const comet_moe_config_t *cfg, int world, int sm_count, 
  * `comet bench` for the GPU it ran on, and a line that could not run there is a mistake to
  * report now, not mid-call. Returns 1 and fills *out when a line matches, 0 when none
  * does, -1 with `err` naming the file, the line, the field, its value and its limit when a
- * line is wrong, or the path and why when it is not a readable regular file.
+ * line is wrong, or the path and why when it is not a readable regular file. With `cfg`
+ * NULL no line matches and every line is only checked, and with `sm_count` 0 the limits
+ * that need the GPU's SM count are left out: how the environment's check (params.h) reads
+ * the file before any GPU is known.
  */
 int cometi_tuning_lookup(const char *path, const comet_moe_config_t *cfg, int world, int sm_count,
                          cometi_knobs_t *out, char *err, size_t err_len);
