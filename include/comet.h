@@ -43,7 +43,9 @@
  * fails it with COMET_INVALID_ARGUMENT naming the variable); unset or empty: the default.
  *   COMET_TIMEOUT_MS   1..3600000, default 5000: a device-side wait's limit, where the
  *                      comm config's timeout_ms is 0
- *   COMET_TUNING_FILE  a readable regular file, default none: the fused path's settings
+ *   COMET_TUNING_FILE  a readable regular file, default none: the fused path's settings;
+ *                      its lines are parsed and checked then too (the limits that need the
+ *                      GPU's SM count at the layer's first read of it)
  *   COMET_PDL          0 or 1, default 1. 0: launch every kernel the ordinary way, not with
  *                      programmatic dependent launch
  *   COMET_FIRST_WAVE   0 or 1, default 1. 0: no first wave (layer0's first row blocks on
@@ -58,7 +60,7 @@
  *   2 64 4 2048 1408 8192 : 12 bulk 0 1 dynamic push
  * (world 2 at tp_size 2 is "2tp2"). A layer takes the line of its world, tp, experts,
  * top_k, hidden and ffn whose max_tokens is closest to its own. The fused path's first
- * call reads the file: a line that could not run on this GPU fails it
+ * call reads the file again: a line that could not run on this GPU fails it
  * (COMET_INVALID_ARGUMENT naming the line and the field), and ranks whose settings differ
  * are refused on every rank.
  */

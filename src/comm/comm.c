@@ -166,8 +166,8 @@ static comet_status_t comm_init(comet_comm_t comm, const comet_comm_config_t *co
     if (nccl_runtime != NCCL_VERSION_CODE)
         return cometi_fail(err, COMET_NOT_SUPPORTED, "NCCL %d.%d.%d is loaded in this process, but comet was built "
                            "against NCCL %d.%d.%d headers, and its device API must match: rebuild comet against "
-                           "the NCCL the process loads (make clean; make NCCL_HOME=<that NCCL>; for PyTorch's: "
-                           "NCCL_HOME=$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])'))",
+                           "the NCCL the process loads (make clean; make: where PyTorch is installed the build "
+                           "takes the NCCL it loads; else make NCCL_HOME=<that NCCL>)",
                            nccl_runtime / 10000, nccl_runtime / 100 % 100, nccl_runtime % 100, NCCL_MAJOR, NCCL_MINOR,
                            NCCL_PATCH);
     COMETI_TRY(cometi_devcomm_create(comm));
