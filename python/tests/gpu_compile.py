@@ -238,6 +238,11 @@ def compiled_megatron_layer_matches_eager_bits(c):
         with torch.no_grad():  # the same weights in both (Megatron's initialisation draws from forked RNG states)
             for mine, theirs in zip(layers[1].parameters(), layers[0].parameters()):
                 mine.copy_(theirs)
+        # Megatron's router keeps its weight on the CPU until its first forward moves it
+        # there (a .data assignment, which Dynamo cannot trace): the layers go to the GPU
+        # first, as a model does before it is compiled.
+        for layer in layers:
+            layer.cuda()
 
         def run(layer, compiled):
             if mode == "main_grad":
