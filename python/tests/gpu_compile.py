@@ -18,6 +18,8 @@ Compiling takes each rank its own time before its first call into comet, a colle
 the tests run on a communicator of their own whose device waits allow minutes
 (timeout_ms 600000), where the suite's allows 10 s.
 """
+from gpu_train import check
+
 H, FFN, E, TOP_K, MAX_TOKENS = 512, 256, 8, 2, 512  # as test_torch_gpu.py's
 TIMEOUT_MS = 600000
 TEST_TIMEOUT_S = 900  # compiling takes minutes where the suite's tests take seconds
@@ -28,15 +30,6 @@ def gpu_test(fn):
     fn.timeout_s = TEST_TIMEOUT_S
     TESTS.append(fn)
     return fn
-
-
-class Failed(AssertionError):
-    pass
-
-
-def check(cond, msg):
-    if not cond:
-        raise Failed(msg)
 
 
 def fresh_compile(c):
