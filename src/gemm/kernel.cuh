@@ -54,8 +54,12 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     /* Output columns per tile (SwiGLU pairs gate column c with up column c + BN/2), and rows
      * per tile: 128 shared by both consumers, or 64 for one (ping-pong). */
     constexpr int ON = cometi_gemm_out_cols(T), TM = cometi_gemm_tile_rows(T);
-    const uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2,
-                   C_BYTES = TMA_EPILOGUE ? c_stage_bytes(ON) : 0;
+    constexpr uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2,
+                       C_BYTES = TMA_EPILOGUE ? c_stage_bytes(ON) : 0;
+    /* The layout below is what variants.h sized the row's shared memory for. */
+    static_assert(A_BYTES + B_BYTES == (uint32_t)cometi_gemm_stage_bytes(T) &&
+                      C_BYTES == (uint32_t)cometi_gemm_staging_bytes(T),
+                  "the kernel's stages and staging as variants.h counts them");
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     gemm_smem_t sm;
