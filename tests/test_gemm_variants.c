@@ -15,6 +15,8 @@
  *   fp32 add        C = C0 + the sums;
  *   dispatch        A filled by the dispatch blocks from the tokens (A poisoned first);
  *   splits          two column splits, each split's rows counted.
+ * E4M3 rows: A and B random codes with random block scales, against float64 on the
+ * dequantized operands (run_row_e4m3).
  * Each row runs on a small static grid (many tiles a block) and on the shared tile counter
  * (every SM), poisoned outputs before each.
  */
@@ -27,6 +29,7 @@
 #include "comet.h"
 #include "layer/layer.h"
 #include "gemm/gemm.h"
+#include "base/fp8.h"
 #include "testutil.h"
 #include "gpu_util.h"
 
@@ -46,8 +49,8 @@ int test_gemm_variant_table(void)
         CHECK(stages == COMETI_GEMM_MAX_STAGES ||
               cometi_gemm_fixed_bytes(stages + 1) + cometi_gemm_staging_bytes(v) +
                       (stages + 1) * cometi_gemm_stage_bytes(v) > COMETI_GEMM_SMEM_LIMIT);
-        const int swiglu = v.epilogue == COMETI_GEMM_EPI_SWIGLU || v.epilogue == COMETI_GEMM_EPI_SWIGLU_GU;
-        const int along_k = v.along == COMETI_GEMM_GROUPS_ALONG_K;
+        const int swiglu = cometi_gemm_is_swiglu(v.epilogue);
+        const int along_k = v.along == COMETI_GEMM_GROUPS_ALONG_K, e4m3 = v.a_type == COMETI_GEMM_E4M3;
         /* SwiGLU tiles hold 128 gate and 128 up columns of one expert. */
         CHECK(!swiglu || (v.block_n == 256 && v.b_major == COMETI_GEMM_K_MAJOR && !along_k));
         /* The push stages its parts like C's boxes; fp32 adds go from the registers. */
@@ -64,6 +67,14 @@ int test_gemm_variant_table(void)
          * beside the push (which is GEMM -> combine already). */
         CHECK(v.roles != (COMETI_GEMM_ROLE_DISPATCH | COMETI_GEMM_ROLE_SPLITS));
         CHECK(v.epilogue != COMETI_GEMM_EPI_PUSH || !v.roles);
+        /* E4M3: both operands (8-bit wgmma reads K-major alone), groups along M, cooperative,
+         * a store or the quantizing SwiGLU, no role yet; the quantizing SwiGLU is E4M3's. */
+        CHECK(v.b_type == v.a_type);
+        CHECK(!e4m3 || (v.a_major == COMETI_GEMM_K_MAJOR && v.b_major == COMETI_GEMM_K_MAJOR && !along_k &&
+                        v.schedule == COMETI_GEMM_COOPERATIVE && !v.roles &&
+                        (v.epilogue == COMETI_GEMM_EPI_STORE || v.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3)));
+        CHECK(e4m3 || v.epilogue != COMETI_GEMM_EPI_SWIGLU_E4M3);
+        CHECK(cometi_gemm_stage_bytes(v) == (cometi_gemm_tile_rows(v) + v.block_n) * 128);
         for (int j = 0; j < i; j++) {
             cometi_gemm_variant_t w = cometi_gemm_variants[j];
             CHECK(strcmp(w.name, v.name) != 0);
@@ -83,6 +94,9 @@ typedef struct problem {
     int64_t a_rows;
     const cometi_segment_t *segs;
     void *a, *b, *c, *gu;
+    void *up;                          /* E4M3 SwiGLU with up apart, or NULL */
+    float *a_scale, *b_scale, *up_scale, *c_scale; /* E4M3 (MN-major A and C scales, a_rows + 8 apart) */
+    int pow2;
     int64_t gu_rows;
     cometi_async_error_t *err;
     unsigned int *sched;
@@ -97,7 +111,8 @@ typedef struct problem {
  * would show there). */
 static int row_n(const cometi_gemm_variant_t *v)
 {
-    if (v->epilogue == COMETI_GEMM_EPI_SWIGLU || v->epilogue == COMETI_GEMM_EPI_SWIGLU_GU) return 192;
+    if (v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3) return 256; /* gate and up in one tensor: whole blocks */
+    if (cometi_gemm_is_swiglu(v->epilogue)) return 192;
     return v->roles & COMETI_GEMM_ROLE_SPLITS ? 512 : 320;
 }
 
@@ -116,8 +131,15 @@ static cometi_gemm_t describe(const cometi_gemm_variant_t *v, problem_t *p)
     g.a.type = v->a_type;
     g.a.major = v->a_major;
     g.b.ptr = p->b;
+    g.b.up = p->up;
     g.b.type = v->b_type;
     g.b.major = v->b_major;
+    if (v->a_type == COMETI_GEMM_E4M3) {
+        g.a.scale = p->a_scale, g.a.scale_ld = p->a_rows + 8;
+        g.b.scale = p->b_scale, g.b.up_scale = p->up ? p->up_scale : NULL;
+        if (v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3)
+            g.out.c_scale = p->c_scale, g.out.c_scale_ld = p->a_rows + 8, g.out.pow2_scales = p->pow2;
+    }
     g.out.epilogue = v->epilogue;
     g.out.store = v->store;
     g.out.c = v->epilogue == COMETI_GEMM_EPI_PUSH ? NULL : p->c;
@@ -144,6 +166,7 @@ static void stand_in_problem(const cometi_gemm_variant_t *v, problem_t *p)
     p->a_rows = 1024;
     p->segs = (const cometi_segment_t *)any;
     p->a = p->b = p->c = p->gu = any;
+    p->a_scale = p->b_scale = p->up_scale = p->c_scale = (float *)any;
     p->gu_rows = 1024;
     p->err = (cometi_async_error_t *)any;
     p->sched = (unsigned int *)words;
@@ -197,7 +220,7 @@ int test_gemm_descriptions_resolve(void)
             } else {
                 CHECK_EQ(st, COMET_NOT_SUPPORTED);
                 CHECK_CONTAINS(err, "direct store");
-                CHECK_CONTAINS(err, "the TMA store needs ldc a multiple of 8");
+                CHECK_CONTAINS(err, "the TMA store needs 16-byte rows of C (ldc)");
             }
         }
     }
@@ -252,6 +275,54 @@ int test_gemm_descriptions_resolve(void)
     g.out.row_scale = (const float *)g.a.ptr, g.out.epilogue = COMETI_GEMM_EPI_PUSH, g.out.push = &p.push;
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(err, "a row scale or index is for the store and SwiGLU epilogues");
+    /* E4M3: the block scales each operand needs, named; bf16 takes none. */
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256], &p);
+    g.a.scale = NULL;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "a.scale = (nil)");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256], &p);
+    g.a.scale_ld = g.a.rows - 1;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "scale_ld = 1023 (>= a.rows = 1024)");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256], &p);
+    g.b.scale = NULL;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "b.scale = (nil) must be set");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256], &p);
+    g.problem.k = 200; /* E4M3 rows must be 16-byte multiples */
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "gemm k = 200: must be a positive multiple of 16");
+    g.problem.k = 208; /* a partial last block is fine */
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_SUCCESS);
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_swiglu], &p);
+    g.problem.n = 192; /* gate and up in one tensor would share a 128-row block */
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "n = 192 with gate and up in one tensor must be a multiple of 128");
+    g.b.up = g.b.ptr; /* apart, without its scales */
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "b.up_scale = (nil) exactly when b.up is");
+    g.b.up_scale = g.b.scale;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_SUCCESS);
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_swiglu], &p);
+    g.problem.n = 256, g.out.c_scale = NULL;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "out.c_scale = (nil)");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_swiglu], &p);
+    g.problem.n = 256, g.out.pow2_scales = 2;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "pow2_scales = 2");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_swiglu_direct], &p);
+    g.problem.n = 256, g.out.row_index = (const int32_t *)g.a.ptr;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "the quantizing SwiGLU takes no row index");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nt_256], &p);
+    g.a.scale = (const float *)g.a.ptr;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "are for E4M3 operands; these are bf16");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256], &p);
+    g.b.major = COMETI_GEMM_MN_MAJOR; /* 8-bit wgmma has no transpose */
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_NOT_SUPPORTED);
+    CHECK_CONTAINS(err, "no variant is built for e4m3 x e4m3, A K-major, B MN-major");
     return 0;
 }
 
@@ -597,6 +668,200 @@ static int run_row(shared_t *s, int vi, uint64_t *rng)
     return 0;
 }
 
+/* ---- the E4M3 rows ---- */
+
+/* A random finite E4M3 code (0x7F and 0xFF are NaN); `exact`: 0 or +-0.5, 1, 2 (0x30,
+ * 0x38, 0x40), whose block sums are multiples of 1/4 below 2^9: exact in any accumulator
+ * of 11 bits or more. */
+static uint8_t random_e4m3(uint64_t *rng, int exact)
+{
+    if (exact) {
+        const uint64_t x = cometi_rand_next(rng) >> 20;
+        static const uint8_t codes[4] = {0x00, 0x30, 0x38, 0x40};
+        return (uint8_t)(codes[x % 4] | ((x >> 2 & 1) << 7));
+    }
+    for (;;) {
+        const uint8_t c = (uint8_t)(cometi_rand_next(rng) >> 24);
+        if ((c & 0x7f) != 0x7f) return c;
+    }
+}
+
+/* A positive scale, 2^[-8, -2) times [1, 2): operands of several binades. */
+static float random_scale(uint64_t *rng)
+{
+    return (float)(ldexp(1.0, -8 + (int)(cometi_rand_next(rng) % 6)) * (1.0 + cometi_rand_unit(rng)));
+}
+
+/* An E4M3 row of the table against float64 on the dequantized operands: A [a_rows][K] of
+ * random codes with MN-major scales per row per 128 columns (K = 192: a partial last
+ * block), B per group [rows][K] with 128 x 128 block scales (gate and up in one tensor, or
+ * up apart: `up_apart`), n columns (a partial last column tile or scale block where n is
+ * not a multiple of the tile). The error allowed in a block's sum, e below, is a part of
+ * S, the block's sum of |products| scaled: with `exact` codes (random_e4m3) every block
+ * sum is exact in the tensor core and only the fp32 promotion rounds (2^-20 of S: a
+ * misplaced scale or row shows as an error of the value's size); with any codes, the FP8
+ * MMA's accumulator keeps about 14 bits (DeepSeek-V3, section 3.3.2): 128 additions each
+ * truncated by at most 2^-13 of a partial sum (<= S) give 2^-6 of S. Store: bf16 output
+ * (2^-8 of |C|) on top. Quantizing SwiGLU: the E4M3 rounding (2^-4 of |value|,
+ * subnormals 2^-10 of the scale) on top of SwiGLU's propagation of the sums' errors, the
+ * row's scale its amax / 448 (or, pow2, the power of two at or above it) within that
+ * error; every row's block written once, padding rows and columns past n untouched. */
+static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int exact, uint64_t *rng)
+{
+    const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
+    const int quant = v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3, kbs = (K + 127) / 128;
+    const int64_t ld = s->a_rows + 8; /* the scales' ld: not A's rows */
+    const int b_rows = quant && !up_apart ? 2 * n : n, b_blocks = (b_rows + 127) / 128, n_blocks = (n + 127) / 128;
+    const int ldc = quant ? n + 32 : n + 64; /* E4M3 rows of bytes; bf16 elements */
+    /* Operands. */
+    uint8_t *a8 = malloc((size_t)s->a_rows * K), *b8 = malloc((size_t)GROUPS * b_rows * K),
+            *u8 = malloc((size_t)GROUPS * n * K);
+    float *sa = malloc(sizeof(float) * kbs * ld), *sb = malloc(sizeof(float) * GROUPS * b_blocks * kbs),
+          *su = malloc(sizeof(float) * GROUPS * n_blocks * kbs);
+    for (size_t i = 0; i < (size_t)s->a_rows * K; i++) a8[i] = random_e4m3(rng, exact);
+    for (size_t i = 0; i < (size_t)GROUPS * b_rows * K; i++) b8[i] = random_e4m3(rng, exact);
+    for (size_t i = 0; i < (size_t)GROUPS * n * K; i++) u8[i] = random_e4m3(rng, exact);
+    const double acc_rel = exact ? 0x1p-20 : 0x1p-6;
+    for (size_t i = 0; i < (size_t)kbs * ld; i++) sa[i] = random_scale(rng);
+    for (size_t i = 0; i < (size_t)GROUPS * b_blocks * kbs; i++) sb[i] = random_scale(rng);
+    for (size_t i = 0; i < (size_t)GROUPS * n_blocks * kbs; i++) su[i] = random_scale(rng);
+    /* Output column j's B row: gate j (and up j + n, or j of the up tensor). */
+#define A_AT(r, q) ((double)cometi_e4m3_decode(a8[(size_t)(r) * K + (q)]) * sa[(size_t)((q) / 128) * ld + (r)])
+#define B_AT(g, j, q) ((double)cometi_e4m3_decode(b8[((size_t)(g) * b_rows + (j)) * K + (q)]) * \
+                       sb[((size_t)(g) * b_blocks + (j) / 128) * kbs + (q) / 128])
+#define U_AT(g, j, q) (up_apart ? (double)cometi_e4m3_decode(u8[((size_t)(g) * n + (j)) * K + (q)]) * \
+                                      su[((size_t)(g) * n_blocks + (j) / 128) * kbs + (q) / 128]       \
+                                : B_AT(g, (j) + n, q))
+    const size_t nc = (size_t)s->a_rows * n;
+    double *ref = calloc(nc, sizeof(double)), *err_bound = calloc(nc, sizeof(double));
+    for (int g = 0; g < GROUPS; g++) {
+        const cometi_segment_t sg = s->segs_host[g];
+        for (int r = sg.start; r < sg.start + sg.rows; r++)
+            for (int j = 0; j < n; j++) {
+                double c = 0, cs = 0, u = 0, us = 0;
+                for (int q = 0; q < K; q++) {
+                    const double x = A_AT(r, q), bg = B_AT(g, j, q);
+                    c += x * bg, cs += fabs(x * bg);
+                    if (quant) {
+                        const double bu = U_AT(g, j, q);
+                        u += x * bu, us += fabs(x * bu);
+                    }
+                }
+                const double ec = acc_rel * cs, eu = acc_rel * us;
+                ref[(size_t)r * n + j] = quant ? cometi_swiglu(c, u) : c;
+                /* silu'(x) <= 1.1 and |silu(x)| <= |x| + 0.3: the sums' errors through SwiGLU. */
+                err_bound[(size_t)r * n + j] = quant ? 1.1 * fabs(u) * ec + (fabs(c) + 0.3) * eu + ec * eu : ec;
+            }
+    }
+#undef A_AT
+#undef B_AT
+#undef U_AT
+    void *a = NULL, *b = NULL, *up = NULL, *c = NULL;
+    float *dsa = NULL, *dsb = NULL, *dsu = NULL, *dsc = NULL;
+    const size_t c_bytes = (size_t)s->a_rows * ldc * (quant ? 1 : 2), sc_bytes = sizeof(float) * n_blocks * ld;
+    CUDA_OK(cudaMalloc(&a, (size_t)s->a_rows * K));
+    CUDA_OK(cudaMalloc(&b, (size_t)GROUPS * b_rows * K));
+    CUDA_OK(cudaMalloc(&up, (size_t)GROUPS * n * K));
+    CUDA_OK(cudaMalloc(&c, c_bytes));
+    CUDA_OK(cudaMalloc((void **)&dsa, sizeof(float) * kbs * ld));
+    CUDA_OK(cudaMalloc((void **)&dsb, sizeof(float) * GROUPS * b_blocks * kbs));
+    CUDA_OK(cudaMalloc((void **)&dsu, sizeof(float) * GROUPS * n_blocks * kbs));
+    CUDA_OK(cudaMalloc((void **)&dsc, sc_bytes));
+    CUDA_OK(cudaMemcpy(a, a8, (size_t)s->a_rows * K, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(b, b8, (size_t)GROUPS * b_rows * K, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(up, u8, (size_t)GROUPS * n * K, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsa, sa, sizeof(float) * kbs * ld, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsb, sb, sizeof(float) * GROUPS * b_blocks * kbs, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsu, su, sizeof(float) * GROUPS * n_blocks * kbs, cudaMemcpyHostToDevice));
+    problem_t p;
+    memset(&p, 0, sizeof(p));
+    p.groups = GROUPS, p.n = n, p.k = K, p.ldc = ldc;
+    p.a_rows = s->a_rows, p.segs = s->segs;
+    p.a = a, p.b = b, p.up = quant && up_apart ? up : NULL, p.c = c;
+    p.a_scale = dsa, p.b_scale = dsb, p.up_scale = dsu, p.c_scale = dsc, p.pow2 = pow2;
+    p.err = s->err_dev;
+    uint8_t *c8 = malloc(c_bytes);
+    uint16_t *c16 = (uint16_t *)c8;
+    float *scales = malloc(sc_bytes);
+    for (int run = 0; run < 2; run++) {
+        const int dynamic = run == 1;
+        CUDA_OK(cudaMemset(c, 0xff, c_bytes)); /* poison: NaN in E4M3 and bf16 */
+        CUDA_OK(cudaMemset(dsc, 0xff, sc_bytes));
+        p.sched = dynamic ? s->sched : NULL;
+        cometi_gemm_t g = describe(v, &p);
+        g.launch.sms = dynamic ? 0 : 5;
+        char err[COMETI_ERR_LEN];
+        cometi_gemm_prepared_t prepared;
+        comet_status_t st = cometi_gemm_prepare(err, &g, &prepared);
+        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
+        CHECK_EQ(st, COMET_SUCCESS);
+        CHECK_EQ(((const cometi_gemm_plan_t *)prepared.bytes)->variant, vi);
+        st = cometi_gemm_launch(err, &prepared, 0);
+        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
+        CHECK_EQ(st, COMET_SUCCESS);
+        CUDA_OK(cudaDeviceSynchronize());
+        if (s->err_host->status) printf("%s: the pipeline reported site %d\n", v->name, s->err_host->site);
+        CHECK_EQ(s->err_host->status, 0);
+        CUDA_OK(cudaMemcpy(c8, c, c_bytes, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(scales, dsc, sc_bytes, cudaMemcpyDeviceToHost));
+        int bad = 0;
+        double worst = 0; /* |error| / its bound */
+        for (int r = 0; r < s->a_rows && bad < 5; r++) {
+            const int owned = s->src_of_host[r] >= 0;
+            for (int j = 0; j < ldc && bad < 5; j++) {
+                const size_t at = (size_t)r * ldc + j;
+                const int poisoned = quant ? c8[at] == 0xff : c16[at] == 0xffff;
+                if (j >= n || !owned) {
+                    if (!poisoned) bad++, printf("%s: C[%d][%d] written (row owned %d)\n", v->name, r, j, owned);
+                    continue;
+                }
+                const double want = ref[(size_t)r * n + j];
+                double got, bound = err_bound[(size_t)r * n + j];
+                if (quant) {
+                    const float scale = scales[(size_t)(j / 128) * ld + r];
+                    got = (double)cometi_e4m3_decode(c8[at]) * scale;
+                    bound = 0x1p-4 * fabs(want) + 0x1p-10 * scale + 1.07 * bound;
+                } else {
+                    got = cometi_bf16_to_float(c16[at]);
+                    bound = 0x1p-8 * fabs(want) + 1.01 * bound;
+                }
+                if (!(fabs(got - want) <= bound))
+                    bad++, printf("%s: C[%d][%d] = %.9g, float64 %.9g, bound %.3g\n", v->name, r, j, got, want, bound);
+                if (bound > 0 && fabs(got - want) / bound > worst) worst = fabs(got - want) / bound;
+            }
+            if (!quant) continue;
+            /* The row's scales: its amax / 448 within the sums' errors, or a power of two
+             * with amax / 448 in (scale / 2, scale]; blocks past n, and padding rows, left. */
+            for (int blk = 0; blk < n_blocks && bad < 5; blk++) {
+                const float scale = scales[(size_t)blk * ld + r];
+                if (!owned) {
+                    if (cometi_f32_bits(scale) != 0xffffffffu) bad++, printf("%s: scale of padding row %d written\n",
+                                                                           v->name, r);
+                    continue;
+                }
+                double amax = 0, slack = 0;
+                for (int j = blk * 128; j < n && j < blk * 128 + 128; j++) {
+                    amax = fmax(amax, fabs(ref[(size_t)r * n + j]));
+                    slack = fmax(slack, 1.07 * err_bound[(size_t)r * n + j]);
+                }
+                const double want = amax / 448, tol = slack / 448 + 1e-6 * want;
+                const int ok = pow2 ? scale > 0 && frexpf(scale, &(int){0}) == 0.5f && want <= scale + tol &&
+                                          scale / 2 < want + tol
+                                    : fabs(scale - want) <= tol;
+                if (!ok) bad++, printf("%s: row %d block %d scale %.9g, amax / 448 = %.9g (pow2 %d)\n", v->name, r,
+                                       blk, scale, want, pow2);
+            }
+        }
+        CHECK_EQ(bad, 0);
+        printf("%-20s %s: n %d%s%s%s, worst |error| / bound %.2f\n", v->name,
+               dynamic ? "every SM, shared counter" : "5 blocks, static tiles  ", n, quant && up_apart ? ", up apart" : "",
+               pow2 ? ", pow2 scales" : "", exact ? ", exact sums" : ", any codes", worst);
+    }
+    free(a8), free(b8), free(u8), free(sa), free(sb), free(su), free(ref), free(err_bound), free(c8), free(scales);
+    cudaFree(a), cudaFree(b), cudaFree(up), cudaFree(c), cudaFree(dsa), cudaFree(dsb), cudaFree(dsu), cudaFree(dsc);
+    return 0;
+}
+
 static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t rng = *(uint64_t *)arg;
@@ -604,11 +869,20 @@ static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
     memset(&s, 0, sizeof(s));
     if (gemm_setup(ctx, &s.err_host, &s.err_dev)) return 1;
     if (shared_open(&s, &rng)) return 1;
-    for (int vi = 0; vi < COMETI_GEMM_NUM_VARIANTS; vi++)
-        if (run_row(&s, vi, &rng)) {
-            printf("variant %s failed\n", cometi_gemm_variants[vi].name);
+    for (int vi = 0; vi < COMETI_GEMM_NUM_VARIANTS; vi++) {
+        const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
+        int failed;
+        if (v->a_type != COMETI_GEMM_E4M3) failed = run_row(&s, vi, &rng);
+        else if (v->epilogue != COMETI_GEMM_EPI_SWIGLU_E4M3)
+            failed = run_row_e4m3(&s, vi, row_n(v), 0, 0, 1, &rng) || run_row_e4m3(&s, vi, row_n(v), 0, 0, 0, &rng);
+        else /* gate and up in one tensor (n of whole blocks); up apart, n = 192: partial blocks */
+            failed = run_row_e4m3(&s, vi, 256, 0, 0, 1, &rng) || run_row_e4m3(&s, vi, 192, 1, 1, 1, &rng) ||
+                     run_row_e4m3(&s, vi, 256, 0, 0, 0, &rng);
+        if (failed) {
+            printf("variant %s failed\n", v->name);
             return 1;
         }
+    }
     return 0;
 }
 

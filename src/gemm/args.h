@@ -45,6 +45,15 @@ typedef struct cometi_gemm_args {
     const int32_t *row_index;
     const int32_t *local_rows;
     const unsigned long long *arrive, *expected; /* dispatch role: arrival waits, or NULL */
+    /* E4M3 (gemm.h): A's scales [k blocks][a_scale_ld] (rows past a_rows read none), B's
+     * [groups][b_scale_group / b_scale_kb][b_scale_kb] (up's at b_up_scale, the same strides;
+     * n blocks past b_scale_blocks read none), and C's (SWIGLU_E4M3) [n blocks][c_scale_ld]. */
+    const float *a_scale, *b_scale, *b_up_scale;
+    long long a_scale_ld, a_rows;
+    int b_scale_group, b_scale_kb, b_scale_blocks;
+    float *c_scale;
+    long long c_scale_ld;
+    int pow2_scales;
     int gemm_blocks;
     unsigned int *sched;                 /* tiles taken, blocks done, pieces taken; NULL: static */
     int n_splits;                        /* column splits, tiles split-major (1: one split) */
@@ -54,7 +63,8 @@ typedef struct cometi_gemm_args {
     cometi_dispatch_t dispatch;          /* dispatch role: what its blocks copy */
     int combine_blocks;                  /* the first blocks combine instead (they never compute) */
     cometi_combine_t combine;            /* splits role with combine blocks, or the push role */
-    void *c;                             /* bf16; fp32 with the ADD_FP32 epilogue */
+    void *c;                             /* bf16; fp32 with the ADD_FP32 epilogue; E4M3 bytes with
+                                          * SWIGLU_E4M3 (ldc in bytes then) */
     int c_fp32_add;                      /* the ADD_FP32 epilogue: C += the tile, fp32 */
     void *gu;                            /* swiglu: gate and up kept, [gu_rows][2n] bf16, or NULL */
     int gu_tma;                          /* full tiles' gate and up leave by TMA stores (map gu) */
@@ -80,11 +90,12 @@ typedef struct cometi_gemm_plan {
 } cometi_gemm_plan_t;
 
 /* Launch a prepared GEMM's kernel, by the family of its row (gemm_forward.cu,
- * gemm_dgrad.cu, gemm_wgrad.cu): cudaErrorInvalidValue for a row of another family. The
+ * gemm_dgrad.cu, gemm_wgrad.cu, gemm_fp8.cu): cudaErrorInvalidValue for a row of another family. The
  * C side (prepare.c) picks the family and turns the error into a status. */
 cudaError_t cometi_gemm_launch_forward(const cometi_gemm_plan_t *plan, cudaStream_t stream);
 cudaError_t cometi_gemm_launch_dgrad(const cometi_gemm_plan_t *plan, cudaStream_t stream);
 cudaError_t cometi_gemm_launch_wgrad(const cometi_gemm_plan_t *plan, cudaStream_t stream);
+cudaError_t cometi_gemm_launch_fp8(const cometi_gemm_plan_t *plan, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -7,7 +7,8 @@
  *   the push      straight to their token owners' slots (the push role);
  *   a TMA store   staged in swizzled shared memory, one thread stores asynchronously;
  *   registers     straight to global memory (partial tiles, a row index).
- * With column splits, every stored row is counted in its split's split_done.
+ * With column splits, every stored row is counted in its split's split_done. The FP8
+ * SwiGLU quantizes its rows first (store_tile_e4m3).
  */
 #ifndef COMET_GEMM_EPILOGUE_CUH
 #define COMET_GEMM_EPILOGUE_CUH
@@ -16,11 +17,13 @@
 
 #include "gemm/args.h"
 #include "gemm/schedule.cuh"
+#include "base/fp8.h"
 #include "base/ptx.cuh"
 
-/* The epilogue's staging in shared memory for 128 rows of `on` columns: the TMA store's
- * swizzled boxes (C's, or the push's whole parts), 64 rows per consumer warpgroup. */
-static __host__ __device__ constexpr uint32_t c_stage_bytes(int on) { return COMETI_GEMM_BM * on * 2; }
+/* The epilogue's staging in shared memory for 128 rows of `on` columns of `bytes` each: the
+ * TMA store's swizzled boxes (C's, or the push's whole parts), 64 rows per consumer
+ * warpgroup. */
+static __host__ __device__ constexpr uint32_t c_stage_bytes(int on, int bytes) { return COMETI_GEMM_BM * on * bytes; }
 
 /* Where 16-byte chunk j (8 columns) of staged row r goes among the TMA store's boxes of 64
  * rows x 128 bytes, 128B-swizzled: the chunk index XOR the row's low 3 bits (conflict-free,
@@ -130,6 +133,9 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
      * allocation shifts with the code around the loop). */
     constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA, SWIGLU = ON != BN,
                    GU = T.epilogue == COMETI_GEMM_EPI_SWIGLU_GU, MAY_BE_EMPTY = T.along == COMETI_GEMM_GROUPS_ALONG_K;
+    /* No E4M3 row pushes or counts splits: compiled out there (the 256-wide E4M3 store
+     * spilled 112 bytes with them in, its promotion's registers beside them). */
+    constexpr bool BF16 = T.a_type == COMETI_GEMM_BF16;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
     const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
@@ -204,9 +210,9 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
      * bulk copies there held the next tile's loads back). The rows are counted once, at the
      * block's end (the owner sums after the whole GEMM anyway), so no tile waits for its
      * stores to land. */
-    const bool push_whole = TMA_EPILOGUE && p.push_dest && push.first.x >= 0 && push.last.x == push.first.x &&
+    const bool push_whole = TMA_EPILOGUE && (BF16 ? p.push_dest : NULL) && push.first.x >= 0 && push.last.x == push.first.x &&
                             push.last.y - push.first.y == 63 * p.combine.tp;
-    if (TMA_EPILOGUE && p.push_dest && !push_whole) {
+    if (TMA_EPILOGUE && (BF16 ? p.push_dest : NULL) && !push_whole) {
         const cometi_combine_t *cb = &p.combine;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -226,7 +232,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         }
         return;
     }
-    if (push_whole || (TMA_EPILOGUE && !p.push_dest && !p.row_index && full_tile)) {
+    if (push_whole || (TMA_EPILOGUE && !(BF16 ? p.push_dest : NULL) && !p.row_index && full_tile)) {
         /* Into shared memory as ON/64 swizzled boxes (swizzled_chunk), then one thread
          * stores the boxes asynchronously: to C, or to a push part's owner. */
         unsigned char *stage_c = sc + half * (64 * ON * 2);
@@ -253,7 +259,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
 #pragma unroll
             for (int box = 0; box < ON / 64; box++) tma_store_2d(map, stage_c + box * 8192, tl.n * ON + box * 64, row);
             bulk_commit();
-            if (p.split_done) {
+            if (BF16 && p.split_done) {
                 /* The split's readers load these rows with ordinary loads: a store must have
                  * landed, and the async proxy's writes be ordered before its count. Count
                  * each store one tile late (wait for all but the newest), so the next tile's
@@ -304,13 +310,101 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
                 *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
     }
 #undef OUT
-    if (p.split_done) {
+    if (BF16 && p.split_done) {
         /* Every thread's stores, then one count for the warpgroup's rows. */
         __threadfence();
         warpgroup_sync(1 + half);
         const int valid = min(64, seg.rows - part);
         if (threadIdx.x % 128 == 0 && valid > 0)
             cometi_red_release_gpu_add(&p.split_done[tl.n / split_tiles], (unsigned long long)valid);
+    }
+}
+
+/* The quantizing SwiGLU (SWIGLU_E4M3): the tile's 128 output columns are one scale block,
+ * so each row's block is whole in this thread's quad (four lanes hold a row's columns):
+ * the row's amax over its columns below n (NaN-propagating: a NaN or an infinity makes the
+ * scale NaN or Inf and the block dequantizes to NaN, never a silent clamp), its scale and
+ * the values times 1 / scale rounded to E4M3 with saturation (base/fp8.h), then the bytes
+ * out through the staging and a TMA store (a full tile) or 2 bytes at a time, and each
+ * row's scale by its quad's first lane. */
+template <int V>
+static __device__ __forceinline__ void store_tile_e4m3(const float *acc, const cometi_gemm_args_t &p,
+                                                       const CUtensorMap *map_c, unsigned char *sc, tile_t tl,
+                                                       cometi_segment_t seg, int part, int half)
+{
+    constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
+    constexpr int BN = T.block_n, TM = cometi_gemm_tile_rows(T), ON = cometi_gemm_out_cols(T);
+    constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA;
+    static_assert(ON == COMETI_GEMM_SCALE_BLOCK, "a tile's output columns are one scale block");
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
+    const bool ok[2] = {row0 < seg.rows, row0 + 8 < seg.rows};
+    const int col0 = tl.n * ON + (lane % 4) * 2, pairs = min(ON / 8, (p.n - col0 + 7) / 8);
+    float rs[2] = {1.0f, 1.0f};
+    if (p.row_scale) {
+        if (ok[0]) rs[0] = p.row_scale[seg.start + row0];
+        if (ok[1]) rs[1] = p.row_scale[seg.start + row0 + 8];
+    }
+    float v[ON / 2], amax[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int j = 0; j < ON / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const float x = j < pairs ? rs[h] * silu(acc[j * 4 + 2 * h + e]) * acc[(j + BN / 16) * 4 + 2 * h + e]
+                                          : 0.0f;
+                v[j * 4 + 2 * h + e] = x;
+                amax[h] = cometi_fp8_max(amax[h], cometi_fp8_abs(x));
+            }
+    float scale[2], inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        amax[h] = cometi_fp8_max(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
+        amax[h] = cometi_fp8_max(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
+        scale[h] = cometi_fp8_scale(amax[h], p.pow2_scales);
+        inv[h] = cometi_fp8_inverse(scale[h]);
+    }
+    /* Two columns a 16-bit pair, the first in the low byte (base/fp8.h's bits). */
+    uint16_t q[ON / 8][2];
+#pragma unroll
+    for (int j = 0; j < ON / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            q[j][h] = cometi_e4m3x2_cvt(cometi_fp8_mul(v[j * 4 + 2 * h], inv[h]),
+                                        cometi_fp8_mul(v[j * 4 + 2 * h + 1], inv[h]));
+    if (lane % 4 == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            if (ok[h]) p.c_scale[(long long)tl.n * p.c_scale_ld + seg.start + row0 + 8 * h] = scale[h];
+    }
+    if (TMA_EPILOGUE && tl.m * TM + TM <= seg.rows) {
+        /* One box of 64 rows x 128 bytes per warpgroup, 128B-swizzled: byte column 8j + 2q
+         * is in 16-byte chunk j / 2. */
+        unsigned char *stage = sc + half * (64 * ON);
+        if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the previous tile's store has read it */
+        warpgroup_sync(1 + half);
+#pragma unroll
+        for (int j = 0; j < ON / 8; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                unsigned char *dst = stage + swizzled_chunk(j / 2, r_lo + 8 * h) + (j % 2) * 8 + (lane % 4) * 2;
+                asm volatile("st.shared.b16 [%0], %1;" ::"r"(smem_u32(dst)), "h"(q[j][h]) : "memory");
+            }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
+        warpgroup_sync(1 + half);
+        if (threadIdx.x % 128 == 0) {
+            tma_store_2d(map_c, stage, tl.n * ON, seg.start + part); /* columns past n are clipped */
+            bulk_commit();
+        }
+        return;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        unsigned char *c = (unsigned char *)p.c + (long long)(seg.start + row0 + 8 * h) * p.ldc + col0;
+#pragma unroll
+        for (int j = 0; j < ON / 8; j++)
+            if (ok[h] && j < pairs) *(uint16_t *)(c + j * 8) = q[j][h];
     }
 }
 

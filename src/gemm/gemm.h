@@ -4,8 +4,9 @@
  * the groups' segments one after another, B [groups][n][k] in nn.Linear's [out][in]
  * layout), C_g = A_g B_g (a dgrad GEMM: B [groups][k][n], MN-major), or C_g = A_g^T B_g with
  * groups along K (a weight gradient: A [rows][m_out] and B [rows][n], group g's k its
- * segment's rows, C [groups][m_out][n]). Operands bf16, fp32 accumulation. The groups'
- * rows are read by the kernel from device memory, so no host sync is needed.
+ * segment's rows, C [groups][m_out][n]). Operands bf16, or E4M3 with block scales (the
+ * forward's layout), fp32 accumulation. The groups' rows are read by the kernel from device
+ * memory, so no host sync is needed.
  *
  * A description (cometi_gemm_t) has the problem, each operand with its layout, the output
  * with its epilogue, the launch, and the roles that make it one of COMET's two patterns:
@@ -86,7 +87,8 @@ typedef struct cometi_gemm {
         int n;                        /* C's columns, a multiple of 64: a last column tile past n
                                        * computes columns from zeros or other rows and stores none
                                        * of them (column splits need whole tiles) */
-        int k;                        /* along M: a multiple of 64; along K: unused (each group's
+        int k;                        /* along M: a multiple of 64 (E4M3: of 16, the last 128-wide
+                                       * block partial); along K: unused (each group's
                                        * rows are its k, summed up to the next 64, so padding rows
                                        * of A and B must be zero) */
         int m_out;                    /* along K: C's rows per group, a multiple of 64 (the last
@@ -101,8 +103,12 @@ typedef struct cometi_gemm {
     struct {
         const void *ptr;
         int64_t rows;                 /* rows allocated (TMA reads past a group's rows stay inside) */
-        int type;                     /* COMETI_GEMM_BF16 */
+        int type;                     /* COMETI_GEMM_BF16 or COMETI_GEMM_E4M3 */
         int major;                    /* COMETI_GEMM_K_MAJOR, or MN_MAJOR along K */
+        const float *scale;           /* E4M3: row r's scale of k block b (128 wide) at
+                                       * scale[b * scale_ld + r] (MN-major: a tile's rows are
+                                       * contiguous), the last block partial where k is */
+        int64_t scale_ld;             /* E4M3: >= rows */
     } a;
     /* B: K-major [groups][n][k] (SwiGLU: [groups][2n][k], gate rows then up rows, or the gate
      * rows alone with `up` beside them); MN-major [groups][k][n] along M, [rows][n] along K. */
@@ -110,8 +116,13 @@ typedef struct cometi_gemm {
         const void *ptr;
         const void *up;               /* SwiGLU: the up rows [groups][n][k] in a tensor of their own,
                                        * or NULL */
-        int type;                     /* COMETI_GEMM_BF16 */
+        int type;                     /* COMETI_GEMM_BF16 or COMETI_GEMM_E4M3 */
         int major;                    /* COMETI_GEMM_K_MAJOR or COMETI_GEMM_MN_MAJOR */
+        const float *scale;           /* E4M3: one per 128 x 128 block of each group's rows,
+                                       * [groups][ceil(rows / 128)][ceil(k / 128)] (HF checkpoints'
+                                       * weight_scale_inv); gate and up in one tensor need n a
+                                       * multiple of 128 (a block never holds both) */
+        const float *up_scale;        /* E4M3 with `up`: the up rows' own, [groups][ceil(n / 128)][..] */
     } b;
     /* The output. */
     struct {
@@ -133,6 +144,12 @@ typedef struct cometi_gemm {
                                        * are not kept */
         int64_t gu_rows;
         const struct cometi_gemm_push *push; /* PUSH: where the rows go */
+        float *c_scale;               /* SWIGLU_E4M3: C holds E4M3 bytes (ldc bytes a row, a multiple
+                                       * of 16) and row r's scale of column block b (128 wide) goes
+                                       * to c_scale[b * c_scale_ld + r]: the next GEMM's A.scale */
+        int64_t c_scale_ld;           /* SWIGLU_E4M3: >= A's rows */
+        int pow2_scales;              /* SWIGLU_E4M3: 1: each scale the power of two at or above
+                                       * amax / 448, 0: amax / 448 (base/fp8.h) */
     } out;
     /* The launch. */
     struct {

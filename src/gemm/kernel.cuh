@@ -48,14 +48,15 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
     constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T);
     constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA,
-                   SWIGLU = T.epilogue == COMETI_GEMM_EPI_SWIGLU || T.epilogue == COMETI_GEMM_EPI_SWIGLU_GU,
+                   SWIGLU = cometi_gemm_is_swiglu(T.epilogue), E4M3 = T.a_type == COMETI_GEMM_E4M3,
                    PINGPONG = T.schedule == COMETI_GEMM_PINGPONG, WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K,
                    DISPATCH = T.roles & COMETI_GEMM_ROLE_DISPATCH, SPLITS = T.roles & COMETI_GEMM_ROLE_SPLITS;
     /* Output columns per tile (SwiGLU pairs gate column c with up column c + BN/2), and rows
      * per tile: 128 shared by both consumers, or 64 for one (ping-pong). */
-    constexpr int ON = cometi_gemm_out_cols(T), TM = cometi_gemm_tile_rows(T);
-    constexpr uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2,
-                       C_BYTES = TMA_EPILOGUE ? c_stage_bytes(ON) : 0;
+    constexpr int ON = cometi_gemm_out_cols(T), TM = cometi_gemm_tile_rows(T), BK = cometi_gemm_bk(T);
+    /* A stage holds 128 bytes of each row of A's and B's tiles (BK elements). */
+    constexpr uint32_t A_BYTES = TM * 128, B_BYTES = BN * 128,
+                       C_BYTES = TMA_EPILOGUE ? c_stage_bytes(ON, cometi_gemm_out_bytes(T)) : 0;
     /* The layout below is what variants.h sized the row's shared memory for. */
     static_assert(A_BYTES + B_BYTES == (uint32_t)cometi_gemm_stage_bytes(T) &&
                       C_BYTES == (uint32_t)cometi_gemm_staging_bytes(T),
@@ -72,8 +73,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     sm.tail = (cometi_tail_plan_t *)(sm.tickets + TICKETS);
     /* The last column tile may be partial (n a multiple of 64): its B columns past n load
      * as zeros (or, K-major, as the next group's rows), and its columns past n are never
-     * stored. */
-    const int wg = threadIdx.x / 128, n_tiles = (p.n + ON - 1) / ON, k_blocks = p.k / COMETI_GEMM_BK,
+     * stored. So may the last k block of E4M3 (k a multiple of 16): the loads past k read
+     * zeros. */
+    const int wg = threadIdx.x / 128, n_tiles = (p.n + ON - 1) / ON, k_blocks = (p.k + BK - 1) / BK,
               split_tiles = n_tiles / p.n_splits;
 
     /* ---- roles ---- */
@@ -198,7 +200,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     /* ---- the consumers ---- */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, half = wg - 1;
-    if (TMA_EPILOGUE && p.push_dest && threadIdx.x % 128 == 0) {
+    if (TMA_EPILOGUE && !E4M3 && p.push_dest && threadIdx.x % 128 == 0) {
         /* The push's maps live in global memory, written by the host (cudaMemcpy): the thread
          * that stores through them acquires them into the tensormap proxy first (CUDA
          * programming guide, "tensor map in global memory"). */
@@ -249,10 +251,16 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (WGRAD) seg.start = tl.group * p.m_out, seg.rows = p.m_out; /* the group's rows of C */
         push_rows_t push;
         push.first = make_int2(-1, 0), push.last = push.first, push.row[0] = push.row[1] = push.first;
-        if (TMA_EPILOGUE && p.push_dest) push = load_push_rows(p, tl, part, warp * 16 + lane / 4);
-        consume_unit<V>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1, &pos, &sm.turn[half ^ 1]);
+        if (TMA_EPILOGUE && !E4M3 && p.push_dest) push = load_push_rows(p, tl, part, warp * 16 + lane / 4);
+        if constexpr (E4M3)
+            consume_unit_e4m3<V>(acc, p, sm, half * 64 * 128, un.kb0, kb1, &pos, tl, (long long)seg.start + part);
+        else
+            consume_unit<V>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1, &pos, &sm.turn[half ^ 1]);
         if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN>(acc, p, tail, t, k_blocks)) continue;
-        store_tile<V>(acc, p, &map_c, &map_gu, sm.c, tl, seg, part, half, split_tiles, push, &st, kb1 <= un.kb0);
+        if constexpr (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3)
+            store_tile_e4m3<V>(acc, p, &map_c, sm.c, tl, seg, part, half);
+        else
+            store_tile<V>(acc, p, &map_c, &map_gu, sm.c, tl, seg, part, half, split_tiles, push, &st, kb1 <= un.kb0);
     }
     if (recorder) trace[3] = cometi_globaltimer_ns();
     finish_stores<V>(p, half, &st);

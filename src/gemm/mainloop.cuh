@@ -3,7 +3,8 @@
  * of stages: the producer thread's TMA loads of one unit's A and B tiles (k-steps
  * [kb0, kb1)), and a consumer warpgroup's wgmma over them, accumulating in registers. B is
  * K-major ([n][k], nn.Linear's [out][in]) or, for a dgrad GEMM, MN-major ([k][n]: the
- * instruction's B transpose reads it as it lies).
+ * instruction's B transpose reads it as it lies). E4M3 rows have their own consumer
+ * (consume_unit_e4m3: block scales, fp32 promotion per k block).
  *
  * Checklist followed (Hopper's TMA and wgmma rules): 128B-swizzled K-major tiles of 64
  * bf16, stages 1024-byte aligned, full[s] count 1 with expect_tx, empty[s] one arrive per
@@ -55,7 +56,10 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
                   ON = cometi_gemm_out_cols(T);
     constexpr bool SWIGLU = ON != BN, WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K,
                    B_MN = !WGRAD && T.b_major == COMETI_GEMM_MN_MAJOR;
-    const uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2;
+    /* k per stage: 64 bf16 or 128 E4M3, 128 bytes of a row either way (a box is one
+     * 128B-swizzled span; the SwiGLU up rows start ON rows of 128 bytes in). */
+    constexpr int BK = cometi_gemm_bk(T);
+    const uint32_t A_BYTES = TM * 128, B_BYTES = BN * 128;
     const int b_row = tl.group * p.b_group_rows + tl.n * ON;
     for (int kb = kb0; kb < kb1; kb++) {
         if (!*claimed && kb >= kb1 - LATE_CLAIM_KBLOCKS) *next = (int)atomicAdd(&p.sched[0], 1u), *claimed = true;
@@ -65,7 +69,7 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
         if (WGRAD) {
             /* A [rows][m] and B [rows][n], K down the rows: boxes of 64 columns x 64 rows, 8 KB
              * apart (A: TM / 64 of them, one per consumer warpgroup; B: BN / 64). */
-            const int k_row = a_row + kb * COMETI_GEMM_BK;
+            const int k_row = a_row + kb * BK;
 #pragma unroll
             for (int j = 0; j < TM / 64; j++)
                 tma_load_2d(sm.a + stage * A_BYTES + j * 8192, map_a, tl.m * TM + j * 64, k_row, &sm.full[stage]);
@@ -75,21 +79,20 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
             if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
             continue;
         }
-        tma_load_2d(sm.a + stage * A_BYTES, map_a, kb * COMETI_GEMM_BK, a_row, &sm.full[stage]);
+        tma_load_2d(sm.a + stage * A_BYTES, map_a, kb * BK, a_row, &sm.full[stage]);
         if (B_MN) {
             /* B MN-major ([groups][k][n]): BN / 64 boxes of 64 k rows x 64 columns, 8 KB apart. */
 #pragma unroll
             for (int j = 0; j < BN / 64; j++)
-                tma_load_3d(sm.b + stage * B_BYTES + j * 8192, map_b, tl.n * ON + j * 64, kb * COMETI_GEMM_BK, tl.group,
+                tma_load_3d(sm.b + stage * B_BYTES + j * 8192, map_b, tl.n * ON + j * 64, kb * BK, tl.group,
                             &sm.full[stage]);
         } else if (SWIGLU) {
             /* Gate rows, then the matching up rows in the second half of the B tile,
              * each from a [groups][n][k] view, so a ragged last tile reads zeros. */
-            tma_load_3d(sm.b + stage * B_BYTES, map_b, kb * COMETI_GEMM_BK, tl.n * ON, tl.group, &sm.full[stage]);
-            tma_load_3d(sm.b + stage * B_BYTES + ON * 128, map_up, kb * COMETI_GEMM_BK, tl.n * ON, tl.group,
-                        &sm.full[stage]);
+            tma_load_3d(sm.b + stage * B_BYTES, map_b, kb * BK, tl.n * ON, tl.group, &sm.full[stage]);
+            tma_load_3d(sm.b + stage * B_BYTES + ON * 128, map_up, kb * BK, tl.n * ON, tl.group, &sm.full[stage]);
         } else {
-            tma_load_2d(sm.b + stage * B_BYTES, map_b, kb * COMETI_GEMM_BK, b_row, &sm.full[stage]);
+            tma_load_2d(sm.b + stage * B_BYTES, map_b, kb * BK, b_row, &sm.full[stage]);
         }
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
     }
@@ -107,6 +110,7 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
     constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T);
     constexpr bool PINGPONG = T.schedule == COMETI_GEMM_PINGPONG, WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K,
                    B_MN = !WGRAD && T.b_major == COMETI_GEMM_MN_MAJOR;
+    static_assert(T.a_type == COMETI_GEMM_BF16, "E4M3 rows take consume_unit_e4m3");
     const uint32_t A_BYTES = TM * COMETI_GEMM_BK * 2, B_BYTES = BN * COMETI_GEMM_BK * 2;
     /* Descriptors of stage 0 at k16 0, made once: a stage or a k16 step moves only the start
      * address (bits 0-13, in 16-byte units; no shared-memory address here carries out of
@@ -147,6 +151,90 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
     if (PINGPONG && threadIdx.x % 128 == 0) mbar_arrive(hand_over); /* the other's turn */
     wgmma_wait<0>();
     if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[prev]);
+}
+
+/* A scale of the FP8 operands, or 0 where there is none (a row past A, an n block past B:
+ * their products are never stored). */
+static __device__ __forceinline__ float scale_at(const float *base, long long i, bool ok)
+{
+    return ok ? __ldg(base + i) : 0.0f;
+}
+
+/* A consumer warpgroup's mainloop over k-steps [kb0, kb1) of an E4M3 row (one stage is one
+ * 128-wide k block): for each 128-column half of the B tile, four MMAs of k 32 into
+ * `part`, fresh each block, then acc += part x (its row's A scale x the half's B scale) in
+ * fp32. The promotion keeps the tensor core's FP8 sums (narrower than fp32) within one
+ * block, and applies the block scales where they change. The half's MMAs must be done
+ * before its promotion reads them; the other consumer warpgroup's MMAs fill the gap. The
+ * next block's scales are loaded before this block's MMAs are waited for. `a_row`: A's
+ * first row of this warpgroup's 64. */
+template <int V>
+static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const cometi_gemm_args_t &p,
+                                                         const gemm_smem_t &sm, int a_off, int kb0, int kb1,
+                                                         ring_pos_t *pos, tile_t tl, long long a_row)
+{
+    constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
+    constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T),
+                  ON = cometi_gemm_out_cols(T), HALVES = BN / 128;
+    static_assert(T.a_type == COMETI_GEMM_E4M3 && T.b_type == COMETI_GEMM_E4M3 && T.a_major == COMETI_GEMM_K_MAJOR &&
+                      T.b_major == COMETI_GEMM_K_MAJOR && T.along == COMETI_GEMM_GROUPS_ALONG_M &&
+                      T.schedule == COMETI_GEMM_COOPERATIVE,
+                  "E4M3 rows: K-major operands, groups along M, cooperative");
+    const uint32_t A_BYTES = TM * 128, B_BYTES = BN * 128;
+    /* This thread's two rows (fragment rows r and r + 8), and each half's B scales: SwiGLU's
+     * gate and up blocks of column tile tl.n, or the two 128-row blocks of a plain tile. */
+    const long long ra = a_row + ((threadIdx.x % 128) / 32) * 16 + (threadIdx.x % 32) / 4, rb = ra + 8;
+    const bool ra_ok = ra < p.a_rows, rb_ok = rb < p.a_rows;
+    const float *sb[HALVES];
+    bool sb_ok[HALVES];
+#pragma unroll
+    for (int h = 0; h < HALVES; h++) {
+        const int nb = ON != BN ? tl.n : tl.n * HALVES + h;
+        sb[h] = (ON != BN && h ? p.b_up_scale : p.b_scale) + (long long)tl.group * p.b_scale_group +
+                (long long)nb * p.b_scale_kb;
+        sb_ok[h] = nb < p.b_scale_blocks;
+    }
+    float sa0 = scale_at(p.a_scale, kb0 * p.a_scale_ld + ra, ra_ok && kb0 < kb1),
+          sa1 = scale_at(p.a_scale, kb0 * p.a_scale_ld + rb, rb_ok && kb0 < kb1), sbv[HALVES];
+#pragma unroll
+    for (int h = 0; h < HALVES; h++) sbv[h] = scale_at(sb[h], kb0, sb_ok[h] && kb0 < kb1);
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
+    const uint32_t a0 = smem_desc_lo(sm.a + a_off), b0 = smem_desc_lo(sm.b);
+    for (int kb = kb0; kb < kb1; kb++) {
+        /* The next block's scales, in flight while this one computes. */
+        const bool more = kb + 1 < kb1;
+        const float na0 = scale_at(p.a_scale, (kb + 1) * p.a_scale_ld + ra, ra_ok && more),
+                    na1 = scale_at(p.a_scale, (kb + 1) * p.a_scale_ld + rb, rb_ok && more);
+        float nb[HALVES];
+#pragma unroll
+        for (int h = 0; h < HALVES; h++) nb[h] = scale_at(sb[h], kb + 1, sb_ok[h] && more);
+        mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
+        const uint32_t a = a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b = b0 + (uint32_t)pos->stage * (B_BYTES >> 4);
+#pragma unroll
+        for (int h = 0; h < HALVES; h++) {
+            float part[64];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) /* k 32 is 32 bytes further along a K-major row */
+                cometi_wgmma_m64n128k32_e4m3(part, smem_desc_at(a + kk * 2),
+                                             smem_desc_at(b + h * (128 * 128 >> 4) + kk * 2), kk);
+            wgmma_commit();
+            wgmma_wait<0>();
+            if (h == HALVES - 1 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]);
+            const float s0 = sa0 * sbv[h], s1 = sa1 * sbv[h];
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                float *d = &acc[(h * 16 + j) * 4];
+                d[0] = fmaf(part[j * 4], s0, d[0]), d[1] = fmaf(part[j * 4 + 1], s0, d[1]);
+                d[2] = fmaf(part[j * 4 + 2], s1, d[2]), d[3] = fmaf(part[j * 4 + 3], s1, d[3]);
+            }
+        }
+        sa0 = na0, sa1 = na1;
+#pragma unroll
+        for (int h = 0; h < HALVES; h++) sbv[h] = nb[h];
+        if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+    }
 }
 
 #endif /* COMET_GEMM_MAINLOOP_CUH */

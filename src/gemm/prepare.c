@@ -30,18 +30,21 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled(void)
     return fn;
 }
 
-/* A bf16 tensor of `rank` (2 or 3) dimensions, innermost first, with the outer ones'
- * strides in elements, in boxes of `box` with 128-byte swizzle (64 elements innermost).
- * Boxes past an extent read zeros and store nothing there. */
-static comet_status_t encode_map(char *err, CUtensorMap *map, const void *base, int rank, const uint64_t *dims,
-                                 const uint64_t *stride_elems, const uint32_t *box, const char *what)
+/* A tensor of bf16 (elem_bytes 2) or E4M3 bytes (1) of `rank` (2 or 3) dimensions,
+ * innermost first, with the outer ones' strides in elements, in boxes of `box` with
+ * 128-byte swizzle (128 bytes innermost). Boxes past an extent read zeros and store
+ * nothing there. */
+static comet_status_t encode_map(char *err, CUtensorMap *map, const void *base, int elem_bytes, int rank,
+                                 const uint64_t *dims, const uint64_t *stride_elems, const uint32_t *box,
+                                 const char *what)
 {
     PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
     if (!encode) return cometi_fail(err, COMET_CUDA_ERROR, "cuTensorMapEncodeTiled is not available from the driver");
-    cuuint64_t d[3] = {dims[0], dims[1], rank > 2 ? dims[2] : 1}, strides[2] = {stride_elems[0] * 2, 0};
+    cuuint64_t d[3] = {dims[0], dims[1], rank > 2 ? dims[2] : 1}, strides[2] = {stride_elems[0] * elem_bytes, 0};
     cuuint32_t b[3] = {box[0], box[1], rank > 2 ? box[2] : 1}, elem[3] = {1, 1, 1};
-    if (rank > 2) strides[1] = stride_elems[1] * 2;
-    CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)base, d, strides, b, elem,
+    if (rank > 2) strides[1] = stride_elems[1] * elem_bytes;
+    const CUtensorMapDataType type = elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    CUresult r = encode(map, type, (cuuint32_t)rank, (void *)base, d, strides, b, elem,
                         CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
@@ -51,22 +54,23 @@ static comet_status_t encode_map(char *err, CUtensorMap *map, const void *base, 
     return COMET_SUCCESS;
 }
 
-/* A bf16 tensor [outer2][outer][inner] with rows `row_elems` and matrices `mat_elems`
- * elements apart (mat_elems 0: a 2D tensor [outer][inner]; otherwise 3D even when
- * outer2 is 1, since the kernel's loads from it are 3D), in boxes of box_outer x 64. */
-static comet_status_t make_map_3d(char *err, CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
-                                  uint64_t outer2, uint64_t row_elems, uint64_t mat_elems, uint32_t box_outer,
-                                  const char *what)
+/* A tensor [outer2][outer][inner] of bf16 (elem_bytes 2) or E4M3 (1) with rows `row_elems`
+ * and matrices `mat_elems` elements apart (mat_elems 0: a 2D tensor [outer][inner];
+ * otherwise 3D even when outer2 is 1, since the kernel's loads from it are 3D), in boxes of
+ * box_outer rows x 128 bytes. */
+static comet_status_t make_map_3d(char *err, CUtensorMap *map, const void *base, int elem_bytes, uint64_t inner,
+                                  uint64_t outer, uint64_t outer2, uint64_t row_elems, uint64_t mat_elems,
+                                  uint32_t box_outer, const char *what)
 {
     const uint64_t dims[3] = {inner, outer, outer2}, strides[2] = {row_elems, mat_elems};
-    const uint32_t box[3] = {COMETI_GEMM_BK, box_outer, 1};
-    return encode_map(err, map, base, mat_elems ? 3 : 2, dims, strides, box, what);
+    const uint32_t box[3] = {128u / (uint32_t)elem_bytes, box_outer, 1};
+    return encode_map(err, map, base, elem_bytes, mat_elems ? 3 : 2, dims, strides, box, what);
 }
 
-static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, uint64_t inner, uint64_t outer,
-                               uint32_t box_outer, const char *what)
+static comet_status_t make_map(char *err, CUtensorMap *map, const void *base, int elem_bytes, uint64_t inner,
+                               uint64_t outer, uint32_t box_outer, const char *what)
 {
-    return make_map_3d(err, map, base, inner, outer, 1, inner, 0, box_outer, what); /* 2D */
+    return make_map_3d(err, map, base, elem_bytes, inner, outer, 1, inner, 0, box_outer, what); /* 2D */
 }
 
 comet_status_t cometi_gemm_push_maps_create(char *err, void *const *peer_slots, int world, int tp,
@@ -80,7 +84,7 @@ comet_status_t cometi_gemm_push_maps_create(char *err, void *const *peer_slots, 
                            (long long)slot_rows, hidden);
     CUtensorMap table[COMETI_MAX_RANKS];
     for (int p = 0; p < world; p++) /* this TP rank's column of each choice's tp partial rows */
-        COMETI_TRY(make_map_3d(err, &table[p], (const char *)peer_slots[p] + (size_t)t_rank * hidden * 2,
+        COMETI_TRY(make_map_3d(err, &table[p], (const char *)peer_slots[p] + (size_t)t_rank * hidden * 2, 2,
                                (uint64_t)hidden, (uint64_t)slot_rows, 1, (uint64_t)tp * hidden, 0, 64, "push slots"));
     void *dev = NULL;
     COMETI_TRY(cometi_cuda(err, cudaMalloc(&dev, sizeof(CUtensorMap) * world), "cudaMalloc(push tensor maps)"));
@@ -98,15 +102,21 @@ comet_status_t cometi_gemm_push_maps_create(char *err, void *const *peer_slots, 
 
 static const char *epilogue_name(int e)
 {
-    static const char *names[] = {"store", "swiglu", "swiglu keeping g and u", "push", "fp32 add"};
+    static const char *names[] = {"store", "swiglu", "swiglu keeping g and u", "push", "fp32 add",
+                                  "swiglu quantized to e4m3"};
     return e >= 0 && e < (int)(sizeof(names) / sizeof(names[0])) ? names[e] : "?";
+}
+
+static const char *format_name(int t)
+{
+    return t == COMETI_GEMM_BF16 ? "bf16" : t == COMETI_GEMM_E4M3 ? "e4m3" : "?";
 }
 
 /* The choices of a variant in words, for messages and tests. */
 void cometi_gemm_variant_text(const cometi_gemm_variant_t *v, char *out, size_t len)
 {
     snprintf(out, len, "%s x %s, A %s-major, B %s-major, groups along %s, epilogue %s, %s store, %s, block_n %d, "
-             "roles %s", v->a_type == COMETI_GEMM_BF16 ? "bf16" : "?", v->b_type == COMETI_GEMM_BF16 ? "bf16" : "?",
+             "roles %s", format_name(v->a_type), format_name(v->b_type),
              v->a_major == COMETI_GEMM_MN_MAJOR ? "MN" : "K", v->b_major == COMETI_GEMM_MN_MAJOR ? "MN" : "K",
              v->along == COMETI_GEMM_GROUPS_ALONG_K ? "K" : "M", epilogue_name(v->epilogue),
              v->store == COMETI_GEMM_STORE_DIRECT ? "direct" : v->store == COMETI_GEMM_STORE_TMA ? "TMA" : "any",
@@ -117,12 +127,16 @@ void cometi_gemm_variant_text(const cometi_gemm_variant_t *v, char *out, size_t 
                                                                                : "none");
 }
 
+/* Bytes of an element of C: E4M3 out of the quantizing SwiGLU, else bf16 (fp32 adds never
+ * leave by TMA). */
+static int out_bytes(const cometi_gemm_t *g) { return g->out.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 ? 1 : 2; }
+
 /* Whether C can leave through the TMA store: 16-byte rows, a 16-byte aligned C, and rows in
  * place (no index). The push stores through its owners' maps, not C's. */
 static int tma_store_ok(const cometi_gemm_t *g)
 {
     return g->out.epilogue == COMETI_GEMM_EPI_PUSH ||
-           (g->out.ldc % 8 == 0 && (uintptr_t)g->out.c % 16 == 0 && !g->out.row_index);
+           ((int64_t)g->out.ldc * out_bytes(g) % 16 == 0 && (uintptr_t)g->out.c % 16 == 0 && !g->out.row_index);
 }
 
 /* The row of the table with the description's choices: its formats, layouts, epilogue,
@@ -142,8 +156,8 @@ static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *ou
     want.block_n = g->launch.block_n;
     want.roles = (g->roles.dispatch ? COMETI_GEMM_ROLE_DISPATCH : 0) | (g->roles.splits ? COMETI_GEMM_ROLE_SPLITS : 0);
     if (want.store == COMETI_GEMM_STORE_TMA && !tma_store_ok(g))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm store TMA: ldc = %d must be a multiple of 8, c "
-                           "16-byte aligned and row_index NULL", g->out.ldc);
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm store TMA: ldc = %d must be a multiple of %d, c "
+                           "16-byte aligned and row_index NULL", g->out.ldc, 16 / out_bytes(g));
     const int tile_n = cometi_gemm_tile_n(g->problem.n);
     int best = -1, best_score = -1;
     for (int i = 0; i < COMETI_GEMM_NUM_VARIANTS; i++) {
@@ -166,7 +180,8 @@ static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *ou
         cometi_gemm_variant_text(&want, text, sizeof(text));
         return cometi_fail(err, COMET_NOT_SUPPORTED, "gemm: no variant is built for %s%s%s (src/gemm/variants.h lists "
                            "those that are)", text, want.block_n ? "" : " (any block_n)",
-                           direct_only ? "; the TMA store needs ldc a multiple of 8, c 16-byte aligned and no row index"
+                           direct_only ? "; the TMA store needs 16-byte rows of C (ldc), c 16-byte aligned and no "
+                                         "row index"
                                        : "");
     }
     *out = best;
@@ -175,11 +190,47 @@ static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *ou
 
 /* ---- the checks ---- */
 
+/* The block scales: E4M3 operands need theirs, in range; bf16 ones take none. */
+static comet_status_t check_scales(char *err, const cometi_gemm_t *g, const cometi_gemm_variant_t *v)
+{
+    const int e4m3 = v->a_type == COMETI_GEMM_E4M3, quant = v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3;
+    if (!e4m3) {
+        if (g->a.scale || g->b.scale || g->b.up_scale || g->out.c_scale || g->out.pow2_scales)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: block scales (a.scale, b.scale, b.up_scale, "
+                               "out.c_scale, out.pow2_scales) are for E4M3 operands; these are %s",
+                               format_name(v->a_type));
+        return COMET_SUCCESS;
+    }
+    if (!g->a.scale || (uintptr_t)g->a.scale % 4 || g->a.scale_ld < g->a.rows)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: a.scale = %p (4-byte aligned) with scale_ld = "
+                           "%lld (>= a.rows = %lld) must be set", (const void *)g->a.scale,
+                           (long long)g->a.scale_ld, (long long)g->a.rows);
+    if (!g->b.scale || (uintptr_t)g->b.scale % 4 || (g->b.up && (!g->b.up_scale || (uintptr_t)g->b.up_scale % 4)) ||
+        (!g->b.up && g->b.up_scale))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: b.scale = %p must be set (4-byte aligned), and "
+                           "b.up_scale = %p exactly when b.up is", (const void *)g->b.scale,
+                           (const void *)g->b.up_scale);
+    /* Gate and up rows in one tensor share its 128-row blocks: a block must not hold both. */
+    if (cometi_gemm_is_swiglu(v->epilogue) && !g->b.up && g->problem.n % COMETI_GEMM_SCALE_BLOCK)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3 SwiGLU: n = %d with gate and up in one tensor "
+                           "must be a multiple of %d (its 128 x 128 blocks would hold gate and up rows); give up "
+                           "apart (b.up, b.up_scale)", g->problem.n, COMETI_GEMM_SCALE_BLOCK);
+    if (quant != (g->out.c_scale != NULL) || (quant && ((uintptr_t)g->out.c_scale % 4 ||
+                                                       g->out.c_scale_ld < g->a.rows)))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: out.c_scale = %p (4-byte aligned, c_scale_ld = %lld "
+                           ">= a.rows = %lld) is for the quantizing SwiGLU alone, which needs it",
+                           (void *)g->out.c_scale, (long long)g->out.c_scale_ld, (long long)g->a.rows);
+    if (g->out.pow2_scales != 0 && g->out.pow2_scales != 1)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm out.pow2_scales = %d: must be 0 or 1",
+                           g->out.pow2_scales);
+    return COMET_SUCCESS;
+}
+
 /* The problem, the operands and the output, once the variant v is known. */
 static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi_gemm_variant_t *v)
 {
     const int along_k = v->along == COMETI_GEMM_GROUPS_ALONG_K, epi = v->epilogue;
-    const int swiglu = epi == COMETI_GEMM_EPI_SWIGLU || epi == COMETI_GEMM_EPI_SWIGLU_GU;
+    const int swiglu = cometi_gemm_is_swiglu(epi), e4m3 = v->a_type == COMETI_GEMM_E4M3;
     /* The last column tile may be partial (the ffn of a TP rank, say 1408 / 2, or
      * gpt-oss's 2880): its loads past n read zeros or columns no store keeps, and every
      * store stops at n. */
@@ -190,9 +241,12 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm groups along K: m_out = %d must be a positive "
                            "multiple of 64, and ldc = %d equal to n = %d", g->problem.m_out, g->out.ldc,
                            g->problem.n);
-    if (!along_k && (g->problem.k <= 0 || g->problem.k % COMETI_GEMM_BK))
+    /* E4M3 rows are 16-byte multiples (TMA strides); the last 128-wide k block reads zeros past
+     * k. bf16 k steps are whole. */
+    const int k_multiple = e4m3 ? 16 : COMETI_GEMM_BK;
+    if (!along_k && (g->problem.k <= 0 || g->problem.k % k_multiple))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm k = %d: must be a positive multiple of %d",
-                           g->problem.k, COMETI_GEMM_BK);
+                           g->problem.k, k_multiple);
     if (g->problem.groups < 1 || g->problem.groups > COMETI_GEMM_MAX_GROUPS)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm groups = %d: must be 1..%d", g->problem.groups,
                            COMETI_GEMM_MAX_GROUPS);
@@ -207,16 +261,21 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi
     if (g->b.up && !swiglu)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: b.up is for the SwiGLU epilogues only");
     if (epi != COMETI_GEMM_EPI_PUSH) {
+        /* A thread stores two columns at once: 4 bytes of bf16, 2 of E4M3, 8 of fp32. */
+        const int align = epi == COMETI_GEMM_EPI_ADD_FP32 ? 8 : epi == COMETI_GEMM_EPI_SWIGLU_E4M3 ? 2 : 4;
         if (!g->out.c || g->out.ldc < g->problem.n || g->out.ldc % 2)
             return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: c = %p must be set, ldc = %d even and >= n = %d",
                                g->out.c, g->out.ldc, g->problem.n);
-        if ((uintptr_t)g->out.c % (epi == COMETI_GEMM_EPI_ADD_FP32 ? 8 : 4))
-            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: c must be %d-byte aligned",
-                               epi == COMETI_GEMM_EPI_ADD_FP32 ? 8 : 4);
+        if ((uintptr_t)g->out.c % align)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: c must be %d-byte aligned", align);
     }
     if ((g->out.row_scale || g->out.row_index) && (along_k || (epi != COMETI_GEMM_EPI_STORE && !swiglu)))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a row scale or index is for the store and SwiGLU "
                            "epilogues with groups along M (epilogue %s here)", epilogue_name(epi));
+    if (g->out.row_index && epi == COMETI_GEMM_EPI_SWIGLU_E4M3)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: the quantizing SwiGLU takes no row index (its "
+                           "scales are laid out by A's rows)");
+    COMETI_TRY(check_scales(err, g, v));
     if (epi == COMETI_GEMM_EPI_SWIGLU_GU ? !g->out.gu || g->out.gu_rows <= 0 || (uintptr_t)g->out.gu % 4
                                          : g->out.gu != NULL)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu = %p, %lld rows: the epilogue keeping g and u "
@@ -318,9 +377,9 @@ comet_status_t cometi_gemm_check(char *err, const cometi_gemm_t *g, int *variant
     if (g->problem.along != COMETI_GEMM_GROUPS_ALONG_M && g->problem.along != COMETI_GEMM_GROUPS_ALONG_K)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm problem.along = %d: must be %d (M) or %d (K)",
                            g->problem.along, COMETI_GEMM_GROUPS_ALONG_M, COMETI_GEMM_GROUPS_ALONG_K);
-    if (g->out.epilogue < COMETI_GEMM_EPI_STORE || g->out.epilogue > COMETI_GEMM_EPI_ADD_FP32)
+    if (g->out.epilogue < COMETI_GEMM_EPI_STORE || g->out.epilogue > COMETI_GEMM_EPI_SWIGLU_E4M3)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm out.epilogue = %d: must be %d..%d", g->out.epilogue,
-                           COMETI_GEMM_EPI_STORE, COMETI_GEMM_EPI_ADD_FP32);
+                           COMETI_GEMM_EPI_STORE, COMETI_GEMM_EPI_SWIGLU_E4M3);
     if (g->out.store < COMETI_GEMM_STORE_AUTO || g->out.store > COMETI_GEMM_STORE_DIRECT)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm out.store = %d: must be %d (choose), %d (TMA) or %d "
                            "(direct)", g->out.store, COMETI_GEMM_STORE_AUTO, COMETI_GEMM_STORE_TMA,
@@ -352,6 +411,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     const int out_n = cometi_gemm_out_cols(*v);
     const int pingpong = v->schedule == COMETI_GEMM_PINGPONG, along_k = v->along == COMETI_GEMM_GROUPS_ALONG_K;
     const int swiglu = out_n != v->block_n, tma_store = v->store == COMETI_GEMM_STORE_TMA;
+    const int ea = cometi_gemm_element_bytes(v->a_type), eb = cometi_gemm_element_bytes(v->b_type);
     const int b_mn = !along_k && v->b_major == COMETI_GEMM_MN_MAJOR;
     const int dispatch_blocks = g->roles.dispatch ? g->roles.dispatch->blocks : 0;
     const int combine_blocks = g->roles.splits ? g->roles.splits->combine_blocks : 0;
@@ -362,29 +422,33 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     cometi_gemm_maps_t m;
     memset(&m, 0, sizeof(m));
     if (along_k) /* A [rows][m_out]: boxes of 64 rows of m x 64 k rows */
-        COMETI_TRY(make_map(err, &m.a, g->a.ptr, (uint64_t)m_out, (uint64_t)g->a.rows, COMETI_GEMM_BK, "A (along K)"));
+        COMETI_TRY(make_map(err, &m.a, g->a.ptr, ea, (uint64_t)m_out, (uint64_t)g->a.rows, COMETI_GEMM_BK,
+                            "A (along K)"));
     else
-        COMETI_TRY(make_map(err, &m.a, g->a.ptr, (uint64_t)k, (uint64_t)g->a.rows, pingpong ? 64 : COMETI_GEMM_BM,
-                            "A"));
+        COMETI_TRY(make_map(err, &m.a, g->a.ptr, ea, (uint64_t)k, (uint64_t)g->a.rows,
+                            pingpong ? 64 : COMETI_GEMM_BM, "A"));
     if (along_k) { /* B [rows][n]: boxes of 64 columns x 64 k rows */
-        COMETI_TRY(make_map(err, &m.b, g->b.ptr, (uint64_t)n, (uint64_t)g->a.rows, COMETI_GEMM_BK, "B (along K)"));
+        COMETI_TRY(make_map(err, &m.b, g->b.ptr, eb, (uint64_t)n, (uint64_t)g->a.rows, COMETI_GEMM_BK,
+                            "B (along K)"));
     } else if (swiglu) { /* [groups][n][k] views of the gate rows and of the up rows */
-        const void *up = g->b.up ? g->b.up : (const char *)g->b.ptr + (size_t)n * k * 2;
-        COMETI_TRY(make_map_3d(err, &m.b, g->b.ptr, (uint64_t)k, (uint64_t)n, (uint64_t)groups, (uint64_t)k,
+        const void *up = g->b.up ? g->b.up : (const char *)g->b.ptr + (size_t)n * k * eb;
+        COMETI_TRY(make_map_3d(err, &m.b, g->b.ptr, eb, (uint64_t)k, (uint64_t)n, (uint64_t)groups, (uint64_t)k,
                                (uint64_t)b_group_rows * k, (uint32_t)out_n, "B gate"));
-        COMETI_TRY(make_map_3d(err, &m.up, up, (uint64_t)k, (uint64_t)n, (uint64_t)groups, (uint64_t)k,
+        COMETI_TRY(make_map_3d(err, &m.up, up, eb, (uint64_t)k, (uint64_t)n, (uint64_t)groups, (uint64_t)k,
                                (uint64_t)b_group_rows * k, (uint32_t)out_n, "B up"));
     } else if (b_mn) { /* [groups][k][n]: boxes of 64 columns x 64 k rows */
-        COMETI_TRY(make_map_3d(err, &m.b, g->b.ptr, (uint64_t)n, (uint64_t)k, (uint64_t)groups, (uint64_t)n,
+        COMETI_TRY(make_map_3d(err, &m.b, g->b.ptr, eb, (uint64_t)n, (uint64_t)k, (uint64_t)groups, (uint64_t)n,
                                (uint64_t)k * n, COMETI_GEMM_BK, "B (MN-major)"));
     } else {
-        COMETI_TRY(make_map(err, &m.b, g->b.ptr, (uint64_t)k, (uint64_t)groups * b_group_rows, (uint32_t)out_n,
-                            "B"));
+        COMETI_TRY(make_map(err, &m.b, g->b.ptr, eb, (uint64_t)k, (uint64_t)groups * b_group_rows,
+                            (uint32_t)out_n, "B"));
     }
-    /* C's columns end at n (a ragged last tile stores nothing past it), rows ldc apart. */
+    /* C's columns end at n (a ragged last tile stores nothing past it), rows ldc apart: boxes
+     * of 64 rows x 128 bytes. */
     const uint64_t c_rows = along_k ? (uint64_t)groups * m_out : (uint64_t)g->a.rows;
     if (tma_store && v->epilogue != COMETI_GEMM_EPI_PUSH)
-        COMETI_TRY(make_map_3d(err, &m.c, g->out.c, (uint64_t)n, c_rows, 1, (uint64_t)g->out.ldc, 0, 64, "C"));
+        COMETI_TRY(make_map_3d(err, &m.c, g->out.c, out_bytes(g), (uint64_t)n, c_rows, 1, (uint64_t)g->out.ldc, 0,
+                               64, "C"));
     /* The kept gate and up, [gu_rows][2n] seen as [gu_rows][2][n]: a box of 64 rows x 64
      * columns of one half, stored like C's (rows past gu_rows clipped). */
     const int gu_tma = g->out.gu && tma_store && (uintptr_t)g->out.gu % 16 == 0;
@@ -392,7 +456,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
         const uint64_t dims[3] = {(uint64_t)n, 2, (uint64_t)g->out.gu_rows}, strides[2] = {(uint64_t)n,
                                                                                            2 * (uint64_t)n};
         const uint32_t box[3] = {64, 1, 64};
-        COMETI_TRY(encode_map(err, &m.gu, g->out.gu, 3, dims, strides, box, "gu"));
+        COMETI_TRY(encode_map(err, &m.gu, g->out.gu, 2, 3, dims, strides, box, "gu"));
     }
     cometi_gemm_args_t args;
     memset(&args, 0, sizeof(args));
@@ -419,6 +483,25 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     args.timeout_ns = 2 * args.arrival_timeout_ns;
     args.tile_trace = g->roles.tile_trace;
     args.tail_ws = along_k ? NULL : (unsigned long long *)g->launch.tail_ws;
+    if (v->a_type == COMETI_GEMM_E4M3) {
+        /* B's scale blocks: [groups][rows / 128][k / 128], rounded up; gate and up in one
+         * tensor: the up rows' blocks start n / 128 blocks in. */
+        const int kbs = (k + COMETI_GEMM_SCALE_BLOCK - 1) / COMETI_GEMM_SCALE_BLOCK;
+        const int n_blocks = (n + COMETI_GEMM_SCALE_BLOCK - 1) / COMETI_GEMM_SCALE_BLOCK;
+        args.a_scale = g->a.scale;
+        args.a_scale_ld = g->a.scale_ld;
+        args.a_rows = g->a.rows;
+        args.b_scale = g->b.scale;
+        args.b_scale_kb = kbs;
+        args.b_scale_blocks = n_blocks;
+        args.b_scale_group = (fused_up ? 2 * n / COMETI_GEMM_SCALE_BLOCK : n_blocks) * kbs;
+        args.b_up_scale = !swiglu  ? NULL
+                          : g->b.up ? g->b.up_scale
+                                    : g->b.scale + (size_t)(n / COMETI_GEMM_SCALE_BLOCK) * kbs;
+        args.c_scale = g->out.c_scale;
+        args.c_scale_ld = g->out.c_scale_ld;
+        args.pow2_scales = g->out.pow2_scales;
+    }
     if (g->roles.dispatch) {
         args.arrive = g->roles.dispatch->arrive;
         args.expected = g->roles.dispatch->expected;
@@ -471,6 +554,7 @@ comet_status_t cometi_gemm_launch(char *err, const cometi_gemm_prepared_t *p, cu
     switch (cometi_gemm_family(cometi_gemm_variants[plan->variant])) {
     case COMETI_GEMM_FAMILY_WGRAD: e = cometi_gemm_launch_wgrad(plan, stream); break;
     case COMETI_GEMM_FAMILY_DGRAD: e = cometi_gemm_launch_dgrad(plan, stream); break;
+    case COMETI_GEMM_FAMILY_FP8: e = cometi_gemm_launch_fp8(plan, stream); break;
     default: e = cometi_gemm_launch_forward(plan, stream); break;
     }
     if (e == cudaSuccess) return COMET_SUCCESS;

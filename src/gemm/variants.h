@@ -29,7 +29,10 @@ extern "C" {
 
 /* Operand number formats. */
 enum {
-    COMETI_GEMM_BF16 = 0 /* bf16 values, fp32 accumulation */
+    COMETI_GEMM_BF16 = 0, /* bf16 values, fp32 accumulation */
+    COMETI_GEMM_E4M3 = 1  /* block-scaled FP8: E4M3 values and an FP32 scale per block (A: 1 x 128
+                           * along k, B: 128 x 128), each 128-wide k block's sums scaled and
+                           * added in fp32 (never accumulated across blocks in the tensor core) */
 };
 
 /* Where an operand's k runs: along its rows' contiguous elements (K-major, nn.Linear's
@@ -56,7 +59,9 @@ enum {
                                     * expert meet in a tile of 128 + 128 columns */
     COMETI_GEMM_EPI_SWIGLU_GU = 2, /* SwiGLU, and each row's gate and up kept (training) */
     COMETI_GEMM_EPI_PUSH = 3,      /* each row to its token owner's slot, over NVLink (GEMM -> combine) */
-    COMETI_GEMM_EPI_ADD_FP32 = 4   /* C (fp32) += the sums: gradient accumulation (main_grad) */
+    COMETI_GEMM_EPI_ADD_FP32 = 4,  /* C (fp32) += the sums: gradient accumulation (main_grad) */
+    COMETI_GEMM_EPI_SWIGLU_E4M3 = 5 /* SwiGLU, C quantized: E4M3 values and a scale per row per 128
+                                     * columns (the next FP8 GEMM's A) */
 };
 
 /* How C leaves the registers (0 is a description's "choose", gemm.h). */
@@ -82,13 +87,13 @@ enum {
 
 typedef struct cometi_gemm_variant {
     char name[COMETI_GEMM_VARIANT_NAME_MAX];
-    int a_type, b_type;   /* COMETI_GEMM_BF16 */
+    int a_type, b_type;   /* COMETI_GEMM_BF16, COMETI_GEMM_E4M3 */
     int a_major, b_major; /* COMETI_GEMM_K_MAJOR, COMETI_GEMM_MN_MAJOR */
     int along;            /* COMETI_GEMM_GROUPS_ALONG_* */
     int epilogue;         /* COMETI_GEMM_EPI_* */
     int store;            /* COMETI_GEMM_STORE_* */
     int schedule;         /* COMETI_GEMM_COOPERATIVE, COMETI_GEMM_PINGPONG */
-    int block_n;          /* columns of B per tile: 128 or 256 (SwiGLU: 128 gate + 128 up) */
+    int block_n;          /* rows of B per tile: 128 or 256 (SwiGLU: 128 gate + 128 up) */
     int roles;            /* COMETI_GEMM_ROLE_* */
 } cometi_gemm_variant_t;
 
@@ -134,7 +139,14 @@ typedef struct cometi_gemm_variant {
     X(wgrad_256_direct,   BF16, BF16, MN, MN, K, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
     X(wgrad_128_direct,   BF16, BF16, MN, MN, K, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
     X(wgrad_256_add,      BF16, BF16, MN, MN, K, ADD_FP32,  DIRECT, COOPERATIVE, 256, NONE)          \
-    X(wgrad_128_add,      BF16, BF16, MN, MN, K, ADD_FP32,  DIRECT, COOPERATIVE, 128, NONE)
+    X(wgrad_128_add,      BF16, BF16, MN, MN, K, ADD_FP32,  DIRECT, COOPERATIVE, 128, NONE)          \
+    /* the FP8 forward: x W^T in E4M3 with block scales, A and B K-major */                         \
+    X(fp8_swiglu,         E4M3, E4M3, K,  K,  M, SWIGLU_E4M3, TMA,    COOPERATIVE, 256, NONE)        \
+    X(fp8_swiglu_direct,  E4M3, E4M3, K,  K,  M, SWIGLU_E4M3, DIRECT, COOPERATIVE, 256, NONE)        \
+    X(fp8_nt_256,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
+    X(fp8_nt_128,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
+    X(fp8_nt_256_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
+    X(fp8_nt_128_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE)
 
 /* The rows' ids, COMETI_GEMM_V_<name>, in table order. */
 #define COMETI_GEMM_VARIANT_ID(name, at, bt, am, bm, along, epi, store, sched, bn, roles) COMETI_GEMM_V_##name,
@@ -168,12 +180,15 @@ static COMETI_GEMM_TABLE_CONST cometi_gemm_variant_t cometi_gemm_variants[COMETI
 #define COMETI_GEMM_FN static inline
 #endif
 
-/* Rows of an A tile (and of the arrival counters' blocks), k per pipeline stage, and the
- * ring's depth at most. The stages a variant gets are the most that fit its shared memory
- * (cometi_gemm_stages), up to this: 4 is the depth every row was measured with; the
- * 128-wide tiles would fit 5 or 6. */
+/* Rows of an A tile (and of the arrival counters' blocks), k per pipeline stage of bf16
+ * (128 bytes of a row: one 128B-swizzled box; E4M3 takes 128 k, one scale block, in the
+ * same bytes: cometi_gemm_bk), and the ring's depth at most. The stages a variant gets are
+ * the most that fit its shared memory (cometi_gemm_stages), up to this: 4 is the depth
+ * every row was measured with; the 128-wide tiles would fit 5 or 6. */
 #define COMETI_GEMM_BM COMETI_BLOCK_M
 #define COMETI_GEMM_BK 64
+/* The rows and columns of a block scale (E4M3): a row operand's 1 x 128, a weight's 128 x 128. */
+#define COMETI_GEMM_SCALE_BLOCK 128
 #define COMETI_GEMM_MAX_STAGES 4
 /* Dynamic shared memory a block may have on sm_90 (227 KB), what the stages are fit into. */
 #define COMETI_GEMM_SMEM_LIMIT (227 * 1024)
@@ -181,24 +196,37 @@ static COMETI_GEMM_TABLE_CONST cometi_gemm_variant_t cometi_gemm_variants[COMETI
 #define COMETI_GEMM_TICKETS 4
 #define COMETI_GEMM_MAX_GROUPS 1024
 
-COMETI_GEMM_FN int cometi_gemm_element_bytes(int type) { return type == COMETI_GEMM_BF16 ? 2 : 0; }
+COMETI_GEMM_FN int cometi_gemm_element_bytes(int type)
+{
+    return type == COMETI_GEMM_BF16 ? 2 : type == COMETI_GEMM_E4M3 ? 1 : 0;
+}
+/* k per stage: a 128-byte row of A's box (64 bf16, or 128 E4M3: one scale block). */
+COMETI_GEMM_FN int cometi_gemm_bk(cometi_gemm_variant_t v) { return 128 / cometi_gemm_element_bytes(v.a_type); }
+COMETI_GEMM_FN int cometi_gemm_is_swiglu(int epilogue)
+{
+    return epilogue == COMETI_GEMM_EPI_SWIGLU || epilogue == COMETI_GEMM_EPI_SWIGLU_GU ||
+           epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3;
+}
+/* Bytes of an output element: bf16, or E4M3 for the quantizing epilogue (fp32 adds go
+ * straight from the registers, never staged). */
+COMETI_GEMM_FN int cometi_gemm_out_bytes(cometi_gemm_variant_t v) { return v.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 ? 1 : 2; }
 /* Rows of a tile: 128 shared by both consumers, or 64 for one (ping-pong). */
 COMETI_GEMM_FN int cometi_gemm_tile_rows(cometi_gemm_variant_t v) { return v.schedule == COMETI_GEMM_PINGPONG ? 64 : 128; }
 /* Output columns of a tile: SwiGLU pairs gate column c with up column c + block_n / 2. */
 COMETI_GEMM_FN int cometi_gemm_out_cols(cometi_gemm_variant_t v)
 {
-    return v.epilogue == COMETI_GEMM_EPI_SWIGLU || v.epilogue == COMETI_GEMM_EPI_SWIGLU_GU ? v.block_n / 2 : v.block_n;
+    return cometi_gemm_is_swiglu(v.epilogue) ? v.block_n / 2 : v.block_n;
 }
 /* One stage of the ring: A's and B's boxes of one k-step. */
 COMETI_GEMM_FN int cometi_gemm_stage_bytes(cometi_gemm_variant_t v)
 {
     return (cometi_gemm_tile_rows(v) * cometi_gemm_element_bytes(v.a_type) +
-            v.block_n * cometi_gemm_element_bytes(v.b_type)) * COMETI_GEMM_BK;
+            v.block_n * cometi_gemm_element_bytes(v.b_type)) * cometi_gemm_bk(v);
 }
-/* The TMA store's staging: 128 rows of the tile's output columns, bf16. */
+/* The TMA store's staging: 128 rows of the tile's output columns. */
 COMETI_GEMM_FN int cometi_gemm_staging_bytes(cometi_gemm_variant_t v)
 {
-    return v.store == COMETI_GEMM_STORE_TMA ? COMETI_GEMM_BM * cometi_gemm_out_cols(v) * 2 : 0;
+    return v.store == COMETI_GEMM_STORE_TMA ? COMETI_GEMM_BM * cometi_gemm_out_cols(v) * cometi_gemm_out_bytes(v) : 0;
 }
 /* Everything but the stages' boxes: the 1 KB alignment of the stages, the mbarriers (full
  * and empty per stage, the two ping-pong turns, the ticket ring's), the group table
@@ -217,14 +245,20 @@ COMETI_GEMM_FN int cometi_gemm_stages(cometi_gemm_variant_t v)
         stages--;
     return stages;
 }
-/* The file a row's kernel is compiled in (gemm_forward.cu, gemm_dgrad.cu, gemm_wgrad.cu):
- * its layout. */
-enum { COMETI_GEMM_FAMILY_FORWARD = 0, COMETI_GEMM_FAMILY_DGRAD = 1, COMETI_GEMM_FAMILY_WGRAD = 2 };
+/* The file a row's kernel is compiled in (gemm_forward.cu, gemm_dgrad.cu, gemm_wgrad.cu,
+ * gemm_fp8.cu): its format, then its layout. */
+enum {
+    COMETI_GEMM_FAMILY_FORWARD = 0,
+    COMETI_GEMM_FAMILY_DGRAD = 1,
+    COMETI_GEMM_FAMILY_WGRAD = 2,
+    COMETI_GEMM_FAMILY_FP8 = 3
+};
 COMETI_GEMM_FN int cometi_gemm_family(cometi_gemm_variant_t v)
 {
-    return v.along == COMETI_GEMM_GROUPS_ALONG_K ? COMETI_GEMM_FAMILY_WGRAD
-           : v.b_major == COMETI_GEMM_MN_MAJOR   ? COMETI_GEMM_FAMILY_DGRAD
-                                                 : COMETI_GEMM_FAMILY_FORWARD;
+    return v.a_type == COMETI_GEMM_E4M3            ? COMETI_GEMM_FAMILY_FP8
+           : v.along == COMETI_GEMM_GROUPS_ALONG_K ? COMETI_GEMM_FAMILY_WGRAD
+           : v.b_major == COMETI_GEMM_MN_MAJOR     ? COMETI_GEMM_FAMILY_DGRAD
+                                                   : COMETI_GEMM_FAMILY_FORWARD;
 }
 /* The dynamic shared memory a block of the variant asks for. */
 COMETI_GEMM_FN int cometi_gemm_smem_bytes(cometi_gemm_variant_t v)
