@@ -36,7 +36,7 @@ ARCH      := -gencode=arch=compute_90a,code=sm_90a
 INCLUDES  := -Iinclude -Isrc -I$(NCCL_INC) -I$(CUDA_HOME)/include
 CFLAGS    := -std=c11 -O2 -g -Wall -Wextra -Werror=implicit-function-declaration -fPIC -fvisibility=hidden $(INCLUDES)
 NVCCFLAGS := -std=c++17 -O3 -g $(ARCH) -Xcompiler -fPIC,-Wall,-fvisibility=hidden $(INCLUDES) $(if $(PTXAS_V),-Xptxas -v)
-LDLIBS    := -L$(CUDA_HOME)/lib64 -lcublas -lcudart -L$(NCCL_LIB) -l:libnccl.so.2 \
+LDLIBS    := -L$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lcudart -L$(NCCL_LIB) -l:libnccl.so.2 \
              -Wl,-rpath,$(NCCL_LIB) -Wl,-rpath,$(CUDA_HOME)/lib64 -lstdc++ -lm -lpthread -ldl -lrt
 
 LIB_SRC     := $(wildcard src/*/*.c src/*/*.cu)

@@ -78,6 +78,7 @@ uint64_t test_seed(void);
     X(gemm_tile_width, 10)                      \
     X(gemm_variant_table, 10)                   \
     X(gemm_descriptions_resolve, 10)            \
+    X(blaslt_fp8_layouts_and_checks, 10)        \
     X(fused_training_layers, 10)                \
     X(routing_generators, 10)                   \
     X(reference_known_answer, 10)               \
@@ -101,6 +102,7 @@ uint64_t test_seed(void);
     X(gpu_gemm_vs_reference, 120)               \
     X(gpu_gemm_epilogues, 120)                  \
     X(gpu_gemm_last_wave_cut, 120)              \
+    X(gpu_blaslt_fp8_grouped, 180)              \
     X(gpu_symmetric_push_pull_exact, 120)       \
     X(gpu_barrier_and_flags, 120)               \
     X(gpu_barrier_missing_peer_times_out, 120)  \

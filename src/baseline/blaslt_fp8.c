@@ -1,0 +1,339 @@
+/*
+ * blaslt_fp8.c - the FP8 yardstick GEMM through cuBLASLt's block scales (blaslt_fp8.h
+ * says what cuBLASLt takes and where that is written down). One matmul descriptor serves
+ * every call: its types, transposes and scale modes never change, only the scale
+ * pointers, set before each group's call. The layouts and the algorithm depend on the
+ * shape, so they are kept per (n, k, padded rows, ldd, alignments) in a small table:
+ * routing changes a group's rows from call to call, but the counts repeat, and a
+ * heuristic query costs tens of microseconds of host time a lookup does not.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cublasLt.h>
+
+#include "baseline/blaslt_fp8.h"
+
+/* cuBLAS's recommendation for Hopper (cublasSetWorkspace()): 32 MiB. */
+#define WORKSPACE_BYTES ((size_t)32 << 20)
+/* Shapes remembered; past this many the oldest is replaced. */
+#define CACHE_SLOTS 256
+
+typedef struct shape {
+    int n, k, ldd;
+    int64_t rows;                   /* the group's padded rows: the GEMM's N */
+    uint32_t align_a, align_b, align_d; /* the operands' alignment classes (16..256 bytes) */
+} shape_t;
+
+typedef struct entry {
+    shape_t key;
+    int used;
+    cublasLtMatrixLayout_t a, b, d; /* cuBLAS's A (our B, the weight), B (our A), D */
+    cublasLtMatmulAlgo_t algo;
+} entry_t;
+
+struct cometi_blaslt_fp8 {
+    cublasLtHandle_t handle;
+    cublasLtMatmulDesc_t desc;
+    void *workspace;
+    entry_t cache[CACHE_SLOTS];
+    int next; /* the slot the next new shape takes */
+};
+
+static comet_status_t lt_status(char *err, cublasStatus_t s, const char *what)
+{
+    if (s == CUBLAS_STATUS_SUCCESS) return COMET_SUCCESS;
+    comet_status_t st = COMET_CUDA_ERROR;
+    if (s == CUBLAS_STATUS_ALLOC_FAILED) st = COMET_OUT_OF_MEMORY;
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_ARCH_MISMATCH) st = COMET_NOT_SUPPORTED;
+    return cometi_fail(err, st, "%s: %s", what, cublasLtGetStatusString(s));
+}
+
+/* ---- the layouts ---- */
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t cometi_blaslt_fp8_group_rows(int64_t rows)
+{
+    return rows <= 0 ? 0 : ceil_div(rows, COMETI_BLASLT_FP8_ROWS) * COMETI_BLASLT_FP8_ROWS;
+}
+
+int64_t cometi_blaslt_fp8_a_scales_layout(int groups, const int64_t *rows, int k, int64_t *offset)
+{
+    const int64_t L = ceil_div(k, 128);
+    int64_t total = 0;
+    for (int g = 0; g < groups; g++) {
+        if (offset) offset[g] = total;
+        total += L * cometi_blaslt_fp8_group_rows(rows[g]);
+    }
+    return total;
+}
+
+int cometi_blaslt_fp8_b_scale_ld(int k) { return (int)(ceil_div(ceil_div(k, 128), 4) * 4); }
+
+comet_status_t cometi_blaslt_fp8_pad_b_scales(char *err, int groups, int n, int k, const float *src, float *dst,
+                                              cudaStream_t stream)
+{
+    if (groups < 0 || n <= 0 || k <= 0)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8: pad_b_scales groups = %d, n = %d, k = %d: "
+                           "groups must be >= 0 and n, k > 0", groups, n, k);
+    if (!src || !dst || src == dst)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8: pad_b_scales src = %p, dst = %p: both needed, "
+                           "and apart (the copy cannot pad in place)", (const void *)src, (void *)dst);
+    const size_t L = (size_t)ceil_div(k, 128), L4 = (size_t)cometi_blaslt_fp8_b_scale_ld(k);
+    const size_t rows = (size_t)groups * (size_t)ceil_div(n, 128);
+    if (rows == 0) return COMET_SUCCESS;
+    if (L4 != L)
+        COMETI_TRY(cometi_cuda(err, cudaMemsetAsync(dst, 0, rows * L4 * sizeof(float), stream),
+                               "blaslt fp8: cudaMemsetAsync(B's padded scales)"));
+    return cometi_cuda(err, cudaMemcpy2DAsync(dst, L4 * sizeof(float), src, L * sizeof(float), L * sizeof(float),
+                                              rows, cudaMemcpyDeviceToDevice, stream),
+                       "blaslt fp8: cudaMemcpy2DAsync(B's scales into rows of L4)");
+}
+
+/* ---- the checks ---- */
+
+static int misaligned(const void *p) { return ((uintptr_t)p & 15) != 0; }
+
+comet_status_t cometi_blaslt_fp8_check(char *err, int groups, const int64_t *row_start, const int64_t *rows, int n,
+                                       int k, const void *a, const float *a_scales, const void *b,
+                                       const float *b_scales, const void *d, int ldd)
+{
+    if (groups < 0)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8: groups = %d must be >= 0", groups);
+    if (groups > 0 && (!row_start || !rows))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8: row_start = %p, rows = %p: both host arrays "
+                           "of %d groups are needed", (const void *)row_start, (const void *)rows, groups);
+    if (n <= 0 || k <= 0)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8: n = %d, k = %d must be > 0", n, k);
+    if (k % 16)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "blaslt fp8: k = %d must be a multiple of 16 (cuBLASLt's FP8 "
+                           "GEMMs need 16-byte aligned rows of E4M3)", k);
+    if (n % 8)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "blaslt fp8: n = %d must be a multiple of 8 (cuBLASLt's block-"
+                           "scaled GEMMs need M a multiple of 4; 16-byte rows of D take 8)", n);
+    if (ldd < n || ldd % 8)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8: ldd = %d must be >= n = %d and a multiple of 8 "
+                           "(16-byte aligned rows of bf16 D)", ldd, n);
+    int any = 0;
+    int64_t end = 0; /* the previous group's padded end */
+    int prev = -1;
+    for (int g = 0; g < groups; g++) {
+        if (rows[g] < 0 || row_start[g] < 0)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8: group %d has rows = %lld, row_start = %lld: "
+                               "both must be >= 0", g, (long long)rows[g], (long long)row_start[g]);
+        if (rows[g] == 0) continue;
+        if (rows[g] > INT32_MAX - COMETI_BLASLT_FP8_ROWS)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8: group %d has rows = %lld, above the %d "
+                               "one GEMM takes", g, (long long)rows[g], INT32_MAX - COMETI_BLASLT_FP8_ROWS);
+        if (prev >= 0 && row_start[g] < end)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8: group %d starts at row_start = %lld, before "
+                               "group %d's padded end %lld (groups go in order, each over its rows rounded up to %d)",
+                               g, (long long)row_start[g], prev, (long long)end, COMETI_BLASLT_FP8_ROWS);
+        end = row_start[g] + cometi_blaslt_fp8_group_rows(rows[g]);
+        prev = g;
+        any = 1;
+    }
+    if (!any) return COMET_SUCCESS;
+    const struct { const void *p; const char *name; } ptr[] = {
+        {a, "a"}, {a_scales, "a_scales"}, {b, "b"}, {b_scales, "b_scales"}, {d, "d"}};
+    for (size_t i = 0; i < sizeof(ptr) / sizeof(ptr[0]); i++)
+        if (!ptr[i].p || misaligned(ptr[i].p))
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8: %s = %p must be a 16-byte aligned device "
+                               "pointer (cuBLASLt's FP8 operands and scale tensors)", ptr[i].name, ptr[i].p);
+    return COMET_SUCCESS;
+}
+
+/* ---- the handle ---- */
+
+void cometi_blaslt_fp8_destroy(cometi_blaslt_fp8_t *lt)
+{
+    if (!lt) return;
+    for (int i = 0; i < CACHE_SLOTS; i++) {
+        entry_t *e = &lt->cache[i];
+        if (e->a) cublasLtMatrixLayoutDestroy(e->a);
+        if (e->b) cublasLtMatrixLayoutDestroy(e->b);
+        if (e->d) cublasLtMatrixLayoutDestroy(e->d);
+    }
+    if (lt->desc) cublasLtMatmulDescDestroy(lt->desc);
+    if (lt->handle) cublasLtDestroy(lt->handle);
+    cudaFree(lt->workspace);
+    free(lt);
+}
+
+#define DESC_SET(st, lt, attr, value, label)                                                       \
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatmulDescSetAttribute((lt)->desc, attr, &(value), sizeof(value)), \
+                                  "blaslt fp8: cublasLtMatmulDescSetAttribute(" #attr ")"), label)
+
+comet_status_t cometi_blaslt_fp8_create(char *err, cometi_blaslt_fp8_t **out)
+{
+    *out = NULL;
+#if CUBLAS_VERSION < 120900
+    return cometi_fail(err, COMET_NOT_SUPPORTED, "blaslt fp8: built against cuBLAS %d; block-scaled FP8 "
+                       "(VEC128_32F, BLK128x128_32F) needs cuBLAS 12.9 (CUDA 12.9) or later", CUBLAS_VERSION);
+#else
+    const size_t version = cublasLtGetVersion();
+    if (version < 120900)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "blaslt fp8: cuBLASLt %zu is loaded; block-scaled FP8 needs "
+                           "12.9 (CUDA 12.9) or later", version);
+    int dev = 0, major = 0, minor = 0;
+    COMETI_TRY(cometi_cuda(err, cudaGetDevice(&dev), "blaslt fp8: cudaGetDevice"));
+    COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+                           "blaslt fp8: cudaDeviceGetAttribute(compute capability)"));
+    COMETI_TRY(cometi_cuda(err, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev),
+                           "blaslt fp8: cudaDeviceGetAttribute(compute capability)"));
+    if (major != 9 || minor != 0)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "blaslt fp8: device %d is compute capability %d.%d; cuBLASLt's "
+                           "VEC128_32F and BLK128x128_32F scale modes run on 9.0 (Hopper) alone", dev, major, minor);
+    cometi_blaslt_fp8_t *lt = calloc(1, sizeof(*lt));
+    if (!lt) return cometi_fail(err, COMET_OUT_OF_MEMORY, "blaslt fp8: out of host memory");
+    comet_status_t st;
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtCreate(&lt->handle), "blaslt fp8: cublasLtCreate"), fail);
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMalloc(&lt->workspace, WORKSPACE_BYTES),
+                                    "blaslt fp8: cudaMalloc(workspace, 32 MiB)"), fail);
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatmulDescCreate(&lt->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                                  "blaslt fp8: cublasLtMatmulDescCreate"), fail);
+    /* TN: cuBLAS's A is the weight (k x n, transposed), its B the rows (k x rows). */
+    const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+    const int8_t fast_accum = 0; /* promote per block; cuBLASLt refuses fast accumulation with these modes */
+    const int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_TRANSA, trans_a, fail);
+    DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_TRANSB, trans_b, fail);
+    DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast_accum, fail);
+    DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode_a, fail);
+    DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode_b, fail);
+    *out = lt;
+    return COMET_SUCCESS;
+fail:
+    cometi_blaslt_fp8_destroy(lt);
+    return st;
+#endif
+}
+
+/* ---- the GEMM ---- */
+
+/* The largest power of two up to 256 that divides the address: the heuristic may pick
+ * kernels that need what the operands have, and no more. */
+static uint32_t align_class(const void *p)
+{
+    const uintptr_t v = (uintptr_t)p;
+    uint32_t a = 256;
+    while (a > 16 && (v & (a - 1))) a >>= 1;
+    return a;
+}
+
+static int same_shape(const shape_t *x, const shape_t *y)
+{
+    return x->n == y->n && x->k == y->k && x->ldd == y->ldd && x->rows == y->rows && x->align_a == y->align_a &&
+           x->align_b == y->align_b && x->align_d == y->align_d;
+}
+
+static void entry_clear(entry_t *e)
+{
+    if (e->a) cublasLtMatrixLayoutDestroy(e->a);
+    if (e->b) cublasLtMatrixLayoutDestroy(e->b);
+    if (e->d) cublasLtMatrixLayoutDestroy(e->d);
+    memset(e, 0, sizeof(*e));
+}
+
+/* The layouts and algorithm of a shape: from the table, or made now (the matmul
+ * descriptor's scale pointers already set: the heuristic wants them). */
+static comet_status_t shape_entry(char *err, cometi_blaslt_fp8_t *lt, const shape_t *key, const entry_t **out)
+{
+    for (int i = 0; i < CACHE_SLOTS; i++)
+        if (lt->cache[i].used && same_shape(&lt->cache[i].key, key)) {
+            *out = &lt->cache[i];
+            return COMET_SUCCESS;
+        }
+    entry_t *e = &lt->cache[lt->next];
+    lt->next = (lt->next + 1) % CACHE_SLOTS;
+    entry_clear(e);
+    e->key = *key;
+    comet_status_t st;
+    cublasLtMatmulPreference_t pref = NULL;
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatrixLayoutCreate(&e->a, CUDA_R_8F_E4M3, key->k, key->n, key->k),
+                                  "blaslt fp8: cublasLtMatrixLayoutCreate(B as cuBLAS's A)"), fail);
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatrixLayoutCreate(&e->b, CUDA_R_8F_E4M3, key->k, key->rows, key->k),
+                                  "blaslt fp8: cublasLtMatrixLayoutCreate(A as cuBLAS's B)"), fail);
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatrixLayoutCreate(&e->d, CUDA_R_16BF, key->n, key->rows, key->ldd),
+                                  "blaslt fp8: cublasLtMatrixLayoutCreate(D)"), fail);
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatmulPreferenceCreate(&pref), "blaslt fp8: cublasLtMatmulPreferenceCreate"),
+                    fail);
+    const uint64_t ws = WORKSPACE_BYTES;
+    const struct { cublasLtMatmulPreferenceAttributes_t attr; const void *v; size_t size; } prefs[] = {
+        {CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key->align_b, sizeof(uint32_t)}, /* cuBLAS's A: our B */
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key->align_a, sizeof(uint32_t)},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key->align_d, sizeof(uint32_t)},
+        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key->align_d, sizeof(uint32_t)},
+    };
+    for (size_t i = 0; i < sizeof(prefs) / sizeof(prefs[0]); i++)
+        COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatmulPreferenceSetAttribute(pref, prefs[i].attr, prefs[i].v,
+                                                                                 prefs[i].size),
+                                      "blaslt fp8: cublasLtMatmulPreferenceSetAttribute"), fail);
+    cublasLtMatmulHeuristicResult_t result;
+    int found = 0;
+    memset(&result, 0, sizeof(result));
+    const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt->handle, lt->desc, e->a, e->b, e->d, e->d, pref, 1,
+                                                             &result, &found);
+    if (hs != CUBLAS_STATUS_SUCCESS || found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
+        const cublasStatus_t why = hs != CUBLAS_STATUS_SUCCESS ? hs : result.state;
+        st = cometi_fail(err, COMET_NOT_SUPPORTED, "blaslt fp8: cuBLASLt has no block-scaled FP8 algorithm for n = %d, "
+                         "k = %d, rows = %lld (padded), ldd = %d, alignments %u/%u/%u bytes (%d found: %s)",
+                         key->n, key->k, (long long)key->rows, key->ldd, key->align_a, key->align_b, key->align_d,
+                         found, cublasLtGetStatusString(why));
+        goto fail;
+    }
+    e->algo = result.algo;
+    e->used = 1;
+    cublasLtMatmulPreferenceDestroy(pref);
+    *out = e;
+    return COMET_SUCCESS;
+fail:
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    entry_clear(e);
+    return st;
+}
+
+comet_status_t cometi_blaslt_fp8_grouped(char *err, cometi_blaslt_fp8_t *lt, int groups, const int64_t *row_start,
+                                         const int64_t *rows, int n, int k, const void *a, const float *a_scales,
+                                         const void *b, const float *b_scales, void *d, int ldd, cudaStream_t stream)
+{
+    if (!lt) return cometi_fail(err, COMET_INVALID_USAGE, "blaslt fp8: no handle (lt = NULL)");
+    COMETI_TRY(cometi_blaslt_fp8_check(err, groups, row_start, rows, n, k, a, a_scales, b, b_scales, d, ldd));
+    const int64_t L = ceil_div(k, 128);
+    const size_t b_group = (size_t)n * k, b_scale_group = (size_t)ceil_div(n, 128) * cometi_blaslt_fp8_b_scale_ld(k);
+    const float one = 1.0f, zero = 0.0f;
+    int64_t a_scale_offset = 0;
+    for (int g = 0; g < groups; g++) {
+        if (rows[g] == 0) continue;
+        const int64_t padded = cometi_blaslt_fp8_group_rows(rows[g]);
+        const void *ag = (const uint8_t *)a + row_start[g] * (int64_t)k;
+        const void *bg = (const uint8_t *)b + (size_t)g * b_group;
+        void *dg = (uint16_t *)d + row_start[g] * (int64_t)ldd;
+        /* cuBLAS's A scales are the weight's, its B scales the rows'. */
+        const float *sa = b_scales + (size_t)g * b_scale_group, *sb = a_scales + a_scale_offset;
+        a_scale_offset += L * padded;
+        comet_status_t st;
+        COMETI_TRY(lt_status(err, cublasLtMatmulDescSetAttribute(lt->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
+                                                                 sizeof(sa)),
+                             "blaslt fp8: cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)"));
+        COMETI_TRY(lt_status(err, cublasLtMatmulDescSetAttribute(lt->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
+                                                                 sizeof(sb)),
+                             "blaslt fp8: cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)"));
+        const shape_t key = {n, k, ldd, padded, align_class(ag), align_class(bg), align_class(dg)};
+        const entry_t *e = NULL;
+        st = shape_entry(err, lt, &key, &e);
+        if (st != COMET_SUCCESS) return st;
+        const cublasStatus_t s = cublasLtMatmul(lt->handle, lt->desc, &one, bg, e->a, ag, e->b, &zero, dg, e->d, dg,
+                                                e->d, &e->algo, lt->workspace, WORKSPACE_BYTES, stream);
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            char what[160];
+            snprintf(what, sizeof(what), "blaslt fp8: cublasLtMatmul(group %d: %lld rows, n = %d, k = %d)", g,
+                     (long long)rows[g], n, k);
+            return lt_status(err, s, what);
+        }
+    }
+    return COMET_SUCCESS;
+}

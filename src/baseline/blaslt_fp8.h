@@ -1,0 +1,120 @@
+/*
+ * blaslt_fp8.h - the FP8 yardstick GEMM: D_g = dequant(A_g) dequant(B_g)^T per group
+ * through cuBLASLt's block scales on Hopper (DeepSeek-V3's recipe: E4M3 values, FP32
+ * scales, dequantized = q * scale; A's scales per row and 128 columns of k, B's per
+ * 128 x 128 block). The sequential baseline's FP8 path and `comet gemm --fp8` time
+ * comet's FP8 GEMMs against it.
+ *
+ * What cuBLASLt takes (cuBLAS 13 docs, section 3.1.4.5 "128-element 1D and 128x128 2D
+ * Block Scaling For FP8 Data Types", and cublasLtMatmul(); the facts and their sources
+ * are in docs/ARCHITECTURE.md, "The FP8 yardstick GEMM"):
+ *   - CUDA >= 12.9 (cuBLASLt 12.9.0 added VEC128_32F and BLK128x128_32F) on compute
+ *     capability 9.0 only; FP8 on Hopper runs only the "TN" form, so in cuBLAS's
+ *     column-major terms its A is our B (the weight, [n][k] = op T of a k x n matrix) with
+ *     BLK128x128_32F and its B is our A (the rows, [rows][k] = a k x rows matrix) with
+ *     VEC128_32F; D is n x rows column-major, our [rows][ldd] row-major;
+ *   - compute type CUBLAS_COMPUTE_32F, scale type CUDA_R_32F, D bf16 (FP8 D is not
+ *     offered with these modes), fast accumulation off (the partial sums are promoted
+ *     to FP32 per block);
+ *   - 16-byte aligned operands and rows (k a multiple of 16, ldd of 8), scale tensors
+ *     starting 16-byte aligned, and the GEMM's M and N multiples of 4: a group's rows are
+ *     computed in multiples of COMETI_BLASLT_FP8_ROWS (below);
+ *   - k need not be a multiple of 128: the last scale block covers what is left
+ *     (L = ceil(k / 128) blocks).
+ */
+#ifndef COMET_BASELINE_BLASLT_FP8_H
+#define COMET_BASELINE_BLASLT_FP8_H
+
+#include <stdint.h>
+
+#include "base/host.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Each group's rows are computed in multiples of this many (its padding rows included):
+ * cuBLASLt's block-scaled GEMMs need N (here a group's rows) a multiple of 4 (cuBLAS
+ * docs), and Transformer Engine, which calls them, refuses a 1D-scaled operand whose
+ * rows are not a multiple of 8 (an observed requirement, in its words). Raising it is
+ * safe: the layouts below follow it. */
+#define COMETI_BLASLT_FP8_ROWS 8
+
+/* A handle: a cuBLASLt handle, its matmul descriptor, a workspace, and the layouts and
+ * algorithm chosen per shape (n, k, a group's padded rows, ldd, the operands' alignment),
+ * so a repeated call costs a table lookup per group. Not for two threads at once. */
+typedef struct cometi_blaslt_fp8 cometi_blaslt_fp8_t;
+
+/* On the current device; COMET_NOT_SUPPORTED where cuBLASLt is older than 12.9 or the
+ * device is not compute capability 9.0. */
+comet_status_t cometi_blaslt_fp8_create(char *err, cometi_blaslt_fp8_t **out);
+void cometi_blaslt_fp8_destroy(cometi_blaslt_fp8_t *lt);
+
+/* ---- the layouts (plain C, no device) ----
+ *
+ * L = ceil(k / 128) scale blocks along k; R_g = rows[g] rounded up to COMETI_BLASLT_FP8_ROWS
+ * (0 for a group without rows).
+ *
+ * A's scales, "packed by group": group g's are one [L][R_g] array (row-major: the R_g
+ * rows' scales of k block 0, then of block 1, ...), the groups' arrays one after another
+ * in group order, groups without rows taking none. Scale (row r of group g, block b) is at
+ *     a_scales[offset[g] + b * R_g + r],   offset[g] = L * (R_0 + ... + R_{g-1}).
+ * This is cuBLASLt's VEC128_32F layout for a GEMM of N = R_g rows: "N-major with shape
+ * N x L", one array per GEMM (its stride is N, and no attribute sets another), which is
+ * why the groups cannot share one [L][all rows] array. A row quantizer that writes scale
+ * (r, b) at scales[r * row_stride + b * block_stride] produces it for group g when given
+ * scales + offset[g], the group's own row index r, row_stride 1 and block_stride R_g. The
+ * entries of the padding rows (r >= rows[g]) are read; any finite value does (their
+ * products land in padding rows of D), zero is the tidy choice.
+ *
+ * B's scales: [groups][ceil(n / 128)][L4], L4 = L rounded up to 4 (cometi_blaslt_fp8_b_scale_ld):
+ * block (n block j, k block b) of group g at b_scales[(g * ceil(n / 128) + j) * L4 + b]. This
+ * is the HF checkpoints' weight_scale_inv [ceil(n/128)][ceil(k/128)] with each row
+ * padded to a multiple of 4 scales (cuBLASLt's BLK128x128_32F: "K-major, the stride between
+ * consecutive columns a multiple of 4"); when L is a multiple of 4 the two are the same
+ * bytes, else cometi_blaslt_fp8_pad_b_scales makes one from the other (once per weight
+ * load, not per call). */
+
+/* R_g: rows rounded up to COMETI_BLASLT_FP8_ROWS. */
+int64_t cometi_blaslt_fp8_group_rows(int64_t rows);
+/* A's packed scales: each group's offset (floats; NULL to skip) and the total (floats). */
+int64_t cometi_blaslt_fp8_a_scales_layout(int groups, const int64_t *rows, int k, int64_t *offset);
+/* L4 = ceil(k / 128) rounded up to 4: B's scale row stride, in floats. */
+int cometi_blaslt_fp8_b_scale_ld(int k);
+/* dst [groups][ceil(n/128)][L4] from src [groups][ceil(n/128)][L] (the HF layout), the
+ * padding zeroed, on `stream` (a memset and a 2D copy; src == dst is refused). */
+comet_status_t cometi_blaslt_fp8_pad_b_scales(char *err, int groups, int n, int k, const float *src, float *dst,
+                                              cudaStream_t stream);
+
+/* ---- the GEMM ---- */
+
+/* D rows of group g = dequant(A rows of g) dequant(B_g)^T, bf16, for each group with
+ * rows[g] > 0, one cuBLASLt call each, on `stream`:
+ *   a         E4M3 [..][k] row-major, group g's rows from row row_start[g];
+ *   a_scales  FP32, packed by group (above);
+ *   b         E4M3 [groups][n][k] (nn.Linear's [out][in] per group);
+ *   b_scales  FP32 [groups][ceil(n/128)][L4] (above);
+ *   d         bf16 [..][ldd] row-major, group g's rows from row row_start[g].
+ * Each group is computed over R_g rows: rows row_start[g] + rows[g] .. row_start[g] + R_g - 1
+ * of A are read and of D written (its padding rows; their values mean nothing), so both
+ * must be the caller's, as the MoE layout's 128-row segment padding is; no other row of
+ * D, and no column past n, is written. Groups with rows go in increasing row_start, each
+ * starting at or after the previous one's padded end. rows and row_start are host arrays
+ * (the baseline learns its counts on the host anyway). Refused, naming the field, the
+ * value and the limit: k not a multiple of 16 or n of 8 (COMET_NOT_SUPPORTED: cuBLASLt's
+ * FP8 kernels need 16-byte rows), ldd below n or not a multiple of 8, a pointer not
+ * 16-byte aligned, a negative count, groups out of order (COMET_INVALID_ARGUMENT). */
+comet_status_t cometi_blaslt_fp8_grouped(char *err, cometi_blaslt_fp8_t *lt, int groups, const int64_t *row_start,
+                                         const int64_t *rows, int n, int k, const void *a, const float *a_scales,
+                                         const void *b, const float *b_scales, void *d, int ldd, cudaStream_t stream);
+
+/* grouped's checks alone, no device touched (the CPU tests run them). */
+comet_status_t cometi_blaslt_fp8_check(char *err, int groups, const int64_t *row_start, const int64_t *rows, int n,
+                                       int k, const void *a, const float *a_scales, const void *b,
+                                       const float *b_scales, const void *d, int ldd);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COMET_BASELINE_BLASLT_FP8_H */
