@@ -3,13 +3,26 @@
 torch's on the same GPU: the rows balanced routing of --tokens tokens per GPU over --ep ranks
 gives each of a rank's E / ep experts (--ep 1: the rows one GPU trains on).
 
-    python3 bench/torch_gemm.py [--tokens 8192] [--ep 2] [--iters 20]
+    python3 bench/torch_gemm.py [--tokens 8192] [--ep 2] [--iters 20] [--fp8]
 
 dgrad:  s = dy W2 (dy [rows][H], W2 [E][H][F]) and dx = dh W13 (dh [rows][2F], W13 [E][2F][H]),
         offsets along the rows;
 wgrad:  dW2 = dy^T act and dW13 = dh^T x, offsets along K (each expert's rows), the form
         autograd uses for a grouped GEMM's weight gradient.
 TFLOP/s = 2 m n k / the median time of --iters calls after 3 warm-ups.
+
+--fp8 adds a table of the forward's grouped GEMMs, GEMM0 x W13^T (n = 2F, k = H) and GEMM1
+act W2^T (n = H, k = F), in bf16 (torch._grouped_mm) and in FP8 (torch._scaled_grouped_mm
+with rowwise scales, what PyTorch offers on Hopper: A E4M3 [rows][K] row-major with one FP32
+scale per row, 1-D [rows]; B E4M3 [E][N][K] passed transposed, so column-major [E][K][N],
+with one FP32 scale per output column, [E][N]; offs int32 group ends; out bf16). "fp8" is
+the GEMM alone on rows already quantized; "fp8+quant" adds the rows' quantization done the
+PyTorch way (torchao's float8 rowwise recipe: amax over each row, scale 448 / amax, saturate,
+.to(torch.float8_e4m3fn)); the weights are quantized once, outside the timing. Rows per
+group are rounded up to a multiple of 16: the forward's kernel asserts 16-byte alignment
+only along K and N (K % 16 for E4M3, N % 8 for the bf16 output), but older torch asserted
+each group's rows % 16 and torchao pads its token groups to 16 for FP8, so the table is
+valid on either (balanced routing gives multiples of 16 on every preset at 8192 tokens).
 """
 import argparse
 
@@ -39,11 +52,65 @@ def median_ms(fn, iters):
     return times[len(times) // 2]
 
 
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def quant_rows(t):
+    """E4M3 rows and their FP32 dequantization scales (value = q * scale), one per row
+    (the last dimension's amax), as torchao's float8 rowwise recipe quantizes."""
+    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    q = (t.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, (amax / E4M3_MAX).squeeze(-1)
+
+
+def forward_fp8(args, dev, bf):
+    """The forward's two grouped GEMMs per preset: bf16, FP8 alone, FP8 with the rows'
+    quantization."""
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}: the forward's grouped GEMMs, "
+          f"torch._grouped_mm (bf16) and torch._scaled_grouped_mm (FP8 rowwise), TFLOP/s")
+    print(f"{'shape':28s} {'groups':>6s} {'rows':>6s} {'m':>6s} {'n':>6s} {'k':>6s} {'bf16':>8s} {'fp8':>8s} "
+          f"{'fp8+quant':>9s}")
+    sgmm = torch._scaled_grouped_mm
+    for name, (E, k, H, F) in PRESETS.items():
+        groups = E // args.ep
+        rows = (args.tokens * k * args.ep // E + 15) // 16 * 16
+        offs = torch.arange(1, groups + 1, device=dev, dtype=torch.int32) * rows
+        total = groups * rows
+        x = torch.randn(total, H, device=dev, dtype=bf)
+        act = torch.randn(total, F, device=dev, dtype=bf)
+        w13 = torch.randn(groups, 2 * F, H, device=dev, dtype=bf) / H ** 0.5  # nn.Linear's [out][in]
+        w2 = torch.randn(groups, H, F, device=dev, dtype=bf) / F ** 0.5
+        for what, a, w in (("GEMM0 x W13^T", x, w13), ("GEMM1 act W2^T", act, w2)):
+            n, kk = w.shape[1], w.shape[2]
+            wq, ws = quant_rows(w)  # [G][N][K] E4M3, [G][N] per output column
+            aq, a_scale = quant_rows(a)
+
+            def quantized():  # the rows' quantization, then the GEMM
+                q, q_scale = quant_rows(a)
+                return sgmm(q, wq.transpose(-2, -1), q_scale, ws, offs=offs, out_dtype=bf)
+
+            cases = [lambda: torch._grouped_mm(a, w.transpose(-2, -1), offs=offs),
+                     lambda: sgmm(aq, wq.transpose(-2, -1), a_scale, ws, offs=offs, out_dtype=bf),
+                     quantized]
+            tf = []
+            for fn in cases:
+                try:
+                    tf.append(f"{2.0 * total * n * kk / (median_ms(fn, args.iters) * 1e-3) / 1e12:8.0f}")
+                except (RuntimeError, TypeError) as e:
+                    tf.append(f"{'-':>8s}")
+                    print(f"{name + ' ' + what:28s} not run: {type(e).__name__}: {str(e)[:120]}")
+            print(f"{name + ' ' + what:28s} {groups:6d} {rows:6d} {total:6d} {n:6d} {kk:6d} {tf[0]} {tf[1]} "
+                  f"{tf[2]:>9s}")
+        del x, act, w13, w2
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--fp8", action="store_true", help="also the forward's GEMMs, bf16 and FP8 rowwise")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
@@ -73,6 +140,8 @@ def main():
                       f"{n:6d} {kk:6d} {tf:8.0f}")
             except (RuntimeError, TypeError) as e:
                 print(f"{name + ' ' + what:28s} not run: {type(e).__name__}: {str(e)[:120]}")
+    if args.fp8:
+        forward_fp8(args, dev, bf)
 
 
 if __name__ == "__main__":

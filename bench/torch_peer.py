@@ -24,6 +24,20 @@ this torch has one (probed at start), else GroupedMM's (--explicit-grad forces i
 --check compares y, dx, d weights, dW13, dW2 at a small shape with a float64 reference of
 plain matmuls, prints the max relative errors and exits (1 if one is over tolerance); on
 the CPU (no CUDA, or --cpu; under torchrun through gloo) _grouped_mm is a loop of matmuls.
+
+    torchrun --nproc-per-node 2 bench/torch_peer.py --fp8 --preset all --tokens 8192
+
+--fp8 also times the forward with FP8 experts, a row "torch-fp8" under each case's "torch"
+row (and records of impl "torch-fp8"), to set beside `comet bench --fp8`: both expert GEMMs
+through torch._scaled_grouped_mm with rowwise scales (what PyTorch offers on Hopper: E4M3
+rows with one FP32 scale each; E4M3 weights, quantized once outside the timing, with one
+FP32 scale per output column), the received x rows and the SwiGLU activation quantized on
+the fly, where the GEMM reads them, as torchao's float8 rowwise MoE path does (amax per
+row, scale 448 / amax, saturate, .to(torch.float8_e4m3fn)); rows still travel in bf16.
+Routing, exchanges and combine are the bf16 layer's. Each case then prints how far the FP8
+layer's y is from the bf16 layer's on the same inputs, 1 - 2 sum(xy) / sum(x^2 + y^2)
+(DeepGEMM's measure; rowwise E4M3 of random normal data gives about 1e-3). Rows per expert
+need no padding: the forward's kernel asserts 16-byte alignment along K and N only.
 """
 import argparse
 import json
@@ -60,7 +74,29 @@ def routing(kind, skew, m, k, E, rank, gen):
     return ids.to(torch.int64), weights / weights.sum(1, keepdim=True)
 
 
-def moe_layer(x, ids, weights, w13, w2, E, world, marks):
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def quant_rows(t):
+    """E4M3 rows and their FP32 dequantization scales (value = q * scale), one per row
+    (the last dimension's amax), as torchao's float8 rowwise recipe quantizes."""
+    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    q = (t.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, (amax / E4M3_MAX).squeeze(-1)
+
+
+def expert_gemm(a, w, offs, wq=None):
+    """a_g W_g^T per expert (w [E][N][K], nn.Linear's [out][in]): torch._grouped_mm in bf16,
+    or with wq = quant_rows(w) (E4M3 [E][N][K], a scale per output column [E][N])
+    torch._scaled_grouped_mm on a's rows quantized here, bf16 out."""
+    if wq is None:
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    q, scale = quant_rows(a)
+    return torch._scaled_grouped_mm(q, wq[0].transpose(-2, -1), scale, wq[1], offs=offs, out_dtype=torch.bfloat16)
+
+
+def moe_layer(x, ids, weights, w13, w2, E, world, marks, fp8=None):
+    """The layer's forward; fp8 = (quant_rows(w13), quant_rows(w2)) runs its experts in FP8."""
     m, k = ids.shape
     per = E // world
     marks[0].record()
@@ -91,10 +127,11 @@ def moe_layer(x, ids, weights, w13, w2, E, world, marks):
     perm = idx + within
     rows = recv.index_select(0, perm)
     offs = torch.cumsum(recv_counts.sum(0), 0).to(torch.int32)
-    h = torch._grouped_mm(rows, w13.transpose(-2, -1), offs=offs)
+    w13q, w2q = fp8 or (None, None)
+    h = expert_gemm(rows, w13, offs, w13q)
     gate, up = h.chunk(2, dim=-1)
     act = F.silu(gate) * up
-    out = torch._grouped_mm(act, w2.transpose(-2, -1), offs=offs)
+    out = expert_gemm(act, w2, offs, w2q)
     back_rows = torch.empty_like(out)
     back_rows[perm] = out
     marks[3].record()
@@ -304,6 +341,40 @@ def train_case(sets, w13, w2, E, world, rank, native, warmup, iters):
     return median_events(step, warmup, iters, 3) + median_events(gemms, warmup, iters, 4), R
 
 
+def time_layer(sets, w13, w2, E, world, warmup, iters, fp8=None):
+    """moe_layer's medians over iters calls after warmup, the input sets in turn: total,
+    route, dispatch all-to-all, experts, return all-to-all, combine (ms, the slowest
+    rank's); and the rows this rank's experts got in the last call."""
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+    phases = {n: [] for n in ("total", "route", "a2a_out", "experts", "a2a_back", "combine")}
+    rows = 0
+    for it in range(-warmup, iters):
+        x, ids, weights = sets[(it + warmup) % len(sets)]
+        _, rows = moe_layer(x, ids, weights, w13, w2, E, world, marks, fp8)
+        if it < 0:
+            continue
+        marks[5].synchronize()
+        t = [marks[i].elapsed_time(marks[i + 1]) for i in range(5)]
+        for key, v in zip(("route", "a2a_out", "experts", "a2a_back", "combine"), t):
+            phases[key].append(v)
+        phases["total"].append(marks[0].elapsed_time(marks[5]))
+    med = torch.tensor([statistics.median(phases[n]) for n in phases], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # slowest rank, as comet bench reports
+    return med.tolist(), rows
+
+
+def fp8_distance(sets, w13, w2, E, world, fp8):
+    """1 - 2 sum(xy) / sum(x^2 + y^2) of the FP8 layer's y (x) against the bf16 layer's (y)
+    on the first input set, the largest over ranks."""
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
+    x, ids, weights = sets[0]
+    y8 = moe_layer(x, ids, weights, w13, w2, E, world, marks, fp8)[0].double()
+    y = moe_layer(x, ids, weights, w13, w2, E, world, marks)[0].double()
+    d = torch.stack([2 * (y8 * y).sum(), (y8 * y8 + y * y).sum()])
+    dist.all_reduce(d)  # sums over every rank's tokens
+    return 1 - (d[0] / d[1]).item() if d[1] > 0 else 0.0
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--preset", help="name, comma list, or all [mixtral-8x7b; with --suite, all]")
@@ -318,9 +389,12 @@ def main():
     p.add_argument("--explicit-grad", action="store_true", help="GroupedMM even where _grouped_mm has autograd")
     p.add_argument("--check", action="store_true", help="with --train: check the gradients, small shape, and exit")
     p.add_argument("--cpu", action="store_true", help="with --check: on the CPU, world 1, no torchrun")
+    p.add_argument("--fp8", action="store_true", help="also the forward with FP8 experts (_scaled_grouped_mm)")
     a = p.parse_args()
     if (a.check or a.explicit_grad) and not a.train:
         p.error("--check and --explicit-grad go with --train")
+    if a.fp8 and a.check:
+        p.error("--fp8 times the forward on GPUs; --check checks the bf16 training layer")
     if a.check and (a.cpu or not torch.cuda.is_available()):  # under torchrun: gloo, any world
         rank, world = 0, 1
         if "WORLD_SIZE" in os.environ:
@@ -366,38 +440,37 @@ def main():
             x = torch.randn(m, H, device="cuda", dtype=torch.bfloat16, generator=gen)
             ids, weights = routing(routing_kind, a.skew, m, k, E, rank, gen)
             sets.append((x, ids, weights))
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(6)]
-        phases = {n: [] for n in ("total", "route", "a2a_out", "experts", "a2a_back", "combine")}
-        rows = 0
-        for it in range(-a.warmup, a.iters):
-            x, ids, weights = sets[(it + a.warmup) % NSETS]
-            _, rows = moe_layer(x, ids, weights, w13, w2, E, world, marks)
-            if it < 0:
+        fp8 = (quant_rows(w13), quant_rows(w2)) if a.fp8 else None  # once, outside the timing
+        base = None
+        for impl, q in [("torch", None)] + [("torch-fp8", fp8)] * a.fp8:
+            (total, route, a2a_out, experts, a2a_back, combine), rows = time_layer(
+                sets, w13, w2, E, world, a.warmup, a.iters, q)
+            flops = torch.tensor([rows * 6.0 * H * Fd], device="cuda", dtype=torch.float64)
+            dist.all_reduce(flops)
+            distance = fp8_distance(sets, w13, w2, E, world, q) if q else None
+            if rank != 0:
                 continue
-            marks[5].synchronize()
-            t = [marks[i].elapsed_time(marks[i + 1]) for i in range(5)]
-            for key, v in zip(("route", "a2a_out", "experts", "a2a_back", "combine"), t):
-                phases[key].append(v)
-            phases["total"].append(marks[0].elapsed_time(marks[5]))
-        med = torch.tensor([statistics.median(phases[n]) for n in phases], device="cuda")
-        dist.all_reduce(med, op=dist.ReduceOp.MAX)  # slowest rank, as comet bench reports
-        flops = torch.tensor([rows * 6.0 * H * Fd], device="cuda", dtype=torch.float64)
-        dist.all_reduce(flops)
-        total, route, a2a_out, experts, a2a_back, combine = med.tolist()
-        if rank == 0:
-            print(f"\n{name}: E={E} top-k={k} H={H} F={Fd}, {m} tokens per GPU, {world} x "
-                  f"{torch.cuda.get_device_name()} (EP={world}), routing {routing_kind}, torch {torch.__version__}, "
-                  f"median of {a.iters} calls, slowest rank")
-            print(f"{'case':16} {'impl':9} {'tokens':>6} {'total ms':>9} {'dispatch':>9} {'experts':>9} "
-                  f"{'combine':>9} {'comm alone':>10} {'GEMM alone':>10} {'TFLOP/s':>8}")
+            if q is None:
+                print(f"\n{name}: E={E} top-k={k} H={H} F={Fd}, {m} tokens per GPU, {world} x "
+                      f"{torch.cuda.get_device_name()} (EP={world}), routing {routing_kind}, "
+                      f"torch {torch.__version__}, median of {a.iters} calls, slowest rank")
+                print(f"{'case':16} {'impl':9} {'tokens':>6} {'total ms':>9} {'dispatch':>9} {'experts':>9} "
+                      f"{'combine':>9} {'comm alone':>10} {'GEMM alone':>10} {'TFLOP/s':>8}")
             tflops = flops.item() / world / (experts * 1e-3) / 1e12
-            print(f"{name:16} {'torch':9} {m:6d} {total:9.3f} {route + a2a_out:9.3f} {experts:9.3f} "
+            print(f"{name:16} {impl:9} {m:6d} {total:9.3f} {route + a2a_out:9.3f} {experts:9.3f} "
                   f"{a2a_back + combine:9.3f} {a2a_out + a2a_back:10.3f} {experts:10.3f} {tflops:8.0f}", flush=True)
-            records.append({"case": name, "impl": "torch", "gpu": torch.cuda.get_device_name(), "ranks": world,
-                            "experts": E, "top_k": k, "hidden": H, "ffn": Fd, "tokens_per_rank": m,
-                            "routing": routing_kind, "skew": a.skew, "iters": a.iters, "torch": torch.__version__,
-                            "median_ms": {"total": total, "route": route, "dispatch_a2a": a2a_out,
-                                          "experts": experts, "combine_a2a": a2a_back, "combine": combine}})
+            record = {"case": name, "impl": impl, "gpu": torch.cuda.get_device_name(), "ranks": world,
+                      "experts": E, "top_k": k, "hidden": H, "ffn": Fd, "tokens_per_rank": m,
+                      "routing": routing_kind, "skew": a.skew, "iters": a.iters, "torch": torch.__version__,
+                      "median_ms": {"total": total, "route": route, "dispatch_a2a": a2a_out,
+                                    "experts": experts, "combine_a2a": a2a_back, "combine": combine}}
+            if q is None:
+                base = record
+            else:
+                record["fp8_vs_bf16"] = distance
+                print(f"{'':16} torch-fp8's y against torch's: 1 - 2 sum(xy) / sum(x^2 + y^2) = {distance:.2e}",
+                      flush=True)
+            records.append(record)
         if a.train:
             res, rows = train_case(sets, w13, w2, E, world, rank, native, a.warmup, a.iters)
             dist.all_reduce(med := torch.tensor(res, device="cuda"), op=dist.ReduceOp.MAX)
@@ -411,11 +484,11 @@ def main():
                       f"GEMMs alone: forward {g_fwd:.3f} + dgrad {g_dgrad:.3f} + wgrad {g_wgrad:.3f} ms)")
                 print(f"{name:16} {'torch-train':11} {m:6d} {fwd:10.3f} {bwd:11.3f} {step:9.3f} {gemms:11.3f} "
                       f"{flops.item() / world / (step * 1e-3) / 1e12:12.0f}", flush=True)
-                records.append(dict(records[-1], impl="torch-train", grad=grad, forward_ms=fwd, backward_ms=bwd,
+                records.append(dict(base, impl="torch-train", grad=grad, forward_ms=fwd, backward_ms=bwd,
                                     step_ms=step, gemms_ms=gemms, median_ms={
                                         "forward": fwd, "backward": bwd, "step": step, "gemms": gemms,
                                         "gemms_forward": g_fwd, "gemms_dgrad": g_dgrad, "gemms_wgrad": g_wgrad}))
-        del w13, w2, sets
+        del w13, w2, sets, fp8
         torch.cuda.empty_cache()
     if rank == 0 and a.json:
         with open(a.json, "w") as f:

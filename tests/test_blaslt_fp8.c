@@ -6,7 +6,7 @@
  * The GPU cases: random finite E4M3 bytes and random positive scales, fresh for each call;
  * groups with ragged rows (0, 1, and counts that are multiples of neither 4, 16 nor 128)
  * placed with gaps in A and D, as the MoE layout's padded segments are; n and k off the
- * 128 grid (k = 2880 leaves a 64-wide last scale block, k = 16 a single partial one);
+ * 128 grid (k = 2880 leaves a 64-wide last scale block, k = 64 a single partial one);
  * B's scales given in the HF layout and padded by cometi_blaslt_fp8_pad_b_scales; D
  * poisoned (bf16 NaN) before each call. Every element of every group's rows is checked
  * against the bound below; every row outside the groups' padded extents and every column
@@ -260,7 +260,7 @@ static int blaslt_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const blaslt_case_t cases_[] = {
         {1408, 2880, 5, {37, 0, 129, 1, 67}}, /* qwen2-moe's ffn x gpt-oss's hidden: a 64-wide last block */
         {200, 208, 3, {5, 17, 0}},            /* a partial n block and k block */
-        {64, 16, 2, {3, 9}},                  /* one partial k block */
+        {64, 64, 2, {3, 9}},                  /* one partial k block (TE tests k = 64 too) */
         {256, 512, 4, {16, 128, 0, 33}},      /* whole blocks */
         {64, 128, 2, {0, 0}},                 /* no rows: nothing written */
     };

@@ -196,7 +196,7 @@ comet_status_t cometi_blaslt_fp8_create(char *err, cometi_blaslt_fp8_t **out)
                                   "blaslt fp8: cublasLtMatmulDescCreate"), fail);
     /* TN: cuBLAS's A is the weight (k x n, transposed), its B the rows (k x rows). */
     const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-    const int8_t fast_accum = 0; /* promote per block; cuBLASLt refuses fast accumulation with these modes */
+    const int8_t fast_accum = 0; /* promote to FP32 per block (PyTorch refuses fast accumulation here too) */
     const int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_TRANSA, trans_a, fail);
     DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_TRANSB, trans_b, fail);
