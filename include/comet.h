@@ -87,8 +87,9 @@ extern "C" {
 #define COMET_VERSION_MAJOR 0
 #define COMET_VERSION_MINOR 1
 #define COMET_VERSION_PATCH 0
-/* Version of the config and argument structs below; bumped when a field is added. */
-#define COMET_API_VERSION 1
+/* Version of the config and argument structs below; bumped when a field is added (2:
+ * block-scaled FP8, the config's fp8_pow2_scales and the forward args' scales). */
+#define COMET_API_VERSION 2
 /* Stamped into every struct by its initializer, so an uninitialised struct is caught. */
 #define COMET_STRUCT_MAGIC 0xC0E7u
 
@@ -193,7 +194,19 @@ COMET_API comet_status_t comet_comm_get_async_error(comet_comm_t comm);
 /* ------------------------------------------------------------------------------------ */
 /* The MoE layer. */
 
-typedef enum comet_dtype { COMET_DTYPE_BF16 = 0 } comet_dtype_t;
+/* The experts' number format. */
+typedef enum comet_dtype {
+    COMET_DTYPE_BF16 = 0,     /* bf16 weights and activations, fp32 sums */
+    COMET_DTYPE_FP8_BLOCK = 1 /* block-scaled FP8 (the format of comet_quantize_fp8_weights, below):
+                               * E4M3 weights with an FP32 scale per 128 x 128 block, the token
+                               * rows and the activation quantized per row per 128 columns, each
+                               * 128-wide k block's sums scaled into fp32; x bf16 (comet quantizes
+                               * each token once, before it is sent: its rows travel as E4M3 and
+                               * scales, about half the bytes) or already E4M3 with its scales
+                               * (args.x_scales); y bf16. The inference forward (training in FP8
+                               * is COMET_NOT_SUPPORTED); gate and up in one tensor need ffn /
+                               * tp_size a multiple of 128 (a block must not hold both). */
+} comet_dtype_t;
 
 typedef struct comet_moe_config {
     size_t size;
@@ -207,17 +220,20 @@ typedef struct comet_moe_config {
     int ep_size;     /* expert-parallel ranks; 0: world size / tp_size */
     int tp_size;     /* tensor-parallel ranks inside an expert; 0: 1. Rank r is TP rank r % tp_size
                       * of EP group r / tp_size; ffn must be a multiple of 64 x tp_size. */
-    comet_dtype_t dtype; /* activations and weights; bf16 today */
+    comet_dtype_t dtype; /* the experts' number format (above) */
     int resend_x;    /* training, 0 or 1. 0: a saved state keeps the x rows this rank received
                       * (hidden x 2 bytes per row). 1: it keeps none, and the backward sends
                       * x again from the caller's x (comet_moe_backward_args_t.x, the forward's
                       * x unchanged): less memory per layer in flight, for a second dispatch
                       * of x in the backward (PERF.md measures both); the handle's fused
                       * receive buffer doubles to hold those rows (once per handle). */
+    int fp8_pow2_scales; /* COMET_DTYPE_FP8_BLOCK, 0 or 1: the scales comet makes (x's rows, the
+                          * activation) amax / 448, or (1) the power of two at or above it
+                          * (DeepSeek-V3.1's UE8M0 scales) */
 } comet_moe_config_t;
 
 #define COMET_MOE_CONFIG_INIT \
-    {sizeof(comet_moe_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0, 0, 0, 0, 0, 0, 0, COMET_DTYPE_BF16, 0}
+    {sizeof(comet_moe_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0, 0, 0, 0, 0, 0, 0, COMET_DTYPE_BF16, 0, 0}
 
 /*
  * Fill *out with a named model's shape: "mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b",
@@ -284,6 +300,16 @@ typedef struct comet_moe_weights {
     const void *down;    /* [E_local][H][F] (HF Mixtral's w2) */
 } comet_moe_weights_t;
 
+/* The FP32 block scales of FP8 weights (config.dtype COMET_DTYPE_FP8_BLOCK), one beside
+ * each weight given, one per 128 x 128 block of each expert's matrix, rounded up: an HF FP8
+ * checkpoint's `weight_scale_inv` per expert, stacked. 16-byte aligned. */
+typedef struct comet_moe_weight_scales {
+    const float *gate_up; /* [E_local][2F / 128][ceil(H / 128)] (F a multiple of 128) */
+    const float *gate;    /* [E_local][ceil(F / 128)][ceil(H / 128)] */
+    const float *up;      /* [E_local][ceil(F / 128)][ceil(H / 128)] */
+    const float *down;    /* [E_local][ceil(H / 128)][ceil(F / 128)] */
+} comet_moe_weight_scales_t;
+
 typedef enum comet_impl {
     COMET_IMPL_AUTO = 0,     /* the fused path where the config allows it (top_k <= 8; with
                               * tp_size > 1, at most 32 ranks), else the baseline */
@@ -303,11 +329,18 @@ typedef struct comet_moe_args {
     comet_moe_weights_t weights;
     void *y;                   /* [M][H] bf16 output: sum_j w[t][j] * expert_j(x[t]) */
     comet_impl_t impl;
+    /* Block-scaled FP8 (config.dtype COMET_DTYPE_FP8_BLOCK; NULL otherwise): the weights
+     * above are E4M3 bytes in the same layouts, each with its scales here; x is bf16, or
+     * E4M3 with x_scales. */
+    comet_moe_weight_scales_t weight_scales;
+    const float *x_scales;     /* NULL: x is bf16 [M][H], quantized by comet; else x is E4M3 [M][H]
+                                * with these FP32 scales [M][ceil(H / 128)] (DeepEP's layout),
+                                * 16-byte aligned */
 } comet_moe_args_t;
 
 #define COMET_MOE_ARGS_INIT \
     {sizeof(comet_moe_args_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0, NULL, NULL, NULL, \
-     {NULL, NULL, NULL, NULL}, NULL, COMET_IMPL_AUTO}
+     {NULL, NULL, NULL, NULL}, NULL, COMET_IMPL_AUTO, {NULL, NULL, NULL, NULL}, NULL}
 
 /*
  * y = MoE(x), enqueued on `stream`. Collective: every rank calls it, each with its own

@@ -18,7 +18,7 @@ from pathlib import Path
 # ---- constants and enums (comet.h) ----
 
 VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH = 0, 1, 0
-API_VERSION = 1          # COMET_API_VERSION
+API_VERSION = 2          # COMET_API_VERSION
 STRUCT_MAGIC = 0xC0E7    # COMET_STRUCT_MAGIC
 
 # comet_status_t
@@ -47,6 +47,7 @@ STATUS_NAMES = {
 
 # comet_dtype_t
 DTYPE_BF16 = 0
+DTYPE_FP8_BLOCK = 1
 
 # comet_grad_mode_t
 GRAD_WRITE_BF16 = 0
@@ -98,6 +99,7 @@ class MoeConfigStruct(ctypes.Structure):
         ("tp_size", c_int),
         ("dtype", c_int),  # comet_dtype_t
         ("resend_x", c_int),
+        ("fp8_pow2_scales", c_int),
     ]
 
     def __init__(self, **fields):
@@ -117,6 +119,16 @@ class MoeWeightsStruct(ctypes.Structure):
     ]
 
 
+class MoeWeightScalesStruct(ctypes.Structure):
+    """comet_moe_weight_scales_t: device pointers to FP8 weights' FP32 block scales."""
+    _fields_ = [
+        ("gate_up", c_void_p),  # [E_local][2F / 128][ceil(H / 128)]
+        ("gate", c_void_p),     # [E_local][ceil(F / 128)][ceil(H / 128)]
+        ("up", c_void_p),
+        ("down", c_void_p),     # [E_local][ceil(H / 128)][ceil(F / 128)]
+    ]
+
+
 class MoeArgsStruct(ctypes.Structure):
     """comet_moe_args_t; a new one holds COMET_MOE_ARGS_INIT."""
     _fields_ = [
@@ -130,11 +142,14 @@ class MoeArgsStruct(ctypes.Structure):
         ("weights", MoeWeightsStruct),
         ("y", c_void_p),
         ("impl", c_int),  # comet_impl_t
+        ("weight_scales", MoeWeightScalesStruct),
+        ("x_scales", c_void_p),      # const float *, or NULL: x is bf16
     ]
 
     def __init__(self):
         super().__init__(ctypes.sizeof(MoeArgsStruct), STRUCT_MAGIC, API_VERSION, 0, None, None, None,
-                         MoeWeightsStruct(None, None, None, None), None, IMPL_AUTO)
+                         MoeWeightsStruct(None, None, None, None), None, IMPL_AUTO,
+                         MoeWeightScalesStruct(None, None, None, None), None)
 
 
 class MoeSavedConfigStruct(ctypes.Structure):

@@ -118,6 +118,7 @@ MIRRORS = {
     "comet_comm_config_t": _capi.CommConfigStruct,
     "comet_moe_config_t": _capi.MoeConfigStruct,
     "comet_moe_weights_t": _capi.MoeWeightsStruct,
+    "comet_moe_weight_scales_t": _capi.MoeWeightScalesStruct,
     "comet_moe_args_t": _capi.MoeArgsStruct,
     "comet_moe_saved_config_t": _capi.MoeSavedConfigStruct,
     "comet_moe_weight_grads_t": _capi.MoeWeightGradsStruct,
@@ -127,10 +128,11 @@ MIRRORS = {
 # the layout computed from the header.
 GCC_X86_64 = {
     "comet_comm_config_t": (24, {"timeout_ms": 16}),
-    "comet_moe_config_t": (56, {"hidden": 16, "dtype": 44, "resend_x": 48}),
+    "comet_moe_config_t": (56, {"hidden": 16, "dtype": 44, "resend_x": 48, "fp8_pow2_scales": 52}),
     "comet_moe_weights_t": (32, {"down": 24}),
-    "comet_moe_args_t": (96, {"num_tokens": 16, "x": 24, "topk_ids": 32, "topk_weights": 40, "weights": 48,
-                              "y": 80, "impl": 88}),
+    "comet_moe_weight_scales_t": (32, {"down": 24}),
+    "comet_moe_args_t": (136, {"num_tokens": 16, "x": 24, "topk_ids": 32, "topk_weights": 40, "weights": 48,
+                               "y": 80, "impl": 88, "weight_scales": 96, "x_scales": 128}),
     "comet_moe_saved_config_t": (24, {"max_recv_rows": 16}),
     "comet_moe_weight_grads_t": (40, {"down": 24, "mode": 32}),
     "comet_moe_backward_args_t": (136, {"saved": 16, "dy": 24, "x": 32, "weights": 40, "dx": 72,

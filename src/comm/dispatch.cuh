@@ -21,13 +21,13 @@
  * round-robin. Two ways to copy a piece (COMETI_DISPATCH_*): */
 
 /* Stores: the warp's lanes load and store 16 bytes at a time (row_copy.cuh). A piece's
- * source, x or x2, holds a row per token: (t, j) reads row t. */
-static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const void *x, const int32_t *src_of, int n_rows,
+ * source, x or x2, holds a row of row_bytes per token: (t, j) reads row t. */
+static __device__ void copy_piece_stores(const void *x, int row_bytes, int top_k, const int32_t *src_of, int n_rows,
                                          uint4 *out)
 {
-    const int vecs = d->hidden / 8;
+    const int vecs = row_bytes / 16;
     for (int q = 0; q < n_rows; q++)
-        cometi_warp_copy_row(out + (size_t)q * vecs, (const uint4 *)x + (size_t)(src_of[q] / d->top_k) * vecs, vecs);
+        cometi_warp_copy_row(out + (size_t)q * vecs, (const uint4 *)x + (size_t)(src_of[q] / top_k) * vecs, vecs);
     __syncwarp();
 }
 
@@ -48,17 +48,15 @@ static __device__ void copy_piece_stores(const cometi_dispatch_t *d, const void 
 #define BULK_LAG_GROUPS 1
 
 typedef struct bulk_ring {
-    unsigned char *slots; /* BULK_SLOTS rows */
+    unsigned char *slots; /* BULK_SLOTS rows of the wider source */
     uint64_t *full;       /* BULK_GROUPS mbarriers */
     uint32_t parity;      /* bit s: the phase ring group s waits for next */
-    uint32_t row_bytes;
 } bulk_ring_t;
 
-static __device__ void copy_piece_bulk(bulk_ring_t *ring, const void *from, int top_k, const int32_t *src_of,
-                                       int n_rows, unsigned char *out, cometi_async_error_t *err,
-                                       unsigned long long timeout_ns)
+static __device__ void copy_piece_bulk(bulk_ring_t *ring, const void *from, uint32_t rb, int top_k,
+                                       const int32_t *src_of, int n_rows, unsigned char *out,
+                                       cometi_async_error_t *err, unsigned long long timeout_ns)
 {
-    const uint32_t rb = ring->row_bytes;
     const int groups = (n_rows + BULK_GROUP - 1) / BULK_GROUP;
     /* The rows' token indices come a group at a time, the next group's loads in flight
      * while this one's rows are issued: one load per row ahead of its copy made every row
@@ -168,7 +166,7 @@ static __device__ void copy_pieces(const cometi_dispatch_t *d, const int *table,
                                    unsigned int *counter, cometi_async_error_t *err, unsigned long long timeout_ns)
 {
     const int lane = threadIdx.x % 32, E = d->num_experts, me = d->rank;
-    const uint32_t row_bytes = (uint32_t)d->hidden * 2, mask = ring ? 1u : 0xffffffffu;
+    const uint32_t mask = ring ? 1u : 0xffffffffu;
     /* The first-wave kernel has the first pieces, the GEMM blocks copy the head after them. */
     const int local_pieces = table[E], head = min(wave_pieces(d) + d->head_pieces, local_pieces);
     for (;;) {
@@ -185,12 +183,13 @@ static __device__ void copy_pieces(const cometi_dispatch_t *d, const int *table,
         /* To every TP rank of the group (the same rows, the same place), this rank first;
          * x2's rows too before the count. */
         const void *srcs[2] = {d->x, d->x2};
+        const uint32_t rb = (uint32_t)d->row_bytes;
         for (int u = 0; u < d->tp; u++) {
             const int dst = group * d->tp + (me + u) % d->tp;
             for (int which = 0; which < (d->x2 ? 2 : 1); which++) {
-                unsigned char *out = (unsigned char *)d->recv[dst] + (size_t)row * row_bytes + (which ? d->x2_offset : 0);
-                if (ring) copy_piece_bulk(ring, srcs[which], d->top_k, src_of, n_rows, out, err, timeout_ns);
-                else copy_piece_stores(d, srcs[which], src_of, n_rows, (uint4 *)out);
+                unsigned char *out = (unsigned char *)d->recv[dst] + (size_t)row * rb + (which ? d->x2_offset : 0);
+                if (ring) copy_piece_bulk(ring, srcs[which], rb, d->top_k, src_of, n_rows, out, err, timeout_ns);
+                else copy_piece_stores(srcs[which], rb, d->top_k, src_of, n_rows, (uint4 *)out);
             }
             if (lane == 0) cometi_red_release_sys_add(d->arrive[dst] + row / COMETI_BLOCK_M, (unsigned long long)n_rows);
         }
@@ -201,7 +200,7 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
                                      cometi_async_error_t *err, unsigned long long timeout_ns)
 {
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const uint32_t row_bytes = (uint32_t)d->hidden * 2;
+    const uint32_t row_bytes = (uint32_t)d->row_bytes;
     /* Bulk workers: as many warps as the block's shared memory holds rings for (barriers
      * in the first 1 KB, then the piece table); none means rows too wide for a ring: copy
      * with stores. */
@@ -224,7 +223,6 @@ static __device__ void dispatch_rows(const cometi_dispatch_t *d, unsigned char *
         ring.slots = smem + 1024 + PIECE_TABLE_BYTES + (size_t)warp * ring_bytes;
         ring.full = (uint64_t *)smem + warp * BULK_GROUPS;
         ring.parity = 0;
-        ring.row_bytes = row_bytes;
         for (int s = 0; s < BULK_GROUPS; s++) mbar_init(&ring.full[s], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -264,15 +262,14 @@ static __device__ void copy_head(const cometi_dispatch_t *d, int gemm_block, int
     __syncthreads();
     const int rows = *total, lo = (int)((long long)rows * gemm_block / gemm_blocks),
               hi = (int)((long long)rows * (gemm_block + 1) / gemm_blocks);
-    const size_t row_bytes = (size_t)d->hidden * 2;
     for (int q = lo + (int)threadIdx.x / 32; q < hi; q += blockDim.x / 32) {
         int j = 0;
         while (j + 1 < head && desc[j + 1].w <= q) j++;
         const int r = q - desc[j].w;
-        unsigned char *out = (unsigned char *)d->recv[me] + (size_t)(desc[j].x + r) * row_bytes;
+        unsigned char *out = (unsigned char *)d->recv[me] + (size_t)(desc[j].x + r) * d->row_bytes;
         const void *srcs[2] = {d->x, d->x2};
         for (int which = 0; which < (d->x2 ? 2 : 1); which++)
-            copy_piece_stores(d, srcs[which], d->src_of + desc[j].z + r, 1,
+            copy_piece_stores(srcs[which], d->row_bytes, d->top_k, d->src_of + desc[j].z + r, 1,
                               (uint4 *)(out + (which ? d->x2_offset : 0)));
     }
     __syncthreads();

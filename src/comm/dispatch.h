@@ -24,16 +24,18 @@ enum {
 #define COMETI_DISPATCH_HEAD_MAX_PIECES 64
 
 typedef struct cometi_dispatch {
-    const void *x;                  /* [tokens][hidden] bf16: the forward's x, the backward's dy
-                                     * ((t, j) index / top_k = its row) */
-    const void *x2;                 /* NULL, or a second source, [tokens][hidden] bf16 (the backward
+    const void *x;                  /* [tokens][row_bytes]: the forward's x (bf16 rows, or E4M3 rows
+                                     * with their scales after them), the backward's dy ((t, j) index
+                                     * / top_k = its row) */
+    const void *x2;                 /* NULL, or a second source, [tokens][row_bytes] (the backward
                                      * sending x again, config.resend_x): each piece's rows of it go
                                      * x2_offset bytes past the piece's place in the receive buffer,
                                      * before the piece is counted */
     size_t x2_offset;
+    int row_bytes;                  /* a row's bytes, a multiple of 16 */
     const int32_t *src_of;          /* [n] send order -> (t, j) index */
     cometi_route_tables_t plan;     /* the route's tables (counts, send_offset, seg_start, recv_offset) */
-    int num_experts, top_k, hidden, experts_per_group, tp, rank; /* rank r is TP rank r % tp of group r / tp */
+    int num_experts, top_k, experts_per_group, tp, rank; /* rank r is TP rank r % tp of group r / tp */
     int mode;                       /* COMETI_DISPATCH_*; x must be 16-byte aligned */
     int head_pieces;                /* tp 1: the first pieces of this rank's rows for its own experts,
                                      * which every GEMM block copies a share of at the kernel's start

@@ -45,14 +45,15 @@ typedef struct cometi_gemm_args {
     const int32_t *row_index;
     const int32_t *local_rows;
     const unsigned long long *arrive, *expected; /* dispatch role: arrival waits, or NULL */
-    /* E4M3 (gemm.h): A's scales [k blocks][a_scale_ld] (rows past a_rows read none), B's
-     * [groups][b_scale_group / b_scale_kb][b_scale_kb] (up's at b_up_scale, the same strides;
-     * n blocks past b_scale_blocks read none), and C's (SWIGLU_E4M3) [n blocks][c_scale_ld]. */
+    /* E4M3 (gemm.h): A's scales (row r, k block b) at a_scale[r * a_scale_row + b *
+     * a_scale_block] (rows past a_rows read none), B's [groups][b_scale_group / b_scale_kb]
+     * [b_scale_kb] (up's at b_up_scale, the same strides; n blocks past b_scale_blocks read
+     * none), and C's (SWIGLU_E4M3) at c_scale[r * c_scale_row + b * c_scale_block]. */
     const float *a_scale, *b_scale, *b_up_scale;
-    long long a_scale_ld, a_rows;
+    long long a_scale_row, a_scale_block, a_rows;
     int b_scale_group, b_scale_kb, b_scale_blocks;
     float *c_scale;
-    long long c_scale_ld;
+    long long c_scale_row, c_scale_block;
     int pow2_scales;
     int gemm_blocks;
     unsigned int *sched;                 /* tiles taken, blocks done, pieces taken; NULL: static */

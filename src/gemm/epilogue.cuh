@@ -376,7 +376,9 @@ static __device__ __forceinline__ void store_tile_e4m3(const float *acc, const c
     if (lane % 4 == 0) {
 #pragma unroll
         for (int h = 0; h < 2; h++)
-            if (ok[h]) p.c_scale[(long long)tl.n * p.c_scale_ld + seg.start + row0 + 8 * h] = scale[h];
+            if (ok[h])
+                p.c_scale[(long long)(seg.start + row0 + 8 * h) * p.c_scale_row + (long long)tl.n * p.c_scale_block] =
+                    scale[h];
     }
     if (TMA_EPILOGUE && tl.m * TM + TM <= seg.rows) {
         /* One box of 64 rows x 128 bytes per warpgroup, 128B-swizzled: byte column 8j + 2q

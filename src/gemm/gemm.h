@@ -105,10 +105,13 @@ typedef struct cometi_gemm {
         int64_t rows;                 /* rows allocated (TMA reads past a group's rows stay inside) */
         int type;                     /* COMETI_GEMM_BF16 or COMETI_GEMM_E4M3 */
         int major;                    /* COMETI_GEMM_K_MAJOR, or MN_MAJOR along K */
-        const float *scale;           /* E4M3: row r's scale of k block b (128 wide) at
-                                       * scale[b * scale_ld + r] (MN-major: a tile's rows are
-                                       * contiguous), the last block partial where k is */
-        int64_t scale_ld;             /* E4M3: >= rows */
+        int64_t ld;                   /* along M: elements from a row to the next (0: k); rows of
+                                       * 16-byte multiples */
+        const float *scale;           /* E4M3: row r's scale of k block b (128 wide, the last partial
+                                       * where k is) at scale[r * scale_row + b * scale_block]: MN-major
+                                       * (scale_row 1: a tile's rows contiguous) or K-major (a row's
+                                       * scales after its values, as the dispatch sends them) */
+        int64_t scale_row, scale_block;
     } a;
     /* B: K-major [groups][n][k] (SwiGLU: [groups][2n][k], gate rows then up rows, or the gate
      * rows alone with `up` beside them); MN-major [groups][k][n] along M, [rows][n] along K. */
@@ -144,10 +147,10 @@ typedef struct cometi_gemm {
                                        * are not kept */
         int64_t gu_rows;
         const struct cometi_gemm_push *push; /* PUSH: where the rows go */
-        float *c_scale;               /* SWIGLU_E4M3: C holds E4M3 bytes (ldc bytes a row, a multiple
-                                       * of 16) and row r's scale of column block b (128 wide) goes
-                                       * to c_scale[b * c_scale_ld + r]: the next GEMM's A.scale */
-        int64_t c_scale_ld;           /* SWIGLU_E4M3: >= A's rows */
+        float *c_scale;               /* SWIGLU_E4M3: C holds E4M3 bytes (ldc bytes a row) and row r's
+                                       * scale of column block b (128 wide) goes to c_scale[r *
+                                       * c_scale_row + b * c_scale_block]: the next GEMM's A.scale */
+        int64_t c_scale_row, c_scale_block;
         int pow2_scales;              /* SWIGLU_E4M3: 1: each scale the power of two at or above
                                        * amax / 448, 0: amax / 448 (base/fp8.h) */
     } out;

@@ -194,8 +194,9 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
                 (long long)nb * p.b_scale_kb;
         sb_ok[h] = nb < p.b_scale_blocks;
     }
-    float sa0 = scale_at(p.a_scale, kb0 * p.a_scale_ld + ra, ra_ok && kb0 < kb1),
-          sa1 = scale_at(p.a_scale, kb0 * p.a_scale_ld + rb, rb_ok && kb0 < kb1), sbv[HALVES];
+    const float *sa_lo = p.a_scale + ra * p.a_scale_row, *sa_hi = p.a_scale + rb * p.a_scale_row;
+    float sa0 = scale_at(sa_lo, kb0 * p.a_scale_block, ra_ok && kb0 < kb1),
+          sa1 = scale_at(sa_hi, kb0 * p.a_scale_block, rb_ok && kb0 < kb1), sbv[HALVES];
 #pragma unroll
     for (int h = 0; h < HALVES; h++) sbv[h] = scale_at(sb[h], kb0, sb_ok[h] && kb0 < kb1);
 #pragma unroll
@@ -204,8 +205,8 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
     for (int kb = kb0; kb < kb1; kb++) {
         /* The next block's scales, in flight while this one computes. */
         const bool more = kb + 1 < kb1;
-        const float na0 = scale_at(p.a_scale, (kb + 1) * p.a_scale_ld + ra, ra_ok && more),
-                    na1 = scale_at(p.a_scale, (kb + 1) * p.a_scale_ld + rb, rb_ok && more);
+        const float na0 = scale_at(sa_lo, (kb + 1) * p.a_scale_block, ra_ok && more),
+                    na1 = scale_at(sa_hi, (kb + 1) * p.a_scale_block, rb_ok && more);
         float nb[HALVES];
 #pragma unroll
         for (int h = 0; h < HALVES; h++) nb[h] = scale_at(sb[h], kb + 1, sb_ok[h] && more);

@@ -201,10 +201,10 @@ static comet_status_t check_scales(char *err, const cometi_gemm_t *g, const come
                                format_name(v->a_type));
         return COMET_SUCCESS;
     }
-    if (!g->a.scale || (uintptr_t)g->a.scale % 4 || g->a.scale_ld < g->a.rows)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: a.scale = %p (4-byte aligned) with scale_ld = "
-                           "%lld (>= a.rows = %lld) must be set", (const void *)g->a.scale,
-                           (long long)g->a.scale_ld, (long long)g->a.rows);
+    if (!g->a.scale || (uintptr_t)g->a.scale % 4 || g->a.scale_row < 1 || g->a.scale_block < 1)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: a.scale = %p (4-byte aligned) with strides "
+                           "scale_row = %lld and scale_block = %lld (>= 1) must be set", (const void *)g->a.scale,
+                           (long long)g->a.scale_row, (long long)g->a.scale_block);
     if (!g->b.scale || (uintptr_t)g->b.scale % 4 || (g->b.up && (!g->b.up_scale || (uintptr_t)g->b.up_scale % 4)) ||
         (!g->b.up && g->b.up_scale))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: b.scale = %p must be set (4-byte aligned), and "
@@ -215,11 +215,11 @@ static comet_status_t check_scales(char *err, const cometi_gemm_t *g, const come
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3 SwiGLU: n = %d with gate and up in one tensor "
                            "must be a multiple of %d (its 128 x 128 blocks would hold gate and up rows); give up "
                            "apart (b.up, b.up_scale)", g->problem.n, COMETI_GEMM_SCALE_BLOCK);
-    if (quant != (g->out.c_scale != NULL) || (quant && ((uintptr_t)g->out.c_scale % 4 ||
-                                                       g->out.c_scale_ld < g->a.rows)))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: out.c_scale = %p (4-byte aligned, c_scale_ld = %lld "
-                           ">= a.rows = %lld) is for the quantizing SwiGLU alone, which needs it",
-                           (void *)g->out.c_scale, (long long)g->out.c_scale_ld, (long long)g->a.rows);
+    if (quant != (g->out.c_scale != NULL) ||
+        (quant && ((uintptr_t)g->out.c_scale % 4 || g->out.c_scale_row < 1 || g->out.c_scale_block < 1)))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: out.c_scale = %p (4-byte aligned, strides c_scale_row "
+                           "= %lld and c_scale_block = %lld >= 1) is for the quantizing SwiGLU alone, which needs it",
+                           (void *)g->out.c_scale, (long long)g->out.c_scale_row, (long long)g->out.c_scale_block);
     if (g->out.pow2_scales != 0 && g->out.pow2_scales != 1)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm out.pow2_scales = %d: must be 0 or 1",
                            g->out.pow2_scales);
@@ -258,6 +258,10 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi
                            g->a.ptr, (long long)g->a.rows, g->b.ptr);
     if ((uintptr_t)g->a.ptr % 16 || (uintptr_t)g->b.ptr % 16 || (uintptr_t)g->b.up % 16)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a, b and b.up must be 16-byte aligned");
+    const int ea = cometi_gemm_element_bytes(v->a_type);
+    if (g->a.ld && (along_k || g->a.ld < g->problem.k || g->a.ld * ea % 16))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm a.ld = %lld: along M, >= k = %d and rows of 16-byte "
+                           "multiples (0: k)", (long long)g->a.ld, g->problem.k);
     if (g->b.up && !swiglu)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: b.up is for the SwiGLU epilogues only");
     if (epi != COMETI_GEMM_EPI_PUSH) {
@@ -307,6 +311,9 @@ static comet_status_t check_dispatch(char *err, const cometi_gemm_t *g)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: head_pieces = %d: must be 0..%d, and 0 "
                            "with tp %d > 1 (the head goes to this rank alone)", d->rows.head_pieces,
                            COMETI_DISPATCH_HEAD_MAX_PIECES, d->rows.tp);
+    if (d->rows.row_bytes < 16 || d->rows.row_bytes % 16)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: rows of %d bytes: must be a positive "
+                           "multiple of 16", d->rows.row_bytes);
     if (d->rows.x2 && ((uintptr_t)d->rows.x2 % 16 || d->rows.x2_offset % 16 || d->rows.wave_blocks))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: x2 = %p, %zu bytes on: both 16-byte "
                            "aligned, and no first wave (it copies x alone)", d->rows.x2, d->rows.x2_offset);
@@ -425,8 +432,8 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
         COMETI_TRY(make_map(err, &m.a, g->a.ptr, ea, (uint64_t)m_out, (uint64_t)g->a.rows, COMETI_GEMM_BK,
                             "A (along K)"));
     else
-        COMETI_TRY(make_map(err, &m.a, g->a.ptr, ea, (uint64_t)k, (uint64_t)g->a.rows,
-                            pingpong ? 64 : COMETI_GEMM_BM, "A"));
+        COMETI_TRY(make_map_3d(err, &m.a, g->a.ptr, ea, (uint64_t)k, (uint64_t)g->a.rows, 1,
+                               (uint64_t)(g->a.ld ? g->a.ld : k), 0, pingpong ? 64 : COMETI_GEMM_BM, "A"));
     if (along_k) { /* B [rows][n]: boxes of 64 columns x 64 k rows */
         COMETI_TRY(make_map(err, &m.b, g->b.ptr, eb, (uint64_t)n, (uint64_t)g->a.rows, COMETI_GEMM_BK,
                             "B (along K)"));
@@ -489,7 +496,8 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
         const int kbs = (k + COMETI_GEMM_SCALE_BLOCK - 1) / COMETI_GEMM_SCALE_BLOCK;
         const int n_blocks = (n + COMETI_GEMM_SCALE_BLOCK - 1) / COMETI_GEMM_SCALE_BLOCK;
         args.a_scale = g->a.scale;
-        args.a_scale_ld = g->a.scale_ld;
+        args.a_scale_row = g->a.scale_row;
+        args.a_scale_block = g->a.scale_block;
         args.a_rows = g->a.rows;
         args.b_scale = g->b.scale;
         args.b_scale_kb = kbs;
@@ -499,7 +507,8 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
                           : g->b.up ? g->b.up_scale
                                     : g->b.scale + (size_t)(n / COMETI_GEMM_SCALE_BLOCK) * kbs;
         args.c_scale = g->out.c_scale;
-        args.c_scale_ld = g->out.c_scale_ld;
+        args.c_scale_row = g->out.c_scale_row;
+        args.c_scale_block = g->out.c_scale_block;
         args.pow2_scales = g->out.pow2_scales;
     }
     if (g->roles.dispatch) {

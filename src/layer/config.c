@@ -96,8 +96,15 @@ comet_status_t comet_moe_config_validate(const comet_moe_config_t *c, int world,
                    c->num_experts, MAX_TOP_K);
     if (c->max_tokens <= 0 || c->max_tokens > MAX_TOKENS)
         return bad(msg, len, INVAL, "config.max_tokens = %d: must be 1..%d", c->max_tokens, MAX_TOKENS);
-    if (c->dtype != COMET_DTYPE_BF16)
-        return bad(msg, len, INVAL, "config.dtype = %d: only COMET_DTYPE_BF16 (0) is supported", (int)c->dtype);
+    if (c->dtype != COMET_DTYPE_BF16 && c->dtype != COMET_DTYPE_FP8_BLOCK)
+        return bad(msg, len, INVAL, "config.dtype = %d: must be COMET_DTYPE_BF16 (0) or COMET_DTYPE_FP8_BLOCK (1)",
+                   (int)c->dtype);
+    if (c->fp8_pow2_scales != 0 && c->fp8_pow2_scales != 1)
+        return bad(msg, len, INVAL, "config.fp8_pow2_scales = %d: must be 0 (amax / 448) or 1 (powers of two)",
+                   c->fp8_pow2_scales);
+    if (c->fp8_pow2_scales && c->dtype != COMET_DTYPE_FP8_BLOCK)
+        return bad(msg, len, INVAL, "config.fp8_pow2_scales = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK (dtype "
+                   "is %d)", (int)c->dtype);
     if (c->resend_x != 0 && c->resend_x != 1)
         return bad(msg, len, INVAL, "config.resend_x = %d: must be 0 (the saved state keeps x's rows) or 1 (the "
                    "backward sends x again)", c->resend_x);

@@ -254,6 +254,48 @@ const char *comet_moe_last_error(comet_moe_t moe) { return moe ? moe->err : "moe
 
 void cometi_moe_set_marks(comet_moe_t moe, cudaEvent_t *marks) { moe->marks = marks; }
 
+/* The FP8 fields: each weight's scales beside it where the config is FP8, none where it is
+ * bf16; x's scales, where given, aligned. */
+static comet_status_t check_fp8_args(comet_moe_t moe, const comet_moe_args_t *a)
+{
+    char *err = moe->err;
+    const comet_status_t INVAL = COMET_INVALID_ARGUMENT;
+    const comet_moe_weights_t *w = &a->weights;
+    const comet_moe_weight_scales_t *sc = &a->weight_scales;
+    const void *weights[4] = {w->gate_up, w->gate, w->up, w->down};
+    const float *scales[4] = {sc->gate_up, sc->gate, sc->up, sc->down};
+    static const char *const names[4] = {"gate_up", "gate", "up", "down"};
+    if (moe->cfg.dtype != COMET_DTYPE_FP8_BLOCK) {
+        for (int i = 0; i < 4; i++)
+            if (scales[i])
+                return cometi_fail(err, INVAL, "args.weight_scales.%s = %p: scales are for config.dtype "
+                                   "COMET_DTYPE_FP8_BLOCK (this layer is bf16)", names[i], (const void *)scales[i]);
+        if (a->x_scales)
+            return cometi_fail(err, INVAL, "args.x_scales = %p: scales are for config.dtype COMET_DTYPE_FP8_BLOCK "
+                               "(this layer is bf16)", (const void *)a->x_scales);
+        return COMET_SUCCESS;
+    }
+    for (int i = 0; i < 4; i++) {
+        if (weights[i] && !scales[i])
+            return cometi_fail(err, INVAL, "args.weight_scales.%s is NULL: FP8 weights (config.dtype "
+                               "COMET_DTYPE_FP8_BLOCK) need their 128 x 128 block scales", names[i]);
+        if (!weights[i] && scales[i])
+            return cometi_fail(err, INVAL, "args.weight_scales.%s = %p, but args.weights.%s is NULL", names[i],
+                               (const void *)scales[i], names[i]);
+        if ((uintptr_t)scales[i] % 16)
+            return cometi_fail(err, INVAL, "args.weight_scales.%s = %p: must be 16-byte aligned", names[i],
+                               (const void *)scales[i]);
+    }
+    const int fl = moe->cfg.ffn / moe->tp;
+    if (w->gate_up && fl % 128)
+        return cometi_fail(err, INVAL, "args.weights.gate_up with FP8 and ffn / tp_size = %d: gate and up in one "
+                           "tensor need it a multiple of 128 (a 128 x 128 block would hold rows of both); give gate "
+                           "and up apart", fl);
+    if ((uintptr_t)a->x_scales % 16)
+        return cometi_fail(err, INVAL, "args.x_scales = %p: must be 16-byte aligned", (const void *)a->x_scales);
+    return COMET_SUCCESS;
+}
+
 comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *a)
 {
     char *err = moe->err;
@@ -287,12 +329,14 @@ comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *a)
         return cometi_fail(err, INVAL, "args.topk_ids and topk_weights must be 4-byte aligned");
     if (a->impl != COMET_IMPL_AUTO && a->impl != COMET_IMPL_BASELINE && a->impl != COMET_IMPL_FUSED)
         return cometi_fail(err, INVAL, "args.impl = %d: must be COMET_IMPL_AUTO, _BASELINE or _FUSED", (int)a->impl);
-    return COMET_SUCCESS;
+    return check_fp8_args(moe, a);
 }
 
 static comet_status_t moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream)
 {
     COMETI_TRY(cometi_moe_check_args(moe, args));
+    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "comet_moe_forward: the FP8 layer is not built yet");
     comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
     comet_status_t st;

@@ -207,6 +207,9 @@ static comet_status_t forward_train(comet_moe_t moe, const comet_moe_args_t *arg
                                     cudaStream_t stream)
 {
     COMETI_TRY(cometi_moe_check_args(moe, args));
+    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "comet_moe_forward_train: training in FP8 (config.dtype "
+                           "COMET_DTYPE_FP8_BLOCK) is not built; the inference forward is");
     if (!saved) return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "saved is NULL: a training forward fills one "
                                    "(comet_moe_saved_create)");
     if (saved->moe != moe)

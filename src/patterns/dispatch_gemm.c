@@ -168,7 +168,7 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     d->top_k = l->top_k;
     d->x2 = x_again;
     d->x2_offset = x_again ? (size_t)((char *)l->x_rows - (char *)l->recv.local) : 0;
-    d->hidden = l->hidden;
+    d->row_bytes = l->hidden * 2;
     d->experts_per_group = l->experts_per_group;
     d->tp = l->tp;
     d->rank = comm->rank;
