@@ -1,13 +1,15 @@
 /*
  * test_fp8.c - block-scaled FP8 (E4M3) on the CPU: base/fp8.h's rounding against an
  * independent reference (E4M3's values from the format's definition, the nearest found by
- * search in double, ties to even), its scales, and the NaN and infinity policy.
+ * search in double, ties to even), its scales, the NaN and infinity policy comet.h states,
+ * and every refusal of comet.h's two quantize calls.
  */
 #define _GNU_SOURCE
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
 
+#include "comet.h"
 #include "base/fp8.h"
 #include "testutil.h"
 
@@ -235,5 +237,64 @@ int test_fp8_scales(void)
     CHECK(isinf(cometi_e4m3_decode(0x78) * 0x1p120f));
     const float s_max = cometi_fp8_scale(bf16_max, 0);
     CHECK(isfinite(cometi_e4m3_decode(cometi_fp8_quantize(bf16_max, cometi_fp8_inverse(s_max))) * s_max));
+    return 0;
+}
+
+/* ---- comet.h's calls: the refusals, all before any CUDA call (none happens here) ---- */
+
+#define CHECK_REFUSED(call, words)                                                                 \
+    do {                                                                                           \
+        CHECK_EQ((call), COMET_INVALID_ARGUMENT);                                                  \
+        CHECK_CONTAINS(comet_last_create_error(), (words));                                        \
+    } while (0)
+
+int test_fp8_quantize_api_refusals(void)
+{
+    /* Addresses that are never read: every call below is refused before a launch, or (rows
+     * 0) does nothing. */
+    void *const in = (void *)(uintptr_t)0x10000, *const q = (void *)(uintptr_t)0x20000;
+    float *const sc = (float *)(uintptr_t)0x30000;
+    const cudaStream_t st = 0;
+
+    /* Rows. */
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, -1, 128, 0, q, sc, st), "comet_quantize_fp8_rows: rows = -1: must be >= 0");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, 4, 0, 0, q, sc, st), "cols = 0: must be a positive multiple of 16");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, 4, 8, 0, q, sc, st), "cols = 8: must be a positive multiple of 16");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, 4, 100, 0, q, sc, st), "cols = 100: must be a positive multiple of 16");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, 4, -16, 0, q, sc, st), "cols = -16");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, 4, 128, 2, q, sc, st), "pow2_scales = 2: must be 0 or 1");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, 4, 128, -1, q, sc, st), "pow2_scales = -1: must be 0 or 1");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, ((int64_t)1 << 61) / 16 + 1, 16, 0, q, sc, st),
+                  "rows = 144115188075855873 x cols = 16: more than 2^61 elements");
+    CHECK_REFUSED(comet_quantize_fp8_rows(NULL, 4, 128, 0, q, sc, st), "comet_quantize_fp8_rows: x is NULL");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, 4, 128, 0, NULL, sc, st), "q is NULL");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, 4, 128, 0, q, NULL, st), "scales is NULL");
+    CHECK_REFUSED(comet_quantize_fp8_rows((char *)in + 8, 4, 128, 0, q, sc, st), "x = 0x10008: must be 16-byte aligned");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, 4, 128, 0, (char *)q + 4, sc, st), "q = 0x20004: must be 16-byte aligned");
+    CHECK_REFUSED(comet_quantize_fp8_rows(in, 4, 128, 0, q, (float *)((char *)sc + 2), st),
+                  "scales = 0x30002: must be 4-byte aligned");
+    /* rows 0: nothing to do, NULL pointers (an empty tensor's) welcome; cols still checked. */
+    CHECK_EQ(comet_quantize_fp8_rows(NULL, 0, 128, 1, NULL, NULL, st), COMET_SUCCESS);
+    CHECK_REFUSED(comet_quantize_fp8_rows(NULL, 0, 40, 0, NULL, NULL, st), "cols = 40");
+
+    /* Weights. */
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, 0, 128, 128, 0, q, sc, st),
+                  "comet_quantize_fp8_weights: mats = 0: must be >= 1");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, -3, 128, 128, 0, q, sc, st), "mats = -3: must be >= 1");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, 2, 0, 128, 0, q, sc, st), "rows = 0: must be >= 1");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, 2, -5, 128, 0, q, sc, st), "rows = -5: must be >= 1");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, 2, 128, 17, 0, q, sc, st), "cols = 17: must be a positive multiple of 16");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, 2, 128, 128, 7, q, sc, st), "pow2_scales = 7: must be 0 or 1");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, INT64_MAX, 2, 16, 0, q, sc, st),
+                  "mats = 9223372036854775807 x rows = 2: more than 2^61 elements");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, (int64_t)1 << 40, 1 << 20, 16, 0, q, sc, st),
+                  "mats x rows = 1152921504606846976 x cols = 16: more than 2^61 elements");
+    CHECK_REFUSED(comet_quantize_fp8_weights(NULL, 2, 128, 128, 0, q, sc, st), "comet_quantize_fp8_weights: w is NULL");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, 2, 128, 128, 0, NULL, sc, st), "q is NULL");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, 2, 128, 128, 0, q, NULL, st), "scales is NULL");
+    CHECK_REFUSED(comet_quantize_fp8_weights((char *)in + 2, 2, 128, 128, 0, q, sc, st), "w = 0x10002: must be 16-byte aligned");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, 2, 128, 128, 0, (char *)q + 8, sc, st), "q = 0x20008: must be 16-byte aligned");
+    CHECK_REFUSED(comet_quantize_fp8_weights(in, 2, 128, 128, 0, q, (float *)((char *)sc + 1), st),
+                  "scales = 0x30001: must be 4-byte aligned");
     return 0;
 }
