@@ -31,6 +31,11 @@ comet_status_t cometi_dispatch_gemm_alone(comet_comm_t comm, cometi_dispatch_gem
 comet_status_t cometi_gemm_combine_alone(comet_comm_t comm, cometi_gemm_combine_t *l, cometi_dispatch_gemm_t *l0,
                                          const comet_moe_args_t *a, int dynamic_tiles, cudaStream_t stream);
 
+/* The GPU's own E4M3 conversion (cvt.rn.satfinite.e4m3x2.f32, base/fp8.h's wrapper that the
+ * quantize kernels call) of the floats whose bits are first .. first + count - 1: out[i]
+ * for the bits first + i (e4m3_cvt.cu). The tests hold it against cometi_e4m3_encode. */
+cudaError_t cometi_e4m3_cvt_range(uint32_t first, uint32_t count, uint8_t *out, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

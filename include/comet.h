@@ -33,8 +33,8 @@
  * (a framework's backward thread, say): each call that touches the GPU binds the
  * communicator's CUDA context (the one current at its create) and gives the thread's own
  * (or none) back before it returns.
- * Calls that are not collective (configs, presets, saved-state sizes, messages) are
- * thread-safe. Strings returned by the library live until the next call on the same
+ * Calls that are not collective (configs, presets, saved-state sizes, messages, FP8
+ * quantization) are thread-safe. Strings returned by the library live until the next call on the same
  * handle (messages), or forever (names, version). Device pointers passed to the layer must
  * be 16-byte aligned (topk_ids and topk_weights 4-byte): the kernels move rows 16 bytes
  * at a time.
@@ -175,8 +175,10 @@ COMET_API ncclComm_t comet_comm_nccl(comet_comm_t comm);
  * next call on it. */
 COMET_API const char *comet_comm_last_error(comet_comm_t comm);
 
-/* The message of the last failed *_create call on this thread (the handle is NULL), or
- * of the last failed *_destroy call (the handle is gone). */
+/* The message of the last failed *_create call on this thread (the handle is NULL), of
+ * the last failed *_destroy call (the handle is gone), or of the last failed call that
+ * takes no handle (the saved-state calls, comet_quantize_fp8_weights and
+ * comet_quantize_fp8_rows). */
 COMET_API const char *comet_last_create_error(void);
 
 /*
@@ -501,6 +503,61 @@ typedef struct comet_moe_backward_args {
  */
 COMET_API comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args_t *args,
                                             cudaStream_t stream);
+
+/* ------------------------------------------------------------------------------------ */
+/* Block-scaled FP8 (E4M3): DeepSeek-V3's recipe (Transformer Engine's and Megatron-Core's
+ * "blockwise" scaling; the layout of HF FP8 checkpoints such as DeepSeek-V3's).
+ *
+ * A tensor is cut into blocks: 1 x 128 along its rows for activations (one scale per row
+ * per 128 columns), 128 x 128 for weights (one scale grid serves W and W^T). A block has
+ * one FP32 scale s, each of its elements one E4M3 byte q (sign, 4 exponent bits with bias
+ * 7, 3 mantissa bits: finite values up to 448, NaN 0x7F / 0xFF, no infinities), and an
+ * element stands for q x s: dequantize by multiplying (HF's `weight_scale_inv`
+ * multiplies too, despite its name).
+ *   amax  the largest |x| in the block; a partial block (the last 128 columns, or rows,
+ *         when cols or rows are not a multiple of 128) takes its own elements' alone.
+ *   s     amax / 448 (fp32 division), or with pow2_scales the smallest power of two at or
+ *         above amax / 448 (multiplying by it is exact); at least 2^-126 (FLT_MIN) either
+ *         way, so 1 / s is finite; 1 where amax is 0.
+ *   q     x x (1 / s) (fp32 division and product), rounded to the nearest E4M3 value, ties
+ *         to even, saturating at +-448 (the GPU's cvt.rn.satfinite; -0 stays -0).
+ * In a finite block every element has |q s - x| <= |x| / 16 + s / 1024 (q s exact): E4M3
+ * rounds to within half a step, 2^-4 of |x| with 3 mantissa bits, and at most 2^-10 s
+ * below 2^-6 s, where its steps are 2^-9 s (subnormals). One exception, with pow2_scales
+ * alone: the 8 largest bf16 magnitudes (>= 248 x 2^120 ~ 3.30e38) get q = 256 at
+ * s = 2^120, whose product 2^128 is past fp32's range: q x s computed in fp32 is +-Inf.
+ * NaN and infinity are never clamped away. The amax propagates NaN, so a block holding a
+ * NaN gets scale NaN and every q of it is 0x7F; a block holding +-Inf (and no NaN) gets
+ * scale +Inf, 1 / s = 0, and its q are +-0 (0x00, 0x80) or 0x7F (Inf x 0 is NaN). Either
+ * way every element of such a block dequantizes to NaN (NaN x s, 0 x Inf): a NaN or an
+ * infinity shows up in the result, never silently made finite. (An E4M3 NaN byte is always
+ * 0x7F, whatever the sign of the NaN it came from.)
+ *
+ * Both calls are enqueued on `stream` (the current device's), are not collective and
+ * need no handle. Errors: COMET_INVALID_ARGUMENT for a bad argument (the message, from
+ * comet_last_create_error(), names the field, its value and the limit; nothing is
+ * launched), COMET_CUDA_ERROR where the launch fails.
+ */
+
+/*
+ * An expert's (or any layer's) weights: w bf16 [mats][rows][cols] (nn.Linear's [out][in]
+ * per matrix, the matrices contiguous) -> q E4M3 [mats][rows][cols], one byte each, and
+ * scales FP32 [mats][ceil(rows / 128)][ceil(cols / 128)], one per 128 x 128 block (an HF
+ * FP8 checkpoint's `weight` and `weight_scale_inv`). mats >= 1, rows >= 1, cols >= 16 and
+ * a multiple of 16, mats x rows x cols <= 2^61; w and q 16-byte aligned, scales 4-byte
+ * aligned; pow2_scales 0 or 1. Device pointers.
+ */
+COMET_API comet_status_t comet_quantize_fp8_weights(const void *w, int64_t mats, int rows, int cols, int pow2_scales,
+                                                    void *q, float *scales, cudaStream_t stream);
+/*
+ * Token rows (activations): x bf16 [rows][cols] -> q E4M3 [rows][cols] and scales FP32
+ * [rows][ceil(cols / 128)], one per row per 128 columns (DeepEP's layout). rows >= 0
+ * (0 does nothing: the pointers are not read then and may be NULL, as an empty framework
+ * tensor's); cols >= 16 and a multiple of 16, rows x cols <= 2^61; x and q 16-byte aligned,
+ * scales 4-byte aligned; pow2_scales 0 or 1. Device pointers.
+ */
+COMET_API comet_status_t comet_quantize_fp8_rows(const void *x, int64_t rows, int cols, int pow2_scales, void *q,
+                                                 float *scales, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

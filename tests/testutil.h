@@ -63,6 +63,9 @@ uint64_t test_seed(void);
     X(config_presets, 10)                       \
     X(config_validation, 10)                    \
     X(bf16_rounding, 10)                        \
+    X(fp8_e4m3_rounding, 30)                    \
+    X(fp8_scales, 10)                           \
+    X(fp8_quantize_api_refusals, 10)            \
     X(route_plan_known_answer, 10)              \
     X(route_plan_random_invariants, 60)         \
     X(route_dispatch_messages_match, 60)        \
@@ -103,6 +106,8 @@ uint64_t test_seed(void);
     X(gpu_gemm_epilogues, 120)                  \
     X(gpu_gemm_last_wave_cut, 120)              \
     X(gpu_blaslt_fp8_grouped, 180)              \
+    X(gpu_e4m3_cvt_matches_host, 120)           \
+    X(gpu_quantize_fp8, 120)                    \
     X(gpu_symmetric_push_pull_exact, 120)       \
     X(gpu_barrier_and_flags, 120)               \
     X(gpu_barrier_missing_peer_times_out, 120)  \

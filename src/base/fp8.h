@@ -85,12 +85,12 @@ static inline COMETI_HD float cometi_fp8_mul(float a, float b)
 }
 
 /* x to E4M3, rounded to nearest even, saturating: what PTX cvt.rn.satfinite.e4m3x2.f32
- * gives (the GPU test checks every float against it). |x| >= 448, infinities included,
- * gives +-448 (RNE would take 448 < |x| <= 464 to 448 and anything above past the format,
- * where satfinite stops it at 448 too); every NaN gives 0x7F, whatever its sign (NaN in
- * the destination format, as the PTX ISA says for .satfinite; NVIDIA's own host
- * emulation in cuda_fp8.hpp makes every NaN positive first); zero and values that round
- * to zero keep their sign (-0 is 0x80). */
+ * gives (gpu_e4m3_cvt_matches_host checks every float against it). |x| >= 448,
+ * infinities included, gives +-448 (RNE takes 448 < |x| <= 464 to 448 and anything above
+ * past the format, where satfinite stops it at 448 too). Every NaN gives 0x7F, whatever
+ * its sign: .satfinite makes a NaN the destination format's NaN, and NVIDIA's host
+ * fallback for the same conversion (__nv_cvt_float_to_fp8, cuda_fp8.hpp) makes every NaN
+ * positive first. Zero and what rounds to zero keep their sign (-0 is 0x80). */
 static inline COMETI_HD uint8_t cometi_e4m3_encode(float x)
 {
     const uint32_t u = cometi_f32_bits(x), a = u & 0x7fffffffu;

@@ -1,7 +1,8 @@
 /*
  * pointwise.h - the kernels both paths run on rows between the expert GEMMs: SwiGLU and
  * its backward (swiglu.cu), the routing weights to and from the send order
- * (routing_weights.cu). Device types alone.
+ * (routing_weights.cu), and block-scaled FP8 quantization (quantize.cu). Device types
+ * alone.
  */
 #ifndef COMET_POINTWISE_H
 #define COMET_POINTWISE_H
@@ -36,6 +37,24 @@ cudaError_t cometi_launch_gather_weight_grads(const float *rows, int tp, size_t 
 cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int ffn, const cometi_segment_t *segs,
                                           int num_segs, int max_rows, int64_t row_limit, const float *w_rows,
                                           float *dw_rows, cudaStream_t stream);
+
+/* Block-scaled FP8 (E4M3) with base/fp8.h's arithmetic: each block's amax, its scale
+ * (pow2: a power of two), q = e4m3(x x (1 / scale)); NaN and infinity as comet.h states.
+ * Rows: x bf16 [rows][ldx] in 1 x 128 blocks along its cols -> q E4M3 [rows][ldq], the
+ * scale of row r's block b at scales[r x scale_row_stride + b x scale_block_stride]:
+ * K-major [rows][ceil(cols / 128)] (row stride ceil(cols / 128), block stride 1, DeepEP's)
+ * or MN-major [ceil(cols / 128)][ld] (row stride 1, block stride ld: an FP8 GEMM's A
+ * scales). cols a multiple of 16; ldx >= cols a multiple of 8, ldq >= cols a multiple of
+ * 16; x and q 16-byte aligned. q's columns past cols are not written; rows 0 launches
+ * nothing. */
+cudaError_t cometi_quantize_rows_e4m3(const void *x, int64_t rows, int cols, int64_t ldx, void *q, int64_t ldq,
+                                      float *scales, int64_t scale_row_stride, int64_t scale_block_stride, int pow2,
+                                      cudaStream_t stream);
+/* Weights: w bf16 [mats][rows][cols] (contiguous) in 128 x 128 blocks -> q E4M3
+ * [mats][rows][cols], scales [mats][ceil(rows / 128)][ceil(cols / 128)] (HF FP8
+ * checkpoints' weight_scale_inv). cols a multiple of 16, w 16-byte and q 8-byte aligned. */
+cudaError_t cometi_quantize_blocks_e4m3(const void *w, int64_t mats, int rows, int cols, void *q, float *scales,
+                                        int pow2, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,192 @@
+/*
+ * quantize.cu - block-scaled FP8 (E4M3): bf16 token rows in 1 x 128 blocks and weights in
+ * 128 x 128 blocks, each block's amax, scale and bytes by base/fp8.h's arithmetic, the
+ * conversion itself by the hardware's cvt (the bits of cometi_e4m3_encode, which the GPU
+ * test holds it to). Both kernels are memory-bound: every element is read once in 16-byte
+ * loads, and its byte written once.
+ */
+#include <stdint.h>
+
+#include "base/fp8.h"
+#include "pointwise/pointwise.h"
+
+#define QUANTIZE_THREADS 256
+#define QUANTIZE_WARPS (QUANTIZE_THREADS / 32)
+#define QUANTIZE_MAX_GRID (1 << 20) /* blocks; past this each loops over more work */
+
+/* The NaN-propagating max of two pairs of bf16, half by half (bf16 max is exact: the
+ * values are floats' top halves). A NaN gives bf16's canonical NaN, which the float max
+ * after it turns into fp32's (base/fp8.h's cometi_fp8_max). */
+static __device__ __forceinline__ uint32_t max_nan_bf16x2(uint32_t a, uint32_t b)
+{
+    uint32_t d;
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+/* m (two running maxima, bf16x2) folded with the |x| of eight bf16 (one 16-byte load). */
+static __device__ __forceinline__ uint32_t amax8(uint4 v, uint32_t m)
+{
+    m = max_nan_bf16x2(m, v.x & 0x7fff7fffu);
+    m = max_nan_bf16x2(m, v.y & 0x7fff7fffu);
+    m = max_nan_bf16x2(m, v.z & 0x7fff7fffu);
+    return max_nan_bf16x2(m, v.w & 0x7fff7fffu);
+}
+
+/* The larger of the two running maxima, as a float. */
+static __device__ __forceinline__ float amax_float(uint32_t m)
+{
+    return cometi_fp8_max(cometi_f32_from_bits(m << 16), cometi_f32_from_bits(m & 0xffff0000u));
+}
+
+/* Eight bf16 (the first column in the low half of .x) to E4M3, e4m3(x x inv): 8 bytes,
+ * the first column's lowest. */
+static __device__ __forceinline__ uint2 quantize8(uint4 v, float inv)
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t pair[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        pair[k] = cometi_e4m3x2_cvt(cometi_fp8_mul(cometi_f32_from_bits(w[k] << 16), inv),
+                                    cometi_fp8_mul(cometi_f32_from_bits(w[k] & 0xffff0000u), inv));
+    return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+}
+
+/* Rows: a warp takes an item, four neighbouring 128-column blocks of one row, 8 lanes
+ * each: lane l of the 8 takes columns 16l .. 16l + 15 of its block (two 16-byte loads, one
+ * 16-byte store), and the block's amax is a shuffle reduction among its 8 lanes. cols is
+ * a multiple of 16, so a lane's columns are all in the row or all past it; lanes past the
+ * row (its last item's) join the shuffles with zeros and store nothing. Items go row by
+ * row (a row's blocks side by side in memory), each warp two items an iteration with both
+ * items' loads issued first; (row, item in the row) advance by additions, no division. */
+#define ROWS_LANES_PER_BLOCK 8
+#define ROWS_BLOCKS_PER_ITEM (32 / ROWS_LANES_PER_BLOCK)
+#define ROWS_ITEMS_IN_FLIGHT 2
+static __global__ void __launch_bounds__(QUANTIZE_THREADS)
+quantize_rows_kernel(const uint16_t *__restrict__ x, long long rows, int cols, long long ldx, uint8_t *__restrict__ q,
+                     long long ldq, float *__restrict__ scales, long long scale_row_stride,
+                     long long scale_block_stride, int pow2, int nblocks)
+{
+    const int lane = threadIdx.x % 32, sub = lane % ROWS_LANES_PER_BLOCK, group = lane / ROWS_LANES_PER_BLOCK;
+    const int per_row = (nblocks + ROWS_BLOCKS_PER_ITEM - 1) / ROWS_BLOCKS_PER_ITEM; /* items */
+    /* Item i is (row i / per_row, i % per_row); this warp takes i = its index + j x warps. */
+    const long long warps = (long long)gridDim.x * QUANTIZE_WARPS;
+    const long long first = (long long)blockIdx.x * QUANTIZE_WARPS + threadIdx.x / 32;
+    const long long step_rows = warps / per_row;
+    const int step_items = (int)(warps % per_row);
+    long long row = first / per_row;
+    int item = (int)(first % per_row);
+    while (row < rows) {
+        long long r[ROWS_ITEMS_IN_FLIGHT];
+        int blk[ROWS_ITEMS_IN_FLIGHT];
+        uint4 v[ROWS_ITEMS_IN_FLIGHT][2];
+#pragma unroll
+        for (int k = 0; k < ROWS_ITEMS_IN_FLIGHT; k++) {
+            r[k] = row;
+            blk[k] = item * ROWS_BLOCKS_PER_ITEM + group;
+            const int c = blk[k] * COMETI_FP8_BLOCK + sub * 16;
+            v[k][0] = v[k][1] = make_uint4(0, 0, 0, 0);
+            if (row < rows && c < cols) {
+                const uint4 *p = (const uint4 *)(x + row * ldx + c);
+                v[k][0] = p[0];
+                v[k][1] = p[1];
+            }
+            row += step_rows, item += step_items;
+            if (item >= per_row) item -= per_row, row++;
+        }
+#pragma unroll
+        for (int k = 0; k < ROWS_ITEMS_IN_FLIGHT; k++) {
+            if (r[k] >= rows) break; /* the whole warp alike: one row */
+            float amax = amax_float(amax8(v[k][1], amax8(v[k][0], 0)));
+#pragma unroll
+            for (int off = ROWS_LANES_PER_BLOCK / 2; off > 0; off /= 2)
+                amax = cometi_fp8_max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+            const float scale = cometi_fp8_scale(amax, pow2), inv = cometi_fp8_inverse(scale);
+            const int c = blk[k] * COMETI_FP8_BLOCK + sub * 16;
+            if (c < cols) {
+                const uint2 lo = quantize8(v[k][0], inv), hi = quantize8(v[k][1], inv);
+                *(uint4 *)(q + r[k] * ldq + c) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+            }
+            if (sub == 0 && blk[k] < nblocks) scales[r[k] * scale_row_stride + blk[k] * scale_block_stride] = scale;
+        }
+    }
+}
+
+extern "C" cudaError_t cometi_quantize_rows_e4m3(const void *x, int64_t rows, int cols, int64_t ldx, void *q,
+                                                 int64_t ldq, float *scales, int64_t scale_row_stride,
+                                                 int64_t scale_block_stride, int pow2, cudaStream_t stream)
+{
+    if (rows <= 0 || cols <= 0) return cudaSuccess;
+    const int nblocks = (cols + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK;
+    const long long items = (long long)rows * ((nblocks + ROWS_BLOCKS_PER_ITEM - 1) / ROWS_BLOCKS_PER_ITEM);
+    const long long per_block = (long long)QUANTIZE_WARPS * ROWS_ITEMS_IN_FLIGHT;
+    const long long blocks = (items + per_block - 1) / per_block;
+    quantize_rows_kernel<<<(unsigned int)(blocks < QUANTIZE_MAX_GRID ? blocks : QUANTIZE_MAX_GRID), QUANTIZE_THREADS,
+                           0, stream>>>((const uint16_t *)x, rows, cols, ldx, (uint8_t *)q, ldq, scales,
+                                        scale_row_stride, scale_block_stride, pow2, nblocks);
+    return cudaGetLastError();
+}
+
+/* Weights: a thread block takes a 128 x 128 tile. Half-warp h of the 16 takes rows h,
+ * h + 16, ..., h + 112 of the tile, lane l of it columns 8l .. 8l + 7 of each: 8 loads of
+ * 16 bytes a thread, all issued before any is used and kept in registers (32 KB of bf16
+ * a tile), so the tile is read once. The amax: each thread's 64 values, a shuffle
+ * reduction in each warp, the 8 warps' through shared memory (each thread folds them in
+ * the same order). Rows and columns past the matrix's (a partial tile) load nothing and
+ * count as zeros. */
+#define TILE_ROWS_PER_PASS (QUANTIZE_THREADS / 16)
+#define TILE_PASSES (COMETI_FP8_BLOCK / TILE_ROWS_PER_PASS)
+static __global__ void __launch_bounds__(QUANTIZE_THREADS)
+quantize_blocks_kernel(const uint16_t *__restrict__ w, long long mats, int rows, int cols, uint8_t *__restrict__ q,
+                       float *__restrict__ scales, int pow2, int row_tiles, int col_tiles)
+{
+    __shared__ float warp_amax[QUANTIZE_WARPS];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int tile_row = threadIdx.x / 16, col_in = (threadIdx.x % 16) * 8;
+    const long long per_mat = (long long)row_tiles * col_tiles, tiles = mats * per_mat;
+    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const long long m = t / per_mat;
+        const int rt = (int)((t - m * per_mat) / col_tiles), ct = (int)((t - m * per_mat) % col_tiles);
+        const int c = ct * COMETI_FP8_BLOCK + col_in;
+        const long long base = m * rows * (long long)cols;
+        uint4 v[TILE_PASSES];
+#pragma unroll
+        for (int p = 0; p < TILE_PASSES; p++) {
+            const int r = rt * COMETI_FP8_BLOCK + p * TILE_ROWS_PER_PASS + tile_row;
+            v[p] = make_uint4(0, 0, 0, 0);
+            if (r < rows && c < cols) v[p] = *(const uint4 *)(w + base + (long long)r * cols + c);
+        }
+        uint32_t pairs = 0;
+#pragma unroll
+        for (int p = 0; p < TILE_PASSES; p++) pairs = amax8(v[p], pairs);
+        float amax = amax_float(pairs);
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) amax = cometi_fp8_max(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+        if (lane == 0) warp_amax[warp] = amax;
+        __syncthreads();
+        amax = warp_amax[0];
+#pragma unroll
+        for (int i = 1; i < QUANTIZE_WARPS; i++) amax = cometi_fp8_max(amax, warp_amax[i]);
+        __syncthreads(); /* every thread has read warp_amax before the next tile writes it */
+        const float scale = cometi_fp8_scale(amax, pow2), inv = cometi_fp8_inverse(scale);
+#pragma unroll
+        for (int p = 0; p < TILE_PASSES; p++) {
+            const int r = rt * COMETI_FP8_BLOCK + p * TILE_ROWS_PER_PASS + tile_row;
+            if (r < rows && c < cols) *(uint2 *)(q + base + (long long)r * cols + c) = quantize8(v[p], inv);
+        }
+        if (threadIdx.x == 0) scales[t] = scale; /* [mats][row_tiles][col_tiles]: tile t's */
+    }
+}
+
+extern "C" cudaError_t cometi_quantize_blocks_e4m3(const void *w, int64_t mats, int rows, int cols, void *q,
+                                                   float *scales, int pow2, cudaStream_t stream)
+{
+    if (mats <= 0 || rows <= 0 || cols <= 0) return cudaSuccess;
+    const int row_tiles = (rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK;
+    const int col_tiles = (cols + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK;
+    const long long tiles = (long long)mats * row_tiles * col_tiles;
+    quantize_blocks_kernel<<<(unsigned int)(tiles < QUANTIZE_MAX_GRID ? tiles : QUANTIZE_MAX_GRID), QUANTIZE_THREADS,
+                             0, stream>>>((const uint16_t *)w, mats, rows, cols, (uint8_t *)q, scales, pow2, row_tiles,
+                                          col_tiles);
+    return cudaGetLastError();
+}
