@@ -74,7 +74,7 @@ takes[bench]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --rou
 takes[tune]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --warmup --iters
  --no-check --json --out --seed --trace --ranks --timeout-ms --id-file"
 takes[bandwidth]="--mib --ranks --timeout-ms --id-file"
-takes[gemm]="--preset --tokens --ep --iters --seed --sweep"
+takes[gemm]="--preset --tokens --ep --iters --seed --sweep --fp8"
 takes[presets]=""
 takes[version]=""
 commands="bench tune bandwidth gemm presets version"
@@ -85,7 +85,7 @@ for cmd in $commands; do
     for h in --help -h; do
         name="help-$cmd$h"
         run "$cmd" "$h"
-        listed=$(grep -oE '^  --[a-z-]+' <<<"$out" | tr -d ' ')
+        listed=$(grep -oE '^  --[a-z0-9-]+' <<<"$out" | tr -d ' ')
         if [ "$rc" -ne 0 ]; then fail "$name" "exit code $rc, expected 0 (stderr: $err)"
         elif [[ $out != "usage: comet $cmd"* ]]; then fail "$name" "stdout does not begin with its usage: $out"
         elif [ -n "$err" ]; then fail "$name" "printed on stderr: $err"

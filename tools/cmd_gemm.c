@@ -37,7 +37,7 @@ static int cmp_float(const void *a, const void *b)
 }
 
 /* ||x - y|| / ||y|| over n bf16 values; any non-finite x gives +inf. */
-static double rel_diff(const uint16_t *x, const uint16_t *y, size_t n)
+double gemm_rel_diff(const uint16_t *x, const uint16_t *y, size_t n)
 {
     double num = 0, den = 0;
     for (size_t i = 0; i < n; i++) {
@@ -48,8 +48,6 @@ static double rel_diff(const uint16_t *x, const uint16_t *y, size_t n)
     }
     return den > 0 ? sqrt(num / den) : (num > 0 ? INFINITY : 0);
 }
-
-typedef int (*runner_t)(void *ctx, cudaStream_t s);
 
 typedef struct run_ctx {
     cometi_gemm_t g;
@@ -101,7 +99,7 @@ static int run_cublas(void *p, cudaStream_t s)
 }
 
 /* Median milliseconds of `iters` runs after `warmup`; the fastest and slowest too. */
-static float time_ms(runner_t fn, void *ctx, int warmup, int iters, int *failed, float *lo, float *hi)
+float gemm_time_ms(runner_t fn, void *ctx, int warmup, int iters, int *failed, float *lo, float *hi)
 {
     cudaEvent_t e0, e1;
     float t[64], ms = 0;
@@ -187,7 +185,7 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
     x.groups = sh->groups;
     x.rows = sh->rows;
     int failed = 0;
-    float t_ref = time_ms(run_cublas_swiglu, &x, 3, o->iters, &failed, NULL, NULL);
+    float t_ref = gemm_time_ms(run_cublas_swiglu, &x, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s: cuBLAS + SwiGLU: %s", sh->name, x.gemm.err);
     run_ctx_t r;
     memset(&r, 0, sizeof(r));
@@ -204,17 +202,17 @@ static int time_swiglu(const tool_options_t *o, const shape_t *sh, cublasHandle_
     uint16_t *want = TOOL_MALLOC(rows * F * 2), *got = TOOL_MALLOC(rows * F * 2);
     CUDA_OK(cudaMemcpy(want, act_ref, rows * F * 2, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(got, act, rows * F * 2, cudaMemcpyDeviceToHost));
-    double d = rel_diff(got, want, rows * F);
-    float t_ours = time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+    double d = gemm_rel_diff(got, want, rows * F);
+    float t_ours = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s: ours with SwiGLU: %s", sh->name, r.err);
     r.g.launch.schedule = COMETI_GEMM_PINGPONG;
     CUDA_OK(cudaMemset(act, 0xff, rows * F * 2));
     FAIL_IF(run_ours(&r, 0), "%s: ours with SwiGLU, ping-pong: %s", sh->name, r.err);
     CUDA_OK(cudaDeviceSynchronize());
     CUDA_OK(cudaMemcpy(got, act, rows * F * 2, cudaMemcpyDeviceToHost));
-    double d_pp = rel_diff(got, want, rows * F);
+    double d_pp = gemm_rel_diff(got, want, rows * F);
     if (d_pp > d) d = d_pp;
-    float t_pp = time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+    float t_pp = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s: ours with SwiGLU, ping-pong: %s", sh->name, r.err);
     double flop = 2.0 * rows * sh->n * sh->k;
     float t_best = t_ours < t_pp ? t_ours : t_pp;
@@ -244,7 +242,7 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
     memset(&r, 0, sizeof(r));
     r.cublas = cublas, r.sh = sh, r.a = a, r.b = b, r.c = c_ref;
     int failed = 0;
-    const float t_cublas = time_ms(run_cublas, &r, 3, o->iters, &failed, NULL, NULL);
+    const float t_cublas = gemm_time_ms(run_cublas, &r, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
     uint16_t *ref = TOOL_MALLOC(nc * 2), *got = TOOL_MALLOC(nc * 2);
     CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
@@ -272,9 +270,9 @@ static int time_backward_gemm(const tool_options_t *o, const shape_t *sh, cublas
         CUDA_OK(cudaDeviceSynchronize());
         FAIL_IF(err_host->status, "%s: ours: the GEMM pipeline stalled", sh->name);
         CUDA_OK(cudaMemcpy(got, c, nc * 2, cudaMemcpyDeviceToHost));
-        const double d = rel_diff(got, ref, nc);
+        const double d = gemm_rel_diff(got, ref, nc);
         if (!(d <= worst)) worst = d;
-        t[v] = time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+        t[v] = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
         FAIL_IF(failed, "%s: ours: %s", sh->name, r.err);
         if (o->sweep)
             printf("  %-22s block_n %3d group_m %2d %-6s: %6.0f TFLOP/s, diff %.1e\n", sh->name, variants[v][0],
@@ -316,6 +314,7 @@ static int time_backward_table(const tool_options_t *o, int wgrad, cublasHandle_
 int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const tool_options_t *o = arg;
+    if (o->fp8) return gemm_fp8_rank(ctx, arg);
     const int code = rank_device(ctx);
     if (code) return code;
     struct cudaDeviceProp prop;
@@ -371,7 +370,7 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         r.b = b;
         r.c = c_ref;
         int failed = 0;
-        float t_cublas = time_ms(run_cublas, &r, 3, o->iters, &failed, NULL, NULL);
+        float t_cublas = gemm_time_ms(run_cublas, &r, 3, o->iters, &failed, NULL, NULL);
         FAIL_IF(failed, "%s: cuBLAS: %s", sh->name, r.err);
         uint16_t *ref = TOOL_MALLOC(nc * 2), *got = TOOL_MALLOC(nc * 2);
         CUDA_OK(cudaMemcpy(ref, c_ref, nc * 2, cudaMemcpyDeviceToHost));
@@ -411,10 +410,10 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
             FAIL_IF(err_host->status, "%s: ours-%d: the GEMM pipeline stalled (block %d)", sh->name, variants[v][0],
                     err_host->slot);
             CUDA_OK(cudaMemcpy(got, c, nc * 2, cudaMemcpyDeviceToHost));
-            double d = rel_diff(got, ref, nc);
+            double d = gemm_rel_diff(got, ref, nc);
             if (!(d <= worst)) worst = d;
             float lo, hi;
-            t_v[v] = time_ms(run_ours, &r, 3, sweep ? 5 : o->iters, &failed, &lo, &hi);
+            t_v[v] = gemm_time_ms(run_ours, &r, 3, sweep ? 5 : o->iters, &failed, &lo, &hi);
             FAIL_IF(failed, "%s: ours-%d: %s", sh->name, variants[v][0], r.err);
             FAIL_IF(err_host->status, "%s: ours-%d: the GEMM pipeline stalled while timed", sh->name, variants[v][0]);
             if (v < ndefault && t_v[v] < t_best) t_best = t_v[v];

@@ -191,6 +191,9 @@ static const flag_t flags[] = {
     {"--sweep", NULL, CMD_GEMM, set_switch, AT(o.sweep), 1, 0,
      "also every variant of ours, a line each: epilogues, tile orders, grid sizes, the shared tile counter, "
      "two column splits, no cut of the last wave (the backward's GEMMs: epilogues and tile orders)"},
+    {"--fp8", NULL, CMD_GEMM, set_switch, AT(o.fp8), 1, 0,
+     "instead, the block-scaled FP8 forward GEMMs (E4M3, 1 x 128 and 128 x 128 scales) beside cuBLASLt's "
+     "block-scaled FP8 GEMM per expert and our bf16 GEMM; --ep defaults to 1 (one GPU's rows)"},
     {"--mib", "N", CMD_BANDWIDTH, parse_int, AT(o.mib), 1, 16384, "bytes per transfer, MiB [256]"},
     {"--ranks", "N", RUNS, parse_int, AT(ranks), 1, COMETI_MAX_RANKS,
      "processes, one per GPU [EP x TP with --ep, else every visible GPU]"},
@@ -689,7 +692,8 @@ static int flags_world(const cli_t *c, char *from, size_t len)
 static int check_cases_early(const cli_t *c)
 {
     if (c->cmd->bit == CMD_GEMM)
-        return check_cases(c, c->o.ep ? c->o.ep : GEMM_EP, "the EP ranks whose experts' GEMMs comet gemm times");
+        return check_cases(c, c->o.ep ? c->o.ep : c->o.fp8 ? 1 : GEMM_EP,
+                           "the EP ranks whose experts' GEMMs comet gemm times");
     if (!(c->cmd->bit & BT)) return 0;
     char from[64];
     const int world = flags_world(c, from, sizeof(from));

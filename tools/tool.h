@@ -62,6 +62,7 @@ typedef struct tool_options {
     int mib;
     /* gemm */
     int sweep;                       /* --sweep: every variant of ours, a line each */
+    int fp8;                         /* --fp8: the block-scaled FP8 forward GEMMs instead */
     /* both */
     int timeout_ms;
 } tool_options_t;
@@ -77,5 +78,13 @@ int rank_comm(const cometi_rank_ctx_t *ctx, int timeout_ms, comet_comm_t *comm);
 int bench_rank(const cometi_rank_ctx_t *ctx, void *arg);
 int bandwidth_rank(const cometi_rank_ctx_t *ctx, void *arg);
 int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg);
+int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg);
+
+/* cmd_gemm.c's measures, for its FP8 table (cmd_gemm_fp8.c) too: a GEMM run (0: done),
+ * the median milliseconds of `iters` runs after `warmup` (the fastest and slowest where
+ * lo, hi are given; *failed set by a failed run), and ||x - y|| / ||y|| over bf16 values. */
+typedef int (*runner_t)(void *ctx, cudaStream_t s);
+float gemm_time_ms(runner_t fn, void *ctx, int warmup, int iters, int *failed, float *lo, float *hi);
+double gemm_rel_diff(const uint16_t *x, const uint16_t *y, size_t n);
 
 #endif /* COMET_TOOL_H */
