@@ -69,7 +69,7 @@ reaches_gpu() {
 # Each command's --help: exit 0, its usage on stdout, exactly its flags.
 
 declare -A takes
-takes[bench]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --impl --warmup
+takes[bench]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --impl --warmup --fp8
  --iters --no-check --suite --json --seed --trace --train --ranks --timeout-ms --id-file"
 takes[tune]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --warmup --iters
  --no-check --json --out --seed --trace --ranks --timeout-ms --id-file"

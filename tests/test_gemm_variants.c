@@ -67,12 +67,18 @@ int test_gemm_variant_table(void)
          * beside the push (which is GEMM -> combine already). */
         CHECK(v.roles != (COMETI_GEMM_ROLE_DISPATCH | COMETI_GEMM_ROLE_SPLITS));
         CHECK(v.epilogue != COMETI_GEMM_EPI_PUSH || !v.roles);
-        /* E4M3: both operands (8-bit wgmma reads K-major alone), groups along M, cooperative,
-         * a store or the quantizing SwiGLU, no role yet; the quantizing SwiGLU is E4M3's. */
+        /* E4M3: both operands (8-bit wgmma reads K-major alone), groups along M, cooperative;
+         * the quantizing SwiGLU is E4M3's. */
         CHECK(v.b_type == v.a_type);
         CHECK(!e4m3 || (v.a_major == COMETI_GEMM_K_MAJOR && v.b_major == COMETI_GEMM_K_MAJOR && !along_k &&
-                        v.schedule == COMETI_GEMM_COOPERATIVE && !v.roles &&
-                        (v.epilogue == COMETI_GEMM_EPI_STORE || v.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3)));
+                        v.schedule == COMETI_GEMM_COOPERATIVE));
+        /* E4M3's roles: the dispatch with the quantizing SwiGLU (GEMM0); the splits and the
+         * push with the store (GEMM1), 128 wide. */
+        CHECK(!e4m3 || (v.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 ? v.roles != COMETI_GEMM_ROLE_SPLITS
+                        : v.epilogue == COMETI_GEMM_EPI_STORE || v.epilogue == COMETI_GEMM_EPI_PUSH
+                            ? (v.roles & COMETI_GEMM_ROLE_DISPATCH) == 0 &&
+                                  (v.block_n == 128 || (!v.roles && v.epilogue == COMETI_GEMM_EPI_STORE))
+                            : 0));
         CHECK(e4m3 || v.epilogue != COMETI_GEMM_EPI_SWIGLU_E4M3);
         CHECK(cometi_gemm_stage_bytes(v) == (cometi_gemm_tile_rows(v) + v.block_n) * 128);
         for (int j = 0; j < i; j++) {
@@ -681,6 +687,34 @@ static int run_row(shared_t *s, int vi, uint64_t *rng)
 
 /* ---- the E4M3 rows ---- */
 
+/* One rank's push (as run_row's): row r of A to its place in the send order, slots of n
+ * bf16 columns, the owner's counter. */
+static int push_role(shared_t *s, int n, problem_t *p, void **slots, void **dest, void **maps,
+                     cometi_combine_peer_t **peers, unsigned long long **peer_arrive)
+{
+    CUDA_OK(cudaMalloc(slots, (size_t)s->rows * n * 2));
+    CUDA_OK(cudaMalloc((void **)peer_arrive, (COMETI_PUSH_COUNTER + 1) * sizeof(unsigned long long)));
+    CUDA_OK(cudaMemset(*peer_arrive, 0, (COMETI_PUSH_COUNTER + 1) * sizeof(unsigned long long)));
+    int2 *dest_host = malloc(sizeof(int2) * s->a_rows);
+    for (int r = 0; r < s->a_rows; r++) dest_host[r] = (int2){s->slot_of_host[r] >= 0 ? 0 : -1, s->slot_of_host[r]};
+    CUDA_OK(cudaMalloc(dest, sizeof(int2) * s->a_rows));
+    CUDA_OK(cudaMemcpy(*dest, dest_host, sizeof(int2) * s->a_rows, cudaMemcpyHostToDevice));
+    free(dest_host);
+    cometi_combine_peer_t peer = {NULL, *slots, *peer_arrive};
+    CUDA_OK(cudaMalloc((void **)peers, sizeof(peer)));
+    CUDA_OK(cudaMemcpy(*peers, &peer, sizeof(peer), cudaMemcpyHostToDevice));
+    char err[COMETI_ERR_LEN];
+    comet_status_t st = cometi_gemm_push_maps_create(err, slots, 1, 1, 0, s->rows, n, maps);
+    if (st != COMET_SUCCESS) printf("push maps: %s\n", err);
+    CHECK_EQ(st, COMET_SUCCESS);
+    p->push.dest = *dest, p->push.maps = *maps;
+    cometi_combine_t *cb = &p->push.combine;
+    cb->peers = *peers;
+    cb->plan = (cometi_route_tables_t){s->counts, s->send_offset, s->seg_start, s->recv_offset};
+    cb->num_experts = GROUPS, cb->experts_per_group = GROUPS, cb->top_k = TOP_K, cb->world = 1, cb->tp = 1;
+    return 0;
+}
+
 /* A random finite E4M3 code (0x7F and 0xFF are NaN); `exact`: 0 or +-0.5, 1, 2 (0x30,
  * 0x38, 0x40), whose block sums are multiples of 1/4 below 2^9: exact in any accumulator
  * of 11 bits or more. */
@@ -747,6 +781,15 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
             if (kmajor) memcpy(a8 + (size_t)r * a_ld + K + 4 * b, &x, 4);
             else sa_apart[(size_t)b * ld + r] = x;
         }
+    /* K-major: the rows as the dispatch sends them, a token's row (values, then scales) in each
+     * of its choices' rows of A. */
+    uint8_t *x8 = malloc((size_t)s->tokens * a_ld);
+    if (kmajor) {
+        for (int t = 0; t < s->tokens; t++) memcpy(x8 + (size_t)t * a_ld, a8 + (size_t)t * a_ld, a_ld);
+        for (int r = 0; r < s->a_rows; r++)
+            if (s->src_of_host[r] >= 0)
+                memcpy(a8 + (size_t)r * a_ld, x8 + (size_t)(s->src_of_host[r] / TOP_K) * a_ld, a_ld);
+    }
     float *sa = kmajor ? malloc(sizeof(float) * s->a_rows * sa_row) : sa_apart;
     if (kmajor) memcpy(sa, a8, (size_t)s->a_rows * a_ld); /* the same bytes, read as floats */
     const size_t sa_first = kmajor ? K / 4 : 0;            /* where scale (0, 0) is in sa */
@@ -810,13 +853,38 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
     p.a_ld = kmajor ? a_ld : 0, p.pow2 = pow2;
     p.a_scale_row = sa_row, p.a_scale_block = sa_block, p.c_scale_row = sc_row, p.c_scale_block = sc_block;
     p.err = s->err_dev;
+    /* Roles: the dispatch (A filled from the tokens), the split counts, the push. */
+    const int dispatch = v->roles & COMETI_GEMM_ROLE_DISPATCH, push = v->epilogue == COMETI_GEMM_EPI_PUSH;
+    CHECK(!dispatch || kmajor);
+    void *x_dev = NULL, *slots = NULL, *dest = NULL, *maps = NULL;
+    unsigned long long *split_done = NULL, *peer_arrive = NULL;
+    cometi_combine_peer_t *peers = NULL;
+    if (dispatch) {
+        CUDA_OK(cudaMalloc(&x_dev, (size_t)s->tokens * a_ld));
+        CUDA_OK(cudaMemcpy(x_dev, x8, (size_t)s->tokens * a_ld, cudaMemcpyHostToDevice));
+    }
+    if (v->roles & COMETI_GEMM_ROLE_SPLITS) {
+        CUDA_OK(cudaMalloc((void **)&split_done, 2 * sizeof(unsigned long long)));
+        CUDA_OK(cudaMemset(split_done, 0, 2 * sizeof(unsigned long long)));
+        p.splits.n_splits = 2, p.splits.split_done = split_done;
+    }
+    if (push && push_role(s, n, &p, &slots, &dest, &maps, &peers, &peer_arrive)) return 1;
+    uint16_t *slots16 = push ? malloc((size_t)s->rows * n * 2) : NULL;
+    const int tiles_n = (n + cometi_gemm_out_cols(*v) - 1) / cometi_gemm_out_cols(*v);
     uint8_t *c8 = malloc(c_bytes);
     uint16_t *c16 = (uint16_t *)c8;
     float *scales = malloc(sc_bytes);
     for (int run = 0; run < 2; run++) {
-        const int dynamic = run == 1;
+        const int dynamic = run == 1 || dispatch;
+        if (run == 1 && dispatch) break; /* it needs the shared counter: once */
         CUDA_OK(cudaMemset(c, 0xff, c_bytes)); /* poison: NaN in E4M3 and bf16 */
         CUDA_OK(cudaMemset(dsc, 0xff, sc_bytes));
+        if (slots) CUDA_OK(cudaMemset(slots, 0xff, (size_t)s->rows * n * 2));
+        if (dispatch) {
+            CUDA_OK(cudaMemset(a, 0xff, (size_t)s->a_rows * a_ld)); /* every row must come from the tokens */
+            if (dispatch_role(s, a, &p.dispatch)) return 1;
+            p.dispatch.rows.x = x_dev, p.dispatch.rows.row_bytes = a_ld;
+        }
         p.sched = dynamic ? s->sched : NULL;
         cometi_gemm_t g = describe(v, &p);
         g.launch.sms = dynamic ? 0 : 5;
@@ -834,6 +902,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
         CHECK_EQ(s->err_host->status, 0);
         CUDA_OK(cudaMemcpy(c8, c, c_bytes, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(scales, dsc, sc_bytes, cudaMemcpyDeviceToHost));
+        if (slots) CUDA_OK(cudaMemcpy(slots16, slots, (size_t)s->rows * n * 2, cudaMemcpyDeviceToHost));
         int bad = 0;
         double worst = 0; /* |error| / its bound */
         for (int r = 0; r < s->a_rows && bad < 5; r++) {
@@ -841,6 +910,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
             for (int j = 0; j < ldc && bad < 5; j++) {
                 const size_t at = (size_t)r * ldc + j;
                 const int poisoned = quant ? c8[at] == 0xff : c16[at] == 0xffff;
+                if (push && !(owned && j < n)) continue; /* the push writes the slots alone */
                 if (j >= n || !owned) {
                     if (!poisoned) bad++, printf("%s: C[%d][%d] written (row owned %d)\n", v->name, r, j, owned);
                     continue;
@@ -852,7 +922,8 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
                     got = (double)cometi_e4m3_decode(c8[at]) * scale;
                     bound = 0x1p-4 * fabs(want) + 0x1p-10 * scale + 1.07 * bound;
                 } else {
-                    got = cometi_bf16_to_float(c16[at]);
+                    /* The push: the row in its slot (its place in the send order). */
+                    got = cometi_bf16_to_float(push ? slots16[(size_t)s->slot_of_host[r] * n + j] : c16[at]);
                     bound = 0x1p-8 * fabs(want) + 1.01 * bound;
                 }
                 if (!(fabs(got - want) <= bound))
@@ -883,14 +954,27 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
             }
         }
         CHECK_EQ(bad, 0);
+        if (split_done) { /* running totals: every row once per column tile of its split, per call */
+            unsigned long long done[2], want = (unsigned long long)s->rows * (tiles_n / 2) * (run + 1);
+            CUDA_OK(cudaMemcpy(done, split_done, sizeof(done), cudaMemcpyDeviceToHost));
+            CHECK_EQ(done[0], want);
+            CHECK_EQ(done[1], want);
+        }
+        if (peer_arrive) { /* rows pushed: every row once per column tile, per call */
+            unsigned long long pushed;
+            CUDA_OK(cudaMemcpy(&pushed, peer_arrive + COMETI_PUSH_COUNTER, sizeof(pushed), cudaMemcpyDeviceToHost));
+            CHECK_EQ(pushed, (unsigned long long)s->rows * tiles_n * (run + 1));
+        }
         printf("%-20s %s: n %d%s%s%s%s, worst |error| / bound %.2f\n", v->name,
                dynamic ? "every SM, shared counter" : "5 blocks, static tiles  ", n, quant && up_apart ? ", up apart" : "",
                pow2 ? ", pow2 scales" : "", exact ? ", exact sums" : ", any codes",
                kmajor ? ", K-major scales" : ", MN-major scales", worst);
     }
     if (kmajor) free(sa);
-    free(a8), free(b8), free(u8), free(sa_apart), free(sb), free(su), free(ref), free(err_bound), free(c8),
-        free(scales);
+    free(a8), free(x8), free(b8), free(u8), free(sa_apart), free(sb), free(su), free(ref), free(err_bound), free(c8),
+        free(scales), free(slots16);
+    cudaFree(x_dev), cudaFree(split_done), cudaFree(peer_arrive), cudaFree(slots), cudaFree(dest), cudaFree(maps);
+    cudaFree(peers);
     cudaFree(a), cudaFree(b), cudaFree(up), cudaFree(c), cudaFree(dsa), cudaFree(dsb), cudaFree(dsu), cudaFree(dsc);
     return 0;
 }
@@ -906,6 +990,8 @@ static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
         const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
         int failed;
         if (v->a_type != COMETI_GEMM_E4M3) failed = run_row(&s, vi, &rng);
+        else if (v->roles & COMETI_GEMM_ROLE_DISPATCH) /* rows sent with their scales after them: K-major */
+            failed = run_row_e4m3(&s, vi, 256, 0, 0, 1, 1, &rng) || run_row_e4m3(&s, vi, 192, 1, 1, 0, 1, &rng);
         else if (v->epilogue != COMETI_GEMM_EPI_SWIGLU_E4M3)
             failed = run_row_e4m3(&s, vi, row_n(v), 0, 0, 1, 0, &rng) ||
                      run_row_e4m3(&s, vi, row_n(v), 0, 0, 1, 1, &rng) ||

@@ -124,6 +124,10 @@ typedef struct timed_call {
 
 /* bench_timing.c */
 float median(float *v, int n);
+/* --fp8 (bench_fp8.c): the block-scaled FP8 layer beside the bf16 one, both fused, in turns,
+ * at the case's tokens and 1, 16, 128; rows on rank 0; nonzero on a failure. */
+int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
+                   const comet_moe_config_t *cfg, const char *label);
 int allreduce(comet_comm_t comm, float *v, int n, ncclRedOp_t op);
 int time_calls(const timed_call_t *c, int warmup, int iters, float *out);
 int time_in_turns(const timed_call_t *base, const int *whats, int n, int rounds, float *med);

@@ -258,6 +258,10 @@ int bench_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 const comet_status_t st = comet_moe_config_validate(&cfg, ctx->nranks, msg, sizeof(msg));
                 FAIL_IF(st != COMET_SUCCESS, "%s: %s", label, msg);
                 case_result_t base;
+                if (oc.fp8) { /* the FP8 layer beside the bf16 one (bench_fp8.c) */
+                    if (bench_fp8_case(ctx, &oc, comm, &cfg, label)) return 1;
+                    continue;
+                }
                 if (bench_case(ctx, &oc, comm, &prop, &cfg, label, json, &records, &failed_check, &base)) return 1;
                 suite_row_t *r = &rows[nrows++];
                 snprintf(r->label, sizeof(r->label), "%s", label);

@@ -191,6 +191,10 @@ static const flag_t flags[] = {
     {"--sweep", NULL, CMD_GEMM, set_switch, AT(o.sweep), 1, 0,
      "also every variant of ours, a line each: epilogues, tile orders, grid sizes, the shared tile counter, "
      "two column splits, no cut of the last wave (the backward's GEMMs: epilogues and tile orders)"},
+    {"--fp8", NULL, CMD_BENCH, set_switch, AT(o.fp8), 1, 0,
+     "instead, the block-scaled FP8 layer (E4M3, 128 x 128 weight scales, x quantized per 128 columns) beside "
+     "the bf16 layer, both fused, in turns, at --tokens and at 1, 16 and 128 tokens; with 1 - 2xy/(x^2+y^2) "
+     "of their outputs"},
     {"--fp8", NULL, CMD_GEMM, set_switch, AT(o.fp8), 1, 0,
      "instead, the block-scaled FP8 forward GEMMs (E4M3, 1 x 128 and 128 x 128 scales) beside cuBLASLt's "
      "block-scaled FP8 GEMM per expert and our bf16 GEMM; --ep defaults to 1 (one GPU's rows)"},
@@ -575,6 +579,13 @@ static int check_combinations(cli_t *c)
         fprintf(stderr, "comet %s: an explicit shape needs all of --hidden, --ffn, --experts and --top-k; "
                 "missing:%s%s%s%s\n", cmd, o->hidden ? "" : " --hidden", o->ffn ? "" : " --ffn",
                 o->experts ? "" : " --experts", o->top_k ? "" : " --top-k");
+        return -1;
+    }
+    if (o->fp8 && (o->suite || o->train || o->sweep || given(c, "--impl") || given(c, "--json") ||
+                   given(c, "--trace"))) {
+        fprintf(stderr, "comet %s: --fp8 times its own table: leave out %s\n", cmd,
+                o->suite ? "--suite" : o->train ? "--train" : o->sweep ? "--sweep" : given(c, "--impl") ? "--impl"
+                : given(c, "--json") ? "--json" : "--trace");
         return -1;
     }
     if (o->suite && (shape || given(c, "--tokens") || given(c, "--routing"))) {

@@ -133,9 +133,9 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
      * allocation shifts with the code around the loop). */
     constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA, SWIGLU = ON != BN,
                    GU = T.epilogue == COMETI_GEMM_EPI_SWIGLU_GU, MAY_BE_EMPTY = T.along == COMETI_GEMM_GROUPS_ALONG_K;
-    /* No E4M3 row pushes or counts splits: compiled out there (the 256-wide E4M3 store
-     * spilled 112 bytes with them in, its promotion's registers beside them). */
-    constexpr bool BF16 = T.a_type == COMETI_GEMM_BF16;
+    /* The push and the split counts compiled out of the plain E4M3 rows (the 256-wide E4M3
+     * store spilled 112 bytes with them in, its promotion's registers beside them). */
+    constexpr bool PUSH_OR_SPLITS = T.a_type == COMETI_GEMM_BF16 || T.epilogue == COMETI_GEMM_EPI_PUSH || T.roles;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
     const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;
@@ -210,9 +210,9 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
      * bulk copies there held the next tile's loads back). The rows are counted once, at the
      * block's end (the owner sums after the whole GEMM anyway), so no tile waits for its
      * stores to land. */
-    const bool push_whole = TMA_EPILOGUE && (BF16 ? p.push_dest : NULL) && push.first.x >= 0 && push.last.x == push.first.x &&
+    const bool push_whole = TMA_EPILOGUE && (PUSH_OR_SPLITS ? p.push_dest : NULL) && push.first.x >= 0 && push.last.x == push.first.x &&
                             push.last.y - push.first.y == 63 * p.combine.tp;
-    if (TMA_EPILOGUE && (BF16 ? p.push_dest : NULL) && !push_whole) {
+    if (TMA_EPILOGUE && (PUSH_OR_SPLITS ? p.push_dest : NULL) && !push_whole) {
         const cometi_combine_t *cb = &p.combine;
 #pragma unroll
         for (int h = 0; h < 2; h++) {
@@ -232,7 +232,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         }
         return;
     }
-    if (push_whole || (TMA_EPILOGUE && !(BF16 ? p.push_dest : NULL) && !p.row_index && full_tile)) {
+    if (push_whole || (TMA_EPILOGUE && !(PUSH_OR_SPLITS ? p.push_dest : NULL) && !p.row_index && full_tile)) {
         /* Into shared memory as ON/64 swizzled boxes (swizzled_chunk), then one thread
          * stores the boxes asynchronously: to C, or to a push part's owner. */
         unsigned char *stage_c = sc + half * (64 * ON * 2);
@@ -259,7 +259,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
 #pragma unroll
             for (int box = 0; box < ON / 64; box++) tma_store_2d(map, stage_c + box * 8192, tl.n * ON + box * 64, row);
             bulk_commit();
-            if (BF16 && p.split_done) {
+            if (PUSH_OR_SPLITS && p.split_done) {
                 /* The split's readers load these rows with ordinary loads: a store must have
                  * landed, and the async proxy's writes be ordered before its count. Count
                  * each store one tile late (wait for all but the newest), so the next tile's
@@ -310,7 +310,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
                 *(__nv_bfloat162 *)(c + j * 8) = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
     }
 #undef OUT
-    if (BF16 && p.split_done) {
+    if (PUSH_OR_SPLITS && p.split_done) {
         /* Every thread's stores, then one count for the warpgroup's rows. */
         __threadfence();
         warpgroup_sync(1 + half);

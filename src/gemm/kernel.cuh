@@ -50,7 +50,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA,
                    SWIGLU = cometi_gemm_is_swiglu(T.epilogue), E4M3 = T.a_type == COMETI_GEMM_E4M3,
                    PINGPONG = T.schedule == COMETI_GEMM_PINGPONG, WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K,
-                   DISPATCH = T.roles & COMETI_GEMM_ROLE_DISPATCH, SPLITS = T.roles & COMETI_GEMM_ROLE_SPLITS;
+                   DISPATCH = T.roles & COMETI_GEMM_ROLE_DISPATCH, SPLITS = T.roles & COMETI_GEMM_ROLE_SPLITS,
+                   PUSH_OR_SPLITS = !E4M3 || T.epilogue == COMETI_GEMM_EPI_PUSH || SPLITS; /* epilogue.cuh */
     /* Output columns per tile (SwiGLU pairs gate column c with up column c + BN/2), and rows
      * per tile: 128 shared by both consumers, or 64 for one (ping-pong). */
     constexpr int ON = cometi_gemm_out_cols(T), TM = cometi_gemm_tile_rows(T), BK = cometi_gemm_bk(T);
@@ -200,7 +201,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     /* ---- the consumers ---- */
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, half = wg - 1;
-    if (TMA_EPILOGUE && !E4M3 && p.push_dest && threadIdx.x % 128 == 0) {
+    if (TMA_EPILOGUE && PUSH_OR_SPLITS && p.push_dest && threadIdx.x % 128 == 0) {
         /* The push's maps live in global memory, written by the host (cudaMemcpy): the thread
          * that stores through them acquires them into the tensormap proxy first (CUDA
          * programming guide, "tensor map in global memory"). */
@@ -251,7 +252,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (WGRAD) seg.start = tl.group * p.m_out, seg.rows = p.m_out; /* the group's rows of C */
         push_rows_t push;
         push.first = make_int2(-1, 0), push.last = push.first, push.row[0] = push.row[1] = push.first;
-        if (TMA_EPILOGUE && !E4M3 && p.push_dest) push = load_push_rows(p, tl, part, warp * 16 + lane / 4);
+        if (TMA_EPILOGUE && PUSH_OR_SPLITS && p.push_dest) push = load_push_rows(p, tl, part, warp * 16 + lane / 4);
         if constexpr (E4M3)
             consume_unit_e4m3<V>(acc, p, sm, half * 64 * 128, un.kb0, kb1, &pos, tl, (long long)seg.start + part);
         else

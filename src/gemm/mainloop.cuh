@@ -154,8 +154,15 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
 }
 
 /* A scale of the FP8 operands, or 0 where there is none (a row past A, an n block past B:
- * their products are never stored). */
-static __device__ __forceinline__ float scale_at(const float *base, long long i, bool ok)
+ * their products are never stored). A's through L2 (ld.global.cg): its rows may have been
+ * written by other ranks' dispatch while this kernel runs, and L1 is not coherent (a line
+ * holding one row's scales can hold a neighbour's that had not arrived yet). B's (weights)
+ * through the read-only path. */
+static __device__ __forceinline__ float a_scale_at(const float *base, long long i, bool ok)
+{
+    return ok ? __ldcg(base + i) : 0.0f;
+}
+static __device__ __forceinline__ float b_scale_at(const float *base, long long i, bool ok)
 {
     return ok ? __ldg(base + i) : 0.0f;
 }
@@ -165,9 +172,11 @@ static __device__ __forceinline__ float scale_at(const float *base, long long i,
  * `part`, fresh each block, then acc += part x (its row's A scale x the half's B scale) in
  * fp32. The promotion keeps the tensor core's FP8 sums (narrower than fp32) within one
  * block, and applies the block scales where they change. The half's MMAs must be done
- * before its promotion reads them; the other consumer warpgroup's MMAs fill the gap. The
- * next block's scales are loaded before this block's MMAs are waited for. `a_row`: A's
- * first row of this warpgroup's 64. */
+ * before its promotion reads them; the other consumer warpgroup's MMAs fill the gap. A's
+ * scales are read only once a stage of the tile is full: the producer loads a tile's rows
+ * after they have arrived (the dispatch role), so the tile's scales are there too; the
+ * next block's are loaded then, in flight while this block computes. `a_row`: A's first
+ * row of this warpgroup's 64. */
 template <int V>
 static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const cometi_gemm_args_t &p,
                                                          const gemm_smem_t &sm, int a_off, int kb0, int kb1,
@@ -185,6 +194,7 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
      * gate and up blocks of column tile tl.n, or the two 128-row blocks of a plain tile. */
     const long long ra = a_row + ((threadIdx.x % 128) / 32) * 16 + (threadIdx.x % 32) / 4, rb = ra + 8;
     const bool ra_ok = ra < p.a_rows, rb_ok = rb < p.a_rows;
+    const float *sa_lo = p.a_scale + ra * p.a_scale_row, *sa_hi = p.a_scale + rb * p.a_scale_row;
     const float *sb[HALVES];
     bool sb_ok[HALVES];
 #pragma unroll
@@ -194,23 +204,25 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
                 (long long)nb * p.b_scale_kb;
         sb_ok[h] = nb < p.b_scale_blocks;
     }
-    const float *sa_lo = p.a_scale + ra * p.a_scale_row, *sa_hi = p.a_scale + rb * p.a_scale_row;
-    float sa0 = scale_at(sa_lo, kb0 * p.a_scale_block, ra_ok && kb0 < kb1),
-          sa1 = scale_at(sa_hi, kb0 * p.a_scale_block, rb_ok && kb0 < kb1), sbv[HALVES];
+    float sa0 = 0.0f, sa1 = 0.0f, sbv[HALVES];
 #pragma unroll
-    for (int h = 0; h < HALVES; h++) sbv[h] = scale_at(sb[h], kb0, sb_ok[h] && kb0 < kb1);
+    for (int h = 0; h < HALVES; h++) sbv[h] = b_scale_at(sb[h], kb0, sb_ok[h] && kb0 < kb1);
 #pragma unroll
     for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
     const uint32_t a0 = smem_desc_lo(sm.a + a_off), b0 = smem_desc_lo(sm.b);
     for (int kb = kb0; kb < kb1; kb++) {
+        mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
+        if (kb == kb0) {
+            sa0 = a_scale_at(sa_lo, kb * p.a_scale_block, ra_ok);
+            sa1 = a_scale_at(sa_hi, kb * p.a_scale_block, rb_ok);
+        }
         /* The next block's scales, in flight while this one computes. */
         const bool more = kb + 1 < kb1;
-        const float na0 = scale_at(sa_lo, (kb + 1) * p.a_scale_block, ra_ok && more),
-                    na1 = scale_at(sa_hi, (kb + 1) * p.a_scale_block, rb_ok && more);
+        const float na0 = a_scale_at(sa_lo, (kb + 1) * p.a_scale_block, ra_ok && more),
+                    na1 = a_scale_at(sa_hi, (kb + 1) * p.a_scale_block, rb_ok && more);
         float nb[HALVES];
 #pragma unroll
-        for (int h = 0; h < HALVES; h++) nb[h] = scale_at(sb[h], kb + 1, sb_ok[h] && more);
-        mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
+        for (int h = 0; h < HALVES; h++) nb[h] = b_scale_at(sb[h], kb + 1, sb_ok[h] && more);
         const uint32_t a = a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b = b0 + (uint32_t)pos->stage * (B_BYTES >> 4);
 #pragma unroll
         for (int h = 0; h < HALVES; h++) {

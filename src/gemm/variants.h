@@ -143,10 +143,15 @@ typedef struct cometi_gemm_variant {
     /* the FP8 forward: x W^T in E4M3 with block scales, A and B K-major */                         \
     X(fp8_swiglu,         E4M3, E4M3, K,  K,  M, SWIGLU_E4M3, TMA,    COOPERATIVE, 256, NONE)        \
     X(fp8_swiglu_direct,  E4M3, E4M3, K,  K,  M, SWIGLU_E4M3, DIRECT, COOPERATIVE, 256, NONE)        \
+    X(fp8_swiglu_dispatch, E4M3, E4M3, K, K,  M, SWIGLU_E4M3, TMA,    COOPERATIVE, 256, DISPATCH)    \
     X(fp8_nt_256,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
     X(fp8_nt_128,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
     X(fp8_nt_256_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
-    X(fp8_nt_128_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE)
+    X(fp8_nt_128_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
+    /* GEMM1 with its roles, 128 wide (256-wide tiles spilled 120 bytes with the push or the     \
+     * split counts beside the promotion's registers) */                                           \
+    X(fp8_nt_128_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
+    X(fp8_nt_128_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE)
 
 /* The rows' ids, COMETI_GEMM_V_<name>, in table order. */
 #define COMETI_GEMM_VARIANT_ID(name, at, bt, am, bm, along, epi, store, sched, bn, roles) COMETI_GEMM_V_##name,

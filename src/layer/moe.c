@@ -335,8 +335,6 @@ comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *a)
 static comet_status_t moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream)
 {
     COMETI_TRY(cometi_moe_check_args(moe, args));
-    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK)
-        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "comet_moe_forward: the FP8 layer is not built yet");
     comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
     comet_status_t st;
@@ -349,6 +347,9 @@ static comet_status_t moe_forward(comet_moe_t moe, const comet_moe_args_t *args,
         }
         moe->err[0] = '\0';
     }
+    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "comet_moe_forward: the sequential path in FP8 is not "
+                           "built yet");
     struct cometi_baseline *b;
     COMETI_TRY(cometi_moe_baseline(moe, &b));
     st = cometi_baseline_forward(moe, b, args, NULL, stream);

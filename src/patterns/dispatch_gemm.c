@@ -9,6 +9,7 @@
 
 #include "patterns/dispatch_gemm.h"
 #include "base/params.h"
+#include "pointwise/pointwise.h"
 
 comet_status_t cometi_dispatch_gemm_create(comet_comm_t comm, const comet_moe_config_t *cfg, cometi_dispatch_gemm_t *l)
 {
@@ -25,19 +26,29 @@ comet_status_t cometi_dispatch_gemm_create(comet_comm_t comm, const comet_moe_co
     l->top_k = cfg->top_k;
     l->max_tokens = cfg->max_tokens;
     l->max_recv_rows = cometi_route_max_recv_rows(W, cfg->max_tokens, cfg->top_k, per, COMETI_BLOCK_M);
+    l->fp8 = cfg->dtype == COMET_DTYPE_FP8_BLOCK;
+    l->pow2_scales = cfg->fp8_pow2_scales;
+    l->row_bytes = l->fp8 ? cometi_fp8_row_bytes(cfg->hidden) : cfg->hidden * 2;
     comet_status_t st;
     COMETI_TRY_GOTO(st, cometi_route_dev_create(comm, cfg->num_experts, tp, cfg->max_tokens * cfg->top_k,
                                                 l->max_recv_rows, COMETI_BLOCK_M, &l->route), fail);
     /* With resend_x, twice the rows: the backward's x rows follow dy's. */
-    const size_t rows_bytes = (size_t)l->max_recv_rows * cfg->hidden * 2;
+    const size_t rows_bytes = (size_t)l->max_recv_rows * l->row_bytes;
     COMETI_TRY_GOTO(st, cometi_window_create(comm, rows_bytes * (cfg->resend_x ? 2 : 1), &l->recv), fail);
     l->x_rows = cfg->resend_x ? (char *)l->recv.local + rows_bytes : NULL;
     COMETI_TRY_GOTO(st, cometi_window_create(comm, sizeof(unsigned long long) * l->route.max_blocks, &l->arrive),
                     fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->arrive.local, 0, l->arrive.bytes), "clear arrivals"),
                     fail);
-    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->act, (size_t)l->max_recv_rows * l->ffn * 2),
+    COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->act, (size_t)l->max_recv_rows * l->ffn * (l->fp8 ? 1 : 2)),
                                     "cudaMalloc(layer0 activations)"), fail);
+    if (l->fp8) {
+        COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc(&l->x_q, (size_t)cfg->max_tokens * l->row_bytes),
+                                        "cudaMalloc(FP8 tokens)"), fail);
+        COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->act_scales, (size_t)l->max_recv_rows *
+                                                              ((l->ffn + 127) / 128) * sizeof(float)),
+                                        "cudaMalloc(FP8 activation scales)"), fail);
+    }
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMalloc((void **)&l->sched, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)),
                                     "cudaMalloc(tile counter)"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(comm->err, cudaMemset(l->sched, 0, COMETI_GEMM_SCHED_WORDS * sizeof(unsigned int)), "clear tile counter"),
@@ -76,6 +87,8 @@ void cometi_dispatch_gemm_destroy(comet_comm_t comm, cometi_dispatch_gemm_t *l)
     if (l->recv.local) cometi_window_destroy(comm, &l->recv);
     if (l->arrive.local) cometi_window_destroy(comm, &l->arrive);
     cudaFree(l->act);
+    cudaFree(l->x_q);
+    cudaFree(l->act_scales);
     cudaFree(l->sched);
     cudaFree(l->tail_ws);
     if (l->side) cudaStreamDestroy(l->side);
@@ -83,6 +96,26 @@ void cometi_dispatch_gemm_destroy(comet_comm_t comm, cometi_dispatch_gemm_t *l)
     if (l->wave_done) cudaEventDestroy(l->wave_done);
     cudaFree(l->wave_seg);
     memset(l, 0, sizeof(*l));
+}
+
+/* FP8: this call's tokens as the dispatch sends them, each row's E4M3 values then its
+ * scales (x_q): quantized from bf16 x, once per token whatever its top_k, or copied from an
+ * E4M3 x and its [M][ceil(H / 128)] scales. */
+static comet_status_t fp8_tokens(comet_comm_t comm, const cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
+                                 cudaStream_t stream)
+{
+    const int H = l->hidden, blocks = (H + 127) / 128;
+    if (!a->num_tokens) return COMET_SUCCESS;
+    float *scales = (float *)((char *)l->x_q + H);
+    if (!a->x_scales)
+        return cometi_cuda(comm->err, cometi_quantize_rows_e4m3(a->x, a->num_tokens, H, H, l->x_q, l->row_bytes, scales,
+                                                                l->row_bytes / 4, 1, l->pow2_scales, stream),
+                           "quantize the tokens to FP8");
+    COMETI_TRY(cometi_cuda(comm->err, cudaMemcpy2DAsync(l->x_q, l->row_bytes, a->x, H, H, a->num_tokens,
+                                                        cudaMemcpyDeviceToDevice, stream), "copy the FP8 tokens"));
+    return cometi_cuda(comm->err, cudaMemcpy2DAsync(scales, l->row_bytes, a->x_scales, blocks * sizeof(float),
+                                                    blocks * sizeof(float), a->num_tokens, cudaMemcpyDeviceToDevice,
+                                                    stream), "copy the FP8 tokens' scales");
 }
 
 cometi_gemm_t cometi_dispatch_gemm_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t *l, const comet_moe_args_t *a)
@@ -101,6 +134,19 @@ cometi_gemm_t cometi_dispatch_gemm_gemm(comet_comm_t comm, const cometi_dispatch
     g.out.epilogue = COMETI_GEMM_EPI_SWIGLU;
     g.out.c = l->act;
     g.out.ldc = l->ffn;
+    if (l->fp8) {
+        /* E4M3 rows with their scales after them; the activation E4M3, its scales MN-major. */
+        g.a.type = g.b.type = COMETI_GEMM_E4M3;
+        g.a.ld = l->row_bytes;
+        g.a.scale = (const float *)((const char *)l->recv.local + l->hidden);
+        g.a.scale_row = l->row_bytes / 4, g.a.scale_block = 1;
+        g.b.scale = a->weights.gate_up ? a->weight_scales.gate_up : a->weight_scales.gate;
+        g.b.up_scale = a->weights.gate_up ? NULL : a->weight_scales.up;
+        g.out.epilogue = COMETI_GEMM_EPI_SWIGLU_E4M3;
+        g.out.c_scale = l->act_scales;
+        g.out.c_scale_row = 1, g.out.c_scale_block = l->max_recv_rows;
+        g.out.pow2_scales = l->pow2_scales;
+    }
     g.launch.tail_ws = l->tail_ws;
     g.err = comm->async_dev;
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
@@ -137,6 +183,9 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     if ((uintptr_t)a->x % 16)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "x = %p: the fused layer needs 16-byte aligned rows",
                            a->x);
+    if (l->fp8 && kind)
+        return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "the fused layer in FP8 runs the inference forward; "
+                           "training in FP8 is not built");
     if (knobs->first_wave < -1)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "first wave = %d row blocks: must be -1 (none), 0 "
                            "(automatic) or more", knobs->first_wave);
@@ -147,9 +196,9 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     const int col_tiles = (l->ffn + 127) / 128, gemm_blocks = comm->sm_count - dispatch_blocks;
     int wave = cometi_first_wave_blocks(knobs->first_wave, (int)cometi_param_int(COMETI_PARAM_FIRST_WAVE), l->tp,
                                         comm->sm_count, dispatch_blocks, col_tiles);
-    if (backward || (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x,
-                                                              l->hidden)))
-        wave = 0; /* nothing may fail once the side stream has forked; its copy reads a row per token */
+    if (backward || l->fp8 ||
+        (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x, l->hidden)))
+        wave = 0; /* nothing may fail once the side stream has forked; its copy reads a bf16 row per token */
     cometi_gemm_t g = *core;
     g.problem.segs = l->route.plan.fused_segs;
     g.problem.local_rows = l->route.plan.fused_local_rows;
@@ -161,14 +210,14 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     role.arrive = (const unsigned long long *)l->arrive.local;
     role.expected = l->route.plan.expected;
     cometi_dispatch_t *d = &role.rows;
-    d->x = a->x;
+    d->x = l->fp8 ? l->x_q : a->x;
     d->src_of = l->route.plan.src_of;
     d->plan = cometi_route_tables(&l->route.plan);
     d->num_experts = l->num_experts;
     d->top_k = l->top_k;
     d->x2 = x_again;
     d->x2_offset = x_again ? (size_t)((char *)l->x_rows - (char *)l->recv.local) : 0;
-    d->row_bytes = l->hidden * 2;
+    d->row_bytes = l->row_bytes;
     d->experts_per_group = l->experts_per_group;
     d->tp = l->tp;
     d->rank = comm->rank;
@@ -196,6 +245,7 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
         w.roles.tile_trace = NULL;
         COMETI_TRY(cometi_gemm_prepare(comm->err, &w, &wave_prepared));
     }
+    if (l->fp8) COMETI_TRY(fp8_tokens(comm, l, a, stream));
     COMETI_TRY(cometi_route_dev_run(comm, &l->route, a->topk_ids, a->topk_weights, a->num_tokens, l->top_k, wave,
                                     kind ? kind->call : 0,
                                     wave ? l->ranks_done : NULL, stream));

@@ -18,13 +18,25 @@
 extern "C" {
 #endif
 
+/* The bytes of an FP8 row as the dispatch sends it: its hidden E4M3 values, then its
+ * ceil(hidden / 128) FP32 scales, padded to 16 bytes. */
+static inline int cometi_fp8_row_bytes(int hidden) { return hidden + ((hidden + 127) / 128 * 4 + 15) / 16 * 16; }
+
 typedef struct cometi_dispatch_gemm {
     cometi_route_dev_t route;
-    cometi_window_t recv;   /* [max_recv_rows][hidden] bf16: rows pushed here by every rank */
+    cometi_window_t recv;   /* [max_recv_rows][row_bytes]: rows pushed here by every rank */
     cometi_window_t arrive; /* [max_recv_rows / 128] u64: rows arrived per block, over all calls */
     void *x_rows;           /* config.resend_x: [max_recv_rows][hidden] bf16, recv's second half:
                              * where the backward sends x again; else NULL */
-    void *act;              /* [max_recv_rows][ffn] bf16: SwiGLU(GEMM0), expert-major, padded */
+    void *act;              /* [max_recv_rows][ffn] bf16 (FP8: E4M3): SwiGLU(GEMM0), expert-major, padded */
+    /* Block-scaled FP8 (config.dtype COMET_DTYPE_FP8_BLOCK): a row is sent as its hidden E4M3
+     * bytes and then its ceil(hidden / 128) scales, padded to 16 bytes, so one copy moves
+     * both (row_bytes; bf16: hidden x 2); each token is quantized once, before the route,
+     * into x_q, [max_tokens][row_bytes]. GEMM0's epilogue quantizes the activation, its
+     * scales MN-major in act_scales [ceil(ffn / 128)][max_recv_rows] for GEMM1. */
+    int fp8, pow2_scales, row_bytes;
+    void *x_q;
+    float *act_scales;
     unsigned int *sched;    /* the kernels' tile and piece counters, zero between calls */
     void *tail_ws;          /* the GEMMs' last-wave workspace (gemm/gemm.h), layer1's too */
     unsigned long long *tile_trace; /* NULL, or (benchmarks) where the GEMM kernel writes its

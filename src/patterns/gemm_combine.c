@@ -103,6 +103,12 @@ cometi_gemm_t cometi_gemm_combine_gemm(comet_comm_t comm, const cometi_gemm_comb
     g.a.ptr = l0->act;
     g.a.rows = l0->max_recv_rows;
     g.b.ptr = a->weights.down;
+    if (l0->fp8) { /* the activation E4M3 with its MN-major scales, W2 E4M3 with its blocks' */
+        g.a.type = g.b.type = COMETI_GEMM_E4M3;
+        g.a.scale = l0->act_scales;
+        g.a.scale_row = 1, g.a.scale_block = l0->max_recv_rows;
+        g.b.scale = a->weight_scales.down;
+    }
     g.out.c = l->out;
     g.out.ldc = l->hidden;
     g.err = comm->async_dev;

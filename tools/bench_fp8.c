@@ -1,0 +1,167 @@
+/*
+ * bench_fp8.c - `comet bench --fp8`: the block-scaled FP8 layer (config.dtype
+ * COMET_DTYPE_FP8_BLOCK, x given in bf16 and quantized by the layer) beside the same layer
+ * in bf16, both on the fused path, timed in turns (a bf16 call, then an FP8 call, so clock
+ * drift hits both alike), at the bench's token count and at 1, 16 and 128 tokens (small
+ * batches: the weights' bytes halve). The FP8 weights are the bf16 ones quantized by
+ * comet_quantize_fp8_weights; each output is checked against the other with DeepGEMM's
+ * measure 1 - 2 sum(xy) / sum(x^2 + y^2) (FP8's own error on these random operands: x,
+ * the weights and the activation each rounded to E4M3). Medians of the slowest rank.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "comet.h"
+#include "bench.h"
+#include "alloc.h"
+#include "tool.h"
+
+/* One forward of `moe` timed with events; *failed set on an error. */
+static float timed_forward(comet_moe_t moe, const comet_moe_args_t *a, cudaEvent_t e0, cudaEvent_t e1, int *failed)
+{
+    float ms = 0;
+    cudaEventRecord(e0, 0);
+    if (comet_moe_forward(moe, a, 0) != COMET_SUCCESS) *failed = 1;
+    cudaEventRecord(e1, 0);
+    cudaEventSynchronize(e1);
+    cudaEventElapsedTime(&ms, e0, e1);
+    return ms;
+}
+
+int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
+                   const comet_moe_config_t *cfg, const char *label)
+{
+    const int R = ctx->nranks, me = ctx->rank, E = cfg->num_experts, k = cfg->top_k, H = cfg->hidden,
+              F = cfg->ffn, M = cfg->max_tokens;
+    const int tp = cfg->tp_size > 0 ? cfg->tp_size : 1, Fl = F / tp, per = E / (R / tp);
+    comet_moe_config_t c8 = *cfg;
+    c8.dtype = COMET_DTYPE_FP8_BLOCK;
+    comet_moe_t m16, m8;
+    FAIL_IF(comet_moe_create(comm, cfg, &m16) != COMET_SUCCESS, "comet_moe_create(%s): %s", label,
+            comet_last_create_error());
+    FAIL_IF(comet_moe_create(comm, &c8, &m8) != COMET_SUCCESS, "comet_moe_create(%s, FP8): %s", label,
+            comet_last_create_error());
+    /* bf16 weights (this rank's experts), then their FP8 copies. Gate and up in one tensor
+     * where a 128 x 128 block holds one of them (Fl a multiple of 128), else apart. */
+    const int apart = Fl % 128 != 0;
+    void *gu, *dn, *gu8, *dn8, *x, *y16, *y8;
+    float *gus, *dns, *w;
+    int32_t *ids;
+    const size_t n13 = (size_t)per * 2 * Fl * H, n2 = (size_t)per * H * Fl;
+    const size_t s13 = (size_t)(apart ? 2 * per : per) * ((apart ? Fl : 2 * Fl) + 127) / 128 * ((H + 127) / 128),
+                 s2 = (size_t)per * ((H + 127) / 128) * ((Fl + 127) / 128);
+    CUDA_OK(cudaMalloc(&gu, n13 * 2));
+    CUDA_OK(cudaMalloc(&dn, n2 * 2));
+    CUDA_OK(cudaMalloc(&gu8, n13));
+    CUDA_OK(cudaMalloc(&dn8, n2));
+    CUDA_OK(cudaMalloc((void **)&gus, s13 * 4 + 16));
+    CUDA_OK(cudaMalloc((void **)&dns, s2 * 4 + 16));
+    CUDA_OK(cometi_fill_hash_bf16(gu, n13, o->seed * 31 + 1, (uint64_t)me * n13, (float)(1.0 / sqrt(H)), 0));
+    CUDA_OK(cometi_fill_hash_bf16(dn, n2, o->seed * 31 + 2, (uint64_t)me * n2, (float)(1.0 / sqrt(F)), 0));
+    /* Apart: expert e's gate is matrix 2e of [2 per][Fl][H], its up 2e + 1 (the same bytes). */
+    FAIL_IF(comet_quantize_fp8_weights(gu, apart ? 2 * per : per, apart ? Fl : 2 * Fl, H, 0, gu8, gus, 0) !=
+                COMET_SUCCESS, "quantize gate_up: %s", comet_last_create_error());
+    FAIL_IF(comet_quantize_fp8_weights(dn, per, H, Fl, 0, dn8, dns, 0) != COMET_SUCCESS, "quantize down: %s",
+            comet_last_create_error());
+    CUDA_OK(cudaMalloc(&x, (size_t)M * H * 2 + 16));
+    CUDA_OK(cudaMalloc(&y16, (size_t)M * H * 2 + 16));
+    CUDA_OK(cudaMalloc(&y8, (size_t)M * H * 2 + 16));
+    CUDA_OK(cudaMalloc((void **)&ids, sizeof(int32_t) * ((size_t)M * k + 1)));
+    CUDA_OK(cudaMalloc((void **)&w, sizeof(float) * ((size_t)M * k + 1)));
+    CUDA_OK(cometi_fill_hash_bf16(x, (size_t)M * H, o->seed * 31 + 3, (uint64_t)me * M * H, 1.0f, 0));
+    int32_t *ids_host = TOOL_MALLOC(sizeof(int32_t) * ((size_t)M * k + 1));
+    float *w_host = TOOL_MALLOC(sizeof(float) * ((size_t)M * k + 1));
+    cometi_make_routing(o->routing, o->skew, M, k, E, o->seed * 31 + 4, me, ids_host, w_host);
+    CUDA_OK(cudaMemcpy(ids, ids_host, sizeof(int32_t) * M * k, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(w, w_host, sizeof(float) * M * k, cudaMemcpyHostToDevice));
+    free(ids_host), free(w_host);
+    comet_moe_args_t a16 = COMET_MOE_ARGS_INIT, a8;
+    a16.x = x, a16.topk_ids = ids, a16.topk_weights = w, a16.y = y16, a16.impl = COMET_IMPL_FUSED;
+    a16.weights.gate_up = gu, a16.weights.down = dn;
+    a8 = a16;
+    a8.y = y8;
+    a8.weights.gate_up = NULL;
+    if (apart) {
+        /* gate rows of expert e at matrix 2e, up at 2e + 1: strided views are not a layout the
+         * layer takes, so gate and up are copied apart (once, not timed). */
+        void *g8, *u8;
+        float *gs, *us;
+        const size_t mat = (size_t)Fl * H, bs = (size_t)(Fl + 127) / 128 * ((H + 127) / 128);
+        CUDA_OK(cudaMalloc(&g8, per * mat));
+        CUDA_OK(cudaMalloc(&u8, per * mat));
+        CUDA_OK(cudaMalloc((void **)&gs, per * bs * 4 + 16));
+        CUDA_OK(cudaMalloc((void **)&us, per * bs * 4 + 16));
+        CUDA_OK(cudaMemcpy2D(g8, mat, gu8, 2 * mat, mat, per, cudaMemcpyDeviceToDevice));
+        CUDA_OK(cudaMemcpy2D(u8, mat, (char *)gu8 + mat, 2 * mat, mat, per, cudaMemcpyDeviceToDevice));
+        CUDA_OK(cudaMemcpy2D(gs, bs * 4, gus, 2 * bs * 4, bs * 4, per, cudaMemcpyDeviceToDevice));
+        CUDA_OK(cudaMemcpy2D(us, bs * 4, gus + bs, 2 * bs * 4, bs * 4, per, cudaMemcpyDeviceToDevice));
+        a8.weights.gate = g8, a8.weights.up = u8, a8.weight_scales.gate = gs, a8.weight_scales.up = us;
+    } else {
+        a8.weights.gate_up = gu8, a8.weight_scales.gate_up = gus;
+    }
+    a8.weights.down = dn8, a8.weight_scales.down = dns;
+    cudaEvent_t e0, e1;
+    CUDA_OK(cudaEventCreate(&e0));
+    CUDA_OK(cudaEventCreate(&e1));
+    const int counts[4] = {M, 1, 16, 128};
+    if (me == 0)
+        printf("\n%s FP8: E=%d top-k=%d H=%d F=%d, %d x GPU (EP=%d x TP=%d), both fused, in turns, median of %d\n"
+               "%-16s %6s %10s %10s %8s %12s\n", label, E, k, H, F, R, R / tp, tp, o->iters, "case", "tokens",
+               "bf16 ms", "fp8 ms", "bf16/fp8", "vs bf16");
+    int failed = 0;
+    for (int ci = 0; ci < 4; ci++) {
+        const int m = counts[ci];
+        if (ci && m >= M) continue;
+        a16.num_tokens = a8.num_tokens = m;
+        /* Check: poisoned outputs, one call each, DeepGEMM's measure. */
+        CUDA_OK(cudaMemset(y16, 0xff, (size_t)m * H * 2));
+        CUDA_OK(cudaMemset(y8, 0xff, (size_t)m * H * 2));
+        FAIL_IF(comet_moe_forward(m16, &a16, 0) != COMET_SUCCESS, "bf16 forward: %s", comet_moe_last_error(m16));
+        FAIL_IF(comet_moe_forward(m8, &a8, 0) != COMET_SUCCESS, "FP8 forward: %s", comet_moe_last_error(m8));
+        CUDA_OK(cudaDeviceSynchronize());
+        uint16_t *h16 = TOOL_MALLOC((size_t)m * H * 2), *h8 = TOOL_MALLOC((size_t)m * H * 2);
+        CUDA_OK(cudaMemcpy(h16, y16, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(h8, y8, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
+        float sums[2] = {0, 0};
+        double xy = 0, xx = 0;
+        for (size_t i = 0; i < (size_t)m * H; i++) {
+            const double p = cometi_bf16_to_float(h8[i]), q = cometi_bf16_to_float(h16[i]);
+            xy += p * q, xx += p * p + q * q;
+        }
+        sums[0] = (float)xy, sums[1] = (float)xx;
+        free(h16), free(h8);
+        if (allreduce(comm, sums, 2, ncclSum)) return 1;
+        const double measure = sums[1] > 0 ? 1 - 2.0 * sums[0] / sums[1] : 0;
+        float *t16 = TOOL_MALLOC(sizeof(float) * o->iters), *t8 = TOOL_MALLOC(sizeof(float) * o->iters);
+        for (int it = -o->warmup; it < o->iters; it++) {
+            FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
+            const float a = timed_forward(m16, &a16, e0, e1, &failed), b = timed_forward(m8, &a8, e0, e1, &failed);
+            FAIL_IF(failed, "%s: a forward failed: %s / %s", label, comet_moe_last_error(m16),
+                    comet_moe_last_error(m8));
+            if (it >= 0) t16[it] = a, t8[it] = b;
+        }
+        float ms[2] = {median(t16, o->iters), median(t8, o->iters)};
+        free(t16), free(t8);
+        if (allreduce(comm, ms, 2, ncclMax)) return 1;
+        if (me == 0)
+            printf("%-16s %6d %10.3f %10.3f %8.2f %12.2e%s\n", label, m, ms[0], ms[1], ms[0] / ms[1], measure,
+                   measure < 5e-3 ? "" : " !");
+        /* x, W13, the activation and W2 each rounded to E4M3, about 2.4% RMS of a value on
+         * these random operands: about 2e-3 of the measure; 5e-3 flags a wrong answer. */
+        failed |= !(measure < 5e-3);
+    }
+    fflush(stdout);
+    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    if (apart) cudaFree((void *)a8.weights.gate), cudaFree((void *)a8.weights.up),
+        cudaFree((void *)a8.weight_scales.gate), cudaFree((void *)a8.weight_scales.up);
+    cudaFree(gu), cudaFree(dn), cudaFree(gu8), cudaFree(dn8), cudaFree(gus), cudaFree(dns), cudaFree(x);
+    cudaFree(y16), cudaFree(y8), cudaFree(ids), cudaFree(w);
+    comet_moe_destroy(m8);
+    comet_moe_destroy(m16);
+    return failed;
+}
