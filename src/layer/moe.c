@@ -335,8 +335,9 @@ comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *a)
 static comet_status_t moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream)
 {
     COMETI_TRY(cometi_moe_check_args(moe, args));
-    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK)
-        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "comet_moe_forward: the FP8 layer is not built yet");
+    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK && args->impl != COMET_IMPL_BASELINE)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "comet_moe_forward: the fused FP8 layer is not built yet; "
+                           "args.impl = COMET_IMPL_BASELINE runs FP8 on the sequential path");
     comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
     comet_status_t st;
