@@ -120,6 +120,7 @@ uint64_t test_seed(void);
     X(gpu_baseline_vs_reference, 300)           \
     X(gpu_baseline_repeated_calls, 300)         \
     X(gpu_baseline_bad_expert_id, 120)          \
+    X(gpu_baseline_fp8_forward, 180)            \
     X(gpu_layer0_matches_baseline, 300)         \
     X(gpu_layer1_matches_baseline, 300)         \
     X(gpu_layer1_partial_column_tile, 120)      \
