@@ -1,11 +1,15 @@
 /*
  * test_config.c - the public API's checks that need no GPU: status strings, the model
  * presets, config validation (each bad field named in its message), and argument checks
- * at the API before anything touches a GPU.
+ * at the API before anything touches a GPU; the FP8 forward's argument checks on a layer
+ * handle made by hand (they read its config alone, so no GPU is needed).
  */
 #define _GNU_SOURCE
+#include <stdlib.h>
+
 #include "comet.h"
 #include "layer/layer.h"
+#include "baseline/baseline.h"
 #include "testutil.h"
 
 int test_status_strings(void)
@@ -72,6 +76,12 @@ int test_config_validation(void)
         {"tp_size", 3, 2, COMET_INVALID_ARGUMENT, "config.tp_size = 3: must divide the world size 2"},
         {"tp_size", 2, 2, COMET_INVALID_ARGUMENT, "config.ffn = 192: must be a multiple of 64 x tp_size = 128"},
         {"dtype", 5, 2, COMET_INVALID_ARGUMENT, "config.dtype = 5"},
+        {"dtype", COMET_DTYPE_FP8_BLOCK, 2, COMET_SUCCESS, ""},
+        {"fp8_pow2_scales", 1, 2, COMET_INVALID_ARGUMENT, "config.fp8_pow2_scales = 1 is for config.dtype "
+                                                          "COMET_DTYPE_FP8_BLOCK (dtype is 0)"},
+        {"fp8 pow2", 1, 2, COMET_SUCCESS, ""},
+        {"fp8 pow2", 2, 2, COMET_INVALID_ARGUMENT, "config.fp8_pow2_scales = 2: must be 0"},
+        {"fp8 pow2", -1, 2, COMET_INVALID_ARGUMENT, "config.fp8_pow2_scales = -1"},
         {"resend_x", 2, 2, COMET_INVALID_ARGUMENT, "config.resend_x = 2: must be 0"},
         {"resend_x", -1, 2, COMET_INVALID_ARGUMENT, "config.resend_x = -1"},
         {"resend_x", 1, 2, COMET_SUCCESS, ""},
@@ -90,6 +100,8 @@ int test_config_validation(void)
         else if (!strcmp(f, "ep_size")) c.ep_size = v;
         else if (!strcmp(f, "tp_size")) c.tp_size = v;
         else if (!strcmp(f, "dtype")) c.dtype = (comet_dtype_t)v;
+        else if (!strcmp(f, "fp8_pow2_scales")) c.fp8_pow2_scales = v;
+        else if (!strcmp(f, "fp8 pow2")) c.dtype = COMET_DTYPE_FP8_BLOCK, c.fp8_pow2_scales = v;
         else if (!strcmp(f, "resend_x")) c.resend_x = v;
         else if (!strcmp(f, "size")) c.size = (size_t)v;
         char msg[512] = "";
@@ -154,5 +166,97 @@ int test_api_rejects_bad_arguments(void)
     CHECK_EQ(comet_comm_destroy(NULL), COMET_SUCCESS);
     CHECK_EQ(comet_moe_destroy(NULL), COMET_SUCCESS);
     CHECK_EQ(comet_comm_get_async_error(NULL), COMET_INVALID_ARGUMENT);
+    return 0;
+}
+
+/* The FP8 forward's argument checks (layer/moe.c) and the sequential path's refusal of an
+ * FP8 training forward, before anything is enqueued: on a handle made by hand, as
+ * comet_moe_create would make it on one rank of `world` (the checks read its config, TP
+ * size and message buffer alone, so no GPU is touched). Pointers are stand-ins that are
+ * never read, 256-byte aligned unless a case misaligns one. */
+typedef struct fp8_args_case {
+    const char *name;
+    int dtype, ffn, tp;
+    int gate_up;       /* 1: gate_up, 0: gate and up apart */
+    int scales;        /* bit 0: the weights' scales given, bit 1: x_scales given */
+    int misalign;      /* 0: none; 1: weight_scales.down, 2: x_scales, 3: a scale without its weight */
+    comet_status_t status;
+    const char *message;
+} fp8_args_case_t;
+
+int test_fp8_forward_args_refusals(void)
+{
+    static unsigned long long words[64] __attribute__((aligned(256)));
+    char *p = (char *)words;
+    const float *f = (const float *)(p + 256);
+    const fp8_args_case_t cases[] = {
+        {"FP8, gate_up with scales", COMET_DTYPE_FP8_BLOCK, 256, 1, 1, 3, 0, COMET_SUCCESS, ""},
+        {"FP8, gate and up apart, ffn 192", COMET_DTYPE_FP8_BLOCK, 192, 1, 0, 1, 0, COMET_SUCCESS, ""},
+        {"FP8, no scales", COMET_DTYPE_FP8_BLOCK, 256, 1, 1, 0, 0, COMET_INVALID_ARGUMENT,
+         "args.weight_scales.gate_up is NULL: FP8 weights"},
+        {"FP8, a scale without its weight", COMET_DTYPE_FP8_BLOCK, 256, 1, 1, 1, 3, COMET_INVALID_ARGUMENT,
+         "but args.weights.gate is NULL"},
+        {"FP8, down's scales misaligned", COMET_DTYPE_FP8_BLOCK, 256, 1, 1, 1, 1, COMET_INVALID_ARGUMENT,
+         "args.weight_scales.down = "},
+        {"FP8, x_scales misaligned", COMET_DTYPE_FP8_BLOCK, 256, 1, 1, 3, 2, COMET_INVALID_ARGUMENT,
+         "args.x_scales = "},
+        {"FP8, gate_up with ffn 192", COMET_DTYPE_FP8_BLOCK, 192, 1, 1, 1, 0, COMET_INVALID_ARGUMENT,
+         "ffn / tp_size = 192: gate and up in one tensor need it a multiple of 128"},
+        {"FP8, gate_up with ffn / tp 192", COMET_DTYPE_FP8_BLOCK, 384, 2, 1, 1, 0, COMET_INVALID_ARGUMENT,
+         "ffn / tp_size = 192"},
+        {"FP8, gate_up with ffn / tp 128", COMET_DTYPE_FP8_BLOCK, 256, 2, 1, 1, 0, COMET_SUCCESS, ""},
+        {"bf16 with weight scales", COMET_DTYPE_BF16, 256, 1, 1, 1, 0, COMET_INVALID_ARGUMENT,
+         "args.weight_scales.gate_up = "},
+        {"bf16 with x_scales", COMET_DTYPE_BF16, 256, 1, 1, 2, 0, COMET_INVALID_ARGUMENT,
+         "args.x_scales = "},
+    };
+    struct comet_comm comm;
+    memset(&comm, 0, sizeof(comm));
+    comm.size = 2;
+    struct comet_moe *moe = calloc(1, sizeof(*moe));
+    CHECK(moe != NULL);
+    moe->comm = &comm;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const fp8_args_case_t *c = &cases[i];
+        CHECK_EQ(comet_moe_config_preset("tiny", 512, &moe->cfg), COMET_SUCCESS);
+        moe->cfg.dtype = (comet_dtype_t)c->dtype;
+        moe->cfg.ffn = c->ffn;
+        moe->cfg.tp_size = moe->tp = c->tp;
+        moe->cfg.ep_size = moe->ep = comm.size / c->tp;
+        char msg[512];
+        CHECK_EQ(comet_moe_config_validate(&moe->cfg, comm.size, msg, sizeof(msg)), COMET_SUCCESS);
+        moe->experts_per_rank = moe->cfg.num_experts / moe->ep;
+        moe->ffn_local = c->ffn / c->tp;
+        moe->err[0] = '\0';
+        comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+        a.impl = COMET_IMPL_BASELINE;
+        a.weights.down = p;
+        if (c->gate_up) a.weights.gate_up = p;
+        else a.weights.gate = a.weights.up = p;
+        if (c->scales & 1) {
+            a.weight_scales.down = c->misalign == 1 ? f + 1 : f;
+            if (c->gate_up) a.weight_scales.gate_up = f;
+            else a.weight_scales.gate = a.weight_scales.up = f;
+            if (c->misalign == 3) a.weight_scales.gate = f;
+        }
+        if (c->scales & 2) a.x_scales = c->misalign == 2 ? f + 2 : f;
+        const comet_status_t st = cometi_moe_check_args(moe, &a);
+        if (st != c->status) printf("case %zu (%s): %s: %s\n", i, c->name, comet_status_string(st), moe->err);
+        CHECK_EQ(st, c->status);
+        CHECK_CONTAINS(moe->err, c->message);
+    }
+    /* The sequential path refuses an FP8 training forward before it touches its buffers
+     * (none here) or enqueues anything. */
+    CHECK_EQ(comet_moe_config_preset("tiny", 512, &moe->cfg), COMET_SUCCESS);
+    moe->cfg.dtype = COMET_DTYPE_FP8_BLOCK;
+    moe->cfg.tp_size = moe->tp = 1;
+    moe->cfg.ep_size = moe->ep = 2;
+    struct comet_moe_saved saved;
+    memset(&saved, 0, sizeof(saved));
+    saved.moe = moe;
+    comet_moe_args_t a = COMET_MOE_ARGS_INIT;
+    CHECK_EQ(cometi_baseline_forward(moe, NULL, &a, &saved, 0), COMET_NOT_SUPPORTED);
+    CHECK_CONTAINS(moe->err, "a training forward in FP8 (config.dtype COMET_DTYPE_FP8_BLOCK) is not built");
+    free(moe);
     return 0;
 }

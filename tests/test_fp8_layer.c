@@ -16,6 +16,8 @@
  *     their |products| through SwiGLU), plus 2^-6 of GEMM1's |products| and bf16's 2^-8;
  *   - y against the bf16 layer on the same operands: DeepGEMM's measure 1 - 2 sum(xy) /
  *     sum(x^2 + y^2) < 1e-3 (only the activation's quantization and the sums' order differ);
+ *   - the sequential path in FP8 (cuBLASLt's block-scaled GEMMs) within the same bound of
+ *     float64, element by element;
  *   - bitwise the same on a second call, and with x given as E4M3 and its scales;
  *   - poisoned y before each call.
  */
@@ -171,6 +173,13 @@ static int fp8_shape(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t s
     }
     CHECK(memcmp(y8, again, ny * 2) == 0);
     CHECK(memcmp(y8, yq, ny * 2) == 0);
+    /* The sequential path in FP8 (cuBLASLt's block-scaled GEMMs) on the same call. */
+    uint16_t *yb = malloc(ny * 2);
+    a.x = dx, a.x_scales = NULL, a.impl = COMET_IMPL_BASELINE;
+    CUDA_OK(cudaMemset(dy, 0xff, ny * 2));
+    COMET_OK(comet_moe_forward(moe8, &a, 0), comm);
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpy(yb, dy, ny * 2, cudaMemcpyDeviceToHost));
     comet_moe_args_t a16 = COMET_MOE_ARGS_INIT;
     a16.num_tokens = M, a16.x = dx, a16.topk_ids = did, a16.topk_weights = dw, a16.y = dy;
     a16.impl = COMET_IMPL_FUSED;
@@ -182,7 +191,7 @@ static int fp8_shape(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t s
     CUDA_OK(cudaDeviceSynchronize());
     CUDA_OK(cudaMemcpy(y16, dy, ny * 2, cudaMemcpyDeviceToHost));
     /* float64, with the activation quantized per row per 128 columns as the layer does. */
-    double xy = 0, xx = 0, worst = 0;
+    double xy = 0, xx = 0, worst = 0, dbn = 0, dbd = 0;
     int bad = 0;
     double *act = malloc(sizeof(double) * F), *aq = malloc(sizeof(double) * F), *aerr = malloc(sizeof(double) * F);
     double *y = malloc(sizeof(double) * H), *bound = malloc(sizeof(double) * H);
@@ -226,20 +235,24 @@ static int fp8_shape(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t s
         for (int h = 0; h < H && bad < 5; h++) {
             const double got = cometi_bf16_to_float(y8[(size_t)t * H + h]), b16 = cometi_bf16_to_float(y16[(size_t)t * H + h]);
             const double lim = bound[h] + 0x1p-8 * fabs(y[h]);
-            if (!(fabs(got - y[h]) <= lim))
-                bad++, printf("rank %d F %d token %d col %d: %.6g, float64 %.6g, bound %.3g\n", me, F, t, h, got, y[h], lim);
+            const double seq = cometi_bf16_to_float(yb[(size_t)t * H + h]);
+            if (!(fabs(got - y[h]) <= lim) || !(fabs(seq - y[h]) <= lim))
+                bad++, printf("rank %d F %d token %d col %d: fused %.6g, sequential %.6g, float64 %.6g, bound %.3g\n",
+                              me, F, t, h, got, seq, y[h], lim);
+            dbn += (got - seq) * (got - seq), dbd += seq * seq;
             if (lim > 0 && fabs(got - y[h]) / lim > worst) worst = fabs(got - y[h]) / lim;
             xy += got * b16, xx += got * got + b16 * b16;
         }
     }
     const double measure = xx > 0 ? 1 - 2 * xy / xx : 0;
-    printf("rank %d: FP8 ffn %d%s, %d tokens: worst |error| / bound %.3f against float64; against bf16 on the same "
-           "operands 1 - 2xy/(x^2+y^2) = %.2e; bitwise repeatable, and with x given in E4M3\n", me, F,
-           apart ? " (gate and up apart)" : "", M, worst, measure);
+    printf("rank %d: FP8 ffn %d%s, %d tokens: worst |error| / bound %.3f against float64 (the sequential FP8 path "
+           "within it too, ||fused - sequential|| / ||sequential|| %.2e); against bf16 on the same operands 1 - "
+           "2xy/(x^2+y^2) = %.2e; bitwise repeatable, and with x given in E4M3\n", me, F,
+           apart ? " (gate and up apart)" : "", M, worst, dbd > 0 ? sqrt(dbn / dbd) : 0, measure);
     CHECK_EQ(bad, 0);
     CHECK(measure < 1e-3);
     free(w13), free(w2), free(h13), free(h2), free(xf), free(wts), free(xh), free(ids), free(y8), free(again);
-    free(yq), free(y16), free(act), free(aq), free(aerr), free(y), free(bound);
+    free(yq), free(yb), free(y16), free(act), free(aq), free(aerr), free(y), free(bound);
     cudaFree(d13), cudaFree(d2), cudaFree(q13), cudaFree(q2), cudaFree(s13), cudaFree(s2), cudaFree(dx);
     cudaFree(dxq), cudaFree(dxs), cudaFree(dy), cudaFree(dw), cudaFree(did), cudaFree(gate), cudaFree(up);
     cudaFree(gs), cudaFree(us);

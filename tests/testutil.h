@@ -99,6 +99,7 @@ uint64_t test_seed(void);
     X(launch_id_file_write_errors, 30)          \
     X(launch_id_file_one_writer_wins, 60)       \
     X(api_rejects_bad_arguments, 10)            \
+    X(fp8_forward_args_refusals, 10)            \
     X(params_table, 30)                         \
     X(gpu_flag_wait_times_out, 60)              \
     X(gpu_gemm_every_variant, 240)              \
@@ -120,6 +121,7 @@ uint64_t test_seed(void);
     X(gpu_baseline_vs_reference, 300)           \
     X(gpu_baseline_repeated_calls, 300)         \
     X(gpu_baseline_bad_expert_id, 120)          \
+    X(gpu_baseline_fp8_forward, 180)            \
     X(gpu_layer0_matches_baseline, 300)         \
     X(gpu_layer1_matches_baseline, 300)         \
     X(gpu_layer1_partial_column_tile, 120)      \

@@ -7,6 +7,14 @@
  * tensor parallelism): every chunk goes to each TP rank of its expert's group, which runs
  * its ffn / tp columns; each sends its partial output rows back, and the source sums the
  * tp partials of a choice in the weighted top-k sum.
+ *
+ * With block-scaled FP8 (config.dtype COMET_DTYPE_FP8_BLOCK, the inference forward) the
+ * same steps move and multiply E4M3 rows: x quantized once per token (1 x 128 blocks) where
+ * it comes in bf16, each row's values and scales permuted into the send order and sent as
+ * two messages per chunk, the received scales relaid into the packed-by-group layout
+ * cuBLASLt reads (blaslt_fp8.h), cuBLASLt's block-scaled GEMM0 (bf16 out), SwiGLU, the
+ * activation quantized per expert straight into that layout, cuBLASLt's GEMM1 (bf16 out),
+ * and from there on the bf16 path's return and sum.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,52 +49,97 @@ void cometi_baseline_destroy(cometi_baseline_t *b)
 {
     if (!b) return;
     if (b->cublas) cublasDestroy(b->cublas);
+    cometi_blaslt_fp8_destroy(b->lt);
     void *dev[] = {b->counts, b->counts_all, b->pos, b->route_scratch, b->send_pos, b->send_base, b->segs,
-                   b->send, b->recv, b->h, b->act, b->out, b->back, b->w_send, b->w_recv, b->dw_recv, b->dw_back};
+                   b->send, b->recv, b->h, b->act, b->out, b->back, b->w_send, b->w_recv, b->dw_recv, b->dw_back,
+                   b->xq, b->xs, b->send_q, b->send_s, b->recv_q, b->recv_s, b->a0_scales, b->act_q,
+                   b->a1_scales, b->w0_scales, b->w1_scales, b->groups};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) cudaFree(dev[i]);
-    void *host[] = {b->counts_host, b->send_base_host, b->segs_host};
+    void *host[] = {b->counts_host, b->send_base_host, b->segs_host, b->groups_host};
     for (size_t i = 0; i < sizeof(host) / sizeof(host[0]); i++) cudaFreeHost(host[i]);
     free(b->sends);
     free(b->recvs);
+    free(b->lt_start);
+    free(b->lt_rows);
     free(b);
 }
 
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/*
+ * The buffers of the config's dtype (baseline.h), sized for the worst routing. With
+ * rows_out = max_tokens x top_k, rows_in = max_recv_rows, F = ffn / tp, every dtype holds
+ * h 4F rows_in, act 2F rows_in, out 2H rows_in and back 2H tp rows_out bytes, and
+ *   bf16:  send 2H rows_out + recv 2H rows_in, the backward's weights 4 (1 + tp) rows_out
+ *          + 8 rows_in, and cuBLAS's handle;
+ *   FP8:   (H + 4 L0)(max_tokens + rows_out + rows_in) for x quantized, sent and received,
+ *          4 L0 rows_in + (F + 4 L1) rows_in for GEMM0's A scales and the activation
+ *          quantized with its scales (L0 = ceil(H / 128), L1 = ceil(F / 128); the packed
+ *          scales' padded rows never outnumber the receive layout's), the weights' padded
+ *          scales 4 E_local (2 ceil(F / 128) L4(H) + ceil(H / 128) L4(F)), and cuBLASLt's
+ *          handle with its 32 MiB workspace.
+ * Per row received, FP8 thus holds about 3H + 7F bytes against bf16's 4H + 6F (the bf16
+ * h and act stay: cuBLASLt's block-scaled GEMMs write bf16 alone), and sends H + 4 L0
+ * bytes per row where bf16 sends 2H.
+ */
 comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
 {
     char *err = moe->err;
     const comet_moe_config_t *c = &moe->cfg;
     const int W = moe->comm->size, E = c->num_experts, H = c->hidden, F = moe->ffn_local, tp = moe->tp;
+    const int per = moe->experts_per_rank, fp8 = c->dtype == COMET_DTYPE_FP8_BLOCK, bf16 = !fp8;
     const size_t rows_out = (size_t)c->max_tokens * c->top_k, rows_in = (size_t)moe->max_recv_rows;
+    const size_t L0 = (size_t)ceil_div(H, 128), L1 = (size_t)ceil_div(F, 128);
     cometi_baseline_t *b = calloc(1, sizeof(*b));
     if (!b) return cometi_fail(err, COMET_OUT_OF_MEMORY, "baseline: out of host memory");
     comet_status_t st;
-    struct { void **p; size_t bytes; const char *what; } dev[] = {
-        {(void **)&b->counts, sizeof(int32_t) * COUNT_WORDS(E), "counts"},
-        {(void **)&b->counts_all, sizeof(int32_t) * W * COUNT_WORDS(E), "counts of all ranks"},
-        {(void **)&b->pos, sizeof(int32_t) * rows_out, "positions"},
-        {(void **)&b->route_scratch, sizeof(int32_t) * E * cometi_route_chunks((int)rows_out), "route scratch"},
-        {(void **)&b->send_pos, sizeof(int32_t) * rows_out, "send positions"},
-        {(void **)&b->send_base, sizeof(int32_t) * E, "send offsets"},
-        {(void **)&b->segs, sizeof(cometi_segment_t) * moe->experts_per_rank, "segments"},
-        {&b->send, 2 * rows_out * H, "send buffer"},
-        {&b->recv, 2 * rows_in * H, "receive buffer"},
-        {&b->h, 2 * rows_in * 2 * F, "GEMM0 output"},
-        {&b->act, 2 * rows_in * F, "SwiGLU output"},
-        {&b->out, 2 * rows_in * H, "GEMM1 output"},
-        {&b->back, 2 * rows_out * H * tp, "returned rows"},
-        {(void **)&b->w_send, sizeof(float) * rows_out, "weights in the send order"},
-        {(void **)&b->w_recv, sizeof(float) * rows_in, "received rows' weights"},
-        {(void **)&b->dw_recv, sizeof(float) * rows_in, "received rows' weight gradients"},
-        {(void **)&b->dw_back, sizeof(float) * rows_out * tp, "returned weight gradients"},
+    /* `use` 0: not this dtype's; left NULL. */
+    struct { void **p; size_t bytes; int use; const char *what; } dev[] = {
+        {(void **)&b->counts, sizeof(int32_t) * COUNT_WORDS(E), 1, "counts"},
+        {(void **)&b->counts_all, sizeof(int32_t) * W * COUNT_WORDS(E), 1, "counts of all ranks"},
+        {(void **)&b->pos, sizeof(int32_t) * rows_out, 1, "positions"},
+        {(void **)&b->route_scratch, sizeof(int32_t) * E * cometi_route_chunks((int)rows_out), 1, "route scratch"},
+        {(void **)&b->send_pos, sizeof(int32_t) * rows_out, 1, "send positions"},
+        {(void **)&b->send_base, sizeof(int32_t) * E, 1, "send offsets"},
+        {(void **)&b->segs, sizeof(cometi_segment_t) * per, 1, "segments"},
+        {&b->send, 2 * rows_out * H, bf16, "send buffer"},
+        {&b->recv, 2 * rows_in * H, bf16, "receive buffer"},
+        {&b->h, 2 * rows_in * 2 * F, 1, "GEMM0 output"},
+        {&b->act, 2 * rows_in * F, 1, "SwiGLU output"},
+        {&b->out, 2 * rows_in * H, 1, "GEMM1 output"},
+        {&b->back, 2 * rows_out * H * tp, 1, "returned rows"},
+        {(void **)&b->w_send, sizeof(float) * rows_out, bf16, "weights in the send order"},
+        {(void **)&b->w_recv, sizeof(float) * rows_in, bf16, "received rows' weights"},
+        {(void **)&b->dw_recv, sizeof(float) * rows_in, bf16, "received rows' weight gradients"},
+        {(void **)&b->dw_back, sizeof(float) * rows_out * tp, bf16, "returned weight gradients"},
+        {&b->xq, (size_t)c->max_tokens * H, fp8, "x in FP8"},
+        {(void **)&b->xs, sizeof(float) * c->max_tokens * L0, fp8, "x's scales"},
+        {&b->send_q, rows_out * H, fp8, "FP8 send buffer"},
+        {(void **)&b->send_s, sizeof(float) * rows_out * L0, fp8, "sent scales"},
+        {&b->recv_q, rows_in * H, fp8, "FP8 receive buffer"},
+        {(void **)&b->recv_s, sizeof(float) * rows_in * L0, fp8, "received scales"},
+        {(void **)&b->a0_scales, sizeof(float) * rows_in * L0, fp8, "GEMM0's packed scales"},
+        {&b->act_q, rows_in * F, fp8, "SwiGLU output in FP8"},
+        {(void **)&b->a1_scales, sizeof(float) * rows_in * L1, fp8, "GEMM1's packed scales"},
+        {(void **)&b->w0_scales, sizeof(float) * per * 2 * ceil_div(F, 128) * cometi_blaslt_fp8_b_scale_ld(H), fp8,
+         "gate and up's padded scales"},
+        {(void **)&b->w1_scales, sizeof(float) * per * ceil_div(H, 128) * cometi_blaslt_fp8_b_scale_ld(F), fp8,
+         "down's padded scales"},
+        {(void **)&b->groups, sizeof(cometi_fp8_group_t) * per, fp8, "FP8 groups"},
     };
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++) {
+        if (!dev[i].use) continue;
         char what[96];
         snprintf(what, sizeof(what), "baseline: cudaMalloc(%s, %zu bytes)", dev[i].what, dev[i].bytes);
         COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMalloc(dev[i].p, dev[i].bytes ? dev[i].bytes : 1), what), fail);
     }
     b->sends = malloc(sizeof(cometi_a2a_msg_t) * tp * E);
-    b->recvs = malloc(sizeof(cometi_a2a_msg_t) * W * moe->experts_per_rank);
-    if (!b->sends || !b->recvs) {
+    b->recvs = malloc(sizeof(cometi_a2a_msg_t) * W * per);
+    if (fp8) {
+        b->lt_start = malloc(sizeof(int64_t) * (per + 1));
+        b->lt_rows = malloc(sizeof(int64_t) * (per + 1));
+    }
+    if (!b->sends || !b->recvs || (fp8 && (!b->lt_start || !b->lt_rows))) {
         st = cometi_fail(err, COMET_OUT_OF_MEMORY, "baseline: out of host memory");
         goto fail;
     }
@@ -94,11 +147,18 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
                                     "baseline: cudaMallocHost(counts)"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->send_base_host, sizeof(int32_t) * E),
                                     "baseline: cudaMallocHost(send offsets)"), fail);
-    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->segs_host,
-                                                        sizeof(cometi_segment_t) * moe->experts_per_rank),
+    COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->segs_host, sizeof(cometi_segment_t) * per),
                                     "baseline: cudaMallocHost(segments)"), fail);
-    COMETI_TRY_GOTO(st, cublas_status(err, cublasCreate(&b->cublas), "cublasCreate"), fail);
-    b->io_recv = b->recv, b->io_h = b->h, b->io_send_pos = b->send_pos;
+    if (fp8) {
+        COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMallocHost((void **)&b->groups_host, sizeof(cometi_fp8_group_t) * per),
+                                        "baseline: cudaMallocHost(FP8 groups)"), fail);
+        /* COMET_NOT_SUPPORTED off Hopper or before cuBLAS 12.9: on every rank alike, before
+         * any rank has sent anything. */
+        COMETI_TRY_GOTO(st, cometi_blaslt_fp8_create(err, &b->lt), fail);
+    } else {
+        COMETI_TRY_GOTO(st, cublas_status(err, cublasCreate(&b->cublas), "cublasCreate"), fail);
+    }
+    b->io_recv = fp8 ? b->recv_q : b->recv, b->io_h = b->h, b->io_send_pos = b->send_pos;
     *out = b;
     return COMET_SUCCESS;
 fail:
@@ -157,11 +217,83 @@ static comet_status_t mark(comet_moe_t moe, int which, cudaStream_t stream)
 
 #define BF16 2
 
+/* B's scales as cuBLASLt reads them: the caller's where each row of k blocks is already a
+ * multiple of 4 long, else padded into `room` (a few floats per 128 x 128 block: per call). */
+static comet_status_t weight_scales(comet_moe_t moe, int n, int k, const float *given, float *room,
+                                    const float **out, cudaStream_t stream)
+{
+    *out = given;
+    if (cometi_blaslt_fp8_b_scale_ld(k) == ceil_div(k, 128)) return COMET_SUCCESS;
+    *out = room;
+    return cometi_blaslt_fp8_pad_b_scales(moe->err, moe->experts_per_rank, n, k, given, room, stream);
+}
+
+/* The FP8 expert phase on the last forward's segments: the received scales packed by group
+ * (the padding rows' values and scales zeroed), cuBLASLt GEMM0 per expert into h (bf16;
+ * gate and up apart: two GEMMs into h's halves), SwiGLU, the activation quantized per
+ * expert into GEMM1's packed layout (row stride 1, block stride the group's padded rows:
+ * blaslt_fp8.h), cuBLASLt GEMM1 into out (bf16). */
+static comet_status_t experts_fp8(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
+                                  cudaStream_t stream)
+{
+    char *err = moe->err;
+    const int per = moe->experts_per_rank, H = moe->cfg.hidden, F = moe->ffn_local;
+    const int L0 = (int)ceil_div(H, 128), L1 = (int)ceil_div(F, 128), pow2 = moe->cfg.fp8_pow2_scales;
+    const comet_moe_weights_t *w = &args->weights;
+    const comet_moe_weight_scales_t *ws = &args->weight_scales;
+    int64_t before = 0;
+    int max_padded = 0;
+    for (int le = 0; le < per; le++) {
+        const cometi_segment_t seg = b->segs_host[le];
+        const int padded = (int)cometi_blaslt_fp8_group_rows(seg.rows);
+        b->groups_host[le] = (cometi_fp8_group_t){seg.start, seg.rows, padded, 0, before};
+        b->lt_start[le] = seg.start, b->lt_rows[le] = seg.rows;
+        before += padded;
+        if (padded > max_padded) max_padded = padded;
+    }
+    COMETI_TRY(cometi_cuda(err, cudaMemcpyAsync(b->groups, b->groups_host, sizeof(cometi_fp8_group_t) * per,
+                                                cudaMemcpyHostToDevice, stream), "copy the FP8 groups"));
+    COMETI_TRY(cometi_cuda(err, cometi_launch_fp8_pack_groups(b->groups, per, max_padded, b->recv_s, L0, b->recv_q, H,
+                                                              b->a0_scales, stream), "launch fp8_pack_groups_kernel"));
+    const float *s0, *s1;
+    if (w->gate_up) {
+        COMETI_TRY(weight_scales(moe, 2 * F, H, ws->gate_up, b->w0_scales, &s0, stream));
+        COMETI_TRY(cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, 2 * F, H, b->recv_q,
+                                             b->a0_scales, w->gate_up, s0, b->h, 2 * F, stream));
+    } else {
+        const size_t half = (size_t)per * ceil_div(F, 128) * cometi_blaslt_fp8_b_scale_ld(H);
+        COMETI_TRY(weight_scales(moe, F, H, ws->gate, b->w0_scales, &s0, stream));
+        COMETI_TRY(weight_scales(moe, F, H, ws->up, b->w0_scales + half, &s1, stream));
+        COMETI_TRY(cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, F, H, b->recv_q, b->a0_scales,
+                                             w->gate, s0, b->h, 2 * F, stream));
+        COMETI_TRY(cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, F, H, b->recv_q, b->a0_scales,
+                                             w->up, s1, (uint16_t *)b->h + F, 2 * F, stream));
+    }
+    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu(b->h, b->act, F, b->segs, per, b->max_seg_rows, stream),
+                           "launch swiglu_kernel"));
+    for (int le = 0; le < per; le++) {
+        const cometi_fp8_group_t g = b->groups_host[le];
+        if (!g.rows) continue;
+        COMETI_TRY(cometi_cuda(err, cometi_quantize_rows_e4m3((const uint16_t *)b->act + (size_t)g.start * F, g.rows, F,
+                                                              F, (uint8_t *)b->act_q + (size_t)g.start * F, F,
+                                                              b->a1_scales + g.before * L1, 1, g.padded, pow2, stream),
+                               "launch quantize_rows_kernel (the activation)"));
+    }
+    COMETI_TRY(cometi_cuda(err, cometi_launch_fp8_pack_groups(b->groups, per, max_padded, NULL, L1, b->act_q, F,
+                                                              b->a1_scales, stream), "launch fp8_pack_groups_kernel"));
+    COMETI_TRY(mark(moe, COMETI_MARK_ACTIVATED, stream));
+    COMETI_TRY(weight_scales(moe, H, F, ws->down, b->w1_scales, &s1, stream));
+    return cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, H, F, b->act_q, b->a1_scales, w->down,
+                                     s1, b->out, H, stream);
+}
+
 /* GEMM0 (gate and up), SwiGLU, GEMM1: one cuBLAS call per expert and matrix, on the
- * segments of the last forward call (the ACTIVATED mark between SwiGLU and GEMM1). */
+ * segments of the last forward call (the ACTIVATED mark between SwiGLU and GEMM1); FP8
+ * configs run experts_fp8. */
 comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        cudaStream_t stream)
 {
+    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK) return experts_fp8(moe, b, args, stream);
     char *err = moe->err;
     const int per = moe->experts_per_rank, H = moe->cfg.hidden, F = moe->ffn_local;
     COMETI_TRY(cublas_status(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
@@ -227,7 +359,11 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     ncclComm_t nccl = moe->comm->nccl;
     comet_status_t st;
 
-    b->io_recv = saved && saved->recv ? saved->recv : b->recv; /* none kept where the config resends x */
+    if (saved && c->dtype == COMET_DTYPE_FP8_BLOCK)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "baseline: a training forward in FP8 (config.dtype "
+                           "COMET_DTYPE_FP8_BLOCK) is not built; the inference forward is (saved = NULL)");
+    const int fp8 = c->dtype == COMET_DTYPE_FP8_BLOCK, L0 = (int)ceil_div(H, 128); /* FP8: scales per row */
+    b->io_recv = saved && saved->recv ? saved->recv : fp8 ? b->recv_q : b->recv; /* none kept where the config resends x */
     b->io_h = saved ? saved->h : b->h;
     b->io_send_pos = saved ? saved->send_pos : b->send_pos;
     if (saved) saved->filled = 0; /* until this call has enqueued all of its work */
@@ -284,24 +420,56 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
                                                          cudaMemcpyHostToDevice, stream), "copy send offsets"), out);
     COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMemcpyAsync(b->segs, b->segs_host, sizeof(cometi_segment_t) * per,
                                                          cudaMemcpyHostToDevice, stream), "copy segments"), out);
-    COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_permute(args->x, args->topk_ids, b->pos, b->send_base, n, k,
-                                                               H, b->send, b->io_send_pos, stream),
-                                    "launch permute_kernel"), out);
+    if (fp8) { /* each token quantized once, where it comes in bf16; then its rows and scales permuted */
+        const void *xq = args->x;
+        const float *xs = args->x_scales;
+        if (!xs) {
+            COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_quantize_rows_e4m3(args->x, m, H, H, b->xq, H, b->xs, L0, 1,
+                                                                           c->fp8_pow2_scales, stream),
+                                            "launch quantize_rows_kernel (x)"), out);
+            xq = b->xq, xs = b->xs;
+        }
+        COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_permute_fp8(xq, xs, args->topk_ids, b->pos, b->send_base, n,
+                                                                       k, H, L0, b->send_q, b->send_s, b->io_send_pos,
+                                                                       stream),
+                                        "launch permute_fp8_kernel"), out);
+    } else {
+        COMETI_TRY_GOTO(st, cometi_cuda(err, cometi_launch_permute(args->x, args->topk_ids, b->pos, b->send_base, n, k,
+                                                                   H, b->send, b->io_send_pos, stream),
+                                        "launch permute_kernel"), out);
+    }
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_ROUTED, stream), out);
 
     /* 2. Dispatch: one message per (peer, expert) chunk, straight into the padded
      * expert-major layout, each chunk to every TP rank of its group. Both sides post a
-     * pair's chunks in expert order, which is how NCCL matches them (plan.h). */
+     * pair's chunks in expert order, which is how NCCL matches them (plan.h). FP8: two
+     * messages per chunk, its E4M3 rows and then their scales, both sides in that order. */
     int n_sends, n_recvs;
     cometi_route_dispatch_messages(&plan, me, b->sends, &n_sends, b->recvs, &n_recvs);
     const size_t back_stride = (size_t)c->max_tokens * k * H; /* elements between TP ranks' copies */
     ncclResult_t r = ncclGroupStart();
-    for (int i = 0; i < n_sends && r == ncclSuccess; i++)
-        r = ncclSend((char *)b->send + b->sends[i].offset * H * BF16, (size_t)b->sends[i].rows * H,
-                     ncclBfloat16, b->sends[i].peer, nccl, stream);
-    for (int i = 0; i < n_recvs && r == ncclSuccess; i++)
-        r = ncclRecv((char *)b->io_recv + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * H,
-                     ncclBfloat16, b->recvs[i].peer, nccl, stream);
+    for (int i = 0; i < n_sends && r == ncclSuccess; i++) {
+        const cometi_a2a_msg_t *s = &b->sends[i];
+        if (!fp8) {
+            r = ncclSend((char *)b->send + s->offset * H * BF16, (size_t)s->rows * H, ncclBfloat16, s->peer, nccl,
+                         stream);
+            continue;
+        }
+        r = ncclSend((char *)b->send_q + s->offset * H, (size_t)s->rows * H, ncclUint8, s->peer, nccl, stream);
+        if (r == ncclSuccess)
+            r = ncclSend(b->send_s + s->offset * L0, (size_t)s->rows * L0, ncclFloat32, s->peer, nccl, stream);
+    }
+    for (int i = 0; i < n_recvs && r == ncclSuccess; i++) {
+        const cometi_a2a_msg_t *v = &b->recvs[i];
+        if (!fp8) {
+            r = ncclRecv((char *)b->io_recv + v->offset * H * BF16, (size_t)v->rows * H, ncclBfloat16, v->peer, nccl,
+                         stream);
+            continue;
+        }
+        r = ncclRecv((char *)b->recv_q + v->offset * H, (size_t)v->rows * H, ncclUint8, v->peer, nccl, stream);
+        if (r == ncclSuccess)
+            r = ncclRecv(b->recv_s + v->offset * L0, (size_t)v->rows * L0, ncclFloat32, v->peer, nccl, stream);
+    }
     ncclResult_t end = ncclGroupEnd(); /* always close the group, even after a failed post */
     COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "dispatch all-to-all"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_DISPATCHED, stream), out);

@@ -10,6 +10,8 @@
 #include <stdint.h>
 #include <cublas_v2.h>
 #include "base/host.h"
+#include "baseline/blaslt_fp8.h"
+#include "baseline/rows.h"
 #include "comm/plan.h"
 
 #ifdef __cplusplus
@@ -29,9 +31,13 @@ enum {
 };
 
 /* The sequential path's buffers; the forward's receive, GEMM0, act, GEMM1 and return
- * buffers are the backward's workspaces too (dy rows, s and act, dh, dx rows, dx rows home). */
+ * buffers are the backward's workspaces too (dy rows, s and act, dh, dx rows, dx rows home).
+ * A config of one dtype gets the buffers of that dtype alone: bf16 the cuBLAS handle, the
+ * bf16 send and receive rows and the backward's weights; block-scaled FP8 (inference only)
+ * the cuBLASLt handle and the E4M3 rows and scales below, NULL in a bf16 config. */
 typedef struct cometi_baseline {
     cublasHandle_t cublas;
+    cometi_blaslt_fp8_t *lt;
     /* device */
     int32_t *counts;      /* [E + 2] this rank's message of the count exchange (exchange_counts):
                            * rows per expert, its first bad id index (or -1), its call id */
@@ -46,6 +52,24 @@ typedef struct cometi_baseline {
     float *w_send;        /* [max_tokens * k] the backward's routing weights in the send order */
     float *w_recv, *dw_recv; /* [max_recv_rows] each received row's weight, and its gradient's part */
     float *dw_back;       /* [tp][max_tokens * k] those parts home, in the send order */
+    /* Block-scaled FP8, L0 = ceil(H / 128), L1 = ceil(F / 128) (F = ffn / tp). A row travels as
+     * H E4M3 bytes and its L0 FP32 scales, in two NCCL messages per chunk: the values land as
+     * the contiguous rows cuBLASLt reads, the scales beside them in the same row order. */
+    void *xq;             /* [max_tokens][H] E4M3: x quantized, where it comes in bf16 */
+    float *xs;            /* [max_tokens][L0] its scales (DeepEP's layout) */
+    void *send_q;         /* [max_tokens * k][H] E4M3 rows in the send order */
+    float *send_s;        /* [max_tokens * k][L0] their scales */
+    void *recv_q;         /* [max_recv_rows][H] E4M3 rows received, the plan's padded layout */
+    float *recv_s;        /* [max_recv_rows][L0] their scales, row for row */
+    float *a0_scales;     /* GEMM0's A scales packed by group (blaslt_fp8.h): [L0][padded] each */
+    void *act_q;          /* [max_recv_rows][F] E4M3: the SwiGLU output quantized */
+    float *a1_scales;     /* GEMM1's A scales packed by group: [L1][padded] each */
+    float *w0_scales;     /* [E_local][2 ceil(F / 128)][L4(H)]: gate_up's (or gate's, then up's)
+                           * scales with rows padded to 4 (cuBLASLt's), when L0 % 4 != 0 */
+    float *w1_scales;     /* [E_local][ceil(H / 128)][L4(F)]: down's, when L1 % 4 != 0 */
+    cometi_fp8_group_t *groups; /* [E_local] device: the local experts as the FP8 GEMMs read them */
+    cometi_fp8_group_t *groups_host; /* [E_local] pinned */
+    int64_t *lt_start, *lt_rows; /* [E_local] host: the groups' first rows and rows, blaslt's arrays */
     cometi_a2a_msg_t *sends, *recvs; /* the dispatch's NCCL messages (host) */
     /* pinned host */
     int32_t *counts_host; /* [world][E + 2] */
@@ -60,10 +84,15 @@ typedef struct cometi_baseline {
 
 comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out);
 void cometi_baseline_destroy(cometi_baseline_t *b);
-/* The baseline's receive buffer and SwiGLU output (tests compare the fused path with them). */
+/* The baseline's receive buffer and SwiGLU output (tests compare the fused path with them);
+ * with FP8 the received E4M3 rows and the bf16 SwiGLU output before its quantization. */
 void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, const void **act);
 /* The forward; with `saved` (a training forward) the rows the backward needs go into it
- * (its bound checked on every rank before any row moves) and it is marked filled. */
+ * (its bound checked on every rank before any row moves) and it is marked filled. With
+ * config.dtype COMET_DTYPE_FP8_BLOCK it runs in block-scaled FP8: x quantized once per
+ * token where it comes in bf16, E4M3 rows and their scales sent, cuBLASLt's block-scaled
+ * GEMMs, the activation quantized per row; the inference forward only (saved given:
+ * COMET_NOT_SUPPORTED, before anything is enqueued). */
 comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        comet_moe_saved_t saved, cudaStream_t stream);
 /* The count exchange every call of the path makes first (baseline.c); a backward's
@@ -72,8 +101,9 @@ comet_status_t cometi_baseline_exchange(comet_moe_t moe, cometi_baseline_t *b, u
 /* The backward of the training forward that filled args->saved (checked by the caller). */
 comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
                                         cudaStream_t stream);
-/* The forward's expert phase alone (cuBLAS GEMM0, SwiGLU, cuBLAS GEMM1), again on the rows
- * the last forward call received: the bench times it against our GEMMs on the same rows. */
+/* The forward's expert phase alone (cuBLAS GEMM0, SwiGLU, cuBLAS GEMM1; with FP8 the
+ * scales' relayout, cuBLASLt GEMM0, SwiGLU, its quantization, cuBLASLt GEMM1), again on the
+ * rows the last forward call received: the bench times it against our GEMMs on the same rows. */
 comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        cudaStream_t stream);
 

@@ -1,9 +1,11 @@
 /*
  * rows.cu - the sequential path's own kernels around its all-to-alls and cuBLAS GEMMs
  * (what Megatron-LM runs there): the permutation of token rows into the send buffer, and
- * the weighted top-k sum of the rows that came back. Routing counts come from the route
- * kernels (comm/route_kernels.cu), SwiGLU and its backward from pointwise/, the transfers from
- * NCCL (baseline.c, backward.c).
+ * the weighted top-k sum of the rows that came back; with block-scaled FP8, the permutation
+ * of E4M3 rows with their scales and the relayout of the received rows' scales into what
+ * cuBLASLt reads (baseline/blaslt_fp8.h). Routing counts come from the route kernels
+ * (comm/route_kernels.cu), SwiGLU, its backward and the FP8 quantizer from pointwise/, the
+ * transfers from NCCL (baseline.c, backward.c).
  */
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -32,6 +34,67 @@ extern "C" cudaError_t cometi_launch_permute(const void *x, const int32_t *ids, 
     if (n == 0) return cudaSuccess;
     permute_kernel<<<n, 128, 0, stream>>>((const uint4 *)x, ids, pos, send_base, k, hidden / 8, (uint4 *)send,
                                           send_pos);
+    return cudaGetLastError();
+}
+
+/* The same for FP8 rows: one block per (token, choice) copies the token's E4M3 row and its
+ * scales to the row's send place. The scales travel in their own buffer (their own NCCL
+ * message per chunk), so the values arrive as the contiguous rows the GEMM reads. */
+static __global__ void permute_fp8_kernel(const uint4 *xq, const float *xs, const int32_t *ids, const int32_t *pos,
+                                          const int32_t *send_base, int k, int row_vecs, int blocks, uint4 *send_q,
+                                          float *send_s, int32_t *send_pos)
+{
+    const int i = blockIdx.x, t = i / k;
+    const int dst = send_base[ids[i]] + pos[i];
+    if (threadIdx.x == 0) send_pos[i] = dst;
+    const uint4 *src = xq + (size_t)t * row_vecs;
+    uint4 *out = send_q + (size_t)dst * row_vecs;
+    for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) out[v] = src[v];
+    for (int b = threadIdx.x; b < blocks; b += blockDim.x) send_s[(size_t)dst * blocks + b] = xs[(size_t)t * blocks + b];
+}
+
+extern "C" cudaError_t cometi_launch_permute_fp8(const void *xq, const float *xs, const int32_t *ids,
+                                                 const int32_t *pos, const int32_t *send_base, int n, int k,
+                                                 int hidden, int blocks, void *send_q, float *send_s,
+                                                 int32_t *send_pos, cudaStream_t stream)
+{
+    if (n == 0) return cudaSuccess;
+    permute_fp8_kernel<<<n, 128, 0, stream>>>((const uint4 *)xq, xs, ids, pos, send_base, k, hidden / 16, blocks,
+                                              (uint4 *)send_q, send_s, send_pos);
+    return cudaGetLastError();
+}
+
+/* blockIdx.y is the group. Its packed scales [blocks][padded] are walked in their own
+ * order: entry i is row i % padded of block i / padded, so the stores are contiguous and
+ * the loads (K-major, a row's blocks side by side) are strided, which at blocks floats a
+ * row is the cheap side. Then its padding rows' values, 16 bytes a thread. */
+static __global__ void fp8_pack_groups_kernel(const cometi_fp8_group_t *groups, const float *src_scales, int blocks,
+                                              uint4 *q, int row_vecs, float *scales)
+{
+    const cometi_fp8_group_t g = groups[blockIdx.y];
+    if (g.padded == 0) return;
+    const long long stride = (long long)gridDim.x * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    float *dst = scales + g.before * blocks;
+    const long long entries = (long long)g.padded * blocks;
+    for (long long i = first; i < entries; i += stride) {
+        const int r = (int)(i % g.padded), b = (int)(i / g.padded);
+        if (r >= g.rows) dst[i] = 0.0f;
+        else if (src_scales) dst[i] = src_scales[((long long)g.start + r) * blocks + b];
+    }
+    const long long pad_vecs = (long long)(g.padded - g.rows) * row_vecs;
+    uint4 *pad = q + ((long long)g.start + g.rows) * row_vecs;
+    for (long long i = first; i < pad_vecs; i += stride) pad[i] = make_uint4(0, 0, 0, 0);
+}
+
+extern "C" cudaError_t cometi_launch_fp8_pack_groups(const cometi_fp8_group_t *groups, int num_groups, int max_padded,
+                                                     const float *src_scales, int blocks, void *q, int cols,
+                                                     float *scales, cudaStream_t stream)
+{
+    if (num_groups == 0 || max_padded == 0) return cudaSuccess;
+    const long long work = (long long)max_padded * blocks, per_block = 256;
+    const long long grid = (work + per_block - 1) / per_block;
+    fp8_pack_groups_kernel<<<dim3((unsigned int)(grid < 1024 ? grid : 1024), (unsigned int)num_groups), 256, 0,
+                             stream>>>(groups, src_scales, blocks, (uint4 *)q, cols / 16, scales);
     return cudaGetLastError();
 }
 

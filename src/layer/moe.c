@@ -61,12 +61,12 @@ static comet_status_t pick_knobs(comet_moe_t moe, struct cometi_fused *f)
  * (resend_x apart: rows past a peer's receive buffer). */
 static comet_status_t config_agrees(comet_moe_t moe, const char *path)
 {
-    enum { N = 8 };
+    enum { N = 10 };
     const comet_moe_config_t *c = &moe->cfg;
     const int mine[N] = {c->hidden, c->ffn, c->num_experts, c->top_k, c->max_tokens, c->ep_size, c->tp_size,
-                         c->resend_x};
+                         c->resend_x, (int)c->dtype, c->fp8_pow2_scales};
     static const char *const names[N] = {"hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size",
-                                         "tp_size", "resend_x"};
+                                         "tp_size", "resend_x", "dtype", "fp8_pow2_scales"};
     comet_comm_t comm = moe->comm;
     int *all = malloc(sizeof(mine) * comm->size);
     if (!all) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "%s: out of host memory", path);
@@ -347,9 +347,6 @@ static comet_status_t moe_forward(comet_moe_t moe, const comet_moe_args_t *args,
         }
         moe->err[0] = '\0';
     }
-    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK)
-        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "comet_moe_forward: the sequential path in FP8 is not "
-                           "built yet");
     struct cometi_baseline *b;
     COMETI_TRY(cometi_moe_baseline(moe, &b));
     st = cometi_baseline_forward(moe, b, args, NULL, stream);
