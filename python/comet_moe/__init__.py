@@ -18,8 +18,8 @@ to install). Under torch, comet's calls are torch custom operators (comet_moe::f
 forward_out, forward_train, backward; see ops.py), so torch.compile(model, fullgraph=True)
 traces a model that holds these layers, forward and backward, without a graph break.
 """
-from ._capi import (API_VERSION, IMPL_AUTO, IMPL_BASELINE, IMPL_FUSED, LibraryNotFoundError, STATUS_NAMES,
-                    STRUCT_MAGIC, library_path)
+from ._capi import (API_VERSION, DTYPE_BF16, DTYPE_FP8_BLOCK, IMPL_AUTO, IMPL_BASELINE, IMPL_FUSED,
+                    LibraryNotFoundError, STATUS_NAMES, STRUCT_MAGIC, library_path)
 from .comm import Comm, nccl_version, unique_id
 from .config import MoeConfig, presets
 from .errors import (CometCudaError, CometError, CometInternalError, CometInvalidArgumentError,
@@ -45,8 +45,8 @@ def __getattr__(name):
 
 
 __all__ = [
-    "API_VERSION", "IMPL_AUTO", "IMPL_BASELINE", "IMPL_FUSED", "STATUS_NAMES", "STRUCT_MAGIC",
-    "LibraryNotFoundError", "library_path", "version", "Comm", "nccl_version", "unique_id", "MoeConfig",
+    "API_VERSION", "DTYPE_BF16", "DTYPE_FP8_BLOCK", "IMPL_AUTO", "IMPL_BASELINE", "IMPL_FUSED", "STATUS_NAMES",
+    "STRUCT_MAGIC", "LibraryNotFoundError", "library_path", "version", "Comm", "nccl_version", "unique_id", "MoeConfig",
     "presets", "Moe", "CometError", "CometInvalidArgumentError", "CometInvalidUsageError", "CometCudaError",
     "CometNcclError", "CometOutOfMemoryError", "CometTimeoutError", "CometRemoteError", "CometNotSupportedError",
     "CometInternalError",

@@ -48,6 +48,7 @@ STATUS_NAMES = {
 # comet_dtype_t
 DTYPE_BF16 = 0
 DTYPE_FP8_BLOCK = 1
+DTYPE_NAMES = {DTYPE_BF16: "bf16", DTYPE_FP8_BLOCK: "fp8"}  # MoeConfig(dtype=...)
 
 # comet_grad_mode_t
 GRAD_WRITE_BF16 = 0
