@@ -17,6 +17,9 @@ and CometSparseMoeBlock need torch (>= 2.4; without it they raise ImportError sa
 to install). Under torch, comet's calls are torch custom operators (comet_moe::forward,
 forward_out, forward_train, backward; see ops.py), so torch.compile(model, fullgraph=True)
 traces a model that holds these layers, forward and backward, without a graph break.
+
+Block-scaled FP8 (MoeConfig(..., dtype="fp8")), with torch: quantize_fp8_weights and
+quantize_fp8_rows (comet's quantizers, on a GPU) and dequantize_fp8 (plain torch).
 """
 from ._capi import (API_VERSION, DTYPE_BF16, DTYPE_FP8_BLOCK, IMPL_AUTO, IMPL_BASELINE, IMPL_FUSED,
                     LibraryNotFoundError, STATUS_NAMES, STRUCT_MAGIC, library_path)
@@ -41,6 +44,9 @@ def __getattr__(name):
     if name in ("CometSparseMoeBlock", "mixtral_route"):
         from . import block
         return getattr(block, name)
+    if name in ("quantize_fp8_weights", "quantize_fp8_rows", "dequantize_fp8"):
+        from . import fp8
+        return getattr(fp8, name)
     raise AttributeError(f"module 'comet_moe' has no attribute {name!r}")
 
 
@@ -50,4 +56,4 @@ __all__ = [
     "presets", "Moe", "CometError", "CometInvalidArgumentError", "CometInvalidUsageError", "CometCudaError",
     "CometNcclError", "CometOutOfMemoryError", "CometTimeoutError", "CometRemoteError", "CometNotSupportedError",
     "CometInternalError",
-]  # and, with torch: CometSparseMoeBlock, mixtral_route
+]  # and, with torch: CometSparseMoeBlock, mixtral_route, quantize_fp8_weights, quantize_fp8_rows, dequantize_fp8
