@@ -60,4 +60,3 @@ def quantize_rows(torch, x, pow2: bool = False):
     cols = x.shape[-1]
     q, s = quantize_weights(torch, x.reshape(-1, 1, cols), pow2)
     return q.view(x.shape), s.view(tuple(x.shape[:-1]) + (_blocks(cols),))
-
