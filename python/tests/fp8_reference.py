@@ -9,6 +9,9 @@ it on values worked out by hand).
     q     = e4m3(x * (1 / scale)) (fp32 division and product), rounded to nearest even and
             saturated at +-448
 
+Every division divides by a tensor: torch on CUDA turns a division by a CPU scalar into a
+product with the scalar's inverse, which can differ in the last bit.
+
 torch's .to(torch.float8_e4m3fn) rounds to nearest even but does not saturate: past 464
 it gives NaN (0x7F, 0xFF). The product is clamped to +-448 first, which is what
 saturation gives (clamp keeps a NaN a NaN). Where comet writes every NaN as 0x7F, torch
@@ -23,7 +26,7 @@ FLT_MIN = 2.0 ** -126
 
 def scales_from_amax(torch, amax, pow2: bool):
     """fp8.h's cometi_fp8_scale over a tensor of float32 amaxes."""
-    s = amax / E4M3_MAX
+    s = amax / torch.full_like(amax, E4M3_MAX)  # a tensor: divided by a CPU scalar, CUDA multiplies by its inverse
     s = torch.where(s < FLT_MIN, torch.full_like(s, FLT_MIN), s)  # false for NaN: it stays
     if pow2:
         bits = s.view(torch.int32)
@@ -48,7 +51,7 @@ def quantize_weights(torch, w, pow2: bool = False):
     pad = torch.nn.functional.pad(x.abs(), (0, bc * BLOCK - cols, 0, br * BLOCK - rows))
     amax = pad.view(-1, br, BLOCK, bc, BLOCK).amax(dim=(2, 4))  # NaN propagates
     s = scales_from_amax(torch, amax, pow2)
-    inv = 1.0 / s
+    inv = torch.ones_like(s) / s
     full = inv.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :rows, :cols]
     q = (x * full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(w.shape), s.view(lead + (br, bc))
