@@ -17,9 +17,14 @@ and CometSparseMoeBlock need torch (>= 2.4; without it they raise ImportError sa
 to install). Under torch, comet's calls are torch custom operators (comet_moe::forward,
 forward_out, forward_train, backward; see ops.py), so torch.compile(model, fullgraph=True)
 traces a model that holds these layers, forward and backward, without a graph break.
+
+Block-scaled FP8 experts (MoeConfig(..., dtype="fp8"), inference only): with torch,
+quantize_fp8_weights and quantize_fp8_rows (comet's quantizers, on a GPU),
+dequantize_fp8 (plain torch) and stack_fp8_experts (this rank's experts from an HF FP8
+checkpoint's state dict); CometSparseMoeBlock.load_state_dict takes such a state dict too.
 """
-from ._capi import (API_VERSION, IMPL_AUTO, IMPL_BASELINE, IMPL_FUSED, LibraryNotFoundError, STATUS_NAMES,
-                    STRUCT_MAGIC, library_path)
+from ._capi import (API_VERSION, DTYPE_BF16, DTYPE_FP8_BLOCK, IMPL_AUTO, IMPL_BASELINE, IMPL_FUSED,
+                    LibraryNotFoundError, STATUS_NAMES, STRUCT_MAGIC, library_path)
 from .comm import Comm, nccl_version, unique_id
 from .config import MoeConfig, presets
 from .errors import (CometCudaError, CometError, CometInternalError, CometInvalidArgumentError,
@@ -41,13 +46,20 @@ def __getattr__(name):
     if name in ("CometSparseMoeBlock", "mixtral_route"):
         from . import block
         return getattr(block, name)
+    if name in ("quantize_fp8_weights", "quantize_fp8_rows", "dequantize_fp8"):
+        from . import fp8
+        return getattr(fp8, name)
+    if name == "stack_fp8_experts":
+        from . import checkpoint
+        return checkpoint.stack_fp8_experts
     raise AttributeError(f"module 'comet_moe' has no attribute {name!r}")
 
 
 __all__ = [
-    "API_VERSION", "IMPL_AUTO", "IMPL_BASELINE", "IMPL_FUSED", "STATUS_NAMES", "STRUCT_MAGIC",
-    "LibraryNotFoundError", "library_path", "version", "Comm", "nccl_version", "unique_id", "MoeConfig",
+    "API_VERSION", "DTYPE_BF16", "DTYPE_FP8_BLOCK", "IMPL_AUTO", "IMPL_BASELINE", "IMPL_FUSED", "STATUS_NAMES",
+    "STRUCT_MAGIC", "LibraryNotFoundError", "library_path", "version", "Comm", "nccl_version", "unique_id", "MoeConfig",
     "presets", "Moe", "CometError", "CometInvalidArgumentError", "CometInvalidUsageError", "CometCudaError",
     "CometNcclError", "CometOutOfMemoryError", "CometTimeoutError", "CometRemoteError", "CometNotSupportedError",
     "CometInternalError",
-]  # and, with torch: CometSparseMoeBlock, mixtral_route
+]  # and, with torch: CometSparseMoeBlock, mixtral_route, quantize_fp8_weights, quantize_fp8_rows, dequantize_fp8,
+#   stack_fp8_experts

@@ -48,6 +48,7 @@ STATUS_NAMES = {
 # comet_dtype_t
 DTYPE_BF16 = 0
 DTYPE_FP8_BLOCK = 1
+DTYPE_NAMES = {DTYPE_BF16: "bf16", DTYPE_FP8_BLOCK: "fp8"}  # MoeConfig(dtype=...)
 
 # comet_grad_mode_t
 GRAD_WRITE_BF16 = 0
@@ -229,6 +230,9 @@ _COMET_FUNCTIONS = [
     ("comet_moe_saved_destroy", c_int, [c_void_p]),
     ("comet_moe_forward_train", c_int, [c_void_p, POINTER(MoeArgsStruct), c_void_p, c_void_p]),
     ("comet_moe_backward", c_int, [c_void_p, POINTER(MoeBackwardArgsStruct), c_void_p]),
+    ("comet_quantize_fp8_weights", c_int,
+     [c_void_p, ctypes.c_int64, c_int, c_int, c_int, c_void_p, c_void_p, c_void_p]),
+    ("comet_quantize_fp8_rows", c_int, [c_void_p, ctypes.c_int64, c_int, c_int, c_void_p, c_void_p, c_void_p]),
 ]
 
 # NCCL and the CUDA runtime, as libcomet links them (found through its handle: dlsym

@@ -28,6 +28,16 @@ w2 [E_local, H, Fl] (columns t*Fl.. of w2). With TP 1, state_dict() gives back t
 router and this rank's experts under the same names; with TP > 1 it raises
 NotImplementedError (a rank holds only a slice of each expert, which the HF names and
 shapes cannot carry; keep the full state dict it was loaded from).
+
+FP8 (a config with dtype "fp8"): inference only. The experts are buffers, not
+parameters: float8_e4m3fn w13 [E_local, 2Fl, H] with w13_scale_inv [E_local, 2Fl / 128,
+ceil(H / 128)] float32 (one scale per 128 x 128 block) where Fl is a multiple of 128, else
+w1 and w3 [E_local, Fl, H] apart, each with its scales; w2 [E_local, H, Fl] with
+w2_scale_inv. load_state_dict takes an HF FP8 checkpoint's experts (`.weight` float8 with
+`.weight_scale_inv`) under Mixtral's names or Qwen3-MoE's / DeepSeek-V3's (gate_proj,
+up_proj, down_proj), or bf16 weights, which it quantizes (checkpoint.py says what it
+takes and refuses); state_dict() gives them back under Mixtral's names. The forward under
+autograd raises NotImplementedError; call it under torch.no_grad() or inference mode.
 """
 from __future__ import annotations
 
@@ -40,9 +50,16 @@ import torch.nn.functional as F
 from . import ops
 from .checks import BF16, check_tensor
 from ._capi import IMPL_NAMES as _IMPL_NAMES
+from .checkpoint import Layout, Problems, empty_weights, load_experts
+from .fp8 import BLOCK, quantize_fp8_weights
 from .moe import Moe, parse_impl
 
 _EXPERT_KEY = re.compile(r"experts\.(\d+)\.(w1|w2|w3)\.weight")
+
+
+# An FP8 block's buffers, by Moe.forward's keywords (HF Mixtral's w1, w3, w2; vLLM's w13).
+_FP8_BUFFERS = {"gate_up": "w13", "gate_up_scale": "w13_scale_inv", "gate": "w1", "gate_scale": "w1_scale_inv",
+                "up": "w3", "up_scale": "w3_scale_inv", "down": "w2", "down_scale": "w2_scale_inv"}
 
 
 def _tp_slice(name: str, value: torch.Tensor, tp_rank: int, ffn_local: int) -> torch.Tensor:
@@ -74,7 +91,9 @@ class CometSparseMoeBlock(nn.Module):
     number of times, each with its own tokens (zero tokens is fine), at most
     config.max_tokens per call. Under tensor parallelism (config.tp_size > 1) every
     rank still gets its own tokens' complete output; tp_size, tp_rank and ffn_local
-    (ffn // tp_size) say which slice of its experts this rank holds."""
+    (ffn // tp_size) say which slice of its experts this rank holds. With an FP8 config
+    the experts are float8_e4m3fn buffers with their scales (see the module's note) and
+    the block runs inference only."""
 
     def __init__(self, comm=None, config=None, *, moe=None, impl="auto", max_recv_rows: int = 0,
                  grad_accumulation: str = "grad"):
@@ -96,10 +115,28 @@ class CometSparseMoeBlock(nn.Module):
         device = self.moe.comm.device
         H, Fl, E_local = self.hidden_dim, self.ffn_local, self.experts_per_rank
         self.gate = nn.Linear(H, self.num_experts, bias=False, device=device, dtype=torch.bfloat16)
+        self.fp8 = bool(getattr(self.moe, "fp8", False))
+        self.fp8_pow2_scales = bool(cfg.fp8_pow2_scales)
         # Packed as comet reads them (this TP rank's ffn_local columns of each local
         # expert); state_dict() names them the HF way instead.
-        self.w13 = nn.Parameter(torch.zeros(E_local, 2 * Fl, H, device=device, dtype=torch.bfloat16))
-        self.w2 = nn.Parameter(torch.zeros(E_local, H, Fl, device=device, dtype=torch.bfloat16))
+        if self.fp8:  # buffers: comet does not train in FP8
+            for name, t in empty_weights(self._layout(), device).items():
+                self.register_buffer(_FP8_BUFFERS[name], t)
+        else:
+            self.w13 = nn.Parameter(torch.zeros(E_local, 2 * Fl, H, device=device, dtype=torch.bfloat16))
+            self.w2 = nn.Parameter(torch.zeros(E_local, H, Fl, device=device, dtype=torch.bfloat16))
+
+    def _layout(self) -> Layout:
+        return Layout(self.hidden_dim, self.ffn_dim, self.num_experts, self.first_expert, self.experts_per_rank,
+                      self.tp_size, self.tp_rank, self.ffn_local)
+
+    # The quantizer of bf16 weights loaded into an FP8 block: (w, pow2_scales) -> (q, scales).
+    _quantize = staticmethod(quantize_fp8_weights)
+
+    def fp8_weights(self) -> dict:
+        """An FP8 block's expert buffers by Moe.forward's keywords (gate_up, gate_up_scale
+        or gate, gate_scale, up, up_scale; down, down_scale)."""
+        return {kw: self._buffers[name] for kw, name in _FP8_BUFFERS.items() if name in self._buffers}
 
     @property
     def impl(self) -> str:
@@ -151,6 +188,8 @@ class CometSparseMoeBlock(nn.Module):
         """The experts alone, for routing made elsewhere: x [M, H] bf16, topk_ids
         [M, top_k] int32 global expert ids, topk_weights [M, top_k] float32. Returns y
         [M, H] bf16 (written into `out` when given; not under autograd)."""
+        if self.fp8:
+            return self.moe.forward(x, topk_ids, topk_weights, out=out, impl=self._impl, **self.fp8_weights())
         return self.moe.forward(x, topk_ids, topk_weights, gate_up=self.w13, down=self.w2, out=out,
                                 impl=self._impl)
 
@@ -164,8 +203,11 @@ class CometSparseMoeBlock(nn.Module):
                 f"the HF names and shapes cannot carry; keep the full state dict the block was loaded from "
                 f"(w13 and w2 are this rank's packed slices)")
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        for name in ("w13", "w2"):  # packed: saved under the HF names below
+        for name in ("w13", "w2") + tuple(_FP8_BUFFERS.values()):  # packed: saved under the HF names below
             destination.pop(prefix + name, None)
+        if self.fp8:
+            self._save_fp8(destination, prefix, keep_vars)
+            return
         Fd = self.ffn_dim
         w13 = self.w13 if keep_vars else self.w13.detach()
         w2 = self.w2 if keep_vars else self.w2.detach()
@@ -174,8 +216,44 @@ class CometSparseMoeBlock(nn.Module):
             destination[f"{prefix}experts.{e}.w3.weight"] = w13[le, Fd:]
             destination[f"{prefix}experts.{e}.w2.weight"] = w2[le]
 
+    def _save_fp8(self, destination, prefix, keep_vars):
+        """An FP8 block's experts under HF Mixtral's names, `.weight` and `.weight_scale_inv`."""
+        w = {kw: t if keep_vars else t.detach() for kw, t in self.fp8_weights().items()}
+        Fd, Fb = self.ffn_dim, self.ffn_dim // BLOCK
+        for le, e in enumerate(self.local_experts):
+            if "gate_up" in w:
+                parts = {"w1": (w["gate_up"][le, :Fd], w["gate_up_scale"][le, :Fb]),
+                         "w3": (w["gate_up"][le, Fd:], w["gate_up_scale"][le, Fb:])}
+            else:
+                parts = {"w1": (w["gate"][le], w["gate_scale"][le]), "w3": (w["up"][le], w["up_scale"][le])}
+            parts["w2"] = (w["down"][le], w["down_scale"][le])
+            for name, (weight, scale) in parts.items():
+                destination[f"{prefix}experts.{e}.{name}.weight"] = weight
+                destination[f"{prefix}experts.{e}.{name}.weight_scale_inv"] = scale
+
+    def _load_fp8(self, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs):
+        """An FP8 block's experts from HF names (checkpoint.py); the other keys are the
+        caller's."""
+        problems = Problems()
+        with torch.no_grad():
+            load_experts(state_dict, prefix, self._layout(), self.fp8_weights(), problems, self._quantize,
+                         self.fp8_pow2_scales)
+        if strict:
+            missing_keys.extend(problems.missing)
+            unexpected_keys.extend(problems.unexpected)
+        error_msgs.extend(problems.errors)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        if self.fp8:
+            self._load_fp8(state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
+            rest = {k: v for k, v in state_dict.items() if not k.startswith(prefix + "experts.")}
+            super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+            for name in _FP8_BUFFERS.values():  # loaded from the HF names above
+                if prefix + name in missing_keys:
+                    missing_keys.remove(prefix + name)
+            return
         H, Fd, Fl, t = self.hidden_dim, self.ffn_dim, self.ffn_local, self.tp_rank
         rest, found = {}, set()
         for key, value in state_dict.items():
@@ -197,6 +275,11 @@ class CometSparseMoeBlock(nn.Module):
                       if self.tp_size > 1 else "")
                 error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}, "
                                   f"the shape in CometSparseMoeBlock is {want} (hidden = {H}, ffn = {Fd}{tp})")
+                continue
+            if value.dtype == torch.float8_e4m3fn:  # a copy would drop its scales
+                error_msgs.append(f"{key} is float8_e4m3fn: this block is bf16; make it with MoeConfig(..., "
+                                  f"dtype='fp8') to load FP8 experts, or dequantize them first "
+                                  f"(comet_moe.dequantize_fp8)")
                 continue
             part = _tp_slice(name, value, t, Fl)
             with torch.no_grad():
@@ -245,6 +328,7 @@ class CometSparseMoeBlock(nn.Module):
         if self.tp_size > 1:
             lo = self.tp_rank * self.ffn_local
             tp = f"tp={self.tp_size} (tp rank {self.tp_rank}: ffn columns {lo}..{lo + self.ffn_local - 1}), "
+        fp8 = (", dtype=fp8" + (" (pow2 scales)" if self.fp8_pow2_scales else "")) if self.fp8 else ""
         return (f"hidden={self.hidden_dim}, ffn={self.ffn_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
                 f"local experts {self.first_expert}..{self.first_expert + self.experts_per_rank - 1}, {tp}"
-                f"max_tokens={self.max_tokens}, impl={self.impl}")
+                f"max_tokens={self.max_tokens}, impl={self.impl}{fp8}")

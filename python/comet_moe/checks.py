@@ -16,6 +16,10 @@ No dtype is converted for the caller: an int64 topk_ids (what torch.topk returns
 bf16 topk_weights is refused with the conversion to write, so no hidden copy or cast
 costs time on every call.
 
+An FP8 layer (config dtype "fp8") takes float8_e4m3fn weights, each with its float32
+scales (one per 128 x 128 block: comet.h's comet_moe_weight_scales_t), and x bf16 or
+float8_e4m3fn with x_scales [M, ceil(H / 128)]; a bf16 layer refuses scales.
+
 check_int is the package's one check of a Python int bound for a C int, unsigned int,
 size_t or pointer: ctypes keeps only the low bits of an int too wide for its field or
 argument (2**32 + 5 becomes 5), so every int goes through it first.
@@ -25,7 +29,9 @@ from __future__ import annotations
 import ctypes
 import operator
 
-BF16, INT32, FLOAT32 = "torch.bfloat16", "torch.int32", "torch.float32"
+BF16, INT32, FLOAT32, FP8 = "torch.bfloat16", "torch.int32", "torch.float32", "torch.float8_e4m3fn"
+_WEIGHT_NAMES = ("gate_up", "gate", "up", "down")
+SCALE_NAMES = tuple(f"{name}_scale" for name in _WEIGHT_NAMES)  # Moe.forward's keywords
 
 INT_MIN, INT_MAX = -2**31, 2**31 - 1
 PTR_MAX = 2**(8 * ctypes.sizeof(ctypes.c_void_p)) - 1  # the largest cudaStream_t (a pointer)
@@ -55,10 +61,16 @@ def check_int(name: str, value, lo: int = INT_MIN, hi: int = INT_MAX, why: str =
     return v
 
 _CONVERT = {
-    INT32: "topk_ids.to(torch.int32)",
-    FLOAT32: "topk_weights.float()",
-    BF16: ".to(torch.bfloat16)",
+    INT32: "{name}.to(torch.int32)",
+    FLOAT32: "{name}.float()",
+    BF16: "{name}.to(torch.bfloat16)",
+    FP8: "comet_moe.quantize_fp8_weights({name} in bf16), which gives its scales too",
 }
+
+
+def _blocks(n: int) -> int:
+    """128-wide FP8 scale blocks over n elements (fp8.blocks, without torch)."""
+    return (n + 127) // 128
 
 
 def _is_tensor(t) -> bool:
@@ -80,7 +92,7 @@ def check_tensor(name: str, t, dtype: str, dims, device: str, align: int, hint: 
     if not _is_tensor(t):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if str(t.dtype) != dtype:
-        how = _CONVERT[dtype] if name in ("topk_ids", "topk_weights") else f"{name}{_CONVERT[dtype]}"
+        how = _CONVERT[dtype].format(name=name)
         raise TypeError(f"{name}.dtype = {t.dtype}: expected {dtype} (convert with {how})")
     shape = tuple(t.shape)
     want = tuple(d for d, _ in dims)
@@ -110,7 +122,8 @@ def _span(t):
 
 
 def check_forward_args(cfg, experts_per_rank: int, device: str, x, topk_ids, topk_weights,
-                       gate_up, gate, up, down, out, *, ffn_local=None, tp_size=None, pointers=True):
+                       gate_up, gate, up, down, out, *, ffn_local=None, tp_size=None, pointers=True, fp8=False,
+                       scales=None, x_scales=None):
     """Every argument of Moe.forward against the layer's config (hidden, ffn, top_k,
     max_tokens), this rank's expert count and its share of ffn; returns num_tokens.
     `out` may be None; else no byte of it may be a byte of an input, the weights
@@ -118,7 +131,9 @@ def check_forward_args(cfg, experts_per_rank: int, device: str, x, topk_ids, top
     cfg.tp_size, 0 read as 1); ffn_local: the ffn columns of each expert this rank holds
     (default ffn // tp_size). The weights' ffn dimension is ffn_local: the whole ffn
     when tp_size is 1, ffn / tp_size otherwise (the messages then say so). pointers=False
-    leaves out the addresses' checks (check_pointers makes them)."""
+    leaves out the addresses' checks (check_pointers makes them). fp8: the layer is FP8
+    (see the module's note); scales: (gate_up_scale, gate_scale, up_scale, down_scale),
+    None for none; x_scales: x's, where x is float8_e4m3fn."""
     H, F, k, E_local = int(cfg.hidden), int(cfg.ffn), int(cfg.top_k), int(experts_per_rank)
     tp = int(tp_size) if tp_size is not None else (int(cfg.tp_size) or 1)
     Fl = int(ffn_local) if ffn_local is not None else F // tp
@@ -139,57 +154,101 @@ def check_forward_args(cfg, experts_per_rank: int, device: str, x, topk_ids, top
                          f"the layer with a larger max_tokens, or split the batch (every rank must then make "
                          f"the same number of calls)")
     p = pointers
-    check_tensor("x", x, BF16, [(m, "num_tokens"), (H, "hidden")], device, 16, pointers=p)
+    scales = tuple(scales) if scales is not None else (None,) * 4
+    if not fp8:
+        given = [n for n, t in zip(SCALE_NAMES + ("x_scales",), scales + (x_scales,)) if t is not None]
+        if given:
+            raise ValueError(f"{given[0]} is given, but this layer is bf16: scales are for an FP8 layer "
+                             f"(MoeConfig(..., dtype='fp8'))")
+    x_fp8 = fp8 and _is_tensor(x) and str(x.dtype) == FP8
+    check_tensor("x", x, FP8 if x_fp8 else BF16, [(m, "num_tokens"), (H, "hidden")], device, 16, pointers=p)
+    if x_fp8:
+        if x_scales is None:
+            raise ValueError(f"x is {FP8}: give its x_scales [num_tokens, ceil(hidden / 128) = {_blocks(H)}] float32 "
+                             f"(comet_moe.quantize_fp8_rows gives both), or pass x in bf16")
+        check_tensor("x_scales", x_scales, FLOAT32, [(m, "num_tokens"), (_blocks(H), "ceil(hidden / 128)")], device,
+                     16, pointers=p)
+    elif x_scales is not None:
+        raise ValueError(f"x_scales is given with a {x.dtype} x: scales are for a float8_e4m3fn x (pass x_scales=None "
+                         f"for a bf16 x, which comet quantizes itself)")
+    wdt = FP8 if fp8 else BF16
     check_tensor("topk_ids", topk_ids, INT32, [(m, "num_tokens"), (k, "top_k")], device, 4, pointers=p)
     check_tensor("topk_weights", topk_weights, FLOAT32, [(m, "num_tokens"), (k, "top_k")], device, 4, pointers=p)
     if gate_up is not None and (gate is not None or up is not None):
         raise ValueError("weights: give gate_up, or gate and up, not both")
     if gate_up is not None:
-        check_tensor("gate_up", gate_up, BF16, [(E_local, "local experts"), (2 * Fl, f2_label), (H, "hidden")],
+        if fp8 and Fl % 128:
+            raise ValueError(f"gate_up with FP8 weights and {f_label} = {Fl}: gate and up in one tensor need it a "
+                             f"multiple of 128 (a 128 x 128 block would hold rows of both); give gate and up apart")
+        check_tensor("gate_up", gate_up, wdt, [(E_local, "local experts"), (2 * Fl, f2_label), (H, "hidden")],
                      device, 16, hint, pointers=p)
     elif gate is None or up is None:
         raise ValueError(f"weights: {'gate' if gate is None else 'up'} is None: give gate_up [E_local, 2{f_sym}, H], "
                          f"or both gate and up [E_local, {f_sym}, H]")
     else:
         for name, w in (("gate", gate), ("up", up)):
-            check_tensor(name, w, BF16, [(E_local, "local experts"), (Fl, f_label), (H, "hidden")], device, 16, hint,
+            check_tensor(name, w, wdt, [(E_local, "local experts"), (Fl, f_label), (H, "hidden")], device, 16, hint,
                          pointers=p)
     if down is None:
         raise ValueError(f"weights: down is None: give down [E_local, H, {f_sym}]")
-    check_tensor("down", down, BF16, [(E_local, "local experts"), (H, "hidden"), (Fl, f_label)], device, 16, hint,
+    check_tensor("down", down, wdt, [(E_local, "local experts"), (H, "hidden"), (Fl, f_label)], device, 16, hint,
                  pointers=p)
+    if fp8:
+        _check_weight_scales(E_local, H, Fl, f_label, (gate_up, gate, up, down), scales, device, p)
     if out is not None:
         check_tensor("out", out, BF16, [(m, "num_tokens"), (H, "hidden")], device, 16, pointers=p)
     if p:
-        check_overlap(out, x, topk_ids, topk_weights, gate_up, gate, up, down)
+        check_overlap(out, x, topk_ids, topk_weights, gate_up, gate, up, down, *scales, x_scales)
     return m
 
 
-def check_pointers(x, topk_ids, topk_weights, gate_up, gate, up, down, out=None) -> None:
+def _check_weight_scales(E_local, H, Fl, f_label, weights, scales, device, pointers) -> None:
+    """Each FP8 weight's float32 block scales beside it (none beside a weight not given),
+    one per 128 x 128 block of each expert's matrix, rounded up."""
+    hb, fb = (_blocks(H), "ceil(hidden / 128)"), (_blocks(Fl), f"ceil({f_label} / 128)")
+    dims = {"gate_up": [(2 * Fl // 128, f"2 * {f_label} / 128"), hb], "gate": [fb, hb], "up": [fb, hb],
+            "down": [hb, fb]}
+    for name, w, s in zip(_WEIGHT_NAMES, weights, scales):
+        if w is None and s is not None:
+            raise ValueError(f"{name}_scale is given without {name}: give each weight's scales beside it")
+        if w is not None and s is None:
+            raise ValueError(f"{name}_scale is None: FP8 weights need their float32 scales, one per 128 x 128 block "
+                             f"(an HF checkpoint's weight_scale_inv; comet_moe.quantize_fp8_weights gives both)")
+        if s is not None:
+            check_tensor(f"{name}_scale", s, FLOAT32, [(E_local, "local experts")] + dims[name], device, 16,
+                         pointers=pointers)
+
+
+def check_pointers(x, topk_ids, topk_weights, gate_up, gate, up, down, out=None, *, scales=None,
+                   x_scales=None) -> None:
     """The addresses of a forward call's tensors, as the call gets them (shapes, dtypes and
     devices were checked before): each contiguous (a compiled graph may lay a buffer out
     otherwise than it was traced) and aligned as comet moves it, and no byte of out a
-    byte of an input."""
-    for name, t, align in (("x", x, 16), ("topk_ids", topk_ids, 4), ("topk_weights", topk_weights, 4),
-                           ("gate_up", gate_up, 16), ("gate", gate, 16), ("up", up, 16), ("down", down, 16),
-                           ("out", out, 16)):
+    byte of an input. scales, x_scales: an FP8 call's (see check_forward_args)."""
+    scales = tuple(scales) if scales is not None else (None,) * 4
+    named = [("x", x, 16), ("topk_ids", topk_ids, 4), ("topk_weights", topk_weights, 4), ("gate_up", gate_up, 16),
+             ("gate", gate, 16), ("up", up, 16), ("down", down, 16), ("out", out, 16)]
+    named += [(n, s, 16) for n, s in zip(SCALE_NAMES, scales)] + [("x_scales", x_scales, 16)]
+    for name, t, align in named:
         if t is None:
             continue
         if not t.is_contiguous():
             raise ValueError(f"{name} is not contiguous (shape {tuple(t.shape)}, strides {tuple(t.stride())}): pass "
                              f"{name}.contiguous()")
         check_aligned(name, t, align)
-    check_overlap(out, x, topk_ids, topk_weights, gate_up, gate, up, down)
+    check_overlap(out, x, topk_ids, topk_weights, gate_up, gate, up, down, *scales, x_scales)
 
 
-def check_overlap(out, x, topk_ids, topk_weights, gate_up, gate, up, down) -> None:
-    """No byte of out (None: nothing to check) a byte of an input, the weights included:
-    comet reads its inputs while it writes out."""
+def check_overlap(out, x, topk_ids, topk_weights, gate_up, gate, up, down, gate_up_scale=None, gate_scale=None,
+                  up_scale=None, down_scale=None, x_scales=None) -> None:
+    """No byte of out (None: nothing to check) a byte of an input, the weights (and an
+    FP8 call's scales) included: comet reads its inputs while it writes out."""
     if out is None:
         return
     lo, hi = _span(out)
     inputs = (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("gate_up", gate_up),
-              ("gate", gate), ("up", up), ("down", down))
+              ("gate", gate), ("up", up), ("down", down), ("gate_up_scale", gate_up_scale),
+              ("gate_scale", gate_scale), ("up_scale", up_scale), ("down_scale", down_scale), ("x_scales", x_scales))
     for name, t in inputs:
         if t is None:
             continue

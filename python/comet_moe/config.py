@@ -12,6 +12,13 @@ hidden or ffn that is not a multiple of 64, top_k above num_experts, a negative 
 tp_size, ...): CometInvalidArgumentError with comet's sentence naming the field, the value
 and the limit. What depends on the world size, and fields assigned after the config was
 made, comet checks in validate() and comet_moe_create.
+
+The experts' number format is `dtype`: "bf16" (the default) or "fp8" (block-scaled E4M3
+weights with FP32 scales per 128 x 128 block, comet.h's COMET_DTYPE_FP8_BLOCK; the
+inference forward only), with `fp8_pow2_scales` (the scales comet makes for the token
+rows and the activation: amax / 448, or True: the power of two at or above it). A name
+other than these two is refused as it is set (ValueError); the field itself holds
+comet_dtype_t's int, its name is `dtype_name`.
 """
 from __future__ import annotations
 
@@ -21,9 +28,38 @@ from . import _capi
 from .checks import INT_MAX, c_range, check_int
 from .errors import check
 
-_FIELDS = ("hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size", "tp_size", "resend_x")
+_FIELDS = ("hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size", "tp_size", "resend_x", "dtype",
+           "fp8_pow2_scales")
 # Every field of comet_moe_config_t (size, magic, version and dtype too) with its range.
 _LIMITS = {name: c_range(ctype) for name, ctype in _capi.MoeConfigStruct._fields_}
+_DTYPES = {name: code for code, name in _capi.DTYPE_NAMES.items()}  # "bf16" -> COMET_DTYPE_BF16, ...
+
+
+def parse_dtype(value) -> int:
+    """"bf16" | "fp8", or the DTYPE_* value (COMET_DTYPE_BF16, COMET_DTYPE_FP8_BLOCK), as
+    comet_dtype_t; anything else raises, naming what is taken."""
+    known = "'bf16' or 'fp8' (or DTYPE_BF16 = 0, DTYPE_FP8_BLOCK = 1)"
+    if isinstance(value, str):
+        if value.lower() not in _DTYPES:
+            raise ValueError(f"MoeConfig.dtype = {value!r}: expected {known}")
+        return _DTYPES[value.lower()]
+    lo, hi, ctype = _LIMITS["dtype"]
+    code = check_int("MoeConfig.dtype", value, lo, hi, ctype)
+    if code not in _capi.DTYPE_NAMES:
+        raise ValueError(f"MoeConfig.dtype = {code}: expected {known}")
+    return code
+
+
+def _parse_pow2(value) -> int:
+    """fp8_pow2_scales: a bool, or 0 / 1."""
+    if isinstance(value, bool):
+        return int(value)
+    lo, hi, ctype = _LIMITS["fp8_pow2_scales"]
+    v = check_int("MoeConfig.fp8_pow2_scales", value, lo, hi, ctype)
+    if v not in (0, 1):
+        raise ValueError(f"MoeConfig.fp8_pow2_scales = {v}: expected False / 0 (scales amax / 448) or True / 1 "
+                         f"(the power of two at or above it)")
+    return v
 
 
 def presets() -> list:
@@ -45,18 +81,22 @@ class MoeConfig(_capi.MoeConfigStruct):
     in one call), ep_size and tp_size (expert- and tensor-parallel ranks, ep_size x tp_size
     = the world size; tp_size 0 means 1, ep_size 0 means world size / tp_size; tp_size must
     divide the world size), resend_x (training: 1 keeps no x rows between forward and
-    backward and sends x again in the backward, for memory; 0 keeps them). size, magic,
-    version and dtype (comet_dtype_t: bf16, the only one) are set as COMET_MOE_CONFIG_INIT
-    sets them.
+    backward and sends x again in the backward, for memory; 0 keeps them), dtype ("bf16",
+    or "fp8": block-scaled E4M3 experts, inference only; read back as comet_dtype_t's int,
+    dtype_name gives the name) and fp8_pow2_scales (FP8: the scales comet makes, for x's
+    rows and the activation, rounded up to powers of two). size, magic and version are set
+    as COMET_MOE_CONFIG_INIT sets them.
 
     Made with its sizes (MoeConfig(hidden=..., ...)) or from a preset, a config is checked
     at once for what no world size makes right (see the module's note); MoeConfig() with
     no sizes is refused for the same reason."""
 
     def __init__(self, hidden: int = 0, ffn: int = 0, num_experts: int = 0, top_k: int = 0,
-                 max_tokens: int = 0, ep_size: int = 0, tp_size: int = 0, resend_x: int = 0):
+                 max_tokens: int = 0, ep_size: int = 0, tp_size: int = 0, resend_x: int = 0, dtype="bf16",
+                 fp8_pow2_scales=False):
         super().__init__(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
-                         ep_size=ep_size, tp_size=tp_size, resend_x=resend_x)  # each through __setattr__'s check
+                         ep_size=ep_size, tp_size=tp_size, resend_x=resend_x, dtype=dtype,
+                         fp8_pow2_scales=fp8_pow2_scales)  # each through __setattr__'s check
         self._check_any_world()
 
     @classmethod
@@ -84,8 +124,21 @@ class MoeConfig(_capi.MoeConfigStruct):
     def __setattr__(self, name, value):
         if name not in _LIMITS:  # a misspelt field would otherwise become a plain attribute
             raise AttributeError(f"MoeConfig has no field {name!r}; fields: {', '.join(_FIELDS)}")
+        if name == "dtype":
+            value = parse_dtype(value)
+        elif name == "fp8_pow2_scales":
+            value = _parse_pow2(value)
         lo, hi, ctype = _LIMITS[name]
         super().__setattr__(name, check_int(f"MoeConfig.{name}", value, lo, hi, ctype))
+
+    @property
+    def dtype_name(self) -> str:
+        """The experts' number format by name: "bf16" or "fp8"."""
+        return _capi.DTYPE_NAMES.get(int(self.dtype), f"unknown dtype {int(self.dtype)}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return int(self.dtype) == _capi.DTYPE_FP8_BLOCK
 
     @classmethod
     def preset(cls, name: str, max_tokens: int, **overrides) -> "MoeConfig":
@@ -127,7 +180,10 @@ class MoeConfig(_capi.MoeConfigStruct):
         return other
 
     def as_dict(self) -> dict:
-        return {f: int(getattr(self, f)) for f in _FIELDS}
+        """The fields MoeConfig(...) takes, as it takes them (dtype by name)."""
+        d = {f: int(getattr(self, f)) for f in _FIELDS}
+        d["dtype"] = self.dtype_name
+        return d
 
     def __eq__(self, other):
         return isinstance(other, _capi.MoeConfigStruct) and bytes(self) == bytes(other)
@@ -135,4 +191,4 @@ class MoeConfig(_capi.MoeConfigStruct):
     __hash__ = None
 
     def __repr__(self):
-        return "MoeConfig(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
+        return "MoeConfig(" + ", ".join(f"{k}={v!r}" for k, v in self.as_dict().items()) + ")"

@@ -7,7 +7,9 @@ enqueued on the current torch CUDA stream.
     moe.close()                                                           # before comm.close()
 
 Every rank calls forward the same number of times with the same impl, each with its own
-tokens (0 is fine). forward checks its arguments first (see checks.py) and raises
+tokens (0 is fine). An FP8 layer (MoeConfig(..., dtype="fp8")) takes float8_e4m3fn
+weights with their block scales (gate_up_scale=..., down_scale=...; fp8.py makes them)
+and runs the inference forward only. forward checks its arguments first (see checks.py) and raises
 TypeError / ValueError before anything is launched, then calls comet through torch's
 custom operators (ops.py), which torch.compile traces; comet gets the tensors by
 data_ptr(). A failure comet reports raises a CometError subclass with comet's message.
@@ -43,7 +45,8 @@ def _ptr(t):
 
 
 # A layer's config as plain ints, which torch.compile reads where it cannot read a ctypes field.
-_Shape = collections.namedtuple("_Shape", "hidden ffn num_experts top_k max_tokens ep_size tp_size resend_x")
+_Shape = collections.namedtuple("_Shape", "hidden ffn num_experts top_k max_tokens ep_size tp_size resend_x dtype "
+                                          "fp8_pow2_scales")
 
 
 # The open layers by id. torch's custom operators (ops.py) name their layer by this int:
@@ -133,6 +136,7 @@ class Moe(_Handle):
         is where its tensors must be, as str(torch.device) writes it."""
         self._device = device
         self._shape = _Shape(**self.config.as_dict())
+        self.fp8 = int(self.config.dtype) == _capi.DTYPE_FP8_BLOCK
         self._op_id = next(_NEXT_ID)
         _LAYERS[self._op_id] = self
 
@@ -147,7 +151,8 @@ class Moe(_Handle):
         return self._box is None or self._box.ptr is None
 
     def forward(self, x, topk_ids, topk_weights, *, gate_up=None, gate=None, up=None, down=None, out=None,
-                impl="auto", stream=None):
+                impl="auto", stream=None, gate_up_scale=None, gate_scale=None, up_scale=None, down_scale=None,
+                x_scales=None):
         """y[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]), SwiGLU experts.
 
         x: [M, H] bf16, M <= config.max_tokens. topk_ids: [M, top_k] int32 global expert
@@ -169,18 +174,33 @@ class Moe(_Handle):
         the weights their gradients; out and stream are then not taken (the current
         stream is used, as autograd's backward does). Otherwise nothing is saved. With
         grad_accumulation="main_grad" every weight must carry an fp32 `main_grad` of its
-        shape (ValueError here, before anything is launched)."""
+        shape (ValueError here, before anything is launched).
+
+        FP8 layer (config dtype "fp8"): the weights are float8_e4m3fn in the same layouts,
+        each with its float32 scales, one per 128 x 128 block of each expert's matrix
+        (gate_up_scale [E_local, 2Fl / 128, ceil(H / 128)], needing Fl a multiple of 128;
+        gate_scale and up_scale [E_local, ceil(Fl / 128), ceil(H / 128)]; down_scale
+        [E_local, ceil(H / 128), ceil(Fl / 128)]: an HF checkpoint's weight_scale_inv,
+        stacked; fp8.quantize_fp8_weights gives both). x is bf16 (comet quantizes it), or
+        float8_e4m3fn with x_scales [M, ceil(H / 128)] float32 (fp8.quantize_fp8_rows); out
+        and y are bf16. Inference only: under autograd (grad enabled and x or topk_weights
+        requiring grad) it raises NotImplementedError, as comet does not train in FP8."""
         if self.closed:
             raise RuntimeError("comet_moe.Moe: used after close() (or after its Comm was closed)")
         code = parse_impl(impl)
         # The pointers (alignment, out overlapping an input) are checked by the operator,
         # where the tensors are real also under torch.compile.
+        scales = (gate_up_scale, gate_scale, up_scale, down_scale)
         check_forward_args(self._shape, self.experts_per_rank, self._device, x, topk_ids, topk_weights, gate_up,
-                           gate, up, down, out, ffn_local=self.ffn_local, tp_size=self.tp_size, pointers=False)
+                           gate, up, down, out, ffn_local=self.ffn_local, tp_size=self.tp_size, pointers=False,
+                           fp8=self.fp8, scales=scales, x_scales=x_scales)
         if stream is not None:  # a torch.cuda.Stream or a raw cudaStream_t; ctypes would truncate a wider int
             raw = stream.cuda_stream if hasattr(stream, "cuda_stream") else stream
             stream = check_int("stream", raw, 0, PTR_MAX, "a cudaStream_t: a torch.cuda.Stream or its .cuda_stream")
         from . import ops
+        if self.fp8:
+            return ops.moe_forward_fp8(self, code, x, x_scales, topk_ids, topk_weights, (gate_up, gate, up, down),
+                                       scales, out, stream)
         return ops.moe_forward(self, code, x, topk_ids, topk_weights, (gate_up, gate, up, down), out, stream)
 
     __call__ = forward
@@ -193,17 +213,22 @@ class Moe(_Handle):
         import torch
         return torch.cuda.current_stream(self.comm.device_index).cuda_stream
 
-    def _args(self, x, topk_ids, topk_weights, weights, y, impl):
+    def _args(self, x, topk_ids, topk_weights, weights, y, impl, scales=None, x_scales=None):
         args = _capi.MoeArgsStruct()
         args.num_tokens = int(x.shape[0])
         args.x, args.topk_ids, args.topk_weights, args.y = _ptr(x), _ptr(topk_ids), _ptr(topk_weights), _ptr(y)
         args.weights.gate_up, args.weights.gate, args.weights.up, args.weights.down = map(_ptr, weights)
         args.impl = impl
+        if scales is not None:  # an FP8 call
+            sc = args.weight_scales
+            sc.gate_up, sc.gate, sc.up, sc.down = map(_ptr, scales)
+        args.x_scales = _ptr(x_scales)
         return args
 
-    def _comet_forward(self, x, topk_ids, topk_weights, weights, y, impl, stream=None):
-        """comet_moe_forward into y, on `stream` (None: torch's current stream)."""
-        args = self._args(x, topk_ids, topk_weights, weights, y, impl)
+    def _comet_forward(self, x, topk_ids, topk_weights, weights, y, impl, stream=None, scales=None, x_scales=None):
+        """comet_moe_forward into y, on `stream` (None: torch's current stream); scales and
+        x_scales for an FP8 layer (see forward)."""
+        args = self._args(x, topk_ids, topk_weights, weights, y, impl, scales, x_scales)
         ptr = self._box.ptr
         with self.comm._on_device():
             st = self._lib.comet_moe_forward(ptr, ctypes.byref(args), ctypes.c_void_p(self._stream(stream)))

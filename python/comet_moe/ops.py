@@ -3,6 +3,9 @@ to comet under torch, eager and under torch.compile alike.
 
     comet_moe::forward        y = MoE(x), nothing saved (inference, or under no_grad)
     comet_moe::forward_out    the same, written into `out` (mutated)
+    comet_moe::forward_fp8    an FP8 layer's: float8_e4m3fn weights with their block scales,
+                              x bf16 or float8_e4m3fn with x_scales; y bf16
+    comet_moe::forward_fp8_out  the same, written into `out` (mutated)
     comet_moe::forward_train  (y, saved): the training forward and the state its backward reads
     comet_moe::backward       (dx, d_topk_weights, d_gate_up, d_gate, d_up, d_down); with
                               main_grads given, the weight gradients are added to them
@@ -111,6 +114,49 @@ def forward_out(layer: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, g
 
 @forward_out.register_fake
 def _forward_out_fake(layer, x, topk_ids, topk_weights, gate_up, gate, up, down, impl, stream, out):
+    return None
+
+
+# ---- inference in FP8 (no autograd: comet does not train in FP8) ----
+
+@torch.library.custom_op("comet_moe::forward_fp8", mutates_args=())
+def forward_fp8(layer: int, x: Tensor, x_scales: Optional[Tensor], topk_ids: Tensor, topk_weights: Tensor,
+                gate_up: Optional[Tensor], gate: Optional[Tensor], up: Optional[Tensor], down: Tensor,
+                gate_up_scale: Optional[Tensor], gate_scale: Optional[Tensor], up_scale: Optional[Tensor],
+                down_scale: Tensor, impl: int, stream: Optional[int]) -> Tensor:
+    """comet_moe_forward of an FP8 layer: y [M, H] bf16 for x [M, H] (bf16, or float8_e4m3fn
+    with x_scales); the weights float8_e4m3fn, each with its float32 block scales."""
+    moe = layer_by_id(layer)
+    scales = (gate_up_scale, gate_scale, up_scale, down_scale)
+    check_pointers(x, topk_ids, topk_weights, gate_up, gate, up, down, scales=scales, x_scales=x_scales)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    moe._comet_forward(x, topk_ids, topk_weights, (gate_up, gate, up, down), y, impl, _stream_u64(stream), scales,
+                       x_scales)
+    return y
+
+
+@forward_fp8.register_fake
+def _forward_fp8_fake(layer, x, x_scales, topk_ids, topk_weights, gate_up, gate, up, down, gate_up_scale, gate_scale,
+                      up_scale, down_scale, impl, stream):
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op("comet_moe::forward_fp8_out", mutates_args=("out",))
+def forward_fp8_out(layer: int, x: Tensor, x_scales: Optional[Tensor], topk_ids: Tensor, topk_weights: Tensor,
+                    gate_up: Optional[Tensor], gate: Optional[Tensor], up: Optional[Tensor], down: Tensor,
+                    gate_up_scale: Optional[Tensor], gate_scale: Optional[Tensor], up_scale: Optional[Tensor],
+                    down_scale: Tensor, impl: int, stream: Optional[int], out: Tensor) -> None:
+    """forward_fp8 into `out` [M, H] bf16, which no input may overlap."""
+    moe = layer_by_id(layer)
+    scales = (gate_up_scale, gate_scale, up_scale, down_scale)
+    check_pointers(x, topk_ids, topk_weights, gate_up, gate, up, down, out, scales=scales, x_scales=x_scales)
+    moe._comet_forward(x, topk_ids, topk_weights, (gate_up, gate, up, down), out, impl, _stream_u64(stream), scales,
+                       x_scales)
+
+
+@forward_fp8_out.register_fake
+def _forward_fp8_out_fake(layer, x, x_scales, topk_ids, topk_weights, gate_up, gate, up, down, gate_up_scale,
+                          gate_scale, up_scale, down_scale, impl, stream, out):
     return None
 
 
@@ -282,6 +328,22 @@ def _main_grads(moe, weights):
         else:
             placeholders.append(NO_PLACEHOLDER)
     return tuple(main_grads), placeholders, flagged
+
+
+def moe_forward_fp8(moe, impl: int, x, x_scales, topk_ids, topk_weights, weights, scales, out, stream):
+    """Moe.forward of an FP8 layer after its checks: the inference forward (into `out` when
+    given, on `stream` when given); under autograd, NotImplementedError before anything
+    runs."""
+    if _records_grad(x, topk_weights, *weights, *scales):
+        raise NotImplementedError(
+            "comet_moe: training in FP8 is not built (comet runs an FP8 layer's inference forward only; "
+            "comet_moe_forward_train refuses FP8 with COMET_NOT_SUPPORTED): call the layer under torch.no_grad() or "
+            "torch.inference_mode(), or train a bf16 layer (MoeConfig(..., dtype='bf16'))")
+    args = (moe._op_id, x, x_scales, topk_ids, topk_weights, *weights, *scales, impl, _stream_i64(stream))
+    if out is None:
+        return torch.ops.comet_moe.forward_fp8(*args)
+    torch.ops.comet_moe.forward_fp8_out(*args, out)
+    return out
 
 
 def moe_forward(moe, impl: int, x, topk_ids, topk_weights, weights, out, stream):

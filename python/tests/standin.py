@@ -9,7 +9,9 @@ The stand-in computes what comet_moe_forward and comet_moe_backward compute, fro
 layouts of comet.h (gate_up [E_local, 2F, H]: rows 0..F-1 gate, F..2F-1 up, or gate and up
 apart; down [E_local, H, F]), in float32 with the results rounded to bf16 (d_topk_weights
 stays float32; with accumulation the weight gradients are added in float32), one rank
-holding every expert. Its saved state keeps the routing and, unless the config resends x,
+holding every expert; an FP8 layer's weights (and x, when it comes in FP8) are
+dequantized first (comet also rounds x and the activation to E4M3, which the stand-in
+does not). Its saved state keeps the routing and, unless the config resends x,
 the x rows, in a Python object; the bytes it asks for are a fixed size, since what those
 bytes hold is comet's business (the GPU tests compare the operators' sizes with comet's).
 """
@@ -77,8 +79,13 @@ class CpuMoe(comet_moe.Moe):
 
     # ---- Moe's calls into libcomet ----
 
-    def _comet_forward(self, x, topk_ids, topk_weights, weights, y, impl, stream=None):
+    def _comet_forward(self, x, topk_ids, topk_weights, weights, y, impl, stream=None, scales=None, x_scales=None):
         self.calls.append(("forward", int(x.shape[0]), impl))
+        if scales is not None:  # an FP8 layer
+            from comet_moe.fp8 import dequantize_fp8
+            weights = tuple(None if w is None else dequantize_fp8(w, s) for w, s in zip(weights, scales))
+            if x_scales is not None:
+                x = dequantize_fp8(x, x_scales)
         y.copy_(self._y(x, topk_ids, topk_weights, weights))
 
     def _comet_saved_bytes(self):

@@ -18,7 +18,7 @@ class FakeTensor:
 
     def __init__(self, shape, dtype=checks.BF16, device="cuda:0", ptr=0x7F0000000000, contiguous=True, itemsize=None):
         self.shape, self.dtype, self.device, self._ptr, self._contig = tuple(shape), dtype, device, ptr, contiguous
-        self._itemsize = itemsize or {checks.BF16: 2, checks.INT32: 4, checks.FLOAT32: 4}.get(dtype, 8)
+        self._itemsize = itemsize or {checks.BF16: 2, checks.INT32: 4, checks.FLOAT32: 4, checks.FP8: 1}.get(dtype, 8)
 
     def data_ptr(self):
         return self._ptr
@@ -184,18 +184,104 @@ class StubLib:
         return 0
 
 
-def stub_layer(device="cuda:0"):
-    """A Moe on rank 0 of 2 over StubLib, with ArgSet's config, built without comet; its
-    tensors live on `device`."""
+def stub_layer(device="cuda:0", lib=None, cfg=None):
+    """A Moe on rank 0 of 2 over StubLib (or `lib`), with ArgSet's config (or `cfg`), built
+    without comet; its tensors live on `device`."""
     from comet_moe.comm import _Box
-    lib = StubLib()
+    lib = StubLib() if lib is None else lib
     comm = comet_moe.Comm.__new__(comet_moe.Comm)
     comm._box, comm._lib, comm._moe_boxes, comm.device_index = None, lib, [], 0
     layer = comet_moe.Moe.__new__(comet_moe.Moe)
-    layer._box, layer._lib, layer.comm, layer.config = _Box(0x1234), lib, comm, args_cfg()
+    layer._box, layer._lib, layer.comm, layer.config = _Box(0x1234), lib, comm, args_cfg() if cfg is None else cfg
     layer.experts_per_rank, layer.ffn_local, layer.tp_size, layer.grad_accumulation = ArgSet.E_LOCAL, ArgSet.F, 1, "grad"
     layer._register(device)
     return layer, lib
+
+
+# ---- an FP8 layer's checks ----
+
+class Fp8ArgSet(ArgSet):
+    """ArgSet for an FP8 layer (dtype "fp8"): float8_e4m3fn weights with float32 scales,
+    one per 128 x 128 block (ffn 128: gate_up's 256 rows are 2 blocks, hidden 256 is 2)."""
+
+    def __init__(self, m=ArgSet.M, tp=1, **changes):
+        H, E = self.H, self.E_LOCAL
+        F = self.F // tp
+        base = iter(range(0x10000000, 0x10000000 * 100, 0x10000000))
+        kw = dict(
+            x=FakeTensor((m, H), ptr=next(base)),
+            topk_ids=FakeTensor((m, self.K), checks.INT32, ptr=next(base)),
+            topk_weights=FakeTensor((m, self.K), checks.FLOAT32, ptr=next(base)),
+            gate_up=FakeTensor((E, 2 * F, H), checks.FP8, ptr=next(base)),
+            gate=None, up=None,
+            down=FakeTensor((E, H, F), checks.FP8, ptr=next(base)),
+            out=FakeTensor((m, H), ptr=next(base)),
+        )
+        self.scales = dict(gate_up=FakeTensor((E, 2 * F // 128, 2), checks.FLOAT32, ptr=next(base)), gate=None,
+                           up=None, down=FakeTensor((E, 2, (F + 127) // 128), checks.FLOAT32, ptr=next(base)))
+        self.x_scales = None
+        for name in ("gate_up", "gate", "up", "down"):
+            if name + "_scale" in changes:
+                self.scales[name] = changes.pop(name + "_scale")
+        self.x_scales = changes.pop("x_scales", None)
+        super().__init__(m, tp)
+        self.kw = dict(kw, **changes)
+
+    def run(self, fp8=True, **resolved):
+        cfg = comet_moe.MoeConfig(hidden=self.H, ffn=self.F, num_experts=8, top_k=self.K, max_tokens=64,
+                                  tp_size=0 if self.tp == 1 else self.tp, dtype="fp8" if fp8 else "bf16")
+        scales = tuple(self.scales[n] for n in ("gate_up", "gate", "up", "down"))
+        return checks.check_forward_args(cfg, self.E_LOCAL, "cuda:0", **self.kw, **resolved, fp8=fp8, scales=scales,
+                                         x_scales=self.x_scales)
+
+
+def test_fp8_forward_checks_take_weights_with_their_scales():
+    H, E, M = ArgSet.H, ArgSet.E_LOCAL, ArgSet.M
+    f32 = checks.FLOAT32
+    check_eq(Fp8ArgSet().run(), M, "gate_up [4, 256, 256] with [4, 2, 2] scales, down [4, 256, 128] with [4, 2, 1]")
+    apart = dict(gate_up=None, gate=FakeTensor((E, 64, H), checks.FP8, ptr=0x90000000),
+                 up=FakeTensor((E, 64, H), checks.FP8, ptr=0xA0000000), gate_up_scale=None,
+                 gate_scale=FakeTensor((E, 1, 2), f32, ptr=0xB0000000),
+                 up_scale=FakeTensor((E, 1, 2), f32, ptr=0xC0000000))
+    check_eq(Fp8ArgSet(tp=2, **apart).run(), M, "tp 2: ffn / tp_size = 64, gate and up apart, a partial block each")
+    x8 = FakeTensor((M, H), checks.FP8, ptr=0xD0000000)
+    check_eq(Fp8ArgSet(x=x8, x_scales=FakeTensor((M, 2), f32, ptr=0xE0000000)).run(), M, "x in FP8 with its scales")
+    check_eq(Fp8ArgSet(m=0, x=FakeTensor((0, H), ptr=0), out=None).run(), 0, "no tokens")
+    # bf16 weights on an FP8 layer, and the other way round.
+    raises(TypeError, lambda: Fp8ArgSet(gate_up=FakeTensor((E, 256, H))).run(), "gate_up.dtype = torch.bfloat16",
+           "expected torch.float8_e4m3fn", "comet_moe.quantize_fp8_weights(gate_up in bf16)")
+    raises(TypeError, lambda: ArgSet(gate_up=FakeTensor((E, 256, H), checks.FP8)).run(),
+           "gate_up.dtype = torch.float8_e4m3fn", "expected torch.bfloat16")
+    raises(ValueError, lambda: Fp8ArgSet(gate_up=FakeTensor((E, 256, H), ptr=0x30000000)).run(fp8=False),
+           "gate_up_scale is given, but this layer is bf16", "dtype='fp8'")
+    # Scales: each beside its weight, float32, one per block.
+    raises(ValueError, lambda: Fp8ArgSet(down_scale=None).run(), "down_scale is None", "weight_scale_inv")
+    raises(ValueError, lambda: Fp8ArgSet(gate_scale=FakeTensor((E, 1, 2), f32)).run(),
+           "gate_scale is given without gate")
+    raises(ValueError, lambda: Fp8ArgSet(gate_up_scale=FakeTensor((E, 1, 2), f32)).run(),
+           "gate_up_scale.shape = (4, 1, 2)", "2 * ffn / 128 = 2", "ceil(hidden / 128) = 2")
+    raises(ValueError, lambda: Fp8ArgSet(down_scale=FakeTensor((E, 2, 2), f32)).run(),
+           "down_scale.shape = (4, 2, 2)", "ceil(hidden / 128) = 2, ceil(ffn / 128) = 1")
+    raises(TypeError, lambda: Fp8ArgSet(down_scale=FakeTensor((E, 2, 1), checks.BF16)).run(),
+           "down_scale.dtype = torch.bfloat16", "expected torch.float32", "down_scale.float()")
+    raises(ValueError, lambda: Fp8ArgSet(down_scale=FakeTensor((E, 2, 1), f32, device="cuda:1")).run(),
+           "down_scale is on cuda:1")
+    raises(ValueError, lambda: Fp8ArgSet(gate_up_scale=FakeTensor((E, 2, 2), f32, ptr=0x70000004)).run(),
+           "gate_up_scale.data_ptr() = 0x70000004", "16-byte aligned")
+    # gate and up in one tensor need 128-row blocks that hold one of them alone.
+    raises(ValueError, lambda: Fp8ArgSet(tp=2, gate_up_scale=FakeTensor((E, 1, 2), f32)).run(),
+           "gate_up with FP8 weights and ffn / tp_size = 64", "give gate and up apart")
+    # x: bf16, or FP8 with x_scales [M, ceil(H / 128)].
+    raises(ValueError, lambda: Fp8ArgSet(x=x8).run(), "x is torch.float8_e4m3fn: give its x_scales",
+           "ceil(hidden / 128) = 2", "quantize_fp8_rows")
+    raises(ValueError, lambda: Fp8ArgSet(x=x8, x_scales=FakeTensor((M, 1), f32)).run(), "x_scales.shape = (40, 1)")
+    raises(ValueError, lambda: Fp8ArgSet(x_scales=FakeTensor((M, 2), f32)).run(),
+           "x_scales is given with a torch.bfloat16 x")
+    raises(ValueError, lambda: Fp8ArgSet(gate_up_scale=None, down_scale=None, x_scales=FakeTensor((M, 2), f32)).run(
+        fp8=False), "x_scales is given, but this layer is bf16")
+    # out overlapping a scale: comet reads the scales while it writes out.
+    d = Fp8ArgSet().scales["down"]
+    raises(ValueError, lambda: Fp8ArgSet(out=FakeTensor((M, H), ptr=d.data_ptr())).run(), "out overlaps down_scale")
 
 
 def test_forward_refuses_a_stream_ctypes_would_truncate():
@@ -286,3 +372,54 @@ def test_rank_layout_under_tensor_parallelism():
     cfg.tp_size = 2
     check_eq(_rank_layout(cfg, 2, 1), dict(tp_size=2, ep_size=1, ep_rank=0, tp_rank=1, experts_per_rank=8,
                                            first_expert=0, ffn_local=256), "EP 1 x TP 2")
+
+
+def test_fp8_forward_passes_comet_its_scales():
+    """An FP8 layer's call through comet_moe::forward_fp8 and forward_fp8_out: each weight's
+    scales in comet_moe_weight_scales_t beside it, x_scales where x is FP8 (NULL where it
+    is bf16), y bf16; under autograd, NotImplementedError before anything is called."""
+    torch = need_torch()
+
+    class ScalesLib(StubLib):
+        def comet_moe_forward(self, ptr, args, stream):
+            a = args._obj
+            sc = a.weight_scales
+            self.calls.append((a.num_tokens, a.weights.gate_up, a.weights.gate, a.weights.up, a.weights.down,
+                               sc.gate_up, sc.gate, sc.up, sc.down, a.x_scales, a.y))
+            return 0
+
+    H, F, K, E, M = ArgSet.H, ArgSet.F, ArgSet.K, ArgSet.E_LOCAL, 8
+    cfg = comet_moe.MoeConfig(hidden=H, ffn=F, num_experts=8, top_k=K, max_tokens=64, dtype="fp8")
+    layer, lib = stub_layer("cpu", ScalesLib(), cfg)
+    try:
+        f8, f32 = torch.float8_e4m3fn, torch.float32
+        ids, tw = torch.zeros(M, K, dtype=torch.int32), torch.zeros(M, K)
+        gate, up = torch.zeros(E, F, H, dtype=f8), torch.zeros(E, F, H, dtype=f8)
+        down = torch.zeros(E, H, F, dtype=f8)
+        gs, us, ds = torch.zeros(E, 1, 2, dtype=f32), torch.zeros(E, 1, 2, dtype=f32), torch.zeros(E, 2, 1, dtype=f32)
+        x = torch.zeros(M, H, dtype=torch.bfloat16)
+        w = dict(gate=gate, up=up, down=down, gate_scale=gs, up_scale=us, down_scale=ds)
+        y = layer.forward(x, ids, tw, **w, stream=0x5000)
+        check_eq((y.dtype, tuple(y.shape)), (torch.bfloat16, (M, H)), "y")
+        p = lambda t: t.data_ptr()  # noqa: E731
+        check_eq(lib.calls, [(M, None, p(gate), p(up), p(down), None, p(gs), p(us), p(ds), None, p(y))],
+                 "gate and up apart, x bf16: the scales beside their weights, no x_scales")
+        lib.calls.clear()
+        x8, xs = torch.zeros(M, H, dtype=f8), torch.zeros(M, 2, dtype=f32)
+        gate_up, gus = torch.zeros(E, 2 * F, H, dtype=f8), torch.zeros(E, 2, 2, dtype=f32)
+        out = torch.empty(M, H, dtype=torch.bfloat16)
+        check(layer.forward(x8, ids, tw, gate_up=gate_up, gate_up_scale=gus, down=down, down_scale=ds, x_scales=xs,
+                            out=out, stream=1) is out, "out= is written")
+        check_eq(lib.calls, [(M, p(gate_up), None, None, p(down), p(gus), None, None, p(ds), p(xs), p(out))],
+                 "gate_up, x in FP8 with its scales, into out")
+        lib.calls.clear()
+        # Training in FP8 is not built: refused before anything reaches comet.
+        raises(NotImplementedError, lambda: layer.forward(x.clone().requires_grad_(True), ids, tw, **w),
+               "training in FP8 is not built", "torch.no_grad()")
+        raises(NotImplementedError, lambda: layer.forward(x, ids, tw.clone().requires_grad_(True), **w),
+               "training in FP8 is not built")
+        with torch.no_grad():
+            layer.forward(x.clone().requires_grad_(True), ids, tw, **w, stream=1)
+        check_eq(len(lib.calls), 1, "under no_grad an input that requires grad runs the inference forward")
+    finally:
+        layer._box = None

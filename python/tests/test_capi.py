@@ -517,7 +517,7 @@ def test_presets_from_the_library():
              "presets()")
     m = comet_moe.MoeConfig.preset("mixtral-8x7b", max_tokens=8192)
     check_eq(m.as_dict(), dict(hidden=4096, ffn=14336, num_experts=8, top_k=2, max_tokens=8192, ep_size=0,
-                               tp_size=0, resend_x=0), "mixtral-8x7b")
+                               tp_size=0, resend_x=0, dtype="bf16", fp8_pow2_scales=0), "mixtral-8x7b")
     check_eq((m.size, m.magic, m.version, m.dtype), (56, _capi.STRUCT_MAGIC, _capi.API_VERSION, 0), "header fields")
     t = comet_moe.MoeConfig.preset("tiny", 100, ffn=256, top_k=4)
     check_eq((t.hidden, t.ffn, t.num_experts, t.top_k, t.max_tokens), (256, 256, 8, 4, 100), "tiny with overrides")
@@ -543,6 +543,8 @@ def test_config_refuses_ints_ctypes_would_truncate():
            "-2147483648..2147483647", "a C int")
     for field in ("hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size", "tp_size", "dtype"):
         raises(ValueError, assign(field, 2**31), f"MoeConfig.{field} = 2147483648", "2147483647")
+        if field == "dtype":  # a name is what it takes (test_config_takes_the_fp8_format_by_name)
+            continue
         raises(ValueError, assign(field, -2**31 - 1), f"MoeConfig.{field} = -2147483649", "-2147483648")
         raises(TypeError, assign(field, 64.0), f"MoeConfig.{field} = 64.0", "expected an int, got float")
         raises(TypeError, assign(field, "64"), f"MoeConfig.{field} = '64'", "got str")
@@ -570,6 +572,50 @@ def test_config_refuses_ints_ctypes_would_truncate():
     # The name is a C string: a NUL would end it early ("tiny\0x" read as "tiny").
     raises(ValueError, lambda: comet_moe.MoeConfig.preset("tiny\0x", 64), "name = 'tiny\\x00x'", "NUL")
     raises(TypeError, lambda: comet_moe.MoeConfig.preset(b"tiny", 64), "name = b'tiny'", "expected a str")
+
+
+def test_config_takes_the_fp8_format_by_name():
+    """dtype "bf16" | "fp8" (or comet_dtype_t's values) and fp8_pow2_scales, mapped to
+    comet_moe_config_t's fields; anything else refused as it is set, naming what is taken."""
+    good = dict(hidden=512, ffn=256, num_experts=8, top_k=2, max_tokens=64)
+    cfg = comet_moe.MoeConfig(**good, dtype="fp8")
+    check_eq((cfg.dtype, cfg.dtype_name, cfg.is_fp8, cfg.fp8_pow2_scales), (_capi.DTYPE_FP8_BLOCK, "fp8", True, 0),
+             "dtype='fp8'")
+    check_eq((comet_moe.DTYPE_BF16, comet_moe.DTYPE_FP8_BLOCK), (0, 1), "COMET_DTYPE_BF16, COMET_DTYPE_FP8_BLOCK")
+    raw = bytes(cfg)  # what comet reads: dtype at byte 44, fp8_pow2_scales at 52 (GCC_X86_64)
+    check_eq((raw[44], raw[52]), (1, 0), "the struct's dtype and fp8_pow2_scales bytes")
+    pow2 = comet_moe.MoeConfig(**good, dtype="FP8", fp8_pow2_scales=True)
+    check_eq((pow2.dtype, pow2.fp8_pow2_scales, bytes(pow2)[52]), (1, 1, 1), "dtype='FP8', fp8_pow2_scales=True")
+    check_eq(comet_moe.MoeConfig(**good).dtype_name, "bf16", "the default format")
+    check_eq(comet_moe.MoeConfig(**good, dtype=comet_moe.DTYPE_FP8_BLOCK), cfg, "dtype by comet_dtype_t's value")
+    check_eq(comet_moe.MoeConfig(**pow2.as_dict()), pow2, "MoeConfig(**cfg.as_dict()) gives the config back")
+    check("dtype='fp8', fp8_pow2_scales=1" in repr(pow2), f"repr: {pow2!r}")
+    check(pow2.validate(2) is pow2, "an FP8 config passes comet's validate")
+    p = comet_moe.MoeConfig.preset("tiny", 64, dtype="fp8", fp8_pow2_scales=1)
+    check_eq((p.dtype_name, p.fp8_pow2_scales), ("fp8", 1), "a preset with dtype and fp8_pow2_scales overrides")
+    cfg.dtype = "bf16"
+    check_eq(cfg.dtype, _capi.DTYPE_BF16, "cfg.dtype = 'bf16'")
+    # Refused as they are set, before comet sees them; a refused assignment changes nothing.
+    before = cfg.copy()
+    for bad, exc, words in (("fp16", ValueError, ("MoeConfig.dtype = 'fp16'", "expected 'bf16' or 'fp8'")),
+                            ("float8_e4m3fn", ValueError, ("'float8_e4m3fn'", "'bf16' or 'fp8'")),
+                            (2, ValueError, ("MoeConfig.dtype = 2", "DTYPE_FP8_BLOCK = 1")),
+                            (-1, ValueError, ("MoeConfig.dtype = -1",)),
+                            (1.0, TypeError, ("MoeConfig.dtype = 1.0", "expected an int")),
+                            (True, TypeError, ("MoeConfig.dtype = True", "not a bool")),
+                            (None, TypeError, ("MoeConfig.dtype = None",))):
+        raises(exc, lambda: setattr(cfg, "dtype", bad), *words)
+        raises(exc, lambda: comet_moe.MoeConfig(**good, dtype=bad), *words)
+    raises(ValueError, lambda: comet_moe.MoeConfig.preset("tiny", 64, dtype="int8"), "MoeConfig.dtype = 'int8'")
+    for bad, exc, words in ((2, ValueError, ("MoeConfig.fp8_pow2_scales = 2", "True / 1")),
+                            (-1, ValueError, ("MoeConfig.fp8_pow2_scales = -1",)),
+                            ("yes", TypeError, ("MoeConfig.fp8_pow2_scales = 'yes'",)),
+                            (0.5, TypeError, ("MoeConfig.fp8_pow2_scales = 0.5",))):
+        raises(exc, lambda: setattr(cfg, "fp8_pow2_scales", bad), *words)
+    check(cfg == before, f"a refused assignment changed the config: {cfg!r}")
+    # Powers of two are for FP8 scales: comet refuses them on a bf16 config, in its words.
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig(**good, fp8_pow2_scales=True),
+           "config.fp8_pow2_scales = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK")
 
 
 def test_validate_refuses_a_world_size_ctypes_would_truncate():

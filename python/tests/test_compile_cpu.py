@@ -42,11 +42,12 @@ def inputs(torch, m, seed=0, split=False):
 def test_ops_schemas_declare_what_they_mutate():
     torch, ops, moe = setup()
     schemas = {name: getattr(torch.ops.comet_moe, name).default._schema
-               for name in ("forward", "forward_out", "forward_train", "backward")}
+               for name in ("forward", "forward_out", "forward_train", "backward", "forward_fp8", "forward_fp8_out")}
     mutated = {name: sorted(a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write)
                for name, s in schemas.items()}
     check_eq(mutated, {"forward": [], "forward_out": ["out"], "forward_train": [],
-                       "backward": ["down_main_grad", "gate_main_grad", "gate_up_main_grad", "up_main_grad"]},
+                       "backward": ["down_main_grad", "gate_main_grad", "gate_up_main_grad", "up_main_grad"],
+                       "forward_fp8": [], "forward_fp8_out": ["out"]},
              "mutated arguments")
     check_eq([str(r.type) for r in schemas["forward_train"].returns], ["Tensor", "Tensor"], "forward_train: y, saved")
     check_eq(len(schemas["backward"].returns), 6, "backward: dx, d_topk_weights and four weight gradients")
@@ -83,6 +84,47 @@ def test_opcheck_forward_operators():
             check(all(v == "SUCCESS" for v in result.values()), f"forward_train (split {split}): {result}")
     note(f"opcheck: {sorted(result)} for forward, forward_out and forward_train")
     moe.close()
+
+
+OPCHECK_WITHOUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def test_opcheck_fp8_forward_operators():
+    """opcheck of forward_fp8 and forward_fp8_out (an FP8 layer's inference forward): gate_up
+    and gate and up apart, x in bf16 and in FP8 with its scales; their result is the
+    stand-in's bf16 forward on the dequantized weights (pow2 scales: exact in bf16).
+    opcheck's test_schema is left out: torch's SchemaCheckMode compares the inputs before
+    and after with allclose, which has no float8 kernel; the bytes of every input are
+    compared here instead, and the schemas' mutations by test_ops_schemas_declare_what_they_mutate."""
+    torch, ops, moe = setup(dtype="fp8")
+    _, _, bf16_moe = setup()
+    from comet_moe import dequantize_fp8
+    from fp8_reference import quantize_rows, quantize_weights
+    for split in (False, True):
+        x, ids, w, weights = inputs(torch, 6, split=split)
+        q = [None if t is None else quantize_weights(torch, t, pow2=True) for t in weights]
+        fp8 = tuple(None if t is None else t[0] for t in q)
+        scales = tuple(None if t is None else t[1] for t in q)
+        xq, xs = quantize_rows(torch, x, pow2=True)
+        for x_in, x_scales in ((x, None), (xq, xs)):
+            args = (moe._op_id, x_in, x_scales, ids, w, *fp8, *scales, 0, None)
+            for op, extra in ((torch.ops.comet_moe.forward_fp8.default, ()),
+                              (torch.ops.comet_moe.forward_fp8_out.default,
+                               (torch.empty(6, H, dtype=torch.bfloat16),))):
+                before = [a.view(torch.uint8).clone() for a in args if isinstance(a, torch.Tensor)]
+                result = torch.library.opcheck(op, args + extra, test_utils=OPCHECK_WITHOUT_SCHEMA)
+                check(all(v == "SUCCESS" for v in result.values()), f"{op} (split {split}): {result}")
+                after = [a.view(torch.uint8) for a in args if isinstance(a, torch.Tensor)]
+                check(all(torch.equal(b, a) for b, a in zip(before, after)), f"{op} changed an input")
+            y = torch.ops.comet_moe.forward_fp8(*args)
+            deq = tuple(None if t is None else dequantize_fp8(*t, dtype=torch.bfloat16) for t in q)
+            x_ref = x if x_scales is None else dequantize_fp8(xq, xs, dtype=torch.bfloat16)
+            want = torch.ops.comet_moe.forward(bf16_moe._op_id, x_ref, ids, w, *deq, 0, None)
+            check(torch.equal(y, want), f"split {split}, x FP8 {x_scales is not None}: y differs from the bf16 "
+                  f"forward on the dequantized weights")
+    note(f"opcheck: {sorted(result)} for forward_fp8 and forward_fp8_out")
+    moe.close()
+    bf16_moe.close()
 
 
 def test_backward_fake_matches_real():

@@ -7,7 +7,10 @@ poisoned with NaN before every call, also with tensor parallelism inside the exp
 (tp_size 2: each rank holds ffn / 2 columns of its experts); training under autograd, every
 gradient against torch's (gpu_train.py); Megatron's CometMoELayer against Megatron's own
 MoELayer (gpu_megatron.py); torch.compile(fullgraph=True) of training steps against eager,
-bit for bit, and opcheck of comet's custom operators (gpu_compile.py); and the error paths:
+bit for bit, and opcheck of comet's custom operators (gpu_compile.py); block-scaled FP8:
+comet's quantizers byte for byte against torch's, the FP8 block against the bf16 block on
+the dequantized weights, an FP8 checkpoint loaded, training refused (gpu_fp8.py; `-v fp8`
+runs these alone); and the error paths:
 wrong dtype, device, size or layout raise in Python before anything is launched, and an
 expert id out of range or a bad config raise CometError with comet's own message.
 
@@ -651,13 +654,14 @@ def comm_over_a_gloo_group(c):
     check(other.closed, "a comm used as a context manager is closed after it")
 
 
-# Training under autograd (gpu_train.py), Megatron (gpu_megatron.py) and torch.compile
-# (gpu_compile.py), before the tests that close the communicator.
+# Training under autograd (gpu_train.py), Megatron (gpu_megatron.py), torch.compile
+# (gpu_compile.py) and FP8 (gpu_fp8.py), before the tests that close the communicator.
 from gpu_train import TESTS as _TRAINING_TESTS  # noqa: E402
 from gpu_megatron import TESTS as _MEGATRON_TESTS  # noqa: E402
 from gpu_compile import TESTS as _COMPILE_TESTS  # noqa: E402
+from gpu_fp8 import TESTS as _FP8_TESTS  # noqa: E402
 
-TESTS.extend(_TRAINING_TESTS + _MEGATRON_TESTS + _COMPILE_TESTS)
+TESTS.extend(_TRAINING_TESTS + _MEGATRON_TESTS + _COMPILE_TESTS + _FP8_TESTS)
 
 
 @gpu_test

@@ -1,0 +1,363 @@
+"""gpu_fp8.py - block-scaled FP8 in comet_moe on GPUs, run by test_torch_gpu.py (its runner,
+its Ctx `c`; `test_torch_gpu.py -v fp8` runs these alone):
+
+- comet's quantizers (quantize_fp8_weights, quantize_fp8_rows) against the tests' own,
+  written out in torch from base/fp8.h (fp8_reference.py), byte for byte, on data spread
+  over many binades with partial, zero, tiny, huge, NaN and infinite blocks; on torch's
+  current stream;
+- the FP8 CometSparseMoeBlock against the bf16 block holding the dequantized weights,
+  every path, expert and tensor parallel, gate_up packed and gate and up apart, with
+  DeepGEMM's measure of difference, 1 - 2 sum(x y) / sum(x^2 + y^2);
+- an FP8 checkpoint (Qwen3's names, a prefix) written to a file, read back and loaded,
+  against stack_fp8_experts, and a bf16 one quantized as it loads;
+- training refused, by the package and by comet; opcheck of the FP8 operators.
+
+The measure's limits. Against the bf16 block fed x as comet quantizes it (dequantized),
+what differs is the activation's rounding to E4M3 between the GEMMs: about 3e-4 on these
+shapes in a float32 emulation, under DeepGEMM's 1e-3. Against the bf16 block fed x itself,
+x's own rounding adds as much again (about 1e-3 in the emulation): the limit there is 2e-3.
+"""
+import ctypes
+
+H, FFN, E, TOP_K, MAX_TOKENS = 512, 256, 8, 2, 512  # as test_torch_gpu.py's
+DIFF_LIMIT, DIFF_LIMIT_RAW_X = 1e-3, 2e-3
+IMPLS = ("baseline", "fused", "auto")
+OPCHECK_WITHOUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+TESTS = []
+
+
+def gpu_test(fn):
+    TESTS.append(fn)
+    return fn
+
+
+class Failed(AssertionError):
+    pass
+
+
+def check(cond, msg):
+    if not cond:
+        raise Failed(msg)
+
+
+def raises(exc_type, fn, *contains):
+    try:
+        fn()
+    except exc_type as e:
+        for s in contains:
+            check(s in str(e), f"{type(e).__name__} message {str(e)!r} lacks {s!r}")
+        return e
+    except Exception as e:
+        raise Failed(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}") from None
+    raise Failed(f"expected {exc_type.__name__}, nothing was raised")
+
+
+def calc_diff(x, y):
+    """DeepGEMM's measure: 1 - 2 sum(x y) / sum(x^2 + y^2), in float64 (0 for equal tensors)."""
+    x, y = x.double(), y.double()
+    return float(1 - 2 * (x * y).sum() / (x * x + y * y).sum())
+
+
+def bf16_state_dict(c, ffn, seed):
+    """A Mixtral state dict (router and every expert, bf16, on the CPU), the same on every rank."""
+    torch = c.torch
+    if ffn == FFN:
+        return c.full_sd
+    g = torch.Generator().manual_seed(seed)
+    sd = {"gate.weight": c.full_sd["gate.weight"]}
+    for e in range(E):
+        sd[f"experts.{e}.w1.weight"] = (torch.randn(ffn, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+        sd[f"experts.{e}.w3.weight"] = (torch.randn(ffn, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+        sd[f"experts.{e}.w2.weight"] = (torch.randn(H, ffn, generator=g) / ffn ** 0.5).to(torch.bfloat16)
+    return sd
+
+
+def fp8_state_dict(c, sd, pow2=False, names=("w1", "w3", "w2"), prefix=""):
+    """sd's experts as an HF FP8 checkpoint holds them (quantized by comet on the GPU, kept on
+    the CPU): `.weight` float8_e4m3fn and `.weight_scale_inv` float32, under `names` (for
+    Mixtral's w1, w3, w2) after `prefix`; the router as it is."""
+    cm = c.cm
+    out = {prefix + "gate.weight": sd["gate.weight"]}
+    for e in range(E):
+        for mixtral, name in zip(("w1", "w3", "w2"), names):
+            q, s = cm.quantize_fp8_weights(sd[f"experts.{e}.{mixtral}.weight"].to(c.device), pow2)
+            key = f"{prefix}experts.{e}.{name}.weight"
+            out[key], out[key + "_scale_inv"] = q.cpu(), s.cpu()
+    return out
+
+
+def dequantized(c, sd8):
+    """An FP8 Mixtral state dict's experts dequantized to bf16 (what the bf16 block loads)."""
+    torch, cm = c.torch, c.cm
+    return {k: v if not k.endswith(".weight") or v.dtype != torch.float8_e4m3fn else
+            cm.dequantize_fp8(v, sd8[k + "_scale_inv"], dtype=torch.bfloat16)
+            for k, v in sd8.items() if not k.endswith("_scale_inv")}
+
+
+def same_bytes(c, what, got, want):
+    """Byte for byte (NaN bytes compared apart: comet writes every NaN as 0x7F, torch keeps
+    its sign), recorded as a miss (the rank goes on with the collective calls)."""
+    torch = c.torch
+    if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+        c.failures.append(f"{what}: {got.dtype} {tuple(got.shape)}, want {want.dtype} {tuple(want.shape)}")
+        return
+    if got.dtype == torch.float8_e4m3fn:
+        g, w = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+        nan_g, nan_w = (g & 0x7F) == 0x7F, (w & 0x7F) == 0x7F
+        bad = ((g != w) & ~(nan_g & nan_w)).nonzero()
+        if nan_g.any() and (g[nan_g] != 0x7F).any():
+            c.failures.append(f"{what}: a NaN byte other than 0x7F")
+    else:  # float32 scales: the same bits, or NaN on both sides
+        g, w = got.view(torch.int32), want.view(torch.int32)
+        bad = ((g != w) & ~(torch.isnan(got) & torch.isnan(want))).nonzero()
+    if bad.numel():
+        first = ", ".join(f"{tuple(i)}: {int(g[tuple(i)]):#x} vs {int(w[tuple(i)]):#x}" for i in bad[:6].tolist())
+        c.failures.append(f"{what}: {bad.shape[0]} of {g.numel()} differ; {first}")
+
+
+def spread(c, shape, gen):
+    """Random values whose magnitude changes by 2^-20..2^20 from column to column, bf16."""
+    torch = c.torch
+    x = torch.randn(shape, generator=gen, device=c.device)
+    exp = torch.randint(-20, 21, (shape[-1],), generator=gen, device=c.device).float()
+    return (x * torch.exp2(exp)).to(torch.bfloat16)
+
+
+@gpu_test
+def fp8_quantizers_match_torch_byte_for_byte(c):
+    torch, cm = c.torch, c.cm
+    from fp8_reference import quantize_rows, quantize_weights
+    gen = torch.Generator(device=c.device)
+    gen.manual_seed(7 + c.rank)
+    # Blocks a random draw would not give: zero, tiny (the scale's floor 2^-126), the largest
+    # bf16 values (with pow2 scales, 2^120), bf16 subnormals, NaN and infinity.
+    special = spread(c, (3, 256, 256), gen)
+    special[0, :128, :128] = 0
+    special[0, :128, 128:] *= 1e-38
+    special[0, 128:, :128] = torch.finfo(torch.bfloat16).max
+    special[0, 128:, 128:] = 2.0 ** -133
+    special[1, 5, 7] = float("nan")
+    special[1, 200, 200] = float("inf")
+    special[2, 130, 3] = -float("inf")
+    special[2, 140, 250] = -float("nan")
+    weights = [spread(c, s, gen) for s in ((3, 300, 272), (128, 128), (2, 64, 16), (1, 1, 4096))] + [special]
+    rows = [spread(c, s, gen) for s in ((5, 7, 272), (1000, 4096), (0, 256))] + [special[1]]
+    for pow2 in (False, True):
+        for w in weights:
+            q, s = cm.quantize_fp8_weights(w, pow2_scales=pow2)
+            rq, rs = quantize_weights(torch, w, pow2)
+            what = f"quantize_fp8_weights {tuple(w.shape)}, pow2 {pow2}"
+            same_bytes(c, what + ": q", q, rq)
+            same_bytes(c, what + ": scales", s, rs)
+        for x in rows:
+            q, s = cm.quantize_fp8_rows(x, pow2_scales=pow2)
+            rq, rs = quantize_rows(torch, x, pow2)
+            what = f"quantize_fp8_rows {tuple(x.shape)}, pow2 {pow2}"
+            same_bytes(c, what + ": q", q, rq)
+            same_bytes(c, what + ": scales", s, rs)
+    # torch's current stream: w is written on a side stream after a wait there, then quantized
+    # on it; quantized on another stream, the old w would be read.
+    w = weights[0]
+    new = spread(c, tuple(w.shape), gen)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # about 25 ms at 2 GHz
+        w.copy_(new)
+        q, s = cm.quantize_fp8_weights(w)
+    side.synchronize()
+    rq, rs = quantize_weights(torch, new)
+    same_bytes(c, "quantize_fp8_weights on a side stream", q, rq)
+    # Refused before comet is called: a view that starts inside a row.
+    inside = torch.zeros(4 * 64 + 8, dtype=torch.bfloat16, device=c.device)[4:4 + 4 * 64].view(4, 64)  # 8 bytes in
+    raises(ValueError, lambda: cm.quantize_fp8_weights(inside), "w.data_ptr()", "16-byte aligned")
+    raises(ValueError, lambda: cm.quantize_fp8_rows(inside), "x.data_ptr()", "16-byte aligned")
+
+
+def fp8_cases(c):
+    """(name, config changes, ffn, pow2): EP over every rank (gate_up packed), with pow2
+    scales, ffn 192 (gate and up apart), and TP 2 where the world size is even."""
+    cases = [("EP", {}, FFN, False), ("EP, pow2 scales", dict(fp8_pow2_scales=True), FFN, True),
+             ("EP, ffn 192 (gate and up apart)", dict(ffn=192), 192, False)]
+    if c.world % 2 == 0:
+        cases.append(("TP 2", dict(tp_size=2), FFN, False))  # ffn / tp_size = 128: on the blocks
+    return cases
+
+
+@gpu_test
+def fp8_block_matches_bf16_block_on_dequantized_weights(c):
+    torch, cm = c.torch, c.cm
+    for name, changes, ffn, pow2 in fp8_cases(c):
+        sd8 = fp8_state_dict(c, bf16_state_dict(c, ffn, seed=11), pow2)
+        bf16_changes = {k: v for k, v in changes.items() if k != "fp8_pow2_scales"}  # an FP8 field
+        with cm.CometSparseMoeBlock(c.comm, c.config(dtype="fp8", **changes)) as b8, \
+                cm.CometSparseMoeBlock(c.comm, c.config(**bf16_changes)) as b16:
+            result = b8.load_state_dict(sd8)
+            check(not result.missing_keys and not result.unexpected_keys, f"{name}: load_state_dict: {result}")
+            b16.load_state_dict(dequantized(c, sd8))
+            buffers = [n for n, _ in b8.named_buffers()]
+            check(("w13" in buffers) == (b8.ffn_local % 128 == 0), f"{name}: buffers {buffers}")
+            for impl in IMPLS:
+                b8.impl = b16.impl = impl
+                m = (300, 77)[c.rank % 2]
+                x = c.tokens(m)
+                out = c.poisoned(m)
+                with torch.inference_mode():
+                    y8, logits = b8(x, out=out)
+                    ids, w = cm.mixtral_route(logits, TOP_K)
+                    xq, xs = cm.quantize_fp8_rows(x, pow2_scales=pow2)
+                    y16q = b16.forward_routed(cm.dequantize_fp8(xq, xs, dtype=torch.bfloat16), ids, w)
+                    y16 = b16.forward_routed(x, ids, w)
+                    y8x = b8.moe.forward(xq, ids, w, x_scales=xs, impl=impl, **b8.fp8_weights())
+                torch.cuda.synchronize()
+                c.comm.check_async_error()
+                what = f"{name}, {impl}"
+                if torch.isnan(y8).any().item() or y8.data_ptr() != out.data_ptr():
+                    c.failures.append(f"{what}: NaN in y (the poison left), or y is not out")
+                    continue
+                d, d_raw, d_x8 = calc_diff(y8, y16q), calc_diff(y8, y16), calc_diff(y8x, y8)
+                if not d < DIFF_LIMIT:
+                    c.failures.append(f"{what}: against the bf16 block on x as comet quantizes it: diff {d:.3g} "
+                                      f"(limit {DIFF_LIMIT})")
+                if not d_raw < DIFF_LIMIT_RAW_X:
+                    c.failures.append(f"{what}: against the bf16 block on x: diff {d_raw:.3g} (limit "
+                                      f"{DIFF_LIMIT_RAW_X})")
+                if not d_x8 < 1e-5:
+                    c.failures.append(f"{what}: x given in FP8 against x quantized by comet: diff {d_x8:.3g}")
+                c.note(f"{what}: {m} tokens, diff {d:.2e} (x quantized alike), {d_raw:.2e} (x bf16); x given in "
+                       f"FP8: {'the same bits' if torch.equal(y8x, y8) else f'diff {d_x8:.2e}'}")
+
+
+@gpu_test
+def fp8_block_loads_a_checkpoint_file_and_runs(c):
+    """A synthetic FP8 checkpoint under Qwen3-MoE's names and a model's prefix, beside other
+    keys, written to a file (safetensors where installed, else torch.save) and read back;
+    the block loads it (its buffers those stack_fp8_experts gives), and a bf16 checkpoint
+    into an FP8 block is quantized to the same bytes; the block runs every path."""
+    import tempfile
+    from pathlib import Path
+    torch, cm = c.torch, c.cm
+    prefix = "model.layers.1.mlp."
+    sd = fp8_state_dict(c, c.full_sd, names=("gate_proj", "up_proj", "down_proj"), prefix=prefix)
+    sd["model.layers.1.self_attn.o_proj.weight"] = torch.zeros(H, H, dtype=torch.bfloat16)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            from safetensors.torch import load_file, save_file
+            path = str(Path(tmp) / "model.safetensors")
+            save_file(sd, path)
+            sd, how = load_file(path), "safetensors"
+        except ImportError:
+            path = Path(tmp) / "model.pt"
+            torch.save(sd, path)
+            sd, how = torch.load(path, weights_only=True), "torch.save"
+    cfg = c.config(dtype="fp8")
+    with cm.CometSparseMoeBlock(c.comm, cfg) as block, cm.CometSparseMoeBlock(c.comm, cfg) as from_bf16:
+        result = block.load_full_state_dict(sd, prefix=prefix)
+        check(not result.missing_keys and not result.unexpected_keys, f"load_full_state_dict: {result}")
+        stacked = cm.stack_fp8_experts(sd, cfg, world_size=c.world, rank=c.rank, prefix=prefix, device=c.device)
+        check(sorted(stacked) == sorted(block.fp8_weights()), f"keys {sorted(stacked)}")
+        for kw, t in block.fp8_weights().items():
+            same_bytes(c, f"block's {kw} against stack_fp8_experts'", t, stacked[kw])
+        from_bf16.load_state_dict(c.full_sd)  # quantized by comet as it loads: the bytes of the whole matrices'
+        for kw, t in block.fp8_weights().items():
+            same_bytes(c, f"{kw} quantized from bf16 as it loads", from_bf16.fp8_weights()[kw], t)
+        own = block.state_dict()
+        for e in block.local_experts:
+            for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")):
+                for suffix in ("weight", "weight_scale_inv"):
+                    same_bytes(c, f"state_dict()['experts.{e}.{ours}.{suffix}']", own[f"experts.{e}.{ours}.{suffix}"],
+                               sd[f"{prefix}experts.{e}.{theirs}.{suffix}"].to(c.device))
+        ref_w = {k: v.to(c.device).float() for k, v in dequantized(c, fp8_state_dict(c, c.full_sd)).items()}
+        for impl in IMPLS:
+            block.impl = impl
+            m = (129, 300)[c.rank % 2]
+            x = c.tokens(m)
+            out = c.poisoned(m)
+            with torch.inference_mode():
+                y, logits = block(x, out=out)
+            torch.cuda.synchronize()
+            c.comm.check_async_error()
+            ids, w = c.reference_route(x, logits)
+            ref = c.reference_experts(x, ids, w, ref_w)
+            d = calc_diff(y, ref) if not torch.isnan(y).any().item() else float("nan")
+            if not d < DIFF_LIMIT_RAW_X:
+                c.failures.append(f"{impl}: against float32 on the dequantized weights: diff {d:.3g} (limit "
+                                  f"{DIFF_LIMIT_RAW_X})")
+            c.note(f"{impl}: {m} tokens, diff {d:.2e} against float32 on the dequantized weights")
+    c.note(f"the checkpoint went through {how}")
+
+
+@gpu_test
+def fp8_training_is_refused(c):
+    """Under autograd the FP8 block refuses (NotImplementedError) before anything is launched,
+    and comet itself refuses an FP8 training forward (COMET_NOT_SUPPORTED), on every rank
+    alike; an inference call after them works."""
+    torch, cm = c.torch, c.cm
+    with cm.CometSparseMoeBlock(c.comm, c.config(dtype="fp8")) as block:
+        block.load_state_dict(c.full_sd)
+        m = 64
+        x = c.tokens(m)
+        raises(NotImplementedError, lambda: block(x), "training in FP8 is not built", "torch.no_grad()")
+        raises(NotImplementedError, lambda: block(x.clone().requires_grad_(True)), "training in FP8 is not built")
+        ids, w = c.routing(m, "random")
+        # comet_moe_forward_train itself, with every FP8 argument right (torch's operator
+        # passes no scales): refused before anything is sent.
+        moe, wts = block.moe, block.fp8_weights()
+        memory = torch.empty(moe._comet_saved_bytes(), dtype=torch.uint8, device=c.device)
+        saved = moe._comet_saved_create_in(memory)
+        try:
+            y = torch.empty(m, H, dtype=torch.bfloat16, device=c.device)
+            a = moe._args(x, ids, w, (wts["gate_up"], None, None, wts["down"]), y, cm.IMPL_AUTO,
+                          (wts["gate_up_scale"], None, None, wts["down_scale"]))
+            st = moe._lib.comet_moe_forward_train(moe._box.ptr, ctypes.byref(a), ctypes.c_void_p(saved),
+                                                  ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+            msg = cm._capi.text(moe._lib.comet_moe_last_error(moe._box.ptr))
+        finally:
+            moe._comet_saved_destroy(saved)
+        check(st == cm._capi.NOT_SUPPORTED and "training in FP8" in msg,
+              f"comet_moe_forward_train of an FP8 layer: status {cm._capi.STATUS_NAMES.get(st, st)}, {msg!r}")
+        c.note(f"comet: {msg}")
+        out = c.poisoned(m)
+        with torch.inference_mode():
+            y = block.forward_routed(x, ids, w, out=out)
+        torch.cuda.synchronize()
+        check(not torch.isnan(y).any().item(), "the inference call after the refusals left NaN")
+
+
+@gpu_test
+def fp8_operators_pass_opcheck(c):
+    """torch.library.opcheck of forward_fp8 and forward_fp8_out with comet's kernels (its
+    schema part left out: torch's SchemaCheckMode compares inputs with allclose, which has
+    no float8 kernel; the inputs' bytes are compared here), on a communicator whose waits
+    allow the minutes compiling takes."""
+    torch, cm = c.torch, c.cm
+    with cm.Comm.from_process_group(timeout_ms=600000) as comm, cm.Moe(comm, c.config(dtype="fp8", ffn=192)) as moe:
+        g = torch.Generator().manual_seed(5)
+        per = moe.experts_per_rank
+        w = {name: (torch.randn(per, *shape, generator=g) / 16).to(torch.bfloat16).to(c.device)
+             for name, shape in (("gate", (192, H)), ("up", (192, H)), ("down", (H, 192)))}
+        q = {name: cm.quantize_fp8_weights(t) for name, t in w.items()}
+        m = (120, 64)[c.rank % 2]
+        x = c.tokens(m)
+        ids, tw = c.routing(m, "random")
+        xq, xs = cm.quantize_fp8_rows(x)
+        for impl in (cm.IMPL_FUSED, cm.IMPL_BASELINE):
+            for x_in, x_scales in ((x, None), (xq, xs)):
+                args = (moe._op_id, x_in, x_scales, ids, tw, None, q["gate"][0], q["up"][0], q["down"][0], None,
+                        q["gate"][1], q["up"][1], q["down"][1], impl, None)
+                for op, extra in ((torch.ops.comet_moe.forward_fp8.default, ()),
+                                  (torch.ops.comet_moe.forward_fp8_out.default, (c.poisoned(m),))):
+                    before = [a.view(torch.uint8).clone() for a in args if isinstance(a, torch.Tensor)]
+                    result = torch.library.opcheck(op, args + extra, raise_exception=False,
+                                                   test_utils=OPCHECK_WITHOUT_SCHEMA)
+                    bad = {k: v for k, v in result.items() if v != "SUCCESS"}
+                    if bad:
+                        c.failures.append(f"opcheck {op} (impl {impl}, x FP8 {x_scales is not None}): {bad}")
+                    after = [a.view(torch.uint8) for a in args if isinstance(a, torch.Tensor)]
+                    if not all(torch.equal(b, a) for b, a in zip(before, after)):
+                        c.failures.append(f"{op} changed an input")
+        torch.cuda.synchronize()
+        comm.check_async_error()
+
+
+fp8_operators_pass_opcheck.timeout_s = 900  # opcheck compiles
