@@ -405,6 +405,19 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             if (which ? check_gemm1(&c, &d_lt, &d_bf16, bf16_out) : check_gemm0(&c, &d_lt, &d_bf16, bf16_out)) return 1;
             const float t_fp8 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
             FAIL_IF(failed, "%s GEMM%d fp8: %s", o->presets[i], which, r.err);
+            /* GEMM1 with 128-wide tiles too (the layer's, with the push or splits), checked the same way. */
+            float t_128 = 0;
+            double d_128 = 0, d_128_bf16 = 0;
+            if (which) {
+                r.g.launch.block_n = 128;
+                CUDA_OK(cudaMemset(c.y, 0xff, (size_t)c.total * c.H * 2));
+                FAIL_IF(run_ours(&r, 0), "%s GEMM1 fp8 128: %s", o->presets[i], r.err);
+                CUDA_OK(cudaDeviceSynchronize());
+                if (check_gemm1(&c, &d_128, &d_128_bf16, bf16_out)) return 1;
+                t_128 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+                FAIL_IF(failed, "%s GEMM1 fp8 128: %s", o->presets[i], r.err);
+                if (d_128 > d_lt) d_lt = d_128;
+            }
             cudaFree(bf16_out);
             const int n = which ? c.H : 2 * c.F, k = which ? c.F : c.H;
             const double flop = 2.0 * c.groups * c.rows * (double)n * k;
@@ -424,6 +437,9 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             if (!which)
                 printf("%-24s %6s %6s %6s %6s %8s %8s %8.0f %8s %8s %8s %8.2f\n", "", "", "", "", "", "", "",
                        TF(t_lt_all), "", "", "", t_lt_all / t_fp8);
+            else
+                printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8.0f %8.2f %8.2f %8s %9.1e  (128-wide tiles)\n", "", "", "",
+                       "", "", "", "", "", TF(t_128), t_bf16 / t_128, t_lt / t_128, "", d_128);
 #undef TF
             fflush(stdout);
         }

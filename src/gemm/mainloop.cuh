@@ -167,6 +167,95 @@ static __device__ __forceinline__ float b_scale_at(const float *base, long long 
     return ok ? __ldg(base + i) : 0.0f;
 }
 
+/* One k block of a 128-wide E4M3 tile: fresh sums of its four k-32 MMAs into `part`. */
+static __device__ __forceinline__ void issue_e4m3_block(float *part, uint32_t a, uint32_t b)
+{
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) /* k 32 is 32 bytes further along a K-major row */
+        cometi_wgmma_m64n128k32_e4m3(part, smem_desc_at(a + kk * 2), smem_desc_at(b + kk * 2), kk);
+    wgmma_commit();
+}
+
+/* acc += part x (row scale x block scale), fp32: the promotion of one k block. */
+static __device__ __forceinline__ void promote_e4m3(float *acc, const float *part, float s0, float s1)
+{
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        float *d = &acc[j * 4];
+        d[0] = fmaf(part[j * 4], s0, d[0]), d[1] = fmaf(part[j * 4 + 1], s0, d[1]);
+        d[2] = fmaf(part[j * 4 + 2], s1, d[2]), d[3] = fmaf(part[j * 4 + 3], s1, d[3]);
+    }
+}
+
+/* A step of the 128-wide E4M3 mainloop: block kb's MMAs are in flight into `done`; block
+ * kb + 1's are issued into `next` (once its stage is full: its scales are loaded then),
+ * then kb's are waited for (one group may stay in flight), its stage released and its sums
+ * promoted while kb + 1's run. Two sets of fresh registers (64 each beside the 64
+ * accumulators) keep the tensor core fed from one warpgroup. */
+typedef struct e4m3_pipe {
+    int prev_stage;        /* the stage of the block in flight in `done` */
+    float s0, s1, sb;      /* its scales */
+} e4m3_pipe_t;
+
+template <int V>
+static __device__ __forceinline__ void step_e4m3(float *acc, float *done, float *next, const cometi_gemm_args_t &p,
+                                                 const gemm_smem_t &sm, uint32_t a0, uint32_t b0, int kb, int kb1,
+                                                 ring_pos_t *pos, e4m3_pipe_t *pipe, const float *sa_lo,
+                                                 const float *sa_hi, bool ra_ok, bool rb_ok, const float *sb,
+                                                 bool sb_ok)
+{
+    constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
+    constexpr int STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T);
+    const uint32_t A_BYTES = TM * 128, B_BYTES = T.block_n * 128;
+    float n0 = 0.0f, n1 = 0.0f, nb = 0.0f;
+    int next_stage = -1;
+    if (kb + 1 < kb1) {
+        mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
+        n0 = a_scale_at(sa_lo, (kb + 1) * p.a_scale_block, ra_ok);
+        n1 = a_scale_at(sa_hi, (kb + 1) * p.a_scale_block, rb_ok);
+        nb = b_scale_at(sb, kb + 1, sb_ok);
+        issue_e4m3_block(next, a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b0 + (uint32_t)pos->stage * (B_BYTES >> 4));
+        next_stage = pos->stage;
+        if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+        wgmma_wait<1>();
+    } else {
+        wgmma_wait<0>();
+    }
+    if (threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pipe->prev_stage]);
+    promote_e4m3(acc, done, pipe->s0 * pipe->sb, pipe->s1 * pipe->sb);
+    pipe->prev_stage = next_stage, pipe->s0 = n0, pipe->s1 = n1, pipe->sb = nb;
+}
+
+/* The 128-wide E4M3 mainloop, pipelined across k blocks (step_e4m3), unrolled by two so
+ * the two register sets keep fixed names. */
+template <int V>
+static __device__ __forceinline__ void consume_e4m3_pipelined(float *acc, const cometi_gemm_args_t &p,
+                                                              const gemm_smem_t &sm, uint32_t a0, uint32_t b0,
+                                                              int kb0, int kb1, ring_pos_t *pos, const float *sa_lo,
+                                                              const float *sa_hi, bool ra_ok, bool rb_ok,
+                                                              const float *sb, bool sb_ok)
+{
+    constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
+    constexpr int STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T);
+    const uint32_t A_BYTES = TM * 128, B_BYTES = T.block_n * 128;
+    if (kb0 >= kb1) return;
+    float part0[64], part1[64];
+    e4m3_pipe_t pipe;
+    mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
+    pipe.s0 = a_scale_at(sa_lo, kb0 * p.a_scale_block, ra_ok);
+    pipe.s1 = a_scale_at(sa_hi, kb0 * p.a_scale_block, rb_ok);
+    pipe.sb = b_scale_at(sb, kb0, sb_ok);
+    issue_e4m3_block(part0, a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b0 + (uint32_t)pos->stage * (B_BYTES >> 4));
+    pipe.prev_stage = pos->stage;
+    if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+    for (int kb = kb0; kb < kb1; kb += 2) {
+        step_e4m3<V>(acc, part0, part1, p, sm, a0, b0, kb, kb1, pos, &pipe, sa_lo, sa_hi, ra_ok, rb_ok, sb, sb_ok);
+        if (kb + 1 >= kb1) break;
+        step_e4m3<V>(acc, part1, part0, p, sm, a0, b0, kb + 1, kb1, pos, &pipe, sa_lo, sa_hi, ra_ok, rb_ok, sb, sb_ok);
+    }
+}
+
 /* A consumer warpgroup's mainloop over k-steps [kb0, kb1) of an E4M3 row (one stage is one
  * 128-wide k block): for each 128-column half of the B tile, four MMAs of k 32 into
  * `part`, fresh each block, then acc += part x (its row's A scale x the half's B scale) in
@@ -204,12 +293,16 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
                 (long long)nb * p.b_scale_kb;
         sb_ok[h] = nb < p.b_scale_blocks;
     }
-    float sa0 = 0.0f, sa1 = 0.0f, sbv[HALVES];
-#pragma unroll
-    for (int h = 0; h < HALVES; h++) sbv[h] = b_scale_at(sb[h], kb0, sb_ok[h] && kb0 < kb1);
 #pragma unroll
     for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
     const uint32_t a0 = smem_desc_lo(sm.a + a_off), b0 = smem_desc_lo(sm.b);
+    if constexpr (HALVES == 1) {
+        consume_e4m3_pipelined<V>(acc, p, sm, a0, b0, kb0, kb1, pos, sa_lo, sa_hi, ra_ok, rb_ok, sb[0], sb_ok[0]);
+        return;
+    }
+    float sa0 = 0.0f, sa1 = 0.0f, sbv[HALVES];
+#pragma unroll
+    for (int h = 0; h < HALVES; h++) sbv[h] = b_scale_at(sb[h], kb0, sb_ok[h] && kb0 < kb1);
     for (int kb = kb0; kb < kb1; kb++) {
         mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
         if (kb == kb0) {
