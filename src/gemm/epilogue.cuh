@@ -134,7 +134,8 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA, SWIGLU = ON != BN,
                    GU = T.epilogue == COMETI_GEMM_EPI_SWIGLU_GU, MAY_BE_EMPTY = T.along == COMETI_GEMM_GROUPS_ALONG_K;
     /* The push and the split counts compiled out of the plain E4M3 rows (the 256-wide E4M3
-     * store spilled 112 bytes with them in, its promotion's registers beside them). */
+     * store spilled 112 bytes with them in, its promotion's registers beside them; the rows
+     * that push or count keep them, and one 4-byte local load per k block). */
     constexpr bool PUSH_OR_SPLITS = T.a_type == COMETI_GEMM_BF16 || T.epilogue == COMETI_GEMM_EPI_PUSH || T.roles;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;

@@ -148,9 +148,10 @@ typedef struct cometi_gemm_variant {
     X(fp8_nt_128,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
     X(fp8_nt_256_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
     X(fp8_nt_128_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
-    /* GEMM1 with its roles, 128 wide (256-wide tiles spilled 120 bytes with the push or the     \
-     * split counts beside the promotion's registers) */                                           \
+    /* GEMM1 with its roles */                                                                     \
+    X(fp8_nt_256_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, SPLITS)        \
     X(fp8_nt_128_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
+    X(fp8_nt_256_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 256, NONE)          \
     X(fp8_nt_128_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE)
 
 /* The rows' ids, COMETI_GEMM_V_<name>, in table order. */
