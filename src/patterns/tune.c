@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "patterns/tune.h"
+#include "patterns/dispatch_gemm.h"
 #include "base/params.h"
 #include "gemm/gemm.h"
 
@@ -33,8 +34,9 @@ static int model_dispatch_blocks(const comet_moe_config_t *cfg, int world, int s
      * no local rows at the head of its segments, so its first tiles wait for the copies too
      * (2 x H200, EP 1 x TP 2: the best counts were 6-8 blocks on mixtral-8x7b and 16 or
      * more on phi-3.5-moe and qwen2-57b-a14b). */
-    const double gemm0_s = 2.0 * 2 * F * H / COMETI_MODEL_GEMM_FLOPS;
-    const double copy_bytes = (tp > 1 ? 1.0 : share) * H * 2;
+    const int fp8 = cfg->dtype == COMET_DTYPE_FP8_BLOCK;
+    const double gemm0_s = 2.0 * 2 * F * H / (COMETI_MODEL_GEMM_FLOPS * (fp8 ? COMETI_MODEL_FP8_GEMM_SPEEDUP : 1.0));
+    const double copy_bytes = (tp > 1 ? 1.0 : share) * (fp8 ? cometi_fp8_row_bytes(cfg->hidden) : H * 2);
     int blocks = (int)ceil(copy_bytes / (gemm0_s * COMETI_MODEL_DISPATCH_BYTES_PER_SM));
     blocks = clamp(blocks + (blocks & 1), COMETI_MODEL_MIN_DISPATCH, COMETI_MODEL_MAX_DISPATCH);
     /* Small GPUs keep most SMs for GEMM0; at least 1 block, which 2 SMs can give. */
@@ -47,7 +49,8 @@ static int model_dispatch_blocks(const comet_moe_config_t *cfg, int world, int s
 static int model_tail_is_long(const comet_moe_config_t *cfg)
 {
     const double H = cfg->hidden, F = (double)cfg->ffn / cfg_tp(cfg);
-    const double gemm1_s = 2.0 * F * H / COMETI_MODEL_GEMM_FLOPS, tail_s = H * 2 / COMETI_MODEL_TAIL_BYTES;
+    const double speed = cfg->dtype == COMET_DTYPE_FP8_BLOCK ? COMETI_MODEL_FP8_GEMM_SPEEDUP : 1.0;
+    const double gemm1_s = 2.0 * F * H / (COMETI_MODEL_GEMM_FLOPS * speed), tail_s = H * 2 / COMETI_MODEL_TAIL_BYTES;
     return tail_s > COMETI_MODEL_PUSH_SHARE * gemm1_s;
 }
 

@@ -55,6 +55,9 @@ typedef struct cometi_knobs {
  * combine on every SM after GEMM1 reads its output at about 0.7 TB/s (134 MB in 188-290
  * us). */
 #define COMETI_MODEL_GEMM_FLOPS 700e12
+/* The FP8 GEMMs' speed over bf16's (comet gemm --fp8, one H200: 1.19-1.46x); an FP8 row is
+ * hidden bytes and its scales (cometi_fp8_row_bytes) instead of 2 x hidden. */
+#define COMETI_MODEL_FP8_GEMM_SPEEDUP 1.35
 #define COMETI_MODEL_DISPATCH_BYTES_PER_SM 8e9
 #define COMETI_MODEL_TAIL_BYTES 0.7e12
 /* The push (rows sent home from GEMM1's epilogue, summed by the owner after) beat the tail
