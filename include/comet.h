@@ -43,9 +43,10 @@
  * fails it with COMET_INVALID_ARGUMENT naming the variable); unset or empty: the default.
  *   COMET_TIMEOUT_MS   1..3600000, default 5000: a device-side wait's limit, where the
  *                      comm config's timeout_ms is 0
- *   COMET_TUNING_FILE  a readable regular file, default none: the fused path's settings;
- *                      its lines are parsed and checked then too (the limits that need the
- *                      GPU's SM count at the layer's first read of it)
+ *   COMET_TUNING_FILE  a readable regular file, default none: the fused path's settings
+ *                      for bf16 layers (an FP8 layer takes the cost model's); its lines are
+ *                      parsed and checked then too (the limits that need the GPU's SM count
+ *                      at the layer's first read of it)
  *   COMET_PDL          0 or 1, default 1. 0: launch every kernel the ordinary way, not with
  *                      programmatic dependent launch
  *   COMET_FIRST_WAVE   0 or 1, default 1. 0: no first wave (layer0's first row blocks on

@@ -23,7 +23,9 @@ static comet_status_t pick_knobs(comet_moe_t moe, struct cometi_fused *f)
     comet_comm_t comm = moe->comm;
     cometi_knobs_t k;
     cometi_model_knobs(&moe->cfg, comm->size, comm->sm_count, &k);
-    const char *path = cometi_param_str(COMETI_PARAM_TUNING_FILE);
+    /* The tuning file's lines are bf16 layers' settings (comet tune times bf16): an FP8
+     * layer takes the model's, which know its rows and GEMMs. */
+    const char *path = moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK ? "" : cometi_param_str(COMETI_PARAM_TUNING_FILE);
     int failed = 0;
     if (*path) {
         char err[COMETI_ERR_LEN];
