@@ -1,8 +1,9 @@
 /*
  * bench_fp8.c - `comet bench --fp8`: the block-scaled FP8 layer (config.dtype
  * COMET_DTYPE_FP8_BLOCK, x given in bf16 and quantized by the layer) beside the same layer
- * in bf16, both on the fused path, timed in turns (a bf16 call, then an FP8 call, so clock
- * drift hits both alike), at the bench's token count and at 1, 16 and 128 tokens (small
+ * in bf16, both on the fused path, and beside the FP8 sequential path (NCCL all-to-all of
+ * FP8 rows, cuBLASLt's block-scaled GEMMs), timed in turns (one call of each per round, so
+ * clock drift hits all alike), at the bench's token count and at 1, 16 and 128 tokens (small
  * batches: the weights' bytes halve). The FP8 weights are the bf16 ones quantized by
  * comet_quantize_fp8_weights; each output is checked against the other with DeepGEMM's
  * measure 1 - 2 sum(xy) / sum(x^2 + y^2) (FP8's own error on these random operands: x,
@@ -110,9 +111,9 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
     CUDA_OK(cudaEventCreate(&e1));
     const int counts[4] = {M, 1, 16, 128};
     if (me == 0)
-        printf("\n%s FP8: E=%d top-k=%d H=%d F=%d, %d x GPU (EP=%d x TP=%d), both fused, in turns, median of %d\n"
-               "%-16s %6s %10s %10s %8s %12s\n", label, E, k, H, F, R, R / tp, tp, o->iters, "case", "tokens",
-               "bf16 ms", "fp8 ms", "bf16/fp8", "vs bf16");
+        printf("\n%s FP8: E=%d top-k=%d H=%d F=%d, %d x GPU (EP=%d x TP=%d), in turns, median of %d; \"fp8 seq\": "
+               "the FP8 sequential path\n%-16s %6s %10s %10s %8s %11s %8s %12s\n", label, E, k, H, F, R, R / tp, tp,
+               o->iters, "case", "tokens", "bf16 ms", "fp8 ms", "bf16/fp8", "fp8 seq ms", "seq/fp8", "vs bf16");
     int failed = 0;
     for (int ci = 0; ci < 4; ci++) {
         const int m = counts[ci];
@@ -137,20 +138,24 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
         free(h16), free(h8);
         if (allreduce(comm, sums, 2, ncclSum)) return 1;
         const double measure = sums[1] > 0 ? 1 - 2.0 * sums[0] / sums[1] : 0;
-        float *t16 = TOOL_MALLOC(sizeof(float) * o->iters), *t8 = TOOL_MALLOC(sizeof(float) * o->iters);
+        float *t16 = TOOL_MALLOC(sizeof(float) * o->iters), *t8 = TOOL_MALLOC(sizeof(float) * o->iters),
+              *tseq = TOOL_MALLOC(sizeof(float) * o->iters);
+        comet_moe_args_t aseq = a8;
+        aseq.impl = COMET_IMPL_BASELINE;
         for (int it = -o->warmup; it < o->iters; it++) {
             FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
-            const float a = timed_forward(m16, &a16, e0, e1, &failed), b = timed_forward(m8, &a8, e0, e1, &failed);
+            const float a = timed_forward(m16, &a16, e0, e1, &failed), b = timed_forward(m8, &a8, e0, e1, &failed),
+                        c = timed_forward(m8, &aseq, e0, e1, &failed);
             FAIL_IF(failed, "%s: a forward failed: %s / %s", label, comet_moe_last_error(m16),
                     comet_moe_last_error(m8));
-            if (it >= 0) t16[it] = a, t8[it] = b;
+            if (it >= 0) t16[it] = a, t8[it] = b, tseq[it] = c;
         }
-        float ms[2] = {median(t16, o->iters), median(t8, o->iters)};
-        free(t16), free(t8);
-        if (allreduce(comm, ms, 2, ncclMax)) return 1;
+        float ms[3] = {median(t16, o->iters), median(t8, o->iters), median(tseq, o->iters)};
+        free(t16), free(t8), free(tseq);
+        if (allreduce(comm, ms, 3, ncclMax)) return 1;
         if (me == 0)
-            printf("%-16s %6d %10.3f %10.3f %8.2f %12.2e%s\n", label, m, ms[0], ms[1], ms[0] / ms[1], measure,
-                   measure < 5e-3 ? "" : " !");
+            printf("%-16s %6d %10.3f %10.3f %8.2f %11.3f %8.2f %12.2e%s\n", label, m, ms[0], ms[1], ms[0] / ms[1],
+                   ms[2], ms[2] / ms[1], measure, measure < 5e-3 ? "" : " !");
         /* x, W13, the activation and W2 each rounded to E4M3, about 2.4% RMS of a value on
          * these random operands: about 2e-3 of the measure; 5e-3 flags a wrong answer. */
         failed |= !(measure < 5e-3);
