@@ -182,7 +182,7 @@ static void stand_in_problem(const cometi_gemm_variant_t *v, problem_t *p)
     p->sched = (unsigned int *)words;
     p->dispatch.blocks = 8, p->dispatch.arrive = words, p->dispatch.expected = words;
     p->dispatch.rows.num_experts = 4, p->dispatch.rows.experts_per_group = 4, p->dispatch.rows.tp = 1;
-    p->dispatch.rows.top_k = 2, p->dispatch.rows.row_bytes = p->k * 2;
+    p->dispatch.rows.top_k = 2, p->dispatch.rows.row_bytes = p->k * cometi_gemm_element_bytes(v->a_type);
     p->splits.n_splits = 2, p->splits.split_done = words;
     cometi_combine_t *c = &p->push.combine;
     p->push.dest = any, p->push.maps = any;
@@ -278,6 +278,10 @@ int test_gemm_descriptions_resolve(void)
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(err, "n_splits = 2");
     g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nn_256_dispatch], &p);
+    p.dispatch.rows.row_bytes = 2 * p.k + 16; /* rows the GEMM does not read so */
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "but A's rows are 384 bytes apart");
+    p.dispatch.rows.row_bytes = 2 * p.k;
     g.launch.sched = NULL;
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(err, "shared tile counter (sched)");

@@ -54,7 +54,7 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
     float *gus, *dns, *w;
     int32_t *ids;
     const size_t n13 = (size_t)per * 2 * Fl * H, n2 = (size_t)per * H * Fl;
-    const size_t s13 = (size_t)(apart ? 2 * per : per) * ((apart ? Fl : 2 * Fl) + 127) / 128 * ((H + 127) / 128),
+    const size_t s13 = (size_t)(apart ? 2 * per : per) * (((apart ? Fl : 2 * Fl) + 127) / 128) * ((H + 127) / 128),
                  s2 = (size_t)per * ((H + 127) / 128) * ((Fl + 127) / 128);
     CUDA_OK(cudaMalloc(&gu, n13 * 2));
     CUDA_OK(cudaMalloc(&dn, n2 * 2));
@@ -114,7 +114,7 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
         printf("\n%s FP8: E=%d top-k=%d H=%d F=%d, %d x GPU (EP=%d x TP=%d), in turns, median of %d; \"fp8 seq\": "
                "the FP8 sequential path\n%-16s %6s %10s %10s %8s %11s %8s %12s\n", label, E, k, H, F, R, R / tp, tp,
                o->iters, "case", "tokens", "bf16 ms", "fp8 ms", "bf16/fp8", "fp8 seq ms", "seq/fp8", "vs bf16");
-    int failed = 0;
+    int failed = 0, inaccurate = 0;
     for (int ci = 0; ci < 4; ci++) {
         const int m = counts[ci];
         if (ci && m >= M) continue;
@@ -158,7 +158,7 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
                    ms[2], ms[2] / ms[1], measure, measure < 5e-3 ? "" : " !");
         /* x, W13, the activation and W2 each rounded to E4M3, about 2.4% RMS of a value on
          * these random operands: about 2e-3 of the measure; 5e-3 flags a wrong answer. */
-        failed |= !(measure < 5e-3);
+        inaccurate |= !(measure < 5e-3);
     }
     fflush(stdout);
     cudaEventDestroy(e0), cudaEventDestroy(e1);
@@ -168,5 +168,5 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
     cudaFree(y16), cudaFree(y8), cudaFree(ids), cudaFree(w);
     comet_moe_destroy(m8);
     comet_moe_destroy(m16);
-    return failed;
+    return failed || inaccurate;
 }

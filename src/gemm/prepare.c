@@ -294,9 +294,15 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi
     return COMET_SUCCESS;
 }
 
-static comet_status_t check_dispatch(char *err, const cometi_gemm_t *g)
+static comet_status_t check_dispatch(char *err, const cometi_gemm_t *g, const cometi_gemm_variant_t *v)
 {
     const cometi_gemm_dispatch_t *d = g->roles.dispatch;
+    /* The dispatch writes rows where the GEMM reads them: its row is A's. */
+    const int64_t a_row_bytes = (g->a.ld ? g->a.ld : g->problem.k) * (int64_t)cometi_gemm_element_bytes(v->a_type);
+    if (d->rows.row_bytes != a_row_bytes)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: rows of %d bytes, but A's rows are %lld bytes "
+                           "apart (a.ld or k, in %s)", d->rows.row_bytes, (long long)a_row_bytes,
+                           format_name(v->a_type));
     if (d->blocks < 1 || !d->arrive || !d->expected || !g->launch.sched)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm dispatch: %d blocks (>= 1), arrival counters and "
                            "their totals, and the shared tile counter (sched) must be set", d->blocks);
@@ -403,7 +409,7 @@ comet_status_t cometi_gemm_check(char *err, const cometi_gemm_t *g, int *variant
     const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
     COMETI_TRY(check_core(err, g, v));
     const int out_n = cometi_gemm_out_cols(*v), n_tiles = (g->problem.n + out_n - 1) / out_n;
-    if (g->roles.dispatch) COMETI_TRY(check_dispatch(err, g));
+    if (g->roles.dispatch) COMETI_TRY(check_dispatch(err, g, v));
     if (g->roles.splits) COMETI_TRY(check_splits(err, g, n_tiles, out_n));
     if (g->out.push) COMETI_TRY(check_push(err, g));
     *variant = vi;
