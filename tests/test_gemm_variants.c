@@ -475,6 +475,63 @@ static int dispatch_role(shared_t *s, void *a, cometi_gemm_dispatch_t *d)
     return 0;
 }
 
+/* One rank's push: row r of A to its place in the send order, as the layer's push sends it
+ * (a whole 64-row part of one expert's rows then goes as tensor stores), into slots of n
+ * bf16 columns, counted in the owner's counter. */
+static int push_role(shared_t *s, int n, problem_t *p, void **slots, void **dest, void **maps,
+                     cometi_combine_peer_t **peers, unsigned long long **peer_arrive)
+{
+    CUDA_OK(cudaMalloc(slots, (size_t)s->rows * n * 2));
+    CUDA_OK(cudaMalloc((void **)peer_arrive, (COMETI_PUSH_COUNTER + 1) * sizeof(unsigned long long)));
+    CUDA_OK(cudaMemset(*peer_arrive, 0, (COMETI_PUSH_COUNTER + 1) * sizeof(unsigned long long)));
+    int2 *dest_host = malloc(sizeof(int2) * s->a_rows);
+    for (int r = 0; r < s->a_rows; r++) dest_host[r] = (int2){s->slot_of_host[r] >= 0 ? 0 : -1, s->slot_of_host[r]};
+    CUDA_OK(cudaMalloc(dest, sizeof(int2) * s->a_rows));
+    CUDA_OK(cudaMemcpy(*dest, dest_host, sizeof(int2) * s->a_rows, cudaMemcpyHostToDevice));
+    free(dest_host);
+    cometi_combine_peer_t peer = {NULL, *slots, *peer_arrive};
+    CUDA_OK(cudaMalloc((void **)peers, sizeof(peer)));
+    CUDA_OK(cudaMemcpy(*peers, &peer, sizeof(peer), cudaMemcpyHostToDevice));
+    char err[COMETI_ERR_LEN];
+    comet_status_t st = cometi_gemm_push_maps_create(err, slots, 1, 1, 0, s->rows, n, maps);
+    if (st != COMET_SUCCESS) printf("push maps: %s\n", err);
+    CHECK_EQ(st, COMET_SUCCESS);
+    p->push.dest = *dest, p->push.maps = *maps;
+    cometi_combine_t *cb = &p->push.combine;
+    cb->peers = *peers;
+    cb->plan = (cometi_route_tables_t){s->counts, s->send_offset, s->seg_start, s->recv_offset};
+    cb->num_experts = GROUPS, cb->experts_per_group = GROUPS, cb->top_k = TOP_K, cb->world = 1, cb->tp = 1;
+    return 0;
+}
+
+/* Two column splits, each split's rows counted in split_done (zeroed). */
+static int splits_role(problem_t *p, unsigned long long **split_done)
+{
+    CUDA_OK(cudaMalloc((void **)split_done, 2 * sizeof(unsigned long long)));
+    CUDA_OK(cudaMemset(*split_done, 0, 2 * sizeof(unsigned long long)));
+    p->splits.n_splits = 2, p->splits.split_done = *split_done;
+    return 0;
+}
+
+/* The roles' running totals after call `run` (from 0): every row once per column tile of
+ * its split, and pushed once per column tile, per call. */
+static int check_role_counts(const shared_t *s, const unsigned long long *split_done,
+                             const unsigned long long *peer_arrive, int tiles_n, int run)
+{
+    if (split_done) {
+        unsigned long long done[2], want = (unsigned long long)s->rows * (tiles_n / 2) * (run + 1);
+        CUDA_OK(cudaMemcpy(done, split_done, sizeof(done), cudaMemcpyDeviceToHost));
+        CHECK_EQ(done[0], want);
+        CHECK_EQ(done[1], want);
+    }
+    if (peer_arrive) {
+        unsigned long long pushed;
+        CUDA_OK(cudaMemcpy(&pushed, peer_arrive + COMETI_PUSH_COUNTER, sizeof(pushed), cudaMemcpyDeviceToHost));
+        CHECK_EQ(pushed, (unsigned long long)s->rows * tiles_n * (run + 1));
+    }
+    return 0;
+}
+
 /* |got - want| within 2^-8 of want plus 1e-2 of the RMS of its row (bf16 output: one
  * rounding, 2^-9, over fp32 sums of at most 300 products). */
 static int within(double got, double want, double rms) { return fabs(got - want) <= fabs(want) / 256 + 1e-2 * rms; }
@@ -555,35 +612,8 @@ static int run_row(shared_t *s, int vi, uint64_t *rng)
     unsigned long long *split_done = NULL, *peer_arrive = NULL;
     void *slots = NULL, *dest = NULL, *maps = NULL;
     cometi_combine_peer_t *peers = NULL;
-    if (v->roles & COMETI_GEMM_ROLE_SPLITS) {
-        CUDA_OK(cudaMalloc((void **)&split_done, 2 * sizeof(unsigned long long)));
-        CUDA_OK(cudaMemset(split_done, 0, 2 * sizeof(unsigned long long)));
-        p.splits.n_splits = 2, p.splits.split_done = split_done;
-    }
-    if (epi == COMETI_GEMM_EPI_PUSH) {
-        /* One rank's push: row r of A to its place in the send order, as the layer's push
-         * sends it (a whole 64-row part of one expert's rows then goes as tensor stores). */
-        CUDA_OK(cudaMalloc(&slots, (size_t)s->rows * n * 2));
-        CUDA_OK(cudaMalloc((void **)&peer_arrive, (COMETI_PUSH_COUNTER + 1) * sizeof(unsigned long long)));
-        CUDA_OK(cudaMemset(peer_arrive, 0, (COMETI_PUSH_COUNTER + 1) * sizeof(unsigned long long)));
-        int2 *dest_host = malloc(sizeof(int2) * s->a_rows);
-        for (int r = 0; r < s->a_rows; r++) dest_host[r] = (int2){s->slot_of_host[r] >= 0 ? 0 : -1, s->slot_of_host[r]};
-        CUDA_OK(cudaMalloc(&dest, sizeof(int2) * s->a_rows));
-        CUDA_OK(cudaMemcpy(dest, dest_host, sizeof(int2) * s->a_rows, cudaMemcpyHostToDevice));
-        free(dest_host);
-        cometi_combine_peer_t peer = {NULL, slots, peer_arrive};
-        CUDA_OK(cudaMalloc((void **)&peers, sizeof(peer)));
-        CUDA_OK(cudaMemcpy(peers, &peer, sizeof(peer), cudaMemcpyHostToDevice));
-        char err[COMETI_ERR_LEN];
-        comet_status_t st = cometi_gemm_push_maps_create(err, &slots, 1, 1, 0, s->rows, n, &maps);
-        if (st != COMET_SUCCESS) printf("push maps: %s\n", err);
-        CHECK_EQ(st, COMET_SUCCESS);
-        p.push.dest = dest, p.push.maps = maps;
-        cometi_combine_t *cb = &p.push.combine;
-        cb->peers = peers;
-        cb->plan = (cometi_route_tables_t){s->counts, s->send_offset, s->seg_start, s->recv_offset};
-        cb->num_experts = GROUPS, cb->experts_per_group = GROUPS, cb->top_k = TOP_K, cb->world = 1, cb->tp = 1;
-    }
+    if ((v->roles & COMETI_GEMM_ROLE_SPLITS) && splits_role(&p, &split_done)) return 1;
+    if (epi == COMETI_GEMM_EPI_PUSH && push_role(s, n, &p, &slots, &dest, &maps, &peers, &peer_arrive)) return 1;
     const int tiles_n = (n + cometi_gemm_out_cols(*v) - 1) / cometi_gemm_out_cols(*v);
     uint16_t *c16 = malloc(c_bytes), *gu16 = gu ? malloc((size_t)s->a_rows * 2 * n * 2) : NULL;
     uint16_t *slots16 = slots ? malloc((size_t)s->rows * n * 2) : NULL;
@@ -667,17 +697,7 @@ static int run_row(shared_t *s, int vi, uint64_t *rng)
             }
         }
         CHECK_EQ(bad, 0);
-        if (split_done) { /* running totals: every row once per column tile of its split, per call */
-            unsigned long long done[2], want = (unsigned long long)s->rows * (tiles_n / 2) * (run + 1);
-            CUDA_OK(cudaMemcpy(done, split_done, sizeof(done), cudaMemcpyDeviceToHost));
-            CHECK_EQ(done[0], want);
-            CHECK_EQ(done[1], want);
-        }
-        if (peer_arrive) { /* rows pushed: every row once per column tile, per call */
-            unsigned long long pushed;
-            CUDA_OK(cudaMemcpy(&pushed, peer_arrive + COMETI_PUSH_COUNTER, sizeof(pushed), cudaMemcpyDeviceToHost));
-            CHECK_EQ(pushed, (unsigned long long)s->rows * tiles_n * (run + 1));
-        }
+        if (check_role_counts(s, split_done, peer_arrive, tiles_n, run)) return 1;
         printf("%-20s %s: n %d, worst |error| / row RMS %.2e\n", v->name, dynamic ? "every SM, shared counter" :
                "5 blocks, static tiles  ", n, worst);
     }
@@ -689,34 +709,6 @@ static int run_row(shared_t *s, int vi, uint64_t *rng)
 }
 
 /* ---- the E4M3 rows ---- */
-
-/* One rank's push (as run_row's): row r of A to its place in the send order, slots of n
- * bf16 columns, the owner's counter. */
-static int push_role(shared_t *s, int n, problem_t *p, void **slots, void **dest, void **maps,
-                     cometi_combine_peer_t **peers, unsigned long long **peer_arrive)
-{
-    CUDA_OK(cudaMalloc(slots, (size_t)s->rows * n * 2));
-    CUDA_OK(cudaMalloc((void **)peer_arrive, (COMETI_PUSH_COUNTER + 1) * sizeof(unsigned long long)));
-    CUDA_OK(cudaMemset(*peer_arrive, 0, (COMETI_PUSH_COUNTER + 1) * sizeof(unsigned long long)));
-    int2 *dest_host = malloc(sizeof(int2) * s->a_rows);
-    for (int r = 0; r < s->a_rows; r++) dest_host[r] = (int2){s->slot_of_host[r] >= 0 ? 0 : -1, s->slot_of_host[r]};
-    CUDA_OK(cudaMalloc(dest, sizeof(int2) * s->a_rows));
-    CUDA_OK(cudaMemcpy(*dest, dest_host, sizeof(int2) * s->a_rows, cudaMemcpyHostToDevice));
-    free(dest_host);
-    cometi_combine_peer_t peer = {NULL, *slots, *peer_arrive};
-    CUDA_OK(cudaMalloc((void **)peers, sizeof(peer)));
-    CUDA_OK(cudaMemcpy(*peers, &peer, sizeof(peer), cudaMemcpyHostToDevice));
-    char err[COMETI_ERR_LEN];
-    comet_status_t st = cometi_gemm_push_maps_create(err, slots, 1, 1, 0, s->rows, n, maps);
-    if (st != COMET_SUCCESS) printf("push maps: %s\n", err);
-    CHECK_EQ(st, COMET_SUCCESS);
-    p->push.dest = *dest, p->push.maps = *maps;
-    cometi_combine_t *cb = &p->push.combine;
-    cb->peers = *peers;
-    cb->plan = (cometi_route_tables_t){s->counts, s->send_offset, s->seg_start, s->recv_offset};
-    cb->num_experts = GROUPS, cb->experts_per_group = GROUPS, cb->top_k = TOP_K, cb->world = 1, cb->tp = 1;
-    return 0;
-}
 
 /* A random finite E4M3 code (0x7F and 0xFF are NaN); `exact`: 0 or +-0.5, 1, 2 (0x30,
  * 0x38, 0x40), whose block sums are multiples of 1/4 below 2^9: exact in any accumulator
@@ -866,11 +858,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
         CUDA_OK(cudaMalloc(&x_dev, (size_t)s->tokens * a_ld));
         CUDA_OK(cudaMemcpy(x_dev, x8, (size_t)s->tokens * a_ld, cudaMemcpyHostToDevice));
     }
-    if (v->roles & COMETI_GEMM_ROLE_SPLITS) {
-        CUDA_OK(cudaMalloc((void **)&split_done, 2 * sizeof(unsigned long long)));
-        CUDA_OK(cudaMemset(split_done, 0, 2 * sizeof(unsigned long long)));
-        p.splits.n_splits = 2, p.splits.split_done = split_done;
-    }
+    if ((v->roles & COMETI_GEMM_ROLE_SPLITS) && splits_role(&p, &split_done)) return 1;
     if (push && push_role(s, n, &p, &slots, &dest, &maps, &peers, &peer_arrive)) return 1;
     uint16_t *slots16 = push ? malloc((size_t)s->rows * n * 2) : NULL;
     const int tiles_n = (n + cometi_gemm_out_cols(*v) - 1) / cometi_gemm_out_cols(*v);
@@ -957,17 +945,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
             }
         }
         CHECK_EQ(bad, 0);
-        if (split_done) { /* running totals: every row once per column tile of its split, per call */
-            unsigned long long done[2], want = (unsigned long long)s->rows * (tiles_n / 2) * (run + 1);
-            CUDA_OK(cudaMemcpy(done, split_done, sizeof(done), cudaMemcpyDeviceToHost));
-            CHECK_EQ(done[0], want);
-            CHECK_EQ(done[1], want);
-        }
-        if (peer_arrive) { /* rows pushed: every row once per column tile, per call */
-            unsigned long long pushed;
-            CUDA_OK(cudaMemcpy(&pushed, peer_arrive + COMETI_PUSH_COUNTER, sizeof(pushed), cudaMemcpyDeviceToHost));
-            CHECK_EQ(pushed, (unsigned long long)s->rows * tiles_n * (run + 1));
-        }
+        if (check_role_counts(s, split_done, peer_arrive, tiles_n, run)) return 1;
         printf("%-20s %s: n %d%s%s%s%s, worst |error| / bound %.2f\n", v->name,
                dynamic ? "every SM, shared counter" : "5 blocks, static tiles  ", n, quant && up_apart ? ", up apart" : "",
                pow2 ? ", pow2 scales" : "", exact ? ", exact sums" : ", any codes",
