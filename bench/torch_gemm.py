@@ -28,6 +28,8 @@ import argparse
 
 import torch
 
+from torch_peer import quant_rows  # the rowwise quantization the PyTorch FP8 layer runs
+
 PRESETS = {  # name: (experts, top_k, hidden, ffn), as in src/layer/config.c
     "mixtral-8x7b": (8, 2, 4096, 14336),
     "phi-3.5-moe": (16, 2, 4096, 6400),
@@ -50,17 +52,6 @@ def median_ms(fn, iters):
         times.append(a.elapsed_time(b))
     times.sort()
     return times[len(times) // 2]
-
-
-E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-
-
-def quant_rows(t):
-    """E4M3 rows and their FP32 dequantization scales (value = q * scale), one per row
-    (the last dimension's amax), as torchao's float8 rowwise recipe quantizes."""
-    amax = t.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
-    q = (t.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, (amax / E4M3_MAX).squeeze(-1)
 
 
 def forward_fp8(args, dev, bf):
