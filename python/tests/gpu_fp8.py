@@ -19,6 +19,8 @@ x's own rounding adds as much again (about 1e-3 in the emulation): the limit the
 """
 import ctypes
 
+from gpu_train import Failed, check
+
 H, FFN, E, TOP_K, MAX_TOKENS = 512, 256, 8, 2, 512  # as test_torch_gpu.py's
 DIFF_LIMIT, DIFF_LIMIT_RAW_X = 1e-3, 2e-3
 IMPLS = ("baseline", "fused", "auto")
@@ -29,15 +31,6 @@ TESTS = []
 def gpu_test(fn):
     TESTS.append(fn)
     return fn
-
-
-class Failed(AssertionError):
-    pass
-
-
-def check(cond, msg):
-    if not cond:
-        raise Failed(msg)
 
 
 def raises(exc_type, fn, *contains):
