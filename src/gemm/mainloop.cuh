@@ -320,21 +320,10 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
 #pragma unroll
         for (int h = 0; h < HALVES; h++) {
             float part[64];
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < 4; kk++) /* k 32 is 32 bytes further along a K-major row */
-                cometi_wgmma_m64n128k32_e4m3(part, smem_desc_at(a + kk * 2),
-                                             smem_desc_at(b + h * (128 * 128 >> 4) + kk * 2), kk);
-            wgmma_commit();
+            issue_e4m3_block(part, a, b + h * (128 * 128 >> 4)); /* the half's 128 rows of B */
             wgmma_wait<0>();
             if (h == HALVES - 1 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]);
-            const float s0 = sa0 * sbv[h], s1 = sa1 * sbv[h];
-#pragma unroll
-            for (int j = 0; j < 16; j++) {
-                float *d = &acc[(h * 16 + j) * 4];
-                d[0] = fmaf(part[j * 4], s0, d[0]), d[1] = fmaf(part[j * 4 + 1], s0, d[1]);
-                d[2] = fmaf(part[j * 4 + 2], s1, d[2]), d[3] = fmaf(part[j * 4 + 3], s1, d[3]);
-            }
+            promote_e4m3(acc + h * 64, part, sa0 * sbv[h], sa1 * sbv[h]);
         }
         sa0 = na0, sa1 = na1;
 #pragma unroll
