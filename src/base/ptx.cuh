@@ -136,6 +136,18 @@ static __device__ int cometi_wait_tag(const unsigned long long *p, unsigned int 
 /* ---- shared-memory barriers and bulk copies (the GEMM's pipeline, dispatch, combine) ---- */
 
 static __device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+/* A float of shared memory through a generic pointer the compiler cannot place (a struct's
+ * field): ld/st.shared, not the slower generic access. */
+static __device__ __forceinline__ float lds_f32(const float *p)
+{
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_u32(p)) : "memory");
+    return v;
+}
+static __device__ __forceinline__ void sts_f32(float *p, float v)
+{
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(smem_u32(p)), "f"(v) : "memory");
+}
 
 static __device__ __forceinline__ void mbar_init(uint64_t *bar, int count)
 {

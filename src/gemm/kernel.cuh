@@ -66,7 +66,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
     gemm_smem_t sm;
     sm.a = smem, sm.b = smem + STAGES * A_BYTES, sm.c = sm.b + STAGES * B_BYTES;
-    sm.full = (uint64_t *)(sm.c + C_BYTES), sm.empty = sm.full + STAGES, sm.turn = sm.empty + STAGES;
+    sm.scales = (float *)(sm.c + C_BYTES); /* E4M3 only: STAGES slots */
+    sm.full = (uint64_t *)(sm.c + C_BYTES + STAGES * cometi_gemm_scale_slot_bytes(T)), sm.empty = sm.full + STAGES,
+    sm.turn = sm.empty + STAGES;
     sm.ticket_full = sm.turn + 2, sm.ticket_empty = sm.ticket_full + TICKETS;
     sm.first_tile = (int *)(sm.ticket_empty + TICKETS), sm.tickets = sm.first_tile + 2 * COMETI_GEMM_MAX_GROUPS + 1;
     /* The last wave's cut, read from shared memory where needed (registers are short in
@@ -123,14 +125,15 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                                          p.sched ? (int)gridDim.x - p.combine_blocks : p.gemm_blocks, k_blocks,
                                          !PINGPONG && p.tail_ws);
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(&sm.full[s], 1);
+            mbar_init(&sm.full[s], E4M3 ? 2 : 1); /* the TMA's bytes (and E4M3: the scale warp's) */
             mbar_init(&sm.empty[s], PINGPONG ? 1 : 2); /* one arrive per consumer of the stage */
         }
         mbar_init(&sm.turn[0], 1);
         mbar_init(&sm.turn[1], 1);
         for (int s = 0; s < TICKETS; s++) {
             mbar_init(&sm.ticket_full[s], 1);
-            mbar_init(&sm.ticket_empty[s], 256); /* every consumer thread has read the ticket */
+            /* every consumer thread has read the ticket (and E4M3: the scale warp) */
+            mbar_init(&sm.ticket_empty[s], E4M3 ? 257 : 256);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_a) : "memory");
@@ -146,6 +149,31 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
     /* ---- the producer ---- */
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if constexpr (E4M3) {
+            if (threadIdx.x / 32 == 1) { /* the scale warp: the same tiles as the TMA thread */
+                ring_pos_t pos = {0, 0};
+                for (int ordinal = 0;; ordinal++) {
+                    int t = block + ordinal * p.gemm_blocks;
+                    if (p.sched) {
+                        const int s = ordinal % TICKETS;
+                        mbar_wait(&sm.ticket_full[s], ordinal / TICKETS & 1, p.err, p.timeout_ns);
+                        t = sm.tickets[s];
+                        __syncwarp();
+                        if (threadIdx.x % 32 == 0) mbar_arrive(&sm.ticket_empty[s]);
+                    }
+                    if (t >= tail->units) break;
+                    const unit_t un = decode_unit(t, tail, k_blocks);
+                    const tile_t tl = split_tile(un.tile, per_split, sm.first_tile, p.groups, split_tiles, p.group_m);
+                    const int a_row = p.segs[tl.group].start + tl.m * TM;
+                    if constexpr (DISPATCH) { /* the rows' scales travel with them */
+                        const int blk = a_row / BM;
+                        cometi_wait_geq(p.arrive + blk, p.expected[blk], p.arrival_timeout_ns, p.err,
+                                        COMETI_SITE_ARRIVAL, -1, blk);
+                    }
+                    produce_scales_unit<V>(p, sm, tl, a_row, un.kb0, un.kb1, &pos);
+                }
+            }
+        }
         if (threadIdx.x != 0) return;
         ring_pos_t pos = {0, 0};
         /* Dynamic schedule: take a ticket (the next tile of the whole grid) one tile ahead,
@@ -254,7 +282,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         push.first = make_int2(-1, 0), push.last = push.first, push.row[0] = push.row[1] = push.first;
         if (TMA_EPILOGUE && PUSH_OR_SPLITS && p.push_dest) push = load_push_rows(p, tl, part, warp * 16 + lane / 4);
         if constexpr (E4M3)
-            consume_unit_e4m3<V>(acc, p, sm, half * 64 * 128, un.kb0, kb1, &pos, tl, (long long)seg.start + part);
+            consume_unit_e4m3<V>(acc, p, sm, half * 64 * 128, un.kb0, kb1, &pos);
         else
             consume_unit<V>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1, &pos, &sm.turn[half ^ 1]);
         if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN>(acc, p, tail, t, k_blocks)) continue;

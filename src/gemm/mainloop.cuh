@@ -21,6 +21,7 @@
 /* Where a block's shared memory is (kernel.cuh lays it out). */
 typedef struct gemm_smem {
     unsigned char *a, *b, *c;   /* the stages of A and of B, the epilogue's staging */
+    float *scales;              /* E4M3: per stage, its k block's scales (variants.h's slot) */
     uint64_t *full, *empty;     /* per stage: loaded, released by its consumers */
     uint64_t *turn;             /* ping-pong: [2] each warpgroup's turn at the mainloop */
     uint64_t *ticket_full, *ticket_empty; /* the ring of tickets (dynamic schedule) */
@@ -153,18 +154,67 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
     if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[prev]);
 }
 
-/* A scale of the FP8 operands, or 0 where there is none (a row past A, an n block past B:
- * their products are never stored). A's through L2 (ld.global.cg): its rows may have been
- * written by other ranks' dispatch while this kernel runs, and L1 is not coherent (a line
- * holding one row's scales can hold a neighbour's that had not arrived yet). B's (weights)
- * through the read-only path. */
-static __device__ __forceinline__ float a_scale_at(const float *base, long long i, bool ok)
+/* E4M3: the producer's scale warp (a warp of warpgroup 0), over k-steps [kb0, kb1) of tile
+ * `tl` (A's first row a_row): for each k block, once its stage is released, the A tile's 128
+ * rows' scales and B's (each half's block: SwiGLU's gate and up blocks of column tile tl.n,
+ * or a plain tile's 128-row blocks) into the stage's slot, then its arrival on the stage's
+ * full barrier (the second, beside the TMA thread's with the bytes). Each block's loads are
+ * issued before the wait for its stage, so they are in flight while the ring is full, off
+ * the consumers' mainloop. A scale that does not exist is 0 (a row past A, an n block past
+ * B: their products are never stored). A's through L2 (ld.global.cg): its rows may have
+ * been written by other ranks' dispatch while this kernel runs, and L1 is not coherent (a
+ * line holding one row's scales can hold a neighbour's that had not arrived yet); B's
+ * (weights) through the read-only path. */
+template <int V>
+static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
+                                                           tile_t tl, long long a_row, int kb0, int kb1,
+                                                           ring_pos_t *pos)
 {
-    return ok ? __ldcg(base + i) : 0.0f;
+    constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
+    constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), ON = cometi_gemm_out_cols(T), HALVES = BN / 128;
+    static_assert(cometi_gemm_tile_rows(T) == 32 * 4, "a lane loads 4 rows' scales of a 128-row tile");
+    const int lane = threadIdx.x % 32;
+    const float *sb = NULL;
+    bool sb_ok = false;
+    if (lane < HALVES) {
+        const int nb = ON != BN ? tl.n : tl.n * HALVES + lane;
+        sb = (ON != BN && lane ? p.b_up_scale : p.b_scale) + (long long)tl.group * p.b_scale_group +
+             (long long)nb * p.b_scale_kb;
+        sb_ok = nb < p.b_scale_blocks;
+    }
+    for (int kb = kb0; kb < kb1; kb++) {
+        float a[4], b = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const long long r = a_row + lane + 32 * j;
+            a[j] = r < p.a_rows ? __ldcg(p.a_scale + r * p.a_scale_row + kb * p.a_scale_block) : 0.0f;
+        }
+        if (sb_ok) b = __ldg(sb + kb);
+        mbar_wait(&sm.empty[pos->stage], pos->phase ^ 1, p.err, p.timeout_ns);
+        float *slot = sm.scales + pos->stage * COMETI_GEMM_SCALE_SLOT_FLOATS;
+#pragma unroll
+        for (int j = 0; j < 4; j++) sts_f32(slot + lane + 32 * j, a[j]);
+        if (lane < HALVES) sts_f32(slot + COMETI_GEMM_BM + lane, b);
+        __syncwarp(); /* every lane's stores before the arrival that releases them */
+        if (lane == 0) mbar_arrive(&sm.full[pos->stage]);
+        if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+    }
 }
-static __device__ __forceinline__ float b_scale_at(const float *base, long long i, bool ok)
+
+/* This thread's scales of a stage (its slot): its two rows' (fragment rows r and r + 8 of
+ * the tile) and each half's B scale. */
+typedef struct e4m3_scales {
+    float a0, a1;
+} e4m3_scales_t;
+static __device__ __forceinline__ e4m3_scales_t stage_row_scales(const gemm_smem_t &sm, int stage, int row)
 {
-    return ok ? __ldg(base + i) : 0.0f;
+    const float *slot = sm.scales + stage * COMETI_GEMM_SCALE_SLOT_FLOATS;
+    e4m3_scales_t s = {lds_f32(slot + row), lds_f32(slot + row + 8)};
+    return s;
+}
+static __device__ __forceinline__ float stage_b_scale(const gemm_smem_t &sm, int stage, int h)
+{
+    return lds_f32(sm.scales + stage * COMETI_GEMM_SCALE_SLOT_FLOATS + COMETI_GEMM_BM + h);
 }
 
 /* One k block of a 128-wide E4M3 tile: fresh sums of its four k-32 MMAs into `part`. */
@@ -189,32 +239,30 @@ static __device__ __forceinline__ void promote_e4m3(float *acc, const float *par
 }
 
 /* A step of the 128-wide E4M3 mainloop: block kb's MMAs are in flight into `done`; block
- * kb + 1's are issued into `next` (once its stage is full: its scales are loaded then),
- * then kb's are waited for (one group may stay in flight), its stage released and its sums
- * promoted while kb + 1's run. Two sets of fresh registers (64 each beside the 64
- * accumulators) keep the tensor core fed from one warpgroup. */
+ * kb + 1's are issued into `next` (once its stage is full, scales included), then kb's are
+ * waited for (one group may stay in flight), its stage released and its sums promoted
+ * while kb + 1's run. Two sets of fresh registers (64 each beside the 64 accumulators) keep
+ * the tensor core fed from one warpgroup. */
 typedef struct e4m3_pipe {
-    int prev_stage;        /* the stage of the block in flight in `done` */
-    float s0, s1, sb;      /* its scales */
+    int prev_stage; /* the stage of the block in flight in `done` */
+    float s0, s1;   /* its scales: each row's A scale x the block's B scale */
 } e4m3_pipe_t;
 
 template <int V>
 static __device__ __forceinline__ void step_e4m3(float *acc, float *done, float *next, const cometi_gemm_args_t &p,
-                                                 const gemm_smem_t &sm, uint32_t a0, uint32_t b0, int kb, int kb1,
-                                                 ring_pos_t *pos, e4m3_pipe_t *pipe, const float *sa_lo,
-                                                 const float *sa_hi, bool ra_ok, bool rb_ok, const float *sb,
-                                                 bool sb_ok)
+                                                 const gemm_smem_t &sm, uint32_t a0, uint32_t b0, int row, int kb,
+                                                 int kb1, ring_pos_t *pos, e4m3_pipe_t *pipe)
 {
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
     constexpr int STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T);
     const uint32_t A_BYTES = TM * 128, B_BYTES = T.block_n * 128;
-    float n0 = 0.0f, n1 = 0.0f, nb = 0.0f;
+    float n0 = 0.0f, n1 = 0.0f;
     int next_stage = -1;
     if (kb + 1 < kb1) {
         mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
-        n0 = a_scale_at(sa_lo, (kb + 1) * p.a_scale_block, ra_ok);
-        n1 = a_scale_at(sa_hi, (kb + 1) * p.a_scale_block, rb_ok);
-        nb = b_scale_at(sb, kb + 1, sb_ok);
+        const e4m3_scales_t sa = stage_row_scales(sm, pos->stage, row);
+        const float sb = stage_b_scale(sm, pos->stage, 0);
+        n0 = sa.a0 * sb, n1 = sa.a1 * sb;
         issue_e4m3_block(next, a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b0 + (uint32_t)pos->stage * (B_BYTES >> 4));
         next_stage = pos->stage;
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
@@ -223,8 +271,8 @@ static __device__ __forceinline__ void step_e4m3(float *acc, float *done, float 
         wgmma_wait<0>();
     }
     if (threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pipe->prev_stage]);
-    promote_e4m3(acc, done, pipe->s0 * pipe->sb, pipe->s1 * pipe->sb);
-    pipe->prev_stage = next_stage, pipe->s0 = n0, pipe->s1 = n1, pipe->sb = nb;
+    promote_e4m3(acc, done, pipe->s0, pipe->s1);
+    pipe->prev_stage = next_stage, pipe->s0 = n0, pipe->s1 = n1;
 }
 
 /* The 128-wide E4M3 mainloop, pipelined across k blocks (step_e4m3), unrolled by two so
@@ -232,9 +280,7 @@ static __device__ __forceinline__ void step_e4m3(float *acc, float *done, float 
 template <int V>
 static __device__ __forceinline__ void consume_e4m3_pipelined(float *acc, const cometi_gemm_args_t &p,
                                                               const gemm_smem_t &sm, uint32_t a0, uint32_t b0,
-                                                              int kb0, int kb1, ring_pos_t *pos, const float *sa_lo,
-                                                              const float *sa_hi, bool ra_ok, bool rb_ok,
-                                                              const float *sb, bool sb_ok)
+                                                              int row, int kb0, int kb1, ring_pos_t *pos)
 {
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
     constexpr int STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T);
@@ -243,92 +289,62 @@ static __device__ __forceinline__ void consume_e4m3_pipelined(float *acc, const 
     float part0[64], part1[64];
     e4m3_pipe_t pipe;
     mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
-    pipe.s0 = a_scale_at(sa_lo, kb0 * p.a_scale_block, ra_ok);
-    pipe.s1 = a_scale_at(sa_hi, kb0 * p.a_scale_block, rb_ok);
-    pipe.sb = b_scale_at(sb, kb0, sb_ok);
+    const e4m3_scales_t sa = stage_row_scales(sm, pos->stage, row);
+    const float sb = stage_b_scale(sm, pos->stage, 0);
+    pipe.s0 = sa.a0 * sb, pipe.s1 = sa.a1 * sb;
     issue_e4m3_block(part0, a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b0 + (uint32_t)pos->stage * (B_BYTES >> 4));
     pipe.prev_stage = pos->stage;
     if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
     for (int kb = kb0; kb < kb1; kb += 2) {
-        step_e4m3<V>(acc, part0, part1, p, sm, a0, b0, kb, kb1, pos, &pipe, sa_lo, sa_hi, ra_ok, rb_ok, sb, sb_ok);
+        step_e4m3<V>(acc, part0, part1, p, sm, a0, b0, row, kb, kb1, pos, &pipe);
         if (kb + 1 >= kb1) break;
-        step_e4m3<V>(acc, part1, part0, p, sm, a0, b0, kb + 1, kb1, pos, &pipe, sa_lo, sa_hi, ra_ok, rb_ok, sb, sb_ok);
+        step_e4m3<V>(acc, part1, part0, p, sm, a0, b0, row, kb + 1, kb1, pos, &pipe);
     }
 }
 
 /* A consumer warpgroup's mainloop over k-steps [kb0, kb1) of an E4M3 row (one stage is one
- * 128-wide k block): for each 128-column half of the B tile, four MMAs of k 32 into
- * `part`, fresh each block, then acc += part x (its row's A scale x the half's B scale) in
- * fp32. The promotion keeps the tensor core's FP8 sums (narrower than fp32) within one
- * block, and applies the block scales where they change. The half's MMAs must be done
- * before its promotion reads them; the other consumer warpgroup's MMAs fill the gap. A's
- * scales are read only once a stage of the tile is full: the producer loads a tile's rows
- * after they have arrived (the dispatch role), so the tile's scales are there too; the
- * next block's are loaded then, in flight while this block computes. `a_row`: A's first
- * row of this warpgroup's 64. */
+ * 128-wide k block, its scales in the stage's slot): for each 128-column half of the B
+ * tile, four MMAs of k 32 into `part`, fresh each block, then acc += part x (its row's A
+ * scale x the half's B scale) in fp32. The promotion keeps the tensor core's FP8 sums
+ * (narrower than fp32) within one block, and applies the block scales where they change.
+ * The half's MMAs must be done before its promotion reads them; the other consumer
+ * warpgroup's MMAs fill the gap. `a_off`: this warpgroup's 64 rows, bytes into the stage's
+ * A tile. */
 template <int V>
 static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const cometi_gemm_args_t &p,
                                                          const gemm_smem_t &sm, int a_off, int kb0, int kb1,
-                                                         ring_pos_t *pos, tile_t tl, long long a_row)
+                                                         ring_pos_t *pos)
 {
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
-    constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T),
-                  ON = cometi_gemm_out_cols(T), HALVES = BN / 128;
+    constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T), HALVES = BN / 128;
     static_assert(T.a_type == COMETI_GEMM_E4M3 && T.b_type == COMETI_GEMM_E4M3 && T.a_major == COMETI_GEMM_K_MAJOR &&
                       T.b_major == COMETI_GEMM_K_MAJOR && T.along == COMETI_GEMM_GROUPS_ALONG_M &&
                       T.schedule == COMETI_GEMM_COOPERATIVE,
                   "E4M3 rows: K-major operands, groups along M, cooperative");
     const uint32_t A_BYTES = TM * 128, B_BYTES = BN * 128;
-    /* This thread's two rows (fragment rows r and r + 8), and each half's B scales: SwiGLU's
-     * gate and up blocks of column tile tl.n, or the two 128-row blocks of a plain tile. */
-    const long long ra = a_row + ((threadIdx.x % 128) / 32) * 16 + (threadIdx.x % 32) / 4, rb = ra + 8;
-    const bool ra_ok = ra < p.a_rows, rb_ok = rb < p.a_rows;
-    const float *sa_lo = p.a_scale + ra * p.a_scale_row, *sa_hi = p.a_scale + rb * p.a_scale_row;
-    const float *sb[HALVES];
-    bool sb_ok[HALVES];
-#pragma unroll
-    for (int h = 0; h < HALVES; h++) {
-        const int nb = ON != BN ? tl.n : tl.n * HALVES + h;
-        sb[h] = (ON != BN && h ? p.b_up_scale : p.b_scale) + (long long)tl.group * p.b_scale_group +
-                (long long)nb * p.b_scale_kb;
-        sb_ok[h] = nb < p.b_scale_blocks;
-    }
+    /* This thread's first fragment row in the tile (the other is 8 further). */
+    const int row = a_off / 128 + ((threadIdx.x % 128) / 32) * 16 + (threadIdx.x % 32) / 4;
 #pragma unroll
     for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
     const uint32_t a0 = smem_desc_lo(sm.a + a_off), b0 = smem_desc_lo(sm.b);
     if constexpr (HALVES == 1) {
-        consume_e4m3_pipelined<V>(acc, p, sm, a0, b0, kb0, kb1, pos, sa_lo, sa_hi, ra_ok, rb_ok, sb[0], sb_ok[0]);
-        return;
-    }
-    float sa0 = 0.0f, sa1 = 0.0f, sbv[HALVES];
-#pragma unroll
-    for (int h = 0; h < HALVES; h++) sbv[h] = b_scale_at(sb[h], kb0, sb_ok[h] && kb0 < kb1);
+        consume_e4m3_pipelined<V>(acc, p, sm, a0, b0, row, kb0, kb1, pos);
+    } else {
     for (int kb = kb0; kb < kb1; kb++) {
         mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
-        if (kb == kb0) {
-            sa0 = a_scale_at(sa_lo, kb * p.a_scale_block, ra_ok);
-            sa1 = a_scale_at(sa_hi, kb * p.a_scale_block, rb_ok);
-        }
-        /* The next block's scales, in flight while this one computes. */
-        const bool more = kb + 1 < kb1;
-        const float na0 = a_scale_at(sa_lo, (kb + 1) * p.a_scale_block, ra_ok && more),
-                    na1 = a_scale_at(sa_hi, (kb + 1) * p.a_scale_block, rb_ok && more);
-        float nb[HALVES];
-#pragma unroll
-        for (int h = 0; h < HALVES; h++) nb[h] = b_scale_at(sb[h], kb + 1, sb_ok[h] && more);
+        const e4m3_scales_t sa = stage_row_scales(sm, pos->stage, row);
         const uint32_t a = a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b = b0 + (uint32_t)pos->stage * (B_BYTES >> 4);
 #pragma unroll
         for (int h = 0; h < HALVES; h++) {
+            const float sb = stage_b_scale(sm, pos->stage, h);
             float part[64];
             issue_e4m3_block(part, a, b + h * (128 * 128 >> 4)); /* the half's 128 rows of B */
             wgmma_wait<0>();
             if (h == HALVES - 1 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]);
-            promote_e4m3(acc + h * 64, part, sa0 * sbv[h], sa1 * sbv[h]);
+            promote_e4m3(acc + h * 64, part, sa.a0 * sb, sa.a1 * sb);
         }
-        sa0 = na0, sa1 = na1;
-#pragma unroll
-        for (int h = 0; h < HALVES; h++) sbv[h] = nb[h];
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+    }
     }
 }
 

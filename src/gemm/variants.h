@@ -223,6 +223,15 @@ COMETI_GEMM_FN int cometi_gemm_out_cols(cometi_gemm_variant_t v)
 {
     return cometi_gemm_is_swiglu(v.epilogue) ? v.block_n / 2 : v.block_n;
 }
+/* E4M3: a stage's scales beside its boxes, in their own slot (kernel.cuh): the A tile's
+ * 128 rows' scales of the stage's k block, then B's (gate and up, or the two 128-row
+ * blocks of a 256-wide tile), padded to 16 bytes. Loaded by a warp of the producer, so the
+ * consumers read them from shared memory, not at L2's latency in their mainloop. */
+#define COMETI_GEMM_SCALE_SLOT_FLOATS (COMETI_GEMM_BM + 4)
+COMETI_GEMM_FN int cometi_gemm_scale_slot_bytes(cometi_gemm_variant_t v)
+{
+    return v.a_type == COMETI_GEMM_E4M3 ? COMETI_GEMM_SCALE_SLOT_FLOATS * 4 : 0;
+}
 /* One stage of the ring: A's and B's boxes of one k-step. */
 COMETI_GEMM_FN int cometi_gemm_stage_bytes(cometi_gemm_variant_t v)
 {
@@ -247,7 +256,8 @@ COMETI_GEMM_FN int cometi_gemm_stages(cometi_gemm_variant_t v)
 {
     int stages = COMETI_GEMM_MAX_STAGES;
     while (stages > 1 && cometi_gemm_fixed_bytes(stages) + cometi_gemm_staging_bytes(v) +
-                                 stages * cometi_gemm_stage_bytes(v) > COMETI_GEMM_SMEM_LIMIT)
+                                 stages * (cometi_gemm_stage_bytes(v) + cometi_gemm_scale_slot_bytes(v)) >
+                             COMETI_GEMM_SMEM_LIMIT)
         stages--;
     return stages;
 }
@@ -270,7 +280,8 @@ COMETI_GEMM_FN int cometi_gemm_family(cometi_gemm_variant_t v)
 COMETI_GEMM_FN int cometi_gemm_smem_bytes(cometi_gemm_variant_t v)
 {
     const int stages = cometi_gemm_stages(v);
-    return cometi_gemm_fixed_bytes(stages) + cometi_gemm_staging_bytes(v) + stages * cometi_gemm_stage_bytes(v);
+    return cometi_gemm_fixed_bytes(stages) + cometi_gemm_staging_bytes(v) +
+           stages * (cometi_gemm_stage_bytes(v) + cometi_gemm_scale_slot_bytes(v));
 }
 
 #endif /* COMET_GEMM_VARIANTS_H */
