@@ -4,7 +4,8 @@
  * in bf16, both on the fused path, and beside the FP8 sequential path (NCCL all-to-all of
  * FP8 rows, cuBLASLt's block-scaled GEMMs), timed in turns (one call of each per round, so
  * clock drift hits all alike), at the bench's token count and at 1, 16 and 128 tokens (small
- * batches: the weights' bytes halve). The FP8 weights are the bf16 ones quantized by
+ * batches: the weights' bytes halve; the fused layers there as CUDA-graph replays, as a
+ * server runs them, the sequential path in direct calls since it syncs the host). The FP8 weights are the bf16 ones quantized by
  * comet_quantize_fp8_weights; each output is checked against the other with DeepGEMM's
  * measure 1 - 2 sum(xy) / sum(x^2 + y^2) (FP8's own error on these random operands: x,
  * the weights and the activation each rounded to E4M3). Medians of the slowest rank.
@@ -22,16 +23,32 @@
 #include "alloc.h"
 #include "tool.h"
 
-/* One forward of `moe` timed with events; *failed set on an error. */
-static float timed_forward(comet_moe_t moe, const comet_moe_args_t *a, cudaEvent_t e0, cudaEvent_t e1, int *failed)
+/* One forward of `moe` on `st` timed with events, or (exec not NULL) one replay of its
+ * graph; *failed set on an error. */
+static float timed_forward(comet_moe_t moe, const comet_moe_args_t *a, cudaGraphExec_t exec, cudaStream_t st,
+                           cudaEvent_t e0, cudaEvent_t e1, int *failed)
 {
     float ms = 0;
-    cudaEventRecord(e0, 0);
-    if (comet_moe_forward(moe, a, 0) != COMET_SUCCESS) *failed = 1;
-    cudaEventRecord(e1, 0);
-    cudaEventSynchronize(e1);
+    cudaEventRecord(e0, st);
+    if (exec ? cudaGraphLaunch(exec, st) != cudaSuccess : comet_moe_forward(moe, a, st) != COMET_SUCCESS) *failed = 1;
+    cudaEventRecord(e1, st);
+    if (cudaEventSynchronize(e1) != cudaSuccess) *failed = 1;
     cudaEventElapsedTime(&ms, e0, e1);
     return ms;
+}
+
+/* One forward of `moe` captured on `st` as a graph ready to replay; NULL on an error. */
+static cudaGraphExec_t capture_forward(comet_moe_t moe, const comet_moe_args_t *a, cudaStream_t st)
+{
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return NULL;
+    const comet_status_t called = comet_moe_forward(moe, a, st);
+    const cudaError_t ended = cudaStreamEndCapture(st, &graph);
+    if (called == COMET_SUCCESS && ended == cudaSuccess && cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+        exec = NULL;
+    if (graph) cudaGraphDestroy(graph);
+    return exec;
 }
 
 int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
@@ -109,11 +126,13 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
     cudaEvent_t e0, e1;
     CUDA_OK(cudaEventCreate(&e0));
     CUDA_OK(cudaEventCreate(&e1));
+    cudaStream_t st; /* every call of both layers (a layer's calls keep one stream), capturable */
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     const int counts[4] = {M, 1, 16, 128};
     if (me == 0)
         printf("\n%s FP8: E=%d top-k=%d H=%d F=%d, %d x GPU (EP=%d x TP=%d), in turns, median of %d; \"fp8 seq\": "
-               "the FP8 sequential path\n%-16s %6s %10s %10s %8s %11s %8s %12s\n", label, E, k, H, F, R, R / tp, tp,
-               o->iters, "case", "tokens", "bf16 ms", "fp8 ms", "bf16/fp8", "fp8 seq ms", "seq/fp8", "vs bf16");
+               "the FP8 sequential path; below %d tokens the fused layers as CUDA-graph replays\n%-16s %6s %10s %10s %8s %11s %8s %12s\n", label, E, k, H, F, R, R / tp, tp,
+               o->iters, M, "case", "tokens", "bf16 ms", "fp8 ms", "bf16/fp8", "fp8 seq ms", "seq/fp8", "vs bf16");
     int failed = 0, inaccurate = 0;
     for (int ci = 0; ci < 4; ci++) {
         const int m = counts[ci];
@@ -122,9 +141,9 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
         /* Check: poisoned outputs, one call each, DeepGEMM's measure. */
         CUDA_OK(cudaMemset(y16, 0xff, (size_t)m * H * 2));
         CUDA_OK(cudaMemset(y8, 0xff, (size_t)m * H * 2));
-        FAIL_IF(comet_moe_forward(m16, &a16, 0) != COMET_SUCCESS, "bf16 forward: %s", comet_moe_last_error(m16));
-        FAIL_IF(comet_moe_forward(m8, &a8, 0) != COMET_SUCCESS, "FP8 forward: %s", comet_moe_last_error(m8));
-        CUDA_OK(cudaDeviceSynchronize());
+        FAIL_IF(comet_moe_forward(m16, &a16, st) != COMET_SUCCESS, "bf16 forward: %s", comet_moe_last_error(m16));
+        FAIL_IF(comet_moe_forward(m8, &a8, st) != COMET_SUCCESS, "FP8 forward: %s", comet_moe_last_error(m8));
+        CUDA_OK(cudaStreamSynchronize(st));
         uint16_t *h16 = TOOL_MALLOC((size_t)m * H * 2), *h8 = TOOL_MALLOC((size_t)m * H * 2);
         CUDA_OK(cudaMemcpy(h16, y16, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(h8, y8, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
@@ -142,14 +161,23 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
               *tseq = TOOL_MALLOC(sizeof(float) * o->iters);
         comet_moe_args_t aseq = a8;
         aseq.impl = COMET_IMPL_BASELINE;
+        cudaGraphExec_t g16 = NULL, g8 = NULL;
+        if (ci) {
+            g16 = capture_forward(m16, &a16, st), g8 = capture_forward(m8, &a8, st);
+            FAIL_IF(!g16 || !g8, "%s: capturing the forward at %d tokens failed: %s / %s", label, m,
+                    comet_moe_last_error(m16), comet_moe_last_error(m8));
+        }
         for (int it = -o->warmup; it < o->iters; it++) {
-            FAIL_IF(cometi_barrier(comm, 0) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
-            const float a = timed_forward(m16, &a16, e0, e1, &failed), b = timed_forward(m8, &a8, e0, e1, &failed),
-                        c = timed_forward(m8, &aseq, e0, e1, &failed);
+            FAIL_IF(cometi_barrier(comm, st) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
+            const float a = timed_forward(m16, &a16, g16, st, e0, e1, &failed),
+                        b = timed_forward(m8, &a8, g8, st, e0, e1, &failed),
+                        c = timed_forward(m8, &aseq, NULL, st, e0, e1, &failed);
             FAIL_IF(failed, "%s: a forward failed: %s / %s", label, comet_moe_last_error(m16),
                     comet_moe_last_error(m8));
             if (it >= 0) t16[it] = a, t8[it] = b, tseq[it] = c;
         }
+        if (g16) cudaGraphExecDestroy(g16);
+        if (g8) cudaGraphExecDestroy(g8);
         float ms[3] = {median(t16, o->iters), median(t8, o->iters), median(tseq, o->iters)};
         free(t16), free(t8), free(tseq);
         if (allreduce(comm, ms, 3, ncclMax)) return 1;
@@ -162,6 +190,7 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
     }
     fflush(stdout);
     cudaEventDestroy(e0), cudaEventDestroy(e1);
+    cudaStreamDestroy(st);
     if (apart) cudaFree((void *)a8.weights.gate), cudaFree((void *)a8.weights.up),
         cudaFree((void *)a8.weight_scales.gate), cudaFree((void *)a8.weight_scales.up);
     cudaFree(gu), cudaFree(dn), cudaFree(gu8), cudaFree(dn8), cudaFree(gus), cudaFree(dns), cudaFree(x);
