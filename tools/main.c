@@ -194,7 +194,7 @@ static const flag_t flags[] = {
     {"--fp8", NULL, CMD_BENCH, set_switch, AT(o.fp8), 1, 0,
      "instead, the block-scaled FP8 layer (E4M3, 128 x 128 weight scales, x quantized per 128 columns) beside "
      "the bf16 layer (both fused) and the FP8 sequential path, in turns, at --tokens and at 1, 16 and 128 "
-     "tokens; with 1 - 2xy/(x^2+y^2) of the FP8 and bf16 outputs"},
+     "tokens (there the fused layers as CUDA-graph replays); with 1 - 2xy/(x^2+y^2) of the FP8 and bf16 outputs"},
     {"--fp8", NULL, CMD_GEMM, set_switch, AT(o.fp8), 1, 0,
      "instead, the block-scaled FP8 forward GEMMs (E4M3, 1 x 128 and 128 x 128 scales) beside cuBLASLt's "
      "block-scaled FP8 GEMM per expert and our bf16 GEMM; --ep defaults to 1 (one GPU's rows)"},
