@@ -178,8 +178,7 @@ COMET_API const char *comet_comm_last_error(comet_comm_t comm);
 
 /* The message of the last failed *_create call on this thread (the handle is NULL), of
  * the last failed *_destroy call (the handle is gone), or of the last failed call that
- * takes no handle (the saved-state calls, comet_quantize_fp8_weights and
- * comet_quantize_fp8_rows). */
+ * takes no handle (the saved-state calls and the comet_quantize_fp8_* calls). */
 COMET_API const char *comet_last_create_error(void);
 
 /*
@@ -534,7 +533,7 @@ COMET_API comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_bac
  * infinity shows up in the result, never silently made finite. (An E4M3 NaN byte is always
  * 0x7F, whatever the sign of the NaN it came from.)
  *
- * Both calls are enqueued on `stream` (the current device's), are not collective and
+ * The three calls are enqueued on `stream` (the current device's), are not collective and
  * need no handle. Errors: COMET_INVALID_ARGUMENT for a bad argument (the message, from
  * comet_last_create_error(), names the field, its value and the limit; nothing is
  * launched), COMET_CUDA_ERROR where the launch fails.
@@ -550,6 +549,19 @@ COMET_API comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_bac
  */
 COMET_API comet_status_t comet_quantize_fp8_weights(const void *w, int64_t mats, int rows, int cols, int pow2_scales,
                                                     void *q, float *scales, cudaStream_t stream);
+/*
+ * The same quantization, written transposed too: qt E4M3 [mats][cols][rows] and scales_t
+ * FP32 [mats][ceil(cols / 128)][ceil(rows / 128)], with qt[m][c][r] = q[m][r][c] and
+ * scales_t[m][j][i] = scales[m][i][j] (every byte and scale as comet_quantize_fp8_weights
+ * gives them: a block's elements and amax are the same either way). W^T in FP8 is what a
+ * backward's data-gradient GEMM reads, since FP8 tensor-core MMAs read both operands along
+ * k only: dx = dy W takes W^T's rows. One pass reads w once and writes both copies; q and
+ * scales may both be NULL (the transpose alone). As comet_quantize_fp8_weights, and rows a
+ * multiple of 16 as well; qt 16-byte aligned, scales_t 4-byte aligned.
+ */
+COMET_API comet_status_t comet_quantize_fp8_weights_transposed(const void *w, int64_t mats, int rows, int cols,
+                                                               int pow2_scales, void *q, float *scales, void *qt,
+                                                               float *scales_t, cudaStream_t stream);
 /*
  * Token rows (activations): x bf16 [rows][cols] -> q E4M3 [rows][cols] and scales FP32
  * [rows][ceil(cols / 128)], one per row per 128 columns (DeepEP's layout). rows >= 0

@@ -299,6 +299,35 @@ int test_fp8_quantize_api_refusals(void)
     CHECK_REFUSED(comet_quantize_fp8_weights(in, 2, 128, 128, 0, (char *)q + 8, sc, st), "q = 0x20008: must be 16-byte aligned");
     CHECK_REFUSED(comet_quantize_fp8_weights(in, 2, 128, 128, 0, q, (float *)((char *)sc + 1), st),
                   "scales = 0x30001: must be 4-byte aligned");
+
+    /* Weights with their transpose: rows are the transpose's k. */
+    void *const qt = (void *)(uintptr_t)0x40000;
+    float *const sct = (float *)(uintptr_t)0x50000;
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 0, 128, 128, 0, q, sc, qt, sct, st),
+                  "comet_quantize_fp8_weights_transposed: mats = 0: must be >= 1");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 200, 128, 0, q, sc, qt, sct, st),
+                  "rows = 200: must be a positive multiple of 16");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 0, 128, 0, q, sc, qt, sct, st),
+                  "rows = 0: must be a positive multiple of 16");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 128, 40, 0, q, sc, qt, sct, st),
+                  "cols = 40: must be a positive multiple of 16");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 128, 128, 3, q, sc, qt, sct, st),
+                  "pow2_scales = 3: must be 0 or 1");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, INT64_MAX, 16, 16, 0, q, sc, qt, sct, st),
+                  "mats = 9223372036854775807 x rows = 16: more than 2^61 elements");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 128, 128, 0, q, sc, NULL, sct, st), "qt is NULL");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 128, 128, 0, q, sc, qt, NULL, st), "scales_t is NULL");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 128, 128, 0, q, sc, (char *)qt + 8, sct, st),
+                  "qt = 0x40008: must be 16-byte aligned");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 128, 128, 0, q, sc, qt, (float *)((char *)sct + 2), st),
+                  "scales_t = 0x50002: must be 4-byte aligned");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 128, 128, 0, q, NULL, qt, sct, st),
+                  "scales = (nil): give both");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 128, 128, 0, NULL, sc, qt, sct, st),
+                  "q = (nil) and scales = 0x30000: give both");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(in, 2, 128, 128, 0, (char *)q + 4, sc, qt, sct, st),
+                  "q = 0x20004: must be 16-byte aligned");
+    CHECK_REFUSED(comet_quantize_fp8_weights_transposed(NULL, 2, 128, 128, 0, q, sc, qt, sct, st), "w is NULL");
     return 0;
 }
 
@@ -522,6 +551,72 @@ typedef struct weights_case {
     int rows, cols;
 } weights_case_t;
 
+/* comet_quantize_fp8_weights_transposed on the weights dw (w on the host gave q and s
+ * through comet_quantize_fp8_weights): q and scales again byte for byte, qt and scales_t
+ * their transposes, nothing written past either; once with q and scales, once without. */
+static int transposed_case(const void *dw, int64_t mats, int rows, int cols, int pow2, const uint8_t *q,
+                           const float *s, int *done)
+{
+    const int rt = (rows + 127) / 128, ct = (cols + 127) / 128;
+    const size_t n = (size_t)mats * rows * cols, nsc = (size_t)mats * rt * ct, spare = 64;
+    void *dq, *dqt;
+    float *ds, *dst;
+    CUDA_OK(cudaMalloc(&dq, n + spare));
+    CUDA_OK(cudaMalloc(&dqt, n + spare));
+    CUDA_OK(cudaMalloc((void **)&ds, (nsc + spare) * sizeof(float)));
+    CUDA_OK(cudaMalloc((void **)&dst, (nsc + spare) * sizeof(float)));
+    uint8_t *q2 = malloc(n + spare), *qt = malloc(n + spare);
+    float *s2 = malloc((nsc + spare) * sizeof(float)), *st = malloc((nsc + spare) * sizeof(float));
+    int bad = 0;
+    for (int with_q = 1; with_q >= 0; with_q--) {
+        CUDA_OK(cudaMemset(dq, POISON, n + spare));
+        CUDA_OK(cudaMemset(dqt, POISON, n + spare));
+        CUDA_OK(cudaMemset(ds, POISON, (nsc + spare) * sizeof(float)));
+        CUDA_OK(cudaMemset(dst, POISON, (nsc + spare) * sizeof(float)));
+        const comet_status_t r = comet_quantize_fp8_weights_transposed(dw, mats, rows, cols, pow2, with_q ? dq : NULL,
+                                                                       with_q ? ds : NULL, dqt, dst, 0);
+        if (r != COMET_SUCCESS) printf("comet_quantize_fp8_weights_transposed: %s\n", comet_last_create_error());
+        CHECK_EQ(r, COMET_SUCCESS);
+        CUDA_OK(cudaDeviceSynchronize());
+        CUDA_OK(cudaMemcpy(q2, dq, n + spare, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(qt, dqt, n + spare, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(s2, ds, (nsc + spare) * sizeof(float), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(st, dst, (nsc + spare) * sizeof(float), cudaMemcpyDeviceToHost));
+        for (int64_t m = 0; m < mats && bad < 10; m++)
+            for (int r0 = 0; r0 < rows && bad < 10; r0++)
+                for (int c = 0; c < cols && bad < 10; c++) {
+                    const size_t e = ((size_t)m * rows + r0) * cols + c, et = ((size_t)m * cols + c) * rows + r0;
+                    if (qt[et] != q[e])
+                        FAIL_AT("transposed %lld x %d x %d, pow2 %d: qt[%lld][%d][%d] = 0x%02x, q's 0x%02x\n",
+                                (long long)mats, rows, cols, pow2, (long long)m, c, r0, qt[et], q[e]);
+                    if (with_q ? q2[e] != q[e] : q2[e] != POISON)
+                        FAIL_AT("transposed, q %s: q[%zu] = 0x%02x, want 0x%02x\n", with_q ? "given" : "NULL", e, q2[e],
+                                with_q ? q[e] : POISON);
+                }
+        for (int64_t m = 0; m < mats && bad < 10; m++)
+            for (int i = 0; i < rt && bad < 10; i++)
+                for (int j = 0; j < ct && bad < 10; j++) {
+                    const size_t at = ((size_t)m * rt + i) * ct + j, att = ((size_t)m * ct + j) * rt + i;
+                    if (cometi_f32_bits(st[att]) != cometi_f32_bits(s[at]))
+                        FAIL_AT("transposed: scales_t[%lld][%d][%d] = %a, scales' %a\n", (long long)m, j, i, st[att], s[at]);
+                    if (with_q && cometi_f32_bits(s2[at]) != cometi_f32_bits(s[at]))
+                        FAIL_AT("transposed: scales[%zu] = %a, want %a\n", at, s2[at], s[at]);
+                }
+        for (size_t i = 0; i < spare && bad < 10; i++) {
+            if (qt[n + i] != POISON) FAIL_AT("transposed: qt byte %zu past the tensor written\n", n + i);
+            if (cometi_f32_bits(st[nsc + i]) != 0xa5a5a5a5u) FAIL_AT("transposed: scales_t %zu past written\n", nsc + i);
+            if (with_q && q2[n + i] != POISON) FAIL_AT("transposed: q byte %zu past the tensor written\n", n + i);
+        }
+        if (!with_q)
+            for (size_t i = 0; i < nsc + spare && bad < 10; i++)
+                if (cometi_f32_bits(s2[i]) != 0xa5a5a5a5u) FAIL_AT("transposed, scales NULL: scales[%zu] written\n", i);
+    }
+    free(q2), free(qt), free(s2), free(st);
+    cudaFree(dq), cudaFree(dqt), cudaFree(ds), cudaFree(dst);
+    *done = 1;
+    return bad;
+}
+
 /* comet_quantize_fp8_weights on one shape, pow2 off and on: every q byte and scale
  * against the host, the bytes and scales past the tensors untouched. A NaN, an infinity
  * or a huge value in about one tile in 4. */
@@ -548,6 +643,7 @@ static int weights_case(const weights_case_t *wc, uint64_t *rng, int *nonfinite_
     uint8_t *q = malloc(n + spare);
     float *s = malloc((nsc + spare) * sizeof(float));
     double worst = 0;
+    int transposed = 0;
     for (int pow2 = 0; pow2 < 2; pow2++) {
         CUDA_OK(cudaMemset(dq, POISON, n + spare));
         CUDA_OK(cudaMemset(ds, POISON, (nsc + spare) * sizeof(float)));
@@ -585,9 +681,11 @@ static int weights_case(const weights_case_t *wc, uint64_t *rng, int *nonfinite_
             if (cometi_f32_bits(s[nsc + i]) != 0xa5a5a5a5u) FAIL_AT("pow2 %d: scale %zu past the grid written\n", pow2, nsc + i);
         }
         CHECK_EQ(bad, 0);
+        if (rows % 16 == 0) CHECK_EQ(transposed_case(dw, mats, rows, cols, pow2, q, s, &transposed), 0);
     }
     printf("weights %lld x %4d x %4d (%d x %d tiles a matrix): every byte and scale as the host's; worst |q s - x| / "
-           "bound %.3f\n", (long long)mats, rows, cols, rt, ct, worst);
+           "bound %.3f%s\n", (long long)mats, rows, cols, rt, ct, worst,
+           transposed ? "; the transposed copy the same bytes transposed, with and without q" : "");
     free(w), free(q), free(s);
     cudaFree(dw), cudaFree(dq), cudaFree(ds);
     return 0;
@@ -618,12 +716,15 @@ static int time_kernels(void)
     cudaEvent_t ev[2];
     CUDA_OK(cudaEventCreate(&ev[0]));
     CUDA_OK(cudaEventCreate(&ev[1]));
-    for (int which = 0; which < 2; which++) {
+    void *qt;
+    CUDA_OK(cudaMalloc(&qt, n));
+    for (int which = 0; which < 3; which++) {
         float ms[TIMED_RUNS];
         for (int i = -3; i < TIMED_RUNS; i++) {
             CUDA_OK(cudaEventRecord(ev[0], 0));
             if (which == 0) CUDA_OK(cometi_quantize_rows_e4m3(x, rows, cols, cols, q, cols, sc, 1, rows, 0, 0));
-            else CUDA_OK(cometi_quantize_blocks_e4m3(x, mats, wrows, cols, q, sc, 0, 0));
+            else if (which == 1) CUDA_OK(cometi_quantize_blocks_e4m3(x, mats, wrows, cols, q, sc, NULL, NULL, 0, 0));
+            else CUDA_OK(cometi_quantize_blocks_e4m3(x, mats, wrows, cols, q, sc, qt, sc + n / 256, 0, 0));
             CUDA_OK(cudaEventRecord(ev[1], 0));
             CUDA_OK(cudaEventSynchronize(ev[1]));
             if (i >= 0) CUDA_OK(cudaEventElapsedTime(&ms[i], ev[0], ev[1]));
@@ -631,11 +732,15 @@ static int time_kernels(void)
         qsort(ms, TIMED_RUNS, sizeof(float), cmp_float);
         const double elems = which == 0 ? (double)rows * cols : (double)n;
         const double blocks = which == 0 ? (double)rows * (cols / 128) : (double)mats * (wrows / 128) * (cols / 128);
-        const double bytes = elems * 3 + blocks * 4, med = ms[TIMED_RUNS / 2];
+        const double copies = which == 2 ? 2 : 1, bytes = elems * (2 + copies) + blocks * 4 * copies,
+                     med = ms[TIMED_RUNS / 2];
         printf("%s: median %.3f ms, %.2f TB/s (%.0f MB moved)\n",
-               which == 0 ? "rows 16384 x 7168 (MN-major scales)" : "weights 8 x 4096 x 7168", med, bytes / med / 1e9,
-               bytes / 1e6);
+               which == 0   ? "rows 16384 x 7168 (MN-major scales)"
+               : which == 1 ? "weights 8 x 4096 x 7168"
+                            : "weights 8 x 4096 x 7168 and their transpose",
+               med, bytes / med / 1e9, bytes / 1e6);
     }
+    cudaFree(qt);
     cudaEventDestroy(ev[0]), cudaEventDestroy(ev[1]);
     cudaFree(x), cudaFree(q), cudaFree(sc);
     return 0;
@@ -651,7 +756,8 @@ static int quantize_rank(const cometi_rank_ctx_t *ctx, void *arg)
     int nonfinite = 0;
     for (size_t i = 0; i < sizeof(rcs) / sizeof(rcs[0]); i++)
         if (rows_case(&rcs[i], &rng, &nonfinite)) return 1;
-    const weights_case_t wcs[] = {{3, 200, 2880}, {2, 256, 1408}, {1, 200, 48}, {5, 1, 16}, {2, 384, 7168}, {4, 130, 400}};
+    const weights_case_t wcs[] = {{3, 200, 2880}, {2, 256, 1408}, {1, 200, 48}, {5, 1, 16}, {2, 384, 7168}, {4, 130, 400},
+                                  {3, 272, 400}, {2, 2880, 144}, {1, 16, 2880}};
     for (size_t i = 0; i < sizeof(wcs) / sizeof(wcs[0]); i++)
         if (weights_case(&wcs[i], &rng, &nonfinite)) return 1;
     printf("%d blocks held a NaN or an infinity; each dequantized to NaN in every element\n", nonfinite);

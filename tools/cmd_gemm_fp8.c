@@ -145,7 +145,7 @@ static int quantize_weights(const void *w, int mats, int rows, int k, void **q, 
     CUDA_OK(cudaMalloc(q, (size_t)mats * rows * k));
     CUDA_OK(cudaMalloc((void **)s, blocks * ((k + 127) / 128) * 4));
     CUDA_OK(cudaMalloc((void **)s_lt, blocks * cometi_blaslt_fp8_b_scale_ld(k) * 4));
-    CUDA_OK(cometi_quantize_blocks_e4m3(w, mats, rows, k, *q, *s, 0, 0));
+    CUDA_OK(cometi_quantize_blocks_e4m3(w, mats, rows, k, *q, *s, NULL, NULL, 0, 0));
     char err[COMETI_ERR_LEN];
     FAIL_IF(cometi_blaslt_fp8_pad_b_scales(err, mats, rows, k, *s, *s_lt, 0) != COMET_SUCCESS, "%s", err);
     return 0;

@@ -19,7 +19,7 @@ forward_out, forward_train, backward; see ops.py), so torch.compile(model, fullg
 traces a model that holds these layers, forward and backward, without a graph break.
 
 Block-scaled FP8 experts (MoeConfig(..., dtype="fp8"), inference only): with torch,
-quantize_fp8_weights and quantize_fp8_rows (comet's quantizers, on a GPU),
+quantize_fp8_weights[_transposed] and quantize_fp8_rows (comet's quantizers, on a GPU),
 dequantize_fp8 (plain torch) and stack_fp8_experts (this rank's experts from an HF FP8
 checkpoint's state dict); CometSparseMoeBlock.load_state_dict takes such a state dict too.
 """
@@ -46,7 +46,7 @@ def __getattr__(name):
     if name in ("CometSparseMoeBlock", "mixtral_route"):
         from . import block
         return getattr(block, name)
-    if name in ("quantize_fp8_weights", "quantize_fp8_rows", "dequantize_fp8"):
+    if name in ("quantize_fp8_weights", "quantize_fp8_weights_transposed", "quantize_fp8_rows", "dequantize_fp8"):
         from . import fp8
         return getattr(fp8, name)
     if name == "stack_fp8_experts":
@@ -61,5 +61,5 @@ __all__ = [
     "presets", "Moe", "CometError", "CometInvalidArgumentError", "CometInvalidUsageError", "CometCudaError",
     "CometNcclError", "CometOutOfMemoryError", "CometTimeoutError", "CometRemoteError", "CometNotSupportedError",
     "CometInternalError",
-]  # and, with torch: CometSparseMoeBlock, mixtral_route, quantize_fp8_weights, quantize_fp8_rows, dequantize_fp8,
-#   stack_fp8_experts
+]  # and, with torch: CometSparseMoeBlock, mixtral_route, quantize_fp8_weights[_transposed], quantize_fp8_rows,
+#   dequantize_fp8, stack_fp8_experts

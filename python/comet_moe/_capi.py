@@ -232,6 +232,8 @@ _COMET_FUNCTIONS = [
     ("comet_moe_backward", c_int, [c_void_p, POINTER(MoeBackwardArgsStruct), c_void_p]),
     ("comet_quantize_fp8_weights", c_int,
      [c_void_p, ctypes.c_int64, c_int, c_int, c_int, c_void_p, c_void_p, c_void_p]),
+    ("comet_quantize_fp8_weights_transposed", c_int,
+     [c_void_p, ctypes.c_int64, c_int, c_int, c_int, c_void_p, c_void_p, c_void_p, c_void_p, c_void_p]),
     ("comet_quantize_fp8_rows", c_int, [c_void_p, ctypes.c_int64, c_int, c_int, c_void_p, c_void_p, c_void_p]),
 ]
 

@@ -8,7 +8,7 @@ multiplies too, despite its name). Weights are cut into 128 x 128 blocks (scales
     q, s = quantize_fp8_rows(x)          # x bf16 [..., cols]
     w32 = dequantize_fp8(q, s)           # plain torch, any device: q x s in float32
 
-The quantizers call comet (comet_quantize_fp8_weights, comet_quantize_fp8_rows) on torch's
+The quantizers call comet (comet_quantize_fp8_weights[_transposed], comet_quantize_fp8_rows) on torch's
 current stream of the tensor's device, after checking their arguments here (TypeError,
 ValueError naming the argument); they run eagerly (torch.compile traces around them).
 comet.h states their arithmetic: s = amax / 448 (or, with pow2_scales, the power of two
@@ -86,6 +86,37 @@ def quantize_fp8_weights(w, pow2_scales: bool = False):
                                             ctypes.c_void_p(stream))
     check(st, "comet_quantize_fp8_weights", lambda: _capi.text(lib.comet_last_create_error()))
     return q, scales
+
+
+def quantize_fp8_weights_transposed(w, pow2_scales: bool = False):
+    """As quantize_fp8_weights, with W^T in the same blocks too: (q, scales, qt, scales_t),
+    qt float8_e4m3fn [..., cols, rows] equal to q.transpose(-1, -2) byte for byte and
+    scales_t [..., ceil(cols / 128), ceil(rows / 128)] equal to scales.transpose(-1, -2),
+    from one pass over w (what a backward's data-gradient GEMMs read: FP8 tensor-core MMAs
+    take both operands along k only). rows a multiple of 16 as well."""
+    call = "quantize_fp8_weights_transposed"
+    pow2 = _pow2(call, pow2_scales)
+    _check_bf16_cuda(call, "w", w, 2, "[..., rows, cols]: a matrix, or a stack of them")
+    rows, cols = int(w.shape[-2]), int(w.shape[-1])
+    if rows < 16 or rows % 16 or rows > INT_MAX:
+        raise ValueError(f"{call}: w.shape = {tuple(w.shape)}: rows = {rows}: must be a positive multiple of 16 (the "
+                         f"transpose's rows are its k), at most {INT_MAX}")
+    lead = tuple(w.shape[:-2])
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    qt = torch.empty(lead + (cols, rows), dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(lead + (blocks(rows), blocks(cols)), dtype=torch.float32, device=w.device)
+    scales_t = torch.empty(lead + (blocks(cols), blocks(rows)), dtype=torch.float32, device=w.device)
+    if w.numel() == 0:  # no matrix
+        return q, scales, qt, scales_t
+    lib = _capi.load()
+    with torch.cuda.device(w.device):
+        stream = torch.cuda.current_stream(w.device).cuda_stream
+        st = lib.comet_quantize_fp8_weights_transposed(
+            ctypes.c_void_p(w.data_ptr()), w.numel() // (rows * cols), rows, cols, pow2,
+            ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(qt.data_ptr()),
+            ctypes.c_void_p(scales_t.data_ptr()), ctypes.c_void_p(stream))
+    check(st, "comet_quantize_fp8_weights_transposed", lambda: _capi.text(lib.comet_last_create_error()))
+    return q, scales, qt, scales_t
 
 
 def quantize_fp8_rows(x, pow2_scales: bool = False):

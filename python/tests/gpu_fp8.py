@@ -1,7 +1,7 @@
 """gpu_fp8.py - block-scaled FP8 in comet_moe on GPUs, run by test_torch_gpu.py (its runner,
 its Ctx `c`; `test_torch_gpu.py -v fp8` runs these alone):
 
-- comet's quantizers (quantize_fp8_weights, quantize_fp8_rows) against the tests' own,
+- comet's quantizers (quantize_fp8_weights[_transposed], quantize_fp8_rows) against the tests' own,
   written out in torch from base/fp8.h (fp8_reference.py), byte for byte, on data spread
   over many binades with partial, zero, tiny, huge, NaN and infinite blocks; on torch's
   current stream;
@@ -142,6 +142,16 @@ def fp8_quantizers_match_torch_byte_for_byte(c):
             what = f"quantize_fp8_weights {tuple(w.shape)}, pow2 {pow2}"
             same_bytes(c, what + ": q", q, rq)
             same_bytes(c, what + ": scales", s, rs)
+        for w in weights:
+            if w.shape[-2] % 16:
+                continue
+            q, s, qt, st = cm.quantize_fp8_weights_transposed(w, pow2_scales=pow2)
+            rq, rs = quantize_weights(torch, w, pow2)
+            what = f"quantize_fp8_weights_transposed {tuple(w.shape)}, pow2 {pow2}"
+            same_bytes(c, what + ": q", q, rq)
+            same_bytes(c, what + ": scales", s, rs)
+            same_bytes(c, what + ": qt", qt, rq.transpose(-1, -2).contiguous())
+            same_bytes(c, what + ": scales_t", st, rs.transpose(-1, -2).contiguous())
         for x in rows:
             q, s = cm.quantize_fp8_rows(x, pow2_scales=pow2)
             rq, rs = quantize_rows(torch, x, pow2)

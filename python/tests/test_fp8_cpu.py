@@ -121,6 +121,13 @@ def test_quantizers_refuse_before_calling_comet():
     raises(ValueError, lambda: quantize_fp8_weights(w.transpose(1, 2)), "w is not contiguous", "w.contiguous()")
     raises(ValueError, lambda: quantize_fp8_weights(w), "w is on cpu", "comet quantizes on the GPU", "w.cuda()")
     raises(TypeError, lambda: quantize_fp8_weights(w, pow2_scales="yes"), "pow2_scales = 'yes'", "a bool")
+    from comet_moe import quantize_fp8_weights_transposed
+    call = "quantize_fp8_weights_transposed"
+    raises(TypeError, lambda: quantize_fp8_weights_transposed(w.float()), f"{call}: w.dtype = torch.float32")
+    raises(ValueError, lambda: quantize_fp8_weights_transposed(torch.zeros(2, 40, 128, dtype=bf16)),
+           "w.shape = (2, 40, 128): rows = 40", "multiple of 16")
+    raises(ValueError, lambda: quantize_fp8_weights_transposed(w), "w is on cpu", "comet quantizes on the GPU")
+    raises(TypeError, lambda: quantize_fp8_weights_transposed(w, pow2_scales=None), "pow2_scales = None")
     call = "quantize_fp8_rows"
     x = torch.zeros(5, 256, dtype=bf16)
     raises(TypeError, lambda: quantize_fp8_rows(x.half()), f"{call}: x.dtype = torch.float16")

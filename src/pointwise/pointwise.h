@@ -52,9 +52,12 @@ cudaError_t cometi_quantize_rows_e4m3(const void *x, int64_t rows, int cols, int
                                       cudaStream_t stream);
 /* Weights: w bf16 [mats][rows][cols] (contiguous) in 128 x 128 blocks -> q E4M3
  * [mats][rows][cols], scales [mats][ceil(rows / 128)][ceil(cols / 128)] (HF FP8
- * checkpoints' weight_scale_inv). cols a multiple of 16, w 16-byte and q 8-byte aligned. */
+ * checkpoints' weight_scale_inv), and where qt is not NULL the same bytes transposed, qt
+ * [mats][cols][rows] with scales_t [mats][ceil(cols / 128)][ceil(rows / 128)] (then q and
+ * scales may be NULL, and rows must be a multiple of 16, qt 16-byte aligned). cols a
+ * multiple of 16, w 16-byte and q 8-byte aligned. */
 cudaError_t cometi_quantize_blocks_e4m3(const void *w, int64_t mats, int rows, int cols, void *q, float *scales,
-                                        int pow2, cudaStream_t stream);
+                                        void *qt, float *scales_t, int pow2, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

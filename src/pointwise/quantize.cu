@@ -133,14 +133,29 @@ extern "C" cudaError_t cometi_quantize_rows_e4m3(const void *x, int64_t rows, in
  * a tile), so the tile is read once. The amax: each thread's 64 values, a shuffle
  * reduction in each warp, the 8 warps' through shared memory (each thread folds them in
  * the same order). Rows and columns past the matrix's (a partial tile) load nothing and
- * count as zeros. */
+ * count as zeros.
+ *
+ * TRANSPOSED: the tile's bytes also go through shared memory to qt, W^T's rows (a column
+ * of the tile is 128 bytes of a qt row). The staging is 128 rows of 128 bytes whose 4-byte
+ * words are swizzled by row / 16 (word ^ 4 (row / 16)), so the transposing reads, 16 rows
+ * apart across a warp's lanes, fall in 8 different banks. A lane gathers 16 rows of one
+ * column (a 16-byte piece of a qt row); 8 lanes side by side write one qt row's 128 bytes. */
 #define TILE_ROWS_PER_PASS (QUANTIZE_THREADS / 16)
 #define TILE_PASSES (COMETI_FP8_BLOCK / TILE_ROWS_PER_PASS)
+#define TILE_PIECES (COMETI_FP8_BLOCK * COMETI_FP8_BLOCK / 16) /* 16-byte pieces of qt a tile */
+static __device__ __forceinline__ int staged_at(int row, int col)
+{
+    return row * COMETI_FP8_BLOCK + (((col / 4) ^ (row / 16 * 4)) * 4 | (col % 4));
+}
+
+template <bool TRANSPOSED>
 static __global__ void __launch_bounds__(QUANTIZE_THREADS)
 quantize_blocks_kernel(const uint16_t *__restrict__ w, long long mats, int rows, int cols, uint8_t *__restrict__ q,
-                       float *__restrict__ scales, int pow2, int row_tiles, int col_tiles)
+                       float *__restrict__ scales, uint8_t *__restrict__ qt, float *__restrict__ scales_t, int pow2,
+                       int row_tiles, int col_tiles)
 {
     __shared__ float warp_amax[QUANTIZE_WARPS];
+    __shared__ __align__(16) uint8_t staged[TRANSPOSED ? COMETI_FP8_BLOCK * COMETI_FP8_BLOCK : 16];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int tile_row = threadIdx.x / 16, col_in = (threadIdx.x % 16) * 8;
     const long long per_mat = (long long)row_tiles * col_tiles, tiles = mats * per_mat;
@@ -171,22 +186,50 @@ quantize_blocks_kernel(const uint16_t *__restrict__ w, long long mats, int rows,
         const float scale = cometi_fp8_scale(amax, pow2), inv = cometi_fp8_inverse(scale);
 #pragma unroll
         for (int p = 0; p < TILE_PASSES; p++) {
-            const int r = rt * COMETI_FP8_BLOCK + p * TILE_ROWS_PER_PASS + tile_row;
-            if (r < rows && c < cols) *(uint2 *)(q + base + (long long)r * cols + c) = quantize8(v[p], inv);
+            const int tr = p * TILE_ROWS_PER_PASS + tile_row, r = rt * COMETI_FP8_BLOCK + tr;
+            const uint2 bytes = quantize8(v[p], inv);
+            if (q && r < rows && c < cols) *(uint2 *)(q + base + (long long)r * cols + c) = bytes;
+            if (TRANSPOSED) *(uint2 *)(staged + staged_at(tr, col_in)) = bytes; /* col_in % 8 == 0: 8 bytes in */
         }
-        if (threadIdx.x == 0) scales[t] = scale; /* [mats][row_tiles][col_tiles]: tile t's */
+        if (q && threadIdx.x == 0) scales[t] = scale; /* [mats][row_tiles][col_tiles]: tile t's */
+        if (TRANSPOSED) {
+            __syncthreads(); /* the tile's bytes are staged */
+            for (int i = threadIdx.x; i < TILE_PIECES; i += QUANTIZE_THREADS) {
+                const int piece = i % 8, tc = i / 8; /* rows 16 piece .. 16 piece + 15 of column tc */
+                const int r0 = rt * COMETI_FP8_BLOCK + piece * 16, cc = ct * COMETI_FP8_BLOCK + tc;
+                if (r0 >= rows || cc >= cols) continue; /* rows % 16 == 0: a piece is all in or all out */
+                uint32_t word[4];
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    word[k] = 0;
+#pragma unroll
+                    for (int b = 0; b < 4; b++)
+                        word[k] |= (uint32_t)staged[staged_at(piece * 16 + k * 4 + b, tc)] << (8 * b);
+                }
+                *(uint4 *)(qt + m * rows * (long long)cols + (long long)cc * rows + r0) =
+                    make_uint4(word[0], word[1], word[2], word[3]);
+            }
+            if (threadIdx.x == 0) scales_t[(m * col_tiles + ct) * row_tiles + rt] = scale; /* [mats][col_tiles][row_tiles] */
+            __syncthreads(); /* the staging is read before the next tile writes it */
+        }
     }
 }
 
 extern "C" cudaError_t cometi_quantize_blocks_e4m3(const void *w, int64_t mats, int rows, int cols, void *q,
-                                                   float *scales, int pow2, cudaStream_t stream)
+                                                   float *scales, void *qt, float *scales_t, int pow2,
+                                                   cudaStream_t stream)
 {
     if (mats <= 0 || rows <= 0 || cols <= 0) return cudaSuccess;
     const int row_tiles = (rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK;
     const int col_tiles = (cols + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK;
     const long long tiles = (long long)mats * row_tiles * col_tiles;
-    quantize_blocks_kernel<<<(unsigned int)(tiles < QUANTIZE_MAX_GRID ? tiles : QUANTIZE_MAX_GRID), QUANTIZE_THREADS,
-                             0, stream>>>((const uint16_t *)w, mats, rows, cols, (uint8_t *)q, scales, pow2, row_tiles,
-                                          col_tiles);
+    const unsigned int grid = (unsigned int)(tiles < QUANTIZE_MAX_GRID ? tiles : QUANTIZE_MAX_GRID);
+    if (qt)
+        quantize_blocks_kernel<true><<<grid, QUANTIZE_THREADS, 0, stream>>>(
+            (const uint16_t *)w, mats, rows, cols, (uint8_t *)q, scales, (uint8_t *)qt, scales_t, pow2, row_tiles,
+            col_tiles);
+    else
+        quantize_blocks_kernel<false><<<grid, QUANTIZE_THREADS, 0, stream>>>(
+            (const uint16_t *)w, mats, rows, cols, (uint8_t *)q, scales, NULL, NULL, pow2, row_tiles, col_tiles);
     return cudaGetLastError();
 }
