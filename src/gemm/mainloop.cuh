@@ -248,33 +248,35 @@ typedef struct e4m3_pipe {
     float s0, s1;   /* its scales: each row's A scale x the block's B scale */
 } e4m3_pipe_t;
 
-/* One step with a next block: kb + 1's MMAs issued into `next` once its stage is full, kb's
- * waited for (kb + 1's stay in flight), kb's stage released and its sums (in `done`)
- * promoted. */
 template <int V>
 static __device__ __forceinline__ void step_e4m3(float *acc, float *done, float *next, const cometi_gemm_args_t &p,
-                                                 const gemm_smem_t &sm, uint32_t a0, uint32_t b0, int row,
-                                                 ring_pos_t *pos, e4m3_pipe_t *pipe)
+                                                 const gemm_smem_t &sm, uint32_t a0, uint32_t b0, int row, int kb,
+                                                 int kb1, ring_pos_t *pos, e4m3_pipe_t *pipe)
 {
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
     constexpr int STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T);
     const uint32_t A_BYTES = TM * 128, B_BYTES = T.block_n * 128;
-    mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
-    const e4m3_scales_t sa = stage_row_scales(sm, pos->stage, row);
-    const float sb = stage_b_scale(sm, pos->stage, 0);
-    issue_e4m3_block(next, a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b0 + (uint32_t)pos->stage * (B_BYTES >> 4));
-    const int next_stage = pos->stage;
-    if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
-    wgmma_wait<1>();
+    float n0 = 0.0f, n1 = 0.0f;
+    int next_stage = -1;
+    if (kb + 1 < kb1) {
+        mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
+        const e4m3_scales_t sa = stage_row_scales(sm, pos->stage, row);
+        const float sb = stage_b_scale(sm, pos->stage, 0);
+        n0 = sa.a0 * sb, n1 = sa.a1 * sb;
+        issue_e4m3_block(next, a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b0 + (uint32_t)pos->stage * (B_BYTES >> 4));
+        next_stage = pos->stage;
+        if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+        wgmma_wait<1>();
+    } else {
+        wgmma_wait<0>();
+    }
     if (threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pipe->prev_stage]);
     promote_e4m3(acc, done, pipe->s0, pipe->s1);
-    pipe->prev_stage = next_stage, pipe->s0 = sa.a0 * sb, pipe->s1 = sa.a1 * sb;
+    pipe->prev_stage = next_stage, pipe->s0 = n0, pipe->s1 = n1;
 }
 
-/* The 128-wide E4M3 mainloop, pipelined across k blocks: pairs of steps with fixed
- * register sets while two or more blocks follow, at most one more step, then the last
- * block's wait and promotion. No MMA is issued under a condition other than a loop's
- * (ptxas serializes wgmma around waits it must insert in divergent paths). */
+/* The 128-wide E4M3 mainloop, pipelined across k blocks (step_e4m3), unrolled by two so
+ * the two register sets keep fixed names. */
 template <int V>
 static __device__ __forceinline__ void consume_e4m3_pipelined(float *acc, const cometi_gemm_args_t &p,
                                                               const gemm_smem_t &sm, uint32_t a0, uint32_t b0,
@@ -293,20 +295,11 @@ static __device__ __forceinline__ void consume_e4m3_pipelined(float *acc, const 
     issue_e4m3_block(part0, a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b0 + (uint32_t)pos->stage * (B_BYTES >> 4));
     pipe.prev_stage = pos->stage;
     if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
-    int kb = kb0;
-    for (; kb + 2 < kb1; kb += 2) {
-        step_e4m3<V>(acc, part0, part1, p, sm, a0, b0, row, pos, &pipe);
-        step_e4m3<V>(acc, part1, part0, p, sm, a0, b0, row, pos, &pipe);
+    for (int kb = kb0; kb < kb1; kb += 2) {
+        step_e4m3<V>(acc, part0, part1, p, sm, a0, b0, row, kb, kb1, pos, &pipe);
+        if (kb + 1 >= kb1) break;
+        step_e4m3<V>(acc, part1, part0, p, sm, a0, b0, row, kb + 1, kb1, pos, &pipe);
     }
-    int odd = 0;
-    for (; kb + 1 < kb1; kb++, odd = 1) step_e4m3<V>(acc, part0, part1, p, sm, a0, b0, row, pos, &pipe);
-    wgmma_wait<0>();
-    if (odd) {
-#pragma unroll
-        for (int i = 0; i < 64; i++) part0[i] = part1[i];
-    }
-    if (threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pipe.prev_stage]);
-    promote_e4m3(acc, part0, pipe.s0, pipe.s1);
 }
 
 /* A consumer warpgroup's mainloop over k-steps [kb0, kb1) of an E4M3 row (one stage is one
