@@ -126,6 +126,25 @@ class CometSparseMoeBlock(nn.Module):
             self.w13 = nn.Parameter(torch.zeros(E_local, 2 * Fl, H, device=device, dtype=torch.bfloat16))
             self.w2 = nn.Parameter(torch.zeros(E_local, H, Fl, device=device, dtype=torch.bfloat16))
 
+    def _apply(self, fn, recurse=True):
+        """What Module.to, .cuda, .bfloat16, .half and the like run. An FP8 block's expert
+        buffers keep their dtypes (float8_e4m3fn values, float32 scales: what comet reads;
+        a cast would lose the scales' bits) and follow only the device moves; the router is
+        cast as asked."""
+        if not self.fp8:
+            return super()._apply(fn, recurse)
+        held = {name: self._buffers[name] for name in _FP8_BUFFERS.values() if self._buffers.get(name) is not None}
+        for name in held:
+            self._buffers[name] = None  # skipped by Module._apply, kept in place
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, t in held.items():
+                device = fn(torch.empty(0, device=t.device)).device  # where fn sends a tensor
+                self._buffers[name] = t if device == t.device else \
+                    torch.empty_like(t, device=device) if t.is_meta else t.to(device)
+        return self
+
     def _layout(self) -> Layout:
         return Layout(self.hidden_dim, self.ffn_dim, self.num_experts, self.first_expert, self.experts_per_rank,
                       self.tp_size, self.tp_rank, self.ffn_local)

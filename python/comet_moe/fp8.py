@@ -96,11 +96,13 @@ def quantize_fp8_weights_transposed(w, pow2_scales: bool = False):
     take both operands along k only). rows a multiple of 16 as well."""
     call = "quantize_fp8_weights_transposed"
     pow2 = _pow2(call, pow2_scales)
+    if isinstance(w, torch.Tensor) and w.dim() >= 2:  # the shape first: it is wrong wherever w is
+        rows = int(w.shape[-2])
+        if rows < 16 or rows % 16 or rows > INT_MAX:
+            raise ValueError(f"{call}: w.shape = {tuple(w.shape)}: rows = {rows}: must be a positive multiple of 16 "
+                             f"(the transpose's rows are its k), at most {INT_MAX}")
     _check_bf16_cuda(call, "w", w, 2, "[..., rows, cols]: a matrix, or a stack of them")
     rows, cols = int(w.shape[-2]), int(w.shape[-1])
-    if rows < 16 or rows % 16 or rows > INT_MAX:
-        raise ValueError(f"{call}: w.shape = {tuple(w.shape)}: rows = {rows}: must be a positive multiple of 16 (the "
-                         f"transpose's rows are its k), at most {INT_MAX}")
     lead = tuple(w.shape[:-2])
     q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
     qt = torch.empty(lead + (cols, rows), dtype=torch.float8_e4m3fn, device=w.device)

@@ -403,6 +403,33 @@ def test_fp8_block_loads_a_checkpoint_and_runs():
         check(bool((ids >= 4).all()), f"routing left this rank's experts: {ids.tolist()}")
 
 
+def test_fp8_block_casts_keep_the_experts_dtypes():
+    """A model's .to(dtype), .half(), .float() or .bfloat16() casts the router alone: the FP8
+    block's experts stay float8_e4m3fn and their scales float32, byte for byte, and the
+    forward gives the same y after casting the router back."""
+    torch = need_torch()
+    H, F, E = 256, 192, 4  # gate and up apart: every kind of buffer
+    cfg = config(num_experts=E, ffn=F)
+    block = fp8_block(torch, cfg)
+    block.load_state_dict(dict(hf_state_dict(torch, bf16_experts(torch, E, H, F, seed=3), "mixtral"),
+                               **{"gate.weight": torch.randn(E, H).to(torch.bfloat16)}))
+    before = {n: b.clone() for n, b in block.named_buffers()}
+    check_eq(sorted(before), ["w1", "w1_scale_inv", "w2", "w2_scale_inv", "w3", "w3_scale_inv"], "the buffers")
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.no_grad():
+        y, _ = block(x)
+    casts = {".to(float32)": lambda m: m.to(torch.float32), ".half()": lambda m: m.half(),
+             ".float()": lambda m: m.float(), ".to('cpu', bfloat16)": lambda m: m.to("cpu", torch.bfloat16)}
+    for what, cast in casts.items():
+        check(cast(block) is block, f"{what} returns the block")
+        for name, b in block.named_buffers():
+            check_bytes(torch, b, before[name], f"{name} after {what}")
+    check_eq(block.gate.weight.dtype, torch.bfloat16, "the router, cast back last")
+    with torch.no_grad():
+        y2, _ = block(x)
+    check(torch.equal(y2, y), "y after the casts")
+
+
 def test_fp8_block_refuses_training_and_wrong_state_dicts():
     torch = need_torch()
     from comet_moe import CometSparseMoeBlock
