@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # run-tests.sh - what `make test` runs: the tree's layout rules (scripts/check-tree.py), the
 # C tests (build/comet_tests), the tool's command-line checks (tests/test_cli.sh), the
-# build's choices (tests/test_build.sh: which NCCL, what `make` builds), then the Python
+# build's choices (tests/test_build.sh: which NCCL, what `make` builds, ptxas's notes on
+# the FP8 GEMM), then the Python
 # package's CPU tests (python/tests: `pytest python/tests` where pytest is installed, else
 # python/tests/run_cpu.py, which runs the same test functions; tests that need torch or
 # GPUs skip, saying why), and one closing line with the sums of all five: "N passed,

@@ -3,8 +3,9 @@
 # NCCL scripts/find-nccl.sh picks, with a fake CUDA toolkit, a fake nvidia-nccl package and
 # a stub `torch` module on PYTHONPATH standing in for the real ones (an explicit NCCL_HOME
 # wins, or fails naming itself; PyTorch's NCCL release is matched; the rest in the
-# documented order); how make finds it, and what `make` builds by default; and that the
-# sources' comments carry no dates. One line per check, "PASS name" or "FAIL name: why"
+# documented order); how make finds it, and what `make` builds by default; that ptxas
+# serializes no FP8 GEMM row's wgmma but the known ones; and that the sources' comments
+# carry no dates. One line per check, "PASS name" or "FAIL name: why"
 # (or "SKIP name: why"), then "N passed, N failed, N skipped"; exit 1 when any failed.
 # Usage: tests/test_build.sh   (from anywhere; it runs in the repository's root)
 set -u
@@ -138,6 +139,39 @@ else
     rc=$?
     if [ "$rc" -eq 0 ] && [ ! -e "$tmp/b" ]; then pass make-clean-needs-no-nccl
     else fail make-clean-needs-no-nccl "exit code $rc: $(tail -n 3 "$tmp/make.out")"; fi
+fi
+
+# ---------------------------------------------------------------------------------------
+# ptxas's notes on the FP8 GEMM, compiled as make compiles it: a row whose wgmma ptxas
+# serializes (C75xx: a wait it had to insert) runs its mainloop a tensor-core round trip at
+# a time, a third of its speed or worse, and nothing else says so. The 128-wide E4M3 rows
+# are serialized (their two-deep pipeline; they run slower than 256-wide, which the layer
+# uses: docs/ARCHITECTURE.md); every other row must be free of it.
+
+serialized_allowed=" fp8_nt_128 fp8_nt_128_direct fp8_nt_128_splits fp8_nt_128_push "
+if ! command -v "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" >/dev/null 2>&1 && ! command -v nvcc >/dev/null 2>&1; then
+    skip fp8-gemm-wgmma-not-serialized "no nvcc here"
+else
+    make -n -B BUILD="$tmp/k" "$tmp/k/src/gemm/gemm_fp8.o" >"$tmp/make.out" 2>&1
+    cmd=$(grep -E -- '-c src/gemm/gemm_fp8\.cu' "$tmp/make.out" | tail -n 1)
+    if [ -z "$cmd" ]; then
+        skip fp8-gemm-wgmma-not-serialized "make -n gave no compile line here: $(tail -n 2 "$tmp/make.out")"
+    else
+        mkdir -p "$tmp/k/src/gemm"
+        if ! eval "$cmd" >"$tmp/ptxas.out" 2>&1; then
+            fail fp8-gemm-wgmma-not-serialized "the compile failed: $(tail -n 3 "$tmp/ptxas.out")"
+        else
+            mapfile -t rows < <(grep -o 'X([a-z0-9_]*' src/gemm/variants.h | sed 's/^X(//')
+            bad=""
+            while read -r code v; do  # a note: its code and the row's index in variants.h
+                name=${rows[$v]:-"row $v"}
+                [[ $serialized_allowed == *" $name "* ]] || bad="$bad $name ($code)"
+            done < <(grep -oE "C75[0-9]+\).*grouped_gemm_kernelILi[0-9]+E" "$tmp/ptxas.out" |
+                     sed -E 's/^(C75[0-9]+)\).*ILi([0-9]+)E$/\1 \2/' | sort -u)
+            if [ -z "$bad" ]; then pass fp8-gemm-wgmma-not-serialized
+            else fail fp8-gemm-wgmma-not-serialized "ptxas serializes the wgmma of:$bad (ptxas's notes C7514, C7518, ...)"; fi
+        fi
+    fi
 fi
 
 # ---------------------------------------------------------------------------------------
