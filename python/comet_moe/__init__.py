@@ -15,8 +15,9 @@ package's source, then the system loader. The package imports without torch (the
 library, configs, presets and errors need none); Comm.from_process_group, Moe.forward
 and CometSparseMoeBlock need torch (>= 2.4; without it they raise ImportError saying what
 to install). Under torch, comet's calls are torch custom operators (comet_moe::forward,
-forward_out, forward_train, backward; see ops.py), so torch.compile(model, fullgraph=True)
-traces a model that holds these layers, forward and backward, without a graph break.
+forward_out, forward_train, backward, the FP8 forward and quantizers; see ops.py), so
+torch.compile(model, fullgraph=True) traces a model that holds these layers, forward and
+backward, without a graph break.
 
 Block-scaled FP8 experts (MoeConfig(..., dtype="fp8"), inference only): with torch,
 quantize_fp8_weights[_transposed] and quantize_fp8_rows (comet's quantizers, on a GPU),

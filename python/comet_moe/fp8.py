@@ -8,9 +8,10 @@ multiplies too, despite its name). Weights are cut into 128 x 128 blocks (scales
     q, s = quantize_fp8_rows(x)          # x bf16 [..., cols]
     w32 = dequantize_fp8(q, s)           # plain torch, any device: q x s in float32
 
-The quantizers call comet (comet_quantize_fp8_weights[_transposed], comet_quantize_fp8_rows) on torch's
-current stream of the tensor's device, after checking their arguments here (TypeError,
-ValueError naming the argument); they run eagerly (torch.compile traces around them).
+The quantizers check their arguments here (TypeError, ValueError naming the argument),
+then call comet (comet_quantize_fp8_weights[_transposed], comet_quantize_fp8_rows) through
+a torch custom operator each (ops.py: comet_moe::quantize_fp8_*), on torch's current
+stream of the tensor's device: torch.compile(fullgraph=True) traces them as one operator.
 comet.h states their arithmetic: s = amax / 448 (or, with pow2_scales, the power of two
 at or above it), q = x x (1 / s) rounded to nearest even and saturated at +-448.
 """
@@ -22,6 +23,7 @@ from . import _capi
 from ._torch import torch
 from .checks import INT_MAX
 from .errors import check
+from . import ops  # noqa: E402 (ops imports this module back: it reads its names only when called)
 
 BLOCK = 128  # a scale block's side: 1 x 128 (rows), 128 x 128 (weights)
 
@@ -39,7 +41,8 @@ def _pow2(call: str, value) -> int:
 
 def _check_bf16_cuda(call: str, name: str, t, min_dims: int, what: str) -> None:
     """What comet's quantizers need of their input: a contiguous bf16 CUDA tensor of at
-    least `min_dims` dimensions, its rows a multiple of 16 elements, 16-byte aligned."""
+    least `min_dims` dimensions, its rows a multiple of 16 elements (its address, 16-byte
+    aligned, is checked where the operator runs: torch.compile traces no address)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{call}: {name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != torch.bfloat16:
@@ -56,6 +59,9 @@ def _check_bf16_cuda(call: str, name: str, t, min_dims: int, what: str) -> None:
                          f"pass {name}.contiguous()")
     if t.device.type != "cuda":
         raise ValueError(f"{call}: {name} is on {t.device}: comet quantizes on the GPU (pass {name}.cuda())")
+
+
+def _check_aligned(call: str, name: str, t) -> None:
     if t.numel() and t.data_ptr() % 16:
         raise ValueError(f"{call}: {name}.data_ptr() = {t.data_ptr():#x}: must be 16-byte aligned: pass "
                          f"{name}.clone()")
@@ -70,22 +76,10 @@ def quantize_fp8_weights(w, pow2_scales: bool = False):
     call = "quantize_fp8_weights"
     pow2 = _pow2(call, pow2_scales)
     _check_bf16_cuda(call, "w", w, 2, "[..., rows, cols]: a matrix, or a stack of them")
-    rows, cols = int(w.shape[-2]), int(w.shape[-1])
+    rows = int(w.shape[-2])
     if rows > INT_MAX:
         raise ValueError(f"{call}: w.shape = {tuple(w.shape)}: rows = {rows}: at most {INT_MAX}")
-    lead = tuple(w.shape[:-2])
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-    scales = torch.empty(lead + (blocks(rows), blocks(cols)), dtype=torch.float32, device=w.device)
-    if w.numel() == 0:  # no matrix, or matrices of no rows: nothing to quantize
-        return q, scales
-    lib = _capi.load()
-    with torch.cuda.device(w.device):
-        stream = torch.cuda.current_stream(w.device).cuda_stream
-        st = lib.comet_quantize_fp8_weights(ctypes.c_void_p(w.data_ptr()), w.numel() // (rows * cols), rows, cols,
-                                            pow2, ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
-                                            ctypes.c_void_p(stream))
-    check(st, "comet_quantize_fp8_weights", lambda: _capi.text(lib.comet_last_create_error()))
-    return q, scales
+    return ops.quantize_fp8_weights(w, bool(pow2))
 
 
 def quantize_fp8_weights_transposed(w, pow2_scales: bool = False):
@@ -102,23 +96,7 @@ def quantize_fp8_weights_transposed(w, pow2_scales: bool = False):
             raise ValueError(f"{call}: w.shape = {tuple(w.shape)}: rows = {rows}: must be a positive multiple of 16 "
                              f"(the transpose's rows are its k), at most {INT_MAX}")
     _check_bf16_cuda(call, "w", w, 2, "[..., rows, cols]: a matrix, or a stack of them")
-    rows, cols = int(w.shape[-2]), int(w.shape[-1])
-    lead = tuple(w.shape[:-2])
-    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-    qt = torch.empty(lead + (cols, rows), dtype=torch.float8_e4m3fn, device=w.device)
-    scales = torch.empty(lead + (blocks(rows), blocks(cols)), dtype=torch.float32, device=w.device)
-    scales_t = torch.empty(lead + (blocks(cols), blocks(rows)), dtype=torch.float32, device=w.device)
-    if w.numel() == 0:  # no matrix
-        return q, scales, qt, scales_t
-    lib = _capi.load()
-    with torch.cuda.device(w.device):
-        stream = torch.cuda.current_stream(w.device).cuda_stream
-        st = lib.comet_quantize_fp8_weights_transposed(
-            ctypes.c_void_p(w.data_ptr()), w.numel() // (rows * cols), rows, cols, pow2,
-            ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(scales.data_ptr()), ctypes.c_void_p(qt.data_ptr()),
-            ctypes.c_void_p(scales_t.data_ptr()), ctypes.c_void_p(stream))
-    check(st, "comet_quantize_fp8_weights_transposed", lambda: _capi.text(lib.comet_last_create_error()))
-    return q, scales, qt, scales_t
+    return ops.quantize_fp8_weights_transposed(w, bool(pow2))
 
 
 def quantize_fp8_rows(x, pow2_scales: bool = False):
@@ -128,19 +106,68 @@ def quantize_fp8_rows(x, pow2_scales: bool = False):
     call = "quantize_fp8_rows"
     pow2 = _pow2(call, pow2_scales)
     _check_bf16_cuda(call, "x", x, 1, "[..., cols]")
+    return ops.quantize_fp8_rows(x, bool(pow2))
+
+
+# ---- what the operators (ops.py) run: their outputs' shapes, and comet's calls ----
+
+def weights_outputs(w, transposed: bool):
+    """Empty (q, scales) of w [..., rows, cols], with (qt, scales_t) when transposed."""
+    rows, cols = int(w.shape[-2]), int(w.shape[-1])
+    lead = tuple(w.shape[:-2])
+    out = [w.new_empty(w.shape, dtype=torch.float8_e4m3fn),
+           w.new_empty(lead + (blocks(rows), blocks(cols)), dtype=torch.float32)]
+    if transposed:
+        out += [w.new_empty(lead + (cols, rows), dtype=torch.float8_e4m3fn),
+                w.new_empty(lead + (blocks(cols), blocks(rows)), dtype=torch.float32)]
+    return tuple(out)
+
+
+def rows_outputs(x):
+    """Empty (q, scales) of x [..., cols]."""
     cols = int(x.shape[-1])
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(tuple(x.shape[:-1]) + (blocks(cols),), dtype=torch.float32, device=x.device)
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+            x.new_empty(tuple(x.shape[:-1]) + (blocks(cols),), dtype=torch.float32))
+
+
+def _ptr(t):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def run_weights(w, pow2: bool, transposed: bool):
+    """comet_quantize_fp8_weights[_transposed] on torch's current stream of w's device."""
+    call = "quantize_fp8_weights_transposed" if transposed else "quantize_fp8_weights"
+    _check_aligned(call, "w", w)
+    out = weights_outputs(w, transposed)
+    if w.numel() == 0:  # no matrix, or matrices of no rows: nothing to quantize
+        return out
+    rows, cols = int(w.shape[-2]), int(w.shape[-1])
+    lib = _capi.load()
+    with torch.cuda.device(w.device):
+        stream = ctypes.c_void_p(torch.cuda.current_stream(w.device).cuda_stream)
+        if transposed:
+            st = lib.comet_quantize_fp8_weights_transposed(_ptr(w), w.numel() // (rows * cols), rows, cols, int(pow2),
+                                                           *map(_ptr, out), stream)
+        else:
+            st = lib.comet_quantize_fp8_weights(_ptr(w), w.numel() // (rows * cols), rows, cols, int(pow2),
+                                                *map(_ptr, out), stream)
+    check(st, "comet_" + call, lambda: _capi.text(lib.comet_last_create_error()))
+    return out
+
+
+def run_rows(x, pow2: bool):
+    """comet_quantize_fp8_rows on torch's current stream of x's device."""
+    _check_aligned("quantize_fp8_rows", "x", x)
+    out = rows_outputs(x)
     if x.numel() == 0:
-        return q, scales
+        return out
+    cols = int(x.shape[-1])
     lib = _capi.load()
     with torch.cuda.device(x.device):
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        st = lib.comet_quantize_fp8_rows(ctypes.c_void_p(x.data_ptr()), x.numel() // cols, cols, pow2,
-                                         ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(scales.data_ptr()),
-                                         ctypes.c_void_p(stream))
+        stream = ctypes.c_void_p(torch.cuda.current_stream(x.device).cuda_stream)
+        st = lib.comet_quantize_fp8_rows(_ptr(x), x.numel() // cols, cols, int(pow2), *map(_ptr, out), stream)
     check(st, "comet_quantize_fp8_rows", lambda: _capi.text(lib.comet_last_create_error()))
-    return q, scales
+    return out
 
 
 def dequantize_fp8(q, scales, dtype=None):

@@ -6,6 +6,8 @@ to comet under torch, eager and under torch.compile alike.
     comet_moe::forward_fp8    an FP8 layer's: float8_e4m3fn weights with their block scales,
                               x bf16 or float8_e4m3fn with x_scales; y bf16
     comet_moe::forward_fp8_out  the same, written into `out` (mutated)
+    comet_moe::quantize_fp8_weights, quantize_fp8_weights_transposed, quantize_fp8_rows
+                              comet's quantizers (fp8.py checks their arguments first)
     comet_moe::forward_train  (y, saved): the training forward and the state its backward reads
     comet_moe::backward       (dx, d_topk_weights, d_gate_up, d_gate, d_up, d_down); with
                               main_grads given, the weight gradients are added to them
@@ -45,7 +47,7 @@ import inspect
 import weakref
 from typing import List, Optional, Tuple
 
-from . import _capi
+from . import _capi, fp8
 from ._torch import torch
 from .checks import check_pointers
 from .errors import error_for
@@ -115,6 +117,41 @@ def forward_out(layer: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, g
 @forward_out.register_fake
 def _forward_out_fake(layer, x, topk_ids, topk_weights, gate_up, gate, up, down, impl, stream, out):
     return None
+
+
+# ---- block-scaled FP8 quantization (fp8.py's quantizers, their arguments checked there) ----
+
+@torch.library.custom_op("comet_moe::quantize_fp8_weights", mutates_args=())
+def quantize_fp8_weights(w: Tensor, pow2_scales: bool) -> Tuple[Tensor, Tensor]:
+    """comet_quantize_fp8_weights: (q, scales) of w bf16 [..., rows, cols], 128 x 128 blocks."""
+    return fp8.run_weights(w, pow2_scales, False)
+
+
+@quantize_fp8_weights.register_fake
+def _quantize_fp8_weights_fake(w, pow2_scales):
+    return fp8.weights_outputs(w, False)
+
+
+@torch.library.custom_op("comet_moe::quantize_fp8_weights_transposed", mutates_args=())
+def quantize_fp8_weights_transposed(w: Tensor, pow2_scales: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """comet_quantize_fp8_weights_transposed: (q, scales, qt, scales_t), W and W^T."""
+    return fp8.run_weights(w, pow2_scales, True)
+
+
+@quantize_fp8_weights_transposed.register_fake
+def _quantize_fp8_weights_transposed_fake(w, pow2_scales):
+    return fp8.weights_outputs(w, True)
+
+
+@torch.library.custom_op("comet_moe::quantize_fp8_rows", mutates_args=())
+def quantize_fp8_rows(x: Tensor, pow2_scales: bool) -> Tuple[Tensor, Tensor]:
+    """comet_quantize_fp8_rows: (q, scales) of x bf16 [..., cols], 1 x 128 blocks."""
+    return fp8.run_rows(x, pow2_scales)
+
+
+@quantize_fp8_rows.register_fake
+def _quantize_fp8_rows_fake(x, pow2_scales):
+    return fp8.rows_outputs(x)
 
 
 # ---- inference in FP8 (no autograd: comet does not train in FP8) ----

@@ -175,6 +175,17 @@ def fp8_quantizers_match_torch_byte_for_byte(c):
     inside = torch.zeros(4 * 64 + 8, dtype=torch.bfloat16, device=c.device)[4:4 + 4 * 64].view(4, 64)  # 8 bytes in
     raises(ValueError, lambda: cm.quantize_fp8_weights(inside), "w.data_ptr()", "16-byte aligned")
     raises(ValueError, lambda: cm.quantize_fp8_rows(inside), "x.data_ptr()", "16-byte aligned")
+    # Under torch.compile(fullgraph=True): each quantizer one operator, the same bytes as eager.
+
+    def quantize_all(w, x):
+        return (*cm.quantize_fp8_weights(w), *cm.quantize_fp8_weights_transposed(w, pow2_scales=True),
+                *cm.quantize_fp8_rows(x))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(quantize_all, fullgraph=True)
+    w, x = weights[1], rows[1]
+    for i, (got, want) in enumerate(zip(compiled(w, x), quantize_all(w, x))):
+        same_bytes(c, f"compiled quantizers: output {i}", got, want)
 
 
 def fp8_cases(c):

@@ -42,12 +42,14 @@ def inputs(torch, m, seed=0, split=False):
 def test_ops_schemas_declare_what_they_mutate():
     torch, ops, moe = setup()
     schemas = {name: getattr(torch.ops.comet_moe, name).default._schema
-               for name in ("forward", "forward_out", "forward_train", "backward", "forward_fp8", "forward_fp8_out")}
+               for name in ("forward", "forward_out", "forward_train", "backward", "forward_fp8", "forward_fp8_out",
+                            "quantize_fp8_weights", "quantize_fp8_weights_transposed", "quantize_fp8_rows")}
     mutated = {name: sorted(a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write)
                for name, s in schemas.items()}
     check_eq(mutated, {"forward": [], "forward_out": ["out"], "forward_train": [],
                        "backward": ["down_main_grad", "gate_main_grad", "gate_up_main_grad", "up_main_grad"],
-                       "forward_fp8": [], "forward_fp8_out": ["out"]},
+                       "forward_fp8": [], "forward_fp8_out": ["out"], "quantize_fp8_weights": [],
+                       "quantize_fp8_weights_transposed": [], "quantize_fp8_rows": []},
              "mutated arguments")
     check_eq([str(r.type) for r in schemas["forward_train"].returns], ["Tensor", "Tensor"], "forward_train: y, saved")
     check_eq(len(schemas["backward"].returns), 6, "backward: dx, d_topk_weights and four weight gradients")
@@ -125,6 +127,83 @@ def test_opcheck_fp8_forward_operators():
     note(f"opcheck: {sorted(result)} for forward_fp8 and forward_fp8_out")
     moe.close()
     bf16_moe.close()
+
+
+def test_quantizer_operators_trace_and_match_their_fakes():
+    """comet's quantizers as operators: the public functions on fake CUDA tensors give the
+    outputs' shapes and dtypes with no GPU (what torch.compile sees) and trace into one
+    graph with no break; with the tests'
+    reference quantizer as the operators' CPU kernel, opcheck passes (fake against real,
+    AOT dispatch) and torch.compile(fullgraph=True) of a function that quantizes and
+    dequantizes gives eager's bits."""
+    torch, ops, moe = setup()
+    moe.close()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from fp8_reference import quantize_rows, quantize_weights
+    bf16, e4m3, f32 = torch.bfloat16, torch.float8_e4m3fn, torch.float32
+    with FakeTensorMode():
+        w = torch.empty(3, 272, 400, dtype=bf16, device="cuda")
+        got = [(tuple(t.shape), t.dtype) for t in comet_moe.quantize_fp8_weights_transposed(w, pow2_scales=True)]
+        check_eq(got, [((3, 272, 400), e4m3), ((3, 3, 4), f32), ((3, 400, 272), e4m3), ((3, 4, 3), f32)],
+                 "quantize_fp8_weights_transposed on a fake tensor")
+        got = [(tuple(t.shape), t.dtype) for t in comet_moe.quantize_fp8_weights(w)]
+        check_eq(got, [((3, 272, 400), e4m3), ((3, 3, 4), f32)], "quantize_fp8_weights on a fake tensor")
+        x = torch.empty(5, 0, 2880, dtype=bf16, device="cuda")
+        got = [(tuple(t.shape), t.dtype) for t in comet_moe.quantize_fp8_rows(x)]
+        check_eq(got, [((5, 0, 2880), e4m3), ((5, 0, 23), f32)], "quantize_fp8_rows on an empty fake tensor")
+
+    # The public functions as torch.compile(fullgraph=True) needs them: dynamo traces them
+    # (on fake CUDA tensors, no GPU) into one graph with no break.
+    def public(w, x):
+        return (*comet_moe.quantize_fp8_weights(w), *comet_moe.quantize_fp8_weights_transposed(w, pow2_scales=True),
+                *comet_moe.quantize_fp8_rows(x))
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fw = torch.empty(2, 256, 128, dtype=bf16, device="cuda")
+        fx = torch.empty(10, 256, dtype=bf16, device="cuda")
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(public)(fw, fx)
+    check_eq((explained.graph_count, explained.graph_break_count), (1, 0),
+             f"the quantizers traced: graphs and breaks ({explained.break_reasons})")
+
+    def weights(w, pow2):
+        return quantize_weights(torch, w, pow2)
+
+    def transposed(w, pow2):
+        q, s = quantize_weights(torch, w, pow2)
+        return q, s, q.transpose(-1, -2).contiguous(), s.transpose(-1, -2).contiguous()
+
+    def rows(x, pow2):
+        return quantize_rows(torch, x, pow2)
+
+    kernels = {"quantize_fp8_weights": weights, "quantize_fp8_weights_transposed": transposed,
+               "quantize_fp8_rows": rows}
+    handles = [torch.library.register_kernel(f"comet_moe::{name}", "cpu", fn) for name, fn in kernels.items()]
+    try:
+        g = torch.Generator().manual_seed(5)
+        w = (torch.randn(2, 144, 272, generator=g) * 3).to(bf16)
+        x = torch.randn(7, 400, generator=g).to(bf16)
+        for name, arg in (("quantize_fp8_weights", w), ("quantize_fp8_weights_transposed", w),
+                          ("quantize_fp8_rows", x)):
+            for pow2 in (False, True):
+                op = getattr(torch.ops.comet_moe, name).default
+                result = torch.library.opcheck(op, (arg, pow2), test_utils=OPCHECK_WITHOUT_SCHEMA)
+                check(all(v == "SUCCESS" for v in result.values()), f"{name}, pow2 {pow2}: {result}")
+
+        def step(w, x):  # W^T dequantized, and x's round trip
+            from comet_moe import dequantize_fp8
+            _, _, qt, st = torch.ops.comet_moe.quantize_fp8_weights_transposed(w, True)
+            q, s = torch.ops.comet_moe.quantize_fp8_rows(x, False)
+            return dequantize_fp8(qt, st), dequantize_fp8(q, s)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        for got, want in zip(compiled(w, x), step(w, x)):
+            check(torch.equal(got, want), "compiled quantize and dequantize against eager")
+    finally:
+        for h in handles:
+            if hasattr(h, "destroy"):
+                h.destroy()
 
 
 def test_backward_fake_matches_real():
