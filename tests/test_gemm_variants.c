@@ -48,7 +48,12 @@ int test_gemm_variant_table(void)
         CHECK(stages >= 2 && smem <= COMETI_GEMM_SMEM_LIMIT);
         CHECK(stages == COMETI_GEMM_MAX_STAGES ||
               cometi_gemm_fixed_bytes(stages + 1) + cometi_gemm_staging_bytes(v) +
-                      (stages + 1) * cometi_gemm_stage_bytes(v) > COMETI_GEMM_SMEM_LIMIT);
+                      (stages + 1) * (cometi_gemm_stage_bytes(v) + cometi_gemm_scale_slot_bytes(v)) >
+                  COMETI_GEMM_SMEM_LIMIT);
+        /* E4M3's stages carry their scales' slot (A's 128 rows, B's blocks), whose size keeps
+         * the mbarriers after the slots 8-byte aligned. */
+        CHECK_EQ(cometi_gemm_scale_slot_bytes(v), v.a_type == COMETI_GEMM_E4M3 ? (COMETI_GEMM_BM + 4) * 4 : 0);
+        CHECK(cometi_gemm_scale_slot_bytes(v) % 16 == 0);
         const int swiglu = cometi_gemm_is_swiglu(v.epilogue);
         const int along_k = v.along == COMETI_GEMM_GROUPS_ALONG_K, e4m3 = v.a_type == COMETI_GEMM_E4M3;
         /* SwiGLU tiles hold 128 gate and 128 up columns of one expert. */
