@@ -28,6 +28,24 @@ static comet_status_t check_shape(char *err, const char *call, const char *outer
     return COMET_SUCCESS;
 }
 
+/* A weights call's shape: mats and rows (with `transposed`, rows a multiple of 16: they are
+ * the transpose's k, read 16 bytes at a time), then what check_shape checks. */
+static comet_status_t check_weights_shape(char *err, const char *call, int64_t mats, int rows, int transposed,
+                                          int cols, int pow2_scales)
+{
+    if (mats < 1) return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: mats = %lld: must be >= 1", call, (long long)mats);
+    if (!transposed && rows < 1)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: rows = %d: must be >= 1", call, rows);
+    if (transposed && (rows < 16 || rows % 16 != 0))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: rows = %d: must be a positive multiple of 16 (the "
+                           "transpose's rows are its k, read 16 bytes at a time)", call, rows);
+    /* mats x rows first, so that the product below cannot overflow. */
+    if (mats > MAX_ELEMENTS / rows)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: mats = %lld x rows = %d: more than 2^61 elements", call,
+                           (long long)mats, rows);
+    return check_shape(err, call, "mats x rows", mats * rows, cols, pow2_scales);
+}
+
 /* The three device pointers: not NULL, the tensors 16-byte aligned (the kernels move 16
  * bytes at a time), the scales 4-byte aligned. */
 static comet_status_t check_pointers(char *err, const char *call, const char *in_name, const void *in,
@@ -49,13 +67,7 @@ comet_status_t comet_quantize_fp8_weights(const void *w, int64_t mats, int rows,
 {
     static const char call[] = "comet_quantize_fp8_weights";
     char *err = cometi_create_error_buffer();
-    if (mats < 1) return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: mats = %lld: must be >= 1", call, (long long)mats);
-    if (rows < 1) return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: rows = %d: must be >= 1", call, rows);
-    /* mats x rows first, so that the product below cannot overflow. */
-    if (mats > MAX_ELEMENTS / rows)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: mats = %lld x rows = %d: more than 2^61 elements", call,
-                           (long long)mats, rows);
-    COMETI_TRY(check_shape(err, call, "mats x rows", mats * rows, cols, pow2_scales));
+    COMETI_TRY(check_weights_shape(err, call, mats, rows, 0, cols, pow2_scales));
     COMETI_TRY(check_pointers(err, call, "w", w, "q", q, "scales", scales));
     return cometi_cuda(err, cometi_quantize_blocks_e4m3(w, mats, rows, cols, q, scales, NULL, NULL, pow2_scales, stream),
                        "comet_quantize_fp8_weights: the kernel's launch");
@@ -67,14 +79,7 @@ comet_status_t comet_quantize_fp8_weights_transposed(const void *w, int64_t mats
 {
     static const char call[] = "comet_quantize_fp8_weights_transposed";
     char *err = cometi_create_error_buffer();
-    if (mats < 1) return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: mats = %lld: must be >= 1", call, (long long)mats);
-    if (rows < 16 || rows % 16 != 0)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: rows = %d: must be a positive multiple of 16 (the "
-                           "transpose's rows are its k, read 16 bytes at a time)", call, rows);
-    if (mats > MAX_ELEMENTS / rows)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: mats = %lld x rows = %d: more than 2^61 elements", call,
-                           (long long)mats, rows);
-    COMETI_TRY(check_shape(err, call, "mats x rows", mats * rows, cols, pow2_scales));
+    COMETI_TRY(check_weights_shape(err, call, mats, rows, 1, cols, pow2_scales));
     COMETI_TRY(check_pointers(err, call, "w", w, "qt", qt, "scales_t", scales_t));
     if (!q != !scales)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "%s: q = %p and scales = %p: give both (the untransposed copy "
