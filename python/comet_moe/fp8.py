@@ -145,12 +145,9 @@ def run_weights(w, pow2: bool, transposed: bool):
     lib = _capi.load()
     with torch.cuda.device(w.device):
         stream = ctypes.c_void_p(torch.cuda.current_stream(w.device).cuda_stream)
-        if transposed:
-            st = lib.comet_quantize_fp8_weights_transposed(_ptr(w), w.numel() // (rows * cols), rows, cols, int(pow2),
-                                                           *map(_ptr, out), stream)
-        else:
-            st = lib.comet_quantize_fp8_weights(_ptr(w), w.numel() // (rows * cols), rows, cols, int(pow2),
-                                                *map(_ptr, out), stream)
+        # The same arguments, then (q, scales) or (q, scales, qt, scales_t), then the stream.
+        st = getattr(lib, "comet_" + call)(_ptr(w), w.numel() // (rows * cols), rows, cols, int(pow2),
+                                           *map(_ptr, out), stream)
     check(st, "comet_" + call, lambda: _capi.text(lib.comet_last_create_error()))
     return out
 

@@ -32,6 +32,19 @@ def check(cond, msg):
         raise Failed(msg)
 
 
+def raises(exc_type, fn, *contains):
+    """fn() must raise exc_type whose message holds every string of `contains`; returns it."""
+    try:
+        fn()
+    except exc_type as e:
+        for s in contains:
+            check(s in str(e), f"{type(e).__name__} message {str(e)!r} lacks {s!r}")
+        return e
+    except Exception as e:
+        raise Failed(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}") from None
+    raise Failed(f"expected {exc_type.__name__}, nothing was raised")
+
+
 def compare_grad(c, what, got, ref, ref_bf16=False):
     """got against the reference (float32 unless ref_bf16): no NaN, norm-wise and element by element (see
     the module's note). ref_bf16: the reference is itself a bf16 computation with roundings
