@@ -58,6 +58,18 @@ cudaError_t cometi_quantize_rows_e4m3(const void *x, int64_t rows, int cols, int
  * multiple of 16, w 16-byte and q 8-byte aligned. */
 cudaError_t cometi_quantize_blocks_e4m3(const void *w, int64_t mats, int rows, int cols, void *q, float *scales,
                                         void *qt, float *scales_t, int pow2, cudaStream_t stream);
+/* The weight gradients' operands: x bf16 [rows][cols] (row pitch ldx) whose rows are the
+ * groups' segments (each starting at a multiple of 128, segs in device memory) -> qt E4M3
+ * [cols][ldq], column c's tokens in a row (x^T), quantized in 128 x 1 blocks: 128 rows of
+ * one column share a scale, at scales[c * scale_row_stride + (row / 128) *
+ * scale_block_stride]. A segment's rows past its end up to the next 128 become zeros (their
+ * block's scale counts only its rows); blocks of rows in no segment are not written. cols a
+ * multiple of 16, x 16-byte aligned with ldx a multiple of 8; qt 16-byte aligned with ldq a
+ * multiple of 16, >= rows rounded up to 128 where a segment reaches the last block. */
+cudaError_t cometi_quantize_segments_t_e4m3(const void *x, int64_t ldx, int cols, int64_t rows,
+                                            const cometi_segment_t *segs, int groups, void *qt, int64_t ldq,
+                                            float *scales, int64_t scale_row_stride, int64_t scale_block_stride,
+                                            int pow2, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

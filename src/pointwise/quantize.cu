@@ -1,6 +1,7 @@
 /*
- * quantize.cu - block-scaled FP8 (E4M3): bf16 token rows in 1 x 128 blocks and weights in
- * 128 x 128 blocks, each block's amax, scale and bytes by base/fp8.h's arithmetic, the
+ * quantize.cu - block-scaled FP8 (E4M3): bf16 token rows in 1 x 128 blocks, weights in
+ * 128 x 128 blocks, and the weight gradients' operands in 128 x 1 blocks along the tokens
+ * (transposed), each block's amax, scale and bytes by base/fp8.h's arithmetic, the
  * conversion itself by the hardware's cvt (the bits of cometi_e4m3_encode, which the GPU
  * test holds it to). Both kernels are memory-bound: every element is read once in 16-byte
  * loads, and its byte written once.
@@ -8,6 +9,7 @@
 #include <stdint.h>
 
 #include "base/fp8.h"
+#include "base/types.h"
 #include "pointwise/pointwise.h"
 
 #define QUANTIZE_THREADS 256
@@ -148,6 +150,19 @@ static __device__ __forceinline__ int staged_at(int row, int col)
     return row * COMETI_FP8_BLOCK + (((col / 4) ^ (row / 16 * 4)) * 4 | (col % 4));
 }
 
+/* Rows 16 piece .. 16 piece + 15 of the staged tile's column tc: 16 bytes of a qt row. */
+static __device__ __forceinline__ uint4 staged_piece(const uint8_t *staged, int piece, int tc)
+{
+    uint32_t word[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        word[k] = 0;
+#pragma unroll
+        for (int b = 0; b < 4; b++) word[k] |= (uint32_t)staged[staged_at(piece * 16 + k * 4 + b, tc)] << (8 * b);
+    }
+    return make_uint4(word[0], word[1], word[2], word[3]);
+}
+
 template <bool TRANSPOSED>
 static __global__ void __launch_bounds__(QUANTIZE_THREADS)
 quantize_blocks_kernel(const uint16_t *__restrict__ w, long long mats, int rows, int cols, uint8_t *__restrict__ q,
@@ -198,16 +213,7 @@ quantize_blocks_kernel(const uint16_t *__restrict__ w, long long mats, int rows,
                 const int piece = i % 8, tc = i / 8; /* rows 16 piece .. 16 piece + 15 of column tc */
                 const int r0 = rt * COMETI_FP8_BLOCK + piece * 16, cc = ct * COMETI_FP8_BLOCK + tc;
                 if (r0 >= rows || cc >= cols) continue; /* rows % 16 == 0: a piece is all in or all out */
-                uint32_t word[4];
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    word[k] = 0;
-#pragma unroll
-                    for (int b = 0; b < 4; b++)
-                        word[k] |= (uint32_t)staged[staged_at(piece * 16 + k * 4 + b, tc)] << (8 * b);
-                }
-                *(uint4 *)(qt + m * rows * (long long)cols + (long long)cc * rows + r0) =
-                    make_uint4(word[0], word[1], word[2], word[3]);
+                *(uint4 *)(qt + m * rows * (long long)cols + (long long)cc * rows + r0) = staged_piece(staged, piece, tc);
             }
             if (threadIdx.x == 0) scales_t[(m * col_tiles + ct) * row_tiles + rt] = scale; /* [mats][col_tiles][row_tiles] */
             __syncthreads(); /* the staging is read before the next tile writes it */
@@ -231,5 +237,118 @@ extern "C" cudaError_t cometi_quantize_blocks_e4m3(const void *w, int64_t mats, 
     else
         quantize_blocks_kernel<false><<<grid, QUANTIZE_THREADS, 0, stream>>>(
             (const uint16_t *)w, mats, rows, cols, (uint8_t *)q, scales, NULL, NULL, pow2, row_tiles, col_tiles);
+    return cudaGetLastError();
+}
+
+/* Eight bf16 to E4M3 with a scale each (column c's inverse inv[c]): 8 bytes as quantize8. */
+static __device__ __forceinline__ uint2 quantize8_cols(uint4 v, const float *inv)
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t pair[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        pair[k] = cometi_e4m3x2_cvt(cometi_fp8_mul(cometi_f32_from_bits(w[k] << 16), inv[2 * k]),
+                                    cometi_fp8_mul(cometi_f32_from_bits(w[k] & 0xffff0000u), inv[2 * k + 1]));
+    return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+}
+
+/* Token rows, transposed per 128-row block of a segment (the weight gradients' operands):
+ * a thread block takes 128 rows x 128 columns, laid out among its threads as the weights'
+ * tile is (8 loads of 16 bytes a thread, kept in registers), but each column is a block of
+ * its own: its amax is each thread's max over its 8 rows, a shuffle across the warp's two
+ * row groups, and the 8 warps' through shared memory. Rows of the block past its segment's
+ * rows load nothing and quantize to zeros (the GEMM sums up to the next 128 rows); a block
+ * in no segment is left as it is. The bytes go to qt through the swizzled staging, as the
+ * weights' transpose does. */
+static __global__ void __launch_bounds__(QUANTIZE_THREADS)
+quantize_segments_t_kernel(const uint16_t *__restrict__ x, long long ldx, int cols, const cometi_segment_t *segs,
+                           int groups, uint8_t *__restrict__ qt, long long ldq, float *__restrict__ scales,
+                           long long scale_row_stride, long long scale_block_stride, int pow2, int row_blocks,
+                           int col_tiles)
+{
+    __shared__ float warp_amax[QUANTIZE_WARPS][COMETI_FP8_BLOCK];
+    __shared__ __align__(16) uint8_t staged[COMETI_FP8_BLOCK * COMETI_FP8_BLOCK];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int tile_row = threadIdx.x / 16, col_in = (threadIdx.x % 16) * 8;
+    const long long tiles = (long long)row_blocks * col_tiles;
+    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const int rb = (int)(t / col_tiles), ct = (int)(t % col_tiles);
+        const long long r0 = (long long)rb * COMETI_FP8_BLOCK;
+        int valid = -1; /* the block's rows in its segment, -1: in none */
+        for (int g = 0; g < groups; g++) {
+            const cometi_segment_t sg = segs[g];
+            if (r0 >= sg.start && r0 < sg.start + sg.rows) {
+                valid = (int)min((long long)COMETI_FP8_BLOCK, sg.start + sg.rows - r0);
+                break;
+            }
+        }
+        if (valid < 0) continue; /* the whole block alike */
+        const int c = ct * COMETI_FP8_BLOCK + col_in;
+        uint4 v[TILE_PASSES];
+#pragma unroll
+        for (int p = 0; p < TILE_PASSES; p++) {
+            const int tr = p * TILE_ROWS_PER_PASS + tile_row;
+            v[p] = make_uint4(0, 0, 0, 0);
+            if (tr < valid && c < cols) v[p] = *(const uint4 *)(x + (r0 + tr) * ldx + c);
+        }
+        /* Each of the thread's 8 columns' max over its rows, bf16 pairs, then floats. */
+        uint32_t m[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int p = 0; p < TILE_PASSES; p++) {
+            m[0] = max_nan_bf16x2(m[0], v[p].x & 0x7fff7fffu), m[1] = max_nan_bf16x2(m[1], v[p].y & 0x7fff7fffu);
+            m[2] = max_nan_bf16x2(m[2], v[p].z & 0x7fff7fffu), m[3] = max_nan_bf16x2(m[3], v[p].w & 0x7fff7fffu);
+        }
+        float amax[8];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            amax[2 * k] = cometi_f32_from_bits(m[k] << 16), amax[2 * k + 1] = cometi_f32_from_bits(m[k] & 0xffff0000u);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) amax[k] = cometi_fp8_max(amax[k], __shfl_xor_sync(0xffffffffu, amax[k], 16));
+        if (lane < 16) {
+#pragma unroll
+            for (int k = 0; k < 8; k++) warp_amax[warp][col_in + k] = amax[k];
+        }
+        __syncthreads();
+        float inv[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            float a = warp_amax[0][col_in + k];
+#pragma unroll
+            for (int w = 1; w < QUANTIZE_WARPS; w++) a = cometi_fp8_max(a, warp_amax[w][col_in + k]);
+            const float scale = cometi_fp8_scale(a, pow2);
+            inv[k] = cometi_fp8_inverse(scale);
+            if (tile_row == 0 && c + k < cols)
+                scales[(long long)(c + k) * scale_row_stride + rb * scale_block_stride] = scale;
+        }
+#pragma unroll
+        for (int p = 0; p < TILE_PASSES; p++) {
+            const int tr = p * TILE_ROWS_PER_PASS + tile_row;
+            *(uint2 *)(staged + staged_at(tr, col_in)) = quantize8_cols(v[p], inv);
+        }
+        __syncthreads(); /* the tile's bytes are staged; warp_amax read */
+        for (int i = threadIdx.x; i < TILE_PIECES; i += QUANTIZE_THREADS) {
+            const int piece = i % 8, tc = i / 8; /* rows 16 piece .. 16 piece + 15 of column tc */
+            const int cc = ct * COMETI_FP8_BLOCK + tc;
+            if (cc >= cols) continue;
+            *(uint4 *)(qt + (long long)cc * ldq + r0 + piece * 16) = staged_piece(staged, piece, tc);
+        }
+        __syncthreads(); /* the staging is read before the next tile writes it */
+    }
+}
+
+extern "C" cudaError_t cometi_quantize_segments_t_e4m3(const void *x, int64_t ldx, int cols, int64_t rows,
+                                                       const cometi_segment_t *segs, int groups, void *qt,
+                                                       int64_t ldq, float *scales, int64_t scale_row_stride,
+                                                       int64_t scale_block_stride, int pow2, cudaStream_t stream)
+{
+    if (rows <= 0 || cols <= 0 || groups <= 0) return cudaSuccess;
+    const int row_blocks = (int)((rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK);
+    const int col_tiles = (cols + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK;
+    const long long tiles = (long long)row_blocks * col_tiles;
+    const unsigned int grid = (unsigned int)(tiles < QUANTIZE_MAX_GRID ? tiles : QUANTIZE_MAX_GRID);
+    quantize_segments_t_kernel<<<grid, QUANTIZE_THREADS, 0, stream>>>(
+        (const uint16_t *)x, ldx, cols, segs, groups, (uint8_t *)qt, ldq, scales, scale_row_stride,
+        scale_block_stride, pow2, row_blocks, col_tiles);
     return cudaGetLastError();
 }
