@@ -50,19 +50,22 @@ int test_gemm_variant_table(void)
               cometi_gemm_fixed_bytes(stages + 1) + cometi_gemm_staging_bytes(v) +
                       (stages + 1) * (cometi_gemm_stage_bytes(v) + cometi_gemm_scale_slot_bytes(v)) >
                   COMETI_GEMM_SMEM_LIMIT);
-        /* E4M3's stages carry their scales' slot (A's 128 rows, B's blocks), whose size keeps
-         * the mbarriers after the slots 8-byte aligned. */
-        CHECK_EQ(cometi_gemm_scale_slot_bytes(v), v.a_type == COMETI_GEMM_E4M3 ? (COMETI_GEMM_BM + 4) * 4 : 0);
-        CHECK(cometi_gemm_scale_slot_bytes(v) % 16 == 0);
+        /* E4M3's stages carry their scales' slot (A's 128 rows, B's blocks or, along K, its
+         * rows), whose size keeps the mbarriers after the slots 8-byte aligned. */
         const int swiglu = cometi_gemm_is_swiglu(v.epilogue);
         const int along_k = v.along == COMETI_GEMM_GROUPS_ALONG_K, e4m3 = v.a_type == COMETI_GEMM_E4M3;
+        CHECK_EQ(cometi_gemm_scale_slot_bytes(v),
+                 !e4m3 ? 0 : along_k ? (COMETI_GEMM_BM + v.block_n) * 4 : (COMETI_GEMM_BM + 4) * 4);
+        CHECK(cometi_gemm_scale_slot_bytes(v) % 16 == 0);
         /* SwiGLU tiles hold 128 gate and 128 up columns of one expert. */
         CHECK(!swiglu || (v.block_n == 256 && v.b_major == COMETI_GEMM_K_MAJOR && !along_k));
         /* The push stages its parts like C's boxes; fp32 adds go from the registers. */
         CHECK(v.epilogue != COMETI_GEMM_EPI_PUSH || v.store == COMETI_GEMM_STORE_TMA);
         CHECK(v.epilogue != COMETI_GEMM_EPI_ADD_FP32 || (v.store == COMETI_GEMM_STORE_DIRECT && along_k));
-        /* Groups along K: both operands MN-major, cooperative, no role (k is per group). */
-        CHECK(!along_k || (v.a_major == COMETI_GEMM_MN_MAJOR && v.b_major == COMETI_GEMM_MN_MAJOR &&
+        /* Groups along K: both operands MN-major (bf16) or K-major (E4M3), cooperative, no
+         * role (k is per group). */
+        const int operands_major = e4m3 ? COMETI_GEMM_K_MAJOR : COMETI_GEMM_MN_MAJOR;
+        CHECK(!along_k || (v.a_major == operands_major && v.b_major == operands_major &&
                            v.schedule == COMETI_GEMM_COOPERATIVE && !v.roles));
         CHECK(along_k || v.a_major == COMETI_GEMM_K_MAJOR);
         /* Ping-pong: 64-row tiles of the forward's layout, no role, 256 wide. */
@@ -72,15 +75,16 @@ int test_gemm_variant_table(void)
          * beside the push (which is GEMM -> combine already). */
         CHECK(v.roles != (COMETI_GEMM_ROLE_DISPATCH | COMETI_GEMM_ROLE_SPLITS));
         CHECK(v.epilogue != COMETI_GEMM_EPI_PUSH || !v.roles);
-        /* E4M3: both operands (8-bit wgmma reads K-major alone), groups along M, cooperative;
-         * the quantizing SwiGLU is E4M3's. */
+        /* E4M3: both operands (8-bit wgmma reads K-major alone), cooperative; the quantizing
+         * SwiGLU is E4M3's. */
         CHECK(v.b_type == v.a_type);
-        CHECK(!e4m3 || (v.a_major == COMETI_GEMM_K_MAJOR && v.b_major == COMETI_GEMM_K_MAJOR && !along_k &&
+        CHECK(!e4m3 || (v.a_major == COMETI_GEMM_K_MAJOR && v.b_major == COMETI_GEMM_K_MAJOR &&
                         v.schedule == COMETI_GEMM_COOPERATIVE));
         /* E4M3's roles: the dispatch with the quantizing SwiGLU (GEMM0); the splits and the
          * push with the store (GEMM1). */
         CHECK(!e4m3 || (v.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 ? v.roles != COMETI_GEMM_ROLE_SPLITS
-                        : v.epilogue == COMETI_GEMM_EPI_STORE || v.epilogue == COMETI_GEMM_EPI_PUSH
+                        : v.epilogue == COMETI_GEMM_EPI_STORE || v.epilogue == COMETI_GEMM_EPI_PUSH ||
+                                  v.epilogue == COMETI_GEMM_EPI_ADD_FP32
                             ? (v.roles & COMETI_GEMM_ROLE_DISPATCH) == 0
                             : 0));
         CHECK(e4m3 || v.epilogue != COMETI_GEMM_EPI_SWIGLU_E4M3);
@@ -107,6 +111,7 @@ typedef struct problem {
     void *up;                          /* E4M3 SwiGLU with up apart, or NULL */
     float *a_scale, *b_scale, *up_scale, *c_scale; /* E4M3 */
     int64_t a_scale_row, a_scale_block, c_scale_row, c_scale_block;
+    int64_t b_scale_row, b_scale_block; /* E4M3 along K: B^T's rows' */
     int64_t a_ld;
     int pow2;
     int64_t gu_rows;
@@ -150,6 +155,7 @@ static cometi_gemm_t describe(const cometi_gemm_variant_t *v, problem_t *p)
         g.a.ld = p->a_ld;
         g.a.scale = p->a_scale, g.a.scale_row = p->a_scale_row, g.a.scale_block = p->a_scale_block;
         g.b.scale = p->b_scale, g.b.up_scale = p->up ? p->up_scale : NULL;
+        if (v->along == COMETI_GEMM_GROUPS_ALONG_K) g.b.scale_row = p->b_scale_row, g.b.scale_block = p->b_scale_block;
         if (v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3)
             g.out.c_scale = p->c_scale, g.out.c_scale_row = p->c_scale_row, g.out.c_scale_block = p->c_scale_block,
             g.out.pow2_scales = p->pow2;
@@ -181,7 +187,8 @@ static void stand_in_problem(const cometi_gemm_variant_t *v, problem_t *p)
     p->segs = (const cometi_segment_t *)any;
     p->a = p->b = p->c = p->gu = any;
     p->a_scale = p->b_scale = p->up_scale = p->c_scale = (float *)any;
-    p->a_scale_row = p->c_scale_row = 1, p->a_scale_block = p->c_scale_block = 1024;
+    p->a_scale_row = p->c_scale_row = p->b_scale_row = 1, p->a_scale_block = p->c_scale_block = 1024;
+    p->b_scale_block = 1024;
     p->gu_rows = 1024;
     p->err = (cometi_async_error_t *)any;
     p->sched = (unsigned int *)words;
@@ -965,6 +972,104 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
     return 0;
 }
 
+/* An E4M3 weight-gradient row (groups along K) against float64 on the dequantized
+ * operands: A^T [M_OUT][ld] and B^T [N_K][ld] (ld = A's rows + 16: not the tokens) of
+ * random codes in each group's segment's token columns, zeros in the padding, with random
+ * scales per row per 128 tokens laid out [token block][row]. C_g = A_g^T B_g over the
+ * group's rows; a group without rows stores zeros (or adds nothing). The bound per
+ * element is run_row_e4m3's: acc_rel of the scaled |products| summed (exact codes: the
+ * fp32 promotion alone), then the bf16 store's 2^-8, or fp32's rounding of the add
+ * (C starts at random values). */
+static int run_row_e4m3_wgrad(shared_t *s, int vi, int exact, uint64_t *rng)
+{
+    const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
+    const int add = v->epilogue == COMETI_GEMM_EPI_ADD_FP32, n = N_K;
+    const int64_t ld = s->a_rows + 16, kbs = (s->a_rows + 127) / 128;
+    uint8_t *at = calloc((size_t)M_OUT * ld, 1), *bt = calloc((size_t)n * ld, 1);
+    float *sa = malloc(sizeof(float) * kbs * M_OUT), *sb = malloc(sizeof(float) * kbs * n);
+    for (int g = 0; g < GROUPS; g++)
+        for (int r = s->segs_host[g].start; r < s->segs_host[g].start + s->segs_host[g].rows; r++) {
+            for (int m = 0; m < M_OUT; m++) at[(size_t)m * ld + r] = random_e4m3(rng, exact);
+            for (int j = 0; j < n; j++) bt[(size_t)j * ld + r] = random_e4m3(rng, exact);
+        }
+    for (int64_t i = 0; i < kbs * M_OUT; i++) sa[i] = random_scale(rng);
+    for (int64_t i = 0; i < kbs * n; i++) sb[i] = random_scale(rng);
+    const size_t nc = (size_t)GROUPS * M_OUT * n;
+    double *ref = calloc(nc, sizeof(double)), *err_bound = calloc(nc, sizeof(double));
+    float *c0 = malloc(sizeof(float) * nc);
+    for (size_t i = 0; i < nc; i++) c0[i] = add ? (float)(cometi_rand_unit(rng) - 0.5) : 0.0f;
+    const double acc_rel = exact ? 0x1p-20 : 0x1p-6;
+    for (int g = 0; g < GROUPS; g++) {
+        const cometi_segment_t sg = s->segs_host[g];
+        for (int m = 0; m < M_OUT; m++)
+            for (int j = 0; j < n; j++) {
+                double c = 0, cs = 0;
+                for (int r = sg.start; r < sg.start + sg.rows; r++) {
+                    const double x = (double)cometi_e4m3_decode(at[(size_t)m * ld + r]) * sa[(size_t)(r / 128) * M_OUT + m],
+                                 y = (double)cometi_e4m3_decode(bt[(size_t)j * ld + r]) * sb[(size_t)(r / 128) * n + j];
+                    c += x * y, cs += fabs(x * y);
+                }
+                const size_t i = ((size_t)g * M_OUT + m) * n + j;
+                ref[i] = c0[i] + c;
+                err_bound[i] = add ? acc_rel * cs + 0x1p-22 * (fabs(c0[i]) + fabs(c)) : 0x1p-8 * fabs(c) + 1.01 * acc_rel * cs;
+            }
+    }
+    void *a = NULL, *b = NULL, *c = NULL;
+    float *dsa = NULL, *dsb = NULL;
+    const size_t c_bytes = nc * (add ? 4 : 2);
+    CUDA_OK(cudaMalloc(&a, (size_t)M_OUT * ld));
+    CUDA_OK(cudaMalloc(&b, (size_t)n * ld));
+    CUDA_OK(cudaMalloc(&c, c_bytes));
+    CUDA_OK(cudaMalloc((void **)&dsa, sizeof(float) * kbs * M_OUT));
+    CUDA_OK(cudaMalloc((void **)&dsb, sizeof(float) * kbs * n));
+    CUDA_OK(cudaMemcpy(a, at, (size_t)M_OUT * ld, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(b, bt, (size_t)n * ld, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsa, sa, sizeof(float) * kbs * M_OUT, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsb, sb, sizeof(float) * kbs * n, cudaMemcpyHostToDevice));
+    problem_t p;
+    memset(&p, 0, sizeof(p));
+    p.groups = GROUPS, p.n = n, p.m_out = M_OUT, p.ldc = n;
+    p.a_rows = s->a_rows, p.segs = s->segs, p.a_ld = ld;
+    p.a = a, p.b = b, p.c = c;
+    p.a_scale = dsa, p.a_scale_row = 1, p.a_scale_block = M_OUT;
+    p.b_scale = dsb, p.b_scale_row = 1, p.b_scale_block = n;
+    p.err = s->err_dev;
+    unsigned char *got_bytes = malloc(c_bytes);
+    for (int run = 0; run < 2; run++) {
+        const int dynamic = run == 1;
+        if (add) CUDA_OK(cudaMemcpy(c, c0, c_bytes, cudaMemcpyHostToDevice));
+        else CUDA_OK(cudaMemset(c, 0xff, c_bytes)); /* poison: NaN in bf16 */
+        p.sched = dynamic ? s->sched : NULL;
+        cometi_gemm_t g = describe(v, &p);
+        g.launch.sms = dynamic ? 0 : 5;
+        char err[COMETI_ERR_LEN];
+        comet_status_t st = cometi_gemm_run(err, &g, 0);
+        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
+        CHECK_EQ(st, COMET_SUCCESS);
+        CUDA_OK(cudaDeviceSynchronize());
+        if (s->err_host->status) printf("%s: the pipeline reported site %d\n", v->name, s->err_host->site);
+        CHECK_EQ(s->err_host->status, 0);
+        CUDA_OK(cudaMemcpy(got_bytes, c, c_bytes, cudaMemcpyDeviceToHost));
+        int bad = 0;
+        double worst = 0;
+        for (size_t i = 0; i < nc && bad < 5; i++) {
+            const double got = add ? (double)((const float *)got_bytes)[i]
+                                   : (double)cometi_bf16_to_float(((const uint16_t *)got_bytes)[i]);
+            if (!(fabs(got - ref[i]) <= err_bound[i]))
+                bad++, printf("%s: C[%zu][%zu][%zu] = %.9g, float64 %.9g, bound %.3g\n", v->name,
+                              i / ((size_t)M_OUT * n), i / n % M_OUT, i % n, got, ref[i], err_bound[i]);
+            if (err_bound[i] > 0 && fabs(got - ref[i]) / err_bound[i] > worst) worst = fabs(got - ref[i]) / err_bound[i];
+        }
+        CHECK_EQ(bad, 0);
+        printf("%-20s %s: m_out %d, n %d%s, worst |error| / bound %.2f\n", v->name,
+               dynamic ? "every SM, shared counter" : "5 blocks, static tiles  ", M_OUT, n,
+               exact ? ", exact sums" : ", any codes", worst);
+    }
+    free(at), free(bt), free(sa), free(sb), free(ref), free(err_bound), free(c0), free(got_bytes);
+    cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(dsa), cudaFree(dsb);
+    return 0;
+}
+
 static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t rng = *(uint64_t *)arg;
@@ -976,6 +1081,8 @@ static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
         const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
         int failed;
         if (v->a_type != COMETI_GEMM_E4M3) failed = run_row(&s, vi, &rng);
+        else if (v->along == COMETI_GEMM_GROUPS_ALONG_K)
+            failed = run_row_e4m3_wgrad(&s, vi, 1, &rng) || run_row_e4m3_wgrad(&s, vi, 0, &rng);
         else if (v->roles & COMETI_GEMM_ROLE_DISPATCH) /* rows sent with their scales after them: K-major */
             failed = run_row_e4m3(&s, vi, 256, 0, 0, 1, 1, &rng) || run_row_e4m3(&s, vi, 192, 1, 1, 0, 1, &rng);
         else if (v->epilogue != COMETI_GEMM_EPI_SWIGLU_E4M3)

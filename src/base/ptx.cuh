@@ -144,6 +144,12 @@ static __device__ __forceinline__ float lds_f32(const float *p)
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_u32(p)) : "memory");
     return v;
 }
+static __device__ __forceinline__ float2 lds_f32x2(const float *p) /* p 8-byte aligned */
+{
+    float2 v;
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_u32(p)) : "memory");
+    return v;
+}
 static __device__ __forceinline__ void sts_f32(float *p, float v)
 {
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(smem_u32(p)), "f"(v) : "memory");

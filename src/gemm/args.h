@@ -48,9 +48,11 @@ typedef struct cometi_gemm_args {
     /* E4M3 (gemm.h): A's scales (row r, k block b) at a_scale[r * a_scale_row + b *
      * a_scale_block] (rows past a_rows read none), B's [groups][b_scale_group / b_scale_kb]
      * [b_scale_kb] (up's at b_up_scale, the same strides; n blocks past b_scale_blocks read
-     * none), and C's (SWIGLU_E4M3) at c_scale[r * c_scale_row + b * c_scale_block]. */
+     * none), and C's (SWIGLU_E4M3) at c_scale[r * c_scale_row + b * c_scale_block]. Along
+     * K, A's row m and B's row n of token block b at a_scale[m * a_scale_row + b *
+     * a_scale_block] and b_scale[n * b_scale_row + b * b_scale_block]. */
     const float *a_scale, *b_scale, *b_up_scale;
-    long long a_scale_row, a_scale_block, a_rows;
+    long long a_scale_row, a_scale_block, a_rows, b_scale_row, b_scale_block;
     int b_scale_group, b_scale_kb, b_scale_blocks;
     float *c_scale;
     long long c_scale_row, c_scale_block;

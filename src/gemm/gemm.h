@@ -4,8 +4,9 @@
  * the groups' segments one after another, B [groups][n][k] in nn.Linear's [out][in]
  * layout), C_g = A_g B_g (a dgrad GEMM: B [groups][k][n], MN-major), or C_g = A_g^T B_g with
  * groups along K (a weight gradient: A [rows][m_out] and B [rows][n], group g's k its
- * segment's rows, C [groups][m_out][n]). Operands bf16, or E4M3 with block scales (the
- * forward's layout), fp32 accumulation. The groups' rows are read by the kernel from device
+ * segment's rows, C [groups][m_out][n]; E4M3: A^T [m_out][rows] and B^T [n][rows], the
+ * tokens contiguous). Operands bf16, or E4M3 with block scales (1 x 128 along k for A, and
+ * for B along K; 128 x 128 for B along M), fp32 accumulation. The groups' rows are read by the kernel from device
  * memory, so no host sync is needed.
  *
  * A description (cometi_gemm_t) has the problem, each operand with its layout, the output
@@ -99,18 +100,24 @@ typedef struct cometi_gemm {
                                        * tiles made only of them go first (COMET's rescheduling),
                                        * or NULL */
     } problem;
-    /* A: along M [rows][k]; along K [rows][m_out] (MN-major). */
+    /* A: along M [rows][k]; along K [rows][m_out] (bf16, MN-major) or [m_out][ld] (E4M3,
+     * K-major: row m of A^T holds the `rows` tokens' values). */
     struct {
         const void *ptr;
-        int64_t rows;                 /* rows allocated (TMA reads past a group's rows stay inside) */
+        int64_t rows;                 /* rows allocated (TMA reads past a group's rows stay inside);
+                                       * along K, E4M3: the tokens, a multiple of 16 */
         int type;                     /* COMETI_GEMM_BF16 or COMETI_GEMM_E4M3 */
-        int major;                    /* COMETI_GEMM_K_MAJOR, or MN_MAJOR along K */
-        int64_t ld;                   /* along M: elements from a row to the next (0: k); rows of
-                                       * 16-byte multiples */
+        int major;                    /* COMETI_GEMM_K_MAJOR, or along K: MN_MAJOR (bf16) or
+                                       * K_MAJOR (E4M3) */
+        int64_t ld;                   /* along M: elements from a row to the next (0: k); along K,
+                                       * E4M3: of A^T and B^T (0: rows); rows of 16-byte multiples */
         const float *scale;           /* E4M3: row r's scale of k block b (128 wide, the last partial
                                        * where k is) at scale[r * scale_row + b * scale_block]: MN-major
                                        * (scale_row 1: a tile's rows contiguous) or K-major (a row's
-                                       * scales after its values, as the dispatch sends them) */
+                                       * scales after its values, as the dispatch sends them). Along
+                                       * K, row m of A^T, and b is the token block (row / 128): each
+                                       * segment starts at a multiple of 128 and its padding to the
+                                       * next 128 is zero in A^T and B^T */
         int64_t scale_row, scale_block;
     } a;
     /* B: K-major [groups][n][k] (SwiGLU: [groups][2n][k], gate rows then up rows, or the gate
@@ -126,6 +133,8 @@ typedef struct cometi_gemm {
                                        * weight_scale_inv); gate and up in one tensor need n a
                                        * multiple of 128 (a block never holds both) */
         const float *up_scale;        /* E4M3 with `up`: the up rows' own, [groups][ceil(n / 128)][..] */
+        int64_t scale_row, scale_block; /* E4M3 along K: row n's scale of token block b (1 x 128) at
+                                       * scale[n * scale_row + b * scale_block]; else 0 */
     } b;
     /* The output. */
     struct {

@@ -126,7 +126,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                                          p.sched ? (int)gridDim.x - p.combine_blocks : p.gemm_blocks, k_blocks,
                                          !PINGPONG && p.tail_ws);
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(&sm.full[s], E4M3 ? 2 : 1); /* the TMA's bytes (and E4M3: the scale warp's) */
+            mbar_init(&sm.full[s], E4M3 ? 33 : 1); /* the TMA's bytes (and E4M3: each scale lane's) */
             mbar_init(&sm.empty[s], PINGPONG ? 1 : 2); /* one arrive per consumer of the stage */
         }
         mbar_init(&sm.turn[0], 1);
@@ -157,21 +157,25 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                     int t = block + ordinal * p.gemm_blocks;
                     if (p.sched) {
                         const int s = ordinal % TICKETS;
-                        mbar_wait(&sm.ticket_full[s], ordinal / TICKETS & 1, p.err, p.timeout_ns);
-                        t = sm.tickets[s];
-                        __syncwarp();
-                        if (threadIdx.x % 32 == 0) mbar_arrive(&sm.ticket_empty[s]);
+                        /* lane 0 reads the ticket and releases its slot by its own arrival */
+                        if (threadIdx.x % 32 == 0) {
+                            mbar_wait(&sm.ticket_full[s], ordinal / TICKETS & 1, p.err, p.timeout_ns);
+                            t = sm.tickets[s];
+                            mbar_arrive(&sm.ticket_empty[s]);
+                        }
+                        t = __shfl_sync(0xffffffffu, t, 0);
                     }
                     if (t >= tail->units) break;
                     const unit_t un = decode_unit(t, tail, k_blocks);
                     const tile_t tl = split_tile(un.tile, per_split, sm.first_tile, p.groups, split_tiles, p.group_m);
-                    const int a_row = p.segs[tl.group].start + tl.m * TM;
+                    const int a_row = WGRAD ? p.segs[tl.group].start : p.segs[tl.group].start + tl.m * TM;
+                    const int kb1 = WGRAD ? (p.segs[tl.group].rows + BK - 1) / BK : un.kb1;
                     if constexpr (DISPATCH) { /* the rows' scales travel with them */
                         const int blk = a_row / BM;
                         cometi_wait_geq(p.arrive + blk, p.expected[blk], p.arrival_timeout_ns, p.err,
                                         COMETI_SITE_ARRIVAL, -1, blk);
                     }
-                    produce_scales_unit<V>(p, sm, tl, a_row, un.kb0, un.kb1, &pos);
+                    produce_scales_unit<V>(p, sm, tl, a_row, un.kb0, kb1, &pos);
                 }
             }
         }
@@ -204,7 +208,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             tile_t tl = split_tile(un.tile, per_split, sm.first_tile, p.groups, split_tiles, p.group_m);
             /* A weight gradient's k is its group's rows, from the segment's first. */
             const int a_row = WGRAD ? p.segs[tl.group].start : p.segs[tl.group].start + tl.m * TM;
-            const int kb1 = WGRAD ? (p.segs[tl.group].rows + COMETI_GEMM_BK - 1) / COMETI_GEMM_BK : un.kb1;
+            const int kb1 = WGRAD ? (p.segs[tl.group].rows + BK - 1) / BK : un.kb1;
             if constexpr (DISPATCH) {
                 /* Every row of this 128-row block has arrived (from any rank); the rows were
                  * written by ordinary stores, so order them before the TMA's async reads. */
@@ -277,7 +281,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         tile_t tl = split_tile(un.tile, per_split, sm.first_tile, p.groups, split_tiles, p.group_m);
         const int part = tl.m * TM + (PINGPONG ? 0 : half * 64); /* first row of this warpgroup's part */
         cometi_segment_t seg = p.segs[tl.group];
-        const int kb1 = WGRAD ? (seg.rows + COMETI_GEMM_BK - 1) / COMETI_GEMM_BK : un.kb1;
+        const int kb1 = WGRAD ? (seg.rows + BK - 1) / BK : un.kb1;
         if (WGRAD) seg.start = tl.group * p.m_out, seg.rows = p.m_out; /* the group's rows of C */
         push_rows_t push;
         push.first = make_int2(-1, 0), push.last = push.first, push.row[0] = push.row[1] = push.first;

@@ -67,6 +67,13 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
         const int stage = pos->stage;
         mbar_wait(&sm.empty[stage], pos->phase ^ 1, p.err, p.timeout_ns);
         mbar_expect_tx(&sm.full[stage], A_BYTES + B_BYTES);
+        if (WGRAD && T.a_major == COMETI_GEMM_K_MAJOR) {
+            /* E4M3: A^T [m][tokens] and B^T [n][tokens], k along the rows: one box of each. */
+            tma_load_2d(sm.a + stage * A_BYTES, map_a, a_row + kb * BK, tl.m * TM, &sm.full[stage]);
+            tma_load_2d(sm.b + stage * B_BYTES, map_b, a_row + kb * BK, tl.n * BN, &sm.full[stage]);
+            if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+            continue;
+        }
         if (WGRAD) {
             /* A [rows][m] and B [rows][n], K down the rows: boxes of 64 columns x 64 rows, 8 KB
              * apart (A: TM / 64 of them, one per consumer warpgroup; B: BN / 64). */
@@ -155,25 +162,53 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
 }
 
 /* E4M3: the producer's scale warp (a warp of warpgroup 0), over k-steps [kb0, kb1) of tile
- * `tl` (A's first row a_row): for each k block, once its stage is released, the A tile's 128
- * rows' scales and B's (each half's block: SwiGLU's gate and up blocks of column tile tl.n,
- * or a plain tile's 128-row blocks) into the stage's slot, then its arrival on the stage's
- * full barrier (the second, beside the TMA thread's with the bytes). Each block's loads are
- * issued before the wait for its stage, so they are in flight while the ring is full, off
- * the consumers' mainloop. A scale that does not exist is 0 (a row past A, an n block past
- * B: their products are never stored). A's through L2 (ld.global.cg): its rows may have
- * been written by other ranks' dispatch while this kernel runs, and L1 is not coherent (a
- * line holding one row's scales can hold a neighbour's that had not arrived yet); B's
- * (weights) through the read-only path. */
+ * `tl` (A's first row a_row; a weight gradient: its group's first token row, a multiple of
+ * 128): for each k block, once its stage is released, the A tile's 128 rows' scales and
+ * B's (groups along M: each half's block, SwiGLU's gate and up blocks of column tile tl.n
+ * or a plain tile's 128-row blocks; along K: each of the tile's B rows') into the stage's
+ * slot, then each lane's arrival on the stage's full barrier (beside the TMA thread's with
+ * the bytes). Each block's loads are issued before the wait for its stage, so they are in
+ * flight while the ring is full, off the consumers' mainloop. A scale that does not exist
+ * is 0 (a row past A, an n block past B: their products are never stored). A's through L2
+ * (ld.global.cg): its rows may have been written by other ranks' dispatch while this
+ * kernel runs, and L1 is not coherent (a line holding one row's scales can hold a
+ * neighbour's that had not arrived yet); B's (weights) through the read-only path. */
 template <int V>
 static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                            tile_t tl, long long a_row, int kb0, int kb1,
                                                            ring_pos_t *pos)
 {
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
-    constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), ON = cometi_gemm_out_cols(T), HALVES = BN / 128;
+    constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), ON = cometi_gemm_out_cols(T), HALVES = BN / 128,
+                  SLOT = cometi_gemm_scale_slot_floats(T);
+    constexpr bool WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K;
     static_assert(cometi_gemm_tile_rows(T) == 32 * 4, "a lane loads 4 rows' scales of a 128-row tile");
     const int lane = threadIdx.x % 32;
+    if constexpr (WGRAD) { /* rows m of A^T and n of B^T, the token block a_row / 128 + kb */
+        const long long kb_first = a_row / COMETI_GEMM_SCALE_BLOCK;
+        for (int kb = kb0; kb < kb1; kb++) {
+            float a[4], b[BN / 32];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int m = tl.m * 128 + lane + 32 * j;
+                a[j] = m < p.m_out ? __ldcg(p.a_scale + m * p.a_scale_row + (kb_first + kb) * p.a_scale_block) : 0.0f;
+            }
+#pragma unroll
+            for (int j = 0; j < BN / 32; j++) {
+                const int n = tl.n * BN + lane + 32 * j;
+                b[j] = n < p.n ? __ldcg(p.b_scale + n * p.b_scale_row + (kb_first + kb) * p.b_scale_block) : 0.0f;
+            }
+            mbar_wait(&sm.empty[pos->stage], pos->phase ^ 1, p.err, p.timeout_ns);
+            float *slot = sm.scales + pos->stage * SLOT;
+#pragma unroll
+            for (int j = 0; j < 4; j++) sts_f32(slot + lane + 32 * j, a[j]);
+#pragma unroll
+            for (int j = 0; j < BN / 32; j++) sts_f32(slot + COMETI_GEMM_BM + lane + 32 * j, b[j]);
+            mbar_arrive(&sm.full[pos->stage]); /* each lane's arrival releases its own stores */
+            if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+        }
+        return;
+    }
     const float *sb = NULL;
     bool sb_ok = false;
     if (lane < HALVES) {
@@ -191,30 +226,33 @@ static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_arg
         }
         if (sb_ok) b = __ldg(sb + kb);
         mbar_wait(&sm.empty[pos->stage], pos->phase ^ 1, p.err, p.timeout_ns);
-        float *slot = sm.scales + pos->stage * COMETI_GEMM_SCALE_SLOT_FLOATS;
+        float *slot = sm.scales + pos->stage * SLOT;
 #pragma unroll
         for (int j = 0; j < 4; j++) sts_f32(slot + lane + 32 * j, a[j]);
         if (lane < HALVES) sts_f32(slot + COMETI_GEMM_BM + lane, b);
-        __syncwarp(); /* every lane's stores before the arrival that releases them */
-        if (lane == 0) mbar_arrive(&sm.full[pos->stage]);
+        mbar_arrive(&sm.full[pos->stage]); /* each lane's arrival releases its own stores */
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
     }
 }
 
-/* This thread's scales of a stage (its slot): its two rows' (fragment rows r and r + 8 of
- * the tile) and each half's B scale. */
+/* A stage's scale slot, and this thread's scales in it: its two rows' (fragment rows r and
+ * r + 8 of the tile) and each half's B scale. */
+template <int V>
+static __device__ __forceinline__ const float *stage_slot(const gemm_smem_t &sm, int stage)
+{
+    return sm.scales + stage * cometi_gemm_scale_slot_floats(cometi_gemm_variants[V]);
+}
 typedef struct e4m3_scales {
     float a0, a1;
 } e4m3_scales_t;
-static __device__ __forceinline__ e4m3_scales_t stage_row_scales(const gemm_smem_t &sm, int stage, int row)
+static __device__ __forceinline__ e4m3_scales_t stage_row_scales(const float *slot, int row)
 {
-    const float *slot = sm.scales + stage * COMETI_GEMM_SCALE_SLOT_FLOATS;
     e4m3_scales_t s = {lds_f32(slot + row), lds_f32(slot + row + 8)};
     return s;
 }
-static __device__ __forceinline__ float stage_b_scale(const gemm_smem_t &sm, int stage, int h)
+static __device__ __forceinline__ float stage_b_scale(const float *slot, int h)
 {
-    return lds_f32(sm.scales + stage * COMETI_GEMM_SCALE_SLOT_FLOATS + COMETI_GEMM_BM + h);
+    return lds_f32(slot + COMETI_GEMM_BM + h);
 }
 
 /* One k block of a 128-wide E4M3 tile: fresh sums of its four k-32 MMAs into `part`. */
@@ -238,15 +276,39 @@ static __device__ __forceinline__ void promote_e4m3(float *acc, const float *par
     }
 }
 
+/* The weight gradients' promotion: acc += part x (row scale x column scale), each of this
+ * thread's column pairs' B scales read from the stage's slot (`b_cols`: its first pair). */
+static __device__ __forceinline__ void promote_e4m3_cols(float *acc, const float *part, float s0, float s1,
+                                                         const float *b_cols)
+{
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        const float2 sb = lds_f32x2(b_cols + j * 8);
+        float *d = &acc[j * 4];
+        d[0] = fmaf(part[j * 4], s0 * sb.x, d[0]), d[1] = fmaf(part[j * 4 + 1], s0 * sb.y, d[1]);
+        d[2] = fmaf(part[j * 4 + 2], s1 * sb.x, d[2]), d[3] = fmaf(part[j * 4 + 3], s1 * sb.y, d[3]);
+    }
+}
+
 /* A step of the 128-wide E4M3 mainloop: block kb's MMAs are in flight into `done`; block
  * kb + 1's are issued into `next` (once its stage is full, scales included), then kb's are
  * waited for (one group may stay in flight), its stage released and its sums promoted
- * while kb + 1's run. Two sets of fresh registers (64 each beside the 64 accumulators) keep
- * the tensor core fed from one warpgroup. */
+ * while kb + 1's run. Two sets of fresh registers (64 each beside the 64 accumulators)
+ * keep the tensor core fed from one warpgroup. */
 typedef struct e4m3_pipe {
     int prev_stage; /* the stage of the block in flight in `done` */
     float s0, s1;   /* its scales: each row's A scale x the block's B scale */
 } e4m3_pipe_t;
+
+/* The scales of the block in `stage`, each row's A scale times the block's B scale. */
+template <int V>
+static __device__ __forceinline__ void pipe_scales(const gemm_smem_t &sm, int stage, int row, float *s0, float *s1)
+{
+    const float *slot = stage_slot<V>(sm, stage);
+    const e4m3_scales_t sa = stage_row_scales(slot, row);
+    const float sb = stage_b_scale(slot, 0);
+    *s0 = sa.a0 * sb, *s1 = sa.a1 * sb;
+}
 
 template <int V>
 static __device__ __forceinline__ void step_e4m3(float *acc, float *done, float *next, const cometi_gemm_args_t &p,
@@ -260,9 +322,7 @@ static __device__ __forceinline__ void step_e4m3(float *acc, float *done, float 
     int next_stage = -1;
     if (kb + 1 < kb1) {
         mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
-        const e4m3_scales_t sa = stage_row_scales(sm, pos->stage, row);
-        const float sb = stage_b_scale(sm, pos->stage, 0);
-        n0 = sa.a0 * sb, n1 = sa.a1 * sb;
+        pipe_scales<V>(sm, pos->stage, row, &n0, &n1);
         issue_e4m3_block(next, a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b0 + (uint32_t)pos->stage * (B_BYTES >> 4));
         next_stage = pos->stage;
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
@@ -289,9 +349,7 @@ static __device__ __forceinline__ void consume_e4m3_pipelined(float *acc, const 
     float part0[64], part1[64];
     e4m3_pipe_t pipe;
     mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
-    const e4m3_scales_t sa = stage_row_scales(sm, pos->stage, row);
-    const float sb = stage_b_scale(sm, pos->stage, 0);
-    pipe.s0 = sa.a0 * sb, pipe.s1 = sa.a1 * sb;
+    pipe_scales<V>(sm, pos->stage, row, &pipe.s0, &pipe.s1);
     issue_e4m3_block(part0, a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b0 + (uint32_t)pos->stage * (B_BYTES >> 4));
     pipe.prev_stage = pos->stage;
     if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
@@ -308,8 +366,10 @@ static __device__ __forceinline__ void consume_e4m3_pipelined(float *acc, const 
  * scale x the half's B scale) in fp32. The promotion keeps the tensor core's FP8 sums
  * (narrower than fp32) within one block, and applies the block scales where they change.
  * The half's MMAs must be done before its promotion reads them; the other consumer
- * warpgroup's MMAs fill the gap. `a_off`: this warpgroup's 64 rows, bytes into the stage's
- * A tile. */
+ * warpgroup's MMAs fill the gap. Along K (the weight gradients) each output column has
+ * its B row's scale, read from the slot by the promotion, so the stage is released after
+ * it. The 128-wide rows along M pipeline two blocks instead (consume_e4m3_pipelined).
+ * `a_off`: this warpgroup's 64 rows, bytes into the stage's A tile. */
 template <int V>
 static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const cometi_gemm_args_t &p,
                                                          const gemm_smem_t &sm, int a_off, int kb0, int kb1,
@@ -317,31 +377,38 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
 {
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
     constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T), HALVES = BN / 128;
+    constexpr bool WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K;
     static_assert(T.a_type == COMETI_GEMM_E4M3 && T.b_type == COMETI_GEMM_E4M3 && T.a_major == COMETI_GEMM_K_MAJOR &&
-                      T.b_major == COMETI_GEMM_K_MAJOR && T.along == COMETI_GEMM_GROUPS_ALONG_M &&
-                      T.schedule == COMETI_GEMM_COOPERATIVE,
-                  "E4M3 rows: K-major operands, groups along M, cooperative");
+                      T.b_major == COMETI_GEMM_K_MAJOR && T.schedule == COMETI_GEMM_COOPERATIVE,
+                  "E4M3 rows: K-major operands, cooperative");
     const uint32_t A_BYTES = TM * 128, B_BYTES = BN * 128;
     /* This thread's first fragment row in the tile (the other is 8 further). */
     const int row = a_off / 128 + ((threadIdx.x % 128) / 32) * 16 + (threadIdx.x % 32) / 4;
 #pragma unroll
     for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
     const uint32_t a0 = smem_desc_lo(sm.a + a_off), b0 = smem_desc_lo(sm.b);
-    if constexpr (HALVES == 1) {
+    if constexpr (HALVES == 1 && !WGRAD) {
         consume_e4m3_pipelined<V>(acc, p, sm, a0, b0, row, kb0, kb1, pos);
     } else {
     for (int kb = kb0; kb < kb1; kb++) {
         mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
-        const e4m3_scales_t sa = stage_row_scales(sm, pos->stage, row);
+        const float *slot = stage_slot<V>(sm, pos->stage);
+        const e4m3_scales_t sa = stage_row_scales(slot, row);
         const uint32_t a = a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b = b0 + (uint32_t)pos->stage * (B_BYTES >> 4);
 #pragma unroll
         for (int h = 0; h < HALVES; h++) {
-            const float sb = stage_b_scale(sm, pos->stage, h);
             float part[64];
             issue_e4m3_block(part, a, b + h * (128 * 128 >> 4)); /* the half's 128 rows of B */
             wgmma_wait<0>();
-            if (h == HALVES - 1 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]);
-            promote_e4m3(acc + h * 64, part, sa.a0 * sb, sa.a1 * sb);
+            if constexpr (WGRAD) {
+                promote_e4m3_cols(acc + h * 64, part, sa.a0, sa.a1,
+                                  slot + COMETI_GEMM_BM + h * 128 + (threadIdx.x % 4) * 2);
+                if (h == HALVES - 1 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]); /* slot read */
+            } else {
+                const float sb = stage_b_scale(slot, h);
+                if (h == HALVES - 1 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]);
+                promote_e4m3(acc + h * 64, part, sa.a0 * sb, sa.a1 * sb);
+            }
         }
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
     }

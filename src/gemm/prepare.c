@@ -210,6 +210,13 @@ static comet_status_t check_scales(char *err, const cometi_gemm_t *g, const come
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: b.scale = %p must be set (4-byte aligned), and "
                            "b.up_scale = %p exactly when b.up is", (const void *)g->b.scale,
                            (const void *)g->b.up_scale);
+    /* B's scales along K are per row (strides given), along M per 128 x 128 block (laid out). */
+    const int along_k = v->along == COMETI_GEMM_GROUPS_ALONG_K;
+    if (along_k ? g->b.scale_row < 1 || g->b.scale_block < 1 : g->b.scale_row || g->b.scale_block)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: b.scale_row = %lld and b.scale_block = %lld: "
+                           "%s", (long long)g->b.scale_row, (long long)g->b.scale_block,
+                           along_k ? "groups along K scale each row of B^T, strides >= 1"
+                                   : "0 with groups along M (B's 128 x 128 blocks are laid out)");
     /* Gate and up rows in one tensor share its 128-row blocks: a block must not hold both. */
     if (cometi_gemm_is_swiglu(v->epilogue) && !g->b.up && g->problem.n % COMETI_GEMM_SCALE_BLOCK)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3 SwiGLU: n = %d with gate and up in one tensor "
@@ -259,7 +266,13 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi
     if ((uintptr_t)g->a.ptr % 16 || (uintptr_t)g->b.ptr % 16 || (uintptr_t)g->b.up % 16)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a, b and b.up must be 16-byte aligned");
     const int ea = cometi_gemm_element_bytes(v->a_type);
-    if (g->a.ld && (along_k || g->a.ld < g->problem.k || g->a.ld * ea % 16))
+    if (along_k && e4m3) {
+        /* A^T and B^T: rows of the tokens' bytes, TMA strides of 16 bytes. */
+        if (g->a.rows % 16 || (g->a.ld && (g->a.ld < g->a.rows || g->a.ld % 16)))
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3 along K: a.rows = %lld (the tokens) must be "
+                               "a multiple of 16 and a.ld = %lld 0 or a multiple of 16 >= rows",
+                               (long long)g->a.rows, (long long)g->a.ld);
+    } else if (g->a.ld && (along_k || g->a.ld < g->problem.k || g->a.ld * ea % 16))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm a.ld = %lld: along M, >= k = %d and rows of 16-byte "
                            "multiples (0: k)", (long long)g->a.ld, g->problem.k);
     if (g->b.up && !swiglu)
@@ -434,13 +447,21 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     const int b_group_rows = fused_up ? 2 * n : n;
     cometi_gemm_maps_t m;
     memset(&m, 0, sizeof(m));
-    if (along_k) /* A [rows][m_out]: boxes of 64 rows of m x 64 k rows */
+    const uint64_t t_ld = (uint64_t)(g->a.ld ? g->a.ld : g->a.rows); /* E4M3 along K: A^T's and B^T's */
+    if (along_k && v->a_type == COMETI_GEMM_E4M3) { /* A^T [m_out][tokens], B^T [n][tokens] */
+        COMETI_TRY(make_map_3d(err, &m.a, g->a.ptr, 1, (uint64_t)g->a.rows, (uint64_t)m_out, 1, t_ld, 0,
+                               COMETI_GEMM_BM, "A^T (along K)"));
+        COMETI_TRY(make_map_3d(err, &m.b, g->b.ptr, 1, (uint64_t)g->a.rows, (uint64_t)n, 1, t_ld, 0,
+                               (uint32_t)v->block_n, "B^T (along K)"));
+    } else if (along_k) /* A [rows][m_out]: boxes of 64 rows of m x 64 k rows */
         COMETI_TRY(make_map(err, &m.a, g->a.ptr, ea, (uint64_t)m_out, (uint64_t)g->a.rows, COMETI_GEMM_BK,
                             "A (along K)"));
     else
         COMETI_TRY(make_map_3d(err, &m.a, g->a.ptr, ea, (uint64_t)k, (uint64_t)g->a.rows, 1,
                                (uint64_t)(g->a.ld ? g->a.ld : k), 0, pingpong ? 64 : COMETI_GEMM_BM, "A"));
-    if (along_k) { /* B [rows][n]: boxes of 64 columns x 64 k rows */
+    if (along_k && v->a_type == COMETI_GEMM_E4M3) {
+        /* made above */
+    } else if (along_k) { /* B [rows][n]: boxes of 64 columns x 64 k rows */
         COMETI_TRY(make_map(err, &m.b, g->b.ptr, eb, (uint64_t)n, (uint64_t)g->a.rows, COMETI_GEMM_BK,
                             "B (along K)"));
     } else if (swiglu) { /* [groups][n][k] views of the gate rows and of the up rows */
@@ -476,7 +497,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     args.segs = g->problem.segs;
     args.groups = groups;
     args.n = n;
-    args.k = along_k ? COMETI_GEMM_BK : k; /* along K: each group's own rows set its k */
+    args.k = along_k ? cometi_gemm_bk(*v) : k; /* along K: each group's own rows set its k */
     args.ldc = g->out.ldc;
     args.m_out = along_k ? m_out : 0;
     args.group_m = g->launch.group_m ? g->launch.group_m : 8;
@@ -506,6 +527,8 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
         args.a_scale_block = g->a.scale_block;
         args.a_rows = g->a.rows;
         args.b_scale = g->b.scale;
+        args.b_scale_row = g->b.scale_row;
+        args.b_scale_block = g->b.scale_block;
         args.b_scale_kb = kbs;
         args.b_scale_blocks = n_blocks;
         args.b_scale_group = (fused_up ? 2 * n / COMETI_GEMM_SCALE_BLOCK : n_blocks) * kbs;

@@ -152,7 +152,15 @@ typedef struct cometi_gemm_variant {
     X(fp8_nt_256_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, SPLITS)        \
     X(fp8_nt_128_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
     X(fp8_nt_256_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 256, NONE)          \
-    X(fp8_nt_128_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE)
+    X(fp8_nt_128_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE)          \
+    /* the FP8 weight gradients: A^T B with groups along K, both operands token-major (each   \
+     * row of A^T and B^T runs along the tokens) with 1 x 128 scales along them */              \
+    X(fp8_wgrad_256,      E4M3, E4M3, K,  K,  K, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
+    X(fp8_wgrad_128,      E4M3, E4M3, K,  K,  K, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
+    X(fp8_wgrad_256_direct, E4M3, E4M3, K, K, K, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
+    X(fp8_wgrad_128_direct, E4M3, E4M3, K, K, K, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
+    X(fp8_wgrad_256_add,  E4M3, E4M3, K,  K,  K, ADD_FP32,  DIRECT, COOPERATIVE, 256, NONE)          \
+    X(fp8_wgrad_128_add,  E4M3, E4M3, K,  K,  K, ADD_FP32,  DIRECT, COOPERATIVE, 128, NONE)
 
 /* The rows' ids, COMETI_GEMM_V_<name>, in table order. */
 #define COMETI_GEMM_VARIANT_ID(name, at, bt, am, bm, along, epi, store, sched, bn, roles) COMETI_GEMM_V_##name,
@@ -224,14 +232,18 @@ COMETI_GEMM_FN int cometi_gemm_out_cols(cometi_gemm_variant_t v)
     return cometi_gemm_is_swiglu(v.epilogue) ? v.block_n / 2 : v.block_n;
 }
 /* E4M3: a stage's scales beside its boxes, in their own slot (kernel.cuh): the A tile's
- * 128 rows' scales of the stage's k block, then B's (gate and up, or the two 128-row
- * blocks of a 256-wide tile), padded to 16 bytes. Loaded by a warp of the producer, so the
- * consumers read them from shared memory, not at L2's latency in their mainloop. */
-#define COMETI_GEMM_SCALE_SLOT_FLOATS (COMETI_GEMM_BM + 4)
-COMETI_GEMM_FN int cometi_gemm_scale_slot_bytes(cometi_gemm_variant_t v)
+ * 128 rows' scales of the stage's k block, then B's: with groups along M a block per
+ * 128 rows of B (gate and up, or the two 128-row blocks of a 256-wide tile), padded to 16
+ * bytes; along K one per row of B (the weight gradients: both operands scaled 1 x 128
+ * along the tokens). Loaded by a warp of the producer, so the consumers read them from
+ * shared memory, not at L2's latency in their mainloop. */
+COMETI_GEMM_FN int cometi_gemm_scale_slot_floats(cometi_gemm_variant_t v)
 {
-    return v.a_type == COMETI_GEMM_E4M3 ? COMETI_GEMM_SCALE_SLOT_FLOATS * 4 : 0;
+    return v.a_type != COMETI_GEMM_E4M3             ? 0
+           : v.along == COMETI_GEMM_GROUPS_ALONG_K ? COMETI_GEMM_BM + v.block_n
+                                                   : COMETI_GEMM_BM + 4;
 }
+COMETI_GEMM_FN int cometi_gemm_scale_slot_bytes(cometi_gemm_variant_t v) { return cometi_gemm_scale_slot_floats(v) * 4; }
 /* One stage of the ring: A's and B's boxes of one k-step. */
 COMETI_GEMM_FN int cometi_gemm_stage_bytes(cometi_gemm_variant_t v)
 {
