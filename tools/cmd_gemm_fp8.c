@@ -12,6 +12,10 @@
  * cuBLASLt on the same FP8 operands (GEMM1: ||ours - cuBLASLt|| / ||cuBLASLt||; GEMM0: the
  * dequantized activations), and against the bf16 GEMM with DeepGEMM's measure
  * 1 - 2 sum(xy) / sum(x^2 + y^2) (what FP8 costs in accuracy).
+ * Then the backward's weight gradients (dW2 = dy^T a, dW13 = dh^T x, groups along K): our
+ * FP8 GEMM on operands cast-transposed in 128 x 1 blocks along the tokens, beside our bf16
+ * one, alone and with the two cast-transposes it needs (timed too), and the same measure
+ * against bf16.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -342,6 +346,110 @@ static int check_gemm1(fp8_case_t *c, double *diff_lt, double *diff_bf16, const 
     return 0;
 }
 
+/* The two operands of a weight gradient cast-transposed (the FP8 GEMM's inputs). */
+typedef struct wgrad_run {
+    fp8_case_t *c;
+    const void *a, *b;        /* bf16 [total][m_out], [total][n] */
+    int m_out, n;
+    void *at, *bt;            /* E4M3 [m_out][total], [n][total] */
+    float *as, *bs;           /* [total / 128][m_out], [total / 128][n] */
+    cometi_gemm_t g;
+    char err[COMETI_ERR_LEN];
+} wgrad_run_t;
+
+static int run_wgrad_quantize(void *p, cudaStream_t s)
+{
+    wgrad_run_t *w = p;
+    fp8_case_t *c = w->c;
+    return cometi_quantize_segments_t_e4m3(w->a, w->m_out, w->m_out, c->total, c->segs, c->groups, w->at, c->total,
+                                           w->as, 1, w->m_out, 0, s) != cudaSuccess ||
+           cometi_quantize_segments_t_e4m3(w->b, w->n, w->n, c->total, c->segs, c->groups, w->bt, c->total, w->bs, 1,
+                                           w->n, 0, s) != cudaSuccess;
+}
+
+static int run_wgrad_gemm(void *p, cudaStream_t s)
+{
+    wgrad_run_t *w = p;
+    return cometi_gemm_run(w->err, &w->g, s) != COMET_SUCCESS;
+}
+
+static int run_wgrad_both(void *p, cudaStream_t s) { return run_wgrad_quantize(p, s) || run_wgrad_gemm(p, s); }
+
+/* One weight gradient, C [groups][m_out][n] = A_g^T B_g: bf16, FP8 alone, FP8 with its
+ * cast-transposes; prints a row, returns 1 on a failure (2: a wrong answer). */
+static int wgrad_row(const tool_options_t *o, fp8_case_t *c, const char *name, const void *a, int m_out, const void *b,
+                     int n, cometi_async_error_t *err_host, cometi_async_error_t *err_dev)
+{
+    wgrad_run_t w;
+    memset(&w, 0, sizeof(w));
+    w.c = c, w.a = a, w.b = b, w.m_out = m_out, w.n = n;
+    const size_t T = (size_t)c->total, out = (size_t)c->groups * m_out * n;
+    void *c16 = NULL, *c8 = NULL;
+    CUDA_OK(cudaMalloc(&w.at, (size_t)m_out * T));
+    CUDA_OK(cudaMalloc(&w.bt, (size_t)n * T));
+    CUDA_OK(cudaMalloc((void **)&w.as, T / 128 * m_out * 4));
+    CUDA_OK(cudaMalloc((void **)&w.bs, T / 128 * n * 4));
+    CUDA_OK(cudaMalloc(&c16, out * 2));
+    CUDA_OK(cudaMalloc(&c8, out * 2));
+    cometi_gemm_t *g = &w.g;
+    g->problem.along = COMETI_GEMM_GROUPS_ALONG_K;
+    g->problem.groups = c->groups, g->problem.segs = c->segs, g->problem.n = n, g->problem.m_out = m_out;
+    g->a.ptr = a, g->a.rows = c->total, g->a.major = COMETI_GEMM_MN_MAJOR;
+    g->b.ptr = b, g->b.major = COMETI_GEMM_MN_MAJOR;
+    g->out.epilogue = COMETI_GEMM_EPI_STORE, g->out.c = c16, g->out.ldc = n;
+    g->err = err_dev;
+    int failed = 0;
+    const float t_bf16 = gemm_time_ms(run_wgrad_gemm, &w, 3, o->iters, &failed, NULL, NULL);
+    FAIL_IF(failed, "%s bf16: %s", name, w.err);
+    g->a.ptr = w.at, g->a.type = COMETI_GEMM_E4M3, g->a.major = COMETI_GEMM_K_MAJOR;
+    g->a.scale = w.as, g->a.scale_row = 1, g->a.scale_block = m_out;
+    g->b.ptr = w.bt, g->b.type = COMETI_GEMM_E4M3, g->b.major = COMETI_GEMM_K_MAJOR;
+    g->b.scale = w.bs, g->b.scale_row = 1, g->b.scale_block = n;
+    g->out.c = c8;
+    uint16_t *h8 = TOOL_MALLOC(out * 2), *h16 = TOOL_MALLOC(out * 2);
+    CUDA_OK(cudaMemcpy(h16, c16, out * 2, cudaMemcpyDeviceToHost));
+    /* The tile width the description chooses, then 128-wide tiles: each checked on poisoned
+     * operands and output, then timed. */
+    float t_fp8[2], t_both = 0;
+    double diff = 0;
+    int nonfinite = 0;
+    for (int wi = 0; wi < 2; wi++) {
+        g->launch.block_n = wi ? 128 : 0;
+        CUDA_OK(cudaMemset(w.at, 0xff, (size_t)m_out * T));
+        CUDA_OK(cudaMemset(w.bt, 0xff, (size_t)n * T));
+        CUDA_OK(cudaMemset(c8, 0xff, out * 2));
+        FAIL_IF(run_wgrad_both(&w, 0), "%s fp8: %s", name, w.err);
+        CUDA_OK(cudaDeviceSynchronize());
+        FAIL_IF(err_host->status, "%s fp8: the GEMM pipeline stalled", name);
+        CUDA_OK(cudaMemcpy(h8, c8, out * 2, cudaMemcpyDeviceToHost));
+        double sums[2] = {0, 0};
+        for (size_t i = 0; i < out; i++) {
+            const double x = cometi_bf16_to_float(h8[i]);
+            nonfinite += !isfinite(x);
+            add_pair(sums, x, cometi_bf16_to_float(h16[i]));
+        }
+        if (deepgemm_diff(sums) > diff) diff = deepgemm_diff(sums);
+        t_fp8[wi] = gemm_time_ms(run_wgrad_gemm, &w, 3, o->iters, &failed, NULL, NULL);
+        if (!wi) t_both = gemm_time_ms(run_wgrad_both, &w, 3, o->iters, &failed, NULL, NULL);
+        FAIL_IF(failed, "%s fp8: %s", name, w.err);
+    }
+    free(h8), free(h16);
+    const float t_q = gemm_time_ms(run_wgrad_quantize, &w, 3, o->iters, &failed, NULL, NULL);
+    FAIL_IF(failed, "%s cast-transposes: %s", name, w.err);
+    /* Both operands rounded to E4M3 once: about 6e-4 of the measure on these operands (the
+     * forward's GEMM1 has the same two roundings); 1e-3 flags a wrong one. */
+    const int wrong = nonfinite || !(diff <= 1e-3);
+    const double flop = 2.0 * c->groups * c->rows * (double)m_out * n;
+#define TF(ms) (flop / ((ms) * 1e-3) / 1e12)
+    printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.0f %8.3f %8.2f %8.2f %9.1e%s\n", name, c->groups, c->rows, m_out, n,
+           TF(t_bf16), TF(t_fp8[0]), TF(t_fp8[1]), t_q, t_bf16 / t_fp8[0], t_bf16 / t_both, diff,
+           wrong ? " WRONG" : "");
+#undef TF
+    fflush(stdout);
+    cudaFree(w.at), cudaFree(w.bt), cudaFree(w.as), cudaFree(w.bs), cudaFree(c16), cudaFree(c8);
+    return wrong ? 2 : 0;
+}
+
 int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const tool_options_t *o = arg;
@@ -443,6 +551,32 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
 #undef TF
             fflush(stdout);
         }
+        case_close(&c);
+    }
+    printf("\nweight gradients (groups along K): dW2 = dy^T a, dW13 = dh^T x; fp8: our GEMM on operands cast-transposed "
+           "in 128 x 1 blocks along the tokens (its chosen tile width, and 128 wide); quant: both cast-transposes, ms; +quant: "
+           "bf16 / (quant + fp8); vs bf16: 1 - 2xy/(x^2+y^2)\n");
+    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %8s %8s %9s\n", "shape", "groups", "rows", "m", "n", "bf16", "fp8",
+           "fp8 128", "quant", "/bf16", "+quant", "vs bf16");
+    for (int i = 0; i < o->npresets; i++) {
+        comet_moe_config_t cfg;
+        comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
+        fp8_case_t c;
+        if (case_open(o, &cfg, ep, i, &c)) return 1;
+        /* dy: x's values; dh: hash-filled [total][2F], padding rows zero as the layer's are. */
+        CUDA_OK(cometi_fill_hash_bf16(c.h, (size_t)c.total * 2 * c.F, o->seed + 4 * i + 5, 0, 1.0f, 0));
+        for (int g = 0; g < c.groups; g++)
+            CUDA_OK(cudaMemset((char *)c.h + ((size_t)g * c.pad_rows + c.rows) * 2 * c.F * 2, 0,
+                               (size_t)(c.pad_rows - c.rows) * 2 * c.F * 2));
+        char name[48];
+        snprintf(name, sizeof(name), "%s dW2", o->presets[i]);
+        int st = wgrad_row(o, &c, name, c.x, c.H, c.act, c.F, err_host, err_dev);
+        if (st == 1) return 1;
+        bad |= st != 0;
+        snprintf(name, sizeof(name), "%s dW13", o->presets[i]);
+        st = wgrad_row(o, &c, name, c.h, 2 * c.F, c.x, c.H, err_host, err_dev);
+        if (st == 1) return 1;
+        bad |= st != 0;
         case_close(&c);
     }
     cometi_blaslt_fp8_destroy(r.lt);
