@@ -699,55 +699,82 @@ typedef struct segments_case {
     cometi_segment_t segs[4];
 } segments_case_t;
 
-/* The weight gradients' cast-transpose on one shape: x [rows][cols + 8] whose segments
- * start at multiples of 128, NaN in every row past a segment's end (never read: those rows
- * count as zeros) and NaN or an infinity planted in about one column block in 16; qt
- * [cols][ldq] (ldq a 16-byte multiple past the rows) and the scales [row blocks][cols + 3]
- * poisoned first. Each segment's 128-row block of each column against the host: its scale
- * bit for bit, every byte (rows past the segment's end: zeros times the block's inverse),
- * and nothing written for blocks in no segment or past cols; pow2 off and on. */
-static int segments_case(const segments_case_t *sc, uint64_t *rng, int *nonfinite_blocks)
+/* The weight gradients' cast-transpose on one shape, from bf16 rows or (e4m3_in) from E4M3
+ * rows with 1 x 128 scales (finite codes of every binade, scales 2^-20..2^20): x [rows][cols + 16] whose segments start at multiples of 128, NaN in every row
+ * past a segment's end (never read: those rows count as zeros) and NaN or an infinity
+ * (E4M3: a NaN code) planted in about one column block in 16; qt [cols][ldq] (ldq a 16-byte multiple
+ * past the rows) and the scales [row blocks][cols + 3] poisoned first. Each segment's
+ * 128-row block of each column against the host (the values as the kernel reads them:
+ * bf16, or each code times its scale in fp32): its scale bit for bit, every byte (rows
+ * past the segment's end: zeros times the block's inverse), and nothing written for
+ * blocks in no segment or past cols; pow2 off and on. */
+static int segments_case(const segments_case_t *sc, int e4m3_in, uint64_t *rng, int *nonfinite_blocks)
 {
-    const int64_t rows = sc->rows, ldx = sc->cols + 8, ldq = (rows + 127) / 128 * 128 + 16;
-    const int cols = sc->cols, rb_count = (int)((rows + 127) / 128);
-    const int64_t sblock = cols + 3; /* the scales' row-block stride */
+    const int cols = sc->cols, rb_count = (int)((sc->rows + 127) / 128), nb = (cols + 127) / 128;
+    const int64_t rows = sc->rows, ldx = cols + 16, ldq = (rows + 127) / 128 * 128 + 16;
+    const int64_t sblock = cols + 3, xs_row = nb + 1; /* the scales' row-block stride; x's scales' row stride */
     uint16_t *x = malloc((size_t)rows * ldx * 2);
+    uint8_t *x8 = malloc((size_t)rows * ldx);
+    float *xs = malloc(sizeof(float) * rows * xs_row), *xf = malloc(sizeof(float) * rows * cols);
     fill_blocks(x, rows, cols, ldx, rng);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int c = 0; c < ldx; c++) { /* any finite code (NaN ones are planted below) */
+            const uint8_t code = (uint8_t)(cometi_rand_next(rng) >> 24);
+            x8[r * ldx + c] = (code & 0x7f) == 0x7f ? code ^ 1 : code;
+        }
+        for (int b = 0; b < xs_row; b++) xs[r * xs_row + b] = ldexpf(1.0f + (float)cometi_rand_unit(rng),
+                                                                     (int)(cometi_rand_next(rng) % 40) - 20);
+    }
     int *in_seg = calloc((size_t)rb_count, sizeof(int)); /* block -> 1 + its segment, 0: none */
     for (int g = 0; g < sc->groups; g++) {
         const cometi_segment_t sg = sc->segs[g];
         CHECK(sg.start % 128 == 0);
         for (int64_t r = sg.start; r < sg.start + (sg.rows + 127) / 128 * 128; r++) {
             in_seg[r / 128] = g + 1;
-            if (r >= sg.start + sg.rows)
-                for (int c = 0; c < cols; c++) x[r * ldx + c] = 0x7fc0; /* past the segment: never read */
+            if (r >= sg.start + sg.rows) { /* past the segment: never read */
+                for (int c = 0; c < cols; c++) x[r * ldx + c] = 0x7fc0, x8[r * ldx + c] = COMETI_E4M3_NAN;
+                for (int b = 0; b < xs_row; b++) xs[r * xs_row + b] = NAN;
+            }
         }
         for (int64_t r0 = sg.start; r0 < sg.start + sg.rows; r0 += 128)
             for (int c = 0; c < cols; c++)
                 if (cometi_rand_next(rng) % (16 * 128) == 0) {
                     const int64_t r1 = r0 + 128 < sg.start + sg.rows ? r0 + 128 : sg.start + sg.rows;
                     plant(x, ldx, r0, r1, c, c + 1, (int)(cometi_rand_next(rng) % 5), rng);
+                    x8[(r0 + (int64_t)(cometi_rand_next(rng) % (uint64_t)(r1 - r0))) * ldx + c] = COMETI_E4M3_NAN;
                 }
     }
-    for (int64_t r = 0; r < rows; r++) /* the columns past cols: NaN */
-        for (int c = cols; c < ldx; c++) x[r * ldx + c] = 0x7fc0;
+    for (int64_t r = 0; r < rows; r++) { /* the columns past cols: NaN; the values the kernel reads */
+        for (int c = cols; c < ldx; c++) x[r * ldx + c] = 0x7fc0, x8[r * ldx + c] = COMETI_E4M3_NAN;
+        for (int c = 0; c < cols; c++)
+            xf[r * cols + c] = e4m3_in ? cometi_fp8_mul(cometi_e4m3_decode(x8[r * ldx + c]), xs[r * xs_row + c / 128])
+                                       : cometi_bf16_to_float(x[r * ldx + c]);
+    }
     cometi_segment_t *dsegs;
     void *dx, *dq;
-    float *ds;
+    float *ds, *dxs;
     const size_t nq = (size_t)cols * ldq, ns = (size_t)rb_count * sblock;
     CUDA_OK(cudaMalloc((void **)&dsegs, sizeof(sc->segs)));
     CUDA_OK(cudaMalloc(&dx, (size_t)rows * ldx * 2));
+    CUDA_OK(cudaMalloc((void **)&dxs, sizeof(float) * rows * xs_row));
     CUDA_OK(cudaMalloc(&dq, nq));
     CUDA_OK(cudaMalloc((void **)&ds, ns * sizeof(float)));
     CUDA_OK(cudaMemcpy(dsegs, sc->segs, sizeof(sc->segs), cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(dx, x, (size_t)rows * ldx * 2, cudaMemcpyHostToDevice));
+    if (e4m3_in) CUDA_OK(cudaMemcpy(dx, x8, (size_t)rows * ldx, cudaMemcpyHostToDevice));
+    else CUDA_OK(cudaMemcpy(dx, x, (size_t)rows * ldx * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dxs, xs, sizeof(float) * rows * xs_row, cudaMemcpyHostToDevice));
     uint8_t *q = malloc(nq);
     float *s = malloc(ns * sizeof(float));
     double worst = 0;
     for (int pow2 = 0; pow2 < 2; pow2++) {
         CUDA_OK(cudaMemset(dq, POISON, nq));
         CUDA_OK(cudaMemset(ds, POISON, ns * sizeof(float)));
-        CUDA_OK(cometi_quantize_segments_t_e4m3(dx, ldx, cols, rows, dsegs, sc->groups, dq, ldq, ds, 1, sblock, pow2, 0));
+        if (e4m3_in)
+            CUDA_OK(cometi_requantize_segments_t_e4m3(dx, ldx, dxs, xs_row, 1, cols, rows, dsegs, sc->groups, dq, ldq,
+                                                      ds, 1, sblock, pow2, 0));
+        else
+            CUDA_OK(cometi_quantize_segments_t_e4m3(dx, ldx, cols, rows, dsegs, sc->groups, dq, ldq, ds, 1, sblock,
+                                                    pow2, 0));
         CUDA_OK(cudaDeviceSynchronize());
         CUDA_OK(cudaMemcpy(q, dq, nq, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(s, ds, ns * sizeof(float), cudaMemcpyDeviceToHost));
@@ -764,13 +791,15 @@ static int segments_case(const segments_case_t *sc, uint64_t *rng, int *nonfinit
                 }
                 const cometi_segment_t sg = sc->segs[in_seg[rb] - 1];
                 const int64_t r1 = r0 + 128 < sg.start + sg.rows ? r0 + 128 : sg.start + sg.rows;
-                const float want = block_scale(x, ldx, r0, r1, c, c + 1, pow2), inv = cometi_fp8_inverse(want);
+                float amax = 0.0f;
+                for (int64_t r = r0; r < r1; r++) amax = cometi_fp8_max(amax, cometi_fp8_abs(xf[r * cols + c]));
+                const float want = cometi_fp8_scale(amax, pow2), inv = cometi_fp8_inverse(want);
                 if (pow2 == 0) *nonfinite_blocks += !isfinite(want);
                 if (!same_scale(got_s, want))
                     FAIL_AT("rows %lld x %d: scale of block %d column %d = %a, host %a\n", (long long)rows, cols, rb, c,
                             got_s, want);
                 for (int64_t r = r0; r < r0 + 128; r++) {
-                    const float xv = r < r1 ? cometi_bf16_to_float(x[r * ldx + c]) : 0.0f;
+                    const float xv = r < r1 ? xf[r * cols + c] : 0.0f;
                     const uint8_t got = q[(size_t)c * ldq + r], ref = cometi_fp8_quantize(xv, inv);
                     if (got != ref)
                         FAIL_AT("rows %lld x %d: qt[%d][%lld] = 0x%02x, host 0x%02x (x %a, scale %a)\n",
@@ -783,10 +812,11 @@ static int segments_case(const segments_case_t *sc, uint64_t *rng, int *nonfinit
             if ((int64_t)(i % ldq) >= (int64_t)rb_count * 128 && q[i] != POISON) FAIL_AT("qt byte %zu written\n", i);
         CHECK_EQ(bad, 0);
     }
-    printf("segments %lld x %4d (%d groups), transposed in 128 x 1 blocks: every byte and scale as the host's; "
-           "worst |q s - x| / bound %.3f\n", (long long)rows, cols, sc->groups, worst);
-    free(x), free(in_seg), free(q), free(s);
-    cudaFree(dsegs), cudaFree(dx), cudaFree(dq), cudaFree(ds);
+    printf("segments %lld x %4d (%d groups) from %s rows, transposed in 128 x 1 blocks: every byte and scale as the "
+           "host's; worst |q s - x| / bound %.3f\n", (long long)rows, cols, sc->groups, e4m3_in ? "E4M3" : "bf16",
+           worst);
+    free(x), free(x8), free(xs), free(xf), free(in_seg), free(q), free(s);
+    cudaFree(dsegs), cudaFree(dx), cudaFree(dxs), cudaFree(dq), cudaFree(ds);
     return 0;
 }
 
@@ -819,29 +849,34 @@ static int time_kernels(void)
     for (int g = 0; g < 8; g++) segs_host[g] = (cometi_segment_t){g * (int)(rows / 8), (int)(rows / 8)};
     CUDA_OK(cudaMalloc((void **)&segs, sizeof(segs_host)));
     CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(segs_host), cudaMemcpyHostToDevice));
-    for (int which = 0; which < 4; which++) {
+    /* E4M3 rows for the requantization: the bytes of x (finite codes once NaN's are cleared). */
+    CUDA_OK(cometi_quantize_rows_e4m3(x, rows, cols, cols, q, cols, sc, 1, rows, 0, 0));
+    for (int which = 0; which < 5; which++) {
         float ms[TIMED_RUNS];
         for (int i = -3; i < TIMED_RUNS; i++) {
             CUDA_OK(cudaEventRecord(ev[0], 0));
             if (which == 0) CUDA_OK(cometi_quantize_rows_e4m3(x, rows, cols, cols, q, cols, sc, 1, rows, 0, 0));
             else if (which == 1) CUDA_OK(cometi_quantize_blocks_e4m3(x, mats, wrows, cols, q, sc, NULL, NULL, 0, 0));
             else if (which == 2) CUDA_OK(cometi_quantize_blocks_e4m3(x, mats, wrows, cols, q, sc, qt, sc + n / 256, 0, 0));
-            else CUDA_OK(cometi_quantize_segments_t_e4m3(x, cols, cols, rows, segs, 8, qt, rows, sc, 1, cols, 0, 0));
+            else if (which == 3) CUDA_OK(cometi_quantize_segments_t_e4m3(x, cols, cols, rows, segs, 8, qt, rows, sc, 1, cols, 0, 0));
+            else CUDA_OK(cometi_requantize_segments_t_e4m3(q, cols, sc, 1, rows, cols, rows, segs, 8, qt, rows,
+                                                           sc + n / 128 / 2, 1, cols, 0, 0));
             CUDA_OK(cudaEventRecord(ev[1], 0));
             CUDA_OK(cudaEventSynchronize(ev[1]));
             if (i >= 0) CUDA_OK(cudaEventElapsedTime(&ms[i], ev[0], ev[1]));
         }
         qsort(ms, TIMED_RUNS, sizeof(float), cmp_float);
-        const double elems = which == 0 || which == 3 ? (double)rows * cols : (double)n;
-        const double blocks = which == 0 || which == 3 ? (double)rows * (cols / 128)
-                                                       : (double)mats * (wrows / 128) * (cols / 128);
-        const double copies = which == 2 ? 2 : 1, bytes = elems * (2 + copies) + blocks * 4 * copies,
-                     med = ms[TIMED_RUNS / 2];
+        const double elems = which == 1 || which == 2 ? (double)n : (double)rows * cols;
+        const double blocks = which == 1 || which == 2 ? (double)mats * (wrows / 128) * (cols / 128)
+                                                       : (double)rows * (cols / 128);
+        const double copies = which == 2 ? 2 : 1, in_bytes = which == 4 ? 1 : 2, in_blocks = which == 4 ? 1 : 0;
+        const double bytes = elems * (in_bytes + copies) + blocks * 4 * (copies + in_blocks), med = ms[TIMED_RUNS / 2];
         printf("%s: median %.3f ms, %.2f TB/s (%.0f MB moved)\n",
                which == 0   ? "rows 16384 x 7168 (MN-major scales)"
                : which == 1 ? "weights 8 x 4096 x 7168"
                : which == 2 ? "weights 8 x 4096 x 7168 and their transpose"
-                            : "rows 16384 x 7168 in 8 segments, transposed in 128 x 1 blocks",
+               : which == 3 ? "rows 16384 x 7168 in 8 segments, transposed in 128 x 1 blocks"
+                            : "E4M3 rows 16384 x 7168 (1 x 128) in 8 segments, requantized transposed",
                med, bytes / med / 1e9, bytes / 1e6);
     }
     cudaFree(qt), cudaFree(segs);
@@ -869,7 +904,8 @@ static int quantize_rank(const cometi_rank_ctx_t *ctx, void *arg)
                                    {1024, 1408, 2, {{128, 257}, {512, 384}}},
                                    {256, 16, 1, {{0, 200}}}};
     for (size_t i = 0; i < sizeof(scs) / sizeof(scs[0]); i++)
-        if (segments_case(&scs[i], &rng, &nonfinite)) return 1;
+        for (int e4m3_in = 0; e4m3_in < 2; e4m3_in++)
+            if (segments_case(&scs[i], e4m3_in, &rng, &nonfinite)) return 1;
     printf("%d blocks held a NaN or an infinity; each dequantized to NaN in every element\n", nonfinite);
     CHECK(nonfinite > 0);
     /* rows 0: nothing launched, nothing written. */

@@ -70,6 +70,15 @@ cudaError_t cometi_quantize_segments_t_e4m3(const void *x, int64_t ldx, int cols
                                             const cometi_segment_t *segs, int groups, void *qt, int64_t ldq,
                                             float *scales, int64_t scale_row_stride, int64_t scale_block_stride,
                                             int pow2, cudaStream_t stream);
+/* The same from E4M3 rows with 1 x 128 scales (row r's block b at x_scales[r * x_scale_row
+ * + b * x_scale_block]), as the dispatch delivers rows: each value dequantized in fp32, then
+ * requantized along the tokens (DeepSeek-V3's 1 x 128 to 128 x 1). x's rows ldx bytes apart,
+ * ldx a multiple of 8. */
+cudaError_t cometi_requantize_segments_t_e4m3(const void *x, int64_t ldx, const float *x_scales, int64_t x_scale_row,
+                                              int64_t x_scale_block, int cols, int64_t rows,
+                                              const cometi_segment_t *segs, int groups, void *qt, int64_t ldq,
+                                              float *scales, int64_t scale_row_stride, int64_t scale_block_stride,
+                                              int pow2, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -252,17 +252,39 @@ static __device__ __forceinline__ uint2 quantize8_cols(uint4 v, const float *inv
     return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
 }
 
+/* Eight E4M3 values (8 bytes, the first column lowest) times their row's scale: exact
+ * decoding (E4M3 is a subset of f16), then one rounded fp32 product each, as the host's
+ * cometi_fp8_mul(cometi_e4m3_decode(q), s). */
+static __device__ __forceinline__ void dequantize8(uint2 b, float s, float *out)
+{
+    const uint32_t w[2] = {b.x, b.y};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const uint16_t pair = (uint16_t)(w[k / 2] >> (16 * (k % 2)));
+        uint32_t h2;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+        float lo, hi;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((uint16_t)(h2 & 0xffffu)));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((uint16_t)(h2 >> 16)));
+        out[2 * k] = cometi_fp8_mul(lo, s), out[2 * k + 1] = cometi_fp8_mul(hi, s);
+    }
+}
+
 /* Token rows, transposed per 128-row block of a segment (the weight gradients' operands):
  * a thread block takes 128 rows x 128 columns, laid out among its threads as the weights'
- * tile is (8 loads of 16 bytes a thread, kept in registers), but each column is a block of
- * its own: its amax is each thread's max over its 8 rows, a shuffle across the warp's two
- * row groups, and the 8 warps' through shared memory. Rows of the block past its segment's
- * rows load nothing and quantize to zeros (the GEMM sums up to the next 128 rows); a block
- * in no segment is left as it is. The bytes go to qt through the swizzled staging, as the
- * weights' transpose does. */
+ * tile is (8 loads a thread, kept in registers), but each column is a block of its own: its
+ * amax is each thread's max over its 8 rows, a shuffle across the warp's two row groups,
+ * and the 8 warps' through shared memory. Rows of the block past its segment's rows load
+ * nothing and quantize to zeros (the GEMM sums up to the next 128 rows); a block in no
+ * segment is left as it is. The bytes go to qt through the swizzled staging, as the
+ * weights' transpose does. E4M3_IN: the rows are E4M3 with a scale per row per 128
+ * columns (as the dispatch delivers them, or the forward keeps them), dequantized in fp32
+ * first (DeepSeek-V3's 1 x 128 to 128 x 1 requantization); else bf16. */
+template <bool E4M3_IN>
 static __global__ void __launch_bounds__(QUANTIZE_THREADS)
-quantize_segments_t_kernel(const uint16_t *__restrict__ x, long long ldx, int cols, const cometi_segment_t *segs,
-                           int groups, uint8_t *__restrict__ qt, long long ldq, float *__restrict__ scales,
+quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const float *__restrict__ x_scales,
+                           long long xs_row, long long xs_block, int cols, const cometi_segment_t *segs, int groups,
+                           uint8_t *__restrict__ qt, long long ldq, float *__restrict__ scales,
                            long long scale_row_stride, long long scale_block_stride, int pow2, int row_blocks,
                            int col_tiles)
 {
@@ -284,24 +306,43 @@ quantize_segments_t_kernel(const uint16_t *__restrict__ x, long long ldx, int co
         }
         if (valid < 0) continue; /* the whole block alike */
         const int c = ct * COMETI_FP8_BLOCK + col_in;
-        uint4 v[TILE_PASSES];
+        /* The thread's 8 rows of 8 columns: bf16 pairs as loaded, or E4M3 dequantized. */
+        uint4 v[E4M3_IN ? 1 : TILE_PASSES];
+        float f[E4M3_IN ? TILE_PASSES : 1][8];
+        float amax[8];
 #pragma unroll
         for (int p = 0; p < TILE_PASSES; p++) {
             const int tr = p * TILE_ROWS_PER_PASS + tile_row;
-            v[p] = make_uint4(0, 0, 0, 0);
-            if (tr < valid && c < cols) v[p] = *(const uint4 *)(x + (r0 + tr) * ldx + c);
-        }
-        /* Each of the thread's 8 columns' max over its rows, bf16 pairs, then floats. */
-        uint32_t m[4] = {0, 0, 0, 0};
+            const bool in = tr < valid && c < cols;
+            if constexpr (E4M3_IN) {
+                const uint8_t *row = (const uint8_t *)x + (r0 + tr) * ldx;
+                if (in) dequantize8(*(const uint2 *)(row + c), x_scales[(r0 + tr) * xs_row + ct * xs_block], f[p]);
+                else
 #pragma unroll
-        for (int p = 0; p < TILE_PASSES; p++) {
-            m[0] = max_nan_bf16x2(m[0], v[p].x & 0x7fff7fffu), m[1] = max_nan_bf16x2(m[1], v[p].y & 0x7fff7fffu);
-            m[2] = max_nan_bf16x2(m[2], v[p].z & 0x7fff7fffu), m[3] = max_nan_bf16x2(m[3], v[p].w & 0x7fff7fffu);
+                    for (int k = 0; k < 8; k++) f[p][k] = 0.0f;
+            } else {
+                v[p] = in ? *(const uint4 *)((const uint16_t *)x + (r0 + tr) * ldx + c) : make_uint4(0, 0, 0, 0);
+            }
         }
-        float amax[8];
+        if constexpr (E4M3_IN) {
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            amax[2 * k] = cometi_f32_from_bits(m[k] << 16), amax[2 * k + 1] = cometi_f32_from_bits(m[k] & 0xffff0000u);
+            for (int k = 0; k < 8; k++) {
+                amax[k] = 0.0f;
+#pragma unroll
+                for (int p = 0; p < TILE_PASSES; p++) amax[k] = cometi_fp8_max(amax[k], cometi_fp8_abs(f[p][k]));
+            }
+        } else { /* each column's max over the thread's rows, bf16 pairs, then floats */
+            uint32_t m[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int p = 0; p < TILE_PASSES; p++) {
+                m[0] = max_nan_bf16x2(m[0], v[p].x & 0x7fff7fffu), m[1] = max_nan_bf16x2(m[1], v[p].y & 0x7fff7fffu);
+                m[2] = max_nan_bf16x2(m[2], v[p].z & 0x7fff7fffu), m[3] = max_nan_bf16x2(m[3], v[p].w & 0x7fff7fffu);
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                amax[2 * k] = cometi_f32_from_bits(m[k] << 16);
+                amax[2 * k + 1] = cometi_f32_from_bits(m[k] & 0xffff0000u);
+            }
         }
 #pragma unroll
         for (int k = 0; k < 8; k++) amax[k] = cometi_fp8_max(amax[k], __shfl_xor_sync(0xffffffffu, amax[k], 16));
@@ -324,7 +365,18 @@ quantize_segments_t_kernel(const uint16_t *__restrict__ x, long long ldx, int co
 #pragma unroll
         for (int p = 0; p < TILE_PASSES; p++) {
             const int tr = p * TILE_ROWS_PER_PASS + tile_row;
-            *(uint2 *)(staged + staged_at(tr, col_in)) = quantize8_cols(v[p], inv);
+            uint2 bytes;
+            if constexpr (E4M3_IN) {
+                uint32_t pair[4];
+#pragma unroll
+                for (int k = 0; k < 4; k++)
+                    pair[k] = cometi_e4m3x2_cvt(cometi_fp8_mul(f[p][2 * k], inv[2 * k]),
+                                                cometi_fp8_mul(f[p][2 * k + 1], inv[2 * k + 1]));
+                bytes = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+            } else {
+                bytes = quantize8_cols(v[p], inv);
+            }
+            *(uint2 *)(staged + staged_at(tr, col_in)) = bytes;
         }
         __syncthreads(); /* the tile's bytes are staged; warp_amax read */
         for (int i = threadIdx.x; i < TILE_PIECES; i += QUANTIZE_THREADS) {
@@ -337,18 +389,43 @@ quantize_segments_t_kernel(const uint16_t *__restrict__ x, long long ldx, int co
     }
 }
 
-extern "C" cudaError_t cometi_quantize_segments_t_e4m3(const void *x, int64_t ldx, int cols, int64_t rows,
-                                                       const cometi_segment_t *segs, int groups, void *qt,
-                                                       int64_t ldq, float *scales, int64_t scale_row_stride,
-                                                       int64_t scale_block_stride, int pow2, cudaStream_t stream)
+static cudaError_t launch_segments_t(bool e4m3_in, const void *x, int64_t ldx, const float *x_scales, int64_t xs_row,
+                                     int64_t xs_block, int cols, int64_t rows, const cometi_segment_t *segs,
+                                     int groups, void *qt, int64_t ldq, float *scales, int64_t scale_row_stride,
+                                     int64_t scale_block_stride, int pow2, cudaStream_t stream)
 {
     if (rows <= 0 || cols <= 0 || groups <= 0) return cudaSuccess;
     const int row_blocks = (int)((rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK);
     const int col_tiles = (cols + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK;
     const long long tiles = (long long)row_blocks * col_tiles;
     const unsigned int grid = (unsigned int)(tiles < QUANTIZE_MAX_GRID ? tiles : QUANTIZE_MAX_GRID);
-    quantize_segments_t_kernel<<<grid, QUANTIZE_THREADS, 0, stream>>>(
-        (const uint16_t *)x, ldx, cols, segs, groups, (uint8_t *)qt, ldq, scales, scale_row_stride,
-        scale_block_stride, pow2, row_blocks, col_tiles);
+    if (e4m3_in)
+        quantize_segments_t_kernel<true><<<grid, QUANTIZE_THREADS, 0, stream>>>(
+            x, ldx, x_scales, xs_row, xs_block, cols, segs, groups, (uint8_t *)qt, ldq, scales, scale_row_stride,
+            scale_block_stride, pow2, row_blocks, col_tiles);
+    else
+        quantize_segments_t_kernel<false><<<grid, QUANTIZE_THREADS, 0, stream>>>(
+            x, ldx, NULL, 0, 0, cols, segs, groups, (uint8_t *)qt, ldq, scales, scale_row_stride, scale_block_stride,
+            pow2, row_blocks, col_tiles);
     return cudaGetLastError();
+}
+
+extern "C" cudaError_t cometi_quantize_segments_t_e4m3(const void *x, int64_t ldx, int cols, int64_t rows,
+                                                       const cometi_segment_t *segs, int groups, void *qt,
+                                                       int64_t ldq, float *scales, int64_t scale_row_stride,
+                                                       int64_t scale_block_stride, int pow2, cudaStream_t stream)
+{
+    return launch_segments_t(false, x, ldx, NULL, 0, 0, cols, rows, segs, groups, qt, ldq, scales, scale_row_stride,
+                             scale_block_stride, pow2, stream);
+}
+
+extern "C" cudaError_t cometi_requantize_segments_t_e4m3(const void *x, int64_t ldx, const float *x_scales,
+                                                         int64_t x_scale_row, int64_t x_scale_block, int cols,
+                                                         int64_t rows, const cometi_segment_t *segs, int groups,
+                                                         void *qt, int64_t ldq, float *scales,
+                                                         int64_t scale_row_stride, int64_t scale_block_stride,
+                                                         int pow2, cudaStream_t stream)
+{
+    return launch_segments_t(true, x, ldx, x_scales, x_scale_row, x_scale_block, cols, rows, segs, groups, qt, ldq,
+                             scales, scale_row_stride, scale_block_stride, pow2, stream);
 }
