@@ -80,12 +80,12 @@ int test_gemm_variant_table(void)
         CHECK(v.b_type == v.a_type);
         CHECK(!e4m3 || (v.a_major == COMETI_GEMM_K_MAJOR && v.b_major == COMETI_GEMM_K_MAJOR &&
                         v.schedule == COMETI_GEMM_COOPERATIVE));
-        /* E4M3's roles: the dispatch with the quantizing SwiGLU (GEMM0); the splits and the
-         * push with the store (GEMM1). */
+        /* E4M3's roles: the dispatch with the quantizing SwiGLU (GEMM0) and with the store
+         * (the backward's dy W2); the splits and the push with the store (GEMM1). */
         CHECK(!e4m3 || (v.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 ? v.roles != COMETI_GEMM_ROLE_SPLITS
-                        : v.epilogue == COMETI_GEMM_EPI_STORE || v.epilogue == COMETI_GEMM_EPI_PUSH ||
-                                  v.epilogue == COMETI_GEMM_EPI_ADD_FP32
-                            ? (v.roles & COMETI_GEMM_ROLE_DISPATCH) == 0
+                        : v.epilogue == COMETI_GEMM_EPI_STORE                                  ? 1
+                        : v.epilogue == COMETI_GEMM_EPI_PUSH || v.epilogue == COMETI_GEMM_EPI_ADD_FP32
+                            ? v.roles == COMETI_GEMM_ROLE_NONE
                             : 0));
         CHECK(e4m3 || v.epilogue != COMETI_GEMM_EPI_SWIGLU_E4M3);
         CHECK(cometi_gemm_stage_bytes(v) == (cometi_gemm_tile_rows(v) + v.block_n) * 128);

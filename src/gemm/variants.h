@@ -148,7 +148,9 @@ typedef struct cometi_gemm_variant {
     X(fp8_nt_128,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
     X(fp8_nt_256_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
     X(fp8_nt_128_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
-    /* GEMM1 with its roles */                                                                     \
+    /* GEMM1 with its roles, and the backward's data-gradient GEMM of W2 (dy dispatched) */         \
+    X(fp8_nt_256_dispatch, E4M3, E4M3, K, K,  M, STORE,     TMA,    COOPERATIVE, 256, DISPATCH)      \
+    X(fp8_nt_128_dispatch, E4M3, E4M3, K, K,  M, STORE,     TMA,    COOPERATIVE, 128, DISPATCH)      \
     X(fp8_nt_256_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, SPLITS)        \
     X(fp8_nt_128_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
     X(fp8_nt_256_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 256, NONE)          \
