@@ -15,7 +15,8 @@
  * Then the backward's weight gradients (dW2 = dy^T a, dW13 = dh^T x, groups along K): our
  * FP8 GEMM on operands cast-transposed in 128 x 1 blocks along the tokens, beside our bf16
  * one, alone and with the two cast-transposes it needs (timed too), and the same measure
- * against bf16.
+ * against bf16; and the data gradients (s = dy W2, dx = dh W13): our FP8 GEMM on W^T's
+ * copy beside our bf16 one reading W as the forward keeps it.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -408,13 +409,14 @@ static int wgrad_row(const tool_options_t *o, fp8_case_t *c, const char *name, c
     g->out.c = c8;
     uint16_t *h8 = TOOL_MALLOC(out * 2), *h16 = TOOL_MALLOC(out * 2);
     CUDA_OK(cudaMemcpy(h16, c16, out * 2, cudaMemcpyDeviceToHost));
-    /* The tile width the description chooses, then 128-wide tiles: each checked on poisoned
-     * operands and output, then timed. */
-    float t_fp8[2], t_both = 0;
+    /* The tile width and store the description chooses, the direct store, then 128-wide
+     * tiles: each checked on poisoned operands and output, then timed. */
+    float t_fp8[3], t_both = 0;
     double diff = 0;
     int nonfinite = 0;
-    for (int wi = 0; wi < 2; wi++) {
-        g->launch.block_n = wi ? 128 : 0;
+    for (int wi = 0; wi < 3; wi++) {
+        g->launch.block_n = wi == 2 ? 128 : 0;
+        g->out.store = wi == 1 ? COMETI_GEMM_STORE_DIRECT : COMETI_GEMM_STORE_AUTO;
         CUDA_OK(cudaMemset(w.at, 0xff, (size_t)m_out * T));
         CUDA_OK(cudaMemset(w.bt, 0xff, (size_t)n * T));
         CUDA_OK(cudaMemset(c8, 0xff, out * 2));
@@ -441,12 +443,77 @@ static int wgrad_row(const tool_options_t *o, fp8_case_t *c, const char *name, c
     const int wrong = nonfinite || !(diff <= 1e-3);
     const double flop = 2.0 * c->groups * c->rows * (double)m_out * n;
 #define TF(ms) (flop / ((ms) * 1e-3) / 1e12)
-    printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.0f %8.3f %8.2f %8.2f %9.1e%s\n", name, c->groups, c->rows, m_out, n,
-           TF(t_bf16), TF(t_fp8[0]), TF(t_fp8[1]), t_q, t_bf16 / t_fp8[0], t_bf16 / t_both, diff,
-           wrong ? " WRONG" : "");
+    printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.0f %8.0f %8.3f %8.2f %8.2f %9.1e%s\n", name, c->groups, c->rows,
+           m_out, n, TF(t_bf16), TF(t_fp8[0]), TF(t_fp8[1]), TF(t_fp8[2]), t_q, t_bf16 / t_fp8[0], t_bf16 / t_both,
+           diff, wrong ? " WRONG" : "");
 #undef TF
     fflush(stdout);
     cudaFree(w.at), cudaFree(w.bt), cudaFree(w.as), cudaFree(w.bs), cudaFree(c16), cudaFree(c8);
+    return wrong ? 2 : 0;
+}
+
+/* A data-gradient GEMM, C [total][n] = A W per expert (k = W's rows): ours in bf16 (W as
+ * the forward keeps it, read MN-major) and in FP8 (A's rows 1 x 128, W^T's 128 x 128
+ * copy, K-major: FP8 wgmma reads k-major operands only), the FP8 result against bf16's
+ * by DeepGEMM's measure; prints a row, returns 1 on a failure (2: a wrong answer). */
+static int dgrad_row(const tool_options_t *o, fp8_case_t *c, const char *name, const void *a, int k, const void *w,
+                     int n, cometi_async_error_t *err_host, cometi_async_error_t *err_dev)
+{
+    const size_t T = (size_t)c->total, out = T * n, kb = (size_t)(k + 127) / 128;
+    const int G = c->groups;
+    void *aq = NULL, *wt = NULL, *c16 = NULL, *c8 = NULL;
+    float *as = NULL, *wts = NULL;
+    CUDA_OK(cudaMalloc(&aq, T * k));
+    CUDA_OK(cudaMalloc((void **)&as, T * kb * 4));
+    CUDA_OK(cudaMalloc(&wt, (size_t)G * n * k));
+    CUDA_OK(cudaMalloc((void **)&wts, (size_t)G * ((n + 127) / 128) * kb * 4));
+    CUDA_OK(cudaMalloc(&c16, out * 2));
+    CUDA_OK(cudaMalloc(&c8, out * 2));
+    CUDA_OK(cometi_quantize_rows_e4m3(a, c->total, k, k, aq, k, as, 1, c->total, 0, 0));
+    CUDA_OK(cometi_quantize_blocks_e4m3(w, G, k, n, NULL, NULL, wt, wts, 0, 0)); /* W^T [G][n][k] */
+    fp8_run_t r;
+    memset(&r, 0, sizeof(r));
+    cometi_gemm_t *g = &r.g;
+    g->problem.groups = G, g->problem.segs = c->segs, g->problem.n = n, g->problem.k = k;
+    g->a.ptr = a, g->a.rows = c->total;
+    g->b.ptr = w, g->b.major = COMETI_GEMM_MN_MAJOR;
+    g->out.epilogue = COMETI_GEMM_EPI_STORE, g->out.c = c16, g->out.ldc = n;
+    g->err = err_dev;
+    int failed = 0;
+    const float t_bf16 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+    FAIL_IF(failed, "%s bf16: %s", name, r.err);
+    g->a.ptr = aq, g->a.type = COMETI_GEMM_E4M3, g->a.scale = as, g->a.scale_row = 1, g->a.scale_block = c->total;
+    g->b.ptr = wt, g->b.type = COMETI_GEMM_E4M3, g->b.major = COMETI_GEMM_K_MAJOR, g->b.scale = wts;
+    g->out.c = c8;
+    CUDA_OK(cudaMemset(c8, 0xff, out * 2));
+    FAIL_IF(run_ours(&r, 0), "%s fp8: %s", name, r.err);
+    CUDA_OK(cudaDeviceSynchronize());
+    FAIL_IF(err_host->status, "%s fp8: the GEMM pipeline stalled", name);
+    uint16_t *h8 = TOOL_MALLOC(out * 2), *h16 = TOOL_MALLOC(out * 2);
+    CUDA_OK(cudaMemcpy(h8, c8, out * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(h16, c16, out * 2, cudaMemcpyDeviceToHost));
+    double sums[2] = {0, 0};
+    int nonfinite = 0;
+    for (int e = 0; e < G; e++) /* the experts' rows (padding rows hold nothing of either) */
+        for (int64_t i = 0; i < c->row_count[e]; i++)
+            for (int j = 0; j < n; j++) {
+                const size_t at = (size_t)(c->row_start[e] + i) * n + j;
+                const double x = cometi_bf16_to_float(h8[at]);
+                nonfinite += !isfinite(x);
+                add_pair(sums, x, cometi_bf16_to_float(h16[at]));
+            }
+    free(h8), free(h16);
+    const float t_fp8 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+    FAIL_IF(failed, "%s fp8: %s", name, r.err);
+    const double diff = deepgemm_diff(sums);
+    const int wrong = nonfinite || !(diff <= 1e-3); /* two E4M3 roundings, as GEMM1's */
+    const double flop = 2.0 * G * c->rows * (double)n * k;
+#define TF(ms) (flop / ((ms) * 1e-3) / 1e12)
+    printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.2f %9.1e%s\n", name, G, c->rows, n, k, TF(t_bf16), TF(t_fp8),
+           t_bf16 / t_fp8, diff, wrong ? " WRONG" : "");
+#undef TF
+    fflush(stdout);
+    cudaFree(aq), cudaFree(as), cudaFree(wt), cudaFree(wts), cudaFree(c16), cudaFree(c8);
     return wrong ? 2 : 0;
 }
 
@@ -554,10 +621,10 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
         case_close(&c);
     }
     printf("\nweight gradients (groups along K): dW2 = dy^T a, dW13 = dh^T x; fp8: our GEMM on operands cast-transposed "
-           "in 128 x 1 blocks along the tokens (its chosen tile width, and 128 wide); quant: both cast-transposes, ms; +quant: "
+           "in 128 x 1 blocks along the tokens (its chosen tile width and store, the direct store, 128 wide); quant: both cast-transposes, ms; +quant: "
            "bf16 / (quant + fp8); vs bf16: 1 - 2xy/(x^2+y^2)\n");
-    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %8s %8s %9s\n", "shape", "groups", "rows", "m", "n", "bf16", "fp8",
-           "fp8 128", "quant", "/bf16", "+quant", "vs bf16");
+    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %8s %8s %8s %9s\n", "shape", "groups", "rows", "m", "n", "bf16",
+           "fp8", "direct", "fp8 128", "quant", "/bf16", "+quant", "vs bf16");
     for (int i = 0; i < o->npresets; i++) {
         comet_moe_config_t cfg;
         comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
@@ -575,6 +642,28 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
         bad |= st != 0;
         snprintf(name, sizeof(name), "%s dW13", o->presets[i]);
         st = wgrad_row(o, &c, name, c.h, 2 * c.F, c.x, c.H, err_host, err_dev);
+        if (st == 1) return 1;
+        bad |= st != 0;
+        case_close(&c);
+    }
+    printf("\ndata gradients: s = dy W2 (k = hidden), dx = dh W13 (k = 2 ffn); bf16: W read MN-major as the forward "
+           "keeps it; fp8: dy and dh rows 1 x 128 (quantized before, not timed), W^T's 128 x 128 copy; vs bf16: "
+           "1 - 2xy/(x^2+y^2)\n");
+    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %9s\n", "shape", "groups", "rows", "n", "k", "bf16", "fp8", "/bf16",
+           "vs bf16");
+    for (int i = 0; i < o->npresets; i++) {
+        comet_moe_config_t cfg;
+        comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
+        fp8_case_t c;
+        if (case_open(o, &cfg, ep, i, &c)) return 1;
+        CUDA_OK(cometi_fill_hash_bf16(c.h, (size_t)c.total * 2 * c.F, o->seed + 4 * i + 6, 0, 1.0f, 0));
+        char name[48];
+        snprintf(name, sizeof(name), "%s dgrad W2", o->presets[i]);
+        int st = dgrad_row(o, &c, name, c.x, c.H, c.w2, c.F, err_host, err_dev);
+        if (st == 1) return 1;
+        bad |= st != 0;
+        snprintf(name, sizeof(name), "%s dgrad W13", o->presets[i]);
+        st = dgrad_row(o, &c, name, c.h, 2 * c.F, c.w13, c.H, err_host, err_dev);
         if (st == 1) return 1;
         bad |= st != 0;
         case_close(&c);

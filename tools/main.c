@@ -197,8 +197,9 @@ static const flag_t flags[] = {
      "tokens (there the fused layers as CUDA-graph replays); with 1 - 2xy/(x^2+y^2) of the FP8 and bf16 outputs"},
     {"--fp8", NULL, CMD_GEMM, set_switch, AT(o.fp8), 1, 0,
      "instead, the block-scaled FP8 forward GEMMs (E4M3, 1 x 128 and 128 x 128 scales) beside cuBLASLt's "
-     "block-scaled FP8 GEMM per expert and our bf16 GEMM, then the FP8 weight-gradient GEMMs (128 x 1 scales "
-     "along the tokens) beside our bf16 ones; --ep defaults to 1 (one GPU's rows)"},
+     "block-scaled FP8 GEMM per expert and our bf16 GEMM, then the backward's FP8 GEMMs beside our bf16 ones: the "
+     "weight gradients (128 x 1 scales along the tokens) and the data gradients (on W^T's copy); --ep defaults to 1 "
+     "(one GPU's rows)"},
     {"--mib", "N", CMD_BANDWIDTH, parse_int, AT(o.mib), 1, 16384, "bytes per transfer, MiB [256]"},
     {"--ranks", "N", RUNS, parse_int, AT(ranks), 1, COMETI_MAX_RANKS,
      "processes, one per GPU [EP x TP with --ep, else every visible GPU]"},

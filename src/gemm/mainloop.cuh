@@ -277,7 +277,9 @@ static __device__ __forceinline__ void promote_e4m3(float *acc, const float *par
 }
 
 /* The weight gradients' promotion: acc += part x (row scale x column scale), each of this
- * thread's column pairs' B scales read from the stage's slot (`b_cols`: its first pair). */
+ * thread's column pairs' B scales read from the stage's slot (`b_cols`: its first pair;
+ * pair j is 8 columns further). Read into registers while the MMAs run instead, they cost
+ * spills and 5-14% of the GEMM's time (docs/PERF-archive.md). */
 static __device__ __forceinline__ void promote_e4m3_cols(float *acc, const float *part, float s0, float s1,
                                                          const float *b_cols)
 {
