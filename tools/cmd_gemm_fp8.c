@@ -517,6 +517,36 @@ static int dgrad_row(const tool_options_t *o, fp8_case_t *c, const char *name, c
     return wrong ? 2 : 0;
 }
 
+/* The backward's GEMMs on every preset: the weight gradients (dW2 = dy^T a, dW13 = dh^T x)
+ * or the data gradients (s = dy W2, dx = dh W13); dy takes x's values, dh is hash-filled
+ * [total][2F] with zero padding rows (as the layer's). 1: a failure; *bad |= a wrong row. */
+static int backward_table(const tool_options_t *o, int ep, int dgrad, cometi_async_error_t *err_host,
+                          cometi_async_error_t *err_dev, int *bad)
+{
+    for (int i = 0; i < o->npresets; i++) {
+        comet_moe_config_t cfg;
+        comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
+        fp8_case_t c;
+        if (case_open(o, &cfg, ep, i, &c)) return 1;
+        CUDA_OK(cometi_fill_hash_bf16(c.h, (size_t)c.total * 2 * c.F, o->seed + 4 * i + 5 + dgrad, 0, 1.0f, 0));
+        for (int g = 0; g < c.groups; g++)
+            CUDA_OK(cudaMemset((char *)c.h + ((size_t)g * c.pad_rows + c.rows) * 2 * c.F * 2, 0,
+                               (size_t)(c.pad_rows - c.rows) * 2 * c.F * 2));
+        for (int which = 0; which < 2; which++) { /* W2's, then W13's */
+            char name[48];
+            snprintf(name, sizeof(name), "%s %s%s", o->presets[i], dgrad ? "dgrad " : "d", which ? "W13" : "W2");
+            const int st = dgrad ? (which ? dgrad_row(o, &c, name, c.h, 2 * c.F, c.w13, c.H, err_host, err_dev)
+                                          : dgrad_row(o, &c, name, c.x, c.H, c.w2, c.F, err_host, err_dev))
+                                 : (which ? wgrad_row(o, &c, name, c.h, 2 * c.F, c.x, c.H, err_host, err_dev)
+                                          : wgrad_row(o, &c, name, c.x, c.H, c.act, c.F, err_host, err_dev));
+            if (st == 1) return 1;
+            *bad |= st != 0;
+        }
+        case_close(&c);
+    }
+    return 0;
+}
+
 int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const tool_options_t *o = arg;
@@ -621,53 +651,17 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
         case_close(&c);
     }
     printf("\nweight gradients (groups along K): dW2 = dy^T a, dW13 = dh^T x; fp8: our GEMM on operands cast-transposed "
-           "in 128 x 1 blocks along the tokens (its chosen tile width and store, the direct store, 128 wide); quant: both cast-transposes, ms; +quant: "
-           "bf16 / (quant + fp8); vs bf16: 1 - 2xy/(x^2+y^2)\n");
+           "in 128 x 1 blocks along the tokens (its chosen tile width and store, the direct store, 128 wide); quant: "
+           "both cast-transposes, ms; +quant: bf16 / (quant + fp8); vs bf16: 1 - 2xy/(x^2+y^2)\n");
     printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %8s %8s %8s %9s\n", "shape", "groups", "rows", "m", "n", "bf16",
            "fp8", "direct", "fp8 128", "quant", "/bf16", "+quant", "vs bf16");
-    for (int i = 0; i < o->npresets; i++) {
-        comet_moe_config_t cfg;
-        comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
-        fp8_case_t c;
-        if (case_open(o, &cfg, ep, i, &c)) return 1;
-        /* dy: x's values; dh: hash-filled [total][2F], padding rows zero as the layer's are. */
-        CUDA_OK(cometi_fill_hash_bf16(c.h, (size_t)c.total * 2 * c.F, o->seed + 4 * i + 5, 0, 1.0f, 0));
-        for (int g = 0; g < c.groups; g++)
-            CUDA_OK(cudaMemset((char *)c.h + ((size_t)g * c.pad_rows + c.rows) * 2 * c.F * 2, 0,
-                               (size_t)(c.pad_rows - c.rows) * 2 * c.F * 2));
-        char name[48];
-        snprintf(name, sizeof(name), "%s dW2", o->presets[i]);
-        int st = wgrad_row(o, &c, name, c.x, c.H, c.act, c.F, err_host, err_dev);
-        if (st == 1) return 1;
-        bad |= st != 0;
-        snprintf(name, sizeof(name), "%s dW13", o->presets[i]);
-        st = wgrad_row(o, &c, name, c.h, 2 * c.F, c.x, c.H, err_host, err_dev);
-        if (st == 1) return 1;
-        bad |= st != 0;
-        case_close(&c);
-    }
+    if (backward_table(o, ep, 0, err_host, err_dev, &bad)) return 1;
     printf("\ndata gradients: s = dy W2 (k = hidden), dx = dh W13 (k = 2 ffn); bf16: W read MN-major as the forward "
            "keeps it; fp8: dy and dh rows 1 x 128 (quantized before, not timed), W^T's 128 x 128 copy; vs bf16: "
            "1 - 2xy/(x^2+y^2)\n");
     printf("%-24s %6s %6s %6s %6s %8s %8s %8s %9s\n", "shape", "groups", "rows", "n", "k", "bf16", "fp8", "/bf16",
            "vs bf16");
-    for (int i = 0; i < o->npresets; i++) {
-        comet_moe_config_t cfg;
-        comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
-        fp8_case_t c;
-        if (case_open(o, &cfg, ep, i, &c)) return 1;
-        CUDA_OK(cometi_fill_hash_bf16(c.h, (size_t)c.total * 2 * c.F, o->seed + 4 * i + 6, 0, 1.0f, 0));
-        char name[48];
-        snprintf(name, sizeof(name), "%s dgrad W2", o->presets[i]);
-        int st = dgrad_row(o, &c, name, c.x, c.H, c.w2, c.F, err_host, err_dev);
-        if (st == 1) return 1;
-        bad |= st != 0;
-        snprintf(name, sizeof(name), "%s dgrad W13", o->presets[i]);
-        st = dgrad_row(o, &c, name, c.h, 2 * c.F, c.w13, c.H, err_host, err_dev);
-        if (st == 1) return 1;
-        bad |= st != 0;
-        case_close(&c);
-    }
+    if (backward_table(o, ep, 1, err_host, err_dev, &bad)) return 1;
     cometi_blaslt_fp8_destroy(r.lt);
     cudaFree(tail_ws);
     cudaFreeHost(err_host);
