@@ -306,30 +306,34 @@ quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const floa
         }
         if (valid < 0) continue; /* the whole block alike */
         const int c = ct * COMETI_FP8_BLOCK + col_in;
-        /* The thread's 8 rows of 8 columns: bf16 pairs as loaded, or E4M3 dequantized. */
+        /* The thread's 8 rows of 8 columns as loaded: bf16 pairs, or E4M3 bytes and their rows'
+         * scales (dequantized twice, for the amax and for the bytes: the same bits, and a
+         * third of the registers that 64 floats would hold, so more blocks keep loads in
+         * flight). */
         uint4 v[E4M3_IN ? 1 : TILE_PASSES];
-        float f[E4M3_IN ? TILE_PASSES : 1][8];
+        uint2 v8[E4M3_IN ? TILE_PASSES : 1];
+        float rs[E4M3_IN ? TILE_PASSES : 1];
         float amax[8];
 #pragma unroll
         for (int p = 0; p < TILE_PASSES; p++) {
             const int tr = p * TILE_ROWS_PER_PASS + tile_row;
             const bool in = tr < valid && c < cols;
             if constexpr (E4M3_IN) {
-                const uint8_t *row = (const uint8_t *)x + (r0 + tr) * ldx;
-                if (in) dequantize8(*(const uint2 *)(row + c), x_scales[(r0 + tr) * xs_row + ct * xs_block], f[p]);
-                else
-#pragma unroll
-                    for (int k = 0; k < 8; k++) f[p][k] = 0.0f;
+                v8[p] = in ? *(const uint2 *)((const uint8_t *)x + (r0 + tr) * ldx + c) : make_uint2(0, 0);
+                rs[p] = in ? x_scales[(r0 + tr) * xs_row + ct * xs_block] : 0.0f;
             } else {
                 v[p] = in ? *(const uint4 *)((const uint16_t *)x + (r0 + tr) * ldx + c) : make_uint4(0, 0, 0, 0);
             }
         }
         if constexpr (E4M3_IN) {
 #pragma unroll
-            for (int k = 0; k < 8; k++) {
-                amax[k] = 0.0f;
+            for (int k = 0; k < 8; k++) amax[k] = 0.0f;
 #pragma unroll
-                for (int p = 0; p < TILE_PASSES; p++) amax[k] = cometi_fp8_max(amax[k], cometi_fp8_abs(f[p][k]));
+            for (int p = 0; p < TILE_PASSES; p++) {
+                float f[8];
+                dequantize8(v8[p], rs[p], f);
+#pragma unroll
+                for (int k = 0; k < 8; k++) amax[k] = cometi_fp8_max(amax[k], cometi_fp8_abs(f[k]));
             }
         } else { /* each column's max over the thread's rows, bf16 pairs, then floats */
             uint32_t m[4] = {0, 0, 0, 0};
@@ -367,11 +371,13 @@ quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const floa
             const int tr = p * TILE_ROWS_PER_PASS + tile_row;
             uint2 bytes;
             if constexpr (E4M3_IN) {
+                float f[8];
+                dequantize8(v8[p], rs[p], f);
                 uint32_t pair[4];
 #pragma unroll
                 for (int k = 0; k < 4; k++)
-                    pair[k] = cometi_e4m3x2_cvt(cometi_fp8_mul(f[p][2 * k], inv[2 * k]),
-                                                cometi_fp8_mul(f[p][2 * k + 1], inv[2 * k + 1]));
+                    pair[k] = cometi_e4m3x2_cvt(cometi_fp8_mul(f[2 * k], inv[2 * k]),
+                                                cometi_fp8_mul(f[2 * k + 1], inv[2 * k + 1]));
                 bytes = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
             } else {
                 bytes = quantize8_cols(v[p], inv);
