@@ -251,6 +251,38 @@ int test_fp8_scales(void)
         CHECK_CONTAINS(comet_last_create_error(), (words));                                        \
     } while (0)
 
+/* The cast-transposes refuse a layout their vector accesses cannot take, before any CUDA
+ * call (so on the CPU too): cudaErrorInvalidValue, nothing launched. */
+int test_fp8_segments_t_refusals(void)
+{
+    const cometi_segment_t *segs = (const cometi_segment_t *)(uintptr_t)0x40000;
+    void *const x = (void *)(uintptr_t)0x10000, *const qt = (void *)(uintptr_t)0x20000;
+    float *const sc = (float *)(uintptr_t)0x30000;
+    /* Accepted shapes with nothing to do: no rows, no columns, no groups. */
+    CHECK_EQ(cometi_quantize_segments_t_e4m3(x, 128, 128, 0, segs, 1, qt, 128, sc, 1, 128, 0, 0), cudaSuccess);
+    CHECK_EQ(cometi_quantize_segments_t_e4m3(x, 128, 128, 256, segs, 0, qt, 256, sc, 1, 128, 0, 0), cudaSuccess);
+    /* bf16: cols not of 16, ldx under cols or not of 8, x or qt misaligned, ldq not of 16 or
+     * under the rows' blocks (200 rows: 256), no segments or scales. */
+    const struct { int cols; int64_t ldx, ldq; uintptr_t x_off, q_off; int no_segs, no_scales; } bad[] = {
+        {120, 128, 256, 0, 0, 0, 0}, {128, 120, 256, 0, 0, 0, 0}, {128, 132, 256, 0, 0, 0, 0},
+        {128, 128, 256, 8, 0, 0, 0}, {128, 128, 256, 0, 8, 0, 0}, {128, 128, 264, 0, 0, 0, 0},
+        {128, 128, 240, 0, 0, 0, 0}, {128, 128, 256, 0, 0, 1, 0}, {128, 128, 256, 0, 0, 0, 1}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        CHECK_EQ(cometi_quantize_segments_t_e4m3((char *)x + bad[i].x_off, bad[i].ldx, bad[i].cols, 200,
+                                                 bad[i].no_segs ? NULL : segs, 1, (char *)qt + bad[i].q_off,
+                                                 bad[i].ldq, bad[i].no_scales ? NULL : sc, 1, 128, 0, 0),
+                 cudaErrorInvalidValue);
+    /* E4M3 rows (8-byte rows and alignment): rows not of 8 bytes, x off 8 bytes, no scales. */
+    CHECK_EQ(cometi_requantize_segments_t_e4m3(x, 132, sc, 2, 1, 128, 200, segs, 1, qt, 256, sc, 1, 128, 0, 0),
+             cudaErrorInvalidValue);
+    CHECK_EQ(cometi_requantize_segments_t_e4m3((char *)x + 4, 136, sc, 2, 1, 128, 200, segs, 1, qt, 256, sc, 1, 128,
+                                               0, 0),
+             cudaErrorInvalidValue);
+    CHECK_EQ(cometi_requantize_segments_t_e4m3(x, 136, NULL, 2, 1, 128, 200, segs, 1, qt, 256, sc, 1, 128, 0, 0),
+             cudaErrorInvalidValue);
+    return 0;
+}
+
 int test_fp8_quantize_api_refusals(void)
 {
     /* Addresses that are never read: every call below is refused before a launch, or (rows
@@ -849,10 +881,10 @@ static int time_kernels(void)
     for (int g = 0; g < 8; g++) segs_host[g] = (cometi_segment_t){g * (int)(rows / 8), (int)(rows / 8)};
     CUDA_OK(cudaMalloc((void **)&segs, sizeof(segs_host)));
     CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(segs_host), cudaMemcpyHostToDevice));
-    /* E4M3 rows for the requantization: the bytes of x (finite codes once NaN's are cleared). */
-    CUDA_OK(cometi_quantize_rows_e4m3(x, rows, cols, cols, q, cols, sc, 1, rows, 0, 0));
     for (int which = 0; which < 5; which++) {
         float ms[TIMED_RUNS];
+        /* The requantization's input: x's rows in E4M3 (the kernels before wrote q and sc). */
+        if (which == 4) CUDA_OK(cometi_quantize_rows_e4m3(x, rows, cols, cols, q, cols, sc, 1, rows, 0, 0));
         for (int i = -3; i < TIMED_RUNS; i++) {
             CUDA_OK(cudaEventRecord(ev[0], 0));
             if (which == 0) CUDA_OK(cometi_quantize_rows_e4m3(x, rows, cols, cols, q, cols, sc, 1, rows, 0, 0));

@@ -979,16 +979,29 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
  * group's rows; a group without rows stores zeros (or adds nothing). The bound per
  * element is run_row_e4m3's: acc_rel of the scaled |products| summed (exact codes: the
  * fp32 promotion alone), then the bf16 store's 2^-8, or fp32's rounding of the add
- * (C starts at random values). */
-static int run_row_e4m3_wgrad(shared_t *s, int vi, int exact, uint64_t *rng)
+ * (C starts at random values). Then a group starting off the 128-row grid: the report
+ * word names it (COMETI_SITE_WGRAD_SEGMENT). */
+/* The segments a weight-gradient row runs on: the shared routing's (one k block a group),
+ * or long ones (up to 8 k blocks, more than the ring's stages, one of a single row). */
+typedef struct wgrad_segs {
+    const cometi_segment_t *host;
+    cometi_segment_t *dev;
+    int a_rows;    /* the tokens allocated */
+    int row_major; /* scales [row][token block] rather than [token block][row] */
+} wgrad_segs_t;
+
+static int run_row_e4m3_wgrad(shared_t *s, const wgrad_segs_t *ws, int vi, int exact, uint64_t *rng)
 {
     const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
     const int add = v->epilogue == COMETI_GEMM_EPI_ADD_FP32, n = N_K;
-    const int64_t ld = s->a_rows + 16, kbs = (s->a_rows + 127) / 128;
+    const int64_t ld = ws->a_rows + 16, kbs = (ws->a_rows + 127) / 128;
+    /* The scales' layout: [token block][row], or [row][token block] (row_major). */
+    const int64_t sa_row = ws->row_major ? kbs : 1, sa_block = ws->row_major ? 1 : M_OUT;
+    const int64_t sb_row = ws->row_major ? kbs : 1, sb_block = ws->row_major ? 1 : N_K;
     uint8_t *at = calloc((size_t)M_OUT * ld, 1), *bt = calloc((size_t)n * ld, 1);
     float *sa = malloc(sizeof(float) * kbs * M_OUT), *sb = malloc(sizeof(float) * kbs * n);
     for (int g = 0; g < GROUPS; g++)
-        for (int r = s->segs_host[g].start; r < s->segs_host[g].start + s->segs_host[g].rows; r++) {
+        for (int r = ws->host[g].start; r < ws->host[g].start + ws->host[g].rows; r++) {
             for (int m = 0; m < M_OUT; m++) at[(size_t)m * ld + r] = random_e4m3(rng, exact);
             for (int j = 0; j < n; j++) bt[(size_t)j * ld + r] = random_e4m3(rng, exact);
         }
@@ -1000,13 +1013,15 @@ static int run_row_e4m3_wgrad(shared_t *s, int vi, int exact, uint64_t *rng)
     for (size_t i = 0; i < nc; i++) c0[i] = add ? (float)(cometi_rand_unit(rng) - 0.5) : 0.0f;
     const double acc_rel = exact ? 0x1p-20 : 0x1p-6;
     for (int g = 0; g < GROUPS; g++) {
-        const cometi_segment_t sg = s->segs_host[g];
+        const cometi_segment_t sg = ws->host[g];
         for (int m = 0; m < M_OUT; m++)
             for (int j = 0; j < n; j++) {
                 double c = 0, cs = 0;
                 for (int r = sg.start; r < sg.start + sg.rows; r++) {
-                    const double x = (double)cometi_e4m3_decode(at[(size_t)m * ld + r]) * sa[(size_t)(r / 128) * M_OUT + m],
-                                 y = (double)cometi_e4m3_decode(bt[(size_t)j * ld + r]) * sb[(size_t)(r / 128) * n + j];
+                    const double x = (double)cometi_e4m3_decode(at[(size_t)m * ld + r]) *
+                                     sa[m * sa_row + (r / 128) * sa_block],
+                                 y = (double)cometi_e4m3_decode(bt[(size_t)j * ld + r]) *
+                                     sb[j * sb_row + (r / 128) * sb_block];
                     c += x * y, cs += fabs(x * y);
                 }
                 const size_t i = ((size_t)g * M_OUT + m) * n + j;
@@ -1029,10 +1044,10 @@ static int run_row_e4m3_wgrad(shared_t *s, int vi, int exact, uint64_t *rng)
     problem_t p;
     memset(&p, 0, sizeof(p));
     p.groups = GROUPS, p.n = n, p.m_out = M_OUT, p.ldc = n;
-    p.a_rows = s->a_rows, p.segs = s->segs, p.a_ld = ld;
+    p.a_rows = ws->a_rows, p.segs = ws->dev, p.a_ld = ld;
     p.a = a, p.b = b, p.c = c;
-    p.a_scale = dsa, p.a_scale_row = 1, p.a_scale_block = M_OUT;
-    p.b_scale = dsb, p.b_scale_row = 1, p.b_scale_block = n;
+    p.a_scale = dsa, p.a_scale_row = sa_row, p.a_scale_block = sa_block;
+    p.b_scale = dsb, p.b_scale_row = sb_row, p.b_scale_block = sb_block;
     p.err = s->err_dev;
     unsigned char *got_bytes = malloc(c_bytes);
     for (int run = 0; run < 2; run++) {
@@ -1061,12 +1076,29 @@ static int run_row_e4m3_wgrad(shared_t *s, int vi, int exact, uint64_t *rng)
             if (err_bound[i] > 0 && fabs(got - ref[i]) / err_bound[i] > worst) worst = fabs(got - ref[i]) / err_bound[i];
         }
         CHECK_EQ(bad, 0);
-        printf("%-20s %s: m_out %d, n %d%s, worst |error| / bound %.2f\n", v->name,
-               dynamic ? "every SM, shared counter" : "5 blocks, static tiles  ", M_OUT, n,
-               exact ? ", exact sums" : ", any codes", worst);
+        printf("%-20s %s: m_out %d, n %d, %d token rows%s%s, worst |error| / bound %.2f\n", v->name,
+               dynamic ? "every SM, shared counter" : "5 blocks, static tiles  ", M_OUT, n, ws->a_rows,
+               exact ? ", exact sums" : ", any codes", ws->row_major ? ", row-major scales" : "", worst);
     }
+    /* A group off the 128-row grid of the token blocks is reported, not summed silently. */
+    cometi_segment_t off_grid[GROUPS], *off_dev = NULL;
+    memcpy(off_grid, ws->host, sizeof(off_grid));
+    off_grid[0].start += 64, off_grid[0].rows = 32;
+    CUDA_OK(cudaMalloc((void **)&off_dev, sizeof(off_grid)));
+    CUDA_OK(cudaMemcpy(off_dev, off_grid, sizeof(off_grid), cudaMemcpyHostToDevice));
+    p.segs = off_dev, p.sched = NULL;
+    cometi_gemm_t g = describe(v, &p);
+    g.launch.sms = 5;
+    char err[COMETI_ERR_LEN];
+    CHECK_EQ(cometi_gemm_run(err, &g, 0), COMET_SUCCESS);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(s->err_host->status, COMET_INVALID_ARGUMENT);
+    CHECK_EQ(s->err_host->site, COMETI_SITE_WGRAD_SEGMENT);
+    CHECK_EQ(s->err_host->peer, 0);
+    CHECK_EQ(s->err_host->seen, (unsigned long long)off_grid[0].start);
+    memset(s->err_host, 0, sizeof(*s->err_host)); /* the next row starts clean */
     free(at), free(bt), free(sa), free(sb), free(ref), free(err_bound), free(c0), free(got_bytes);
-    cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(dsa), cudaFree(dsb);
+    cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(dsa), cudaFree(dsb), cudaFree(off_dev);
     return 0;
 }
 
@@ -1077,12 +1109,19 @@ static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
     memset(&s, 0, sizeof(s));
     if (gemm_setup(ctx, &s.err_host, &s.err_dev)) return 1;
     if (shared_open(&s, &rng)) return 1;
+    const wgrad_segs_t short_segs = {s.segs_host, s.segs, s.a_rows, 0};
+    static const cometi_segment_t long_host[GROUPS] = {{0, 700}, {768, 0}, {768, 1000}, {1792, 1}};
+    wgrad_segs_t long_segs = {long_host, NULL, 1920, 1};
+    CUDA_OK(cudaMalloc((void **)&long_segs.dev, sizeof(long_host)));
+    CUDA_OK(cudaMemcpy(long_segs.dev, long_host, sizeof(long_host), cudaMemcpyHostToDevice));
     for (int vi = 0; vi < COMETI_GEMM_NUM_VARIANTS; vi++) {
         const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
         int failed;
         if (v->a_type != COMETI_GEMM_E4M3) failed = run_row(&s, vi, &rng);
         else if (v->along == COMETI_GEMM_GROUPS_ALONG_K)
-            failed = run_row_e4m3_wgrad(&s, vi, 1, &rng) || run_row_e4m3_wgrad(&s, vi, 0, &rng);
+            failed = run_row_e4m3_wgrad(&s, &short_segs, vi, 1, &rng) ||
+                     run_row_e4m3_wgrad(&s, &short_segs, vi, 0, &rng) ||
+                     run_row_e4m3_wgrad(&s, &long_segs, vi, 1, &rng) || run_row_e4m3_wgrad(&s, &long_segs, vi, 0, &rng);
         else if (v->roles & COMETI_GEMM_ROLE_DISPATCH) /* rows sent with their scales after them: K-major */
             failed = run_row_e4m3(&s, vi, 256, 0, 0, 1, 1, &rng) || run_row_e4m3(&s, vi, 192, 1, 1, 0, 1, &rng);
         else if (v->epilogue != COMETI_GEMM_EPI_SWIGLU_E4M3)
@@ -1097,6 +1136,7 @@ static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
             return 1;
         }
     }
+    cudaFree(long_segs.dev);
     return 0;
 }
 

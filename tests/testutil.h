@@ -66,6 +66,7 @@ uint64_t test_seed(void);
     X(fp8_e4m3_rounding, 30)                    \
     X(fp8_scales, 10)                           \
     X(fp8_quantize_api_refusals, 10)            \
+    X(fp8_segments_t_refusals, 10)              \
     X(route_plan_known_answer, 10)              \
     X(route_plan_random_invariants, 60)         \
     X(route_dispatch_messages_match, 60)        \

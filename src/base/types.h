@@ -50,6 +50,9 @@ typedef enum cometi_wait_site {
     COMETI_SITE_CALL_MISMATCH = 9, /* the route found ranks in different calls: a backward of
                                     * another forward call, or a forward beside a backward
                                     * (expected: this rank's call id, seen: rank peer's) */
+    COMETI_SITE_WGRAD_SEGMENT = 10, /* an FP8 weight gradient's group starts at a row that is not
+                                     * a multiple of 128, where its token blocks' scales are not
+                                     * (seen: the row, peer: the group) */
 } cometi_wait_site_t;
 
 /* Written by kernels into host-mapped memory, read by the host without a sync. status is

@@ -333,6 +333,10 @@ comet_status_t cometi_check_async(comet_comm_t comm)
                            "saved states of the same max_recv_rows. Nothing was sent. The communicator is unusable "
                            "now: destroy it", comm->rank, e->peer, there, here);
     }
+    if (e->site == COMETI_SITE_WGRAD_SEGMENT)
+        return cometi_fail(comm->err, (comet_status_t)status, "rank %d: an FP8 weight-gradient GEMM's group %d starts "
+                           "at row %llu, not a multiple of %llu: its token blocks' scales do not line up, so its sums "
+                           "are wrong (a bug in comet)", comm->rank, e->peer, e->seen, e->expected);
     char who[48] = "";
     if (e->peer >= 0) snprintf(who, sizeof(who), " on rank %d", e->peer);
     return cometi_fail(comm->err, (comet_status_t)status,

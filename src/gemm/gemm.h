@@ -116,8 +116,9 @@ typedef struct cometi_gemm {
                                        * (scale_row 1: a tile's rows contiguous) or K-major (a row's
                                        * scales after its values, as the dispatch sends them). Along
                                        * K, row m of A^T, and b is the token block (row / 128): each
-                                       * segment starts at a multiple of 128 and its padding to the
-                                       * next 128 is zero in A^T and B^T */
+                                       * segment starts at a multiple of 128 (else the kernel reports
+                                       * COMETI_SITE_WGRAD_SEGMENT) and its padding to the next 128 is
+                                       * zero in A^T and B^T */
         int64_t scale_row, scale_block;
     } a;
     /* B: K-major [groups][n][k] (SwiGLU: [groups][2n][k], gate rows then up rows, or the gate

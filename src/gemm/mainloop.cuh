@@ -7,8 +7,9 @@
  * (consume_unit_e4m3: block scales, fp32 promotion per k block).
  *
  * Checklist followed (Hopper's TMA and wgmma rules): 128B-swizzled K-major tiles of 64
- * bf16, stages 1024-byte aligned, full[s] count 1 with expect_tx, empty[s] one arrive per
- * consumer warpgroup of the stage, wgmma fence / commit / wait before touching
+ * bf16, stages 1024-byte aligned, full[s] count 1 with expect_tx (E4M3: 33, the scale
+ * warp's lanes too), empty[s] one arrive per consumer warpgroup of the stage, each warp's
+ * reads of a stage before that arrival, wgmma fence / commit / wait before touching
  * accumulators or releasing a stage.
  */
 #ifndef COMET_GEMM_MAINLOOP_CUH
@@ -172,7 +173,8 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
  * is 0 (a row past A, an n block past B: their products are never stored). A's through L2
  * (ld.global.cg): its rows may have been written by other ranks' dispatch while this
  * kernel runs, and L1 is not coherent (a line holding one row's scales can hold a
- * neighbour's that had not arrived yet); B's (weights) through the read-only path. */
+ * neighbour's that had not arrived yet); B's (weights) through the read-only path, or
+ * along K (tokens, written by the kernels before) through L2 as A's. */
 template <int V>
 static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                            tile_t tl, long long a_row, int kb0, int kb1,
@@ -185,6 +187,9 @@ static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_arg
     static_assert(cometi_gemm_tile_rows(T) == 32 * 4, "a lane loads 4 rows' scales of a 128-row tile");
     const int lane = threadIdx.x % 32;
     if constexpr (WGRAD) { /* rows m of A^T and n of B^T, the token block a_row / 128 + kb */
+        if (a_row % COMETI_GEMM_SCALE_BLOCK && lane == 0) /* reported; the sums are wrong */
+            cometi_record_error(p.err, COMETI_ASYNC_INVALID_ARGUMENT, COMETI_SITE_WGRAD_SEGMENT, tl.group, 0,
+                                COMETI_GEMM_SCALE_BLOCK, (unsigned long long)a_row, 0);
         const long long kb_first = a_row / COMETI_GEMM_SCALE_BLOCK;
         for (int kb = kb0; kb < kb1; kb++) {
             float a[4], b[BN / 32];
@@ -370,7 +375,8 @@ static __device__ __forceinline__ void consume_e4m3_pipelined(float *acc, const 
  * The half's MMAs must be done before its promotion reads them; the other consumer
  * warpgroup's MMAs fill the gap. Along K (the weight gradients) each output column has
  * its B row's scale, read from the slot by the promotion, so the stage is released after
- * it. The 128-wide rows along M pipeline two blocks instead (consume_e4m3_pipelined).
+ * it, once the whole warpgroup is past it (a named barrier). The 128-wide rows along M
+ * pipeline two blocks instead (consume_e4m3_pipelined).
  * `a_off`: this warpgroup's 64 rows, bytes into the stage's A tile. */
 template <int V>
 static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const cometi_gemm_args_t &p,
@@ -384,8 +390,9 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
                       T.b_major == COMETI_GEMM_K_MAJOR && T.schedule == COMETI_GEMM_COOPERATIVE,
                   "E4M3 rows: K-major operands, cooperative");
     const uint32_t A_BYTES = TM * 128, B_BYTES = BN * 128;
-    /* This thread's first fragment row in the tile (the other is 8 further). */
-    const int row = a_off / 128 + ((threadIdx.x % 128) / 32) * 16 + (threadIdx.x % 32) / 4;
+    /* This thread's first fragment row in the tile (the other is 8 further), and its
+     * warpgroup's 64 rows (0 or 1: the named barrier 1 + wg_half is the warpgroup's). */
+    const int row = a_off / 128 + ((threadIdx.x % 128) / 32) * 16 + (threadIdx.x % 32) / 4, wg_half = a_off / (64 * 128);
 #pragma unroll
     for (int i = 0; i < BN / 2; i++) acc[i] = 0.0f;
     const uint32_t a0 = smem_desc_lo(sm.a + a_off), b0 = smem_desc_lo(sm.b);
@@ -399,15 +406,22 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
         const uint32_t a = a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b = b0 + (uint32_t)pos->stage * (B_BYTES >> 4);
 #pragma unroll
         for (int h = 0; h < HALVES; h++) {
+            /* Along M the half's B scale is read before its MMAs: they complete only once every
+             * warp has issued them, so each warp's reads of the slot precede the release. */
+            const float sb = WGRAD ? 0.0f : stage_b_scale(slot, h);
             float part[64];
             issue_e4m3_block(part, a, b + h * (128 * 128 >> 4)); /* the half's 128 rows of B */
             wgmma_wait<0>();
             if constexpr (WGRAD) {
                 promote_e4m3_cols(acc + h * 64, part, sa.a0, sa.a1,
                                   slot + COMETI_GEMM_BM + h * 128 + (threadIdx.x % 4) * 2);
-                if (h == HALVES - 1 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]); /* slot read */
+                if (h == HALVES - 1) {
+                    /* The promotion read the slot after the wait: every warp of this warpgroup
+                     * is past it before the one arrival releases the stage. */
+                    warpgroup_sync(1 + wg_half);
+                    if (threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]);
+                }
             } else {
-                const float sb = stage_b_scale(slot, h);
                 if (h == HALVES - 1 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]);
                 promote_e4m3(acc + h * 64, part, sa.a0 * sb, sa.a1 * sb);
             }

@@ -64,16 +64,17 @@ cudaError_t cometi_quantize_blocks_e4m3(const void *w, int64_t mats, int rows, i
  * one column share a scale, at scales[c * scale_row_stride + (row / 128) *
  * scale_block_stride]. A segment's rows past its end up to the next 128 become zeros (their
  * block's scale counts only its rows); blocks of rows in no segment are not written. cols a
- * multiple of 16, x 16-byte aligned with ldx a multiple of 8; qt 16-byte aligned with ldq a
- * multiple of 16, >= rows rounded up to 128 where a segment reaches the last block. */
+ * multiple of 16, x 16-byte aligned with ldx >= cols a multiple of 8; qt 16-byte aligned
+ * with ldq a multiple of 16, >= rows rounded up to 128: else cudaErrorInvalidValue and
+ * nothing launched. */
 cudaError_t cometi_quantize_segments_t_e4m3(const void *x, int64_t ldx, int cols, int64_t rows,
                                             const cometi_segment_t *segs, int groups, void *qt, int64_t ldq,
                                             float *scales, int64_t scale_row_stride, int64_t scale_block_stride,
                                             int pow2, cudaStream_t stream);
 /* The same from E4M3 rows with 1 x 128 scales (row r's block b at x_scales[r * x_scale_row
  * + b * x_scale_block]), as the dispatch delivers rows: each value dequantized in fp32, then
- * requantized along the tokens (DeepSeek-V3's 1 x 128 to 128 x 1). x's rows ldx bytes apart,
- * ldx a multiple of 8. */
+ * requantized along the tokens (DeepSeek-V3's 1 x 128 to 128 x 1). x 8-byte aligned, its
+ * rows ldx bytes apart, ldx >= cols a multiple of 8. */
 cudaError_t cometi_requantize_segments_t_e4m3(const void *x, int64_t ldx, const float *x_scales, int64_t x_scale_row,
                                               int64_t x_scale_block, int cols, int64_t rows,
                                               const cometi_segment_t *segs, int groups, void *qt, int64_t ldq,

@@ -402,6 +402,12 @@ static cudaError_t launch_segments_t(bool e4m3_in, const void *x, int64_t ldx, c
 {
     if (rows <= 0 || cols <= 0 || groups <= 0) return cudaSuccess;
     const int row_blocks = (int)((rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK);
+    /* The layout the kernel's vector accesses assume (pointwise.h): refused, not corrupted. */
+    const int64_t x_align = e4m3_in ? 8 : 16;
+    if (cols % 16 || ldx < cols || (ldx * (e4m3_in ? 1 : 2)) % x_align || (uintptr_t)x % x_align || ldq % 16 ||
+        ldq < (int64_t)row_blocks * COMETI_FP8_BLOCK || (uintptr_t)qt % 16 || !segs || !scales ||
+        (e4m3_in && !x_scales))
+        return cudaErrorInvalidValue;
     const int col_tiles = (cols + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK;
     const long long tiles = (long long)row_blocks * col_tiles;
     const unsigned int grid = (unsigned int)(tiles < QUANTIZE_MAX_GRID ? tiles : QUANTIZE_MAX_GRID);
