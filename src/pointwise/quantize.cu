@@ -41,17 +41,34 @@ static __device__ __forceinline__ float amax_float(uint32_t m)
     return cometi_fp8_max(cometi_f32_from_bits(m << 16), cometi_f32_from_bits(m & 0xffff0000u));
 }
 
-/* Eight bf16 (the first column in the low half of .x) to E4M3, e4m3(x x inv): 8 bytes,
- * the first column's lowest. */
-static __device__ __forceinline__ uint2 quantize8(uint4 v, float inv)
+/* Eight values to E4M3, e4m3(x[c] x inv[c]) for column c: 8 bytes, the first column's
+ * lowest. */
+static __device__ __forceinline__ uint2 quantize8_floats(const float *x, const float *inv)
 {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
     uint32_t pair[4];
 #pragma unroll
     for (int k = 0; k < 4; k++)
-        pair[k] = cometi_e4m3x2_cvt(cometi_fp8_mul(cometi_f32_from_bits(w[k] << 16), inv),
-                                    cometi_fp8_mul(cometi_f32_from_bits(w[k] & 0xffff0000u), inv));
+        pair[k] = cometi_e4m3x2_cvt(cometi_fp8_mul(x[2 * k], inv[2 * k]), cometi_fp8_mul(x[2 * k + 1], inv[2 * k + 1]));
     return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+}
+
+/* Eight bf16 (the first column in the low half of .x) to E4M3 with a scale each (column c's
+ * inverse inv[c]). */
+static __device__ __forceinline__ uint2 quantize8_cols(uint4 v, const float *inv)
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    float x[8];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        x[2 * k] = cometi_f32_from_bits(w[k] << 16), x[2 * k + 1] = cometi_f32_from_bits(w[k] & 0xffff0000u);
+    return quantize8_floats(x, inv);
+}
+
+/* The same with one scale for the eight (a row's or a weight tile's block). */
+static __device__ __forceinline__ uint2 quantize8(uint4 v, float inv)
+{
+    const float invs[8] = {inv, inv, inv, inv, inv, inv, inv, inv};
+    return quantize8_cols(v, invs);
 }
 
 /* Rows: a warp takes an item, four neighbouring 128-column blocks of one row, 8 lanes
@@ -240,18 +257,6 @@ extern "C" cudaError_t cometi_quantize_blocks_e4m3(const void *w, int64_t mats, 
     return cudaGetLastError();
 }
 
-/* Eight bf16 to E4M3 with a scale each (column c's inverse inv[c]): 8 bytes as quantize8. */
-static __device__ __forceinline__ uint2 quantize8_cols(uint4 v, const float *inv)
-{
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    uint32_t pair[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++)
-        pair[k] = cometi_e4m3x2_cvt(cometi_fp8_mul(cometi_f32_from_bits(w[k] << 16), inv[2 * k]),
-                                    cometi_fp8_mul(cometi_f32_from_bits(w[k] & 0xffff0000u), inv[2 * k + 1]));
-    return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
-}
-
 /* Eight E4M3 values (8 bytes, the first column lowest) times their row's scale: exact
  * decoding (E4M3 is a subset of f16), then one rounded fp32 product each, as the host's
  * cometi_fp8_mul(cometi_e4m3_decode(q), s). */
@@ -373,12 +378,7 @@ quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const floa
             if constexpr (E4M3_IN) {
                 float f[8];
                 dequantize8(v8[p], rs[p], f);
-                uint32_t pair[4];
-#pragma unroll
-                for (int k = 0; k < 4; k++)
-                    pair[k] = cometi_e4m3x2_cvt(cometi_fp8_mul(f[2 * k], inv[2 * k]),
-                                                cometi_fp8_mul(f[2 * k + 1], inv[2 * k + 1]));
-                bytes = make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+                bytes = quantize8_floats(f, inv);
             } else {
                 bytes = quantize8_cols(v[p], inv);
             }
