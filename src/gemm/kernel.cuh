@@ -40,6 +40,19 @@
 #define TICKETS COMETI_GEMM_TICKETS
 static_assert(sizeof(cometi_tail_plan_t) == 3 * 4, "variants.h counts the last wave's plan as 3 ints");
 
+/* Where a unit's loads start and end: A's first row (a weight gradient: its group's first,
+ * where its k starts) and the end of its k blocks (a weight gradient's k is its group's
+ * rows). The TMA thread and the scale warp load the same. */
+template <int V>
+static __device__ __forceinline__ int2 unit_loads(const cometi_gemm_args_t &p, tile_t tl, unit_t un)
+{
+    constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
+    constexpr bool WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K;
+    constexpr int TM = cometi_gemm_tile_rows(T), BK = cometi_gemm_bk(T);
+    const cometi_segment_t seg = p.segs[tl.group];
+    return make_int2(WGRAD ? seg.start : seg.start + tl.m * TM, WGRAD ? (seg.rows + BK - 1) / BK : un.kb1);
+}
+
 template <int V>
 static __global__ void __launch_bounds__(THREADS, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -168,8 +181,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                     if (t >= tail->units) break;
                     const unit_t un = decode_unit(t, tail, k_blocks);
                     const tile_t tl = split_tile(un.tile, per_split, sm.first_tile, p.groups, split_tiles, p.group_m);
-                    const int a_row = WGRAD ? p.segs[tl.group].start : p.segs[tl.group].start + tl.m * TM;
-                    const int kb1 = WGRAD ? (p.segs[tl.group].rows + BK - 1) / BK : un.kb1;
+                    const int2 span = unit_loads<V>(p, tl, un);
+                    const int a_row = span.x, kb1 = span.y;
                     if constexpr (DISPATCH) { /* the rows' scales travel with them */
                         const int blk = a_row / BM;
                         cometi_wait_geq(p.arrive + blk, p.expected[blk], p.arrival_timeout_ns, p.err,
@@ -206,9 +219,8 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             if (rec) rec[0] = (unsigned long long)t, rec[1] = rec[2] = cometi_globaltimer_ns();
             const unit_t un = decode_unit(t, tail, k_blocks);
             tile_t tl = split_tile(un.tile, per_split, sm.first_tile, p.groups, split_tiles, p.group_m);
-            /* A weight gradient's k is its group's rows, from the segment's first. */
-            const int a_row = WGRAD ? p.segs[tl.group].start : p.segs[tl.group].start + tl.m * TM;
-            const int kb1 = WGRAD ? (p.segs[tl.group].rows + BK - 1) / BK : un.kb1;
+            const int2 span = unit_loads<V>(p, tl, un);
+            const int a_row = span.x, kb1 = span.y;
             if constexpr (DISPATCH) {
                 /* Every row of this 128-row block has arrived (from any rank); the rows were
                  * written by ordinary stores, so order them before the TMA's async reads. */
