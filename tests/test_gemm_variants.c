@@ -10,7 +10,7 @@
  * them out on one rank; A holds each row's token. Groups along K: the same segments as
  * each expert's k, padding rows zero. Per row:
  *   store, swiglu   C (bf16) against float64, padding rows and columns past n untouched;
- *   swiglu_gu       the kept gate and up too;
+ *   swiglu_gu       the kept gate and up too (E4M3's too, rows past gu_rows untouched);
  *   push            the rows in their owners' slots (one rank: its own), the count raised;
  *   fp32 add        C = C0 + the sums;
  *   dispatch        A filled by the dispatch blocks from the tokens (A poisoned first);
@@ -82,12 +82,12 @@ int test_gemm_variant_table(void)
                         v.schedule == COMETI_GEMM_COOPERATIVE));
         /* E4M3's roles: the dispatch with the quantizing SwiGLU (GEMM0) and with the store
          * (the backward's dy W2); the splits and the push with the store (GEMM1). */
-        CHECK(!e4m3 || (v.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 ? v.roles != COMETI_GEMM_ROLE_SPLITS
+        CHECK(!e4m3 || (cometi_gemm_quantizes(v.epilogue) ? v.roles != COMETI_GEMM_ROLE_SPLITS
                         : v.epilogue == COMETI_GEMM_EPI_STORE                                  ? 1
                         : v.epilogue == COMETI_GEMM_EPI_PUSH || v.epilogue == COMETI_GEMM_EPI_ADD_FP32
                             ? v.roles == COMETI_GEMM_ROLE_NONE
                             : 0));
-        CHECK(e4m3 || v.epilogue != COMETI_GEMM_EPI_SWIGLU_E4M3);
+        CHECK(e4m3 || !cometi_gemm_quantizes(v.epilogue));
         CHECK(cometi_gemm_stage_bytes(v) == (cometi_gemm_tile_rows(v) + v.block_n) * 128);
         for (int j = 0; j < i; j++) {
             cometi_gemm_variant_t w = cometi_gemm_variants[j];
@@ -128,7 +128,7 @@ typedef struct problem {
  * would show there). */
 static int row_n(const cometi_gemm_variant_t *v)
 {
-    if (v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3) return 256; /* gate and up in one tensor: whole blocks */
+    if (cometi_gemm_quantizes(v->epilogue)) return 256; /* gate and up in one tensor: whole blocks */
     if (cometi_gemm_is_swiglu(v->epilogue)) return 192;
     return v->roles & COMETI_GEMM_ROLE_SPLITS ? 512 : 320;
 }
@@ -156,7 +156,7 @@ static cometi_gemm_t describe(const cometi_gemm_variant_t *v, problem_t *p)
         g.a.scale = p->a_scale, g.a.scale_row = p->a_scale_row, g.a.scale_block = p->a_scale_block;
         g.b.scale = p->b_scale, g.b.up_scale = p->up ? p->up_scale : NULL;
         if (v->along == COMETI_GEMM_GROUPS_ALONG_K) g.b.scale_row = p->b_scale_row, g.b.scale_block = p->b_scale_block;
-        if (v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3)
+        if (cometi_gemm_quantizes(v->epilogue))
             g.out.c_scale = p->c_scale, g.out.c_scale_row = p->c_scale_row, g.out.c_scale_block = p->c_scale_block,
             g.out.pow2_scales = p->pow2;
     }
@@ -164,7 +164,7 @@ static cometi_gemm_t describe(const cometi_gemm_variant_t *v, problem_t *p)
     g.out.store = v->store;
     g.out.c = v->epilogue == COMETI_GEMM_EPI_PUSH ? NULL : p->c;
     g.out.ldc = p->ldc;
-    if (v->epilogue == COMETI_GEMM_EPI_SWIGLU_GU) g.out.gu = p->gu, g.out.gu_rows = p->gu_rows;
+    if (cometi_gemm_keeps_gu(v->epilogue)) g.out.gu = p->gu, g.out.gu_rows = p->gu_rows;
     if (v->epilogue == COMETI_GEMM_EPI_PUSH) g.out.push = &p->push;
     g.launch.schedule = v->schedule;
     g.launch.block_n = v->block_n;
@@ -762,7 +762,8 @@ static float random_scale(uint64_t *rng)
 static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int exact, int kmajor, uint64_t *rng)
 {
     const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
-    const int quant = v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3, kbs = (K + 127) / 128;
+    const int quant = cometi_gemm_quantizes(v->epilogue), keep = cometi_gemm_keeps_gu(v->epilogue);
+    const int kbs = (K + 127) / 128;
     const int64_t ld = s->a_rows + 8; /* the MN-major scales' ld: not A's rows */
     const int b_rows = quant && !up_apart ? 2 * n : n, b_blocks = (b_rows + 127) / 128, n_blocks = (n + 127) / 128;
     const int ldc = quant ? n + 32 : n + 64; /* E4M3 rows of bytes; bf16 elements */
@@ -812,6 +813,9 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
                                 : B_AT(g, (j) + n, q))
     const size_t nc = (size_t)s->a_rows * n;
     double *ref = calloc(nc, sizeof(double)), *err_bound = calloc(nc, sizeof(double));
+    /* SWIGLU_E4M3_GU: the gate and up sums kept, and their errors. */
+    double *ref_g = calloc(nc, sizeof(double)), *ref_u = calloc(nc, sizeof(double)), *ref_eg = calloc(nc, sizeof(double)),
+           *ref_eu = calloc(nc, sizeof(double));
     for (int g = 0; g < GROUPS; g++) {
         const cometi_segment_t sg = s->segs_host[g];
         for (int r = sg.start; r < sg.start + sg.rows; r++)
@@ -827,6 +831,8 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
                 }
                 const double ec = acc_rel * cs, eu = acc_rel * us;
                 ref[(size_t)r * n + j] = quant ? cometi_swiglu(c, u) : c;
+                ref_g[(size_t)r * n + j] = c, ref_u[(size_t)r * n + j] = u;
+                ref_eg[(size_t)r * n + j] = ec, ref_eu[(size_t)r * n + j] = eu;
                 /* silu'(x) <= 1.1 and |silu(x)| <= |x| + 0.3: the sums' errors through SwiGLU. */
                 err_bound[(size_t)r * n + j] = quant ? 1.1 * fabs(u) * ec + (fabs(c) + 0.3) * eu + ec * eu : ec;
             }
@@ -860,6 +866,12 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
     p.a_ld = kmajor ? a_ld : 0, p.pow2 = pow2;
     p.a_scale_row = sa_row, p.a_scale_block = sa_block, p.c_scale_row = sc_row, p.c_scale_block = sc_block;
     p.err = s->err_dev;
+    /* The kept gate and up: rows past gu_rows (the last 64 of A) must stay untouched. */
+    void *gu = NULL;
+    const size_t gu_bytes = (size_t)s->a_rows * 2 * n * 2;
+    if (keep) CUDA_OK(cudaMalloc(&gu, gu_bytes));
+    p.gu = gu, p.gu_rows = s->a_rows - 64;
+    uint16_t *gu16 = keep ? malloc(gu_bytes) : NULL;
     /* Roles: the dispatch (A filled from the tokens), the split counts, the push. */
     const int dispatch = v->roles & COMETI_GEMM_ROLE_DISPATCH, push = v->epilogue == COMETI_GEMM_EPI_PUSH;
     CHECK(!dispatch || kmajor);
@@ -882,6 +894,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
         if (run == 1 && dispatch) break; /* it needs the shared counter: once */
         CUDA_OK(cudaMemset(c, 0xff, c_bytes)); /* poison: NaN in E4M3 and bf16 */
         CUDA_OK(cudaMemset(dsc, 0xff, sc_bytes));
+        if (gu) CUDA_OK(cudaMemset(gu, 0xff, gu_bytes));
         if (slots) CUDA_OK(cudaMemset(slots, 0xff, (size_t)s->rows * n * 2));
         if (dispatch) {
             CUDA_OK(cudaMemset(a, 0xff, (size_t)s->a_rows * a_ld)); /* every row must come from the tokens */
@@ -905,6 +918,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
         CHECK_EQ(s->err_host->status, 0);
         CUDA_OK(cudaMemcpy(c8, c, c_bytes, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(scales, dsc, sc_bytes, cudaMemcpyDeviceToHost));
+        if (gu) CUDA_OK(cudaMemcpy(gu16, gu, gu_bytes, cudaMemcpyDeviceToHost));
         if (slots) CUDA_OK(cudaMemcpy(slots16, slots, (size_t)s->rows * n * 2, cudaMemcpyDeviceToHost));
         int bad = 0;
         double worst = 0; /* |error| / its bound */
@@ -932,6 +946,21 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
                 if (!(fabs(got - want) <= bound))
                     bad++, printf("%s: C[%d][%d] = %.9g, float64 %.9g, bound %.3g\n", v->name, r, j, got, want, bound);
                 if (bound > 0 && fabs(got - want) / bound > worst) worst = fabs(got - want) / bound;
+            }
+            /* The kept gate and up: each sum rounded to bf16 once, rows past gu_rows left. */
+            for (int j = 0; gu && j < n && bad < 5; j++) {
+                const size_t gi = (size_t)r * 2 * n + j, ui = gi + n;
+                if (!owned || r >= p.gu_rows) {
+                    if (gu16[gi] != 0xffff || gu16[ui] != 0xffff)
+                        bad++, printf("%s: kept g, u of row %d written (owned %d)\n", v->name, r, owned);
+                    continue;
+                }
+                const double kg = cometi_bf16_to_float(gu16[gi]), ku = cometi_bf16_to_float(gu16[ui]);
+                const double wg = ref_g[(size_t)r * n + j], wu = ref_u[(size_t)r * n + j];
+                if (!(fabs(kg - wg) <= 0x1p-8 * fabs(wg) + 1.01 * ref_eg[(size_t)r * n + j]) ||
+                    !(fabs(ku - wu) <= 0x1p-8 * fabs(wu) + 1.01 * ref_eu[(size_t)r * n + j]))
+                    bad++, printf("%s: kept g, u of row %d col %d = %g, %g; float64 %g, %g\n", v->name, r, j, kg, ku,
+                                  wg, wu);
             }
             if (!quant) continue;
             /* The row's scales: its amax / 448 within the sums' errors, or a power of two
@@ -965,7 +994,8 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
     }
     if (kmajor) free(sa);
     free(a8), free(x8), free(b8), free(u8), free(sa_apart), free(sb), free(su), free(ref), free(err_bound), free(c8),
-        free(scales), free(slots16);
+        free(scales), free(slots16), free(ref_g), free(ref_u), free(ref_eg), free(ref_eu), free(gu16);
+    cudaFree(gu);
     cudaFree(x_dev), cudaFree(split_done), cudaFree(peer_arrive), cudaFree(slots), cudaFree(dest), cudaFree(maps);
     cudaFree(peers);
     cudaFree(a), cudaFree(b), cudaFree(up), cudaFree(c), cudaFree(dsa), cudaFree(dsb), cudaFree(dsu), cudaFree(dsc);
@@ -1124,7 +1154,7 @@ static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
                      run_row_e4m3_wgrad(&s, &long_segs, vi, 1, &rng) || run_row_e4m3_wgrad(&s, &long_segs, vi, 0, &rng);
         else if (v->roles & COMETI_GEMM_ROLE_DISPATCH) /* rows sent with their scales after them: K-major */
             failed = run_row_e4m3(&s, vi, 256, 0, 0, 1, 1, &rng) || run_row_e4m3(&s, vi, 192, 1, 1, 0, 1, &rng);
-        else if (v->epilogue != COMETI_GEMM_EPI_SWIGLU_E4M3)
+        else if (!cometi_gemm_quantizes(v->epilogue))
             failed = run_row_e4m3(&s, vi, row_n(v), 0, 0, 1, 0, &rng) ||
                      run_row_e4m3(&s, vi, row_n(v), 0, 0, 1, 1, &rng) ||
                      run_row_e4m3(&s, vi, row_n(v), 0, 0, 0, 0, &rng);

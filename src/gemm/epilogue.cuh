@@ -327,7 +327,9 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
  * scale NaN or Inf and the block dequantizes to NaN, never a silent clamp), its scale and
  * the values times 1 / scale rounded to E4M3 with saturation (base/fp8.h), then the bytes
  * out through the staging and a TMA store (a full tile) or 2 bytes at a time, and each
- * row's scale by its quad's first lane. */
+ * row's scale by its quad's first lane. SWIGLU_E4M3_GU (FP8 training) first stores each
+ * row's gate and up in bf16 straight from the registers, rows at or past gu_rows not kept
+ * (the staging stays the E4M3 tile's, so the ring keeps its four stages). */
 template <int V>
 static __device__ __forceinline__ void store_tile_e4m3(const float *acc, const cometi_gemm_args_t &p,
                                                        const CUtensorMap *map_c, unsigned char *sc, tile_t tl,
@@ -345,6 +347,22 @@ static __device__ __forceinline__ void store_tile_e4m3(const float *acc, const c
     if (p.row_scale) {
         if (ok[0]) rs[0] = p.row_scale[seg.start + row0];
         if (ok[1]) rs[1] = p.row_scale[seg.start + row0 + 8];
+    }
+    if constexpr (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const long long row = seg.start + row0 + 8 * h;
+            if (!ok[h] || row >= p.gu_rows) continue;
+            __nv_bfloat16 *gate = (__nv_bfloat16 *)p.gu + row * 2 * p.n + col0, *up = gate + p.n;
+#pragma unroll
+            for (int j = 0; j < ON / 8; j++)
+                if (j < pairs) {
+                    *(__nv_bfloat162 *)(gate + j * 8) =
+                        __floats2bfloat162_rn(acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
+                    *(__nv_bfloat162 *)(up + j * 8) =
+                        __floats2bfloat162_rn(acc[(j + BN / 16) * 4 + 2 * h], acc[(j + BN / 16) * 4 + 2 * h + 1]);
+                }
+        }
     }
     float v[ON / 2], amax[2] = {0.0f, 0.0f};
 #pragma unroll

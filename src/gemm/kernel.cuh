@@ -303,7 +303,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         else
             consume_unit<V>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1, &pos, &sm.turn[half ^ 1]);
         if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN>(acc, p, tail, t, k_blocks)) continue;
-        if constexpr (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3)
+        if constexpr (cometi_gemm_quantizes(T.epilogue))
             store_tile_e4m3<V>(acc, p, &map_c, sm.c, tl, seg, part, half);
         else
             store_tile<V>(acc, p, &map_c, &map_gu, sm.c, tl, seg, part, half, split_tiles, push, &st, kb1 <= un.kb0);

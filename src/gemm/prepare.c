@@ -103,7 +103,7 @@ comet_status_t cometi_gemm_push_maps_create(char *err, void *const *peer_slots, 
 static const char *epilogue_name(int e)
 {
     static const char *names[] = {"store", "swiglu", "swiglu keeping g and u", "push", "fp32 add",
-                                  "swiglu quantized to e4m3"};
+                                  "swiglu quantized to e4m3", "swiglu quantized to e4m3 keeping g and u"};
     return e >= 0 && e < (int)(sizeof(names) / sizeof(names[0])) ? names[e] : "?";
 }
 
@@ -129,7 +129,7 @@ void cometi_gemm_variant_text(const cometi_gemm_variant_t *v, char *out, size_t 
 
 /* Bytes of an element of C: E4M3 out of the quantizing SwiGLU, else bf16 (fp32 adds never
  * leave by TMA). */
-static int out_bytes(const cometi_gemm_t *g) { return g->out.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 ? 1 : 2; }
+static int out_bytes(const cometi_gemm_t *g) { return cometi_gemm_quantizes(g->out.epilogue) ? 1 : 2; }
 
 /* Whether C can leave through the TMA store: 16-byte rows, a 16-byte aligned C, and rows in
  * place (no index). The push stores through its owners' maps, not C's. */
@@ -193,7 +193,7 @@ static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *ou
 /* The block scales: E4M3 operands need theirs, in range; bf16 ones take none. */
 static comet_status_t check_scales(char *err, const cometi_gemm_t *g, const cometi_gemm_variant_t *v)
 {
-    const int e4m3 = v->a_type == COMETI_GEMM_E4M3, quant = v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3;
+    const int e4m3 = v->a_type == COMETI_GEMM_E4M3, quant = cometi_gemm_quantizes(v->epilogue);
     if (!e4m3) {
         if (g->a.scale || g->b.scale || g->b.up_scale || g->out.c_scale || g->out.pow2_scales)
             return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: block scales (a.scale, b.scale, b.up_scale, "
@@ -279,7 +279,7 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: b.up is for the SwiGLU epilogues only");
     if (epi != COMETI_GEMM_EPI_PUSH) {
         /* A thread stores two columns at once: 4 bytes of bf16, 2 of E4M3, 8 of fp32. */
-        const int align = epi == COMETI_GEMM_EPI_ADD_FP32 ? 8 : epi == COMETI_GEMM_EPI_SWIGLU_E4M3 ? 2 : 4;
+        const int align = epi == COMETI_GEMM_EPI_ADD_FP32 ? 8 : cometi_gemm_quantizes(epi) ? 2 : 4;
         if (!g->out.c || g->out.ldc < g->problem.n || g->out.ldc % 2)
             return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: c = %p must be set, ldc = %d even and >= n = %d",
                                g->out.c, g->out.ldc, g->problem.n);
@@ -289,11 +289,11 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi
     if ((g->out.row_scale || g->out.row_index) && (along_k || (epi != COMETI_GEMM_EPI_STORE && !swiglu)))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: a row scale or index is for the store and SwiGLU "
                            "epilogues with groups along M (epilogue %s here)", epilogue_name(epi));
-    if (g->out.row_index && epi == COMETI_GEMM_EPI_SWIGLU_E4M3)
+    if (g->out.row_index && cometi_gemm_quantizes(epi))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: the quantizing SwiGLU takes no row index (its "
                            "scales are laid out by A's rows)");
     COMETI_TRY(check_scales(err, g, v));
-    if (epi == COMETI_GEMM_EPI_SWIGLU_GU ? !g->out.gu || g->out.gu_rows <= 0 || (uintptr_t)g->out.gu % 4
+    if (cometi_gemm_keeps_gu(epi) ? !g->out.gu || g->out.gu_rows <= 0 || (uintptr_t)g->out.gu % 4
                                          : g->out.gu != NULL)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu = %p, %lld rows: the epilogue keeping g and u "
                            "needs them (rows > 0, 4-byte aligned), the others take none", g->out.gu,
@@ -403,9 +403,9 @@ comet_status_t cometi_gemm_check(char *err, const cometi_gemm_t *g, int *variant
     if (g->problem.along != COMETI_GEMM_GROUPS_ALONG_M && g->problem.along != COMETI_GEMM_GROUPS_ALONG_K)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm problem.along = %d: must be %d (M) or %d (K)",
                            g->problem.along, COMETI_GEMM_GROUPS_ALONG_M, COMETI_GEMM_GROUPS_ALONG_K);
-    if (g->out.epilogue < COMETI_GEMM_EPI_STORE || g->out.epilogue > COMETI_GEMM_EPI_SWIGLU_E4M3)
+    if (g->out.epilogue < COMETI_GEMM_EPI_STORE || g->out.epilogue > COMETI_GEMM_EPI_SWIGLU_E4M3_GU)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm out.epilogue = %d: must be %d..%d", g->out.epilogue,
-                           COMETI_GEMM_EPI_STORE, COMETI_GEMM_EPI_SWIGLU_E4M3);
+                           COMETI_GEMM_EPI_STORE, COMETI_GEMM_EPI_SWIGLU_E4M3_GU);
     if (g->out.store < COMETI_GEMM_STORE_AUTO || g->out.store > COMETI_GEMM_STORE_DIRECT)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm out.store = %d: must be %d (choose), %d (TMA) or %d "
                            "(direct)", g->out.store, COMETI_GEMM_STORE_AUTO, COMETI_GEMM_STORE_TMA,
@@ -485,7 +485,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
                                64, "C"));
     /* The kept gate and up, [gu_rows][2n] seen as [gu_rows][2][n]: a box of 64 rows x 64
      * columns of one half, stored like C's (rows past gu_rows clipped). */
-    const int gu_tma = g->out.gu && tma_store && (uintptr_t)g->out.gu % 16 == 0;
+    const int gu_tma = v->epilogue == COMETI_GEMM_EPI_SWIGLU_GU && tma_store && (uintptr_t)g->out.gu % 16 == 0;
     if (gu_tma) {
         const uint64_t dims[3] = {(uint64_t)n, 2, (uint64_t)g->out.gu_rows}, strides[2] = {(uint64_t)n,
                                                                                            2 * (uint64_t)n};
