@@ -205,9 +205,12 @@ typedef enum comet_dtype {
                                * 128-wide k block's sums scaled into fp32; x bf16 (comet quantizes
                                * each token once, before it is sent: its rows travel as E4M3 and
                                * scales, about half the bytes) or already E4M3 with its scales
-                               * (args.x_scales); y bf16. The inference forward (training in FP8
-                               * is COMET_NOT_SUPPORTED); gate and up in one tensor need ffn /
-                               * tp_size a multiple of 128 (a block must not hold both). */
+                               * (args.x_scales); y bf16. Gate and up in one tensor need ffn /
+                               * tp_size a multiple of 128 (a block must not hold both).
+                               * Training in FP8 runs on the fused path alone (gate_up in one
+                               * tensor; config.resend_x 0): the training forward keeps x's rows
+                               * in E4M3 with their scales and [g u] in bf16, the backward runs
+                               * its four GEMMs in FP8 (comet_moe_backward_args_t.weights_t). */
 } comet_dtype_t;
 
 typedef struct comet_moe_config {
@@ -223,7 +226,7 @@ typedef struct comet_moe_config {
     int tp_size;     /* tensor-parallel ranks inside an expert; 0: 1. Rank r is TP rank r % tp_size
                       * of EP group r / tp_size; ffn must be a multiple of 64 x tp_size. */
     comet_dtype_t dtype; /* the experts' number format (above) */
-    int resend_x;    /* training, 0 or 1. 0: a saved state keeps the x rows this rank received
+    int resend_x;    /* training, 0 or 1 (bf16 layers). 0: a saved state keeps the x rows this rank received
                       * (hidden x 2 bytes per row). 1: it keeps none, and the backward sends
                       * x again from the caller's x (comet_moe_backward_args_t.x, the forward's
                       * x unchanged): less memory per layer in flight, for a second dispatch
@@ -411,7 +414,8 @@ typedef struct comet_moe_saved_config {
 /*
  * The device memory a saved state of this layer takes: per received row, (hidden + 2 x
  * ffn / tp_size) x 2 bytes (x, gate and up, bf16; 2 x ffn / tp_size x 2 where the config
- * resends x); per token, top_k x 12 bytes (each choice's place in the send order, expert
+ * resends x; FP8: x as hidden E4M3 bytes and its ceil(hidden / 128) scales padded to 16
+ * bytes, gate and up in bf16); per token, top_k x 12 bytes (each choice's place in the send order, expert
  * id and weight; no expert outputs: d topk_weights is <dy W2, silu(g) u> at the expert,
  * from rows the backward has anyway); plus, per local expert, one 128-row block of
  * padding and 8 bytes (its rows' place), and at most 2 KB of alignment. Rows are
@@ -477,11 +481,21 @@ typedef struct comet_moe_backward_args {
     float *d_topk_weights;         /* [M][top_k] fp32 out: the gradient at the forward's topk_weights */
     comet_moe_weight_grads_t grads;
     comet_impl_t impl;
+    /* Block-scaled FP8 (config.dtype COMET_DTYPE_FP8_BLOCK; NULL otherwise; `weights` is then
+     * not read): the data-gradient GEMMs read each weight transposed, since FP8 tensor-core
+     * MMAs read both operands along k. E4M3 with its 128 x 128 scales transposed, as
+     * comet_quantize_fp8_weights_transposed makes them (qt, scales_t) from the weights the
+     * forward's FP8 copies came from: gate_up [E_local][H][2F] with scales [E_local][ceil(H /
+     * 128)][2F / 128], down [E_local][F][H] with scales [E_local][ceil(F / 128)][ceil(H /
+     * 128)]; gate and up apart are not taken. 16-byte aligned. */
+    comet_moe_weights_t weights_t;
+    comet_moe_weight_scales_t weight_t_scales;
 } comet_moe_backward_args_t;
 
 #define COMET_MOE_BACKWARD_ARGS_INIT \
     {sizeof(comet_moe_backward_args_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, NULL, NULL, NULL, \
-     {NULL, NULL, NULL, NULL}, NULL, NULL, {NULL, NULL, NULL, NULL, COMET_GRAD_WRITE_BF16}, COMET_IMPL_AUTO}
+     {NULL, NULL, NULL, NULL}, NULL, NULL, {NULL, NULL, NULL, NULL, COMET_GRAD_WRITE_BF16}, COMET_IMPL_AUTO, \
+     {NULL, NULL, NULL, NULL}, {NULL, NULL, NULL, NULL}}
 
 /*
  * The backward of the training forward that filled args->saved: dx, d topk_weights and

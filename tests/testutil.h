@@ -111,6 +111,7 @@ uint64_t test_seed(void);
     X(gpu_e4m3_cvt_matches_host, 120)           \
     X(gpu_quantize_fp8, 120)                    \
     X(gpu_fp8_forward, 240)                     \
+    X(gpu_fp8_training, 240)                    \
     X(gpu_symmetric_push_pull_exact, 120)       \
     X(gpu_barrier_and_flags, 120)               \
     X(gpu_barrier_missing_peer_times_out, 120)  \

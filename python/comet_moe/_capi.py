@@ -191,12 +191,15 @@ class MoeBackwardArgsStruct(ctypes.Structure):
         ("d_topk_weights", c_void_p),  # float *
         ("grads", MoeWeightGradsStruct),
         ("impl", c_int),  # comet_impl_t
+        ("weights_t", MoeWeightsStruct),             # FP8: the weights transposed, E4M3
+        ("weight_t_scales", MoeWeightScalesStruct),  # FP8: their scales
     ]
 
     def __init__(self):
         super().__init__(ctypes.sizeof(MoeBackwardArgsStruct), STRUCT_MAGIC, API_VERSION, None, None, None,
                          MoeWeightsStruct(None, None, None, None), None, None,
-                         MoeWeightGradsStruct(None, None, None, None, GRAD_WRITE_BF16), IMPL_AUTO)
+                         MoeWeightGradsStruct(None, None, None, None, GRAD_WRITE_BF16), IMPL_AUTO,
+                         MoeWeightsStruct(None, None, None, None), MoeWeightScalesStruct(None, None, None, None))
 
 
 # ---- the functions, with their C signatures ----

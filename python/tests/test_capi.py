@@ -135,8 +135,9 @@ GCC_X86_64 = {
                                "y": 80, "impl": 88, "weight_scales": 96, "x_scales": 128}),
     "comet_moe_saved_config_t": (24, {"max_recv_rows": 16}),
     "comet_moe_weight_grads_t": (40, {"down": 24, "mode": 32}),
-    "comet_moe_backward_args_t": (136, {"saved": 16, "dy": 24, "x": 32, "weights": 40, "dx": 72,
-                                        "d_topk_weights": 80, "grads": 88, "impl": 128}),
+    "comet_moe_backward_args_t": (200, {"saved": 16, "dy": 24, "x": 32, "weights": 40, "dx": 72,
+                                        "d_topk_weights": 80, "grads": 88, "impl": 128, "weights_t": 136,
+                                        "weight_t_scales": 168}),
 }
 
 

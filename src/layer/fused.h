@@ -12,6 +12,20 @@
 extern "C" {
 #endif
 
+/* The FP8 backward's workspaces (config.dtype COMET_DTYPE_FP8_BLOCK), made by the first
+ * training forward, rows of the layer's receive bound R (l0.max_recv_rows): */
+typedef struct cometi_fp8_train {
+    void *s;            /* [R][F] bf16: s = dy W2, then w a (SwiGLU's backward); then, once its
+                         * transpose is made, dh quantized 1 x 128, [R][2F] E4M3 (the same bytes
+                         * a row): the A of dx = dh W13 */
+    float *dh_scales;   /* [2F / 128][R]: dh's scales, MN-major */
+    /* The weight gradients' operands, each [cols][ld] E4M3 (x^T, tokens contiguous), cast
+     * along the tokens in 128 x 1 blocks per expert segment, scales [ld / 128][cols]: */
+    void *dy_t, *wa_t, *dh_t, *x_t;                 /* cols H, F, 2F, H */
+    float *dy_t_scales, *wa_t_scales, *dh_t_scales, *x_t_scales;
+    int64_t ld;         /* R rounded up to 128 */
+} cometi_fp8_train_t;
+
 struct cometi_fused {
     cometi_dispatch_gemm_t l0;   /* dispatch -> GEMM: x into GEMM0 + SwiGLU; in the backward,
                                   * dy into the dgrad of W2 */
@@ -27,6 +41,7 @@ struct cometi_fused {
                                   * cometi_weight_windows_t) */
     float *w_rows, *dw_rows;     /* [max_recv_rows]: each received row's routing weight, and its
                                   * part of that weight's gradient */
+    cometi_fp8_train_t *fp8;     /* FP8 training's workspaces, or NULL (none made yet) */
     comet_status_t unusable;     /* not 0: the first call could not make the backward's route
                                   * weights on this rank; every later call is refused (the
                                   * operators stay, to be destroyed with the layer, collectively) */
@@ -43,6 +58,8 @@ comet_status_t cometi_fused_train_supported(comet_moe_t moe, const comet_moe_wei
 comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_t *a, comet_moe_saved_t saved,
                                           cudaStream_t stream);
 comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_args_t *args, cudaStream_t stream);
+/* Free the FP8 training workspaces (the layer's destroy). */
+void cometi_fp8_train_free(struct cometi_fused *f);
 
 #ifdef __cplusplus
 }

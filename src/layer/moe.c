@@ -161,6 +161,7 @@ static void fused_destroy(comet_moe_t moe)
 {
     if (!moe->fused) return;
     cudaFree(moe->fused->ones), cudaFree(moe->fused->w_rows), cudaFree(moe->fused->dw_rows);
+    cometi_fp8_train_free(moe->fused);
     cometi_window_destroy(moe->comm, &moe->fused->weights);
     cometi_gemm_combine_destroy(moe->comm, &moe->fused->l1);
     cometi_dispatch_gemm_destroy(moe->comm, &moe->fused->l0);

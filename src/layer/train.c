@@ -41,8 +41,10 @@ static size_t saved_layout(comet_moe_t moe, int64_t cap, size_t offset[SAVED_PAR
 {
     const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k, H = (size_t)moe->cfg.hidden;
     /* No expert outputs: d topk_weights is <s, a>, from rows the backward has anyway. */
+    /* x's rows as they arrive: bf16, or FP8 (E4M3 then the row's scales, dispatch_gemm.h). */
+    const size_t x_row = moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK ? (size_t)cometi_fp8_row_bytes((int)H) : H * 2;
     const size_t size[SAVED_PARTS] = {
-        moe->cfg.resend_x ? 0 : (size_t)cap * H * 2, /* recv: x rows, unless the backward sends x again */
+        moe->cfg.resend_x ? 0 : (size_t)cap * x_row, /* recv: x rows, unless the backward sends x again */
         (size_t)cap * 2 * moe->ffn_local * 2,       /* h: gate and up */
         choices * sizeof(int32_t),                  /* send_pos */
         choices * sizeof(int32_t),                  /* ids */
@@ -186,6 +188,17 @@ comet_status_t comet_moe_saved_create_in(comet_moe_t moe, const comet_moe_saved_
  * falls back to the sequential one), or the one asked for. */
 static comet_status_t training_path(comet_moe_t moe, const comet_moe_args_t *a, int *path)
 {
+    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK) { /* the fused path alone trains in FP8 */
+        if (a->impl == COMET_IMPL_BASELINE)
+            return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "comet_moe_forward_train: args.impl = "
+                               "COMET_IMPL_BASELINE with config.dtype COMET_DTYPE_FP8_BLOCK: training in FP8 runs on "
+                               "the fused path alone");
+        COMETI_TRY(cometi_fused_train_supported(moe, &a->weights));
+        struct cometi_fused *f;
+        COMETI_TRY(cometi_fused_get(moe, &f));
+        *path = COMETI_SAVED_FUSED;
+        return COMET_SUCCESS;
+    }
     if (a->impl == COMET_IMPL_BASELINE) {
         *path = COMETI_SAVED_SEQUENTIAL;
         return COMET_SUCCESS;
@@ -207,9 +220,6 @@ static comet_status_t forward_train(comet_moe_t moe, const comet_moe_args_t *arg
                                     cudaStream_t stream)
 {
     COMETI_TRY(cometi_moe_check_args(moe, args));
-    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK)
-        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "comet_moe_forward_train: training in FP8 (config.dtype "
-                           "COMET_DTYPE_FP8_BLOCK) is not built; the inference forward is");
     if (!saved) return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "saved is NULL: a training forward fills one "
                                    "(comet_moe_saved_create)");
     if (saved->moe != moe)
@@ -231,6 +241,41 @@ static comet_status_t forward_train(comet_moe_t moe, const comet_moe_args_t *arg
     if (st == COMET_SUCCESS) st = cometi_cuda(moe->err, cudaGetLastError(), "comet_moe_forward_train");
     if (st != COMET_SUCCESS) saved->filled = 0;
     return st;
+}
+
+/* The FP8 fields: the weights transposed with their scales where the layer is FP8
+ * (gate_up in one tensor, as the fused path trains), none where it is bf16. */
+static comet_status_t check_backward_fp8(comet_moe_t moe, const comet_moe_backward_args_t *a)
+{
+    const comet_moe_weights_t *wt = &a->weights_t;
+    const comet_moe_weight_scales_t *st = &a->weight_t_scales;
+    const void *given[] = {wt->gate_up, wt->gate, wt->up, wt->down, st->gate_up, st->gate, st->up, st->down};
+    const char *names[] = {"weights_t.gate_up", "weights_t.gate", "weights_t.up", "weights_t.down",
+                           "weight_t_scales.gate_up", "weight_t_scales.gate", "weight_t_scales.up",
+                           "weight_t_scales.down"};
+    if (moe->cfg.dtype != COMET_DTYPE_FP8_BLOCK) {
+        for (int i = 0; i < 8; i++)
+            if (given[i])
+                return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "args.%s = %p: the transposed FP8 weights are "
+                                   "for config.dtype COMET_DTYPE_FP8_BLOCK (this layer is bf16)", names[i], given[i]);
+        return COMET_SUCCESS;
+    }
+    static const int apart[4] = {1, 2, 5, 6}, needed[4] = {0, 3, 4, 7}; /* gate, up; gate_up, down (and scales) */
+    for (int j = 0; j < 4; j++) {
+        const int i = apart[j];
+        if (given[i])
+            return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "args.%s = %p: the FP8 backward takes gate and up "
+                               "in one tensor (weights_t.gate_up, [E_local][H][2F])", names[i], given[i]);
+    }
+    for (int j = 0; j < 4; j++)
+        if (!given[needed[j]])
+            return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "args.%s is NULL: the FP8 backward reads W^T in E4M3 "
+                               "with its scales (comet_quantize_fp8_weights_transposed)", names[needed[j]]);
+    for (int i = 0; i < 8; i++)
+        if ((uintptr_t)given[i] % 16)
+            return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "args.%s = %p: must be 16-byte aligned", names[i],
+                               given[i]);
+    return COMET_SUCCESS;
 }
 
 static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backward_args_t *a)
@@ -265,9 +310,11 @@ static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backw
     if (m > 0 && moe->cfg.resend_x && !a->x)
         return cometi_fail(err, INVAL, "args.x is NULL with %d tokens in the forward: this layer's config.resend_x "
                            "is 1, so the backward sends the forward's x again", m);
-    const comet_moe_weights_t *w = &a->weights;
+    const int fp8 = moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK;
+    COMETI_TRY(check_backward_fp8(moe, a));
+    const comet_moe_weights_t *w = fp8 ? &a->weights_t : &a->weights;
     const comet_moe_weight_grads_t *g = &a->grads;
-    if (!w->down || (!w->gate_up && (!w->gate || !w->up)) || (w->gate_up && (w->gate || w->up)))
+    if (!fp8 && (!w->down || (!w->gate_up && (!w->gate || !w->up)) || (w->gate_up && (w->gate || w->up))))
         return cometi_fail(err, INVAL, "args.weights: give down and gate_up, or down, gate and up (the forward's)");
     if (!g->down) return cometi_fail(err, INVAL, "args.grads.down is NULL");
     if (w->gate_up ? !g->gate_up || g->gate || g->up : g->gate_up || !g->gate || !g->up)
@@ -281,8 +328,9 @@ static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backw
     /* 16-byte rows for the kernels' vector loads; cuBLAS's alignment for the rest. */
     const void *ptrs[] = {a->dy, a->dx, w->gate_up, w->gate, w->up, w->down, g->gate_up, g->gate, g->up, g->down,
                           moe->cfg.resend_x ? a->x : NULL};
-    const char *names[] = {"dy", "dx", "weights.gate_up", "weights.gate", "weights.up", "weights.down",
-                           "grads.gate_up", "grads.gate", "grads.up", "grads.down", "x"};
+    const char *names[] = {"dy", "dx", fp8 ? "weights_t.gate_up" : "weights.gate_up", "weights.gate", "weights.up",
+                           fp8 ? "weights_t.down" : "weights.down", "grads.gate_up", "grads.gate", "grads.up",
+                           "grads.down", "x"};
     for (int i = 0; i < 11; i++)
         if ((uintptr_t)ptrs[i] % 16)
             return cometi_fail(err, INVAL, "args.%s = %p: must be 16-byte aligned", names[i], ptrs[i]);

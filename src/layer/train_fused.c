@@ -24,6 +24,14 @@
  * d topk_weights is <s, a> rather than <dy, o>: the forward keeps no expert outputs (a
  * row of hidden per choice) and needs no pass over them, and the backward's dy goes per
  * token, unweighted. The backward consumes the saved state ([g u] becomes dh).
+ *
+ * In block-scaled FP8 the same steps, with every GEMM in E4M3 (DeepSeek-V3's recipe):
+ * the forward keeps x's rows as they arrived (E4M3 and their 1 x 128 scales) and [g u] in
+ * bf16 from GEMM0's quantizing epilogue; dy is quantized once per token before it is
+ * dispatched; the dgrad GEMMs read W^T's E4M3 copies (FP8 MMAs read k-major operands only);
+ * SwiGLU's backward runs in bf16 and dh is quantized 1 x 128 for dx = dh W13; the weight
+ * gradients read both operands cast along the tokens in 128 x 1 blocks per expert segment
+ * (dy and x requantized from their E4M3 rows, w a and dh from bf16).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,6 +43,53 @@
 #include "layer/train_rows.h"
 
 #define BF16 2
+
+void cometi_fp8_train_free(struct cometi_fused *f)
+{
+    cometi_fp8_train_t *t = f->fp8;
+    if (!t) return;
+    void *bufs[] = {t->s, t->dh_scales, t->dy_t, t->wa_t, t->dh_t, t->x_t, t->dy_t_scales, t->wa_t_scales,
+                    t->dh_t_scales, t->x_t_scales};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
+    free(t);
+    f->fp8 = NULL;
+}
+
+/* The FP8 backward's workspaces, made once per handle by its first FP8 training forward
+ * (an inference-only FP8 layer never pays for them): about (5 ffn / tp + 2 hidden) bytes
+ * per row of the receive bound. */
+static comet_status_t fp8_train_get(comet_moe_t moe, struct cometi_fused *f, cometi_fp8_train_t **out)
+{
+    if (f->fp8) {
+        *out = f->fp8;
+        return COMET_SUCCESS;
+    }
+    cometi_fp8_train_t *t = calloc(1, sizeof(*t));
+    if (!t) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training: out of host memory");
+    f->fp8 = t;
+    const int64_t R = f->l0.max_recv_rows, H = moe->cfg.hidden, F = moe->ffn_local;
+    t->ld = (R + 127) / 128 * 128;
+    const int64_t blocks = t->ld / 128;
+    struct { void **p; size_t bytes; } a[] = {
+        {&t->s, (size_t)R * F * BF16},                         /* then dh in E4M3: R x 2F bytes */
+        {(void **)&t->dh_scales, sizeof(float) * (size_t)(2 * F / 128) * R},
+        {&t->dy_t, (size_t)H * t->ld}, {&t->wa_t, (size_t)F * t->ld},
+        {&t->dh_t, (size_t)2 * F * t->ld}, {&t->x_t, (size_t)H * t->ld},
+        {(void **)&t->dy_t_scales, sizeof(float) * blocks * H}, {(void **)&t->wa_t_scales, sizeof(float) * blocks * F},
+        {(void **)&t->dh_t_scales, sizeof(float) * blocks * 2 * F}, {(void **)&t->x_t_scales, sizeof(float) * blocks * H},
+    };
+    for (size_t i = 0; i < sizeof(a) / sizeof(a[0]); i++) {
+        char what[96];
+        snprintf(what, sizeof(what), "FP8 training: cudaMalloc(%zu bytes)", a[i].bytes);
+        const comet_status_t st = cometi_cuda(moe->err, cudaMalloc(a[i].p, a[i].bytes), what);
+        if (st != COMET_SUCCESS) {
+            cometi_fp8_train_free(f);
+            return st;
+        }
+    }
+    *out = t;
+    return COMET_SUCCESS;
+}
 
 comet_status_t cometi_fused_train_supported(comet_moe_t moe, const comet_moe_weights_t *w)
 {
@@ -68,6 +123,21 @@ static cometi_gemm_t wgrad_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t 
     g.out.ldc = n;
     g.err = comm->async_dev;
     g.timeout_ns = (unsigned long long)comm->timeout_ms * 1000000ull;
+    return g;
+}
+
+/* The same in FP8: A^T [m_out][ld] and B^T [n][ld] E4M3, the tokens contiguous, with
+ * their 128 x 1 scales [ld / 128][m_out] and [ld / 128][n]. */
+static cometi_gemm_t wgrad_gemm_e4m3(comet_comm_t comm, const cometi_dispatch_gemm_t *l0, const void *at,
+                                     const float *at_scales, int m_out, const void *bt, const float *bt_scales, int n,
+                                     int64_t ld, void *c, int fp32)
+{
+    cometi_gemm_t g = wgrad_gemm(comm, l0, at, m_out, bt, n, ld, c, fp32);
+    g.a.type = g.b.type = COMETI_GEMM_E4M3;
+    g.a.major = g.b.major = COMETI_GEMM_K_MAJOR;
+    g.a.ld = ld;
+    g.a.scale = at_scales, g.a.scale_row = 1, g.a.scale_block = m_out;
+    g.b.scale = bt_scales, g.b.scale_row = 1, g.b.scale_block = n;
     return g;
 }
 
@@ -109,18 +179,58 @@ static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *
     return b;
 }
 
+/* The same in FP8: the dgrad GEMMs on W^T's E4M3 copies, dy's rows as they arrived (E4M3,
+ * scales after each row's values) and dh quantized into t->s; the weight gradients on the
+ * cast operands. */
+static backward_gemms_t describe_backward_e4m3(comet_moe_t moe, struct cometi_fused *f, const cometi_fp8_train_t *t,
+                                               const comet_moe_args_t *a, const comet_moe_backward_args_t *ba)
+{
+    comet_comm_t comm = moe->comm;
+    const int H = moe->cfg.hidden, F = moe->ffn_local, fp32 = ba->grads.mode == COMET_GRAD_ACCUMULATE_FP32;
+    const int64_t R = f->l0.max_recv_rows;
+    backward_gemms_t b;
+    b.dgrad_down = cometi_dispatch_gemm_gemm(comm, &f->l0, a); /* A: the received rows, E4M3 */
+    b.dgrad_down.problem.n = F;
+    b.dgrad_down.problem.k = H;
+    b.dgrad_down.b.ptr = ba->weights_t.down; /* [E][F][H]: n = F rows of k = H */
+    b.dgrad_down.b.up = NULL;
+    b.dgrad_down.b.scale = ba->weight_t_scales.down;
+    b.dgrad_down.b.up_scale = NULL;
+    b.dgrad_down.out.epilogue = COMETI_GEMM_EPI_STORE;
+    b.dgrad_down.out.c = t->s;
+    b.dgrad_down.out.ldc = F;
+    b.dgrad_down.out.c_scale = NULL;
+    b.dgrad_down.out.c_scale_row = b.dgrad_down.out.c_scale_block = 0;
+    b.dgrad_down.out.pow2_scales = 0;
+    b.dgrad_gate_up = cometi_gemm_combine_gemm(comm, &f->l1, &f->l0, a);
+    b.dgrad_gate_up.problem.k = 2 * F;
+    b.dgrad_gate_up.a.ptr = t->s; /* dh in E4M3, once quantized */
+    b.dgrad_gate_up.a.rows = R;
+    b.dgrad_gate_up.a.scale = t->dh_scales;
+    b.dgrad_gate_up.a.scale_row = 1, b.dgrad_gate_up.a.scale_block = R;
+    b.dgrad_gate_up.b.ptr = ba->weights_t.gate_up; /* [E][H][2F]: n = H rows of k = 2F */
+    b.dgrad_gate_up.b.scale = ba->weight_t_scales.gate_up;
+    b.wgrad_down = wgrad_gemm_e4m3(comm, &f->l0, t->dy_t, t->dy_t_scales, H, t->wa_t, t->wa_t_scales, F, t->ld,
+                                   ba->grads.down, fp32);
+    b.wgrad_gate_up = wgrad_gemm_e4m3(comm, &f->l0, t->dh_t, t->dh_t_scales, 2 * F, t->x_t, t->x_t_scales, H, t->ld,
+                                      ba->grads.gate_up, fp32);
+    return b;
+}
+
 comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_t *a, comet_moe_saved_t sv,
                                           cudaStream_t stream)
 {
     comet_comm_t comm = moe->comm;
     struct cometi_fused *f;
     COMETI_TRY(cometi_fused_get(moe, &f));
-    const int k = moe->cfg.top_k, H = moe->cfg.hidden, n = a->num_tokens * k;
+    const int k = moe->cfg.top_k, n = a->num_tokens * k;
     cometi_dispatch_gemm_t *l0 = &f->l0;
     const cometi_route_dev_plan_t *plan = &l0->route.plan;
-    /* GEMM0's epilogue keeps [g u] beside the activation. */
+    cometi_fp8_train_t *t;
+    if (l0->fp8) COMETI_TRY(fp8_train_get(moe, f, &t)); /* the backward's, made before anything is enqueued */
+    /* GEMM0's epilogue keeps [g u] beside the activation (FP8: beside its E4M3 bytes). */
     cometi_gemm_t core0 = cometi_dispatch_gemm_gemm(comm, l0, a);
-    core0.out.epilogue = COMETI_GEMM_EPI_SWIGLU_GU;
+    core0.out.epilogue = l0->fp8 ? COMETI_GEMM_EPI_SWIGLU_E4M3_GU : COMETI_GEMM_EPI_SWIGLU_GU;
     core0.out.gu = sv->h;
     core0.out.gu_rows = sv->cap_rows;
     /* The route's call id of a training forward: its bound, which every rank must share. */
@@ -128,7 +238,7 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
                                                                                              COMETI_CALL_TRAIN_FORWARD)};
     comet_status_t st = cometi_dispatch_gemm_run_core(comm, l0, a, &core0, &kind, &f->k0, stream);
     if (st == COMET_SUCCESS) /* sv->recv NULL where the backward sends x again: the bound's check alone */
-        st = cometi_cuda(comm->err, cometi_launch_keep_rows(l0->recv.local, sv->recv, H, plan->local_segs,
+        st = cometi_cuda(comm->err, cometi_launch_keep_rows(l0->recv.local, sv->recv, l0->row_bytes, plan->local_segs,
                                                             l0->experts_per_group, sv->cap_rows, sv->max_recv_rows,
                                                             plan->seg_rows, comm->size / moe->tp, comm->async_dev,
                                                             comm->sm_count, stream), "launch keep_rows_kernel");
@@ -170,6 +280,39 @@ static comet_moe_args_t backward_args(const struct cometi_fused *f, const comet_
     return a;
 }
 
+/* FP8, between SwiGLU's backward and the dgrad GEMM of W13: the weight gradients'
+ * operands cast along the tokens (w a first: dh's 1 x 128 quantization then takes its
+ * bytes), and dh quantized 1 x 128. Rows past R are in no segment. */
+static comet_status_t cast_fp8_operands(comet_moe_t moe, struct cometi_fused *f, const cometi_fp8_train_t *t,
+                                        const comet_moe_saved_t sv, cudaStream_t stream)
+{
+    comet_comm_t comm = moe->comm;
+    const cometi_dispatch_gemm_t *l0 = &f->l0;
+    const int H = moe->cfg.hidden, F = moe->ffn_local, per = l0->experts_per_group, pow2 = l0->pow2_scales;
+    const int64_t R = l0->max_recv_rows, rows = sv->cap_rows < R ? sv->cap_rows : R, rb = l0->row_bytes;
+    const cometi_segment_t *segs = l0->route.plan.local_segs;
+    COMETI_TRY(cometi_cuda(comm->err, cometi_quantize_segments_t_e4m3(t->s, F, F, R, segs, per, t->wa_t, t->ld,
+                                                                      t->wa_t_scales, 1, F, pow2, stream),
+                           "cast (w a)^T to FP8"));
+    COMETI_TRY(cometi_cuda(comm->err, cometi_quantize_segments_t_e4m3(sv->h, 2 * F, 2 * F, rows, segs, per, t->dh_t,
+                                                                      t->ld, t->dh_t_scales, 1, 2 * F, pow2, stream),
+                           "cast dh^T to FP8"));
+    COMETI_TRY(cometi_cuda(comm->err, cometi_requantize_segments_t_e4m3(l0->recv.local, rb,
+                                                                        (const float *)((const char *)l0->recv.local +
+                                                                                        H),
+                                                                        rb / 4, 1, H, R, segs, per, t->dy_t, t->ld,
+                                                                        t->dy_t_scales, 1, H, pow2, stream),
+                           "cast dy^T to FP8 along the tokens"));
+    COMETI_TRY(cometi_cuda(comm->err, cometi_requantize_segments_t_e4m3(sv->recv, rb,
+                                                                        (const float *)((const char *)sv->recv + H),
+                                                                        rb / 4, 1, H, rows, segs, per, t->x_t, t->ld,
+                                                                        t->x_t_scales, 1, H, pow2, stream),
+                           "cast x^T to FP8 along the tokens"));
+    return cometi_cuda(comm->err, cometi_quantize_rows_e4m3(sv->h, rows, 2 * F, 2 * F, t->s, 2 * F, t->dh_scales, 1, R,
+                                                            pow2, stream),
+                       "quantize dh to FP8");
+}
+
 /* The weight gradients, put beside the combine of the dgrad GEMM of W13 (between it and
  * the sum at home, with the push): they need no communication. */
 typedef struct weight_grads {
@@ -192,7 +335,12 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     const comet_moe_saved_t sv = ba->saved;
     const int k = moe->cfg.top_k, H = moe->cfg.hidden, F = moe->ffn_local, per = f->l0.experts_per_group;
     const comet_moe_args_t a = backward_args(f, ba);
-    backward_gemms_t g = describe_backward(moe, f, &a, ba);
+    const int fp8 = f->l0.fp8;
+    cometi_fp8_train_t *t = f->fp8;
+    if (fp8 && !t) /* made by the training forward that filled the saved state */
+        return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "FP8 backward: the layer has no FP8 workspaces");
+    backward_gemms_t g = fp8 ? describe_backward_e4m3(moe, f, t, &a, ba) : describe_backward(moe, f, &a, ba);
+    void *s = fp8 ? t->s : f->l0.act; /* s = dy W2, bf16 */
     /* Checked before anything is enqueued: once the route has run, peers count on this
      * rank's rows. */
     cometi_gemm_prepared_t check;
@@ -221,7 +369,7 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
                                                                f->w_rows, comm->sm_count, stream),
                          "launch pull_weights_kernel");
     if (st == COMET_SUCCESS)
-        st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, f->l0.act, sv->h, F, segs, per,
+        st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, s, sv->h, F, segs, per,
                                                                   (int)sv->cap_rows, sv->cap_rows, f->w_rows,
                                                                   f->dw_rows, stream),
                          "launch swiglu_backward_kernel");
@@ -231,9 +379,10 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
                          "launch send_weight_grads_kernel");
     cometi_padded_rows_t pad = {{sv->h, f->l0.act, f->l0.recv.local, f->l0.x_rows},
                                 {2 * F * BF16, F * BF16, H * BF16, H * BF16}};
-    if (st == COMET_SUCCESS)
+    if (st == COMET_SUCCESS && !fp8) /* FP8: the casts write zeros past each segment's end */
         st = cometi_cuda(comm->err, cometi_launch_zero_padding(&pad, segs, per, sv->cap_rows, comm->sm_count, stream),
                          "launch zero_padding_kernel");
+    if (st == COMET_SUCCESS && fp8) st = cast_fp8_operands(moe, f, t, sv, stream);
     /* 4 and 5. */
     weight_grads_t wg = {comm->err, &g.wgrad_down, &g.wgrad_gate_up};
     const cometi_combine_between_t between = {run_weight_grads, &wg};
@@ -256,7 +405,9 @@ comet_status_t cometi_moe_backward_gemms(comet_moe_t moe, const comet_moe_backwa
                                  "layer filled by a fused training forward") : COMET_INVALID_ARGUMENT;
     struct cometi_fused *f = moe->fused;
     const comet_moe_args_t a = backward_args(f, ba);
-    backward_gemms_t g = describe_backward(moe, f, &a, ba);
+    if (f->l0.fp8 && !f->fp8)
+        return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "backward GEMMs alone: no FP8 workspaces");
+    backward_gemms_t g = f->l0.fp8 ? describe_backward_e4m3(moe, f, f->fp8, &a, ba) : describe_backward(moe, f, &a, ba);
     /* Alone: every SM, no roles, on the segments of the layer's last route. */
     g.dgrad_down.problem.local_rows = NULL;
     g.dgrad_down.launch.tail_ws = NULL;

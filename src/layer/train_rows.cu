@@ -77,14 +77,14 @@ static __global__ void keep_rows_kernel(const uint4 *src, uint4 *dst, int row_ve
     }
 }
 
-extern "C" cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int hidden, const cometi_segment_t *segs,
+extern "C" cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int row_bytes, const cometi_segment_t *segs,
                                                int groups, int64_t cap_rows, int64_t bound, const int32_t *seg_rows,
                                                int num_groups, cometi_async_error_t *err, int sm_count,
                                                cudaStream_t stream)
 {
     if (cap_rows == 0) return cudaSuccess;
     keep_rows_kernel<<<dst ? sm_count * 4 : 1, dst ? 256 : 32, 0, stream>>>((const uint4 *)src, (uint4 *)dst,
-                                                                            hidden / 8, segs, groups,
+                                                                            row_bytes / 16, segs, groups,
                                                        (long long)cap_rows, (long long)bound, seg_rows, num_groups,
                                                        err);
     return cudaGetLastError();

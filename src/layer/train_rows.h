@@ -15,14 +15,15 @@ extern "C" {
 #endif
 
 /* Rows of each segment (in the receive layout: segments start at multiples of 128) copied
- * from src to dst at the same row, [.][hidden] bf16, the padding after each segment up to
+ * from src to dst at the same row, row_bytes each (a multiple of 16: bf16 x's, or an FP8
+ * row with its scales), the padding after each segment up to
  * the next 128 rows zeroed, rows at or past cap_rows left alone; and when any EP group's
  * rows (the sum of seg_rows [num_groups x groups], device: the route's unpadded rows per
  * expert, the same on every rank) pass `bound` (the saved state's max_recv_rows; its
  * cap_rows adds the padding), COMET_INVALID_ARGUMENT is recorded in err
  * (COMETI_SITE_SAVED_BOUND, sticky) on every rank alike, as the sequential path refuses
  * the same call. dst NULL: the check alone (a layer that resends x keeps no rows). */
-cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int hidden, const cometi_segment_t *segs, int groups,
+cudaError_t cometi_launch_keep_rows(const void *src, void *dst, int row_bytes, const cometi_segment_t *segs, int groups,
                                     int64_t cap_rows, int64_t bound, const int32_t *seg_rows, int num_groups,
                                     cometi_async_error_t *err, int sm_count, cudaStream_t stream);
 

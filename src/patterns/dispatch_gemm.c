@@ -183,9 +183,9 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     if ((uintptr_t)a->x % 16)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "x = %p: the fused layer needs 16-byte aligned rows",
                            a->x);
-    if (l->fp8 && kind)
-        return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "the fused layer in FP8 runs the inference forward; "
-                           "training in FP8 is not built");
+    if (l->fp8 && x_again)
+        return cometi_fail(comm->err, COMET_NOT_SUPPORTED, "x sent again in FP8: the FP8 layer keeps x's rows "
+                           "(config.resend_x 0)");
     if (knobs->first_wave < -1)
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "first wave = %d row blocks: must be -1 (none), 0 "
                            "(automatic) or more", knobs->first_wave);
