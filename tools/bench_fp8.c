@@ -9,6 +9,12 @@
  * comet_quantize_fp8_weights; each output is checked against the other with DeepGEMM's
  * measure 1 - 2 sum(xy) / sum(x^2 + y^2) (FP8's own error on these random operands: x,
  * the weights and the activation each rounded to E4M3). Medians of the slowest rank.
+ *
+ * With --train, instead: the training step (comet_moe_forward_train and comet_moe_backward,
+ * bf16 weight gradients) of the FP8 layer beside the bf16 one's, both fused, in turns at
+ * the bench's token count; the FP8 weights' two copies (W, and W^T for the backward) made
+ * once beside, as an optimizer step makes them; the saved states' bytes; and the FP8 dx
+ * and weight gradients against the bf16 ones by DeepGEMM's measure.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -19,6 +25,7 @@
 #include <cuda_runtime_api.h>
 
 #include "comet.h"
+#include "layer/layer.h"
 #include "bench.h"
 #include "alloc.h"
 #include "tool.h"
@@ -49,6 +56,191 @@ static cudaGraphExec_t capture_forward(comet_moe_t moe, const comet_moe_args_t *
         exec = NULL;
     if (graph) cudaGraphDestroy(graph);
     return exec;
+}
+
+/* DeepGEMM's measure 1 - 2 sum(xy) / sum(x^2 + y^2) of two bf16 device tensors of n
+ * values, over every rank. */
+static int bf16_measure(comet_comm_t comm, const void *a, const void *b, size_t n, double *out)
+{
+    uint16_t *ha = TOOL_MALLOC(n * 2 + 2), *hb = TOOL_MALLOC(n * 2 + 2);
+    FAIL_IF(!ha || !hb, "out of host memory");
+    CUDA_OK(cudaMemcpy(ha, a, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(hb, b, n * 2, cudaMemcpyDeviceToHost));
+    double xy = 0, xx = 0;
+    for (size_t i = 0; i < n; i++) {
+        const double p = cometi_bf16_to_float(ha[i]), q = cometi_bf16_to_float(hb[i]);
+        xy += p * q, xx += p * p + q * q;
+    }
+    free(ha), free(hb);
+    float sums[2] = {(float)xy, (float)xx};
+    if (allreduce(comm, sums, 2, ncclSum)) return 1;
+    *out = sums[1] > 0 ? 1 - 2.0 * sums[0] / sums[1] : 0;
+    return 0;
+}
+
+/* One training step (forward_train into `sv`, backward) on `st`, timed with events e[0..2]:
+ * the step's ms, and its forward's and backward's into part[0], part[1]. */
+static float timed_step(comet_moe_t moe, const comet_moe_args_t *a, comet_moe_backward_args_t *b,
+                        comet_moe_saved_t sv, cudaStream_t st, const cudaEvent_t e[3], float part[2], int *failed)
+{
+    float ms = 0;
+    cudaEventRecord(e[0], st);
+    if (comet_moe_forward_train(moe, a, sv, st) != COMET_SUCCESS) *failed = 1;
+    cudaEventRecord(e[1], st);
+    b->saved = sv;
+    if (!*failed && comet_moe_backward(moe, b, st) != COMET_SUCCESS) *failed = 1;
+    cudaEventRecord(e[2], st);
+    if (cudaEventSynchronize(e[2]) != cudaSuccess) *failed = 1;
+    cudaEventElapsedTime(&ms, e[0], e[2]);
+    cudaEventElapsedTime(&part[0], e[0], e[1]);
+    cudaEventElapsedTime(&part[1], e[1], e[2]);
+    return ms;
+}
+
+/* The backward's four GEMMs of `moe`, each alone (every SM, no communication) on the rows of
+ * its last training forward, median ms into ms[4]: dgrad W2, dgrad W13, dW2, dW13. */
+static int time_backward_gemms(comet_moe_t moe, const comet_moe_backward_args_t *b, int iters, cudaStream_t st,
+                               const cudaEvent_t e[3], float ms[4])
+{
+    float *t = TOOL_MALLOC(sizeof(float) * iters);
+    for (int g = 0; g < 4; g++) {
+        for (int it = -2; it < iters; it++) {
+            cudaEventRecord(e[0], st);
+            FAIL_IF(cometi_moe_backward_gemms(moe, b, 1 << g, st) != COMET_SUCCESS, "backward GEMMs alone: %s",
+                    comet_moe_last_error(moe));
+            cudaEventRecord(e[1], st);
+            CUDA_OK(cudaEventSynchronize(e[1]));
+            if (it >= 0) cudaEventElapsedTime(&t[it], e[0], e[1]);
+        }
+        ms[g] = median(t, iters);
+    }
+    free(t);
+    return 0;
+}
+
+/* --train: the FP8 training step beside the bf16 one (the file's header). gu and dn: the
+ * bf16 weights of this rank's experts (gate and up in one tensor), a8 and a16 each
+ * layer's forward arguments. */
+static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
+                           const comet_moe_config_t *cfg, const char *label, comet_moe_t m16, comet_moe_t m8,
+                           comet_moe_args_t *a16, comet_moe_args_t *a8, const void *gu, const void *dn,
+                           cudaStream_t st, const cudaEvent_t e[3])
+{
+    const cudaEvent_t e0 = e[0], e1 = e[1];
+    const int R = ctx->nranks, me = ctx->rank, E = cfg->num_experts, H = cfg->hidden, M = cfg->max_tokens;
+    const int tp = cfg->tp_size > 0 ? cfg->tp_size : 1, Fl = cfg->ffn / tp, per = E / (R / tp);
+    const size_t n13 = (size_t)per * 2 * Fl * H, n2 = (size_t)per * H * Fl;
+    const size_t s13 = (size_t)per * (2 * Fl / 128) * ((H + 127) / 128), s2 = (size_t)per * ((H + 127) / 128) *
+                                                                             ((Fl + 127) / 128);
+    void *gut, *dnt, *dy, *dx[2], *g13[2], *g2[2];
+    float *guts, *dnts, *dw;
+    CUDA_OK(cudaMalloc(&gut, n13));
+    CUDA_OK(cudaMalloc(&dnt, n2));
+    CUDA_OK(cudaMalloc((void **)&guts, s13 * 4 + 16));
+    CUDA_OK(cudaMalloc((void **)&dnts, s2 * 4 + 16));
+    CUDA_OK(cudaMalloc(&dy, (size_t)M * H * 2 + 16));
+    CUDA_OK(cudaMalloc((void **)&dw, sizeof(float) * ((size_t)M * cfg->top_k + 4)));
+    for (int i = 0; i < 2; i++) {
+        CUDA_OK(cudaMalloc(&dx[i], (size_t)M * H * 2 + 16));
+        CUDA_OK(cudaMalloc(&g13[i], n13 * 2));
+        CUDA_OK(cudaMalloc(&g2[i], n2 * 2));
+    }
+    CUDA_OK(cometi_fill_hash_bf16(dy, (size_t)M * H, o->seed * 31 + 5, (uint64_t)me * M * H, 1.0f, 0));
+    /* The FP8 copies an optimizer step makes: W (a8's, made by the caller) and W^T, timed. */
+    cudaEventRecord(e0, st);
+    FAIL_IF(comet_quantize_fp8_weights_transposed(gu, per, 2 * Fl, H, 0, (void *)a8->weights.gate_up,
+                                                  (float *)a8->weight_scales.gate_up, gut, guts, st) != COMET_SUCCESS ||
+                comet_quantize_fp8_weights_transposed(dn, per, H, Fl, 0, (void *)a8->weights.down,
+                                                      (float *)a8->weight_scales.down, dnt, dnts, st) != COMET_SUCCESS,
+            "quantize the weights both ways: %s", comet_last_create_error());
+    cudaEventRecord(e1, st);
+    CUDA_OK(cudaEventSynchronize(e1));
+    float quant_ms = 0;
+    cudaEventElapsedTime(&quant_ms, e0, e1);
+    comet_moe_backward_args_t b[2];
+    for (int i = 0; i < 2; i++) {
+        b[i] = (comet_moe_backward_args_t)COMET_MOE_BACKWARD_ARGS_INIT;
+        b[i].dy = dy, b[i].dx = dx[i], b[i].d_topk_weights = dw;
+        b[i].grads.gate_up = g13[i], b[i].grads.down = g2[i];
+        b[i].impl = COMET_IMPL_FUSED;
+    }
+    b[0].weights = a16->weights;
+    b[1].weights_t.gate_up = gut, b[1].weights_t.down = dnt;
+    b[1].weight_t_scales.gate_up = guts, b[1].weight_t_scales.down = dnts;
+    comet_moe_t moe[2] = {m16, m8};
+    comet_moe_args_t *args[2] = {a16, a8};
+    comet_moe_saved_t sv[2];
+    size_t bytes[2];
+    for (int i = 0; i < 2; i++) {
+        args[i]->num_tokens = M;
+        args[i]->impl = COMET_IMPL_FUSED;
+        FAIL_IF(comet_moe_saved_create(moe[i], NULL, &sv[i]) != COMET_SUCCESS ||
+                    comet_moe_saved_bytes(moe[i], NULL, &bytes[i]) != COMET_SUCCESS,
+                "saved state: %s", comet_last_create_error());
+    }
+    /* Check: each step once on poisoned outputs, FP8 against bf16. */
+    int failed = 0;
+    for (int i = 0; i < 2; i++) {
+        CUDA_OK(cudaMemset(dx[i], 0xff, (size_t)M * H * 2));
+        CUDA_OK(cudaMemset(g13[i], 0xff, n13 * 2));
+        CUDA_OK(cudaMemset(g2[i], 0xff, n2 * 2));
+        float part[2];
+        timed_step(moe[i], args[i], &b[i], sv[i], st, e, part, &failed);
+        FAIL_IF(failed, "%s: %s training step: %s", label, i ? "FP8" : "bf16", comet_moe_last_error(moe[i]));
+    }
+    double m_dx, m_g13, m_g2;
+    if (bf16_measure(comm, dx[1], dx[0], (size_t)M * H, &m_dx) || bf16_measure(comm, g13[1], g13[0], n13, &m_g13) ||
+        bf16_measure(comm, g2[1], g2[0], n2, &m_g2))
+        return 1;
+    /* Per format: the step, its forward, its backward; in turns. */
+    float *t[2][3];
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 3; j++) t[i][j] = TOOL_MALLOC(sizeof(float) * o->iters);
+    for (int it = -o->warmup; it < o->iters; it++) {
+        FAIL_IF(cometi_barrier(comm, st) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
+        for (int i = 0; i < 2; i++) {
+            float part[2];
+            const float step_ms = timed_step(moe[i], args[i], &b[i], sv[i], st, e, part, &failed);
+            FAIL_IF(failed, "%s: a training step failed: %s", label, comet_moe_last_error(moe[i]));
+            if (it >= 0) t[i][0][it] = step_ms, t[i][1][it] = part[0], t[i][2][it] = part[1];
+        }
+    }
+    /* ms: the steps, the FP8 weights' copies, each format's forward and backward, then each
+     * format's four backward GEMMs alone (on the rows of its last forward). */
+    float ms[15] = {median(t[0][0], o->iters), median(t[1][0], o->iters), quant_ms, median(t[0][1], o->iters),
+                    median(t[0][2], o->iters), median(t[1][1], o->iters), median(t[1][2], o->iters)};
+    for (int i = 0; i < 2; i++) {
+        for (int j = 0; j < 3; j++) free(t[i][j]);
+        FAIL_IF(comet_moe_forward_train(moe[i], args[i], sv[i], st) != COMET_SUCCESS, "forward_train: %s",
+                comet_moe_last_error(moe[i]));
+        b[i].saved = sv[i];
+        if (time_backward_gemms(moe[i], &b[i], o->iters, st, e, ms + 7 + 4 * i)) return 1;
+    }
+    if (allreduce(comm, ms, 15, ncclMax)) return 1;
+    if (me == 0) {
+        printf("\n%s FP8 training: E=%d top-k=%d H=%d F=%d, %d x GPU (EP=%d x TP=%d), %d tokens; the step "
+               "(forward_train + backward, bf16 weight gradients), both fused, in turns, median of %d\n", label, E,
+               cfg->top_k, H, cfg->ffn, R, R / tp, tp, M, o->iters);
+        printf("%-16s %12s %12s %9s %16s %14s %9s %9s %9s\n", "case", "bf16 step ms", "fp8 step ms", "bf16/fp8",
+               "FP8 weights ms", "saved fp8/bf16", "dx", "dW13", "dW2");
+        printf("%-16s %12.3f %12.3f %9.2f %16.3f %14.2f %9.2e %9.2e %9.2e%s\n", label, ms[0], ms[1], ms[0] / ms[1],
+               ms[2], (double)bytes[1] / (double)bytes[0], m_dx, m_g13, m_g2,
+               m_dx < 5e-3 && m_g13 < 5e-3 && m_g2 < 5e-3 ? "" : " !");
+        static const char *const names[4] = {"dgrad W2", "dgrad W13", "dW2", "dW13"};
+        for (int i = 0; i < 2; i++) {
+            printf("  %s: forward_train %.3f ms, backward %.3f ms; its GEMMs alone:", i ? "fp8 " : "bf16",
+                   ms[3 + 2 * i], ms[4 + 2 * i]);
+            for (int g = 0; g < 4; g++) printf(" %s %.3f", names[g], ms[7 + 4 * i + g]);
+            printf(" ms\n");
+        }
+        fflush(stdout);
+    }
+    for (int i = 0; i < 2; i++) {
+        comet_moe_saved_destroy(sv[i]);
+        cudaFree(dx[i]), cudaFree(g13[i]), cudaFree(g2[i]);
+    }
+    cudaFree(gut), cudaFree(dnt), cudaFree(guts), cudaFree(dnts), cudaFree(dy), cudaFree(dw);
+    return !(m_dx < 5e-3 && m_g13 < 5e-3 && m_g2 < 5e-3);
 }
 
 int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
@@ -123,17 +315,28 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
         a8.weights.gate_up = gu8, a8.weight_scales.gate_up = gus;
     }
     a8.weights.down = dn8, a8.weight_scales.down = dns;
-    cudaEvent_t e0, e1;
+    cudaEvent_t e0, e1, e2;
     CUDA_OK(cudaEventCreate(&e0));
     CUDA_OK(cudaEventCreate(&e1));
+    CUDA_OK(cudaEventCreate(&e2));
     cudaStream_t st; /* every call of both layers (a layer's calls keep one stream), capturable */
     CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     const int counts[4] = {M, 1, 16, 128};
+    int failed = 0, inaccurate = 0;
+    if (o->train) { /* FP8 trains gate and up in one tensor */
+        if (apart) {
+            if (me == 0) printf("\n%s FP8 training: n/a (ffn / tp_size = %d: gate and up in one tensor need a "
+                                "multiple of 128)\n", label, Fl);
+        } else {
+            const cudaEvent_t ev[3] = {e0, e1, e2};
+            inaccurate = fp8_train_table(ctx, o, comm, cfg, label, m16, m8, &a16, &a8, gu, dn, st, ev);
+        }
+        goto done;
+    }
     if (me == 0)
         printf("\n%s FP8: E=%d top-k=%d H=%d F=%d, %d x GPU (EP=%d x TP=%d), in turns, median of %d; \"fp8 seq\": "
                "the FP8 sequential path; below %d tokens the fused layers as CUDA-graph replays\n%-16s %6s %10s %10s %8s %11s %8s %12s\n", label, E, k, H, F, R, R / tp, tp,
                o->iters, M, "case", "tokens", "bf16 ms", "fp8 ms", "bf16/fp8", "fp8 seq ms", "seq/fp8", "vs bf16");
-    int failed = 0, inaccurate = 0;
     for (int ci = 0; ci < 4; ci++) {
         const int m = counts[ci];
         if (ci && m >= M) continue;
@@ -188,8 +391,9 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
          * these random operands: about 2e-3 of the measure; 5e-3 flags a wrong answer. */
         inaccurate |= !(measure < 5e-3);
     }
+done:
     fflush(stdout);
-    cudaEventDestroy(e0), cudaEventDestroy(e1);
+    cudaEventDestroy(e0), cudaEventDestroy(e1), cudaEventDestroy(e2);
     cudaStreamDestroy(st);
     if (apart) cudaFree((void *)a8.weights.gate), cudaFree((void *)a8.weights.up),
         cudaFree((void *)a8.weight_scales.gate), cudaFree((void *)a8.weight_scales.up);

@@ -194,7 +194,9 @@ static const flag_t flags[] = {
     {"--fp8", NULL, CMD_BENCH, set_switch, AT(o.fp8), 1, 0,
      "instead, the block-scaled FP8 layer (E4M3, 128 x 128 weight scales, x quantized per 128 columns) beside "
      "the bf16 layer (both fused) and the FP8 sequential path, in turns, at --tokens and at 1, 16 and 128 "
-     "tokens (there the fused layers as CUDA-graph replays); with 1 - 2xy/(x^2+y^2) of the FP8 and bf16 outputs"},
+     "tokens (there the fused layers as CUDA-graph replays); with 1 - 2xy/(x^2+y^2) of the FP8 and bf16 outputs; "
+     "with --train, the FP8 training step beside the bf16 one instead, in turns, with the FP8 weights' copies, "
+     "the saved bytes and 1 - 2xy/(x^2+y^2) of dx and the weight gradients"},
     {"--fp8", NULL, CMD_GEMM, set_switch, AT(o.fp8), 1, 0,
      "instead, the block-scaled FP8 forward GEMMs (E4M3, 1 x 128 and 128 x 128 scales) beside cuBLASLt's "
      "block-scaled FP8 GEMM per expert and our bf16 GEMM, then the backward's FP8 GEMMs beside our bf16 ones: the "
@@ -583,10 +585,9 @@ static int check_combinations(cli_t *c)
                 o->experts ? "" : " --experts", o->top_k ? "" : " --top-k");
         return -1;
     }
-    if (o->fp8 && (o->suite || o->train || o->sweep || given(c, "--impl") || given(c, "--json") ||
-                   given(c, "--trace"))) {
+    if (o->fp8 && (o->suite || o->sweep || given(c, "--impl") || given(c, "--json") || given(c, "--trace"))) {
         fprintf(stderr, "comet %s: --fp8 times its own table: leave out %s\n", cmd,
-                o->suite ? "--suite" : o->train ? "--train" : o->sweep ? "--sweep" : given(c, "--impl") ? "--impl"
+                o->suite ? "--suite" : o->sweep ? "--sweep" : given(c, "--impl") ? "--impl"
                 : given(c, "--json") ? "--json" : "--trace");
         return -1;
     }
