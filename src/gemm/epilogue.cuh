@@ -327,13 +327,16 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
  * scale NaN or Inf and the block dequantizes to NaN, never a silent clamp), its scale and
  * the values times 1 / scale rounded to E4M3 with saturation (base/fp8.h), then the bytes
  * out through the staging and a TMA store (a full tile) or 2 bytes at a time, and each
- * row's scale by its quad's first lane. SWIGLU_E4M3_GU (FP8 training) first stores each
- * row's gate and up in bf16 straight from the registers, rows at or past gu_rows not kept
- * (the staging stays the E4M3 tile's, so the ring keeps its four stages). */
+ * row's scale by its quad's first lane. SWIGLU_E4M3_GU (FP8 training) first keeps each
+ * row's gate and up in bf16, rows at or past gu_rows not kept: a full tile's by TMA stores
+ * through the E4M3 tile's staging (8 KB a warpgroup: four boxes of 64 rows x 64 columns,
+ * one after another, so the ring keeps its four stages), other tiles' straight from the
+ * registers. */
 template <int V>
 static __device__ __forceinline__ void store_tile_e4m3(const float *acc, const cometi_gemm_args_t &p,
-                                                       const CUtensorMap *map_c, unsigned char *sc, tile_t tl,
-                                                       cometi_segment_t seg, int part, int half)
+                                                       const CUtensorMap *map_c, const CUtensorMap *map_gu,
+                                                       unsigned char *sc, tile_t tl, cometi_segment_t seg, int part,
+                                                       int half)
 {
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
     constexpr int BN = T.block_n, TM = cometi_gemm_tile_rows(T), ON = cometi_gemm_out_cols(T);
@@ -348,7 +351,31 @@ static __device__ __forceinline__ void store_tile_e4m3(const float *acc, const c
         if (ok[0]) rs[0] = p.row_scale[seg.start + row0];
         if (ok[1]) rs[1] = p.row_scale[seg.start + row0 + 8];
     }
-    if constexpr (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU) {
+    if (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU && TMA_EPILOGUE && p.gu_tma && tl.m * TM + TM <= seg.rows) {
+        unsigned char *stage = sc + half * (64 * ON);
+#pragma unroll
+        for (int box = 0; box < 4; box++) { /* gate's two column halves, then up's */
+            const int which = box / 2, cols = box % 2;
+            if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the last store has read the staging */
+            warpgroup_sync(1 + half);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float *v = &acc[(cols * 8 + j + which * (BN / 16)) * 4 + 2 * h];
+                    __nv_bfloat162 x = __floats2bfloat162_rn(v[0], v[1]);
+                    unsigned char *dst = stage + swizzled_chunk(j, r_lo + 8 * h) + (lane % 4) * 4;
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&x) : "memory");
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
+            warpgroup_sync(1 + half);
+            if (threadIdx.x % 128 == 0) {
+                tma_store_3d(map_gu, stage, tl.n * ON + cols * 64, which, (int)(seg.start + part));
+                bulk_commit();
+            }
+        }
+    } else if constexpr (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             const long long row = seg.start + row0 + 8 * h;

@@ -154,7 +154,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_b) : "memory");
         if (TMA_EPILOGUE) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_c) : "memory");
         if (SWIGLU) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_up) : "memory");
-        if (T.epilogue == COMETI_GEMM_EPI_SWIGLU_GU && p.gu_tma) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_gu) : "memory");
+        if (cometi_gemm_keeps_gu(T.epilogue) && p.gu_tma) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_gu) : "memory");
     }
     __syncthreads();
     const int per_split = sm.first_tile[2 * p.groups];
@@ -304,7 +304,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             consume_unit<V>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1, &pos, &sm.turn[half ^ 1]);
         if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN>(acc, p, tail, t, k_blocks)) continue;
         if constexpr (cometi_gemm_quantizes(T.epilogue))
-            store_tile_e4m3<V>(acc, p, &map_c, sm.c, tl, seg, part, half);
+            store_tile_e4m3<V>(acc, p, &map_c, &map_gu, sm.c, tl, seg, part, half);
         else
             store_tile<V>(acc, p, &map_c, &map_gu, sm.c, tl, seg, part, half, split_tiles, push, &st, kb1 <= un.kb0);
     }

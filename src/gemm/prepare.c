@@ -485,7 +485,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
                                64, "C"));
     /* The kept gate and up, [gu_rows][2n] seen as [gu_rows][2][n]: a box of 64 rows x 64
      * columns of one half, stored like C's (rows past gu_rows clipped). */
-    const int gu_tma = v->epilogue == COMETI_GEMM_EPI_SWIGLU_GU && tma_store && (uintptr_t)g->out.gu % 16 == 0;
+    const int gu_tma = cometi_gemm_keeps_gu(v->epilogue) && tma_store && (uintptr_t)g->out.gu % 16 == 0;
     if (gu_tma) {
         const uint64_t dims[3] = {(uint64_t)n, 2, (uint64_t)g->out.gu_rows}, strides[2] = {(uint64_t)n,
                                                                                            2 * (uint64_t)n};
