@@ -8,7 +8,8 @@
  * a bf16 value exactly, so a bf16 layer runs on the very weights the FP8 layer sees (x too:
  * it is put on the E4M3 grid first). dy is random bf16. Per case:
  *   - the FP8 training forward's y equals the FP8 inference forward's, bit for bit;
- *   - two FP8 steps give the same bits (y, dx, d topk_weights, the weight gradients);
+ *   - two FP8 steps give the same bits (y, dx, d topk_weights, the weight gradients), and
+ *     so does the step captured in a CUDA graph and replayed;
  *   - each FP8 tensor against the bf16 layer's on the same operands (the step's FP8
  *     roundings are what differ: dy, dh and the weight gradients' operands along the
  *     tokens, each within 2^-4 of its value): DeepGEMM's measure 1 - 2 sum(xy) /
@@ -83,6 +84,7 @@ typedef struct step_out {
 
 typedef struct fp8_fixture {
     comet_comm_t comm;
+    cudaStream_t st; /* every call of the case's layers (a layer's calls keep one stream) */
     int me, per, first, m;
     void *x, *dy, *y, *dx, *g13, *g2;
     int32_t *ids;
@@ -95,18 +97,18 @@ static int step(fp8_fixture_t *fx, comet_moe_t moe, const comet_moe_args_t *a, c
 {
     comet_moe_saved_t sv;
     COMET_OK(comet_moe_saved_create(moe, NULL, &sv), fx->comm);
-    CUDA_OK(cudaMemset(fx->y, 0xff, fx->ny * 2));
-    CUDA_OK(cudaMemset(fx->dx, 0xff, fx->ny * 2));
-    CUDA_OK(cudaMemset(fx->dw, 0xff, fx->nw * 4));
+    CUDA_OK(cudaMemsetAsync(fx->y, 0xff, fx->ny * 2, fx->st));
+    CUDA_OK(cudaMemsetAsync(fx->dx, 0xff, fx->ny * 2, fx->st));
+    CUDA_OK(cudaMemsetAsync(fx->dw, 0xff, fx->nw * 4, fx->st));
     if (b->grads.mode == COMET_GRAD_WRITE_BF16) {
-        CUDA_OK(cudaMemset(fx->g13, 0xff, fx->n13 * 2));
-        CUDA_OK(cudaMemset(fx->g2, 0xff, fx->n2 * 2));
+        CUDA_OK(cudaMemsetAsync(fx->g13, 0xff, fx->n13 * 2, fx->st));
+        CUDA_OK(cudaMemsetAsync(fx->g2, 0xff, fx->n2 * 2, fx->st));
     }
-    comet_status_t st = comet_moe_forward_train(moe, a, sv, 0);
+    comet_status_t st = comet_moe_forward_train(moe, a, sv, fx->st);
     if (st != COMET_SUCCESS) printf("rank %d forward_train: %s\n", fx->me, comet_moe_last_error(moe));
     CHECK_EQ(st, COMET_SUCCESS);
     b->saved = sv;
-    st = comet_moe_backward(moe, b, 0);
+    st = comet_moe_backward(moe, b, fx->st);
     if (st != COMET_SUCCESS) printf("rank %d backward: %s\n", fx->me, comet_moe_last_error(moe));
     CHECK_EQ(st, COMET_SUCCESS);
     CUDA_OK(cudaDeviceSynchronize());
@@ -191,6 +193,7 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
     fp8_fixture_t fx;
     memset(&fx, 0, sizeof(fx));
     fx.comm = comm, fx.me = me, fx.per = E / W, fx.first = me * fx.per;
+    CUDA_OK(cudaStreamCreateWithFlags(&fx.st, cudaStreamNonBlocking));
     uint64_t rng = seed ^ 0x7f8e9dull;
     /* Weights: every expert's, the same on every rank; quantized both ways. */
     const size_t n13 = (size_t)E * 2 * F * H, n2 = (size_t)E * H * F;
@@ -266,7 +269,7 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
     comet_moe_saved_t sv;
     COMET_OK(comet_moe_saved_create(moe8, NULL, &sv), comm);
     a.impl = COMET_IMPL_BASELINE;
-    CHECK_EQ(comet_moe_forward_train(moe8, &a, sv, 0), COMET_NOT_SUPPORTED);
+    CHECK_EQ(comet_moe_forward_train(moe8, &a, sv, fx.st), COMET_NOT_SUPPORTED);
     CHECK_CONTAINS(comet_moe_last_error(moe8), "fused path alone");
     a.impl = COMET_IMPL_AUTO;
     /* Saved bytes: x's rows in E4M3 with their scales (hidden + 16 here), [g u] in bf16. */
@@ -279,23 +282,55 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
     alloc_out(&fx, &o8), alloc_out(&fx, &again), alloc_out(&fx, &o16);
     if (step(&fx, moe8, &a, &b, &o8) || step(&fx, moe8, &a, &b, &again)) return 1;
     if (same_bits(&fx, &o8, &again)) return 1;
+    /* The step captured in a CUDA graph and replayed: the eager bits. */
+    {
+        comet_moe_saved_t gsv;
+        COMET_OK(comet_moe_saved_create(moe8, NULL, &gsv), comm);
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CUDA_OK(cudaStreamBeginCapture(fx.st, cudaStreamCaptureModeThreadLocal));
+        const comet_status_t f_st = comet_moe_forward_train(moe8, &a, gsv, fx.st);
+        b.saved = gsv;
+        const comet_status_t b_st = comet_moe_backward(moe8, &b, fx.st);
+        CUDA_OK(cudaStreamEndCapture(fx.st, &graph));
+        if (f_st != COMET_SUCCESS || b_st != COMET_SUCCESS) printf("rank %d capture: %s\n", me, comet_moe_last_error(moe8));
+        CHECK_EQ(f_st, COMET_SUCCESS);
+        CHECK_EQ(b_st, COMET_SUCCESS);
+        CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+        CUDA_OK(cudaMemsetAsync(fx.y, 0xff, fx.ny * 2, fx.st));
+        CUDA_OK(cudaMemsetAsync(fx.dx, 0xff, fx.ny * 2, fx.st));
+        CUDA_OK(cudaMemsetAsync(fx.dw, 0xff, fx.nw * 4, fx.st));
+        CUDA_OK(cudaMemsetAsync(fx.g13, 0xff, fx.n13 * 2, fx.st));
+        CUDA_OK(cudaMemsetAsync(fx.g2, 0xff, fx.n2 * 2, fx.st));
+        CUDA_OK(cudaGraphLaunch(exec, fx.st));
+        CUDA_OK(cudaStreamSynchronize(fx.st));
+        CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
+        CUDA_OK(cudaMemcpy(again.y, fx.y, fx.ny * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(again.dx, fx.dx, fx.ny * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(again.dw, fx.dw, fx.nw * 4, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(again.g13, fx.g13, fx.n13 * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(again.g2, fx.g2, fx.n2 * 2, cudaMemcpyDeviceToHost));
+        if (same_bits(&fx, &o8, &again)) return 1;
+        cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
+        COMET_OK(comet_moe_saved_destroy(gsv), comm);
+    }
     /* The backward's refusals, on a filled saved state (which they leave filled). */
-    CUDA_OK(cudaMemset(fx.y, 0xff, fx.ny * 2));
-    COMET_OK(comet_moe_forward_train(moe8, &a, sv, 0), comm);
+    CUDA_OK(cudaMemsetAsync(fx.y, 0xff, fx.ny * 2, fx.st));
+    COMET_OK(comet_moe_forward_train(moe8, &a, sv, fx.st), comm);
     b.saved = sv;
     const void *keep = b.weights_t.down;
     b.weights_t.down = NULL;
-    CHECK_EQ(comet_moe_backward(moe8, &b, 0), COMET_INVALID_ARGUMENT);
+    CHECK_EQ(comet_moe_backward(moe8, &b, fx.st), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(moe8), "weights_t.down is NULL");
     b.weights_t.down = (const char *)keep + 8;
-    CHECK_EQ(comet_moe_backward(moe8, &b, 0), COMET_INVALID_ARGUMENT);
+    CHECK_EQ(comet_moe_backward(moe8, &b, fx.st), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(moe8), "16-byte aligned");
     b.weights_t.down = keep;
     CUDA_OK(cudaDeviceSynchronize());
     /* The training forward's y is the inference forward's. */
     uint16_t *y_inf = malloc(fx.ny * 2 + 2);
-    CUDA_OK(cudaMemset(fx.y, 0xff, fx.ny * 2));
-    COMET_OK(comet_moe_forward(moe8, &a, 0), comm);
+    CUDA_OK(cudaMemsetAsync(fx.y, 0xff, fx.ny * 2, fx.st));
+    COMET_OK(comet_moe_forward(moe8, &a, fx.st), comm);
     CUDA_OK(cudaDeviceSynchronize());
     CUDA_OK(cudaMemcpy(y_inf, fx.y, fx.ny * 2, cudaMemcpyDeviceToHost));
     CHECK(memcmp(y_inf, o8.y, fx.ny * 2) == 0);
@@ -311,9 +346,9 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
     /* FP8 fields on a bf16 layer are refused. */
     comet_moe_saved_t sv16;
     COMET_OK(comet_moe_saved_create(moe16, NULL, &sv16), comm);
-    COMET_OK(comet_moe_forward_train(moe16, &a16, sv16, 0), comm);
+    COMET_OK(comet_moe_forward_train(moe16, &a16, sv16, fx.st), comm);
     b16.saved = sv16, b16.weights_t.down = b.weights_t.down;
-    CHECK_EQ(comet_moe_backward(moe16, &b16, 0), COMET_INVALID_ARGUMENT);
+    CHECK_EQ(comet_moe_backward(moe16, &b16, fx.st), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(moe16), "weights_t.down");
     b16.weights_t.down = NULL;
     CUDA_OK(cudaDeviceSynchronize());
@@ -369,6 +404,7 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
     cudaFree(fx.dx), cudaFree(fx.w), cudaFree(fx.dw), cudaFree(fx.ids), cudaFree(fx.g13), cudaFree(fx.g2);
     COMET_OK(comet_moe_destroy(moe16), comm);
     COMET_OK(comet_moe_destroy(moe8), comm);
+    cudaStreamDestroy(fx.st);
     return 0;
 }
 

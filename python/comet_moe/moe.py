@@ -183,8 +183,8 @@ class Moe(_Handle):
         [E_local, ceil(H / 128), ceil(Fl / 128)]: an HF checkpoint's weight_scale_inv,
         stacked; fp8.quantize_fp8_weights gives both). x is bf16 (comet quantizes it), or
         float8_e4m3fn with x_scales [M, ceil(H / 128)] float32 (fp8.quantize_fp8_rows); out
-        and y are bf16. Inference only: under autograd (grad enabled and x or topk_weights
-        requiring grad) it raises NotImplementedError, as comet does not train in FP8."""
+        and y are bf16. Inference only from Python: under autograd (grad enabled and x or
+        topk_weights requiring grad) it raises NotImplementedError (the C API trains FP8)."""
         if self.closed:
             raise RuntimeError("comet_moe.Moe: used after close() (or after its Comm was closed)")
         code = parse_impl(impl)

@@ -154,7 +154,7 @@ def _quantize_fp8_rows_fake(x, pow2_scales):
     return fp8.rows_outputs(x)
 
 
-# ---- inference in FP8 (no autograd: comet does not train in FP8) ----
+# ---- inference in FP8 (no autograd: the Python package does not train in FP8) ----
 
 @torch.library.custom_op("comet_moe::forward_fp8", mutates_args=())
 def forward_fp8(layer: int, x: Tensor, x_scales: Optional[Tensor], topk_ids: Tensor, topk_weights: Tensor,
@@ -373,9 +373,10 @@ def moe_forward_fp8(moe, impl: int, x, x_scales, topk_ids, topk_weights, weights
     runs."""
     if _records_grad(x, topk_weights, *weights, *scales):
         raise NotImplementedError(
-            "comet_moe: training in FP8 is not built (comet runs an FP8 layer's inference forward only; "
-            "comet_moe_forward_train refuses FP8 with COMET_NOT_SUPPORTED): call the layer under torch.no_grad() or "
-            "torch.inference_mode(), or train a bf16 layer (MoeConfig(..., dtype='bf16'))")
+            "comet_moe: training in FP8 is not built in the Python package (the C library trains an FP8 layer: "
+            "comet_moe_forward_train, then comet_moe_backward with the weights' transposed FP8 copies): call the "
+            "layer under torch.no_grad() or torch.inference_mode(), or train a bf16 layer "
+            "(MoeConfig(..., dtype='bf16'))")
     args = (moe._op_id, x, x_scales, topk_ids, topk_weights, *weights, *scales, impl, _stream_i64(stream))
     if out is None:
         return torch.ops.comet_moe.forward_fp8(*args)
