@@ -112,6 +112,64 @@ static __device__ __forceinline__ bool exchange_cut_partials(float *acc, const c
     return false;
 }
 
+/* Training: each row's gate and up projections kept in bf16 beside the activation (gu,
+ * [gu_rows][2n]: gate columns, then up). A full tile's (`tma`) leave like C's boxes through
+ * this warpgroup's `stage`, BOXES boxes of 64 rows x 64 columns a round, gate's rounds then
+ * up's, each into the gu map's matching half (a box past n or gu_rows is clipped): the bf16
+ * SwiGLU stages a half's ON columns at once, the quantizing one, whose staging is sized for
+ * E4M3, 64 at a time. Other tiles' go straight from registers, rows at or past gu_rows not
+ * kept. Both are the same bf16 values. row0, lo_ok, hi_ok, col0, pairs: store_tile's. */
+template <int BN, int ON, int BOXES>
+static __device__ __forceinline__ void keep_gate_up(const float *acc, const cometi_gemm_args_t &p,
+                                                    const CUtensorMap *map_gu, unsigned char *stage, tile_t tl,
+                                                    cometi_segment_t seg, int part, int half, bool tma, int row0,
+                                                    bool lo_ok, bool hi_ok, int col0, int pairs)
+{
+    constexpr int ROUNDS = ON / (64 * BOXES); /* a half's rounds */
+    const int lane = threadIdx.x % 32, r_lo = ((threadIdx.x % 128) / 32) * 16 + lane / 4;
+    if (tma) {
+#pragma unroll
+        for (int round = 0; round < 2 * ROUNDS; round++) {
+            const int which = round / ROUNDS, c0 = (round % ROUNDS) * BOXES * 8; /* 0: gate, 1: up; its first chunk */
+            if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the last store has read the staging */
+            warpgroup_sync(1 + half);
+#pragma unroll
+            for (int j = 0; j < BOXES * 8; j++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const float *v = &acc[(c0 + j + which * (BN / 16)) * 4 + 2 * h];
+                    __nv_bfloat162 x = __floats2bfloat162_rn(v[0], v[1]);
+                    unsigned char *dst = stage + swizzled_chunk(j, r_lo + 8 * h) + (lane % 4) * 4;
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&x) : "memory");
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
+            warpgroup_sync(1 + half);
+            if (threadIdx.x % 128 == 0) {
+#pragma unroll
+                for (int box = 0; box < BOXES; box++)
+                    tma_store_3d(map_gu, stage + box * 8192, tl.n * ON + c0 * 8 + box * 64, which,
+                                 (int)(seg.start + part));
+                bulk_commit();
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const long long row = seg.start + row0 + 8 * h;
+        if (!(h ? hi_ok : lo_ok) || row >= p.gu_rows) continue;
+        __nv_bfloat16 *gate = (__nv_bfloat16 *)p.gu + row * 2 * p.n + col0, *up = gate + p.n;
+#pragma unroll
+        for (int j = 0; j < ON / 8; j++)
+            if (j < pairs) {
+                *(__nv_bfloat162 *)(gate + j * 8) = __floats2bfloat162_rn(acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
+                *(__nv_bfloat162 *)(up + j * 8) =
+                    __floats2bfloat162_rn(acc[(j + BN / 16) * 4 + 2 * h], acc[(j + BN / 16) * 4 + 2 * h + 1]);
+            }
+    }
+}
+
 /* The tile's rows out. Fragment (j, q) of this thread is row warp*16 + lane/4 (+8 for
  * q >= 2), column j*8 + (lane%4)*2 (+1 for odd q) of this warpgroup's 64 x BN part `part`
  * (its first row in the group). OUT(j, h, e) is output column j*8 + (lane%4)*2 + e of row
@@ -156,52 +214,14 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     (zero ? 0.0f                                                                                               \
           : SWIGLU ? scale[h] * silu(acc[(j) * 4 + 2 * (h) + (e)]) * acc[((j) + BN / 16) * 4 + 2 * (h) + (e)] \
                    : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
-    /* Training: the gate and up projections kept beside the activation, for the backward.
-     * A full tile's leave like C's boxes, through the staging: the gate half, then the up
-     * half, each into the gu map's matching half (a box past n or gu_rows is clipped);
-     * other tiles' straight from registers. Both are the same bf16 values. */
+    /* Training: the gate and up projections kept beside the activation, for the backward. */
     const bool full_tile = tl.m * TM + TM <= seg.rows;
-    if (GU && TMA_EPILOGUE && p.gu_tma && full_tile) {
-        unsigned char *stage = sc + half * (64 * ON * 2);
-#pragma unroll
-        for (int which = 0; which < 2; which++) { /* 0: gate, 1: up */
-            if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the last store has read the staging */
-            warpgroup_sync(1 + half);
-#pragma unroll
-            for (int j = 0; j < ON / 8; j++) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const float *v = &acc[(j + which * (BN / 16)) * 4 + 2 * h];
-                    __nv_bfloat162 x = __floats2bfloat162_rn(v[0], v[1]);
-                    unsigned char *dst = stage + swizzled_chunk(j, r_lo + 8 * h) + (lane % 4) * 4;
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&x) : "memory");
-                }
-            }
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
-            warpgroup_sync(1 + half);
-            if (threadIdx.x % 128 == 0) {
-#pragma unroll
-                for (int box = 0; box < ON / 64; box++)
-                    tma_store_3d(map_gu, stage + box * 8192, tl.n * ON + box * 64, which, (int)(seg.start + part));
-                bulk_commit();
-            }
-        }
-    } else if (GU && p.gu) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const long long row = seg.start + row0 + 8 * h;
-            if (!(h ? hi_ok : lo_ok) || row >= p.gu_rows) continue;
-            __nv_bfloat16 *gate = (__nv_bfloat16 *)p.gu + row * 2 * p.n + col0, *up = gate + p.n;
-#pragma unroll
-            for (int j = 0; j < ON / 8; j++)
-                if (j < pairs) {
-                    *(__nv_bfloat162 *)(gate + j * 8) =
-                        __floats2bfloat162_rn(acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
-                    *(__nv_bfloat162 *)(up + j * 8) =
-                        __floats2bfloat162_rn(acc[(j + BN / 16) * 4 + 2 * h], acc[(j + BN / 16) * 4 + 2 * h + 1]);
-                }
-        }
-    }
+    if (GU && TMA_EPILOGUE && p.gu_tma && full_tile)
+        keep_gate_up<BN, ON, ON / 64>(acc, p, map_gu, sc + half * (64 * ON * 2), tl, seg, part, half, true, row0,
+                                      lo_ok, hi_ok, col0, pairs);
+    else if (GU && p.gu)
+        keep_gate_up<BN, ON, ON / 64>(acc, p, map_gu, NULL, tl, seg, part, half, false, row0, lo_ok, hi_ok, col0,
+                                      pairs);
     /* The push: the tile's rows go straight to their token owners' slots (gemm.h), over
      * NVLink for other ranks. If this warpgroup's 64 rows all go to consecutive slots of
      * one owner (one chunk: one owner at both ends of a full part, since a segment holds
@@ -351,46 +371,10 @@ static __device__ __forceinline__ void store_tile_e4m3(const float *acc, const c
         if (ok[0]) rs[0] = p.row_scale[seg.start + row0];
         if (ok[1]) rs[1] = p.row_scale[seg.start + row0 + 8];
     }
-    if (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU && TMA_EPILOGUE && p.gu_tma && tl.m * TM + TM <= seg.rows) {
-        unsigned char *stage = sc + half * (64 * ON);
-#pragma unroll
-        for (int box = 0; box < 4; box++) { /* gate's two column halves, then up's */
-            const int which = box / 2, cols = box % 2;
-            if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the last store has read the staging */
-            warpgroup_sync(1 + half);
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const float *v = &acc[(cols * 8 + j + which * (BN / 16)) * 4 + 2 * h];
-                    __nv_bfloat162 x = __floats2bfloat162_rn(v[0], v[1]);
-                    unsigned char *dst = stage + swizzled_chunk(j, r_lo + 8 * h) + (lane % 4) * 4;
-                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&x) : "memory");
-                }
-            }
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
-            warpgroup_sync(1 + half);
-            if (threadIdx.x % 128 == 0) {
-                tma_store_3d(map_gu, stage, tl.n * ON + cols * 64, which, (int)(seg.start + part));
-                bulk_commit();
-            }
-        }
-    } else if constexpr (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const long long row = seg.start + row0 + 8 * h;
-            if (!ok[h] || row >= p.gu_rows) continue;
-            __nv_bfloat16 *gate = (__nv_bfloat16 *)p.gu + row * 2 * p.n + col0, *up = gate + p.n;
-#pragma unroll
-            for (int j = 0; j < ON / 8; j++)
-                if (j < pairs) {
-                    *(__nv_bfloat162 *)(gate + j * 8) =
-                        __floats2bfloat162_rn(acc[j * 4 + 2 * h], acc[j * 4 + 2 * h + 1]);
-                    *(__nv_bfloat162 *)(up + j * 8) =
-                        __floats2bfloat162_rn(acc[(j + BN / 16) * 4 + 2 * h], acc[(j + BN / 16) * 4 + 2 * h + 1]);
-                }
-        }
-    }
+    if (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU) /* gu is given (prepare.c) */
+        keep_gate_up<BN, ON, 1>(acc, p, map_gu, sc + half * (64 * ON), tl, seg, part, half,
+                                TMA_EPILOGUE && p.gu_tma && tl.m * TM + TM <= seg.rows, row0, ok[0], ok[1], col0,
+                                pairs);
     float v[ON / 2], amax[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < ON / 8; j++)
