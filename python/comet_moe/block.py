@@ -119,7 +119,7 @@ class CometSparseMoeBlock(nn.Module):
         self.fp8_pow2_scales = bool(cfg.fp8_pow2_scales)
         # Packed as comet reads them (this TP rank's ffn_local columns of each local
         # expert); state_dict() names them the HF way instead.
-        if self.fp8:  # buffers: the Python package does not train in FP8
+        if self.fp8:  # buffers: FP8 weights take no gradient (Moe trains FP8 from bf16 masters)
             for name, t in empty_weights(self._layout(), device).items():
                 self.register_buffer(_FP8_BUFFERS[name], t)
         else:

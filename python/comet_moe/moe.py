@@ -40,6 +40,11 @@ def parse_impl(impl) -> int:
                      f"IMPL_FUSED)")
 
 
+def _bf16(t) -> bool:
+    """Whether t is a bf16 tensor (an FP8 layer's master weight)."""
+    return hasattr(t, "dtype") and str(t.dtype) == "torch.bfloat16"
+
+
 def _ptr(t):
     return None if t is None else t.data_ptr()
 
@@ -137,6 +142,7 @@ class Moe(_Handle):
         self._device = device
         self._shape = _Shape(**self.config.as_dict())
         self.fp8 = int(self.config.dtype) == _capi.DTYPE_FP8_BLOCK
+        self._fp8_cache = {}  # FP8: id of a master weight -> (its weakref, its version, its FP8 copies)
         self._op_id = next(_NEXT_ID)
         _LAYERS[self._op_id] = self
 
@@ -183,20 +189,38 @@ class Moe(_Handle):
         [E_local, ceil(H / 128), ceil(Fl / 128)]: an HF checkpoint's weight_scale_inv,
         stacked; fp8.quantize_fp8_weights gives both). x is bf16 (comet quantizes it), or
         float8_e4m3fn with x_scales [M, ceil(H / 128)] float32 (fp8.quantize_fp8_rows); out
-        and y are bf16. Inference only from Python: under autograd (grad enabled and x or
-        topk_weights requiring grad) it raises NotImplementedError (the C API trains FP8)."""
+        and y are bf16. Such FP8 weights are for inference: under autograd (grad enabled and
+        x or topk_weights requiring grad) they raise NotImplementedError. To train, pass the
+        bf16 master weights instead (gate_up and down, no scales): comet makes their FP8
+        copies, W for the forward and W^T for the backward (fp8.quantize_fp8_weights_
+        transposed), again only when a weight or its version counter changed (an optimizer
+        step's in-place update; every call under torch.compile), and runs the layer in FP8,
+        training under autograd with the gradients in the masters' .grad (bf16) or their
+        main_grad, inference otherwise."""
         if self.closed:
             raise RuntimeError("comet_moe.Moe: used after close() (or after its Comm was closed)")
         code = parse_impl(impl)
         # The pointers (alignment, out overlapping an input) are checked by the operator,
         # where the tensors are real also under torch.compile.
         scales = (gate_up_scale, gate_scale, up_scale, down_scale)
+        if self.fp8 and all(s is None for s in scales) and x_scales is None and \
+                _bf16(gate_up if gate_up is not None else gate if gate is not None else down):
+            # bf16 master weights of an FP8 layer: comet quantizes them (see above).
+            if gate_up is None or gate is not None or up is not None:
+                raise ValueError("an FP8 layer given bf16 master weights takes gate and up in one tensor: pass "
+                                 "gate_up [E_local, 2 * ffn_local, hidden] and down")
+            check_forward_args(self._shape, self.experts_per_rank, self._device, x, topk_ids, topk_weights, gate_up,
+                               None, None, down, out, ffn_local=self.ffn_local, tp_size=self.tp_size, pointers=False)
+            if self.ffn_local % 128:
+                raise ValueError(f"an FP8 layer with gate_up in one tensor needs ffn_local = {self.ffn_local} a "
+                                 f"multiple of 128 (a 128 x 128 scale block must not hold gate and up rows)")
+            from . import ops
+            return ops.moe_forward_fp8_masters(self, code, x, topk_ids, topk_weights, gate_up, down, out,
+                                               self._stream_arg(stream))
         check_forward_args(self._shape, self.experts_per_rank, self._device, x, topk_ids, topk_weights, gate_up,
                            gate, up, down, out, ffn_local=self.ffn_local, tp_size=self.tp_size, pointers=False,
                            fp8=self.fp8, scales=scales, x_scales=x_scales)
-        if stream is not None:  # a torch.cuda.Stream or a raw cudaStream_t; ctypes would truncate a wider int
-            raw = stream.cuda_stream if hasattr(stream, "cuda_stream") else stream
-            stream = check_int("stream", raw, 0, PTR_MAX, "a cudaStream_t: a torch.cuda.Stream or its .cuda_stream")
+        stream = self._stream_arg(stream)
         from . import ops
         if self.fp8:
             return ops.moe_forward_fp8(self, code, x, x_scales, topk_ids, topk_weights, (gate_up, gate, up, down),
@@ -204,6 +228,36 @@ class Moe(_Handle):
         return ops.moe_forward(self, code, x, topk_ids, topk_weights, (gate_up, gate, up, down), out, stream)
 
     __call__ = forward
+
+    @staticmethod
+    def _stream_arg(stream):
+        """forward's stream argument as an int (None stays None)."""
+        if stream is None:
+            return None
+        raw = stream.cuda_stream if hasattr(stream, "cuda_stream") else stream  # ctypes would truncate a wider int
+        return check_int("stream", raw, 0, PTR_MAX, "a cudaStream_t: a torch.cuda.Stream or its .cuda_stream")
+
+    def _fp8_copies(self, gate_up, down):
+        """(q, scales, qt, scales_t) of gate_up, then of down: each bf16 master weight's FP8
+        copies for the forward and the backward, kept per master (a shared handle serves
+        many layers) while it lives, made again only where its version counter moved (every
+        call while torch.compile traces)."""
+        import torch
+        from .fp8 import quantize_fp8_weights_transposed
+        compiling = torch.compiler.is_compiling()
+        out = []
+        for w in (gate_up, down):
+            entry = None if compiling else self._fp8_cache.get(id(w))
+            if entry is not None and entry[0]() is w and entry[1] == w._version:
+                out.extend(entry[2])
+                continue
+            with torch.no_grad():
+                copies = quantize_fp8_weights_transposed(w.detach(), bool(self.config.fp8_pow2_scales))
+            if not compiling:
+                cache, key = self._fp8_cache, id(w)
+                cache[key] = (weakref.ref(w, lambda _, c=cache, k=key: c.pop(k, None)), w._version, copies)
+            out.extend(copies)
+        return tuple(out)
 
     # ---- the C calls of the custom operators (ops.py): tensors checked there, ints here ----
 
@@ -260,19 +314,22 @@ class Moe(_Handle):
         may come after the layer's close()."""
         self._lib.comet_moe_saved_destroy(ctypes.c_void_p(handle))
 
-    def _comet_forward_train(self, x, topk_ids, topk_weights, weights, y, saved, impl):
-        """comet_moe_forward_train into y and the saved state `saved`, on the current stream."""
-        args = self._args(x, topk_ids, topk_weights, weights, y, impl)
+    def _comet_forward_train(self, x, topk_ids, topk_weights, weights, y, saved, impl, scales=None):
+        """comet_moe_forward_train into y and the saved state `saved`, on the current stream
+        (scales: an FP8 layer's weights' scales)."""
+        args = self._args(x, topk_ids, topk_weights, weights, y, impl, scales)
         ptr = self._box.ptr
         with self.comm._on_device():
             st = self._lib.comet_moe_forward_train(ptr, ctypes.byref(args), ctypes.c_void_p(saved),
                                                    ctypes.c_void_p(self._stream(None)))
         check(st, "comet_moe_forward_train", lambda: _capi.text(self._lib.comet_moe_last_error(ptr)))
 
-    def _comet_backward(self, saved, dy, x, weights, dx, d_topk_weights, grads, accumulate, impl):
+    def _comet_backward(self, saved, dy, x, weights, dx, d_topk_weights, grads, accumulate, impl, weights_t=None,
+                        weight_t_scales=None):
         """comet_moe_backward of the forward that filled `saved`: dx, d_topk_weights, and the
         weights' gradients written into `grads` (bf16) or added to them (fp32, accumulate),
-        on the current stream."""
+        on the current stream. An FP8 layer's: weights_t and weight_t_scales, (gate_up,
+        down) transposed in E4M3 and their scales."""
         b = _capi.MoeBackwardArgsStruct()
         b.saved = saved
         b.dy, b.x, b.dx, b.d_topk_weights = _ptr(dy), _ptr(x), _ptr(dx), _ptr(d_topk_weights)
@@ -280,6 +337,9 @@ class Moe(_Handle):
         b.grads.gate_up, b.grads.gate, b.grads.up, b.grads.down = map(_ptr, grads)
         b.grads.mode = _capi.GRAD_ACCUMULATE_FP32 if accumulate else _capi.GRAD_WRITE_BF16
         b.impl = impl
+        if weights_t is not None:
+            b.weights_t.gate_up, b.weights_t.down = map(_ptr, weights_t)
+            b.weight_t_scales.gate_up, b.weight_t_scales.down = map(_ptr, weight_t_scales)
         ptr = self._box.ptr
         with self.comm._on_device():
             st = self._lib.comet_moe_backward(ptr, ctypes.byref(b), ctypes.c_void_p(self._stream(None)))

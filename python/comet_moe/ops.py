@@ -12,6 +12,11 @@ to comet under torch, eager and under torch.compile alike.
     comet_moe::backward       (dx, d_topk_weights, d_gate_up, d_gate, d_up, d_down); with
                               main_grads given, the weight gradients are added to them
                               (mutated) and those four outputs are empty
+    comet_moe::forward_train_fp8, backward_fp8
+                              the same for an FP8 layer trained from bf16 master weights: the
+                              forward takes the masters (unread: autograd routes their
+                              gradients) and their FP8 copies W and W^T with scales, the
+                              backward the W^T copies; gate_up in one tensor
 
 forward_train's autograd formula (register_autograd) calls backward, so torch.compile
 traces a training step through comet, forward and backward, with no graph break, and
@@ -154,7 +159,7 @@ def _quantize_fp8_rows_fake(x, pow2_scales):
     return fp8.rows_outputs(x)
 
 
-# ---- inference in FP8 (no autograd: the Python package does not train in FP8) ----
+# ---- inference in FP8 on FP8 weights (no autograd: they take no gradient) ----
 
 @torch.library.custom_op("comet_moe::forward_fp8", mutates_args=())
 def forward_fp8(layer: int, x: Tensor, x_scales: Optional[Tensor], topk_ids: Tensor, topk_weights: Tensor,
@@ -230,6 +235,22 @@ def _consume_saved(saved: Tensor):
     return key, entry[1], entry[2]
 
 
+def _forward_train_into_saved(moe, x, run):
+    """A training forward: a saved state (torch's memory, comet's handle over it) and y
+    [M, H] bf16, filled by run(y, handle); the handle kept for the backward, or destroyed
+    when run raises. Returns (y, saved)."""
+    saved = torch.empty(moe._comet_saved_bytes(), dtype=torch.uint8, device=x.device)
+    handle = moe._comet_saved_create_in(saved)
+    try:
+        y = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+        run(y, handle)
+    except BaseException:
+        moe._comet_saved_destroy(handle)
+        raise
+    _keep_saved(saved, handle, moe._comet_saved_destroy)
+    return y, saved
+
+
 # ---- training: the operators ----
 
 @torch.library.custom_op("comet_moe::forward_train", mutates_args=(), **_HOST_STATE)
@@ -241,16 +262,8 @@ def forward_train(layer: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor,
     The main_grads and placeholders are for the autograd formula (see the module's note)."""
     moe = layer_by_id(layer)
     check_pointers(x, topk_ids, topk_weights, gate_up, gate, up, down)
-    saved = torch.empty(moe._comet_saved_bytes(), dtype=torch.uint8, device=x.device)
-    handle = moe._comet_saved_create_in(saved)
-    try:
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        moe._comet_forward_train(x, topk_ids, topk_weights, (gate_up, gate, up, down), y, handle, impl)
-    except BaseException:
-        moe._comet_saved_destroy(handle)
-        raise
-    _keep_saved(saved, handle, moe._comet_saved_destroy)
-    return y, saved
+    return _forward_train_into_saved(moe, x, lambda y, handle: moe._comet_forward_train(
+        x, topk_ids, topk_weights, (gate_up, gate, up, down), y, handle, impl))
 
 
 @forward_train.register_fake
@@ -298,6 +311,74 @@ def _backward_fake(layer, saved, dy, x, gate_up, gate, up, down, gate_up_main_gr
     return (dy.new_empty(dy.shape), dy.new_empty((dy.shape[0], k), dtype=torch.float32)) + outs
 
 
+@torch.library.custom_op("comet_moe::forward_train_fp8", mutates_args=(), **_HOST_STATE)
+def forward_train_fp8(layer: int, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
+                      gate_up_q: Tensor, gate_up_scale: Tensor, gate_up_t: Tensor, gate_up_t_scale: Tensor,
+                      down_q: Tensor, down_scale: Tensor, down_t: Tensor, down_t_scale: Tensor,
+                      gate_up_main_grad: Optional[Tensor], down_main_grad: Optional[Tensor], impl: int,
+                      placeholders: List[int]) -> Tuple[Tensor, Tensor]:
+    """comet_moe_forward_train of an FP8 layer on the FP8 copies (gate_up_q, down_q and their
+    scales): (y [M, H] bf16, the saved state). gate_up and down, the bf16 masters, and the
+    W^T copies are unread here: the autograd formula takes them."""
+    moe = layer_by_id(layer)
+    check_pointers(x, topk_ids, topk_weights, gate_up_q, None, None, down_q,
+                   scales=(gate_up_scale, None, None, down_scale))
+    return _forward_train_into_saved(moe, x, lambda y, handle: moe._comet_forward_train(
+        x, topk_ids, topk_weights, (gate_up_q, None, None, down_q), y, handle, impl,
+        (gate_up_scale, None, None, down_scale)))
+
+
+@forward_train_fp8.register_fake
+def _forward_train_fp8_fake(layer, x, topk_ids, topk_weights, gate_up, down, gate_up_q, gate_up_scale, gate_up_t,
+                            gate_up_t_scale, down_q, down_scale, down_t, down_t_scale, gate_up_main_grad,
+                            down_main_grad, impl, placeholders):
+    return (x.new_empty(x.shape, dtype=torch.bfloat16),
+            x.new_empty((layer_by_id(layer)._comet_saved_bytes(),), dtype=torch.uint8))
+
+
+@torch.library.custom_op("comet_moe::backward_fp8", mutates_args=("gate_up_main_grad", "down_main_grad"),
+                         **_HOST_STATE)
+def backward_fp8(layer: int, saved: Tensor, dy: Tensor, gate_up_t: Tensor, gate_up_t_scale: Tensor, down_t: Tensor,
+                 down_t_scale: Tensor, gate_up_main_grad: Optional[Tensor], down_main_grad: Optional[Tensor],
+                 impl: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """comet_moe_backward of an FP8 layer's training forward (consuming `saved`): dx,
+    d_topk_weights and the masters' bf16 gradients d_gate_up [E, 2F, H] and d_down [E, H, F]
+    (empty where main_grads are given: the gradients are added to them instead). The data
+    gradients read W^T's FP8 copies."""
+    moe = layer_by_id(layer)
+    key, handle, destroy = _consume_saved(saved)
+    if dy.data_ptr() % 16:
+        dy = dy.clone()
+    accumulate = gate_up_main_grad is not None or down_main_grad is not None
+    m, k = dy.shape[0], int(moe.config.top_k)
+    dx = torch.empty(dy.shape, dtype=torch.bfloat16, device=dy.device)
+    d_topk_weights = torch.empty((m, k), dtype=torch.float32, device=dy.device)
+    e, h, f2 = gate_up_t.shape  # W13^T [E, H, 2F]: the master [E, 2F, H]
+    if accumulate:
+        grads = (gate_up_main_grad, down_main_grad)
+    else:
+        grads = (torch.empty((e, f2, h), dtype=torch.bfloat16, device=dy.device),
+                 torch.empty((e, h, f2 // 2), dtype=torch.bfloat16, device=dy.device))
+    moe._comet_backward(handle, dy, None, (None,) * 4, dx, d_topk_weights, (grads[0], None, None, grads[1]),
+                        accumulate, impl, (gate_up_t, down_t), (gate_up_t_scale, down_t_scale))
+    _SAVED.pop(key, None)
+    destroy(handle)
+    outs = tuple(dy.new_empty((0,)) if accumulate else g for g in grads)
+    return (dx, d_topk_weights) + outs
+
+
+@backward_fp8.register_fake
+def _backward_fp8_fake(layer, saved, dy, gate_up_t, gate_up_t_scale, down_t, down_t_scale, gate_up_main_grad,
+                       down_main_grad, impl):
+    k = int(layer_by_id(layer).config.top_k)
+    e, h, f2 = gate_up_t.shape
+    if gate_up_main_grad is not None or down_main_grad is not None:
+        outs = (dy.new_empty((0,)), dy.new_empty((0,)))
+    else:
+        outs = (dy.new_empty((e, f2, h), dtype=torch.bfloat16), dy.new_empty((e, h, f2 // 2), dtype=torch.bfloat16))
+    return (dy.new_empty(dy.shape, dtype=torch.bfloat16), dy.new_empty((dy.shape[0], k), dtype=torch.float32)) + outs
+
+
 # ---- forward_train's autograd formula ----
 
 def _setup_context(ctx, inputs, output):
@@ -330,6 +411,31 @@ def _backward_formula(ctx, dy, _d_saved):
 
 
 forward_train.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+def _setup_context_fp8(ctx, inputs, output):
+    (layer, x, _, _, gate_up, down, _, _, gate_up_t, gate_up_t_scale, _, _, down_t, down_t_scale,
+     gate_up_main_grad, down_main_grad, impl, placeholders) = inputs
+    ctx.layer, ctx.impl, ctx.placeholders = layer, impl, list(placeholders)
+    ctx.main_grads = (gate_up_main_grad, down_main_grad)  # attributes, as forward_train's
+    ctx.save_for_backward(output[1], gate_up_t, gate_up_t_scale, down_t, down_t_scale, gate_up, down)
+
+
+def _backward_formula_fp8(ctx, dy, _d_saved):
+    saved, gate_up_t, gate_up_t_scale, down_t, down_t_scale, gate_up, down = ctx.saved_tensors
+    dy = dy.to(torch.bfloat16).contiguous()
+    dx, d_topk_weights, d_gate_up, d_down = torch.ops.comet_moe.backward_fp8(
+        ctx.layer, saved, dy, gate_up_t, gate_up_t_scale, down_t, down_t_scale, *ctx.main_grads, ctx.impl)
+    if any(g is not None for g in ctx.main_grads):
+        d_gate_up, d_down = [None if kind == NO_PLACEHOLDER else
+                             torch.zeros_like(w) if kind == ZERO_PLACEHOLDER else torch.empty_like(w)
+                             for w, kind in zip((gate_up, down), ctx.placeholders)]
+    need = ctx.needs_input_grad
+    return ((None, dx if need[1] else None, None, d_topk_weights if need[3] else None,
+             d_gate_up if need[4] else None, d_down if need[5] else None) + (None,) * 12)
+
+
+forward_train_fp8.register_autograd(_backward_formula_fp8, setup_context=_setup_context_fp8)
 
 
 # ---- what Moe.forward calls ----
@@ -373,15 +479,35 @@ def moe_forward_fp8(moe, impl: int, x, x_scales, topk_ids, topk_weights, weights
     runs."""
     if _records_grad(x, topk_weights, *weights, *scales):
         raise NotImplementedError(
-            "comet_moe: training in FP8 is not built in the Python package (the C library trains an FP8 layer: "
-            "comet_moe_forward_train, then comet_moe_backward with the weights' transposed FP8 copies): call the "
-            "layer under torch.no_grad() or torch.inference_mode(), or train a bf16 layer "
-            "(MoeConfig(..., dtype='bf16'))")
+            "comet_moe: training in FP8 is not built for FP8 weights given with their scales (they have no "
+            "gradient to take): call the layer under torch.no_grad() or torch.inference_mode(), or pass the bf16 "
+            "master weights (gate_up and down, no scales), which an FP8 layer quantizes and trains in FP8")
     args = (moe._op_id, x, x_scales, topk_ids, topk_weights, *weights, *scales, impl, _stream_i64(stream))
     if out is None:
         return torch.ops.comet_moe.forward_fp8(*args)
     torch.ops.comet_moe.forward_fp8_out(*args, out)
     return out
+
+
+def moe_forward_fp8_masters(moe, impl: int, x, topk_ids, topk_weights, gate_up, down, out, stream):
+    """Moe.forward of an FP8 layer given bf16 master weights (gate_up and down), after its
+    checks: their FP8 copies (cached, Moe._fp8_copies), then the training forward under
+    autograd, else the inference forward."""
+    copies = moe._fp8_copies(gate_up, down)
+    gu_q, gu_s, gu_qt, gu_st, dn_q, dn_s, dn_qt, dn_st = copies
+    if not _records_grad(x, topk_weights, gate_up, down):
+        return moe_forward_fp8(moe, impl, x, None, topk_ids, topk_weights, (gu_q, None, None, dn_q),
+                               (gu_s, None, None, dn_s), out, stream)
+    if out is not None or stream is not None:
+        raise ValueError("out and stream are not taken under autograd (a training forward allocates y "
+                         "and runs on the current stream); call it under torch.no_grad() to pass them")
+    main_grads, placeholders, flagged = _main_grads(moe, (gate_up, None, None, down))
+    y, _ = torch.ops.comet_moe.forward_train_fp8(moe._op_id, x, topk_ids, topk_weights, gate_up, down, *copies,
+                                                 main_grads[0], main_grads[3], impl,
+                                                 [placeholders[0], placeholders[3]])
+    for w in flagged:
+        w.grad_added_to_main_grad = True
+    return y
 
 
 def moe_forward(moe, impl: int, x, topk_ids, topk_weights, weights, out, stream):

@@ -10,14 +10,15 @@ its Ctx `c`; `test_torch_gpu.py -v fp8` runs these alone):
   DeepGEMM's measure of difference, 1 - 2 sum(x y) / sum(x^2 + y^2);
 - an FP8 checkpoint (Qwen3's names, a prefix) written to a file, read back and loaded,
   against stack_fp8_experts, and a bf16 one quantized as it loads;
-- training refused, by the package and by comet; opcheck of the FP8 operators.
+- an FP8 Moe trained from bf16 master weights against the bf16 Moe on the same operands,
+  its FP8 copies cached by the masters' version counters; the FP8 block's training refused;
+  opcheck of the FP8 operators.
 
 The measure's limits. Against the bf16 block fed x as comet quantizes it (dequantized),
 what differs is the activation's rounding to E4M3 between the GEMMs: about 3e-4 on these
 shapes in a float32 emulation, under DeepGEMM's 1e-3. Against the bf16 block fed x itself,
 x's own rounding adds as much again (about 1e-3 in the emulation): the limit there is 2e-3.
 """
-import ctypes
 
 from gpu_train import check, raises
 
@@ -288,10 +289,9 @@ def fp8_block_loads_a_checkpoint_file_and_runs(c):
 
 
 @gpu_test
-def fp8_training_is_refused(c):
-    """Under autograd the FP8 block refuses (NotImplementedError) before anything is launched,
-    and comet itself refuses an FP8 training forward (COMET_NOT_SUPPORTED), on every rank
-    alike; an inference call after them works."""
+def fp8_block_training_is_refused(c):
+    """Under autograd the FP8 block, which holds FP8 buffers and no master weights, refuses
+    (NotImplementedError) before anything is launched; an inference call after works."""
     torch, cm = c.torch, c.cm
     with cm.CometSparseMoeBlock(c.comm, c.config(dtype="fp8")) as block:
         block.load_state_dict(c.full_sd)
@@ -300,28 +300,82 @@ def fp8_training_is_refused(c):
         raises(NotImplementedError, lambda: block(x), "training in FP8 is not built", "torch.no_grad()")
         raises(NotImplementedError, lambda: block(x.clone().requires_grad_(True)), "training in FP8 is not built")
         ids, w = c.routing(m, "random")
-        # comet_moe_forward_train itself, with every FP8 argument right (torch's operator
-        # passes no scales): refused before anything is sent.
-        moe, wts = block.moe, block.fp8_weights()
-        memory = torch.empty(moe._comet_saved_bytes(), dtype=torch.uint8, device=c.device)
-        saved = moe._comet_saved_create_in(memory)
-        try:
-            y = torch.empty(m, H, dtype=torch.bfloat16, device=c.device)
-            a = moe._args(x, ids, w, (wts["gate_up"], None, None, wts["down"]), y, cm.IMPL_AUTO,
-                          (wts["gate_up_scale"], None, None, wts["down_scale"]))
-            st = moe._lib.comet_moe_forward_train(moe._box.ptr, ctypes.byref(a), ctypes.c_void_p(saved),
-                                                  ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-            msg = cm._capi.text(moe._lib.comet_moe_last_error(moe._box.ptr))
-        finally:
-            moe._comet_saved_destroy(saved)
-        check(st == cm._capi.NOT_SUPPORTED and "training in FP8" in msg,
-              f"comet_moe_forward_train of an FP8 layer: status {cm._capi.STATUS_NAMES.get(st, st)}, {msg!r}")
-        c.note(f"comet: {msg}")
         out = c.poisoned(m)
         with torch.inference_mode():
             y = block.forward_routed(x, ids, w, out=out)
         torch.cuda.synchronize()
         check(not torch.isnan(y).any().item(), "the inference call after the refusals left NaN")
+
+
+def on_e4m3_grid(c, t, rows_only=False):
+    """t with every value on the E4M3 grid of power-of-two scales (quantized by comet, then
+    dequantized: the same bf16 values an FP8 layer quantizing it again sees)."""
+    cm, torch = c.cm, c.torch
+    q, s = cm.quantize_fp8_rows(t, True) if rows_only else cm.quantize_fp8_weights(t, True)
+    return cm.dequantize_fp8(q, s, dtype=torch.bfloat16)
+
+
+@gpu_test
+def fp8_moe_trains_from_bf16_masters(c):
+    """An FP8 Moe given bf16 master weights trains under autograd: y and every gradient (x,
+    the routing weights, both masters) against the bf16 Moe's on the same operands (masters
+    and x on the E4M3 grid of power-of-two scales) by DeepGEMM's measure < 1e-3, none NaN;
+    the FP8 copies made once per version of a master (an in-place update makes them again);
+    main_grad accumulation equal to .grad within bf16's rounding; gate and up apart refused."""
+    torch, cm = c.torch, c.cm
+    with cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1)) as m8, cm.Moe(c.comm, c.config()) as m16, \
+            cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1), grad_accumulation="main_grad") as mg:
+        experts = list(m8.local_experts)
+        sd = c.full_sd
+        gate_up = torch.stack([torch.cat([sd[f"experts.{e}.w1.weight"], sd[f"experts.{e}.w3.weight"]])
+                               for e in experts]).to(c.device)
+        down = torch.stack([sd[f"experts.{e}.w2.weight"] for e in experts]).to(c.device)
+        gate_up, down = on_e4m3_grid(c, gate_up), on_e4m3_grid(c, down)
+        m = 200
+        x = on_e4m3_grid(c, c.tokens(m), rows_only=True)
+        ids, tw = c.routing(m, "random")
+        dy = c.tokens(m)
+        runs = {}
+        for name, layer in (("fp8", m8), ("bf16", m16)):
+            gu, dn = torch.nn.Parameter(gate_up.clone()), torch.nn.Parameter(down.clone())
+            xi, twi = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
+            y = layer(xi, ids, twi, gate_up=gu, down=dn)
+            y.backward(dy)
+            runs[name] = (y.detach(), xi.grad, twi.grad, gu.grad, dn.grad, gu, dn)
+        torch.cuda.synchronize()
+        for i, what in enumerate(("y", "dx", "d topk_weights", "d gate_up", "d down")):
+            got, want = runs["fp8"][i], runs["bf16"][i]
+            if got is None or torch.isnan(got).any().item():
+                c.failures.append(f"FP8 training from masters: {what} is {'None' if got is None else 'NaN'}")
+                continue
+            d = calc_diff(got.float(), want.float())
+            check(d < DIFF_LIMIT, f"FP8 training from masters: {what} measures {d:.3g} against bf16 (limit "
+                                  f"{DIFF_LIMIT})")
+            c.note(f"FP8 training from bf16 masters: {what} {d:.2e} against the bf16 layer")
+        # The copies: kept while the master is unchanged, made again after an in-place update.
+        gu, dn = runs["fp8"][5], runs["fp8"][6]
+        first = m8._fp8_cache[id(gu)][2]
+        with torch.no_grad():
+            m8(x, ids, tw, gate_up=gu, down=dn)
+            check(m8._fp8_cache[id(gu)][2] is first, "the FP8 copies were made again for an unchanged master")
+            gu.mul_(2.0)
+            y2 = m8(x, ids, tw, gate_up=gu, down=dn)
+        check(m8._fp8_cache[id(gu)][2] is not first, "an in-place update of the master did not renew its copies")
+        d = calc_diff(y2.float(), runs["fp8"][0].float())
+        check(d > 1e-3, f"the forward after doubling gate_up matches the one before (measure {d:.3g})")
+        # main_grad: the same gradients, added in fp32.
+        gu_m, dn_m = torch.nn.Parameter(gate_up.clone()), torch.nn.Parameter(down.clone())
+        gu_m.main_grad = torch.zeros(gate_up.shape, dtype=torch.float32, device=c.device)
+        dn_m.main_grad = torch.zeros(down.shape, dtype=torch.float32, device=c.device)
+        mg(x.clone().requires_grad_(True), ids, tw.clone().requires_grad_(True), gate_up=gu_m, down=dn_m).backward(dy)
+        torch.cuda.synchronize()
+        for what, got, want in (("gate_up", gu_m.main_grad, runs["fp8"][3]), ("down", dn_m.main_grad, runs["fp8"][4])):
+            err = ((got - want.float()).abs() - 2.0 ** -8 * want.float().abs()).max().item()
+            check(err <= 1e-30, f"{what}.main_grad differs from the bf16 .grad past bf16's rounding ({err:.3g})")
+        half = gate_up.shape[1] // 2
+        raises(ValueError, lambda: m8(x, ids, tw, gate=torch.nn.Parameter(gate_up[:, :half].contiguous()),
+                                      up=torch.nn.Parameter(gate_up[:, half:].contiguous()), down=dn),
+               "one tensor")
 
 
 @gpu_test

@@ -374,6 +374,30 @@ def test_rank_layout_under_tensor_parallelism():
                                            first_expert=0, ffn_local=256), "EP 1 x TP 2")
 
 
+def test_fp8_layer_given_bf16_masters_checks_them():
+    """An FP8 layer given bf16 master weights (which it quantizes and trains in FP8) takes
+    gate and up in one tensor, and ffn_local a multiple of 128 (a scale block must not hold
+    gate and up rows): both refused before anything is quantized or reaches comet."""
+    torch = need_torch()
+    H, F, K, E, M = ArgSet.H, ArgSet.F, ArgSet.K, ArgSet.E_LOCAL, 8
+    bf = torch.bfloat16
+    ids, tw, x = torch.zeros(M, K, dtype=torch.int32), torch.zeros(M, K), torch.zeros(M, H, dtype=bf)
+    for tp in (1, 2):  # ffn_local 128, then 64
+        cfg = comet_moe.MoeConfig(hidden=H, ffn=F, num_experts=8, top_k=K, max_tokens=64, dtype="fp8", tp_size=tp)
+        layer, lib = stub_layer("cpu", StubLib(), cfg)
+        layer.ffn_local, layer.tp_size = F // tp, tp
+        try:
+            fl = layer.ffn_local
+            gate, up, down = torch.zeros(E, fl, H, dtype=bf), torch.zeros(E, fl, H, dtype=bf), torch.zeros(E, H, fl, dtype=bf)
+            raises(ValueError, lambda: layer.forward(x, ids, tw, gate=gate, up=up, down=down), "one tensor")
+            if fl % 128:
+                raises(ValueError, lambda: layer.forward(x, ids, tw, gate_up=torch.zeros(E, 2 * fl, H, dtype=bf),
+                                                         down=down), f"ffn_local = {fl}", "multiple of 128")
+            check_eq(lib.calls, [], "nothing reached comet")
+        finally:
+            layer._box = None
+
+
 def test_fp8_forward_passes_comet_its_scales():
     """An FP8 layer's call through comet_moe::forward_fp8 and forward_fp8_out: each weight's
     scales in comet_moe_weight_scales_t beside it, x_scales where x is FP8 (NULL where it

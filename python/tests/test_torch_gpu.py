@@ -9,7 +9,7 @@ gradient against torch's (gpu_train.py); Megatron's CometMoELayer against Megatr
 MoELayer (gpu_megatron.py); torch.compile(fullgraph=True) of training steps against eager,
 bit for bit, and opcheck of comet's custom operators (gpu_compile.py); block-scaled FP8:
 comet's quantizers byte for byte against torch's, the FP8 block against the bf16 block on
-the dequantized weights, an FP8 checkpoint loaded, training refused (gpu_fp8.py; `-v fp8`
+the dequantized weights, an FP8 checkpoint loaded, FP8 training from bf16 master weights (gpu_fp8.py; `-v fp8`
 runs these alone); and the error paths:
 wrong dtype, device, size or layout raise in Python before anything is launched, and an
 expert id out of range or a bad config raise CometError with comet's own message.
