@@ -14,7 +14,11 @@ hidden_size, moe_ffn_hidden_size (else ffn_hidden_size), expert_model_parallel_s
 expert_tensor_parallel_size (comet's ep_size and tp_size). What it refuses, naming the
 field (check_megatron_config): experts other than SwiGLU without biases
 (gated_linear_unit, activation_func silu, add_bias_linear), shared experts, token
-dropping (moe_expert_capacity_factor), latent projections and fp8.
+dropping (moe_expert_capacity_factor), latent projections, fp4, and fp8 other than
+block-scaled E4M3 (fp8 "e4m3" with fp8_recipe "blockwise", which it trains in FP8, as it
+does with fp8=True where Megatron-Core cannot build such a config without Transformer
+Engine): the bf16 weights stay the parameters, their FP8 copies made by comet once per
+optimizer step (Moe.forward).
 
 The communicator spans the expert tensor-and-model-parallel group (pg_collection.tp_ep),
 in its rank order: expert-TP rank fastest, as comet's rank r = ep_rank x tp + tp_rank.
@@ -64,14 +68,19 @@ def check_megatron_config(config) -> None:
         raise ValueError("config.moe_expert_capacity_factor is set: comet drops no tokens (leave it None)")
     if _field(config, "moe_latent_size"):
         raise ValueError("config.moe_latent_size is set: latent projections are not served")
-    if _field(config, "fp8") or _field(config, "fp4"):
-        raise ValueError("config.fp8 / fp4 is set: comet runs bf16")
+    if _field(config, "fp4"):
+        raise ValueError("config.fp4 is set: comet runs bf16 or block-scaled FP8")
+    fp8, recipe = _field(config, "fp8"), _field(config, "fp8_recipe")
+    if fp8 and (fp8 != "e4m3" or recipe != "blockwise"):
+        raise ValueError(f"config.fp8 = {fp8!r} with fp8_recipe = {recipe!r}: comet's FP8 is block-scaled E4M3 "
+                         f"throughout (fp8 'e4m3', fp8_recipe 'blockwise': DeepSeek-V3's recipe)")
 
 
-def moe_config_from_megatron(config, max_tokens: int):
+def moe_config_from_megatron(config, max_tokens: int, fp8: bool = False):
     """comet's MoeConfig for a Megatron TransformerConfig (checked first), max_tokens the
     most tokens one rank passes in a call (sequence length x micro-batch size, divided by
-    the tensor-parallel size under sequence parallelism)."""
+    the tensor-parallel size under sequence parallelism): block-scaled FP8 where the config
+    says fp8 'e4m3' with fp8_recipe 'blockwise', or `fp8`; else bf16."""
     from .config import MoeConfig
     check_megatron_config(config)
     ffn = _field(config, "moe_ffn_hidden_size") or _field(config, "ffn_hidden_size")
@@ -80,7 +89,8 @@ def moe_config_from_megatron(config, max_tokens: int):
         etp = _field(config, "tensor_model_parallel_size", 1) or 1
     return MoeConfig(hidden=int(config.hidden_size), ffn=int(ffn), num_experts=int(config.num_moe_experts),
                      top_k=int(config.moe_router_topk), max_tokens=max_tokens,
-                     ep_size=int(_field(config, "expert_model_parallel_size", 1) or 1), tp_size=int(etp))
+                     ep_size=int(_field(config, "expert_model_parallel_size", 1) or 1), tp_size=int(etp),
+                     dtype="fp8" if fp8 or _field(config, "fp8") else "bf16")
 
 
 # (process group or Comm, the handle's settings, Comm, Moe, whether the Comm was made here)
@@ -126,10 +136,10 @@ def _layer_class():
 
         def __init__(self, config, max_tokens: int, pg_collection=None, layer_number=None, *, comm=None,
                      moe=None, impl="auto", max_recv_rows: int = 0, grad_accumulation: str = "main_grad",
-                     share_handle: bool = True, resend_x: bool = False):
+                     share_handle: bool = True, resend_x: bool = False, fp8: bool = False):
             super().__init__()
             from megatron.core.transformer.moe.router import TopKRouter
-            cfg = moe_config_from_megatron(config, max_tokens)
+            cfg = moe_config_from_megatron(config, max_tokens, fp8)
             cfg.resend_x = int(bool(resend_x))
             self.config, self.layer_number, self.impl = config, layer_number, impl
             if pg_collection is None:

@@ -24,7 +24,7 @@ def megatron_config(**changes):
                         tensor_model_parallel_size=1, gated_linear_unit=True,
                         activation_func=SimpleNamespace(__name__="silu"), add_bias_linear=False,
                         moe_shared_expert_intermediate_size=None, moe_expert_capacity_factor=None,
-                        moe_latent_size=None, fp8=None, fp4=None, sqrt=math.sqrt)
+                        moe_latent_size=None, fp8=None, fp8_recipe="delayed", fp4=None, sqrt=math.sqrt)
     for k, v in changes.items():
         setattr(c, k, v)
     return c
@@ -41,6 +41,11 @@ def test_megatron_config_mapping():
     cfg = moe_config_from_megatron(megatron_config(expert_tensor_parallel_size=None, tensor_model_parallel_size=2),
                                    max_tokens=128)
     check_eq(cfg.tp_size, 2, "expert TP defaults to the tensor-parallel size, as Megatron's")
+    # Block-scaled FP8: Megatron's blockwise E4M3 recipe, or the adapter's keyword.
+    check_eq(cfg.dtype_name, "bf16", "bf16 without fp8")
+    cfg = moe_config_from_megatron(megatron_config(fp8="e4m3", fp8_recipe="blockwise"), max_tokens=128)
+    check_eq(cfg.dtype_name, "fp8", "fp8 'e4m3' with fp8_recipe 'blockwise'")
+    check_eq(moe_config_from_megatron(megatron_config(), max_tokens=128, fp8=True).dtype_name, "fp8", "fp8=True")
 
 
 def test_megatron_config_refusals_name_the_field():
@@ -52,7 +57,9 @@ def test_megatron_config_refusals_name_the_field():
              (dict(moe_shared_expert_intermediate_size=512), "config.moe_shared_expert_intermediate_size"),
              (dict(moe_expert_capacity_factor=1.0), "config.moe_expert_capacity_factor"),
              (dict(moe_latent_size=64), "config.moe_latent_size"),
-             (dict(fp8="hybrid"), "config.fp8")]
+             (dict(fp8="hybrid", fp8_recipe="blockwise"), "config.fp8 = 'hybrid'"),
+             (dict(fp8="e4m3", fp8_recipe="delayed"), "fp8_recipe = 'delayed'"),
+             (dict(fp4="nvfp4"), "config.fp4")]
     for change, words in cases:
         raises(ValueError, lambda c=change: moe_config_from_megatron(megatron_config(**c), 128), words)
 
