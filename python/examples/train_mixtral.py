@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""Train a small Mixtral-style decoder with comet's MoE block, beside the same model with a
-plain-PyTorch MoE block (torch._grouped_mm under autograd): same initial weights, same
-deterministic synthetic data, same optimizer. Prints both loss curves and tokens per
-second, writes them as JSON, and as a PNG where matplotlib is installed.
+"""Train a small Mixtral-style decoder with comet's MoE block, beside the same model with
+comet's experts in block-scaled FP8 (bf16 master weights, E4M3 GEMMs: DeepSeek-V3's
+recipe) and with a plain-PyTorch MoE block (torch._grouped_mm under autograd): same
+initial weights, same deterministic synthetic data, same optimizer. Prints the loss
+curves and tokens per second, writes them as JSON, and as a PNG where matplotlib is
+installed.
 
     torchrun --nproc-per-node 1 python/examples/train_mixtral.py [--steps 300] [--json F] [--png F]
     python3 python/examples/train_mixtral.py --plot F.json --png F.png     # the PNG from the JSON
 
 The data: sequences from a fixed random Markov chain over the vocabulary (each token has
 a few likely successors), so the loss falls from ln(vocab) towards the chain's entropy.
-At one rank both models train; with more ranks comet's model trains alone (expert
+At one rank the three models train; with more ranks comet's two train alone (expert
 parallel: each rank holds num_experts / world experts; the other parameters' gradients
 are averaged over the ranks, the experts' are not, as Megatron-LM reduces them over the
 expert-data-parallel group, here of one rank).
@@ -49,7 +51,7 @@ def plot(results, png):
 def build(torch, args, comm, moe_kind):
     import torch.nn as nn
     import torch.nn.functional as F
-    from comet_moe import CometSparseMoeBlock, MoeConfig, mixtral_route
+    from comet_moe import CometSparseMoeBlock, Moe, MoeConfig, mixtral_route
 
     class TorchMoe(nn.Module):
         """The same block in plain PyTorch: rows sorted by expert, torch._grouped_mm."""
@@ -77,6 +79,25 @@ def build(torch, args, comm, moe_kind):
             y = torch.zeros_like(x).index_add(0, order // args.top_k, o)
             return y.view(shape), logits
 
+    class CometFp8Moe(nn.Module):
+        """Mixtral's block with comet's experts in FP8: the bf16 w13 and w2 are the trained
+        parameters, comet makes their FP8 copies when they change (Moe.forward)."""
+
+        def __init__(self, moe):
+            super().__init__()
+            H, E = args.hidden, moe.experts_per_rank
+            self.moe = moe
+            self.gate = nn.Linear(H, args.experts, bias=False, dtype=torch.bfloat16)
+            self.w13 = nn.Parameter(torch.empty(E, 2 * args.ffn, H, dtype=torch.bfloat16))
+            self.w2 = nn.Parameter(torch.empty(E, H, args.ffn, dtype=torch.bfloat16))
+
+        def forward(self, x):
+            shape = x.shape
+            x = x.reshape(-1, shape[-1])
+            logits = self.gate(x)
+            ids, w = mixtral_route(logits, args.top_k)
+            return self.moe(x, ids, w, gate_up=self.w13, down=self.w2).view(shape), logits
+
     class Layer(nn.Module):
         def __init__(self, moe):
             super().__init__()
@@ -101,7 +122,12 @@ def build(torch, args, comm, moe_kind):
             super().__init__()
             cfg = MoeConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts, top_k=args.top_k,
                             max_tokens=args.batch * args.seq)
-            make = (lambda: CometSparseMoeBlock(comm, cfg)) if moe_kind == "comet" else TorchMoe
+            if moe_kind == "comet-fp8":  # one handle for the model's layers of this shape
+                fp8 = Moe(comm, MoeConfig(hidden=args.hidden, ffn=args.ffn, num_experts=args.experts,
+                                          top_k=args.top_k, max_tokens=args.batch * args.seq, dtype="fp8"))
+                make = lambda: CometFp8Moe(fp8)  # noqa: E731
+            else:
+                make = (lambda: CometSparseMoeBlock(comm, cfg)) if moe_kind == "comet" else TorchMoe
             self.embed = nn.Embedding(args.vocab, args.hidden, dtype=torch.bfloat16)
             self.layers = nn.ModuleList(Layer(make()) for _ in range(args.layers))
             self.norm = nn.RMSNorm(args.hidden, dtype=torch.bfloat16)
@@ -178,10 +204,12 @@ def train(torch, dist, args, comm, moe_kind, rank, world, batches):
             value /= world
         losses.append(value.item())
         if rank == 0 and (step % 25 == 0 or step == args.steps - 1):
-            print(f"{moe_kind:>6} step {step:4d}  loss {losses[-1]:.4f}", flush=True)
+            print(f"{moe_kind:>9} step {step:4d}  loss {losses[-1]:.4f}", flush=True)
     for layer in model.layers:
         if hasattr(layer.moe, "close"):
             layer.moe.close()
+        elif hasattr(layer.moe, "moe"):  # the FP8 layers' shared handle (closing twice is a no-op)
+            layer.moe.moe.close()
     timed = sorted(times[10:]) if len(times) > 20 else sorted(times)
     ms = timed[len(timed) // 2]
     return {"loss": losses, "step_ms": ms, "tokens_per_s": args.batch * args.seq * world / (ms * 1e-3)}
@@ -220,16 +248,23 @@ def main():
     results = {"title": f"{args.layers}-layer Mixtral-style decoder, H={args.hidden}, F={args.ffn}, "
                         f"{args.experts} experts top-{args.top_k}, {args.batch}x{args.seq} tokens per rank, "
                         f"{world} x {torch.cuda.get_device_name()}", "runs": {}}
-    kinds = ("comet", "torch") if world == 1 else ("comet",)
+    kinds = ("comet", "comet-fp8", "torch") if world == 1 else ("comet", "comet-fp8")
     batches = markov_batches(torch, args, rank)
     for kind in kinds:
         results["runs"][kind] = train(torch, dist, args, comm, kind, rank, world, batches)
     comm.close()
     if rank == 0:
         for kind, run in results["runs"].items():
-            print(f"{kind:>6}: final loss {run['loss'][-1]:.4f}, {run['step_ms']:.2f} ms per step, "
+            print(f"{kind:>9}: final loss {run['loss'][-1]:.4f}, {run['step_ms']:.2f} ms per step, "
                   f"{run['tokens_per_s']:.0f} tokens/s")
-        if len(kinds) == 2:
+        a, b = results["runs"]["comet"]["loss"], results["runs"]["comet-fp8"]["loss"]
+        tail = range(len(a) - 50, len(a)) if len(a) > 50 else range(len(a))
+        mean_a, mean_b = sum(a[i] for i in tail) / len(tail), sum(b[i] for i in tail) / len(tail)
+        results["fp8_last_steps"] = {"steps": len(tail), "bf16_mean": mean_a, "fp8_mean": mean_b,
+                                     "relative_gap": (mean_b - mean_a) / mean_a}
+        print(f"last {len(tail)} steps: mean loss FP8 {mean_b:.4f} against bf16 {mean_a:.4f} "
+              f"({100 * (mean_b - mean_a) / mean_a:+.2f}%)")
+        if "torch" in results["runs"]:
             a, b = results["runs"]["comet"]["loss"], results["runs"]["torch"]["loss"]
             tail = range(len(a) - 50, len(a)) if len(a) > 50 else range(len(a))
             gap = max(abs(a[i] - b[i]) for i in tail)
