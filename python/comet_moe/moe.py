@@ -237,13 +237,17 @@ class Moe(_Handle):
         raw = stream.cuda_stream if hasattr(stream, "cuda_stream") else stream  # ctypes would truncate a wider int
         return check_int("stream", raw, 0, PTR_MAX, "a cudaStream_t: a torch.cuda.Stream or its .cuda_stream")
 
+    def _quantize_both(self, w):
+        """(q, scales, qt, scales_t): comet's quantizer on a master weight, both ways."""
+        from .fp8 import quantize_fp8_weights_transposed
+        return quantize_fp8_weights_transposed(w, bool(self.config.fp8_pow2_scales))
+
     def _fp8_copies(self, gate_up, down):
         """(q, scales, qt, scales_t) of gate_up, then of down: each bf16 master weight's FP8
         copies for the forward and the backward, kept per master (a shared handle serves
         many layers) while it lives, made again only where its version counter moved (every
         call while torch.compile traces)."""
         import torch
-        from .fp8 import quantize_fp8_weights_transposed
         compiling = torch.compiler.is_compiling()
         out = []
         for w in (gate_up, down):
@@ -252,7 +256,7 @@ class Moe(_Handle):
                 out.extend(entry[2])
                 continue
             with torch.no_grad():
-                copies = quantize_fp8_weights_transposed(w.detach(), bool(self.config.fp8_pow2_scales))
+                copies = self._quantize_both(w.detach())
             if not compiling:
                 cache, key = self._fp8_cache, id(w)
                 cache[key] = (weakref.ref(w, lambda _, c=cache, k=key: c.pop(k, None)), w._version, copies)

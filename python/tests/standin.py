@@ -1,6 +1,6 @@
 """standin.py - comet_moe.Moe with comet's C calls computed on the CPU, for the CPU tests of
 what lies between a model and comet: the custom operators (comet_moe::forward,
-forward_out, forward_train, backward), their fake implementations and autograd formula,
+forward_out, forward_train, backward, and FP8's), their fake implementations and autograd formula,
 the saved states' table, main_grad accumulation, and torch.compile over all of it. Only
 the calls into libcomet (Moe._comet_*) are replaced; everything above them is the
 package's own code.
@@ -11,7 +11,8 @@ apart; down [E_local, H, F]), in float32 with the results rounded to bf16 (d_top
 stays float32; with accumulation the weight gradients are added in float32), one rank
 holding every expert; an FP8 layer's weights (and x, when it comes in FP8) are
 dequantized first (comet also rounds x and the activation to E4M3, which the stand-in
-does not). Its saved state keeps the routing and, unless the config resends x,
+does not), and an FP8 layer's master weights are quantized by the tests' torch reference of
+comet's quantizer. Its saved state keeps the routing and, unless the config resends x,
 the x rows, in a Python object; the bytes it asks for are a fixed size, since what those
 bytes hold is comet's business (the GPU tests compare the operators' sizes with comet's).
 """
@@ -100,15 +101,32 @@ class CpuMoe(comet_moe.Moe):
     def _comet_saved_destroy(self, state):
         state.destroyed = True
 
-    def _comet_forward_train(self, x, topk_ids, topk_weights, weights, y, state, impl):
+    def _quantize_both(self, w):
+        """An FP8 layer's master weight both ways, by the tests' torch reference of comet's
+        quantizer (fp8_reference.py): W^T the same bytes and scales transposed."""
+        from fp8_reference import quantize_weights
+        self.calls.append(("quantize", tuple(w.shape), 0))
+        q, s = quantize_weights(self.torch, w, pow2=bool(self.config.fp8_pow2_scales))
+        return q, s, q.transpose(-1, -2).contiguous(), s.transpose(-1, -2).contiguous()
+
+    def _comet_forward_train(self, x, topk_ids, topk_weights, weights, y, state, impl, scales=None):
         self.calls.append(("forward_train", int(x.shape[0]), impl))
+        if scales is not None:  # an FP8 layer: its weights dequantized
+            from comet_moe.fp8 import dequantize_fp8
+            weights = tuple(None if w is None else dequantize_fp8(w, s) for w, s in zip(weights, scales))
         y.copy_(self._y(x, topk_ids, topk_weights, weights))
         state.x = None if self.config.resend_x else x.clone()
         state.topk_ids, state.topk_weights, state.filled = topk_ids.clone(), topk_weights.clone(), True
 
-    def _comet_backward(self, state, dy, x, weights, dx, d_topk_weights, grads, accumulate, impl):
+    def _comet_backward(self, state, dy, x, weights, dx, d_topk_weights, grads, accumulate, impl, weights_t=None,
+                        weight_t_scales=None):
         torch = self.torch
         self.calls.append(("backward", int(dy.shape[0]), impl))
+        if weights_t is not None:  # an FP8 layer: W^T dequantized, transposed back
+            from comet_moe.fp8 import dequantize_fp8
+            gu, dn = (dequantize_fp8(w, s).transpose(-1, -2).contiguous()
+                      for w, s in zip(weights_t, weight_t_scales))
+            weights = (gu, None, None, dn)
         if not state.filled or (x is not None) != bool(self.config.resend_x):
             raise AssertionError("the backward got a saved state not filled, or x where the config keeps x rows")
         xf = (x if self.config.resend_x else state.x).float()

@@ -43,12 +43,14 @@ def test_ops_schemas_declare_what_they_mutate():
     torch, ops, moe = setup()
     schemas = {name: getattr(torch.ops.comet_moe, name).default._schema
                for name in ("forward", "forward_out", "forward_train", "backward", "forward_fp8", "forward_fp8_out",
-                            "quantize_fp8_weights", "quantize_fp8_weights_transposed", "quantize_fp8_rows")}
+                            "forward_train_fp8", "backward_fp8", "quantize_fp8_weights",
+                            "quantize_fp8_weights_transposed", "quantize_fp8_rows")}
     mutated = {name: sorted(a.name for a in s.arguments if a.alias_info is not None and a.alias_info.is_write)
                for name, s in schemas.items()}
     check_eq(mutated, {"forward": [], "forward_out": ["out"], "forward_train": [],
                        "backward": ["down_main_grad", "gate_main_grad", "gate_up_main_grad", "up_main_grad"],
-                       "forward_fp8": [], "forward_fp8_out": ["out"], "quantize_fp8_weights": [],
+                       "forward_fp8": [], "forward_fp8_out": ["out"], "forward_train_fp8": [],
+                       "backward_fp8": ["down_main_grad", "gate_up_main_grad"], "quantize_fp8_weights": [],
                        "quantize_fp8_weights_transposed": [], "quantize_fp8_rows": []},
              "mutated arguments")
     check_eq([str(r.type) for r in schemas["forward_train"].returns], ["Tensor", "Tensor"], "forward_train: y, saved")
@@ -56,7 +58,7 @@ def test_ops_schemas_declare_what_they_mutate():
     check(all(r.alias_info is None for s in schemas.values() for r in s.returns), "a return aliases an input")
     unsafe = getattr(torch._C.Tag, "cudagraph_unsafe", None)
     if unsafe is not None and ops._HOST_STATE:
-        for name in ("forward_train", "backward"):
+        for name in ("forward_train", "backward", "forward_train_fp8", "backward_fp8"):
             check(unsafe in getattr(torch.ops.comet_moe, name).default.tags, f"{name} is not marked cudagraph_unsafe")
         check(unsafe not in torch.ops.comet_moe.forward.default.tags, "forward (capturable) marked cudagraph_unsafe")
     for name, s in schemas.items():
@@ -127,6 +129,70 @@ def test_opcheck_fp8_forward_operators():
     note(f"opcheck: {sorted(result)} for forward_fp8 and forward_fp8_out")
     moe.close()
     bf16_moe.close()
+
+
+def test_fp8_training_from_masters_through_the_operators():
+    """An FP8 layer given bf16 master weights trains through forward_train_fp8 and
+    backward_fp8: y and every gradient equal the bf16 layer's on the same (dequantized)
+    weights bit for bit (the stand-in computes both from the same float32 values; power-of-
+    two scales make the dequantized weights bf16 values); each master is quantized once per
+    version (an in-place update makes its copies again, micro-batches do not); main_grad
+    accumulation adds the same gradients; opcheck of forward_train_fp8."""
+    torch = need_torch()
+    from comet_moe import dequantize_fp8
+    from standin import CpuMoe
+    from fp8_reference import quantize_weights
+    F8, bf = 128, torch.bfloat16  # FP8 with gate_up in one tensor: ffn a multiple of 128
+
+    def config(**changes):
+        return comet_moe.MoeConfig(hidden=H, ffn=F8, num_experts=E, top_k=TOP_K, max_tokens=MAX_TOKENS, **changes)
+
+    m8, m16 = CpuMoe(torch, config(dtype="fp8", fp8_pow2_scales=1)), CpuMoe(torch, config())
+    mg = CpuMoe(torch, config(dtype="fp8", fp8_pow2_scales=1), grad_accumulation="main_grad")
+    g = torch.Generator().manual_seed(5)
+    on_grid = lambda w: dequantize_fp8(*quantize_weights(torch, w, pow2=True), dtype=bf)  # noqa: E731
+    gate_up = on_grid((torch.randn(E, 2 * F8, H, generator=g) / H ** 0.5).to(bf))
+    down = on_grid((torch.randn(E, H, F8, generator=g) / F8 ** 0.5).to(bf))
+    x, ids, w, _ = inputs(torch, 9, seed=6)
+    dy = torch.randn(9, H, generator=g).to(bf)
+
+    def step(layer):
+        gu, dn = torch.nn.Parameter(gate_up.clone()), torch.nn.Parameter(down.clone())
+        xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = layer(xi, ids, wi, gate_up=gu, down=dn)
+        y.backward(dy)
+        return (y.detach(), xi.grad, wi.grad, gu.grad, dn.grad), (gu, dn)
+
+    (r8, (gu, dn)), (r16, _) = step(m8), step(m16)
+    for name, a, b in zip(("y", "dx", "d topk_weights", "d gate_up", "d down"), r8, r16):
+        check(a is not None and torch.equal(a, b), f"{name}: the FP8 layer's differs from the bf16 layer's")
+    check_eq([c[0] for c in m8.calls], ["quantize", "quantize", "forward_train", "backward"],
+             "each master quantized once, then the training forward and its backward")
+    m8.calls.clear()
+    with torch.no_grad():
+        m8(x, ids, w, gate_up=gu, down=dn)
+        check_eq([c[0] for c in m8.calls], ["forward"], "unchanged masters: their copies kept")
+        gu.add_(1.0)
+        m8.calls.clear()
+        m8(x, ids, w, gate_up=gu, down=dn)
+    check_eq([c[0] for c in m8.calls], ["quantize", "forward"], "gate_up updated in place: its copies made again")
+    # main_grad: the gradients added in float32 to a known start.
+    gu_m, dn_m = torch.nn.Parameter(gate_up.clone()), torch.nn.Parameter(down.clone())
+    gu_m.main_grad, dn_m.main_grad = torch.full(gate_up.shape, 0.5), torch.full(down.shape, 0.5)
+    mg(x.clone().requires_grad_(True), ids, w.clone().requires_grad_(True), gate_up=gu_m, down=dn_m).backward(dy)
+    for name, acc, grad in (("gate_up", gu_m.main_grad, r8[3]), ("down", dn_m.main_grad, r8[4])):
+        err = ((acc - 0.5 - grad.float()).abs() - 2.0 ** -8 * grad.float().abs() - 2.0 ** -24).max().item()
+        check(err <= 0, f"{name}.main_grad: the gradient added differs from .grad past bf16's rounding")
+    check(gu_m.grad is None and dn_m.grad is None, "main_grad accumulation left a .grad")
+    # opcheck (its schema part left out: float8 inputs have no allclose kernel).
+    copies = m8._quantize_both(gate_up) + m8._quantize_both(down)
+    args = (m8._op_id, x, ids, w, gate_up, down, *copies, None, None, 0, [0, 0])
+    result = torch.library.opcheck(torch.ops.comet_moe.forward_train_fp8.default, args,
+                                   test_utils=OPCHECK_WITHOUT_SCHEMA)
+    check(all(v == "SUCCESS" for v in result.values()), f"forward_train_fp8: {result}")
+    note(f"opcheck: {sorted(result)} for forward_train_fp8")
+    for layer in (m8, m16, mg):
+        layer.close()
 
 
 def test_quantizer_operators_trace_and_match_their_fakes():
