@@ -112,6 +112,7 @@ uint64_t test_seed(void);
     X(gpu_quantize_fp8, 120)                    \
     X(gpu_fp8_forward, 240)                     \
     X(gpu_fp8_training, 240)                    \
+    X(gpu_fp8_training_1000_steps, 300)         \
     X(gpu_symmetric_push_pull_exact, 120)       \
     X(gpu_barrier_and_flags, 120)               \
     X(gpu_barrier_missing_peer_times_out, 120)  \
