@@ -193,43 +193,110 @@ static float *bf16_floats(const uint16_t *h, size_t n)
     return f;
 }
 
-static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int top_k)
+/* Both layers of the file's shape (top_k given), FP8 and bf16, on the same weights: every
+ * rank makes every expert's bf16 weights from rng, quantizes them both ways (power-of-two
+ * scales) and gives the bf16 layer the dequantized ones (bf16 values exactly). fx gets its
+ * communicator, stream and buffers for max_tokens (fp32 room for the weight gradients); the
+ * args hold this rank's experts' weights and fx's buffers, the token count is the caller's. */
+typedef struct fp8_layers {
+    comet_moe_t moe8, moe16;
+    fp8_weight_t q13, q2;     /* every expert's, FP8 both ways */
+    void *d13, *d2;           /* the same dequantized, bf16: the bf16 layer's */
+    comet_moe_args_t a8, a16;
+    comet_moe_backward_args_t b8, b16;
+} fp8_layers_t;
+
+static int fp8_layers_open(const cometi_rank_ctx_t *ctx, comet_comm_t comm, int top_k, uint64_t *rng,
+                           fp8_fixture_t *fx, fp8_layers_t *L)
 {
     const int W = ctx->nranks, me = ctx->rank;
+    memset(L, 0, sizeof(*L));
     comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT, cfg16;
     cfg.hidden = H, cfg.ffn = F, cfg.num_experts = E, cfg.top_k = top_k, cfg.max_tokens = MAX_TOKENS;
     cfg.dtype = COMET_DTYPE_FP8_BLOCK, cfg.fp8_pow2_scales = 1;
     cfg16 = cfg;
     cfg16.dtype = COMET_DTYPE_BF16, cfg16.fp8_pow2_scales = 0;
-    comet_moe_t moe8, moe16;
-    COMET_OK(comet_moe_create(comm, &cfg, &moe8), comm);
-    COMET_OK(comet_moe_create(comm, &cfg16, &moe16), comm);
-    fp8_fixture_t fx;
-    memset(&fx, 0, sizeof(fx));
-    fx.comm = comm, fx.me = me, fx.per = E / W, fx.first = me * fx.per;
-    CUDA_OK(cudaStreamCreateWithFlags(&fx.st, cudaStreamNonBlocking));
-    uint64_t rng = seed ^ 0x7f8e9dull;
-    /* Weights: every expert's, the same on every rank; quantized both ways. */
+    COMET_OK(comet_moe_create(comm, &cfg, &L->moe8), comm);
+    COMET_OK(comet_moe_create(comm, &cfg16, &L->moe16), comm);
+    memset(fx, 0, sizeof(*fx));
+    fx->comm = comm, fx->me = me, fx->per = E / W, fx->first = me * fx->per;
+    CUDA_OK(cudaStreamCreateWithFlags(&fx->st, cudaStreamNonBlocking));
     const size_t n13 = (size_t)E * 2 * F * H, n2 = (size_t)E * H * F;
     float *w13 = malloc(n13 * 4), *w2 = malloc(n2 * 4);
     uint16_t *h13 = malloc(n13 * 2), *h2 = malloc(n2 * 2);
-    fill_bf16(w13, h13, n13, 1.0 / sqrt(H), &rng);
-    fill_bf16(w2, h2, n2, 1.0 / sqrt(F), &rng);
-    void *d13, *d2;
-    CUDA_OK(cudaMalloc(&d13, n13 * 2));
-    CUDA_OK(cudaMalloc(&d2, n2 * 2));
-    CUDA_OK(cudaMemcpy(d13, h13, n13 * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(d2, h2, n2 * 2, cudaMemcpyHostToDevice));
-    fp8_weight_t q13, q2;
-    if (quantize_both(d13, E, 2 * F, H, &q13, w13) || quantize_both(d2, E, H, F, &q2, w2)) return 1;
+    fill_bf16(w13, h13, n13, 1.0 / sqrt(H), rng);
+    fill_bf16(w2, h2, n2, 1.0 / sqrt(F), rng);
+    CUDA_OK(cudaMalloc(&L->d13, n13 * 2));
+    CUDA_OK(cudaMalloc(&L->d2, n2 * 2));
+    CUDA_OK(cudaMemcpy(L->d13, h13, n13 * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(L->d2, h2, n2 * 2, cudaMemcpyHostToDevice));
+    if (quantize_both(L->d13, E, 2 * F, H, &L->q13, w13) || quantize_both(L->d2, E, H, F, &L->q2, w2)) return 1;
     for (size_t i = 0; i < n13; i++) h13[i] = cometi_float_to_bf16(w13[i]);
     for (size_t i = 0; i < n2; i++) h2[i] = cometi_float_to_bf16(w2[i]);
-    CUDA_OK(cudaMemcpy(d13, h13, n13 * 2, cudaMemcpyHostToDevice)); /* the bf16 layer's: dequantized */
-    CUDA_OK(cudaMemcpy(d2, h2, n2 * 2, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(L->d13, h13, n13 * 2, cudaMemcpyHostToDevice)); /* the bf16 layer's: dequantized */
+    CUDA_OK(cudaMemcpy(L->d2, h2, n2 * 2, cudaMemcpyHostToDevice));
+    free(w13), free(w2), free(h13), free(h2);
+    fx->n13 = (size_t)fx->per * 2 * F * H, fx->n2 = (size_t)fx->per * H * F;
+    const size_t rows = (size_t)MAX_TOKENS * H, choices = (size_t)MAX_TOKENS * top_k;
+    CUDA_OK(cudaMalloc(&fx->x, rows * 2 + 16));
+    CUDA_OK(cudaMalloc(&fx->dy, rows * 2 + 16));
+    CUDA_OK(cudaMalloc(&fx->y, rows * 2 + 16));
+    CUDA_OK(cudaMalloc(&fx->dx, rows * 2 + 16));
+    CUDA_OK(cudaMalloc((void **)&fx->w, choices * 4 + 16));
+    CUDA_OK(cudaMalloc((void **)&fx->dw, choices * 4 + 16));
+    CUDA_OK(cudaMalloc((void **)&fx->ids, choices * 4 + 16));
+    CUDA_OK(cudaMalloc(&fx->g13, fx->n13 * 4));
+    CUDA_OK(cudaMalloc(&fx->g2, fx->n2 * 4));
+    /* This rank's experts, FP8: W for the forward, W^T for the backward. */
+    const int kb = (H + 127) / 128;
+    const size_t s13 = (size_t)(2 * F / 128) * kb, s2 = (size_t)kb * (F / 128);
+    comet_moe_args_t *a = &L->a8;
+    *a = (comet_moe_args_t)COMET_MOE_ARGS_INIT;
+    a->x = fx->x, a->topk_ids = fx->ids, a->topk_weights = fx->w, a->y = fx->y;
+    a->weights.gate_up = (char *)L->q13.q + (size_t)fx->first * 2 * F * H;
+    a->weights.down = (char *)L->q2.q + (size_t)fx->first * H * F;
+    a->weight_scales.gate_up = L->q13.s + fx->first * s13, a->weight_scales.down = L->q2.s + fx->first * s2;
+    comet_moe_backward_args_t *b = &L->b8;
+    *b = (comet_moe_backward_args_t)COMET_MOE_BACKWARD_ARGS_INIT;
+    b->dy = fx->dy, b->dx = fx->dx, b->d_topk_weights = fx->dw, b->grads.gate_up = fx->g13, b->grads.down = fx->g2;
+    b->weights_t.gate_up = (char *)L->q13.qt + (size_t)fx->first * 2 * F * H;
+    b->weights_t.down = (char *)L->q2.qt + (size_t)fx->first * H * F;
+    b->weight_t_scales.gate_up = L->q13.st + fx->first * s13, b->weight_t_scales.down = L->q2.st + fx->first * s2;
+    /* bf16: the dequantized weights. */
+    L->a16 = L->a8;
+    L->a16.weights.gate_up = (char *)L->d13 + (size_t)fx->first * 2 * F * H * 2;
+    L->a16.weights.down = (char *)L->d2 + (size_t)fx->first * H * F * 2;
+    memset(&L->a16.weight_scales, 0, sizeof(L->a16.weight_scales));
+    L->b16 = L->b8;
+    L->b16.weights = L->a16.weights;
+    memset(&L->b16.weights_t, 0, sizeof(L->b16.weights_t));
+    memset(&L->b16.weight_t_scales, 0, sizeof(L->b16.weight_t_scales));
+    return 0;
+}
+
+static int fp8_layers_close(comet_comm_t comm, fp8_fixture_t *fx, fp8_layers_t *L)
+{
+    fp8_weight_t *qs[2] = {&L->q13, &L->q2};
+    for (int i = 0; i < 2; i++) cudaFree(qs[i]->q), cudaFree(qs[i]->qt), cudaFree(qs[i]->s), cudaFree(qs[i]->st);
+    cudaFree(L->d13), cudaFree(L->d2), cudaFree(fx->x), cudaFree(fx->dy), cudaFree(fx->y), cudaFree(fx->dx);
+    cudaFree(fx->w), cudaFree(fx->dw), cudaFree(fx->ids), cudaFree(fx->g13), cudaFree(fx->g2);
+    COMET_OK(comet_moe_destroy(L->moe16), comm);
+    COMET_OK(comet_moe_destroy(L->moe8), comm);
+    cudaStreamDestroy(fx->st);
+    return 0;
+}
+
+static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int top_k)
+{
+    const int me = ctx->rank;
+    uint64_t rng = seed ^ 0x7f8e9dull;
+    fp8_fixture_t fx;
+    fp8_layers_t L;
+    if (fp8_layers_open(ctx, comm, top_k, &rng, &fx, &L)) return 1;
+    comet_moe_t moe8 = L.moe8, moe16 = L.moe16;
     /* This rank's tokens: x on the E4M3 grid (quantized and dequantized), dy random. */
     fx.m = MAX_TOKENS - 41 * me;
     fx.ny = (size_t)fx.m * H, fx.nw = (size_t)fx.m * top_k;
-    fx.n13 = (size_t)fx.per * 2 * F * H, fx.n2 = (size_t)fx.per * H * F;
     float *xf = malloc(fx.ny * 4 + 4), *dyf = malloc(fx.ny * 4 + 4), *wts = malloc(fx.nw * 4 + 4);
     uint16_t *xh = malloc(fx.ny * 2 + 2), *dyh = malloc(fx.ny * 2 + 2);
     int32_t *ids = malloc(fx.nw * 4 + 4);
@@ -239,17 +306,8 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
     const int kb = (H + 127) / 128;
     void *xq;
     float *xs;
-    CUDA_OK(cudaMalloc(&fx.x, fx.ny * 2 + 16));
     CUDA_OK(cudaMalloc(&xq, fx.ny + 16));
     CUDA_OK(cudaMalloc((void **)&xs, sizeof(float) * fx.m * kb + 16));
-    CUDA_OK(cudaMalloc(&fx.dy, fx.ny * 2 + 16));
-    CUDA_OK(cudaMalloc(&fx.y, fx.ny * 2 + 16));
-    CUDA_OK(cudaMalloc(&fx.dx, fx.ny * 2 + 16));
-    CUDA_OK(cudaMalloc((void **)&fx.w, fx.nw * 4 + 16));
-    CUDA_OK(cudaMalloc((void **)&fx.dw, fx.nw * 4 + 16));
-    CUDA_OK(cudaMalloc((void **)&fx.ids, fx.nw * 4 + 16));
-    CUDA_OK(cudaMalloc(&fx.g13, fx.n13 * 4)); /* room for fp32 accumulation */
-    CUDA_OK(cudaMalloc(&fx.g2, fx.n2 * 4));
     CUDA_OK(cudaMemcpy(fx.x, xh, fx.ny * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(fx.dy, dyh, fx.ny * 2, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(fx.w, wts, fx.nw * 4, cudaMemcpyHostToDevice));
@@ -264,21 +322,9 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
         CUDA_OK(cudaMemcpy(fx.x, xh, fx.ny * 2, cudaMemcpyHostToDevice));
         free(hq), free(hs);
     }
-    /* The FP8 layer's arguments: this rank's experts. */
-    const size_t s13 = (size_t)(2 * F / 128) * kb, s2 = (size_t)kb * (F / 128);
-    comet_moe_args_t a = COMET_MOE_ARGS_INIT;
-    a.num_tokens = fx.m, a.x = fx.x, a.topk_ids = fx.ids, a.topk_weights = fx.w, a.y = fx.y;
-    a.weights.gate_up = (char *)q13.q + (size_t)fx.first * 2 * F * H;
-    a.weights.down = (char *)q2.q + (size_t)fx.first * H * F;
-    a.weight_scales.gate_up = q13.s + fx.first * s13;
-    a.weight_scales.down = q2.s + fx.first * s2;
-    comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
-    b.dy = fx.dy, b.dx = fx.dx, b.d_topk_weights = fx.dw;
-    b.grads.gate_up = fx.g13, b.grads.down = fx.g2;
-    b.weights_t.gate_up = (char *)q13.qt + (size_t)fx.first * 2 * F * H;
-    b.weights_t.down = (char *)q2.qt + (size_t)fx.first * H * F;
-    b.weight_t_scales.gate_up = q13.st + fx.first * s13;
-    b.weight_t_scales.down = q2.st + fx.first * s2;
+    comet_moe_args_t a = L.a8;
+    comet_moe_backward_args_t b = L.b8;
+    a.num_tokens = fx.m;
     /* The refusals, before anything runs. */
     comet_moe_saved_t sv;
     COMET_OK(comet_moe_saved_create(moe8, NULL, &sv), comm);
@@ -349,14 +395,9 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
     CUDA_OK(cudaMemcpy(y_inf, fx.y, fx.ny * 2, cudaMemcpyDeviceToHost));
     CHECK(memcmp(y_inf, o8.y, fx.ny * 2) == 0);
     /* The bf16 layer. */
-    comet_moe_args_t a16 = a;
-    a16.weights.gate_up = (char *)d13 + (size_t)fx.first * 2 * F * H * 2;
-    a16.weights.down = (char *)d2 + (size_t)fx.first * H * F * 2;
-    memset(&a16.weight_scales, 0, sizeof(a16.weight_scales));
-    comet_moe_backward_args_t b16 = b;
-    b16.weights = a16.weights;
-    memset(&b16.weights_t, 0, sizeof(b16.weights_t));
-    memset(&b16.weight_t_scales, 0, sizeof(b16.weight_t_scales));
+    comet_moe_args_t a16 = L.a16;
+    comet_moe_backward_args_t b16 = L.b16;
+    a16.num_tokens = fx.m;
     /* FP8 fields on a bf16 layer are refused. */
     comet_moe_saved_t sv16;
     COMET_OK(comet_moe_saved_create(moe16, NULL, &sv16), comm);
@@ -411,15 +452,9 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
     free(start13), free(start2), free(acc13), free(acc2), free(y_inf);
     free_out(&o8), free_out(&again), free_out(&o16);
     COMET_OK(comet_moe_saved_destroy(sv), comm);
-    free(w13), free(w2), free(h13), free(h2), free(xf), free(dyf), free(wts), free(xh), free(dyh), free(ids);
-    fp8_weight_t *qs[2] = {&q13, &q2};
-    for (int i = 0; i < 2; i++) cudaFree(qs[i]->q), cudaFree(qs[i]->qt), cudaFree(qs[i]->s), cudaFree(qs[i]->st);
-    cudaFree(d13), cudaFree(d2), cudaFree(xq), cudaFree(xs), cudaFree(fx.x), cudaFree(fx.dy), cudaFree(fx.y);
-    cudaFree(fx.dx), cudaFree(fx.w), cudaFree(fx.dw), cudaFree(fx.ids), cudaFree(fx.g13), cudaFree(fx.g2);
-    COMET_OK(comet_moe_destroy(moe16), comm);
-    COMET_OK(comet_moe_destroy(moe8), comm);
-    cudaStreamDestroy(fx.st);
-    return 0;
+    free(xf), free(dyf), free(wts), free(xh), free(dyh), free(ids);
+    cudaFree(xq), cudaFree(xs);
+    return fp8_layers_close(comm, &fx, &L);
 }
 
 static int fp8_train_rank(const cometi_rank_ctx_t *ctx, void *arg)
@@ -449,66 +484,15 @@ static int fp8_soak_rank(const cometi_rank_ctx_t *ctx, void *arg)
     const uint64_t seed = *(uint64_t *)arg;
     comet_comm_t comm;
     if (open_comm(ctx, 20000, &comm)) return 1;
-    const int W = ctx->nranks, me = ctx->rank, k = 2;
-    comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT, cfg16;
-    cfg.hidden = H, cfg.ffn = F, cfg.num_experts = E, cfg.top_k = k, cfg.max_tokens = MAX_TOKENS;
-    cfg.dtype = COMET_DTYPE_FP8_BLOCK, cfg.fp8_pow2_scales = 1;
-    cfg16 = cfg;
-    cfg16.dtype = COMET_DTYPE_BF16, cfg16.fp8_pow2_scales = 0;
-    comet_moe_t moe8, moe16;
-    COMET_OK(comet_moe_create(comm, &cfg, &moe8), comm);
-    COMET_OK(comet_moe_create(comm, &cfg16, &moe16), comm);
-    fp8_fixture_t fx;
-    memset(&fx, 0, sizeof(fx));
-    fx.comm = comm, fx.me = me, fx.per = E / W, fx.first = me * fx.per;
-    CUDA_OK(cudaStreamCreateWithFlags(&fx.st, cudaStreamNonBlocking));
+    const int me = ctx->rank, k = 2;
     uint64_t rng = seed ^ 0x50a450a4ull;
-    const size_t n13 = (size_t)E * 2 * F * H, n2 = (size_t)E * H * F;
-    float *w13 = malloc(n13 * 4), *w2 = malloc(n2 * 4);
-    uint16_t *h13 = malloc(n13 * 2), *h2 = malloc(n2 * 2);
-    fill_bf16(w13, h13, n13, 1.0 / sqrt(H), &rng);
-    fill_bf16(w2, h2, n2, 1.0 / sqrt(F), &rng);
-    void *d13, *d2;
-    CUDA_OK(cudaMalloc(&d13, n13 * 2));
-    CUDA_OK(cudaMalloc(&d2, n2 * 2));
-    CUDA_OK(cudaMemcpy(d13, h13, n13 * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(d2, h2, n2 * 2, cudaMemcpyHostToDevice));
-    fp8_weight_t q13, q2;
-    if (quantize_both(d13, E, 2 * F, H, &q13, w13) || quantize_both(d2, E, H, F, &q2, w2)) return 1;
-    for (size_t i = 0; i < n13; i++) h13[i] = cometi_float_to_bf16(w13[i]);
-    for (size_t i = 0; i < n2; i++) h2[i] = cometi_float_to_bf16(w2[i]);
-    CUDA_OK(cudaMemcpy(d13, h13, n13 * 2, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(d2, h2, n2 * 2, cudaMemcpyHostToDevice));
-    fx.n13 = (size_t)fx.per * 2 * F * H, fx.n2 = (size_t)fx.per * H * F;
+    fp8_fixture_t fx;
+    fp8_layers_t L;
+    if (fp8_layers_open(ctx, comm, k, &rng, &fx, &L)) return 1;
+    comet_moe_t moe8 = L.moe8, moe16 = L.moe16;
+    comet_moe_args_t a = L.a8, a16 = L.a16;
+    comet_moe_backward_args_t b = L.b8, b16 = L.b16;
     const size_t rows = (size_t)MAX_TOKENS * H, choices = (size_t)MAX_TOKENS * k;
-    CUDA_OK(cudaMalloc(&fx.x, rows * 2 + 16));
-    CUDA_OK(cudaMalloc(&fx.dy, rows * 2 + 16));
-    CUDA_OK(cudaMalloc(&fx.y, rows * 2 + 16));
-    CUDA_OK(cudaMalloc(&fx.dx, rows * 2 + 16));
-    CUDA_OK(cudaMalloc((void **)&fx.w, choices * 4 + 16));
-    CUDA_OK(cudaMalloc((void **)&fx.dw, choices * 4 + 16));
-    CUDA_OK(cudaMalloc((void **)&fx.ids, choices * 4 + 16));
-    CUDA_OK(cudaMalloc(&fx.g13, fx.n13 * 2));
-    CUDA_OK(cudaMalloc(&fx.g2, fx.n2 * 2));
-    const size_t s13 = (size_t)(2 * F / 128) * ((H + 127) / 128), s2 = (size_t)((H + 127) / 128) * (F / 128);
-    comet_moe_args_t a = COMET_MOE_ARGS_INIT;
-    a.x = fx.x, a.topk_ids = fx.ids, a.topk_weights = fx.w, a.y = fx.y;
-    a.weights.gate_up = (char *)q13.q + (size_t)fx.first * 2 * F * H;
-    a.weights.down = (char *)q2.q + (size_t)fx.first * H * F;
-    a.weight_scales.gate_up = q13.s + fx.first * s13, a.weight_scales.down = q2.s + fx.first * s2;
-    comet_moe_backward_args_t b = COMET_MOE_BACKWARD_ARGS_INIT;
-    b.dy = fx.dy, b.dx = fx.dx, b.d_topk_weights = fx.dw, b.grads.gate_up = fx.g13, b.grads.down = fx.g2;
-    b.weights_t.gate_up = (char *)q13.qt + (size_t)fx.first * 2 * F * H;
-    b.weights_t.down = (char *)q2.qt + (size_t)fx.first * H * F;
-    b.weight_t_scales.gate_up = q13.st + fx.first * s13, b.weight_t_scales.down = q2.st + fx.first * s2;
-    comet_moe_args_t a16 = a;
-    a16.weights.gate_up = (char *)d13 + (size_t)fx.first * 2 * F * H * 2;
-    a16.weights.down = (char *)d2 + (size_t)fx.first * H * F * 2;
-    memset(&a16.weight_scales, 0, sizeof(a16.weight_scales));
-    comet_moe_backward_args_t b16 = b;
-    b16.weights = a16.weights;
-    memset(&b16.weights_t, 0, sizeof(b16.weights_t));
-    memset(&b16.weight_t_scales, 0, sizeof(b16.weight_t_scales));
     comet_moe_saved_t sv, sv16;
     COMET_OK(comet_moe_saved_create(moe8, NULL, &sv), comm);
     COMET_OK(comet_moe_saved_create(moe16, NULL, &sv16), comm);
@@ -580,16 +564,10 @@ static int fp8_soak_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK(dev_growth == 0);
     CHECK(page_growth * page_kb <= 256);
     free_out(&o8), free_out(&again), free_out(&o16);
-    free(ids), free(wts), free(w13), free(w2), free(h13), free(h2);
+    free(ids), free(wts);
     COMET_OK(comet_moe_saved_destroy(sv), comm);
     COMET_OK(comet_moe_saved_destroy(sv16), comm);
-    fp8_weight_t *qs[2] = {&q13, &q2};
-    for (int i = 0; i < 2; i++) cudaFree(qs[i]->q), cudaFree(qs[i]->qt), cudaFree(qs[i]->s), cudaFree(qs[i]->st);
-    cudaFree(d13), cudaFree(d2), cudaFree(fx.x), cudaFree(fx.dy), cudaFree(fx.y), cudaFree(fx.dx), cudaFree(fx.w);
-    cudaFree(fx.dw), cudaFree(fx.ids), cudaFree(fx.g13), cudaFree(fx.g2);
-    COMET_OK(comet_moe_destroy(moe16), comm);
-    COMET_OK(comet_moe_destroy(moe8), comm);
-    cudaStreamDestroy(fx.st);
+    if (fp8_layers_close(comm, &fx, &L)) return 1;
     COMET_OK(comet_comm_destroy(comm), comm);
     return 0;
 }
