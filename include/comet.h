@@ -446,7 +446,10 @@ COMET_API comet_status_t comet_moe_saved_destroy(comet_moe_saved_t saved);
  * inference forward or a backward, saved states of different bounds: reported by
  * comet_comm_get_async_error() on the fused path, by the call on the sequential one),
  * and COMET_NOT_SUPPORTED for COMET_IMPL_FUSED where the fused path cannot train (the
- * message says why).
+ * message says why). An FP8 layer's first training forward allocates its backward's
+ * workspaces on every rank, host-blocking once: where one rank cannot, every rank refuses
+ * the call before anything is sent (that rank COMET_OUT_OF_MEMORY, the others
+ * COMET_REMOTE_ERROR) and the next training forward tries again.
  */
 COMET_API comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *args,
                                                  comet_moe_saved_t saved, cudaStream_t stream);

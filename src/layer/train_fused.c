@@ -55,15 +55,9 @@ void cometi_fp8_train_free(struct cometi_fused *f)
     f->fp8 = NULL;
 }
 
-/* The FP8 backward's workspaces, made once per handle by its first FP8 training forward
- * (an inference-only FP8 layer never pays for them): about (5 ffn / tp + 2 hidden) bytes
- * per row of the receive bound. */
-static comet_status_t fp8_train_get(comet_moe_t moe, struct cometi_fused *f, cometi_fp8_train_t **out)
+/* The FP8 backward's workspaces on this rank: 0, or the failure with its message. */
+static comet_status_t fp8_train_alloc(comet_moe_t moe, struct cometi_fused *f)
 {
-    if (f->fp8) {
-        *out = f->fp8;
-        return COMET_SUCCESS;
-    }
     cometi_fp8_train_t *t = calloc(1, sizeof(*t));
     if (!t) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training: out of host memory");
     f->fp8 = t;
@@ -87,7 +81,39 @@ static comet_status_t fp8_train_get(comet_moe_t moe, struct cometi_fused *f, com
             return st;
         }
     }
-    *out = t;
+    return COMET_SUCCESS;
+}
+
+/* The FP8 backward's workspaces, made once per handle by its first FP8 training forward
+ * (an inference-only FP8 layer never pays for them): about (5 ffn / tp + 2 hidden) bytes
+ * per row of the receive bound. Collective there, host-blocking once: the ranks agree on
+ * the allocation before any row moves, so where one rank cannot make them every rank
+ * refuses the call (that rank COMET_OUT_OF_MEMORY, the others COMET_REMOTE_ERROR) and the
+ * next training forward tries again, instead of peers waiting for rows that never come. */
+static comet_status_t fp8_train_get(comet_moe_t moe, struct cometi_fused *f, cometi_fp8_train_t **out)
+{
+    if (f->fp8) {
+        *out = f->fp8;
+        return COMET_SUCCESS;
+    }
+    comet_comm_t comm = moe->comm;
+    const int mine = (int)fp8_train_alloc(moe, f);
+    int *all = malloc(sizeof(int) * comm->size);
+    comet_status_t st = all ? cometi_allgather_ints(comm, &mine, 1, all)
+                            : cometi_fail(comm->err, COMET_OUT_OF_MEMORY, "out of host memory");
+    if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "FP8 training: %.480s", comm->err);
+    if (st == COMET_SUCCESS && mine != COMET_SUCCESS) st = (comet_status_t)mine; /* its message is in moe->err */
+    for (int r = 0; st == COMET_SUCCESS && r < comm->size; r++)
+        if (all[r] != COMET_SUCCESS)
+            st = cometi_fail(moe->err, COMET_REMOTE_ERROR, "FP8 training: rank %d could not make its FP8 backward "
+                             "workspaces (%s); every rank refuses this call", r,
+                             comet_status_string((comet_status_t)all[r]));
+    free(all);
+    if (st != COMET_SUCCESS) {
+        cometi_fp8_train_free(f); /* every rank alike: the next call tries again */
+        return st;
+    }
+    *out = f->fp8;
     return COMET_SUCCESS;
 }
 
