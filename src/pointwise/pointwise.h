@@ -63,10 +63,10 @@ cudaError_t cometi_quantize_blocks_e4m3(const void *w, int64_t mats, int rows, i
  * [cols][ldq], column c's tokens in a row (x^T), quantized in 128 x 1 blocks: 128 rows of
  * one column share a scale, at scales[c * scale_row_stride + (row / 128) *
  * scale_block_stride]. A segment's rows past its end up to the next 128 become zeros (their
- * block's scale counts only its rows); blocks of rows in no segment are not written. cols a
- * multiple of 16, x 16-byte aligned with ldx >= cols a multiple of 8; qt 16-byte aligned
- * with ldq a multiple of 16, >= rows rounded up to 128: else cudaErrorInvalidValue and
- * nothing launched. */
+ * block's scale counts only its rows), and so do rows at or past `rows` (none is read);
+ * blocks of rows in no segment are not written. cols a multiple of 16, x 16-byte aligned
+ * with ldx >= cols a multiple of 8; qt 16-byte aligned with ldq a multiple of 16, >= rows
+ * rounded up to 128: else cudaErrorInvalidValue and nothing launched. */
 cudaError_t cometi_quantize_segments_t_e4m3(const void *x, int64_t ldx, int cols, int64_t rows,
                                             const cometi_segment_t *segs, int groups, void *qt, int64_t ldq,
                                             float *scales, int64_t scale_row_stride, int64_t scale_block_stride,

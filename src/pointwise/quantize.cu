@@ -290,8 +290,8 @@ static __global__ void __launch_bounds__(QUANTIZE_THREADS)
 quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const float *__restrict__ x_scales,
                            long long xs_row, long long xs_block, int cols, const cometi_segment_t *segs, int groups,
                            uint8_t *__restrict__ qt, long long ldq, float *__restrict__ scales,
-                           long long scale_row_stride, long long scale_block_stride, int pow2, int row_blocks,
-                           int col_tiles)
+                           long long scale_row_stride, long long scale_block_stride, int pow2, long long rows,
+                           int row_blocks, int col_tiles)
 {
     __shared__ float warp_amax[QUANTIZE_WARPS][COMETI_FP8_BLOCK];
     __shared__ __align__(16) uint8_t staged[COMETI_FP8_BLOCK * COMETI_FP8_BLOCK];
@@ -304,8 +304,9 @@ quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const floa
         int valid = -1; /* the block's rows in its segment, -1: in none */
         for (int g = 0; g < groups; g++) {
             const cometi_segment_t sg = segs[g];
-            if (r0 >= sg.start && r0 < sg.start + sg.rows) {
-                valid = (int)min((long long)COMETI_FP8_BLOCK, sg.start + sg.rows - r0);
+            if (r0 >= sg.start && r0 < sg.start + sg.rows) { /* and no row at or past `rows` is read */
+                const long long end = sg.start + sg.rows < rows ? sg.start + sg.rows : rows;
+                valid = end <= r0 ? 0 : (int)(end - r0 < COMETI_FP8_BLOCK ? end - r0 : COMETI_FP8_BLOCK);
                 break;
             }
         }
@@ -414,11 +415,11 @@ static cudaError_t launch_segments_t(bool e4m3_in, const void *x, int64_t ldx, c
     if (e4m3_in)
         quantize_segments_t_kernel<true><<<grid, QUANTIZE_THREADS, 0, stream>>>(
             x, ldx, x_scales, xs_row, xs_block, cols, segs, groups, (uint8_t *)qt, ldq, scales, scale_row_stride,
-            scale_block_stride, pow2, row_blocks, col_tiles);
+            scale_block_stride, pow2, (long long)rows, row_blocks, col_tiles);
     else
         quantize_segments_t_kernel<false><<<grid, QUANTIZE_THREADS, 0, stream>>>(
             x, ldx, NULL, 0, 0, cols, segs, groups, (uint8_t *)qt, ldq, scales, scale_row_stride, scale_block_stride,
-            pow2, row_blocks, col_tiles);
+            pow2, (long long)rows, row_blocks, col_tiles);
     return cudaGetLastError();
 }
 
