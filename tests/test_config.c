@@ -82,8 +82,8 @@ int test_config_validation(void)
         {"fp8 pow2", 1, 2, COMET_SUCCESS, ""},
         {"fp8 pow2", 2, 2, COMET_INVALID_ARGUMENT, "config.fp8_pow2_scales = 2: must be 0"},
         {"fp8 pow2", -1, 2, COMET_INVALID_ARGUMENT, "config.fp8_pow2_scales = -1"},
-        {"fp8 resend_x", 1, 2, COMET_INVALID_ARGUMENT, "config.resend_x = 1 is for training, which is not built in "
-                                                       "FP8"},
+        {"fp8 resend_x", 1, 2, COMET_INVALID_ARGUMENT, "config.resend_x = 1 with config.dtype "
+                                                       "COMET_DTYPE_FP8_BLOCK"},
         {"fp8 resend_x", 0, 2, COMET_SUCCESS, ""},
         {"resend_x", 2, 2, COMET_INVALID_ARGUMENT, "config.resend_x = 2: must be 0"},
         {"resend_x", -1, 2, COMET_INVALID_ARGUMENT, "config.resend_x = -1"},

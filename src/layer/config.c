@@ -103,8 +103,8 @@ comet_status_t comet_moe_config_validate(const comet_moe_config_t *c, int world,
         return bad(msg, len, INVAL, "config.fp8_pow2_scales = %d: must be 0 (amax / 448) or 1 (powers of two)",
                    c->fp8_pow2_scales);
     if (c->dtype == COMET_DTYPE_FP8_BLOCK && c->resend_x)
-        return bad(msg, len, INVAL, "config.resend_x = 1 is for training, which is not built in FP8 (config.dtype "
-                   "COMET_DTYPE_FP8_BLOCK): leave it 0");
+        return bad(msg, len, INVAL, "config.resend_x = 1 with config.dtype COMET_DTYPE_FP8_BLOCK: an FP8 layer keeps "
+                   "x's rows in E4M3 for its backward and does not send x again; leave it 0");
     if (c->fp8_pow2_scales && c->dtype != COMET_DTYPE_FP8_BLOCK)
         return bad(msg, len, INVAL, "config.fp8_pow2_scales = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK (dtype "
                    "is %d)", (int)c->dtype);
