@@ -14,8 +14,8 @@ and the limit. What depends on the world size, and fields assigned after the con
 made, comet checks in validate() and comet_moe_create.
 
 The experts' number format is `dtype`: "bf16" (the default) or "fp8" (block-scaled E4M3
-weights with FP32 scales per 128 x 128 block, comet.h's COMET_DTYPE_FP8_BLOCK; the
-inference forward only), with `fp8_pow2_scales` (the scales comet makes for the token
+weights with FP32 scales per 128 x 128 block, comet.h's COMET_DTYPE_FP8_BLOCK: the
+inference forward on FP8 weights, training from bf16 master weights), with `fp8_pow2_scales` (the scales comet makes for the token
 rows and the activation: amax / 448, or True: the power of two at or above it). A name
 other than these two is refused as it is set (ValueError); the field itself holds
 comet_dtype_t's int, its name is `dtype_name`.

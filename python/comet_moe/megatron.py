@@ -17,8 +17,10 @@ field (check_megatron_config): experts other than SwiGLU without biases
 dropping (moe_expert_capacity_factor), latent projections, fp4, and fp8 other than
 block-scaled E4M3 (fp8 "e4m3" with fp8_recipe "blockwise", which it trains in FP8, as it
 does with fp8=True where Megatron-Core cannot build such a config without Transformer
-Engine): the bf16 weights stay the parameters, their FP8 copies made by comet once per
-optimizer step (Moe.forward).
+Engine): the bf16 weights stay the parameters, their FP8 copies made by comet on each
+iteration's first micro-batch, which Megatron marks with config.fp8 set (with fp8=True
+alone, on every forward: Megatron's optimizers update the weights unseen by their version
+counters).
 
 The communicator spans the expert tensor-and-model-parallel group (pg_collection.tp_ep),
 in its rank order: expert-TP rank fastest, as comet's rank r = ep_rank x tp + tp_rank.
@@ -160,6 +162,12 @@ def _layer_class():
                 else:
                     comm, moe, _ = make()
             self.moe = moe
+            # FP8: Megatron's optimizers update the weights through buffers their version
+            # counters do not see, so the FP8 copies are renewed on each iteration's first
+            # micro-batch, which Megatron marks (set_is_first_microbatch, with config.fp8
+            # set); with fp8=True and no such config, on every forward.
+            self.fp8, self.is_first_microbatch = cfg.dtype_name == "fp8", True
+            self._fp8_marked = bool(_field(config, "fp8"))
             self.top_k, self.hidden = int(cfg.top_k), int(cfg.hidden)
             E, Fl, H = int(moe.experts_per_rank), int(moe.ffn_local), int(cfg.hidden)
             device = getattr(getattr(moe, "comm", None), "device", None)
@@ -185,6 +193,9 @@ def _layer_class():
             ids = torch.topk(routing_map.to(torch.int8), self.top_k, dim=-1).indices
             weights = probs.gather(1, ids).float().contiguous()
             x = hidden_states.reshape(-1, self.hidden).to(torch.bfloat16).contiguous()
+            if self.fp8 and (self.is_first_microbatch or not self._fp8_marked):
+                self.moe.refresh_fp8_weights((self.w13, self.w2))
+                self.is_first_microbatch = False
             y = self.moe.forward(x, ids.to(torch.int32).contiguous(), weights, gate_up=self.w13, down=self.w2,
                                  impl=self.impl)
             return y.view(shape).to(hidden_states.dtype), None

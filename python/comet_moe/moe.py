@@ -9,7 +9,8 @@ enqueued on the current torch CUDA stream.
 Every rank calls forward the same number of times with the same impl, each with its own
 tokens (0 is fine). An FP8 layer (MoeConfig(..., dtype="fp8")) takes float8_e4m3fn
 weights with their block scales (gate_up_scale=..., down_scale=...; fp8.py makes them)
-and runs the inference forward only. forward checks its arguments first (see checks.py) and raises
+for the inference forward, or bf16 master weights, which it quantizes itself and
+trains in FP8 under autograd (see forward). forward checks its arguments first (see checks.py) and raises
 TypeError / ValueError before anything is launched, then calls comet through torch's
 custom operators (ops.py), which torch.compile traces; comet gets the tensors by
 data_ptr(). A failure comet reports raises a CometError subclass with comet's message.
@@ -193,8 +194,9 @@ class Moe(_Handle):
         x or topk_weights requiring grad) they raise NotImplementedError. To train, pass the
         bf16 master weights instead (gate_up and down, no scales): comet makes their FP8
         copies, W for the forward and W^T for the backward (fp8.quantize_fp8_weights_
-        transposed), again only when a weight or its version counter changed (an optimizer
-        step's in-place update; every call under torch.compile), and runs the layer in FP8,
+        transposed), again only when a weight or its version counter changed (torch.optim's
+        in-place update; every call under torch.compile or CUDA-graph capture; an update the
+        counter does not see needs refresh_fp8_weights), and runs the layer in FP8,
         training under autograd with the gradients in the masters' .grad (bf16) or their
         main_grad, inference otherwise."""
         if self.closed:
@@ -242,22 +244,38 @@ class Moe(_Handle):
         from .fp8 import quantize_fp8_weights_transposed
         return quantize_fp8_weights_transposed(w, bool(self.config.fp8_pow2_scales))
 
+    def refresh_fp8_weights(self, weights=None) -> None:
+        """Drop the FP8 copies kept of these bf16 master weights (None: of every master): the
+        next forward makes them again. Call it after updating masters in a way their version
+        counter does not see (through `.data`, by a fused optimizer's own kernels, as
+        Megatron-LM's optimizers do); in-place updates through autograd's view (torch.optim)
+        renew them by themselves."""
+        if weights is None:
+            self._fp8_cache.clear()
+            return
+        for w in weights:
+            self._fp8_cache.pop(id(w), None)
+
     def _fp8_copies(self, gate_up, down):
         """(q, scales, qt, scales_t) of gate_up, then of down: each bf16 master weight's FP8
         copies for the forward and the backward, kept per master (a shared handle serves
-        many layers) while it lives, made again only where its version counter moved (every
-        call while torch.compile traces)."""
+        many layers) while it lives, made again only where its version counter moved
+        (refresh_fp8_weights drops them). Made and not kept while torch.compile traces, while
+        a CUDA graph is captured (each replay quantizes again: its weights may have changed)
+        and under inference mode (its tensors cannot be saved for a later backward)."""
         import torch
-        compiling = torch.compiler.is_compiling()
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        fresh = torch.compiler.is_compiling() or capturing
+        keep = not fresh and not torch.is_inference_mode_enabled()
         out = []
         for w in (gate_up, down):
-            entry = None if compiling else self._fp8_cache.get(id(w))
+            entry = None if fresh else self._fp8_cache.get(id(w))
             if entry is not None and entry[0]() is w and entry[1] == w._version:
                 out.extend(entry[2])
                 continue
             with torch.no_grad():
                 copies = self._quantize_both(w.detach())
-            if not compiling:
+            if keep:
                 cache, key = self._fp8_cache, id(w)
                 cache[key] = (weakref.ref(w, lambda _, c=cache, k=key: c.pop(k, None)), w._version, copies)
             out.extend(copies)

@@ -161,7 +161,7 @@ def test_fp8_training_from_masters_through_the_operators():
         xi, wi = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         y = layer(xi, ids, wi, gate_up=gu, down=dn)
         y.backward(dy)
-        return (y.detach(), xi.grad, wi.grad, gu.grad, dn.grad), (gu, dn)
+        return (y.detach(), xi.grad.clone(), wi.grad.clone(), gu.grad.clone(), dn.grad.clone()), (gu, dn)
 
     (r8, (gu, dn)), (r16, _) = step(m8), step(m16)
     for name, a, b in zip(("y", "dx", "d topk_weights", "d gate_up", "d down"), r8, r16):
@@ -176,6 +176,27 @@ def test_fp8_training_from_masters_through_the_operators():
         m8.calls.clear()
         m8(x, ids, w, gate_up=gu, down=dn)
     check_eq([c[0] for c in m8.calls], ["quantize", "forward"], "gate_up updated in place: its copies made again")
+    # Through .data the version counter does not move (Megatron's optimizers write so):
+    # the copies stay until refresh_fp8_weights drops them.
+    m8.calls.clear()
+    with torch.no_grad():
+        gu.data.add_(1.0)
+        m8(x, ids, w, gate_up=gu, down=dn)
+        check_eq([c[0] for c in m8.calls], ["forward"], "an update through .data is not seen")
+        m8.refresh_fp8_weights((gu,))
+        m8(x, ids, w, gate_up=gu, down=dn)
+    check_eq([c[0] for c in m8.calls], ["forward", "quantize", "forward"], "refresh_fp8_weights: gate_up's again")
+    # Under inference mode a changed master is quantized and not kept (inference tensors
+    # cannot be saved for a backward): the training step after it makes its own.
+    with torch.no_grad():
+        gu.add_(1.0)
+    m8.calls.clear()
+    with torch.inference_mode():
+        m8(x, ids, w, gate_up=gu, down=dn)
+    xi = x.clone().requires_grad_(True)
+    m8(xi, ids, w, gate_up=gu, down=dn).backward(dy)
+    check_eq([c[0] for c in m8.calls], ["quantize", "forward", "quantize", "forward_train", "backward"],
+             "copies made under inference mode are not kept")
     # main_grad: the gradients added in float32 to a known start.
     gu_m, dn_m = torch.nn.Parameter(gate_up.clone()), torch.nn.Parameter(down.clone())
     gu_m.main_grad, dn_m.main_grad = torch.full(gate_up.shape, 0.5), torch.full(down.shape, 0.5)
