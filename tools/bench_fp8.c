@@ -347,19 +347,8 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
         FAIL_IF(comet_moe_forward(m16, &a16, st) != COMET_SUCCESS, "bf16 forward: %s", comet_moe_last_error(m16));
         FAIL_IF(comet_moe_forward(m8, &a8, st) != COMET_SUCCESS, "FP8 forward: %s", comet_moe_last_error(m8));
         CUDA_OK(cudaStreamSynchronize(st));
-        uint16_t *h16 = TOOL_MALLOC((size_t)m * H * 2), *h8 = TOOL_MALLOC((size_t)m * H * 2);
-        CUDA_OK(cudaMemcpy(h16, y16, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(h8, y8, (size_t)m * H * 2, cudaMemcpyDeviceToHost));
-        float sums[2] = {0, 0};
-        double xy = 0, xx = 0;
-        for (size_t i = 0; i < (size_t)m * H; i++) {
-            const double p = cometi_bf16_to_float(h8[i]), q = cometi_bf16_to_float(h16[i]);
-            xy += p * q, xx += p * p + q * q;
-        }
-        sums[0] = (float)xy, sums[1] = (float)xx;
-        free(h16), free(h8);
-        if (allreduce(comm, sums, 2, ncclSum)) return 1;
-        const double measure = sums[1] > 0 ? 1 - 2.0 * sums[0] / sums[1] : 0;
+        double measure;
+        if (bf16_measure(comm, y8, y16, (size_t)m * H, &measure)) return 1;
         float *t16 = TOOL_MALLOC(sizeof(float) * o->iters), *t8 = TOOL_MALLOC(sizeof(float) * o->iters),
               *tseq = TOOL_MALLOC(sizeof(float) * o->iters);
         comet_moe_args_t aseq = a8;
