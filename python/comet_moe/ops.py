@@ -381,6 +381,14 @@ def _backward_fp8_fake(layer, saved, dy, gate_up_t, gate_up_t_scale, down_t, dow
 
 # ---- forward_train's autograd formula ----
 
+def _placeholder_grads(weights, kinds):
+    """The gradients autograd hands the weights whose gradients went into their main_grad:
+    None, or the placeholder Megatron's hooks expect (zeros, or uninitialised)."""
+    return [None if w is None or kind == NO_PLACEHOLDER else
+            torch.zeros_like(w) if kind == ZERO_PLACEHOLDER else torch.empty_like(w)
+            for w, kind in zip(weights, kinds)]
+
+
 def _setup_context(ctx, inputs, output):
     layer, x, _, _, gate_up, gate, up, down, *main_grads, impl, placeholders = inputs
     ctx.layer, ctx.impl, ctx.placeholders = layer, impl, list(placeholders)
@@ -400,9 +408,7 @@ def _backward_formula(ctx, dy, _d_saved):
                                                                   *ctx.main_grads, ctx.impl)
     weights = (gate_up, gate, up, down)
     if any(g is not None for g in ctx.main_grads):
-        d_weights = [None if w is None or kind == NO_PLACEHOLDER else
-                     torch.zeros_like(w) if kind == ZERO_PLACEHOLDER else torch.empty_like(w)
-                     for w, kind in zip(weights, ctx.placeholders)]
+        d_weights = _placeholder_grads(weights, ctx.placeholders)
     else:
         d_weights = [None if w is None else g for w, g in zip(weights, d_weights)]
     need = ctx.needs_input_grad
@@ -427,9 +433,7 @@ def _backward_formula_fp8(ctx, dy, _d_saved):
     dx, d_topk_weights, d_gate_up, d_down = torch.ops.comet_moe.backward_fp8(
         ctx.layer, saved, dy, gate_up_t, gate_up_t_scale, down_t, down_t_scale, *ctx.main_grads, ctx.impl)
     if any(g is not None for g in ctx.main_grads):
-        d_gate_up, d_down = [None if kind == NO_PLACEHOLDER else
-                             torch.zeros_like(w) if kind == ZERO_PLACEHOLDER else torch.empty_like(w)
-                             for w, kind in zip((gate_up, down), ctx.placeholders)]
+        d_gate_up, d_down = _placeholder_grads((gate_up, down), ctx.placeholders)
     need = ctx.needs_input_grad
     return ((None, dx if need[1] else None, None, d_topk_weights if need[3] else None,
              d_gate_up if need[4] else None, d_down if need[5] else None) + (None,) * 12)
