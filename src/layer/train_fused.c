@@ -243,6 +243,20 @@ static backward_gemms_t describe_backward_e4m3(comet_moe_t moe, struct cometi_fu
     return b;
 }
 
+/* The backward's GEMMs for this layer's format into *g (FP8: its workspaces, made by the
+ * training forward that filled the saved state). */
+static comet_status_t describe_backward_for(comet_moe_t moe, struct cometi_fused *f, const comet_moe_args_t *a,
+                                            const comet_moe_backward_args_t *ba, backward_gemms_t *g)
+{
+    if (!f->l0.fp8) {
+        *g = describe_backward(moe, f, a, ba);
+        return COMET_SUCCESS;
+    }
+    if (!f->fp8) return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "FP8 backward: the layer has no FP8 workspaces");
+    *g = describe_backward_e4m3(moe, f, f->fp8, a, ba);
+    return COMET_SUCCESS;
+}
+
 comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_t *a, comet_moe_saved_t sv,
                                           cudaStream_t stream)
 {
@@ -363,9 +377,8 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     const comet_moe_args_t a = backward_args(f, ba);
     const int fp8 = f->l0.fp8;
     cometi_fp8_train_t *t = f->fp8;
-    if (fp8 && !t) /* made by the training forward that filled the saved state */
-        return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "FP8 backward: the layer has no FP8 workspaces");
-    backward_gemms_t g = fp8 ? describe_backward_e4m3(moe, f, t, &a, ba) : describe_backward(moe, f, &a, ba);
+    backward_gemms_t g;
+    COMETI_TRY(describe_backward_for(moe, f, &a, ba, &g));
     void *s = fp8 ? t->s : f->l0.act; /* s = dy W2, bf16 */
     /* Checked before anything is enqueued: once the route has run, peers count on this
      * rank's rows. */
@@ -431,9 +444,8 @@ comet_status_t cometi_moe_backward_gemms(comet_moe_t moe, const comet_moe_backwa
                                  "layer filled by a fused training forward") : COMET_INVALID_ARGUMENT;
     struct cometi_fused *f = moe->fused;
     const comet_moe_args_t a = backward_args(f, ba);
-    if (f->l0.fp8 && !f->fp8)
-        return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "backward GEMMs alone: no FP8 workspaces");
-    backward_gemms_t g = f->l0.fp8 ? describe_backward_e4m3(moe, f, f->fp8, &a, ba) : describe_backward(moe, f, &a, ba);
+    backward_gemms_t g;
+    COMETI_TRY(describe_backward_for(moe, f, &a, ba, &g));
     /* Alone: every SM, no roles, on the segments of the layer's last route. */
     g.dgrad_down.problem.local_rows = NULL;
     g.dgrad_down.launch.tail_ws = NULL;
