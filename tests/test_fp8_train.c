@@ -95,18 +95,39 @@ typedef struct fp8_fixture {
     size_t ny, nw, n13, n2; /* this rank's element counts */
 } fp8_fixture_t;
 
+/* A step's outputs poisoned on fx's stream (the weight gradients where written in bf16). */
+static int poison_outputs(fp8_fixture_t *fx, int grads)
+{
+    CUDA_OK(cudaMemsetAsync(fx->y, 0xff, fx->ny * 2, fx->st));
+    CUDA_OK(cudaMemsetAsync(fx->dx, 0xff, fx->ny * 2, fx->st));
+    CUDA_OK(cudaMemsetAsync(fx->dw, 0xff, fx->nw * 4, fx->st));
+    if (grads) {
+        CUDA_OK(cudaMemsetAsync(fx->g13, 0xff, fx->n13 * 2, fx->st));
+        CUDA_OK(cudaMemsetAsync(fx->g2, 0xff, fx->n2 * 2, fx->st));
+    }
+    return 0;
+}
+
+/* A finished step's outputs to the host (the weight gradients where written in bf16). */
+static int copy_outputs(const fp8_fixture_t *fx, step_out_t *out, int grads)
+{
+    CUDA_OK(cudaMemcpy(out->y, fx->y, fx->ny * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(out->dx, fx->dx, fx->ny * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(out->dw, fx->dw, fx->nw * 4, cudaMemcpyDeviceToHost));
+    if (grads) {
+        CUDA_OK(cudaMemcpy(out->g13, fx->g13, fx->n13 * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(out->g2, fx->g2, fx->n2 * 2, cudaMemcpyDeviceToHost));
+    }
+    return 0;
+}
+
 /* One training step into the saved state sv, outputs poisoned first; out: where its
  * outputs go on the host (NULL: left on the device). */
 static int step_in(fp8_fixture_t *fx, comet_moe_t moe, const comet_moe_args_t *a, comet_moe_backward_args_t *b,
                    comet_moe_saved_t sv, step_out_t *out)
 {
-    CUDA_OK(cudaMemsetAsync(fx->y, 0xff, fx->ny * 2, fx->st));
-    CUDA_OK(cudaMemsetAsync(fx->dx, 0xff, fx->ny * 2, fx->st));
-    CUDA_OK(cudaMemsetAsync(fx->dw, 0xff, fx->nw * 4, fx->st));
-    if (b->grads.mode == COMET_GRAD_WRITE_BF16) {
-        CUDA_OK(cudaMemsetAsync(fx->g13, 0xff, fx->n13 * 2, fx->st));
-        CUDA_OK(cudaMemsetAsync(fx->g2, 0xff, fx->n2 * 2, fx->st));
-    }
+    const int grads = b->grads.mode == COMET_GRAD_WRITE_BF16;
+    if (poison_outputs(fx, grads)) return 1;
     comet_status_t st = comet_moe_forward_train(moe, a, sv, fx->st);
     if (st != COMET_SUCCESS) printf("rank %d forward_train: %s\n", fx->me, comet_moe_last_error(moe));
     CHECK_EQ(st, COMET_SUCCESS);
@@ -116,15 +137,7 @@ static int step_in(fp8_fixture_t *fx, comet_moe_t moe, const comet_moe_args_t *a
     CHECK_EQ(st, COMET_SUCCESS);
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(comet_comm_get_async_error(fx->comm), COMET_SUCCESS);
-    if (!out) return 0;
-    CUDA_OK(cudaMemcpy(out->y, fx->y, fx->ny * 2, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(out->dx, fx->dx, fx->ny * 2, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(out->dw, fx->dw, fx->nw * 4, cudaMemcpyDeviceToHost));
-    if (b->grads.mode == COMET_GRAD_WRITE_BF16) {
-        CUDA_OK(cudaMemcpy(out->g13, fx->g13, fx->n13 * 2, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(out->g2, fx->g2, fx->n2 * 2, cudaMemcpyDeviceToHost));
-    }
-    return 0;
+    return out ? copy_outputs(fx, out, grads) : 0;
 }
 
 /* The same into a saved state of its own. */
@@ -357,20 +370,11 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
         CHECK_EQ(f_st, COMET_SUCCESS);
         CHECK_EQ(b_st, COMET_SUCCESS);
         CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-        CUDA_OK(cudaMemsetAsync(fx.y, 0xff, fx.ny * 2, fx.st));
-        CUDA_OK(cudaMemsetAsync(fx.dx, 0xff, fx.ny * 2, fx.st));
-        CUDA_OK(cudaMemsetAsync(fx.dw, 0xff, fx.nw * 4, fx.st));
-        CUDA_OK(cudaMemsetAsync(fx.g13, 0xff, fx.n13 * 2, fx.st));
-        CUDA_OK(cudaMemsetAsync(fx.g2, 0xff, fx.n2 * 2, fx.st));
+        if (poison_outputs(&fx, 1)) return 1;
         CUDA_OK(cudaGraphLaunch(exec, fx.st));
         CUDA_OK(cudaStreamSynchronize(fx.st));
         CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
-        CUDA_OK(cudaMemcpy(again.y, fx.y, fx.ny * 2, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(again.dx, fx.dx, fx.ny * 2, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(again.dw, fx.dw, fx.nw * 4, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(again.g13, fx.g13, fx.n13 * 2, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(again.g2, fx.g2, fx.n2 * 2, cudaMemcpyDeviceToHost));
-        if (same_bits(&fx, &o8, &again)) return 1;
+        if (copy_outputs(&fx, &again, 1) || same_bits(&fx, &o8, &again)) return 1;
         cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
         COMET_OK(comet_moe_saved_destroy(gsv), comm);
     }
