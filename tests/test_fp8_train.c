@@ -23,8 +23,11 @@
  *     bf16's rounding;
  *   - the refusals: the sequential path, missing or misaligned W^T, FP8 fields on a bf16
  *     layer; the saved state's bytes (x's rows in E4M3 with their scales).
- * And 1000 steps of random sizes and routings (fp8_soak_rank): repeatable, near bf16,
- * memory flat.
+ * And 1000 steps of random sizes and routings (fp8_soak_rank) on any bf16 x: every 50th
+ * repeated bit for bit, and against the bf16 layer with a measure < 2e-3 per tensor of 256
+ * values or more (< 1e-2 below: a mean of few squared errors scatters) and
+ * the looser element bound OFF_GRID (x's own roundings join in, and an expert may have
+ * three rows); memory flat.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -169,10 +172,33 @@ static int same_bits(const fp8_fixture_t *fx, const step_out_t *a, const step_ou
     return 0;
 }
 
-/* FP8 values (n, in groups of `group`) against the bf16 layer's (the file's header says
- * the bounds); the tensor's measure into *measure. 0, or 1 with the first failure printed. */
+/* An element's bound against the bf16 layer's: `self` of the element plus `of_rms` of its
+ * group's RMS. */
+typedef struct elem_bound {
+    double self, of_rms;
+} elem_bound_t;
+
+/* The step's operands on the E4M3 grid (gpu_fp8_training): two roundings of the element,
+ * half the group's RMS (the file's header). */
+static const elem_bound_t ON_GRID = {0x1p-3, 0.5};
+
+/* The soak's x is any bf16, so x's two roundings (its rows, then along the tokens) join
+ * the others: a weight gradient's term passes through up to four roundings of its factors
+ * ((1 + 2^-4)^4 - 1 = 27% of itself), and an element is at most that of the sum of its
+ * terms' sizes, which, with a handful of rows that cancel, is several times the element
+ * and up to about the group's RMS. A wrong or unwritten element still fails: the poison,
+ * the group measure (about 1 for a misplaced row) and the tensor's. */
+static const elem_bound_t OFF_GRID = {0.3, 1.0};
+
+/* The soak's tensor measure bound (2e-3) holds for tensors of at least this many values;
+ * smaller ones are held to the groups' 1e-2. */
+#define SOAK_MEASURE_MIN 256
+
+/* FP8 values (n, in groups of `group`) against the bf16 layer's within `b`; the tensor's
+ * measure into *measure, and the largest |difference| / bound seen raised into *used.
+ * 0, or 1 with the first failure printed. */
 static int against_bf16(const char *what, int rank, const float *got, const float *want, size_t n, size_t group,
-                        double *measure)
+                        elem_bound_t b, double *measure, double *used)
 {
     double xy = 0, xx = 0;
     for (size_t g0 = 0; g0 < n; g0 += group) {
@@ -181,12 +207,13 @@ static int against_bf16(const char *what, int rank, const float *got, const floa
         for (size_t i = g0; i < g1; i++) ss += (double)want[i] * want[i];
         const double rms = sqrt(ss / (double)(g1 - g0));
         for (size_t i = g0; i < g1; i++) {
-            const double d = fabs((double)got[i] - want[i]);
-            if (!(d <= 0x1p-3 * fabs(want[i]) + 0.5 * rms)) {
-                printf("rank %d %s[%zu] = %.6g, bf16 layer %.6g (group RMS %.3g)\n", rank, what, i, got[i], want[i],
-                       rms);
+            const double d = fabs((double)got[i] - want[i]), bound = b.self * fabs(want[i]) + b.of_rms * rms;
+            if (!(d <= bound)) {
+                printf("rank %d %s[%zu] = %.6g, bf16 layer %.6g (group RMS %.3g, bound %.3g)\n", rank, what, i,
+                       got[i], want[i], rms, bound);
                 return 1;
             }
+            if (bound > 0 && d / bound > *used) *used = d / bound;
             gxy += (double)got[i] * want[i], gxx += (double)got[i] * got[i] + (double)want[i] * want[i];
         }
         if (gxx > 0 && !(1 - 2 * gxy / gxx < 1e-2)) {
@@ -418,18 +445,20 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
         {"y", o8.y, o16.y, fx.ny, H}, {"dx", o8.dx, o16.dx, fx.ny, H},
         {"d gate_up", o8.g13, o16.g13, fx.n13, (size_t)F * H}, {"d down", o8.g2, o16.g2, fx.n2, (size_t)H * F},
     };
-    double measure[5] = {0};
+    double measure[5] = {0}, used = 0;
     for (int i = 0; i < 4; i++) {
         float *g = bf16_floats(t16[i].got, t16[i].n), *w = bf16_floats(t16[i].want, t16[i].n);
-        const int failed = t16[i].n && against_bf16(t16[i].name, me, g, w, t16[i].n, t16[i].group, &measure[i]);
+        const int failed = t16[i].n && against_bf16(t16[i].name, me, g, w, t16[i].n, t16[i].group, ON_GRID,
+                                                    &measure[i], &used);
         free(g), free(w);
         if (failed) return 1;
     }
-    if (fx.nw && against_bf16("d topk_weights", me, o8.dw, o16.dw, fx.nw, fx.nw, &measure[4])) return 1;
+    if (fx.nw && against_bf16("d topk_weights", me, o8.dw, o16.dw, fx.nw, fx.nw, ON_GRID, &measure[4], &used))
+        return 1;
     printf("rank %d: FP8 training step, top-%d, %d tokens, against the bf16 layer on the same operands, 1 - "
-           "2xy/(x^2+y^2): y %.2e, dx %.2e, d topk_weights %.2e, d gate_up %.2e, d down %.2e; bitwise repeatable; "
-           "saved state %.2fx the bf16 one's\n", me, top_k, fx.m, measure[0], measure[1], measure[4], measure[2],
-           measure[3], (double)bytes8 / (double)bytes16);
+           "2xy/(x^2+y^2): y %.2e, dx %.2e, d topk_weights %.2e, d gate_up %.2e, d down %.2e, elements at most "
+           "%.0f%% of their bound; bitwise repeatable; saved state %.2fx the bf16 one's\n", me, top_k, fx.m,
+           measure[0], measure[1], measure[4], measure[2], measure[3], 100 * used, (double)bytes8 / (double)bytes16);
     for (int i = 0; i < 5; i++) CHECK(measure[i] < 1e-3);
     /* fp32 accumulation into a known start: the bf16 write's values added. */
     float *start13 = malloc(fx.n13 * 4), *start2 = malloc(fx.n2 * 4), *acc13 = malloc(fx.n13 * 4),
@@ -509,7 +538,7 @@ static int fp8_soak_rank(const cometi_rank_ctx_t *ctx, void *arg)
     memory_mark_t stretch = {0, 0}, now;
     long long dev_growth = 0;
     long page_growth = 0;
-    double worst[5] = {0};
+    double worst[5] = {0}, used = 0;
     for (int s = 0; s < steps; s++) {
         const int m = (int)(cometi_rand_next(&rng) % (MAX_TOKENS + 1));
         const cometi_routing_t kind = (cometi_routing_t)(cometi_rand_next(&rng) % 4);
@@ -546,25 +575,30 @@ static int fp8_soak_rank(const cometi_rank_ctx_t *ctx, void *arg)
             int failed;
             if (i < 4) {
                 float *g = bf16_floats(got[i], n[i]), *w = bf16_floats(want[i], n[i]);
-                failed = n[i] && against_bf16(names[i], me, g, w, n[i], group[i], &measure);
+                failed = n[i] && against_bf16(names[i], me, g, w, n[i], group[i], OFF_GRID, &measure, &used);
                 free(g), free(w);
             } else {
-                failed = fx.nw && against_bf16(names[i], me, o8.dw, o16.dw, fx.nw, fx.nw, &measure);
+                failed = fx.nw && against_bf16(names[i], me, o8.dw, o16.dw, fx.nw, fx.nw, OFF_GRID, &measure, &used);
             }
-            if (failed || !(measure < 2e-3)) {
-                printf("rank %d: step %d (%d tokens, routing %d): %s measures %.3g against the bf16 layer\n", me, s,
-                       m, (int)kind, names[i], measure);
+            /* The measure is a mean of squared relative errors: over a few values (d topk_weights
+             * of 9 tokens is 18) it scatters widely, so there the groups' bound holds. */
+            const size_t count = i < 4 ? n[i] : fx.nw;
+            const double bound = count >= SOAK_MEASURE_MIN ? 2e-3 : 1e-2;
+            if (failed || !(measure < bound)) {
+                printf("rank %d: step %d (%d tokens, routing %d): %s measures %.3g against the bf16 layer (bound "
+                       "%.0e)\n", me, s, m, (int)kind, names[i], measure, bound);
                 return 1;
             }
-            if (measure > worst[i]) worst[i] = measure;
+            if (count >= SOAK_MEASURE_MIN && measure > worst[i]) worst[i] = measure;
         }
         CHECK_EQ(memory_mark(&stretch), 0);
     }
     const long page_kb = sysconf(_SC_PAGESIZE) / 1024;
     printf("rank %d: %d FP8 training steps; every %dth bitwise repeated, and against the bf16 layer worst 1 - "
-           "2xy/(x^2+y^2): y %.2e, dx %.2e, d gate_up %.2e, d down %.2e, d topk_weights %.2e; growth over the "
-           "FP8 stretches after step %d: device %lld bytes, host resident %ld KiB\n", me, steps, every, worst[0],
-           worst[1], worst[2], worst[3], worst[4], every, dev_growth, page_growth * page_kb);
+           "2xy/(x^2+y^2): y %.2e, dx %.2e, d gate_up %.2e, d down %.2e, d topk_weights %.2e, elements at most "
+           "%.0f%% of their bound; growth over the FP8 stretches after step %d: device %lld bytes, host resident "
+           "%ld KiB\n", me, steps, every, worst[0], worst[1], worst[2], worst[3], worst[4], 100 * used, every,
+           dev_growth, page_growth * page_kb);
     CHECK(dev_growth == 0);
     CHECK(page_growth * page_kb <= 256);
     free_out(&o8), free_out(&again), free_out(&o16);
