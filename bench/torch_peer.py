@@ -38,6 +38,21 @@ Routing, exchanges and combine are the bf16 layer's. Each case then prints how f
 layer's y is from the bf16 layer's on the same inputs, 1 - 2 sum(xy) / sum(x^2 + y^2)
 (DeepGEMM's measure; rowwise E4M3 of random normal data gives about 1e-3). Rows per expert
 need no padding: the forward's kernel asserts 16-byte alignment along K and N only.
+
+    torchrun --nproc-per-node 1 bench/torch_peer.py --train --fp8 --preset all --tokens 8192
+
+--train --fp8 also times the training step with FP8 experts, a row "torch-fp8-train" (and
+records of that impl), as torchao's float8 rowwise MoE training runs on Hopper: each expert
+GEMM through torch._scaled_grouped_mm under autograd (FP8GroupedMM); the forward and dgrad
+on rows quantized along K where the GEMM reads them; the weight gradients as 2-D x 2-D
+grouped GEMMs along the tokens, dout^T and a^T quantized per expert along the tokens (one
+scale per column per expert); the weights' E4M3 copies (W per output row, W^T per input
+row) made once outside the timing, as comet's are once per optimizer step. The casts are
+eager torch (torchao fuses its own in Triton), so the row also gives the six FP8 GEMMs
+alone on the same rows: no FP8 layer built on them is faster than that. Each case prints
+how far its y, dx and weight gradients are from the bf16 autograd layer's (the measure
+above). Each expert's rows must be a multiple of 16 (the FP8 weight-gradient kernel's
+alignment along K): balanced routing at these token counts is.
 """
 import argparse
 import json
@@ -93,6 +108,43 @@ def expert_gemm(a, w, offs, wq=None):
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
     q, scale = quant_rows(a)
     return torch._scaled_grouped_mm(q, wq[0].transpose(-2, -1), scale, wq[1], offs=offs, out_dtype=torch.bfloat16)
+
+
+def quant_groups_t(t, lengths):
+    """t [R][C] transposed and quantized per expert along the tokens: E4M3 [C][R] (row
+    major) and FP32 scales [G][C] flattened, one per column per group of rows (lengths),
+    as torch._scaled_grouped_mm's 2-D x 2-D form reads them."""
+    amax = torch.segment_reduce(t.abs(), "max", lengths=lengths, axis=0).float().clamp(min=1e-12)  # [G][C]
+    inv = (E4M3_MAX / amax).repeat_interleave(lengths, dim=0, output_size=t.shape[0])
+    q = (t.float() * inv).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.t().contiguous(), (amax / E4M3_MAX).flatten()
+
+
+def fp8_copies(w):
+    """A weight's E4M3 copies (w [E][N][K]): rows of W (the forward) and of W^T (dgrad)."""
+    return quant_rows(w), quant_rows(w.transpose(-2, -1).contiguous())
+
+
+class FP8GroupedMM(torch.autograd.Function):
+    """out = a_g W_g^T per group (a [R][K] bf16, w [E][N][K] the bf16 master, offs), all
+    three GEMMs in FP8 through torch._scaled_grouped_mm, rowwise scales (the file's
+    header); wq, wq_t = fp8_copies(w), made outside."""
+    @staticmethod
+    def forward(ctx, a, w, offs, wq, wq_t):
+        ctx.save_for_backward(a, offs, wq_t[0], wq_t[1])
+        return expert_gemm(a, w, offs, wq)
+
+    @staticmethod
+    def backward(ctx, dout):
+        a, offs, q_t, s_t = ctx.saved_tensors
+        dout = dout.contiguous()
+        qd, sd = quant_rows(dout)
+        da = torch._scaled_grouped_mm(qd, q_t.transpose(-2, -1), sd, s_t, offs=offs, out_dtype=torch.bfloat16)
+        lengths = torch.diff(offs, prepend=offs.new_zeros(1)).long()
+        qdt, sdt = quant_groups_t(dout, lengths)  # [N][R]
+        qat, sat = quant_groups_t(a, lengths)     # [K][R]
+        dw = torch._scaled_grouped_mm(qdt, qat.t(), sdt, sat, offs=offs, out_dtype=torch.bfloat16)
+        return da, dw, None, None, None
 
 
 def moe_layer(x, ids, weights, w13, w2, E, world, marks, fp8=None):
@@ -235,13 +287,18 @@ def plan(ids, E, world, rank):
             torch.cumsum(recv_counts.sum(0), 0).to(torch.int32))
 
 
-def moe_train(x, ids, weights, w13, w2, E, world, rank, gmm):
-    """moe_layer's math with every step differentiable (no in-place writes)."""
+def moe_train(x, ids, weights, w13, w2, E, world, rank, gmm, fp8=None):
+    """moe_layer's math with every step differentiable (no in-place writes); fp8 =
+    (fp8_copies(w13), fp8_copies(w2)) runs the expert GEMMs through FP8GroupedMM."""
     (m, k), H = ids.shape, x.shape[1]
     order, send_splits, recv_splits, perm, inv, offs = plan(ids, E, world, rank)
     rows = a2a(x.index_select(0, order // k), recv_splits, send_splits).index_select(0, perm)
-    gate, up = gmm(rows, w13.transpose(-2, -1), offs).chunk(2, dim=-1)
-    out = gmm(F.silu(gate) * up, w2.transpose(-2, -1), offs)
+    if fp8:
+        gate, up = FP8GroupedMM.apply(rows, w13, offs, *fp8[0]).chunk(2, dim=-1)
+        out = FP8GroupedMM.apply(F.silu(gate) * up, w2, offs, *fp8[1])
+    else:
+        gate, up = gmm(rows, w13.transpose(-2, -1), offs).chunk(2, dim=-1)
+        out = gmm(F.silu(gate) * up, w2.transpose(-2, -1), offs)
     back = a2a(out.index_select(0, inv), send_splits, recv_splits)
     acc = torch.promote_types(x.dtype, torch.float32)  # bf16 sums in float32, as moe_layer's
     y = torch.zeros(m, H, dtype=acc, device=x.device).index_add(
@@ -307,10 +364,11 @@ def median_events(fn, warmup, iters, n):
     return [statistics.median(s) for s in spans]
 
 
-def train_case(sets, w13, w2, E, world, rank, native, warmup, iters):
+def train_case(sets, w13, w2, E, world, rank, native, warmup, iters, fp8=None):
     """This rank's medians: the forward under autograd, the backward, the step; the six
     grouped GEMMs alone, in turns, on set 0's rows and offsets (forward, dgrad, wgrad, all
-    six); and set 0's received rows."""
+    six); and set 0's received rows. fp8 = (fp8_copies(w13), fp8_copies(w2)): the FP8
+    layer, and its GEMMs alone on operands quantized outside the timing."""
     gmm, w13, w2 = grouped(native), torch.nn.Parameter(w13.detach()), torch.nn.Parameter(w2.detach())
     tsets = [(x.detach().requires_grad_(), ids, w.detach().requires_grad_(), torch.randn_like(x))
              for x, ids, w in sets]
@@ -319,7 +377,7 @@ def train_case(sets, w13, w2, E, world, rank, native, warmup, iters):
         x, ids, w, dy = tsets[(it + warmup) % len(tsets)]
         x.grad = w.grad = w13.grad = w2.grad = None  # fresh gradients each step
         marks[0].record()
-        y = moe_train(x, ids, w, w13, w2, E, world, rank, gmm)
+        y = moe_train(x, ids, w, w13, w2, E, world, rank, gmm, fp8)
         marks[1].record()
         y.backward(dy)
         marks[2].record()
@@ -328,17 +386,52 @@ def train_case(sets, w13, w2, E, world, rank, native, warmup, iters):
     R, (_, F2, H) = (int(offs[-1]) if offs.numel() else 0), w13.shape
     rnd = lambda n: torch.randn(R, n, device=w13.device, dtype=w13.dtype)
     rows, d_out, act, d_h, W13, W2 = rnd(H), rnd(H), rnd(F2 // 2), rnd(F2), w13.detach(), w2.detach()
+    if fp8:
+        sgmm = lambda q, b: torch._scaled_grouped_mm(q[0], b[0], q[1], b[1], offs=offs, out_dtype=torch.bfloat16)
+        lengths = torch.diff(offs, prepend=offs.new_zeros(1)).long()
+        (q13, q13t), (q2, q2t) = fp8
+        b13, b2 = (q13[0].transpose(-2, -1), q13[1]), (q2[0].transpose(-2, -1), q2[1])
+        b13t, b2t = (q13t[0].transpose(-2, -1), q13t[1]), (q2t[0].transpose(-2, -1), q2t[1])
+        q_rows, q_act, q_dout, q_dh = quant_rows(rows), quant_rows(act), quant_rows(d_out), quant_rows(d_h)
+        t_dout, t_act, t_dh, t_rows = (quant_groups_t(t, lengths) for t in (d_out, act, d_h, rows))
+        t_act, t_rows = (t_act[0].t(), t_act[1]), (t_rows[0].t(), t_rows[1])
 
-    def gemms(it, marks):
-        marks[0].record()
-        raw_gmm(rows, W13.transpose(-2, -1), offs), raw_gmm(act, W2.transpose(-2, -1), offs)
-        marks[1].record()
-        raw_gmm(d_out, W2, offs), raw_gmm(d_h, W13, offs)                # dgrad
-        marks[2].record()
-        raw_gmm(d_out.t(), act, offs), raw_gmm(d_h.t(), rows, offs)      # wgrad
-        marks[3].record()
+        def gemms(it, marks):
+            marks[0].record()
+            sgmm(q_rows, b13), sgmm(q_act, b2)
+            marks[1].record()
+            sgmm(q_dout, b2t), sgmm(q_dh, b13t)                          # dgrad
+            marks[2].record()
+            sgmm(t_dout, t_act), sgmm(t_dh, t_rows)                      # wgrad
+            marks[3].record()
+    else:
+        def gemms(it, marks):
+            marks[0].record()
+            raw_gmm(rows, W13.transpose(-2, -1), offs), raw_gmm(act, W2.transpose(-2, -1), offs)
+            marks[1].record()
+            raw_gmm(d_out, W2, offs), raw_gmm(d_h, W13, offs)                # dgrad
+            marks[2].record()
+            raw_gmm(d_out.t(), act, offs), raw_gmm(d_h.t(), rows, offs)      # wgrad
+            marks[3].record()
 
     return median_events(step, warmup, iters, 3) + median_events(gemms, warmup, iters, 4), R
+
+
+def train_distance(sets, w13, w2, E, world, rank, native, fp8):
+    """The FP8 training step's y, dx, dW13 and dW2 against the bf16 autograd layer's on set
+    0: 1 - 2 sum(xy) / sum(x^2 + y^2) each, summed over ranks."""
+    x0, ids, w0 = sets[0]
+    dy = torch.randn(x0.shape, device=x0.device, dtype=x0.dtype, generator=torch.Generator(x0.device).manual_seed(5))
+    outs = []
+    for q in (fp8, None):
+        x, w = x0.detach().requires_grad_(), w0.detach()
+        p13, p2 = w13.detach().requires_grad_(), w2.detach().requires_grad_()
+        y = moe_train(x, ids, w, p13, p2, E, world, rank, grouped(native), q)
+        y.backward(dy)
+        outs.append([t.detach().double() for t in (y, x.grad, p13.grad, p2.grad)])
+    d = torch.stack([torch.stack([2 * (a * b).sum(), (a * a + b * b).sum()]) for a, b in zip(*outs)])
+    dist.all_reduce(d)
+    return [1 - n / m if m > 0 else 0.0 for n, m in d.tolist()]
 
 
 def time_layer(sets, w13, w2, E, world, warmup, iters, fp8=None):
@@ -389,7 +482,8 @@ def main():
     p.add_argument("--explicit-grad", action="store_true", help="GroupedMM even where _grouped_mm has autograd")
     p.add_argument("--check", action="store_true", help="with --train: check the gradients, small shape, and exit")
     p.add_argument("--cpu", action="store_true", help="with --check: on the CPU, world 1, no torchrun")
-    p.add_argument("--fp8", action="store_true", help="also the forward with FP8 experts (_scaled_grouped_mm)")
+    p.add_argument("--fp8", action="store_true", help="also FP8 experts (_scaled_grouped_mm): the forward, and "
+                   "with --train the training step")
     a = p.parse_args()
     if (a.check or a.explicit_grad) and not a.train:
         p.error("--check and --explicit-grad go with --train")
@@ -488,6 +582,24 @@ def main():
                                     step_ms=step, gemms_ms=gemms, median_ms={
                                         "forward": fwd, "backward": bwd, "step": step, "gemms": gemms,
                                         "gemms_forward": g_fwd, "gemms_dgrad": g_dgrad, "gemms_wgrad": g_wgrad}))
+            if a.fp8:
+                copies = (fp8_copies(w13), fp8_copies(w2))  # once per optimizer step, outside the timing
+                res, _ = train_case(sets, w13, w2, E, world, rank, native, a.warmup, a.iters, copies)
+                dist.all_reduce(med := torch.tensor(res, device="cuda"), op=dist.ReduceOp.MAX)
+                fwd8, bwd8, step8, g8_fwd, g8_dgrad, g8_wgrad, gemms8 = med.tolist()
+                far = train_distance(sets, w13, w2, E, world, rank, native, copies)
+                if rank == 0:
+                    print(f"{name:16} {'torch-fp8-train':11} {m:6d} {fwd8:10.3f} {bwd8:11.3f} {step8:9.3f} "
+                          f"{gemms8:11.3f} {flops.item() / world / (step8 * 1e-3) / 1e12:12.0f}   (FP8 GEMMs alone: "
+                          f"forward {g8_fwd:.3f} + dgrad {g8_dgrad:.3f} + wgrad {g8_wgrad:.3f} ms)")
+                    print(f"{'':16} torch-fp8-train against torch-train, 1 - 2 sum(xy) / sum(x^2 + y^2): "
+                          + ", ".join(f"{n} {v:.2e}" for n, v in zip(("y", "dx", "dW13", "dW2"), far)), flush=True)
+                    records.append(dict(base, impl="torch-fp8-train", grad="FP8GroupedMM", forward_ms=fwd8,
+                                        backward_ms=bwd8, step_ms=step8, gemms_ms=gemms8,
+                                        fp8_vs_bf16=dict(zip(("y", "dx", "dW13", "dW2"), far)), median_ms={
+                                            "forward": fwd8, "backward": bwd8, "step": step8, "gemms": gemms8,
+                                            "gemms_forward": g8_fwd, "gemms_dgrad": g8_dgrad,
+                                            "gemms_wgrad": g8_wgrad}))
         del w13, w2, sets, fp8
         torch.cuda.empty_cache()
     if rank == 0 and a.json:
