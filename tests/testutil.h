@@ -101,6 +101,7 @@ uint64_t test_seed(void);
     X(launch_id_file_one_writer_wins, 60)       \
     X(api_rejects_bad_arguments, 10)            \
     X(fp8_forward_args_refusals, 10)            \
+    X(swiglu_fp8_refusals, 10)                  \
     X(params_table, 30)                         \
     X(gpu_flag_wait_times_out, 60)              \
     X(gpu_gemm_every_variant, 240)              \
@@ -110,6 +111,7 @@ uint64_t test_seed(void);
     X(gpu_blaslt_fp8_grouped, 180)              \
     X(gpu_e4m3_cvt_matches_host, 120)           \
     X(gpu_quantize_fp8, 120)                    \
+    X(gpu_swiglu_backward_fp8, 60)              \
     X(gpu_fp8_forward, 240)                     \
     X(gpu_fp8_training, 240)                    \
     X(gpu_fp8_training_1000_steps, 300)         \

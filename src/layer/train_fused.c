@@ -320,37 +320,34 @@ static comet_moe_args_t backward_args(const struct cometi_fused *f, const comet_
     return a;
 }
 
-/* FP8, between SwiGLU's backward and the dgrad GEMM of W13: the weight gradients'
- * operands cast along the tokens (w a first: dh's 1 x 128 quantization then takes its
- * bytes), and dh quantized 1 x 128. Rows past R are in no segment. */
-static comet_status_t cast_fp8_operands(comet_moe_t moe, struct cometi_fused *f, const cometi_fp8_train_t *t,
-                                        const comet_moe_saved_t sv, cudaStream_t stream)
+/* FP8, between the dgrad GEMM of W2 and that of W13: SwiGLU's backward straight into its
+ * FP8 outputs ((w a)^T and dh^T along the tokens, then dh's rows over s's bytes, and
+ * <s, a>), then dy and x cast along the tokens from their E4M3 rows. Rows past R are in
+ * no segment. */
+static comet_status_t backward_fp8_operands(comet_moe_t moe, struct cometi_fused *f, const cometi_fp8_train_t *t,
+                                            const comet_moe_saved_t sv, cudaStream_t stream)
 {
     comet_comm_t comm = moe->comm;
     const cometi_dispatch_gemm_t *l0 = &f->l0;
     const int H = moe->cfg.hidden, F = moe->ffn_local, per = l0->experts_per_group, pow2 = l0->pow2_scales;
     const int64_t R = l0->max_recv_rows, rows = sv->cap_rows < R ? sv->cap_rows : R, rb = l0->row_bytes;
     const cometi_segment_t *segs = l0->route.plan.local_segs;
-    COMETI_TRY(cometi_cuda(comm->err, cometi_quantize_segments_t_e4m3(t->s, F, F, R, segs, per, t->wa_t, t->ld,
-                                                                      t->wa_t_scales, 1, F, pow2, stream),
-                           "cast (w a)^T to FP8"));
-    COMETI_TRY(cometi_cuda(comm->err, cometi_quantize_segments_t_e4m3(sv->h, 2 * F, 2 * F, rows, segs, per, t->dh_t,
-                                                                      t->ld, t->dh_t_scales, 1, 2 * F, pow2, stream),
-                           "cast dh^T to FP8"));
+    COMETI_TRY(cometi_cuda(comm->err, cometi_launch_swiglu_backward_e4m3(sv->h, t->s, F, segs, per, (int)rows, rows,
+                                                                         f->w_rows, f->dw_rows, t->dh_scales, R,
+                                                                         t->wa_t, t->wa_t_scales, t->dh_t,
+                                                                         t->dh_t_scales, t->ld, pow2, stream),
+                           "launch SwiGLU's FP8 backward"));
     COMETI_TRY(cometi_cuda(comm->err, cometi_requantize_segments_t_e4m3(l0->recv.local, rb,
                                                                         (const float *)((const char *)l0->recv.local +
                                                                                         H),
                                                                         rb / 4, 1, H, R, segs, per, t->dy_t, t->ld,
                                                                         t->dy_t_scales, 1, H, pow2, stream),
                            "cast dy^T to FP8 along the tokens"));
-    COMETI_TRY(cometi_cuda(comm->err, cometi_requantize_segments_t_e4m3(sv->recv, rb,
-                                                                        (const float *)((const char *)sv->recv + H),
-                                                                        rb / 4, 1, H, rows, segs, per, t->x_t, t->ld,
-                                                                        t->x_t_scales, 1, H, pow2, stream),
-                           "cast x^T to FP8 along the tokens"));
-    return cometi_cuda(comm->err, cometi_quantize_rows_e4m3(sv->h, rows, 2 * F, 2 * F, t->s, 2 * F, t->dh_scales, 1, R,
-                                                            pow2, stream),
-                       "quantize dh to FP8");
+    return cometi_cuda(comm->err, cometi_requantize_segments_t_e4m3(sv->recv, rb,
+                                                                    (const float *)((const char *)sv->recv + H),
+                                                                    rb / 4, 1, H, rows, segs, per, t->x_t, t->ld,
+                                                                    t->x_t_scales, 1, H, pow2, stream),
+                       "cast x^T to FP8 along the tokens");
 }
 
 /* The weight gradients, put beside the combine of the dgrad GEMM of W13 (between it and
@@ -407,7 +404,9 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
         st = cometi_cuda(comm->err, cometi_launch_pull_weights(&win, f->l1.push_dest, segs, per, sv->cap_rows, moe->tp,
                                                                f->w_rows, comm->sm_count, stream),
                          "launch pull_weights_kernel");
-    if (st == COMET_SUCCESS)
+    if (st == COMET_SUCCESS && fp8)
+        st = backward_fp8_operands(moe, f, t, sv, stream);
+    else if (st == COMET_SUCCESS)
         st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, s, sv->h, F, segs, per,
                                                                   (int)sv->cap_rows, sv->cap_rows, f->w_rows,
                                                                   f->dw_rows, stream),
@@ -421,7 +420,6 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     if (st == COMET_SUCCESS && !fp8) /* FP8: the casts write zeros past each segment's end */
         st = cometi_cuda(comm->err, cometi_launch_zero_padding(&pad, segs, per, sv->cap_rows, comm->sm_count, stream),
                          "launch zero_padding_kernel");
-    if (st == COMET_SUCCESS && fp8) st = cast_fp8_operands(moe, f, t, sv, stream);
     /* 4 and 5. */
     weight_grads_t wg = {comm->err, &g.wgrad_down, &g.wgrad_gate_up};
     const cometi_combine_between_t between = {run_weight_grads, &wg};

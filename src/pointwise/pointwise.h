@@ -1,8 +1,8 @@
 /*
  * pointwise.h - the kernels both paths run on rows between the expert GEMMs: SwiGLU and
- * its backward (swiglu.cu), the routing weights to and from the send order
- * (routing_weights.cu), and block-scaled FP8 quantization (quantize.cu). Device types
- * alone.
+ * its backward (swiglu.cu; in FP8 training swiglu_fp8.cu), the routing weights to and
+ * from the send order (routing_weights.cu), and block-scaled FP8 quantization
+ * (quantize.cu). Device types alone.
  */
 #ifndef COMET_POINTWISE_H
 #define COMET_POINTWISE_H
@@ -37,6 +37,21 @@ cudaError_t cometi_launch_gather_weight_grads(const float *rows, int tp, size_t 
 cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int ffn, const cometi_segment_t *segs,
                                           int num_segs, int max_rows, int64_t row_limit, const float *w_rows,
                                           float *dw_rows, cudaStream_t stream);
+/* The same in FP8 training, straight into the FP8 operands of the GEMMs after it (the
+ * values cometi_launch_swiglu_backward computes, each rounded to bf16, then quantized as
+ * the functions below quantize bf16: the same bytes and scales): (w a)^T into wa_t
+ * [ffn][ldq] and dh^T into dh_t [2 ffn][ldq] along the tokens (as
+ * cometi_quantize_segments_t_e4m3 writes them, scales [rows / 128][ffn] and [rows /
+ * 128][2 ffn]); then dh's rows 1 x 128 over s's bytes (s_dh: s [rows][ffn] bf16 in, dh
+ * [rows][2 ffn] E4M3 out, row r's block b's scale at dh_scales[r + b x dh_scale_block])
+ * and dw_rows. Rows at or past `rows` are left alone. ffn a multiple of 128; h, s_dh, wa_t
+ * and dh_t 16-byte aligned, ldq a multiple of 16 >= rows rounded up to 128: else
+ * cudaErrorInvalidValue and nothing launched. */
+cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, void *s_dh, int ffn, const cometi_segment_t *segs,
+                                               int groups, int max_rows, int64_t rows, const float *w_rows,
+                                               float *dw_rows, float *dh_scales, int64_t dh_scale_block, void *wa_t,
+                                               float *wa_t_scales, void *dh_t, float *dh_t_scales, int64_t ldq,
+                                               int pow2, cudaStream_t stream);
 
 /* Block-scaled FP8 (E4M3) with base/fp8.h's arithmetic: each block's amax, its scale
  * (pow2: a power of two), q = e4m3(x x (1 / scale)); NaN and infinity as comet.h states.

@@ -1,0 +1,129 @@
+/*
+ * e4m3_tile.cuh - what the FP8 pointwise kernels share (quantize.cu, swiglu_fp8.cu): the
+ * NaN-propagating amax of bf16 pairs, eight values to E4M3 with their scales' inverses,
+ * E4M3 back to fp32, and the 128 x 128 tile a block of 256 threads quantizes along its
+ * columns and writes transposed through a swizzled staging.
+ */
+#ifndef COMET_POINTWISE_E4M3_TILE_CUH
+#define COMET_POINTWISE_E4M3_TILE_CUH
+
+#include <stdint.h>
+
+#include "base/fp8.h"
+#include "base/types.h"
+
+#define QUANTIZE_THREADS 256
+#define QUANTIZE_WARPS (QUANTIZE_THREADS / 32)
+
+/* The NaN-propagating max of two pairs of bf16, half by half (bf16 max is exact: the
+ * values are floats' top halves). A NaN gives bf16's canonical NaN, which the float max
+ * after it turns into fp32's (base/fp8.h's cometi_fp8_max). */
+static __device__ __forceinline__ uint32_t max_nan_bf16x2(uint32_t a, uint32_t b)
+{
+    uint32_t d;
+    asm("max.NaN.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+/* m (two running maxima, bf16x2) folded with the |x| of eight bf16 (one 16-byte load). */
+static __device__ __forceinline__ uint32_t amax8(uint4 v, uint32_t m)
+{
+    m = max_nan_bf16x2(m, v.x & 0x7fff7fffu);
+    m = max_nan_bf16x2(m, v.y & 0x7fff7fffu);
+    m = max_nan_bf16x2(m, v.z & 0x7fff7fffu);
+    return max_nan_bf16x2(m, v.w & 0x7fff7fffu);
+}
+
+/* The larger of the two running maxima, as a float. */
+static __device__ __forceinline__ float amax_float(uint32_t m)
+{
+    return cometi_fp8_max(cometi_f32_from_bits(m << 16), cometi_f32_from_bits(m & 0xffff0000u));
+}
+
+/* Eight values to E4M3, e4m3(x[c] x inv[c]) for column c: 8 bytes, the first column's
+ * lowest. */
+static __device__ __forceinline__ uint2 quantize8_floats(const float *x, const float *inv)
+{
+    uint32_t pair[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        pair[k] = cometi_e4m3x2_cvt(cometi_fp8_mul(x[2 * k], inv[2 * k]), cometi_fp8_mul(x[2 * k + 1], inv[2 * k + 1]));
+    return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+}
+
+/* Eight bf16 (the first column in the low half of .x) to E4M3 with a scale each (column c's
+ * inverse inv[c]). */
+static __device__ __forceinline__ uint2 quantize8_cols(uint4 v, const float *inv)
+{
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    float x[8];
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        x[2 * k] = cometi_f32_from_bits(w[k] << 16), x[2 * k + 1] = cometi_f32_from_bits(w[k] & 0xffff0000u);
+    return quantize8_floats(x, inv);
+}
+
+/* The same with one scale for the eight (a row's or a weight tile's block). */
+static __device__ __forceinline__ uint2 quantize8(uint4 v, float inv)
+{
+    const float invs[8] = {inv, inv, inv, inv, inv, inv, inv, inv};
+    return quantize8_cols(v, invs);
+}
+
+/* A tile of 128 rows x 128 columns among 256 threads: thread t takes columns 8 (t % 16) ..
+ * 8 (t % 16) + 7 of rows t / 16, t / 16 + 16, ..., t / 16 + 112 (a pass each). */
+#define TILE_ROWS_PER_PASS (QUANTIZE_THREADS / 16)
+#define TILE_PASSES (COMETI_FP8_BLOCK / TILE_ROWS_PER_PASS)
+#define TILE_PIECES (COMETI_FP8_BLOCK * COMETI_FP8_BLOCK / 16) /* 16-byte pieces of qt a tile */
+static __device__ __forceinline__ int staged_at(int row, int col)
+{
+    return row * COMETI_FP8_BLOCK + (((col / 4) ^ (row / 16 * 4)) * 4 | (col % 4));
+}
+
+/* Rows 16 piece .. 16 piece + 15 of the staged tile's column tc: 16 bytes of a qt row. */
+static __device__ __forceinline__ uint4 staged_piece(const uint8_t *staged, int piece, int tc)
+{
+    uint32_t word[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        word[k] = 0;
+#pragma unroll
+        for (int b = 0; b < 4; b++) word[k] |= (uint32_t)staged[staged_at(piece * 16 + k * 4 + b, tc)] << (8 * b);
+    }
+    return make_uint4(word[0], word[1], word[2], word[3]);
+}
+
+/* Eight E4M3 values (8 bytes, the first column lowest) times their row's scale: exact
+ * decoding (E4M3 is a subset of f16), then one rounded fp32 product each, as the host's
+ * cometi_fp8_mul(cometi_e4m3_decode(q), s). */
+static __device__ __forceinline__ void dequantize8(uint2 b, float s, float *out)
+{
+    const uint32_t w[2] = {b.x, b.y};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        const uint16_t pair = (uint16_t)(w[k / 2] >> (16 * (k % 2)));
+        uint32_t h2;
+        asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+        float lo, hi;
+        asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((uint16_t)(h2 & 0xffffu)));
+        asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((uint16_t)(h2 >> 16)));
+        out[2 * k] = cometi_fp8_mul(lo, s), out[2 * k + 1] = cometi_fp8_mul(hi, s);
+    }
+}
+
+/* The rows of the 128-row block at r0 in its segment (a segment starts at a multiple of
+ * 128; rows at or past `rows` count as none of it), or -1 where the block is in no segment. */
+static __device__ __forceinline__ int block_rows_in_segment(const cometi_segment_t *segs, int groups, long long r0,
+                                                            long long rows)
+{
+    for (int g = 0; g < groups; g++) {
+        const cometi_segment_t sg = segs[g];
+        if (r0 >= sg.start && r0 < sg.start + sg.rows) {
+            const long long end = sg.start + sg.rows < rows ? sg.start + sg.rows : rows;
+            return end <= r0 ? 0 : (int)(end - r0 < COMETI_FP8_BLOCK ? end - r0 : COMETI_FP8_BLOCK);
+        }
+    }
+    return -1;
+}
+
+#endif /* COMET_POINTWISE_E4M3_TILE_CUH */

@@ -1,0 +1,262 @@
+/*
+ * swiglu_fp8.cu - SwiGLU's backward in FP8 training, straight into the FP8 operands the
+ * GEMMs after it read, so no bf16 dh or w a ever goes to memory:
+ *   swiglu_backward_t_kernel     the weight gradients' operands, (w a)^T and dh^T, each
+ *                                quantized along the tokens (128 x 1 blocks);
+ *   swiglu_backward_rows_kernel  dh's rows quantized 1 x 128 (the dgrad GEMM of W13 reads
+ *                                them) over s's bytes, and <s, a> for d topk_weights.
+ * Both compute the same values as swiglu.cu's bf16 backward (dswiglu below, each value
+ * rounded to bf16 as that kernel stores it), then quantize them as quantize.cu's
+ * kernels quantize bf16 rows: the FP8 operands are those the bf16 backward and the casts
+ * would make, bit for bit, in half the traffic (each reads [g u] and s once; the four
+ * kernels they replace also wrote and read dh and w a in bf16).
+ */
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "base/fp8.h"
+#include "pointwise/pointwise.h"
+#include "pointwise/e4m3_tile.cuh"
+
+/* One element of SwiGLU's backward, as swiglu_backward_kernel computes it: from g, u, s =
+ * (dy W2) and the row's weight w, dg and du (dh = [dg du] of da = w s), w a, and a =
+ * silu(g) u for <s, a>. */
+typedef struct dswiglu {
+    float dg, du, wa, a;
+} dswiglu_t;
+
+static __device__ __forceinline__ dswiglu_t dswiglu(float g, float u, float s, float w)
+{
+    const float sg = 1.0f / (1.0f + expf(-g));
+    const float silu = g * sg, a = silu * u, da = w * s;
+    dswiglu_t r;
+    r.dg = da * u * sg * (1.0f + g * (1.0f - sg));
+    r.du = da * silu;
+    r.wa = w * a;
+    r.a = a;
+    return r;
+}
+
+/* Eight columns of one row (16-byte loads of g, u and s) -> dg, du and w a, eight bf16 each
+ * (the first column in the low half of .x). */
+static __device__ __forceinline__ void dswiglu8(uint4 g4, uint4 u4, uint4 s4, float w, uint4 *dg4, uint4 *du4,
+                                                uint4 *wa4)
+{
+    const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
+                         *s = (const __nv_bfloat162 *)&s4;
+    __nv_bfloat162 *dg = (__nv_bfloat162 *)dg4, *du = (__nv_bfloat162 *)du4, *wa = (__nv_bfloat162 *)wa4;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const float2 gf = __bfloat1622float2(g[q]), uf = __bfloat1622float2(u[q]), sf = __bfloat1622float2(s[q]);
+        const dswiglu_t x = dswiglu(gf.x, uf.x, sf.x, w), y = dswiglu(gf.y, uf.y, sf.y, w);
+        dg[q] = __floats2bfloat162_rn(x.dg, y.dg);
+        du[q] = __floats2bfloat162_rn(x.du, y.du);
+        wa[q] = __floats2bfloat162_rn(x.wa, y.wa);
+    }
+}
+
+/* The weight gradients' operands: a block takes 128 rows of a segment (a 128-row block) x
+ * 128 columns f of [g u] and s, laid out among its threads as quantize.cu's tiles are (8
+ * passes of 16 rows), computes dg, du and w a for all of them in registers, then for each
+ * of the three in turn each column's amax over the 128 rows, its scale, and its bytes
+ * through the swizzled staging to the transposed rows: (w a)^T row f, dh^T rows f (gate)
+ * and ffn + f (up). Rows of the block past its segment's end (or past `rows`) are zeros;
+ * a block in no segment is not written (quantize_segments_t_kernel's contract). */
+static __global__ void __launch_bounds__(QUANTIZE_THREADS)
+swiglu_backward_t_kernel(const uint16_t *__restrict__ h, const uint16_t *__restrict__ s,
+                         const float *__restrict__ w_rows, int ffn, const cometi_segment_t *segs, int groups,
+                         long long rows, uint8_t *__restrict__ wa_t, float *__restrict__ wa_scales,
+                         uint8_t *__restrict__ dh_t, float *__restrict__ dh_scales, long long ldq, int pow2,
+                         int row_blocks, int col_tiles)
+{
+    __shared__ float warp_amax[QUANTIZE_WARPS][COMETI_FP8_BLOCK];
+    __shared__ __align__(16) uint8_t staged[COMETI_FP8_BLOCK * COMETI_FP8_BLOCK];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int tile_row = threadIdx.x / 16, col_in = (threadIdx.x % 16) * 8;
+    const long long tiles = (long long)row_blocks * col_tiles;
+    for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
+        const int rb = (int)(t / col_tiles), ct = (int)(t % col_tiles);
+        const long long r0 = (long long)rb * COMETI_FP8_BLOCK;
+        const int valid = block_rows_in_segment(segs, groups, r0, rows);
+        if (valid < 0) continue; /* the whole block alike */
+        const int c = ct * COMETI_FP8_BLOCK + col_in;
+        /* out[0]: w a, out[1]: dg, out[2]: du; 8 bf16 a pass. The next pass's loads are issued
+         * before this one's math (two passes in flight, beside the 96 registers of out). */
+        uint4 out[3][TILE_PASSES], in[2][3];
+        float w[2];
+#pragma unroll
+        for (int p = -1; p < TILE_PASSES; p++) {
+            const int tr = (p + 1) * TILE_ROWS_PER_PASS + tile_row;
+            if (p + 1 < TILE_PASSES) {
+                uint4 *x = in[(p + 1) % 2];
+                x[0] = x[1] = x[2] = make_uint4(0, 0, 0, 0);
+                w[(p + 1) % 2] = 0.0f;
+                if (tr < valid) {
+                    const long long row = r0 + tr;
+                    x[0] = *(const uint4 *)(h + row * 2 * ffn + c), x[1] = *(const uint4 *)(h + row * 2 * ffn + ffn + c);
+                    x[2] = *(const uint4 *)(s + row * ffn + c);
+                    w[(p + 1) % 2] = w_rows[row];
+                }
+            }
+            if (p >= 0) { /* rows past the segment: zeros in, zeros out */
+                const uint4 *x = in[p % 2];
+                dswiglu8(x[0], x[1], x[2], w[p % 2], &out[1][p], &out[2][p], &out[0][p]);
+            }
+        }
+#pragma unroll
+        for (int o = 0; o < 3; o++) {
+            uint32_t m[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int p = 0; p < TILE_PASSES; p++) {
+                m[0] = max_nan_bf16x2(m[0], out[o][p].x & 0x7fff7fffu), m[1] = max_nan_bf16x2(m[1], out[o][p].y & 0x7fff7fffu);
+                m[2] = max_nan_bf16x2(m[2], out[o][p].z & 0x7fff7fffu), m[3] = max_nan_bf16x2(m[3], out[o][p].w & 0x7fff7fffu);
+            }
+            float amax[8];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                amax[2 * k] = cometi_f32_from_bits(m[k] << 16);
+                amax[2 * k + 1] = cometi_f32_from_bits(m[k] & 0xffff0000u);
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) amax[k] = cometi_fp8_max(amax[k], __shfl_xor_sync(0xffffffffu, amax[k], 16));
+            if (lane < 16) {
+#pragma unroll
+                for (int k = 0; k < 8; k++) warp_amax[warp][col_in + k] = amax[k];
+            }
+            __syncthreads();
+            /* The output's rows: (w a)^T's f, or dh^T's f (gate) and ffn + f (up). */
+            uint8_t *qt = o == 0 ? wa_t : dh_t;
+            float *sc = o == 0 ? wa_scales : dh_scales;
+            const long long row_of_c = o == 2 ? ffn : 0, scale_rows = o == 0 ? ffn : 2 * (long long)ffn;
+            float inv[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                float a = warp_amax[0][col_in + k];
+#pragma unroll
+                for (int w = 1; w < QUANTIZE_WARPS; w++) a = cometi_fp8_max(a, warp_amax[w][col_in + k]);
+                const float scale = cometi_fp8_scale(a, pow2);
+                inv[k] = cometi_fp8_inverse(scale);
+                if (tile_row == 0) sc[row_of_c + c + k + rb * scale_rows] = scale;
+            }
+#pragma unroll
+            for (int p = 0; p < TILE_PASSES; p++)
+                *(uint2 *)(staged + staged_at(p * TILE_ROWS_PER_PASS + tile_row, col_in)) = quantize8_cols(out[o][p], inv);
+            __syncthreads(); /* the bytes are staged; warp_amax read */
+            for (int i = threadIdx.x; i < TILE_PIECES; i += QUANTIZE_THREADS) {
+                const int piece = i % 8, tc = i / 8; /* rows 16 piece .. 16 piece + 15 of column tc */
+                *(uint4 *)(qt + (row_of_c + ct * COMETI_FP8_BLOCK + tc) * ldq + r0 + piece * 16) =
+                    staged_piece(staged, piece, tc);
+            }
+            __syncthreads(); /* the staging and warp_amax are free for the next output */
+        }
+    }
+}
+
+/* dh's rows and <s, a>: a block takes a row at a time of each expert's segment (blockIdx.y
+ * the expert), as swiglu_backward_kernel does. s's row is copied into shared memory first,
+ * since dh's E4M3 bytes (2 ffn a row: gate, then up) overwrite s's bf16 ones. A thread
+ * takes 8 columns a pass; the 16 threads of a half-warp hold one 128-column block of dg and
+ * one of du, whose amax is a shuffle among them. <s, a> is summed as that kernel sums it
+ * (the same order: the same bits). */
+#define DSWIGLU_THREADS 256
+static __global__ void __launch_bounds__(DSWIGLU_THREADS)
+swiglu_backward_rows_kernel(const uint16_t *__restrict__ h, uint16_t *s_dh, int ffn, const cometi_segment_t *segs,
+                            long long row_limit, const float *__restrict__ w_rows, float *__restrict__ dw_rows,
+                            float *__restrict__ dh_scales, long long scale_block_stride, int pow2)
+{
+    extern __shared__ uint4 s_row[]; /* ffn / 8 */
+    __shared__ float warp_sums[DSWIGLU_THREADS / 32];
+    const cometi_segment_t seg = segs[blockIdx.y];
+    const int vecs = ffn / 8, lane = threadIdx.x % 32;
+    const long long rows = seg.start + (long long)seg.rows <= row_limit ? seg.rows
+                           : seg.start < row_limit                   ? row_limit - seg.start
+                                                                     : 0;
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const long long row = seg.start + r;
+        const float w = w_rows[row];
+        for (int v = threadIdx.x; v < vecs; v += blockDim.x) s_row[v] = *(const uint4 *)(s_dh + row * ffn + v * 8);
+        __syncthreads(); /* s's row is read before any dh byte lands on it */
+        uint8_t *q = (uint8_t *)(s_dh + row * ffn);
+        float dot = 0.0f;
+        /* Every lane through every pass (vecs is a multiple of 16): the shuffles need all. */
+        for (int v0 = 0; v0 < vecs; v0 += blockDim.x) {
+            const int v = v0 + (int)threadIdx.x, f = v * 8;
+            const bool in = v < vecs;
+            uint4 dg4 = make_uint4(0, 0, 0, 0), du4 = dg4;
+            if (in) {
+                const uint4 g4 = *(const uint4 *)(h + row * 2 * ffn + f), u4 = *(const uint4 *)(h + row * 2 * ffn + ffn + f);
+                const uint4 s4 = s_row[v];
+                const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
+                                     *s = (const __nv_bfloat162 *)&s4;
+                __nv_bfloat162 *dg = (__nv_bfloat162 *)&dg4, *du = (__nv_bfloat162 *)&du4;
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const float2 gf = __bfloat1622float2(g[k]), uf = __bfloat1622float2(u[k]),
+                                 sf = __bfloat1622float2(s[k]);
+                    const dswiglu_t x = dswiglu(gf.x, uf.x, sf.x, w), y = dswiglu(gf.y, uf.y, sf.y, w);
+                    dot += sf.x * x.a + sf.y * y.a;
+                    dg[k] = __floats2bfloat162_rn(x.dg, y.dg);
+                    du[k] = __floats2bfloat162_rn(x.du, y.du);
+                }
+            }
+            float amax_g = amax_float(amax8(dg4, 0)), amax_u = amax_float(amax8(du4, 0));
+#pragma unroll
+            for (int off = 8; off > 0; off /= 2) {
+                amax_g = cometi_fp8_max(amax_g, __shfl_xor_sync(0xffffffffu, amax_g, off));
+                amax_u = cometi_fp8_max(amax_u, __shfl_xor_sync(0xffffffffu, amax_u, off));
+            }
+            if (in) {
+                const float sg = cometi_fp8_scale(amax_g, pow2), su = cometi_fp8_scale(amax_u, pow2);
+                *(uint2 *)(q + f) = quantize8(dg4, cometi_fp8_inverse(sg));
+                *(uint2 *)(q + ffn + f) = quantize8(du4, cometi_fp8_inverse(su));
+                if (lane % 16 == 0) {
+                    dh_scales[row + (f / COMETI_FP8_BLOCK) * scale_block_stride] = sg;
+                    dh_scales[row + ((ffn + f) / COMETI_FP8_BLOCK) * scale_block_stride] = su;
+                }
+            }
+        }
+        for (int off = 16; off > 0; off /= 2) dot += __shfl_down_sync(0xffffffffu, dot, off);
+        if (lane == 0) warp_sums[threadIdx.x / 32] = dot;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float sum = 0.0f;
+            for (int k = 0; k < (int)blockDim.x / 32; k++) sum += warp_sums[k];
+            dw_rows[row] = sum;
+        }
+        __syncthreads(); /* warp_sums and s_row free for the next row */
+    }
+}
+
+extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, void *s_dh, int ffn,
+                                                          const cometi_segment_t *segs, int groups, int max_rows,
+                                                          int64_t rows, const float *w_rows, float *dw_rows,
+                                                          float *dh_scales, int64_t dh_scale_block, void *wa_t,
+                                                          float *wa_t_scales, void *dh_t, float *dh_t_scales,
+                                                          int64_t ldq, int pow2, cudaStream_t stream)
+{
+    if (rows <= 0 || groups <= 0 || max_rows <= 0) return cudaSuccess;
+    const int row_blocks = (int)((rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK);
+    if (ffn <= 0 || ffn % COMETI_FP8_BLOCK || (uintptr_t)h % 16 || (uintptr_t)s_dh % 16 || (uintptr_t)wa_t % 16 ||
+        (uintptr_t)dh_t % 16 || ldq % 16 || ldq < (int64_t)row_blocks * COMETI_FP8_BLOCK || !segs || !w_rows ||
+        !dw_rows || !dh_scales || !wa_t_scales || !dh_t_scales)
+        return cudaErrorInvalidValue;
+    const int col_tiles = ffn / COMETI_FP8_BLOCK;
+    const long long tiles = (long long)row_blocks * col_tiles;
+    swiglu_backward_t_kernel<<<(unsigned int)(tiles < (1 << 20) ? tiles : (1 << 20)), QUANTIZE_THREADS, 0, stream>>>(
+        (const uint16_t *)h, (const uint16_t *)s_dh, w_rows, ffn, segs, groups, (long long)rows, (uint8_t *)wa_t,
+        wa_t_scales, (uint8_t *)dh_t, dh_t_scales, (long long)ldq, pow2, row_blocks, col_tiles);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    /* s's row in shared memory: past the default 48 KB the kernel must ask for it. */
+    const int vecs = ffn / 8, threads = vecs >= DSWIGLU_THREADS ? DSWIGLU_THREADS : (vecs + 31) / 32 * 32;
+    const size_t smem = (size_t)ffn * 2;
+    if (smem > 48 * 1024) {
+        e = cudaFuncSetAttribute(swiglu_backward_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) return e;
+    }
+    const dim3 grid((unsigned int)(max_rows < 1024 ? max_rows : 1024), (unsigned int)groups);
+    swiglu_backward_rows_kernel<<<grid, threads, smem, stream>>>((const uint16_t *)h, (uint16_t *)s_dh, ffn, segs,
+                                                                 (long long)rows, w_rows, dw_rows, dh_scales,
+                                                                 (long long)dh_scale_block, pow2);
+    return cudaGetLastError();
+}

@@ -1,0 +1,264 @@
+/*
+ * test_swiglu_fp8.c - SwiGLU's backward in FP8 training (swiglu_fp8.cu) against the chain
+ * it replaces: the bf16 backward (swiglu.cu's kernel: dh and w a in bf16) followed by the
+ * casts (quantize.cu: (w a)^T and dh^T along the tokens, dh's rows 1 x 128). On fresh
+ * random rows in ragged segments (an empty one, one of a single row, one cut by the
+ * buffers' rows, a block in none), with a NaN planted, both scale modes: every byte and
+ * scale of the three FP8 operands and every <s, a> equal bit for bit, nothing written
+ * past the segments, and s's bytes past the segments' rows left alone; then both timed at
+ * mixtral-8x7b's size, for the record. On the CPU: the launcher's refusals.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/fp8.h"
+#include "pointwise/pointwise.h"
+#include "testutil.h"
+#include "gpu_util.h"
+
+#define POISON 0xa5
+#define F 384 /* three 128-column blocks */
+#define R 640 /* the buffers' rows (ldq: R) */
+
+int test_swiglu_fp8_refusals(void)
+{
+    const cometi_segment_t *segs = (const cometi_segment_t *)(uintptr_t)256; /* never read */
+    char *p = (char *)(uintptr_t)4096;                                       /* any 16-byte aligned address */
+    float *f = (float *)(uintptr_t)8192;
+    /* Nothing to do: success, nothing launched. */
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p, p, F, segs, 1, 1, 0, f, f, f, R, p, f, p, f, R, 0, 0), cudaSuccess);
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p, p, F, segs, 0, 1, 10, f, f, f, R, p, f, p, f, R, 0, 0), cudaSuccess);
+    /* ffn not a multiple of 128, misaligned buffers, ldq short or not a multiple of 16, a
+     * missing pointer. */
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p, p, 320, segs, 1, 1, 10, f, f, f, R, p, f, p, f, R, 0, 0),
+             cudaErrorInvalidValue);
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p + 8, p, F, segs, 1, 1, 10, f, f, f, R, p, f, p, f, R, 0, 0),
+             cudaErrorInvalidValue);
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p, p, F, segs, 1, 1, 10, f, f, f, R, p + 8, f, p, f, R, 0, 0),
+             cudaErrorInvalidValue);
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p, p, F, segs, 1, 1, 200, f, f, f, R, p, f, p, f, 128, 0, 0),
+             cudaErrorInvalidValue);
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p, p, F, segs, 1, 1, 10, f, f, f, R, p, f, p, f, R + 8, 0, 0),
+             cudaErrorInvalidValue);
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p, p, F, segs, 1, 1, 10, f, NULL, f, R, p, f, p, f, R, 0, 0),
+             cudaErrorInvalidValue);
+    return 0;
+}
+
+/* Host copies of a device buffer. */
+static void *fetch(const void *d, size_t bytes)
+{
+    void *h = malloc(bytes + 16);
+    if (h && cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) {
+        free(h);
+        return NULL;
+    }
+    return h;
+}
+
+static int cmp_float(const void *a, const void *b)
+{
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+/* The speed of both, for the record (not checked against anything): mixtral-8x7b's rows on
+ * one GPU (8 experts x 2048 rows, ffn 14336), median of 10 calls each, in turns; the
+ * bytes each must move (the chain: [g u] and s read, dh and w a written and read again,
+ * the FP8 outputs written; the FP8 backward: [g u] twice and s twice read, the outputs
+ * written). */
+static int time_both(void)
+{
+    enum { ROWS = 16384, FF = 14336, RUNS = 10 };
+    const size_t nh = (size_t)ROWS * 2 * FF, ns = (size_t)ROWS * FF;
+    void *h, *s, *wa_t, *dh_t;
+    float *w, *dw, *sc;
+    CUDA_OK(cudaMalloc(&h, nh * 2));
+    CUDA_OK(cudaMalloc(&s, ns * 2));
+    CUDA_OK(cudaMalloc(&wa_t, ns));
+    CUDA_OK(cudaMalloc(&dh_t, nh));
+    CUDA_OK(cudaMalloc((void **)&w, sizeof(float) * ROWS));
+    CUDA_OK(cudaMalloc((void **)&dw, sizeof(float) * ROWS));
+    CUDA_OK(cudaMalloc((void **)&sc, sizeof(float) * (ROWS / 128) * 2 * FF * 3));
+    CUDA_OK(cometi_fill_hash_bf16(h, nh, 11, 0, 1.0f, 0));
+    CUDA_OK(cometi_fill_hash_bf16(s, ns, 12, 0, 1.0f, 0));
+    CUDA_OK(cudaMemset(w, 0, sizeof(float) * ROWS));
+    cometi_segment_t segs_host[8], *segs;
+    for (int g = 0; g < 8; g++) segs_host[g] = (cometi_segment_t){g * (ROWS / 8), ROWS / 8};
+    CUDA_OK(cudaMalloc((void **)&segs, sizeof(segs_host)));
+    CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(segs_host), cudaMemcpyHostToDevice));
+    float *sc_wa = sc, *sc_dht = sc + (size_t)(ROWS / 128) * FF, *sc_dh = sc_dht + (size_t)(ROWS / 128) * 2 * FF;
+    cudaEvent_t ev[3];
+    for (int i = 0; i < 3; i++) CUDA_OK(cudaEventCreate(&ev[i]));
+    float ms[2][RUNS];
+    for (int i = -2; i < RUNS; i++) { /* w = 0: s and dh stay finite call after call */
+        CUDA_OK(cudaEventRecord(ev[0], 0));
+        CUDA_OK(cometi_launch_swiglu_backward(h, s, h, FF, segs, 8, ROWS / 8, ROWS, w, dw, 0));
+        CUDA_OK(cometi_quantize_segments_t_e4m3(s, FF, FF, ROWS, segs, 8, wa_t, ROWS, sc_wa, 1, FF, 0, 0));
+        CUDA_OK(cometi_quantize_segments_t_e4m3(h, 2 * FF, 2 * FF, ROWS, segs, 8, dh_t, ROWS, sc_dht, 1, 2 * FF, 0, 0));
+        CUDA_OK(cometi_quantize_rows_e4m3(h, ROWS, 2 * FF, 2 * FF, s, 2 * FF, sc_dh, 1, ROWS, 0, 0));
+        CUDA_OK(cudaEventRecord(ev[1], 0));
+        CUDA_OK(cometi_launch_swiglu_backward_e4m3(h, s, FF, segs, 8, ROWS / 8, ROWS, w, dw, sc_dh, ROWS, wa_t, sc_wa,
+                                                   dh_t, sc_dht, ROWS, 0, 0));
+        CUDA_OK(cudaEventRecord(ev[2], 0));
+        CUDA_OK(cudaEventSynchronize(ev[2]));
+        if (i >= 0) {
+            CUDA_OK(cudaEventElapsedTime(&ms[0][i], ev[0], ev[1]));
+            CUDA_OK(cudaEventElapsedTime(&ms[1][i], ev[1], ev[2]));
+        }
+    }
+    qsort(ms[0], RUNS, sizeof(float), cmp_float);
+    qsort(ms[1], RUNS, sizeof(float), cmp_float);
+    /* Bytes a row moves, in units of ffn: the chain 12 (SwiGLU's backward: [g u] 4 and s 2 in,
+     * dh 4 and w a 2 out) + 3 + 6 + 6 (each cast: its bf16 in, its E4M3 out); the FP8
+     * backward 9 (its first kernel: [g u] and s in, (w a)^T and dh^T out) + 8 (its second:
+     * [g u] and s in, dh's E4M3 rows out). */
+    const double chain = (double)ns * 27, fused = (double)ns * 17;
+    printf("mixtral-8x7b's rows (16384 x ffn 14336): the bf16 backward and its casts %.3f ms (%.2f TB/s), the FP8 "
+           "backward %.3f ms (%.2f TB/s), %.2fx\n", ms[0][RUNS / 2], chain / ms[0][RUNS / 2] / 1e9, ms[1][RUNS / 2],
+           fused / ms[1][RUNS / 2] / 1e9, ms[0][RUNS / 2] / ms[1][RUNS / 2]);
+    for (int i = 0; i < 3; i++) cudaEventDestroy(ev[i]);
+    cudaFree(h), cudaFree(s), cudaFree(wa_t), cudaFree(dh_t), cudaFree(w), cudaFree(dw), cudaFree(sc), cudaFree(segs);
+    return 0;
+}
+
+static int same_f32(float a, float b) { return cometi_f32_bits(a) == cometi_f32_bits(b) || (isnan(a) && isnan(b)); }
+
+static int swiglu_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    uint64_t rng = *(uint64_t *)arg ^ 0x5a1f9ull;
+    CUDA_OK(cudaSetDevice(ctx->local_rank));
+    /* Starts at multiples of 128, as the route lays segments out; the last is cut by rows. */
+    const cometi_segment_t segs[5] = {{0, 200}, {256, 0}, {256, 1}, {384, 128}, {512, 100}};
+    const int groups = 5, max_rows = 200;
+    const int64_t rows = 560; /* the last segment's rows 48 .. 99 are past the buffers' */
+    int in_seg[R] = {0};      /* 1: a row of a segment, below rows */
+    for (int g = 0; g < groups; g++)
+        for (int64_t r = segs[g].start; r < segs[g].start + segs[g].rows && r < rows; r++) in_seg[r] = 1;
+    const size_t nh = (size_t)R * 2 * F, ns = (size_t)R * F;
+    uint16_t *h = malloc(nh * 2), *s = malloc(ns * 2);
+    float *w = malloc(sizeof(float) * R);
+    for (size_t i = 0; i < nh; i++) h[i] = cometi_float_to_bf16((float)(4 * cometi_rand_unit(&rng) - 2));
+    for (size_t i = 0; i < ns; i++) s[i] = cometi_float_to_bf16((float)ldexp(2 * cometi_rand_unit(&rng) - 1,
+                                                                            (int)(cometi_rand_next(&rng) % 9) - 4));
+    for (int r = 0; r < R; r++) {
+        w[r] = (float)(0.05 + cometi_rand_unit(&rng));
+        if (!in_seg[r]) /* never read */
+            for (int c = 0; c < 2 * F; c++) h[(size_t)r * 2 * F + c] = 0x7fc0;
+    }
+    s[(size_t)(384 + 77) * F + 130] = 0x7fc0; /* a NaN in segment 3: its blocks and <s, a> alike */
+    cometi_segment_t *dsegs;
+    void *dh, *ds, *dh_old, *ds_old, *wa_t[2], *dh_t[2];
+    float *dw, *dw_rows[2], *dh_sc[2], *wa_sc[2], *dh_tsc[2];
+    const size_t n_wa_t = (size_t)F * R, n_dh_t = (size_t)2 * F * R, nb = R / 128;
+    CUDA_OK(cudaMalloc((void **)&dsegs, sizeof(segs)));
+    CUDA_OK(cudaMalloc(&dh, nh * 2));
+    CUDA_OK(cudaMalloc(&dh_old, nh * 2));
+    CUDA_OK(cudaMalloc(&ds, ns * 2));
+    CUDA_OK(cudaMalloc(&ds_old, ns * 2));
+    CUDA_OK(cudaMalloc((void **)&dw, sizeof(float) * R));
+    for (int i = 0; i < 2; i++) {
+        CUDA_OK(cudaMalloc(&wa_t[i], n_wa_t));
+        CUDA_OK(cudaMalloc(&dh_t[i], n_dh_t));
+        CUDA_OK(cudaMalloc((void **)&dw_rows[i], sizeof(float) * R));
+        CUDA_OK(cudaMalloc((void **)&dh_sc[i], sizeof(float) * R * (2 * F / 128)));
+        CUDA_OK(cudaMalloc((void **)&wa_sc[i], sizeof(float) * nb * F));
+        CUDA_OK(cudaMalloc((void **)&dh_tsc[i], sizeof(float) * nb * 2 * F));
+    }
+    CUDA_OK(cudaMemcpy(dsegs, segs, sizeof(segs), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dw, w, sizeof(float) * R, cudaMemcpyHostToDevice));
+    for (int pow2 = 0; pow2 < 2; pow2++) {
+        CUDA_OK(cudaMemcpy(dh, h, nh * 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(dh_old, h, nh * 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(ds, s, ns * 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(ds_old, s, ns * 2, cudaMemcpyHostToDevice));
+        for (int i = 0; i < 2; i++) {
+            CUDA_OK(cudaMemset(wa_t[i], POISON, n_wa_t));
+            CUDA_OK(cudaMemset(dh_t[i], POISON, n_dh_t));
+            CUDA_OK(cudaMemset(dw_rows[i], POISON, sizeof(float) * R));
+            CUDA_OK(cudaMemset(dh_sc[i], POISON, sizeof(float) * R * (2 * F / 128)));
+            CUDA_OK(cudaMemset(wa_sc[i], POISON, sizeof(float) * nb * F));
+            CUDA_OK(cudaMemset(dh_tsc[i], POISON, sizeof(float) * nb * 2 * F));
+        }
+        /* The chain it replaces: dh and w a in bf16 (in place), then the three casts. */
+        CUDA_OK(cometi_launch_swiglu_backward(dh_old, ds_old, dh_old, F, dsegs, groups, max_rows, rows, dw, dw_rows[0],
+                                              0));
+        CUDA_OK(cometi_quantize_segments_t_e4m3(ds_old, F, F, rows, dsegs, groups, wa_t[0], R, wa_sc[0], 1, F, pow2,
+                                                0));
+        CUDA_OK(cometi_quantize_segments_t_e4m3(dh_old, 2 * F, 2 * F, rows, dsegs, groups, dh_t[0], R, dh_tsc[0], 1,
+                                                2 * F, pow2, 0));
+        CUDA_OK(cometi_quantize_rows_e4m3(dh_old, rows, 2 * F, 2 * F, ds_old, 2 * F, dh_sc[0], 1, R, pow2, 0));
+        /* The FP8 backward: dh's rows land over s (ds). */
+        CUDA_OK(cometi_launch_swiglu_backward_e4m3(dh, ds, F, dsegs, groups, max_rows, rows, dw, dw_rows[1], dh_sc[1],
+                                                   R, wa_t[1], wa_sc[1], dh_t[1], dh_tsc[1], R, pow2, 0));
+        CUDA_OK(cudaDeviceSynchronize());
+        uint8_t *q[2] = {fetch(ds_old, ns * 2), fetch(ds, ns * 2)}, *wt[2] = {fetch(wa_t[0], n_wa_t), fetch(wa_t[1], n_wa_t)},
+                *ht[2] = {fetch(dh_t[0], n_dh_t), fetch(dh_t[1], n_dh_t)};
+        float *dws[2] = {fetch(dw_rows[0], 4 * R), fetch(dw_rows[1], 4 * R)},
+              *hs[2] = {fetch(dh_sc[0], 4 * R * (2 * F / 128)), fetch(dh_sc[1], 4 * R * (2 * F / 128))},
+              *ws[2] = {fetch(wa_sc[0], 4 * nb * F), fetch(wa_sc[1], 4 * nb * F)},
+              *hts[2] = {fetch(dh_tsc[0], 4 * nb * 2 * F), fetch(dh_tsc[1], 4 * nb * 2 * F)};
+        for (int i = 0; i < 2; i++) CHECK(q[i] && wt[i] && ht[i] && dws[i] && hs[i] && ws[i] && hts[i]);
+        int bad = 0, nan_rows = 0;
+        for (int r = 0; r < R && bad < 8; r++) {
+            if (!in_seg[r]) { /* s left as it was; nothing else of the row written */
+                if (memcmp(q[1] + (size_t)r * 2 * F, s + (size_t)r * F, 2 * F) ||
+                    cometi_f32_bits(dws[1][r]) != 0xa5a5a5a5u)
+                    printf("row %d, in no segment: written\n", r), bad++;
+                continue;
+            }
+            if (memcmp(q[0] + (size_t)r * 2 * F, q[1] + (size_t)r * 2 * F, 2 * F))
+                printf("pow2 %d: dh's E4M3 row %d differs\n", pow2, r), bad++;
+            for (int b = 0; b < 2 * F / 128; b++)
+                if (!same_f32(hs[0][r + b * R], hs[1][r + b * R]))
+                    printf("pow2 %d: dh row %d block %d scale %g, want %g\n", pow2, r, b, hs[1][r + b * R],
+                           hs[0][r + b * R]), bad++;
+            if (!same_f32(dws[0][r], dws[1][r]))
+                printf("pow2 %d: <s, a> of row %d = %a, want %a\n", pow2, r, dws[1][r], dws[0][r]), bad++;
+            nan_rows += isnan(dws[1][r]);
+        }
+        /* The transposed operands: blocks in a segment equal (rows past the end are zeros in
+         * both); blocks in none untouched. */
+        for (int rb = 0; rb < (int)nb && bad < 8; rb++) {
+            int in = 0;
+            for (int g = 0; g < groups; g++) in |= rb * 128 >= segs[g].start && rb * 128 < segs[g].start + segs[g].rows;
+            for (int c = 0; c < 2 * F && bad < 8; c++) {
+                const uint8_t *a = ht[0] + (size_t)c * R + rb * 128, *b = ht[1] + (size_t)c * R + rb * 128;
+                const float sa = hts[0][c + rb * 2 * F], sb = hts[1][c + rb * 2 * F];
+                int poisoned = 1;
+                for (int k = 0; k < 128; k++) poisoned &= b[k] == POISON;
+                if (in ? memcmp(a, b, 128) || !same_f32(sa, sb) : !poisoned || cometi_f32_bits(sb) != 0xa5a5a5a5u)
+                    printf("pow2 %d: dh^T column %d, rows %d..: %s\n", pow2, c, rb * 128,
+                           in ? "differs" : "written in no segment"), bad++;
+                if (c >= F) continue;
+                a = wt[0] + (size_t)c * R + rb * 128, b = wt[1] + (size_t)c * R + rb * 128;
+                poisoned = 1;
+                for (int k = 0; k < 128; k++) poisoned &= b[k] == POISON;
+                if (in ? memcmp(a, b, 128) || !same_f32(ws[0][c + rb * F], ws[1][c + rb * F])
+                       : !poisoned || cometi_f32_bits(ws[1][c + rb * F]) != 0xa5a5a5a5u)
+                    printf("pow2 %d: (w a)^T column %d, rows %d..: %s\n", pow2, c, rb * 128,
+                           in ? "differs" : "written in no segment"), bad++;
+            }
+        }
+        for (int i = 0; i < 2; i++) free(q[i]), free(wt[i]), free(ht[i]), free(dws[i]), free(hs[i]), free(ws[i]), free(hts[i]);
+        CHECK_EQ(bad, 0);
+        CHECK_EQ(nan_rows, 1); /* the planted NaN's row */
+    }
+    printf("SwiGLU's FP8 backward equals the bf16 backward and its casts bit for bit: dh's rows, (w a)^T, dh^T, "
+           "their scales and <s, a>, over %d segments, both scale modes\n", groups);
+    cudaFree(dsegs), cudaFree(dh), cudaFree(dh_old), cudaFree(ds), cudaFree(ds_old), cudaFree(dw);
+    for (int i = 0; i < 2; i++)
+        cudaFree(wa_t[i]), cudaFree(dh_t[i]), cudaFree(dw_rows[i]), cudaFree(dh_sc[i]), cudaFree(wa_sc[i]),
+            cudaFree(dh_tsc[i]);
+    free(h), free(s), free(w);
+    return time_both();
+}
+
+int test_gpu_swiglu_backward_fp8(void)
+{
+    if (!have_gpus(1)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(1, swiglu_fp8_rank, &seed, 60);
+}
