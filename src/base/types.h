@@ -34,6 +34,12 @@ typedef struct cometi_segment {
     int start, rows;
 } cometi_segment_t;
 
+/* A segment's rows below `limit` (a buffer's rows): all, its first limit - start, or none. */
+static inline COMETI_HD long long cometi_segment_rows_below(cometi_segment_t seg, long long limit)
+{
+    return seg.start + (long long)seg.rows <= limit ? seg.rows : seg.start < limit ? limit - seg.start : 0;
+}
+
 /* Where a device-side wait gave up; the first failure wins, later ones are dropped. */
 typedef enum cometi_wait_site {
     COMETI_SITE_NONE = 0,

@@ -126,4 +126,63 @@ static __device__ __forceinline__ int block_rows_in_segment(const cometi_segment
     return -1;
 }
 
+/* Each column's max over this thread's 8 passes of bf16 pairs (v[p]: 8 columns), as floats. */
+static __device__ __forceinline__ void tile_amax_bf16(const uint4 *v, float *amax)
+{
+    uint32_t m[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int p = 0; p < TILE_PASSES; p++) {
+        m[0] = max_nan_bf16x2(m[0], v[p].x & 0x7fff7fffu), m[1] = max_nan_bf16x2(m[1], v[p].y & 0x7fff7fffu);
+        m[2] = max_nan_bf16x2(m[2], v[p].z & 0x7fff7fffu), m[3] = max_nan_bf16x2(m[3], v[p].w & 0x7fff7fffu);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        amax[2 * k] = cometi_f32_from_bits(m[k] << 16);
+        amax[2 * k + 1] = cometi_f32_from_bits(m[k] & 0xffff0000u);
+    }
+}
+
+/* The tile's columns along the tokens, from each thread's amax of its 8 columns over its
+ * rows: a shuffle across the warp's two row groups, the 8 warps' through shared memory
+ * (each thread folds them in the same order); column col (< cols) gets its scale at
+ * scales[col], written by the tile's first row of threads, and the inverses of the
+ * thread's 8 come back in inv. A block barrier inside: every thread calls it. */
+static __device__ __forceinline__ void tile_column_scales(float *amax, float (*warp_amax)[COMETI_FP8_BLOCK], int c,
+                                                          int cols, float *scales, long long scale_row_stride,
+                                                          int pow2, float *inv)
+{
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, col_in = (threadIdx.x % 16) * 8;
+#pragma unroll
+    for (int k = 0; k < 8; k++) amax[k] = cometi_fp8_max(amax[k], __shfl_xor_sync(0xffffffffu, amax[k], 16));
+    if (lane < 16) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) warp_amax[warp][col_in + k] = amax[k];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        float a = warp_amax[0][col_in + k];
+#pragma unroll
+        for (int w = 1; w < QUANTIZE_WARPS; w++) a = cometi_fp8_max(a, warp_amax[w][col_in + k]);
+        const float scale = cometi_fp8_scale(a, pow2);
+        inv[k] = cometi_fp8_inverse(scale);
+        if (threadIdx.x < 16 && c + k < cols) scales[(long long)(c + k) * scale_row_stride] = scale;
+    }
+}
+
+/* The staged tile out, transposed: column tc's 128 rows to qt row first_col + tc, from
+ * column r0 on (columns at or past cols: none). Barriers on both sides: the staging is
+ * whole before it is read, and read before the next tile writes it (and warp_amax too). */
+static __device__ __forceinline__ void tile_store_t(const uint8_t *staged, uint8_t *qt, long long ldq, int first_col,
+                                                    int cols, long long r0)
+{
+    __syncthreads();
+    for (int i = threadIdx.x; i < TILE_PIECES; i += QUANTIZE_THREADS) {
+        const int piece = i % 8, tc = i / 8; /* rows 16 piece .. 16 piece + 15 of column tc */
+        if (first_col + tc >= cols) continue;
+        *(uint4 *)(qt + (long long)(first_col + tc) * ldq + r0 + piece * 16) = staged_piece(staged, piece, tc);
+    }
+    __syncthreads();
+}
+
 #endif /* COMET_POINTWISE_E4M3_TILE_CUH */

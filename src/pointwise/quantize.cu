@@ -200,7 +200,6 @@ quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const floa
 {
     __shared__ float warp_amax[QUANTIZE_WARPS][COMETI_FP8_BLOCK];
     __shared__ __align__(16) uint8_t staged[COMETI_FP8_BLOCK * COMETI_FP8_BLOCK];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int tile_row = threadIdx.x / 16, col_in = (threadIdx.x % 16) * 8;
     const long long tiles = (long long)row_blocks * col_tiles;
     for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -239,36 +238,10 @@ quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const floa
                 for (int k = 0; k < 8; k++) amax[k] = cometi_fp8_max(amax[k], cometi_fp8_abs(f[k]));
             }
         } else { /* each column's max over the thread's rows, bf16 pairs, then floats */
-            uint32_t m[4] = {0, 0, 0, 0};
-#pragma unroll
-            for (int p = 0; p < TILE_PASSES; p++) {
-                m[0] = max_nan_bf16x2(m[0], v[p].x & 0x7fff7fffu), m[1] = max_nan_bf16x2(m[1], v[p].y & 0x7fff7fffu);
-                m[2] = max_nan_bf16x2(m[2], v[p].z & 0x7fff7fffu), m[3] = max_nan_bf16x2(m[3], v[p].w & 0x7fff7fffu);
-            }
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                amax[2 * k] = cometi_f32_from_bits(m[k] << 16);
-                amax[2 * k + 1] = cometi_f32_from_bits(m[k] & 0xffff0000u);
-            }
+            tile_amax_bf16(v, amax);
         }
-#pragma unroll
-        for (int k = 0; k < 8; k++) amax[k] = cometi_fp8_max(amax[k], __shfl_xor_sync(0xffffffffu, amax[k], 16));
-        if (lane < 16) {
-#pragma unroll
-            for (int k = 0; k < 8; k++) warp_amax[warp][col_in + k] = amax[k];
-        }
-        __syncthreads();
         float inv[8];
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            float a = warp_amax[0][col_in + k];
-#pragma unroll
-            for (int w = 1; w < QUANTIZE_WARPS; w++) a = cometi_fp8_max(a, warp_amax[w][col_in + k]);
-            const float scale = cometi_fp8_scale(a, pow2);
-            inv[k] = cometi_fp8_inverse(scale);
-            if (tile_row == 0 && c + k < cols)
-                scales[(long long)(c + k) * scale_row_stride + rb * scale_block_stride] = scale;
-        }
+        tile_column_scales(amax, warp_amax, c, cols, scales + rb * scale_block_stride, scale_row_stride, pow2, inv);
 #pragma unroll
         for (int p = 0; p < TILE_PASSES; p++) {
             const int tr = p * TILE_ROWS_PER_PASS + tile_row;
@@ -282,14 +255,7 @@ quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const floa
             }
             *(uint2 *)(staged + staged_at(tr, col_in)) = bytes;
         }
-        __syncthreads(); /* the tile's bytes are staged; warp_amax read */
-        for (int i = threadIdx.x; i < TILE_PIECES; i += QUANTIZE_THREADS) {
-            const int piece = i % 8, tc = i / 8; /* rows 16 piece .. 16 piece + 15 of column tc */
-            const int cc = ct * COMETI_FP8_BLOCK + tc;
-            if (cc >= cols) continue;
-            *(uint4 *)(qt + (long long)cc * ldq + r0 + piece * 16) = staged_piece(staged, piece, tc);
-        }
-        __syncthreads(); /* the staging is read before the next tile writes it */
+        tile_store_t(staged, qt, ldq, ct * COMETI_FP8_BLOCK, cols, r0);
     }
 }
 

@@ -66,9 +66,7 @@ swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *sa, __nv_bfloat16 
     __shared__ float warp_sums[DSWIGLU_THREADS / 32];
     const cometi_segment_t seg = segs[blockIdx.y];
     const int vecs = ffn / 8; /* 16-byte loads and stores: 8 columns at a time */
-    const long long rows = seg.start + (long long)seg.rows <= row_limit ? seg.rows
-                           : seg.start < row_limit                   ? row_limit - seg.start
-                                                                     : 0;
+    const long long rows = cometi_segment_rows_below(seg, row_limit);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const long long row = seg.start + r;
         const float w = w_rows[row];

@@ -71,7 +71,6 @@ swiglu_backward_t_kernel(const uint16_t *__restrict__ h, const uint16_t *__restr
 {
     __shared__ float warp_amax[QUANTIZE_WARPS][COMETI_FP8_BLOCK];
     __shared__ __align__(16) uint8_t staged[COMETI_FP8_BLOCK * COMETI_FP8_BLOCK];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int tile_row = threadIdx.x / 16, col_in = (threadIdx.x % 16) * 8;
     const long long tiles = (long long)row_blocks * col_tiles;
     for (long long t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -104,50 +103,16 @@ swiglu_backward_t_kernel(const uint16_t *__restrict__ h, const uint16_t *__restr
             }
         }
 #pragma unroll
-        for (int o = 0; o < 3; o++) {
-            uint32_t m[4] = {0, 0, 0, 0};
-#pragma unroll
-            for (int p = 0; p < TILE_PASSES; p++) {
-                m[0] = max_nan_bf16x2(m[0], out[o][p].x & 0x7fff7fffu), m[1] = max_nan_bf16x2(m[1], out[o][p].y & 0x7fff7fffu);
-                m[2] = max_nan_bf16x2(m[2], out[o][p].z & 0x7fff7fffu), m[3] = max_nan_bf16x2(m[3], out[o][p].w & 0x7fff7fffu);
-            }
-            float amax[8];
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                amax[2 * k] = cometi_f32_from_bits(m[k] << 16);
-                amax[2 * k + 1] = cometi_f32_from_bits(m[k] & 0xffff0000u);
-            }
-#pragma unroll
-            for (int k = 0; k < 8; k++) amax[k] = cometi_fp8_max(amax[k], __shfl_xor_sync(0xffffffffu, amax[k], 16));
-            if (lane < 16) {
-#pragma unroll
-                for (int k = 0; k < 8; k++) warp_amax[warp][col_in + k] = amax[k];
-            }
-            __syncthreads();
-            /* The output's rows: (w a)^T's f, or dh^T's f (gate) and ffn + f (up). */
-            uint8_t *qt = o == 0 ? wa_t : dh_t;
-            float *sc = o == 0 ? wa_scales : dh_scales;
-            const long long row_of_c = o == 2 ? ffn : 0, scale_rows = o == 0 ? ffn : 2 * (long long)ffn;
-            float inv[8];
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                float a = warp_amax[0][col_in + k];
-#pragma unroll
-                for (int w = 1; w < QUANTIZE_WARPS; w++) a = cometi_fp8_max(a, warp_amax[w][col_in + k]);
-                const float scale = cometi_fp8_scale(a, pow2);
-                inv[k] = cometi_fp8_inverse(scale);
-                if (tile_row == 0) sc[row_of_c + c + k + rb * scale_rows] = scale;
-            }
+        for (int o = 0; o < 3; o++) { /* (w a)^T's rows f; dh^T's f (gate), then ffn + f (up) */
+            const int first = o == 2 ? ffn : 0, out_rows = o == 0 ? ffn : 2 * ffn;
+            float amax[8], inv[8];
+            tile_amax_bf16(out[o], amax);
+            tile_column_scales(amax, warp_amax, first + c, out_rows,
+                               (o == 0 ? wa_scales : dh_scales) + (long long)rb * out_rows, 1, pow2, inv);
 #pragma unroll
             for (int p = 0; p < TILE_PASSES; p++)
                 *(uint2 *)(staged + staged_at(p * TILE_ROWS_PER_PASS + tile_row, col_in)) = quantize8_cols(out[o][p], inv);
-            __syncthreads(); /* the bytes are staged; warp_amax read */
-            for (int i = threadIdx.x; i < TILE_PIECES; i += QUANTIZE_THREADS) {
-                const int piece = i % 8, tc = i / 8; /* rows 16 piece .. 16 piece + 15 of column tc */
-                *(uint4 *)(qt + (row_of_c + ct * COMETI_FP8_BLOCK + tc) * ldq + r0 + piece * 16) =
-                    staged_piece(staged, piece, tc);
-            }
-            __syncthreads(); /* the staging and warp_amax are free for the next output */
+            tile_store_t(staged, o == 0 ? wa_t : dh_t, ldq, first + ct * COMETI_FP8_BLOCK, out_rows, r0);
         }
     }
 }
@@ -168,9 +133,7 @@ swiglu_backward_rows_kernel(const uint16_t *__restrict__ h, uint16_t *s_dh, int 
     __shared__ float warp_sums[DSWIGLU_THREADS / 32];
     const cometi_segment_t seg = segs[blockIdx.y];
     const int vecs = ffn / 8, lane = threadIdx.x % 32;
-    const long long rows = seg.start + (long long)seg.rows <= row_limit ? seg.rows
-                           : seg.start < row_limit                   ? row_limit - seg.start
-                                                                     : 0;
+    const long long rows = cometi_segment_rows_below(seg, row_limit);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const long long row = seg.start + r;
         const float w = w_rows[row];
