@@ -186,8 +186,10 @@ static const elem_bound_t ON_GRID = {0x1p-3, 0.5};
  * the others: a weight gradient's term passes through up to four roundings of its factors
  * ((1 + 2^-4)^4 - 1 = 27% of itself), and an element is at most that of the sum of its
  * terms' sizes, which, with a handful of rows that cancel, is several times the element
- * and up to about the group's RMS. A wrong or unwritten element still fails: the poison,
- * the group measure (about 1 for a misplaced row) and the tensor's. */
+ * and up to about the group's RMS. So the soak's element bound catches gross errors only
+ * (a NaN, a value of the wrong size or sign); a misplaced row or an unwritten tile fails
+ * the group measure (about 1 and 0.05 or more), and single elements are held tightly by
+ * gpu_fp8_training, on the grid. */
 static const elem_bound_t OFF_GRID = {0.3, 1.0};
 
 /* The soak's tensor measure bound (2e-3) holds for tensors of at least this many values;

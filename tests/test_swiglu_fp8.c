@@ -3,7 +3,8 @@
  * it replaces: the bf16 backward (swiglu.cu's kernel: dh and w a in bf16) followed by the
  * casts (quantize.cu: (w a)^T and dh^T along the tokens, dh's rows 1 x 128). On fresh
  * random rows in ragged segments (an empty one, one of a single row, one cut by the
- * buffers' rows, a block in none), with a NaN planted, both scale modes: every byte and
+ * buffers' rows, a block in none), with a NaN planted, both scale modes, at three ffn
+ * (one pass of a row, passes with a half-warp idle, s's row past 48 KB): every byte and
  * scale of the three FP8 operands and every <s, a> equal bit for bit, nothing written
  * past the segments, and s's bytes past the segments' rows left alone; then both timed at
  * mixtral-8x7b's size, for the record. On the CPU: the launcher's refusals.
@@ -19,8 +20,8 @@
 #include "gpu_util.h"
 
 #define POISON 0xa5
-#define F 384 /* three 128-column blocks */
-#define R 640 /* the buffers' rows (ldq: R) */
+#define F 384 /* the refusals' ffn */
+#define R 768 /* the buffers' rows (ldq: R) */
 
 int test_swiglu_fp8_refusals(void)
 {
@@ -44,6 +45,8 @@ int test_swiglu_fp8_refusals(void)
              cudaErrorInvalidValue);
     CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p, p, F, segs, 1, 1, 10, f, NULL, f, R, p, f, p, f, R, 0, 0),
              cudaErrorInvalidValue);
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p, p, F, segs, 1, 1, 200, f, f, f, 199, p, f, p, f, R, 0, 0),
+             cudaErrorInvalidValue); /* dh's scale blocks would overlap */
     return 0;
 }
 
@@ -126,33 +129,33 @@ static int time_both(void)
 
 static int same_f32(float a, float b) { return cometi_f32_bits(a) == cometi_f32_bits(b) || (isnan(a) && isnan(b)); }
 
-static int swiglu_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
+/* One ffn: both ways on the same random rows, compared. */
+static int equal_case(int ffn, uint64_t *rng)
 {
-    uint64_t rng = *(uint64_t *)arg ^ 0x5a1f9ull;
-    CUDA_OK(cudaSetDevice(ctx->local_rank));
-    /* Starts at multiples of 128, as the route lays segments out; the last is cut by rows. */
-    const cometi_segment_t segs[5] = {{0, 200}, {256, 0}, {256, 1}, {384, 128}, {512, 100}};
+    /* Starts at multiples of 128, as the route lays segments out; rows 384 .. 511 are in
+     * none; the last is cut by rows. */
+    const cometi_segment_t segs[5] = {{0, 200}, {256, 0}, {256, 1}, {512, 128}, {640, 100}};
     const int groups = 5, max_rows = 200;
-    const int64_t rows = 560; /* the last segment's rows 48 .. 99 are past the buffers' */
+    const int64_t rows = 700; /* the last segment's rows 60 .. 99 are past the buffers' */
     int in_seg[R] = {0};      /* 1: a row of a segment, below rows */
     for (int g = 0; g < groups; g++)
         for (int64_t r = segs[g].start; r < segs[g].start + segs[g].rows && r < rows; r++) in_seg[r] = 1;
-    const size_t nh = (size_t)R * 2 * F, ns = (size_t)R * F;
+    const size_t nh = (size_t)R * 2 * ffn, ns = (size_t)R * ffn;
     uint16_t *h = malloc(nh * 2), *s = malloc(ns * 2);
     float *w = malloc(sizeof(float) * R);
-    for (size_t i = 0; i < nh; i++) h[i] = cometi_float_to_bf16((float)(4 * cometi_rand_unit(&rng) - 2));
-    for (size_t i = 0; i < ns; i++) s[i] = cometi_float_to_bf16((float)ldexp(2 * cometi_rand_unit(&rng) - 1,
-                                                                            (int)(cometi_rand_next(&rng) % 9) - 4));
+    for (size_t i = 0; i < nh; i++) h[i] = cometi_float_to_bf16((float)(4 * cometi_rand_unit(rng) - 2));
+    for (size_t i = 0; i < ns; i++) s[i] = cometi_float_to_bf16((float)ldexp(2 * cometi_rand_unit(rng) - 1,
+                                                                            (int)(cometi_rand_next(rng) % 9) - 4));
     for (int r = 0; r < R; r++) {
-        w[r] = (float)(0.05 + cometi_rand_unit(&rng));
+        w[r] = (float)(0.05 + cometi_rand_unit(rng));
         if (!in_seg[r]) /* never read */
-            for (int c = 0; c < 2 * F; c++) h[(size_t)r * 2 * F + c] = 0x7fc0;
+            for (int c = 0; c < 2 * ffn; c++) h[(size_t)r * 2 * ffn + c] = 0x7fc0;
     }
-    s[(size_t)(384 + 77) * F + 130] = 0x7fc0; /* a NaN in segment 3: its blocks and <s, a> alike */
+    s[(size_t)(512 + 77) * ffn + 130] = 0x7fc0; /* a NaN in segment 3: its blocks and <s, a> alike */
     cometi_segment_t *dsegs;
     void *dh, *ds, *dh_old, *ds_old, *wa_t[2], *dh_t[2];
     float *dw, *dw_rows[2], *dh_sc[2], *wa_sc[2], *dh_tsc[2];
-    const size_t n_wa_t = (size_t)F * R, n_dh_t = (size_t)2 * F * R, nb = R / 128;
+    const size_t n_wa_t = (size_t)ffn * R, n_dh_t = (size_t)2 * ffn * R, nb = R / 128;
     CUDA_OK(cudaMalloc((void **)&dsegs, sizeof(segs)));
     CUDA_OK(cudaMalloc(&dh, nh * 2));
     CUDA_OK(cudaMalloc(&dh_old, nh * 2));
@@ -163,9 +166,9 @@ static int swiglu_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CUDA_OK(cudaMalloc(&wa_t[i], n_wa_t));
         CUDA_OK(cudaMalloc(&dh_t[i], n_dh_t));
         CUDA_OK(cudaMalloc((void **)&dw_rows[i], sizeof(float) * R));
-        CUDA_OK(cudaMalloc((void **)&dh_sc[i], sizeof(float) * R * (2 * F / 128)));
-        CUDA_OK(cudaMalloc((void **)&wa_sc[i], sizeof(float) * nb * F));
-        CUDA_OK(cudaMalloc((void **)&dh_tsc[i], sizeof(float) * nb * 2 * F));
+        CUDA_OK(cudaMalloc((void **)&dh_sc[i], sizeof(float) * R * (2 * ffn / 128)));
+        CUDA_OK(cudaMalloc((void **)&wa_sc[i], sizeof(float) * nb * ffn));
+        CUDA_OK(cudaMalloc((void **)&dh_tsc[i], sizeof(float) * nb * 2 * ffn));
     }
     CUDA_OK(cudaMemcpy(dsegs, segs, sizeof(segs), cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(dw, w, sizeof(float) * R, cudaMemcpyHostToDevice));
@@ -178,40 +181,40 @@ static int swiglu_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             CUDA_OK(cudaMemset(wa_t[i], POISON, n_wa_t));
             CUDA_OK(cudaMemset(dh_t[i], POISON, n_dh_t));
             CUDA_OK(cudaMemset(dw_rows[i], POISON, sizeof(float) * R));
-            CUDA_OK(cudaMemset(dh_sc[i], POISON, sizeof(float) * R * (2 * F / 128)));
-            CUDA_OK(cudaMemset(wa_sc[i], POISON, sizeof(float) * nb * F));
-            CUDA_OK(cudaMemset(dh_tsc[i], POISON, sizeof(float) * nb * 2 * F));
+            CUDA_OK(cudaMemset(dh_sc[i], POISON, sizeof(float) * R * (2 * ffn / 128)));
+            CUDA_OK(cudaMemset(wa_sc[i], POISON, sizeof(float) * nb * ffn));
+            CUDA_OK(cudaMemset(dh_tsc[i], POISON, sizeof(float) * nb * 2 * ffn));
         }
         /* The chain it replaces: dh and w a in bf16 (in place), then the three casts. */
-        CUDA_OK(cometi_launch_swiglu_backward(dh_old, ds_old, dh_old, F, dsegs, groups, max_rows, rows, dw, dw_rows[0],
+        CUDA_OK(cometi_launch_swiglu_backward(dh_old, ds_old, dh_old, ffn, dsegs, groups, max_rows, rows, dw, dw_rows[0],
                                               0));
-        CUDA_OK(cometi_quantize_segments_t_e4m3(ds_old, F, F, rows, dsegs, groups, wa_t[0], R, wa_sc[0], 1, F, pow2,
+        CUDA_OK(cometi_quantize_segments_t_e4m3(ds_old, ffn, ffn, rows, dsegs, groups, wa_t[0], R, wa_sc[0], 1, ffn, pow2,
                                                 0));
-        CUDA_OK(cometi_quantize_segments_t_e4m3(dh_old, 2 * F, 2 * F, rows, dsegs, groups, dh_t[0], R, dh_tsc[0], 1,
-                                                2 * F, pow2, 0));
-        CUDA_OK(cometi_quantize_rows_e4m3(dh_old, rows, 2 * F, 2 * F, ds_old, 2 * F, dh_sc[0], 1, R, pow2, 0));
+        CUDA_OK(cometi_quantize_segments_t_e4m3(dh_old, 2 * ffn, 2 * ffn, rows, dsegs, groups, dh_t[0], R, dh_tsc[0], 1,
+                                                2 * ffn, pow2, 0));
+        CUDA_OK(cometi_quantize_rows_e4m3(dh_old, rows, 2 * ffn, 2 * ffn, ds_old, 2 * ffn, dh_sc[0], 1, R, pow2, 0));
         /* The FP8 backward: dh's rows land over s (ds). */
-        CUDA_OK(cometi_launch_swiglu_backward_e4m3(dh, ds, F, dsegs, groups, max_rows, rows, dw, dw_rows[1], dh_sc[1],
+        CUDA_OK(cometi_launch_swiglu_backward_e4m3(dh, ds, ffn, dsegs, groups, max_rows, rows, dw, dw_rows[1], dh_sc[1],
                                                    R, wa_t[1], wa_sc[1], dh_t[1], dh_tsc[1], R, pow2, 0));
         CUDA_OK(cudaDeviceSynchronize());
         uint8_t *q[2] = {fetch(ds_old, ns * 2), fetch(ds, ns * 2)}, *wt[2] = {fetch(wa_t[0], n_wa_t), fetch(wa_t[1], n_wa_t)},
                 *ht[2] = {fetch(dh_t[0], n_dh_t), fetch(dh_t[1], n_dh_t)};
         float *dws[2] = {fetch(dw_rows[0], 4 * R), fetch(dw_rows[1], 4 * R)},
-              *hs[2] = {fetch(dh_sc[0], 4 * R * (2 * F / 128)), fetch(dh_sc[1], 4 * R * (2 * F / 128))},
-              *ws[2] = {fetch(wa_sc[0], 4 * nb * F), fetch(wa_sc[1], 4 * nb * F)},
-              *hts[2] = {fetch(dh_tsc[0], 4 * nb * 2 * F), fetch(dh_tsc[1], 4 * nb * 2 * F)};
+              *hs[2] = {fetch(dh_sc[0], 4 * R * (2 * ffn / 128)), fetch(dh_sc[1], 4 * R * (2 * ffn / 128))},
+              *ws[2] = {fetch(wa_sc[0], 4 * nb * ffn), fetch(wa_sc[1], 4 * nb * ffn)},
+              *hts[2] = {fetch(dh_tsc[0], 4 * nb * 2 * ffn), fetch(dh_tsc[1], 4 * nb * 2 * ffn)};
         for (int i = 0; i < 2; i++) CHECK(q[i] && wt[i] && ht[i] && dws[i] && hs[i] && ws[i] && hts[i]);
         int bad = 0, nan_rows = 0;
         for (int r = 0; r < R && bad < 8; r++) {
             if (!in_seg[r]) { /* s left as it was; nothing else of the row written */
-                if (memcmp(q[1] + (size_t)r * 2 * F, s + (size_t)r * F, 2 * F) ||
+                if (memcmp(q[1] + (size_t)r * 2 * ffn, s + (size_t)r * ffn, 2 * ffn) ||
                     cometi_f32_bits(dws[1][r]) != 0xa5a5a5a5u)
                     printf("row %d, in no segment: written\n", r), bad++;
                 continue;
             }
-            if (memcmp(q[0] + (size_t)r * 2 * F, q[1] + (size_t)r * 2 * F, 2 * F))
+            if (memcmp(q[0] + (size_t)r * 2 * ffn, q[1] + (size_t)r * 2 * ffn, 2 * ffn))
                 printf("pow2 %d: dh's E4M3 row %d differs\n", pow2, r), bad++;
-            for (int b = 0; b < 2 * F / 128; b++)
+            for (int b = 0; b < 2 * ffn / 128; b++)
                 if (!same_f32(hs[0][r + b * R], hs[1][r + b * R]))
                     printf("pow2 %d: dh row %d block %d scale %g, want %g\n", pow2, r, b, hs[1][r + b * R],
                            hs[0][r + b * R]), bad++;
@@ -224,20 +227,20 @@ static int swiglu_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
         for (int rb = 0; rb < (int)nb && bad < 8; rb++) {
             int in = 0;
             for (int g = 0; g < groups; g++) in |= rb * 128 >= segs[g].start && rb * 128 < segs[g].start + segs[g].rows;
-            for (int c = 0; c < 2 * F && bad < 8; c++) {
+            for (int c = 0; c < 2 * ffn && bad < 8; c++) {
                 const uint8_t *a = ht[0] + (size_t)c * R + rb * 128, *b = ht[1] + (size_t)c * R + rb * 128;
-                const float sa = hts[0][c + rb * 2 * F], sb = hts[1][c + rb * 2 * F];
+                const float sa = hts[0][c + rb * 2 * ffn], sb = hts[1][c + rb * 2 * ffn];
                 int poisoned = 1;
                 for (int k = 0; k < 128; k++) poisoned &= b[k] == POISON;
                 if (in ? memcmp(a, b, 128) || !same_f32(sa, sb) : !poisoned || cometi_f32_bits(sb) != 0xa5a5a5a5u)
                     printf("pow2 %d: dh^T column %d, rows %d..: %s\n", pow2, c, rb * 128,
                            in ? "differs" : "written in no segment"), bad++;
-                if (c >= F) continue;
+                if (c >= ffn) continue;
                 a = wt[0] + (size_t)c * R + rb * 128, b = wt[1] + (size_t)c * R + rb * 128;
                 poisoned = 1;
                 for (int k = 0; k < 128; k++) poisoned &= b[k] == POISON;
-                if (in ? memcmp(a, b, 128) || !same_f32(ws[0][c + rb * F], ws[1][c + rb * F])
-                       : !poisoned || cometi_f32_bits(ws[1][c + rb * F]) != 0xa5a5a5a5u)
+                if (in ? memcmp(a, b, 128) || !same_f32(ws[0][c + rb * ffn], ws[1][c + rb * ffn])
+                       : !poisoned || cometi_f32_bits(ws[1][c + rb * ffn]) != 0xa5a5a5a5u)
                     printf("pow2 %d: (w a)^T column %d, rows %d..: %s\n", pow2, c, rb * 128,
                            in ? "differs" : "written in no segment"), bad++;
             }
@@ -246,13 +249,25 @@ static int swiglu_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CHECK_EQ(bad, 0);
         CHECK_EQ(nan_rows, 1); /* the planted NaN's row */
     }
-    printf("SwiGLU's FP8 backward equals the bf16 backward and its casts bit for bit: dh's rows, (w a)^T, dh^T, "
-           "their scales and <s, a>, over %d segments, both scale modes\n", groups);
+    printf("ffn %d: SwiGLU's FP8 backward equals the bf16 backward and its casts bit for bit: dh's rows, (w a)^T, "
+           "dh^T, their scales and <s, a>, over %d segments, both scale modes\n", ffn, groups);
     cudaFree(dsegs), cudaFree(dh), cudaFree(dh_old), cudaFree(ds), cudaFree(ds_old), cudaFree(dw);
     for (int i = 0; i < 2; i++)
         cudaFree(wa_t[i]), cudaFree(dh_t[i]), cudaFree(dw_rows[i]), cudaFree(dh_sc[i]), cudaFree(wa_sc[i]),
             cudaFree(dh_tsc[i]);
     free(h), free(s), free(w);
+    return 0;
+}
+
+static int swiglu_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    uint64_t rng = *(uint64_t *)arg ^ 0x5a1f9ull;
+    CUDA_OK(cudaSetDevice(ctx->local_rank));
+    /* One pass of a row (48 columns of 8 a thread: 64 threads), several with a half-warp
+     * left (272), and s's row past 48 KB of shared memory (24576). */
+    const int ffns[3] = {384, 2176, 24576};
+    for (int i = 0; i < 3; i++)
+        if (equal_case(ffns[i], &rng)) return 1;
     return time_both();
 }
 

@@ -40,12 +40,15 @@ cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int
 /* The same in FP8 training, straight into the FP8 operands of the GEMMs after it (the
  * values cometi_launch_swiglu_backward computes, each rounded to bf16, then quantized as
  * the functions below quantize bf16: the same bytes and scales): (w a)^T into wa_t
- * [ffn][ldq] and dh^T into dh_t [2 ffn][ldq] along the tokens (as
- * cometi_quantize_segments_t_e4m3 writes them, scales [rows / 128][ffn] and [rows /
- * 128][2 ffn]); then dh's rows 1 x 128 over s's bytes (s_dh: s [rows][ffn] bf16 in, dh
- * [rows][2 ffn] E4M3 out, row r's block b's scale at dh_scales[r + b x dh_scale_block])
- * and dw_rows. Rows at or past `rows` are left alone. ffn a multiple of 128; h, s_dh, wa_t
- * and dh_t 16-byte aligned, ldq a multiple of 16 >= rows rounded up to 128: else
+ * [ffn][ldq] and dh^T into dh_t [2 ffn][ldq] along the tokens, as
+ * cometi_quantize_segments_t_e4m3 writes them (scales [rows / 128][ffn] and [rows /
+ * 128][2 ffn]; a segment's tokens past its end or at or past `rows` as zeros, blocks in no
+ * segment not written); then, for each segment's rows below `rows`, dh's row 1 x 128 over
+ * s's bytes (s_dh: s [rows][ffn] bf16 in, dh [rows][2 ffn] E4M3 out, row r's block b's
+ * scale at dh_scales[r + b x dh_scale_block]) and dw_rows[r]. Rows in no segment keep s's
+ * bytes and get no scale (the dgrad GEMM stores nothing for them). ffn a multiple of 128
+ * (2 ffn bytes of shared memory within the device's most); h, s_dh, wa_t and dh_t 16-byte
+ * aligned; ldq a multiple of 16 >= rows rounded up to 128; dh_scale_block >= rows: else
  * cudaErrorInvalidValue and nothing launched. */
 cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, void *s_dh, int ffn, const cometi_segment_t *segs,
                                                int groups, int max_rows, int64_t rows, const float *w_rows,

@@ -200,23 +200,30 @@ extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, void *s
     if (rows <= 0 || groups <= 0 || max_rows <= 0) return cudaSuccess;
     const int row_blocks = (int)((rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK);
     if (ffn <= 0 || ffn % COMETI_FP8_BLOCK || (uintptr_t)h % 16 || (uintptr_t)s_dh % 16 || (uintptr_t)wa_t % 16 ||
-        (uintptr_t)dh_t % 16 || ldq % 16 || ldq < (int64_t)row_blocks * COMETI_FP8_BLOCK || !segs || !w_rows ||
-        !dw_rows || !dh_scales || !wa_t_scales || !dh_t_scales)
+        (uintptr_t)dh_t % 16 || ldq % 16 || ldq < (int64_t)row_blocks * COMETI_FP8_BLOCK || dh_scale_block < rows ||
+        !segs || !w_rows || !dw_rows || !dh_scales || !wa_t_scales || !dh_t_scales)
         return cudaErrorInvalidValue;
+    /* The row kernel keeps s's row in shared memory beside its own (warp_sums): past the
+     * default 48 KB it must ask for more, and past the device's most it cannot run. Both
+     * checked before either kernel is launched. */
+    const int vecs = ffn / 8, threads = vecs >= DSWIGLU_THREADS ? DSWIGLU_THREADS : (vecs + 31) / 32 * 32;
+    const size_t smem = (size_t)ffn * 2, smem_static = sizeof(float) * (DSWIGLU_THREADS / 32);
+    if (smem + smem_static > 48 * 1024) {
+        int dev = 0, most = 0;
+        cudaError_t e = cudaGetDevice(&dev);
+        if (e == cudaSuccess) e = cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (e != cudaSuccess) return e;
+        if (smem + smem_static > (size_t)most) return cudaErrorInvalidValue;
+        e = cudaFuncSetAttribute(swiglu_backward_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess) return e;
+    }
     const int col_tiles = ffn / COMETI_FP8_BLOCK;
     const long long tiles = (long long)row_blocks * col_tiles;
     swiglu_backward_t_kernel<<<(unsigned int)(tiles < (1 << 20) ? tiles : (1 << 20)), QUANTIZE_THREADS, 0, stream>>>(
         (const uint16_t *)h, (const uint16_t *)s_dh, w_rows, ffn, segs, groups, (long long)rows, (uint8_t *)wa_t,
         wa_t_scales, (uint8_t *)dh_t, dh_t_scales, (long long)ldq, pow2, row_blocks, col_tiles);
-    cudaError_t e = cudaGetLastError();
+    const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    /* s's row in shared memory: past the default 48 KB the kernel must ask for it. */
-    const int vecs = ffn / 8, threads = vecs >= DSWIGLU_THREADS ? DSWIGLU_THREADS : (vecs + 31) / 32 * 32;
-    const size_t smem = (size_t)ffn * 2;
-    if (smem > 48 * 1024) {
-        e = cudaFuncSetAttribute(swiglu_backward_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess) return e;
-    }
     const dim3 grid((unsigned int)(max_rows < 1024 ? max_rows : 1024), (unsigned int)groups);
     swiglu_backward_rows_kernel<<<grid, threads, smem, stream>>>((const uint16_t *)h, (uint16_t *)s_dh, ffn, segs,
                                                                  (long long)rows, w_rows, dw_rows, dh_scales,
