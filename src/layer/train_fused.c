@@ -29,9 +29,9 @@
  * the forward keeps x's rows as they arrived (E4M3 and their 1 x 128 scales) and [g u] in
  * bf16 from GEMM0's quantizing epilogue; dy is quantized once per token before it is
  * dispatched; the dgrad GEMMs read W^T's E4M3 copies (FP8 MMAs read k-major operands only);
- * SwiGLU's backward runs in bf16 and dh is quantized 1 x 128 for dx = dh W13; the weight
- * gradients read both operands cast along the tokens in 128 x 1 blocks per expert segment
- * (dy and x requantized from their E4M3 rows, w a and dh from bf16).
+ * SwiGLU's backward writes its FP8 operands directly (dh 1 x 128 for dx = dh W13, w a and
+ * dh in 128 x 1 blocks along the tokens per expert segment for the weight gradients), and
+ * dy and x are requantized the same way from their E4M3 rows.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -337,17 +337,20 @@ static comet_status_t backward_fp8_operands(comet_moe_t moe, struct cometi_fused
                                                                          t->wa_t, t->wa_t_scales, t->dh_t,
                                                                          t->dh_t_scales, t->ld, pow2, stream),
                            "launch SwiGLU's FP8 backward"));
-    COMETI_TRY(cometi_cuda(comm->err, cometi_requantize_segments_t_e4m3(l0->recv.local, rb,
-                                                                        (const float *)((const char *)l0->recv.local +
-                                                                                        H),
-                                                                        rb / 4, 1, H, R, segs, per, t->dy_t, t->ld,
-                                                                        t->dy_t_scales, 1, H, pow2, stream),
-                           "cast dy^T to FP8 along the tokens"));
-    return cometi_cuda(comm->err, cometi_requantize_segments_t_e4m3(sv->recv, rb,
-                                                                    (const float *)((const char *)sv->recv + H),
-                                                                    rb / 4, 1, H, rows, segs, per, t->x_t, t->ld,
-                                                                    t->x_t_scales, 1, H, pow2, stream),
-                       "cast x^T to FP8 along the tokens");
+    /* dy's rows as the dispatch delivered them, x's as the forward kept them: E4M3, each
+     * row's scales after its hidden bytes. */
+    const struct { const void *rows; int64_t n; void *qt; float *scales; const char *what; } e4m3_rows[2] = {
+        {l0->recv.local, R, t->dy_t, t->dy_t_scales, "cast dy^T to FP8 along the tokens"},
+        {sv->recv, rows, t->x_t, t->x_t_scales, "cast x^T to FP8 along the tokens"},
+    };
+    for (int i = 0; i < 2; i++)
+        COMETI_TRY(cometi_cuda(comm->err, cometi_requantize_segments_t_e4m3(
+                                              e4m3_rows[i].rows, rb,
+                                              (const float *)((const char *)e4m3_rows[i].rows + H), rb / 4, 1, H,
+                                              e4m3_rows[i].n, segs, per, e4m3_rows[i].qt, t->ld, e4m3_rows[i].scales,
+                                              1, H, pow2, stream),
+                               e4m3_rows[i].what));
+    return COMET_SUCCESS;
 }
 
 /* The weight gradients, put beside the combine of the dgrad GEMM of W13 (between it and
@@ -376,7 +379,6 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     cometi_fp8_train_t *t = f->fp8;
     backward_gemms_t g;
     COMETI_TRY(describe_backward_for(moe, f, &a, ba, &g));
-    void *s = fp8 ? t->s : f->l0.act; /* s = dy W2, bf16 */
     /* Checked before anything is enqueued: once the route has run, peers count on this
      * rank's rows. */
     cometi_gemm_prepared_t check;
@@ -407,7 +409,7 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     if (st == COMET_SUCCESS && fp8)
         st = backward_fp8_operands(moe, f, t, sv, stream);
     else if (st == COMET_SUCCESS)
-        st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, s, sv->h, F, segs, per,
+        st = cometi_cuda(comm->err, cometi_launch_swiglu_backward(sv->h, f->l0.act, sv->h, F, segs, per,
                                                                   (int)sv->cap_rows, sv->cap_rows, f->w_rows,
                                                                   f->dw_rows, stream),
                          "launch swiglu_backward_kernel");
