@@ -65,6 +65,19 @@ double now_s(void)
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+int cmp_float(const void *a, const void *b)
+{
+    const float x = *(const float *)a, y = *(const float *)b;
+    return (x > y) - (x < y);
+}
+
+int same_float(float a, float b)
+{
+    uint32_t x, y;
+    memcpy(&x, &a, 4), memcpy(&y, &b, 4);
+    return x == y || (isnan(a) && isnan(b));
+}
+
 int open_comm(const cometi_rank_ctx_t *ctx, int timeout_ms, comet_comm_t *comm)
 {
     CUDA_OK(cudaSetDevice(ctx->local_rank));

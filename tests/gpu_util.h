@@ -57,6 +57,12 @@ int launch_seeded(cometi_rank_main_t fn, int timeout_s);
 /* Seconds on the monotonic clock. */
 double now_s(void);
 
+/* qsort's order of floats (timings, for their median). */
+int cmp_float(const void *a, const void *b);
+
+/* Whether two floats are the same bits, or both NaN (a scale or sum compared exactly). */
+int same_float(float a, float b);
+
 /* This rank's GPU and a communicator with the given timeout; prints why it failed. */
 int open_comm(const cometi_rank_ctx_t *ctx, int timeout_ms, comet_comm_t *comm);
 

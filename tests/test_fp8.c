@@ -477,8 +477,6 @@ static int check_element(float x, uint8_t q, float s, double *worst, int print)
         if (bad++ < 10) printf(__VA_ARGS__);                                                       \
     } while (0)
 
-static int same_scale(float got, float want) { return cometi_f32_bits(got) == cometi_f32_bits(want) || (isnan(got) && isnan(want)); }
-
 typedef struct rows_case {
     int64_t rows;
     int cols;
@@ -550,7 +548,7 @@ static int rows_case(const rows_case_t *rc, uint64_t *rng, int *nonfinite_blocks
                 const int64_t at = api ? r * nb + b : r * row_stride + b * block_stride;
                 written[at] = 1;
                 const float want = want_s[pow2][r * nb + b], inv = cometi_fp8_inverse(want);
-                if (!same_scale(s[at], want))
+                if (!same_float(s[at], want))
                     FAIL_AT("rows %lld x %d, run %d: scale of row %lld block %d = %a (0x%08x), host %a\n", (long long)rows,
                                   cols, run, (long long)r, b, s[at], cometi_f32_bits(s[at]), want);
                 for (int c = b * 128; c < cols && c < b * 128 + 128; c++) {
@@ -694,7 +692,7 @@ static int weights_case(const weights_case_t *wc, uint64_t *rng, int *nonfinite_
                     const float want = block_scale(wm, cols, i * 128, r1, j * 128, c1, pow2), inv = cometi_fp8_inverse(want);
                     const size_t at = ((size_t)m * rt + i) * ct + j;
                     if (pow2 == 0) *nonfinite_blocks += !isfinite(want);
-                    if (!same_scale(s[at], want))
+                    if (!same_float(s[at], want))
                         FAIL_AT("weights %lld x %d x %d, pow2 %d: scale [%lld][%d][%d] = %a, host %a\n", (long long)mats,
                                       rows, cols, pow2, (long long)m, i, j, s[at], want);
                     for (int r = i * 128; r < r1; r++)
@@ -827,7 +825,7 @@ static int segments_case(const segments_case_t *sc, int e4m3_in, uint64_t *rng, 
                 for (int64_t r = r0; r < r1; r++) amax = cometi_fp8_max(amax, cometi_fp8_abs(xf[r * cols + c]));
                 const float want = cometi_fp8_scale(amax, pow2), inv = cometi_fp8_inverse(want);
                 if (pow2 == 0) *nonfinite_blocks += !isfinite(want);
-                if (!same_scale(got_s, want))
+                if (!same_float(got_s, want))
                     FAIL_AT("rows %lld x %d: scale of block %d column %d = %a, host %a\n", (long long)rows, cols, rb, c,
                             got_s, want);
                 for (int64_t r = r0; r < r0 + 128; r++) {
@@ -850,12 +848,6 @@ static int segments_case(const segments_case_t *sc, int e4m3_in, uint64_t *rng, 
     free(x), free(x8), free(xs), free(xf), free(in_seg), free(q), free(s);
     cudaFree(dsegs), cudaFree(dx), cudaFree(dxs), cudaFree(dq), cudaFree(ds);
     return 0;
-}
-
-static int cmp_float(const void *a, const void *b)
-{
-    const float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
 }
 
 /* The kernels' speed, for the record (not checked against anything): the bytes each moves

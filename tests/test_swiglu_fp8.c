@@ -61,12 +61,6 @@ static void *fetch(const void *d, size_t bytes)
     return h;
 }
 
-static int cmp_float(const void *a, const void *b)
-{
-    const float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
 /* The speed of both, for the record (not checked against anything): mixtral-8x7b's rows on
  * one GPU (8 experts x 2048 rows, ffn 14336), median of 10 calls each, in turns; the
  * bytes each must move (the chain: [g u] and s read, dh and w a written and read again,
@@ -126,8 +120,6 @@ static int time_both(void)
     cudaFree(h), cudaFree(s), cudaFree(wa_t), cudaFree(dh_t), cudaFree(w), cudaFree(dw), cudaFree(sc), cudaFree(segs);
     return 0;
 }
-
-static int same_f32(float a, float b) { return cometi_f32_bits(a) == cometi_f32_bits(b) || (isnan(a) && isnan(b)); }
 
 /* One ffn: both ways on the same random rows, compared. */
 static int equal_case(int ffn, uint64_t *rng)
@@ -215,10 +207,10 @@ static int equal_case(int ffn, uint64_t *rng)
             if (memcmp(q[0] + (size_t)r * 2 * ffn, q[1] + (size_t)r * 2 * ffn, 2 * ffn))
                 printf("pow2 %d: dh's E4M3 row %d differs\n", pow2, r), bad++;
             for (int b = 0; b < 2 * ffn / 128; b++)
-                if (!same_f32(hs[0][r + b * R], hs[1][r + b * R]))
+                if (!same_float(hs[0][r + b * R], hs[1][r + b * R]))
                     printf("pow2 %d: dh row %d block %d scale %g, want %g\n", pow2, r, b, hs[1][r + b * R],
                            hs[0][r + b * R]), bad++;
-            if (!same_f32(dws[0][r], dws[1][r]))
+            if (!same_float(dws[0][r], dws[1][r]))
                 printf("pow2 %d: <s, a> of row %d = %a, want %a\n", pow2, r, dws[1][r], dws[0][r]), bad++;
             nan_rows += isnan(dws[1][r]);
         }
@@ -232,14 +224,14 @@ static int equal_case(int ffn, uint64_t *rng)
                 const float sa = hts[0][c + rb * 2 * ffn], sb = hts[1][c + rb * 2 * ffn];
                 int poisoned = 1;
                 for (int k = 0; k < 128; k++) poisoned &= b[k] == POISON;
-                if (in ? memcmp(a, b, 128) || !same_f32(sa, sb) : !poisoned || cometi_f32_bits(sb) != 0xa5a5a5a5u)
+                if (in ? memcmp(a, b, 128) || !same_float(sa, sb) : !poisoned || cometi_f32_bits(sb) != 0xa5a5a5a5u)
                     printf("pow2 %d: dh^T column %d, rows %d..: %s\n", pow2, c, rb * 128,
                            in ? "differs" : "written in no segment"), bad++;
                 if (c >= ffn) continue;
                 a = wt[0] + (size_t)c * R + rb * 128, b = wt[1] + (size_t)c * R + rb * 128;
                 poisoned = 1;
                 for (int k = 0; k < 128; k++) poisoned &= b[k] == POISON;
-                if (in ? memcmp(a, b, 128) || !same_f32(ws[0][c + rb * ffn], ws[1][c + rb * ffn])
+                if (in ? memcmp(a, b, 128) || !same_float(ws[0][c + rb * ffn], ws[1][c + rb * ffn])
                        : !poisoned || cometi_f32_bits(ws[1][c + rb * ffn]) != 0xa5a5a5a5u)
                     printf("pow2 %d: (w a)^T column %d, rows %d..: %s\n", pow2, c, rb * 128,
                            in ? "differs" : "written in no segment"), bad++;
