@@ -10,7 +10,8 @@
  * them out on one rank; A holds each row's token. Groups along K: the same segments as
  * each expert's k, padding rows zero. Per row:
  *   store, swiglu   C (bf16) against float64, padding rows and columns past n untouched;
- *   swiglu_gu       the kept gate and up too (E4M3's too, rows past gu_rows untouched);
+ *   swiglu_gu       the kept gate and up too (E4M3's too, in bf16 or E4M3 with their
+ *                   scales; rows past gu_rows untouched);
  *   push            the rows in their owners' slots (one rank: its own), the count raised;
  *   fp32 add        C = C0 + the sums;
  *   dispatch        A filled by the dispatch blocks from the tokens (A poisoned first);
@@ -115,6 +116,7 @@ typedef struct problem {
     int64_t a_ld;
     int pow2;
     int64_t gu_rows;
+    float *gu_scale;                   /* SWIGLU_E4M3_GU8: [2n / 128][gu_rows] */
     cometi_async_error_t *err;
     unsigned int *sched;
     cometi_gemm_dispatch_t dispatch;
@@ -165,6 +167,7 @@ static cometi_gemm_t describe(const cometi_gemm_variant_t *v, problem_t *p)
     g.out.c = v->epilogue == COMETI_GEMM_EPI_PUSH ? NULL : p->c;
     g.out.ldc = p->ldc;
     if (cometi_gemm_keeps_gu(v->epilogue)) g.out.gu = p->gu, g.out.gu_rows = p->gu_rows;
+    if (v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU8) g.out.gu_scale = p->gu_scale;
     if (v->epilogue == COMETI_GEMM_EPI_PUSH) g.out.push = &p->push;
     g.launch.schedule = v->schedule;
     g.launch.block_n = v->block_n;
@@ -190,6 +193,7 @@ static void stand_in_problem(const cometi_gemm_variant_t *v, problem_t *p)
     p->a_scale_row = p->c_scale_row = p->b_scale_row = 1, p->a_scale_block = p->c_scale_block = 1024;
     p->b_scale_block = 1024;
     p->gu_rows = 1024;
+    p->gu_scale = (float *)any;
     p->err = (cometi_async_error_t *)any;
     p->sched = (unsigned int *)words;
     p->dispatch.blocks = 8, p->dispatch.arrive = words, p->dispatch.expected = words;
@@ -269,6 +273,14 @@ int test_gemm_descriptions_resolve(void)
     g.out.gu = NULL;
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(err, "gu = (nil)");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_swiglu_gu8], &p);
+    g.problem.n = 256, g.out.gu_scale = NULL;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "gu_scale = (nil)");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_swiglu_gu], &p);
+    g.problem.n = 256, g.out.gu_scale = p.gu_scale; /* bf16 gate and up take none */
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "take no gu_scale");
     g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nt_256_push], &p);
     g.out.push = NULL;
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
@@ -866,12 +878,20 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
     p.a_ld = kmajor ? a_ld : 0, p.pow2 = pow2;
     p.a_scale_row = sa_row, p.a_scale_block = sa_block, p.c_scale_row = sc_row, p.c_scale_block = sc_block;
     p.err = s->err_dev;
-    /* The kept gate and up: rows past gu_rows (the last 64 of A) must stay untouched. */
+    /* The kept gate and up (bf16, or GU8: E4M3 and scales): rows past gu_rows (the last 64
+     * of A) must stay untouched. */
+    const int gu8 = v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU8;
     void *gu = NULL;
-    const size_t gu_bytes = (size_t)s->a_rows * 2 * n * 2;
+    float *dgs = NULL;
+    p.gu_rows = s->a_rows - 64;
+    const size_t gu_bytes = (size_t)s->a_rows * 2 * n * (gu8 ? 1 : 2), gs_bytes = sizeof(float) * (2 * n / 128) *
+                                                                                     (size_t)p.gu_rows;
     if (keep) CUDA_OK(cudaMalloc(&gu, gu_bytes));
-    p.gu = gu, p.gu_rows = s->a_rows - 64;
+    if (gu8) CUDA_OK(cudaMalloc((void **)&dgs, gs_bytes));
+    p.gu = gu, p.gu_scale = dgs;
     uint16_t *gu16 = keep ? malloc(gu_bytes) : NULL;
+    uint8_t *gu8s = (uint8_t *)gu16;
+    float *gscales = gu8 ? malloc(gs_bytes) : NULL;
     /* Roles: the dispatch (A filled from the tokens), the split counts, the push. */
     const int dispatch = v->roles & COMETI_GEMM_ROLE_DISPATCH, push = v->epilogue == COMETI_GEMM_EPI_PUSH;
     CHECK(!dispatch || kmajor);
@@ -895,6 +915,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
         CUDA_OK(cudaMemset(c, 0xff, c_bytes)); /* poison: NaN in E4M3 and bf16 */
         CUDA_OK(cudaMemset(dsc, 0xff, sc_bytes));
         if (gu) CUDA_OK(cudaMemset(gu, 0xff, gu_bytes));
+        if (dgs) CUDA_OK(cudaMemset(dgs, 0xff, gs_bytes));
         if (slots) CUDA_OK(cudaMemset(slots, 0xff, (size_t)s->rows * n * 2));
         if (dispatch) {
             CUDA_OK(cudaMemset(a, 0xff, (size_t)s->a_rows * a_ld)); /* every row must come from the tokens */
@@ -919,6 +940,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
         CUDA_OK(cudaMemcpy(c8, c, c_bytes, cudaMemcpyDeviceToHost));
         CUDA_OK(cudaMemcpy(scales, dsc, sc_bytes, cudaMemcpyDeviceToHost));
         if (gu) CUDA_OK(cudaMemcpy(gu16, gu, gu_bytes, cudaMemcpyDeviceToHost));
+        if (dgs) CUDA_OK(cudaMemcpy(gscales, dgs, gs_bytes, cudaMemcpyDeviceToHost));
         if (slots) CUDA_OK(cudaMemcpy(slots16, slots, (size_t)s->rows * n * 2, cudaMemcpyDeviceToHost));
         int bad = 0;
         double worst = 0; /* |error| / its bound */
@@ -947,8 +969,40 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
                     bad++, printf("%s: C[%d][%d] = %.9g, float64 %.9g, bound %.3g\n", v->name, r, j, got, want, bound);
                 if (bound > 0 && fabs(got - want) / bound > worst) worst = fabs(got - want) / bound;
             }
-            /* The kept gate and up: each sum rounded to bf16 once, rows past gu_rows left. */
-            for (int j = 0; gu && j < n && bad < 5; j++) {
+            /* GU8: each kept sum quantized to E4M3 with its row's block scale (its amax / 448, or
+             * the power of two at or above it, within the sums' errors), rows past gu_rows and
+             * their scales left. */
+            for (int j = 0; gu8 && j < 2 * n && bad < 5; j++) {
+                const size_t gi = (size_t)r * 2 * n + j;
+                const int blk = j / 128;
+                if (!owned || r >= p.gu_rows) {
+                    if (gu8s[gi] != 0xff || (r < p.gu_rows && cometi_f32_bits(gscales[(size_t)blk * p.gu_rows + r]) !=
+                                                                  0xffffffffu))
+                        bad++, printf("%s: kept g, u of row %d written (owned %d)\n", v->name, r, owned);
+                    continue;
+                }
+                const double *ref_gu = j < n ? ref_g : ref_u, *ref_e = j < n ? ref_eg : ref_eu;
+                const size_t at = (size_t)r * n + j % n;
+                const float scale = gscales[(size_t)blk * p.gu_rows + r];
+                const double got = (double)cometi_e4m3_decode(gu8s[gi]) * scale, want = ref_gu[at];
+                if (!(fabs(got - want) <= 0x1p-4 * fabs(want) + 0x1p-10 * scale + 1.07 * ref_e[at]))
+                    bad++, printf("%s: kept %s of row %d col %d = %g (scale %g), float64 %g\n", v->name,
+                                  j < n ? "g" : "u", r, j % n, got, scale, want);
+                if (j % 128) continue;
+                double amax = 0, slack = 0;
+                for (int c = j % n; c < j % n + 128 && c < n; c++) {
+                    amax = fmax(amax, fabs(ref_gu[(size_t)r * n + c]));
+                    slack = fmax(slack, 1.07 * ref_e[(size_t)r * n + c]);
+                }
+                const double ws = amax / 448, tol = slack / 448 + 1e-6 * ws;
+                const int ok = pow2 ? scale > 0 && frexpf(scale, &(int){0}) == 0.5f && ws <= scale + tol &&
+                                          scale / 2 < ws + tol
+                                    : fabs(scale - ws) <= tol;
+                if (!ok) bad++, printf("%s: kept row %d block %d scale %.9g, amax / 448 = %.9g\n", v->name, r, blk,
+                                       scale, ws);
+            }
+            /* The kept gate and up in bf16: each sum rounded to bf16 once, rows past gu_rows left. */
+            for (int j = 0; gu && !gu8 && j < n && bad < 5; j++) {
                 const size_t gi = (size_t)r * 2 * n + j, ui = gi + n;
                 if (!owned || r >= p.gu_rows) {
                     if (gu16[gi] != 0xffff || gu16[ui] != 0xffff)
@@ -994,8 +1048,8 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
     }
     if (kmajor) free(sa);
     free(a8), free(x8), free(b8), free(u8), free(sa_apart), free(sb), free(su), free(ref), free(err_bound), free(c8),
-        free(scales), free(slots16), free(ref_g), free(ref_u), free(ref_eg), free(ref_eu), free(gu16);
-    cudaFree(gu);
+        free(scales), free(slots16), free(ref_g), free(ref_u), free(ref_eg), free(ref_eu), free(gu16), free(gscales);
+    cudaFree(gu), cudaFree(dgs);
     cudaFree(x_dev), cudaFree(split_done), cudaFree(peer_arrive), cudaFree(slots), cudaFree(dest), cudaFree(maps);
     cudaFree(peers);
     cudaFree(a), cudaFree(b), cudaFree(up), cudaFree(c), cudaFree(dsa), cudaFree(dsb), cudaFree(dsu), cudaFree(dsc);
@@ -1146,6 +1200,9 @@ static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemcpy(long_segs.dev, long_host, sizeof(long_host), cudaMemcpyHostToDevice));
     for (int vi = 0; vi < COMETI_GEMM_NUM_VARIANTS; vi++) {
         const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
+        /* Up apart: n = 192 (partial blocks), but 256 where gate and up are kept in E4M3
+         * (their rows hold whole blocks). */
+        const int n_apart = v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU8 ? 256 : 192;
         int failed;
         if (v->a_type != COMETI_GEMM_E4M3) failed = run_row(&s, vi, &rng);
         else if (v->along == COMETI_GEMM_GROUPS_ALONG_K)
@@ -1153,13 +1210,13 @@ static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
                      run_row_e4m3_wgrad(&s, &short_segs, vi, 0, &rng) ||
                      run_row_e4m3_wgrad(&s, &long_segs, vi, 1, &rng) || run_row_e4m3_wgrad(&s, &long_segs, vi, 0, &rng);
         else if (v->roles & COMETI_GEMM_ROLE_DISPATCH) /* rows sent with their scales after them: K-major */
-            failed = run_row_e4m3(&s, vi, 256, 0, 0, 1, 1, &rng) || run_row_e4m3(&s, vi, 192, 1, 1, 0, 1, &rng);
+            failed = run_row_e4m3(&s, vi, 256, 0, 0, 1, 1, &rng) || run_row_e4m3(&s, vi, n_apart, 1, 1, 0, 1, &rng);
         else if (!cometi_gemm_quantizes(v->epilogue))
             failed = run_row_e4m3(&s, vi, row_n(v), 0, 0, 1, 0, &rng) ||
                      run_row_e4m3(&s, vi, row_n(v), 0, 0, 1, 1, &rng) ||
                      run_row_e4m3(&s, vi, row_n(v), 0, 0, 0, 0, &rng);
-        else /* gate and up in one tensor (n of whole blocks); up apart, n = 192: partial blocks */
-            failed = run_row_e4m3(&s, vi, 256, 0, 0, 1, 0, &rng) || run_row_e4m3(&s, vi, 192, 1, 1, 1, 1, &rng) ||
+        else /* gate and up in one tensor (n of whole blocks), and up apart */
+            failed = run_row_e4m3(&s, vi, 256, 0, 0, 1, 0, &rng) || run_row_e4m3(&s, vi, n_apart, 1, 1, 1, 1, &rng) ||
                      run_row_e4m3(&s, vi, 256, 0, 0, 0, 0, &rng);
         if (failed) {
             printf("variant %s failed\n", v->name);

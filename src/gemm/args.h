@@ -69,9 +69,11 @@ typedef struct cometi_gemm_args {
     void *c;                             /* bf16; fp32 with the ADD_FP32 epilogue; E4M3 bytes with
                                           * SWIGLU_E4M3 (ldc in bytes then) */
     int c_fp32_add;                      /* the ADD_FP32 epilogue: C += the tile, fp32 */
-    void *gu;                            /* swiglu: gate and up kept, [gu_rows][2n] bf16, or NULL */
+    void *gu;                            /* swiglu: gate and up kept, [gu_rows][2n] bf16 (GU8: E4M3),
+                                          * or NULL */
     int gu_tma;                          /* full tiles' gate and up leave by TMA stores (map gu) */
     long long gu_rows;
+    float *gu_scale;                     /* GU8: [2n / 128][gu_rows] */
     cometi_async_error_t *err;
     unsigned long long timeout_ns;         /* pipeline waits */
     unsigned long long arrival_timeout_ns; /* waits for rows from peers (shorter: a missing
@@ -81,7 +83,7 @@ typedef struct cometi_gemm_args {
 } cometi_gemm_args_t;
 
 typedef struct cometi_gemm_maps {
-    CUtensorMap a, b, up, c, gu; /* gu: [gu_rows][2][n], the kept gate and up halves */
+    CUtensorMap a, b, up, c, gu; /* gu: [gu_rows][2][n], the kept gate and up halves (GU8: [gu_rows][2n] bytes) */
 } cometi_gemm_maps_t;
 
 /* What cometi_gemm_prepared_t holds. */

@@ -341,17 +341,82 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     }
 }
 
+/* One 128-column scale block of this thread's two fragment rows (v: fragment (j, h, e) at
+ * v[j * 4 + 2h + e], zeros past n) quantized: each row's amax over its quad (four lanes
+ * hold a row's columns; NaN-propagating: a NaN or an infinity makes the scale NaN or Inf
+ * and the block dequantizes to NaN, never a silent clamp), its scale, and the values times
+ * 1 / scale rounded to E4M3 with saturation (base/fp8.h), two columns a 16-bit pair, the
+ * first in the low byte. */
+template <int ON>
+static __device__ __forceinline__ void quantize_block_rows(const float *v, int pow2, uint16_t (*q)[2],
+                                                           float scale[2])
+{
+    float amax[2] = {0.0f, 0.0f}, inv[2];
+#pragma unroll
+    for (int j = 0; j < ON / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            amax[h] = cometi_fp8_max(amax[h], cometi_fp8_max(cometi_fp8_abs(v[j * 4 + 2 * h]),
+                                                             cometi_fp8_abs(v[j * 4 + 2 * h + 1])));
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        amax[h] = cometi_fp8_max(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
+        amax[h] = cometi_fp8_max(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
+        scale[h] = cometi_fp8_scale(amax[h], pow2);
+        inv[h] = cometi_fp8_inverse(scale[h]);
+    }
+#pragma unroll
+    for (int j = 0; j < ON / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            q[j][h] = cometi_e4m3x2_cvt(cometi_fp8_mul(v[j * 4 + 2 * h], inv[h]),
+                                        cometi_fp8_mul(v[j * 4 + 2 * h + 1], inv[h]));
+}
+
+/* A quantized block's bytes out: a full tile's (`tma`) as one box of 64 rows x 128 bytes
+ * per warpgroup through `stage` (128B-swizzled: byte column 8j + 2q is in 16-byte chunk
+ * j / 2) and a TMA store at (x, y) of `map` (columns and rows past its ends clipped); other
+ * tiles' 2 bytes at a time from the registers to `row[h]` (NULL: not stored) at byte
+ * column col0 + 8j, j < pairs. */
+template <int ON>
+static __device__ __forceinline__ void store_block_e4m3(const uint16_t (*q)[2], const CUtensorMap *map,
+                                                        unsigned char *stage, bool tma, int x, int y,
+                                                        unsigned char *const row[2], int pairs, int half)
+{
+    const int lane = threadIdx.x % 32, r_lo = ((threadIdx.x % 128) / 32) * 16 + lane / 4;
+    if (tma) {
+        if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the previous store has read the staging */
+        warpgroup_sync(1 + half);
+#pragma unroll
+        for (int j = 0; j < ON / 8; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                unsigned char *dst = stage + swizzled_chunk(j / 2, r_lo + 8 * h) + (j % 2) * 8 + (lane % 4) * 2;
+                asm volatile("st.shared.b16 [%0], %1;" ::"r"(smem_u32(dst)), "h"(q[j][h]) : "memory");
+            }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
+        warpgroup_sync(1 + half);
+        if (threadIdx.x % 128 == 0) {
+            tma_store_2d(map, stage, x, y);
+            bulk_commit();
+        }
+        return;
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+#pragma unroll
+        for (int j = 0; j < ON / 8; j++)
+            if (row[h] && j < pairs) *(uint16_t *)(row[h] + j * 8) = q[j][h];
+}
+
 /* The quantizing SwiGLU (SWIGLU_E4M3): the tile's 128 output columns are one scale block,
- * so each row's block is whole in this thread's quad (four lanes hold a row's columns):
- * the row's amax over its columns below n (NaN-propagating: a NaN or an infinity makes the
- * scale NaN or Inf and the block dequantizes to NaN, never a silent clamp), its scale and
- * the values times 1 / scale rounded to E4M3 with saturation (base/fp8.h), then the bytes
- * out through the staging and a TMA store (a full tile) or 2 bytes at a time, and each
- * row's scale by its quad's first lane. SWIGLU_E4M3_GU (FP8 training) first keeps each
- * row's gate and up in bf16, rows at or past gu_rows not kept: a full tile's by TMA stores
- * through the E4M3 tile's staging (8 KB a warpgroup: four boxes of 64 rows x 64 columns,
- * one after another, so the ring keeps its four stages), other tiles' straight from the
- * registers. */
+ * so each row's block is whole in this thread's quad: quantize_block_rows, then the bytes
+ * out (store_block_e4m3) and each row's scale by its quad's first lane. FP8 training keeps
+ * each row's gate and up first, rows at or past gu_rows not kept: SWIGLU_E4M3_GU in bf16 (a
+ * full tile's by TMA stores through the E4M3 tile's staging, 8 KB a warpgroup: four boxes
+ * of 64 rows x 64 columns, one after another, so the ring keeps its four stages; other
+ * tiles' straight from the registers), SWIGLU_E4M3_GU8 in E4M3, each a block quantized as
+ * the activation is, gate's and up's bytes and scales out the same way as C's. */
 template <int V>
 static __device__ __forceinline__ void store_tile_e4m3(const float *acc, const cometi_gemm_args_t &p,
                                                        const CUtensorMap *map_c, const CUtensorMap *map_gu,
@@ -366,78 +431,56 @@ static __device__ __forceinline__ void store_tile_e4m3(const float *acc, const c
     const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
     const bool ok[2] = {row0 < seg.rows, row0 + 8 < seg.rows};
     const int col0 = tl.n * ON + (lane % 4) * 2, pairs = min(ON / 8, (p.n - col0 + 7) / 8);
+    const bool full_tile = tl.m * TM + TM <= seg.rows;
+    unsigned char *stage = sc + half * (64 * ON);
     float rs[2] = {1.0f, 1.0f};
     if (p.row_scale) {
         if (ok[0]) rs[0] = p.row_scale[seg.start + row0];
         if (ok[1]) rs[1] = p.row_scale[seg.start + row0 + 8];
     }
     if (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU) /* gu is given (prepare.c) */
-        keep_gate_up<BN, ON, 1>(acc, p, map_gu, sc + half * (64 * ON), tl, seg, part, half,
-                                TMA_EPILOGUE && p.gu_tma && tl.m * TM + TM <= seg.rows, row0, ok[0], ok[1], col0,
-                                pairs);
-    float v[ON / 2], amax[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int j = 0; j < ON / 8; j++)
-#pragma unroll
-        for (int h = 0; h < 2; h++)
-#pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const float x = j < pairs ? rs[h] * silu(acc[j * 4 + 2 * h + e]) * acc[(j + BN / 16) * 4 + 2 * h + e]
-                                          : 0.0f;
-                v[j * 4 + 2 * h + e] = x;
-                amax[h] = cometi_fp8_max(amax[h], cometi_fp8_abs(x));
-            }
-    float scale[2], inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        amax[h] = cometi_fp8_max(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
-        amax[h] = cometi_fp8_max(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
-        scale[h] = cometi_fp8_scale(amax[h], p.pow2_scales);
-        inv[h] = cometi_fp8_inverse(scale[h]);
-    }
-    /* Two columns a 16-bit pair, the first in the low byte (base/fp8.h's bits). */
+        keep_gate_up<BN, ON, 1>(acc, p, map_gu, stage, tl, seg, part, half, TMA_EPILOGUE && p.gu_tma && full_tile,
+                                row0, ok[0], ok[1], col0, pairs);
+    float v[ON / 2], scale[2];
     uint16_t q[ON / 8][2];
+    if (T.epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU8) { /* gate's block, then up's */
 #pragma unroll
-    for (int j = 0; j < ON / 8; j++)
+        for (int which = 0; which < 2; which++) {
 #pragma unroll
-        for (int h = 0; h < 2; h++)
-            q[j][h] = cometi_e4m3x2_cvt(cometi_fp8_mul(v[j * 4 + 2 * h], inv[h]),
-                                        cometi_fp8_mul(v[j * 4 + 2 * h + 1], inv[h]));
-    if (lane % 4 == 0) {
+            for (int j = 0; j < ON / 8; j++)
 #pragma unroll
-        for (int h = 0; h < 2; h++)
-            if (ok[h])
-                p.c_scale[(long long)(seg.start + row0 + 8 * h) * p.c_scale_row + (long long)tl.n * p.c_scale_block] =
-                    scale[h];
-    }
-    if (TMA_EPILOGUE && tl.m * TM + TM <= seg.rows) {
-        /* One box of 64 rows x 128 bytes per warpgroup, 128B-swizzled: byte column 8j + 2q
-         * is in 16-byte chunk j / 2. */
-        unsigned char *stage = sc + half * (64 * ON);
-        if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the previous tile's store has read it */
-        warpgroup_sync(1 + half);
-#pragma unroll
-        for (int j = 0; j < ON / 8; j++)
+                for (int i = 0; i < 4; i++) v[j * 4 + i] = j < pairs ? acc[(j + which * (BN / 16)) * 4 + i] : 0.0f;
+            quantize_block_rows<ON>(v, p.pow2_scales, q, scale);
+            unsigned char *row[2];
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                unsigned char *dst = stage + swizzled_chunk(j / 2, r_lo + 8 * h) + (j % 2) * 8 + (lane % 4) * 2;
-                asm volatile("st.shared.b16 [%0], %1;" ::"r"(smem_u32(dst)), "h"(q[j][h]) : "memory");
+                const long long r = seg.start + row0 + 8 * h;
+                const bool kept = ok[h] && r < p.gu_rows;
+                row[h] = kept ? (unsigned char *)p.gu + r * 2 * p.n + which * p.n + col0 : NULL;
+                if (kept && lane % 4 == 0) p.gu_scale[(long long)(which * (p.n / ON) + tl.n) * p.gu_rows + r] = scale[h];
             }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
-        warpgroup_sync(1 + half);
-        if (threadIdx.x % 128 == 0) {
-            tma_store_2d(map_c, stage, tl.n * ON, seg.start + part); /* columns past n are clipped */
-            bulk_commit();
+            store_block_e4m3<ON>(q, map_gu, stage, TMA_EPILOGUE && p.gu_tma && full_tile, which * p.n + tl.n * ON,
+                                 seg.start + part, row, pairs, half);
         }
-        return;
     }
+#pragma unroll
+    for (int j = 0; j < ON / 8; j++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 2; e++)
+                v[j * 4 + 2 * h + e] =
+                    j < pairs ? rs[h] * silu(acc[j * 4 + 2 * h + e]) * acc[(j + BN / 16) * 4 + 2 * h + e] : 0.0f;
+    quantize_block_rows<ON>(v, p.pow2_scales, q, scale);
+    unsigned char *row[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        unsigned char *c = (unsigned char *)p.c + (long long)(seg.start + row0 + 8 * h) * p.ldc + col0;
-#pragma unroll
-        for (int j = 0; j < ON / 8; j++)
-            if (ok[h] && j < pairs) *(uint16_t *)(c + j * 8) = q[j][h];
+        row[h] = ok[h] ? (unsigned char *)p.c + (long long)(seg.start + row0 + 8 * h) * p.ldc + col0 : NULL;
+        if (ok[h] && lane % 4 == 0)
+            p.c_scale[(long long)(seg.start + row0 + 8 * h) * p.c_scale_row + (long long)tl.n * p.c_scale_block] =
+                scale[h];
     }
+    store_block_e4m3<ON>(q, map_c, stage, TMA_EPILOGUE && full_tile, tl.n * ON, seg.start + part, row, pairs, half);
 }
 
 /* After a warpgroup's last tile: its stores have landed before anyone is told. The push:

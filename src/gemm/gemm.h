@@ -154,8 +154,12 @@ typedef struct cometi_gemm {
                                        * [gu_rows][2n] (gate columns, then up): full tiles' by TMA
                                        * stores where C leaves that way and gu is 16-byte aligned,
                                        * the rest straight from registers; rows at or past gu_rows
-                                       * are not kept */
+                                       * are not kept; SWIGLU_E4M3_GU8: E4M3 bytes [gu_rows][2n]
+                                       * (n a multiple of 128), 16-byte aligned */
         int64_t gu_rows;
+        float *gu_scale;              /* SWIGLU_E4M3_GU8: block b's scale of kept row r at
+                                       * gu_scale[b x gu_rows + r], b < 2n / 128 (gate's blocks,
+                                       * then up's); NULL for the others */
         const struct cometi_gemm_push *push; /* PUSH: where the rows go */
         float *c_scale;               /* SWIGLU_E4M3: C holds E4M3 bytes (ldc bytes a row) and row r's
                                        * scale of column block b (128 wide) goes to c_scale[r *

@@ -103,7 +103,8 @@ comet_status_t cometi_gemm_push_maps_create(char *err, void *const *peer_slots, 
 static const char *epilogue_name(int e)
 {
     static const char *names[] = {"store", "swiglu", "swiglu keeping g and u", "push", "fp32 add",
-                                  "swiglu quantized to e4m3", "swiglu quantized to e4m3 keeping g and u"};
+                                  "swiglu quantized to e4m3", "swiglu quantized to e4m3 keeping g and u",
+                                  "swiglu quantized to e4m3 keeping g and u in e4m3"};
     return e >= 0 && e < (int)(sizeof(names) / sizeof(names[0])) ? names[e] : "?";
 }
 
@@ -298,6 +299,13 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu = %p, %lld rows: the epilogue keeping g and u "
                            "needs them (rows > 0, 4-byte aligned), the others take none", g->out.gu,
                            (long long)g->out.gu_rows);
+    if (epi == COMETI_GEMM_EPI_SWIGLU_E4M3_GU8 ? !g->out.gu_scale || (uintptr_t)g->out.gu % 16 ||
+                                                    g->problem.n % COMETI_GEMM_SCALE_BLOCK
+                                                  : g->out.gu_scale != NULL)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm gu_scale = %p, gu = %p, n = %d: gate and up kept in "
+                           "E4M3 need their scales, gu 16-byte aligned and n a multiple of %d; the other epilogues "
+                           "take no gu_scale", (void *)g->out.gu_scale, g->out.gu, g->problem.n,
+                           COMETI_GEMM_SCALE_BLOCK);
     if ((epi == COMETI_GEMM_EPI_PUSH) != (g->out.push != NULL))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push = %p: the push epilogue needs where its rows go, "
                            "the others take none", (const void *)g->out.push);
@@ -403,9 +411,9 @@ comet_status_t cometi_gemm_check(char *err, const cometi_gemm_t *g, int *variant
     if (g->problem.along != COMETI_GEMM_GROUPS_ALONG_M && g->problem.along != COMETI_GEMM_GROUPS_ALONG_K)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm problem.along = %d: must be %d (M) or %d (K)",
                            g->problem.along, COMETI_GEMM_GROUPS_ALONG_M, COMETI_GEMM_GROUPS_ALONG_K);
-    if (g->out.epilogue < COMETI_GEMM_EPI_STORE || g->out.epilogue > COMETI_GEMM_EPI_SWIGLU_E4M3_GU)
+    if (g->out.epilogue < COMETI_GEMM_EPI_STORE || g->out.epilogue > COMETI_GEMM_EPI_SWIGLU_E4M3_GU8)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm out.epilogue = %d: must be %d..%d", g->out.epilogue,
-                           COMETI_GEMM_EPI_STORE, COMETI_GEMM_EPI_SWIGLU_E4M3_GU);
+                           COMETI_GEMM_EPI_STORE, COMETI_GEMM_EPI_SWIGLU_E4M3_GU8);
     if (g->out.store < COMETI_GEMM_STORE_AUTO || g->out.store > COMETI_GEMM_STORE_DIRECT)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm out.store = %d: must be %d (choose), %d (TMA) or %d "
                            "(direct)", g->out.store, COMETI_GEMM_STORE_AUTO, COMETI_GEMM_STORE_TMA,
@@ -486,7 +494,10 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     /* The kept gate and up, [gu_rows][2n] seen as [gu_rows][2][n]: a box of 64 rows x 64
      * columns of one half, stored like C's (rows past gu_rows clipped). */
     const int gu_tma = cometi_gemm_keeps_gu(v->epilogue) && tma_store && (uintptr_t)g->out.gu % 16 == 0;
-    if (gu_tma) {
+    if (gu_tma && v->epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU8) /* a box of 64 rows x 128 bytes */
+        COMETI_TRY(make_map_3d(err, &m.gu, g->out.gu, 1, 2 * (uint64_t)n, (uint64_t)g->out.gu_rows, 1,
+                               2 * (uint64_t)n, 0, 64, "gu (E4M3)"));
+    else if (gu_tma) {
         const uint64_t dims[3] = {(uint64_t)n, 2, (uint64_t)g->out.gu_rows}, strides[2] = {(uint64_t)n,
                                                                                            2 * (uint64_t)n};
         const uint32_t box[3] = {64, 1, 64};
@@ -512,6 +523,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     args.gu = g->out.gu;
     args.gu_rows = g->out.gu_rows;
     args.gu_tma = gu_tma;
+    args.gu_scale = g->out.gu_scale;
     args.err = g->err;
     args.arrival_timeout_ns = g->timeout_ns ? g->timeout_ns : 10ull * 1000 * 1000 * 1000;
     args.timeout_ns = 2 * args.arrival_timeout_ns;

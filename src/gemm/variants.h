@@ -62,8 +62,10 @@ enum {
     COMETI_GEMM_EPI_ADD_FP32 = 4,  /* C (fp32) += the sums: gradient accumulation (main_grad) */
     COMETI_GEMM_EPI_SWIGLU_E4M3 = 5, /* SwiGLU, C quantized: E4M3 values and a scale per row per 128
                                       * columns (the next FP8 GEMM's A) */
-    COMETI_GEMM_EPI_SWIGLU_E4M3_GU = 6 /* the quantizing SwiGLU, and each row's gate and up kept in
-                                        * bf16 (FP8 training) */
+    COMETI_GEMM_EPI_SWIGLU_E4M3_GU = 6, /* the quantizing SwiGLU, and each row's gate and up kept in
+                                         * bf16 (FP8 training) */
+    COMETI_GEMM_EPI_SWIGLU_E4M3_GU8 = 7 /* the same with gate and up kept in E4M3 too, quantized as the
+                                         * activation is (1 x 128 blocks, MN-major scales) */
 };
 
 /* How C leaves the registers (0 is a description's "choose", gemm.h). */
@@ -148,6 +150,8 @@ typedef struct cometi_gemm_variant {
     X(fp8_swiglu_dispatch, E4M3, E4M3, K, K,  M, SWIGLU_E4M3, TMA,    COOPERATIVE, 256, DISPATCH)    \
     X(fp8_swiglu_gu,      E4M3, E4M3, K,  K,  M, SWIGLU_E4M3_GU, TMA, COOPERATIVE, 256, NONE)        \
     X(fp8_swiglu_gu_dispatch, E4M3, E4M3, K, K, M, SWIGLU_E4M3_GU, TMA, COOPERATIVE, 256, DISPATCH)  \
+    X(fp8_swiglu_gu8,     E4M3, E4M3, K,  K,  M, SWIGLU_E4M3_GU8, TMA, COOPERATIVE, 256, NONE)       \
+    X(fp8_swiglu_gu8_dispatch, E4M3, E4M3, K, K, M, SWIGLU_E4M3_GU8, TMA, COOPERATIVE, 256, DISPATCH) \
     X(fp8_nt_256,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
     X(fp8_nt_128,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
     X(fp8_nt_256_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
@@ -225,16 +229,19 @@ COMETI_GEMM_FN int cometi_gemm_bk(cometi_gemm_variant_t v) { return 128 / cometi
 COMETI_GEMM_FN int cometi_gemm_is_swiglu(int epilogue)
 {
     return epilogue == COMETI_GEMM_EPI_SWIGLU || epilogue == COMETI_GEMM_EPI_SWIGLU_GU ||
-           epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 || epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU;
+           epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 || epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU ||
+           epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU8;
 }
 /* The epilogues that quantize C (E4M3 values and scales), and those that keep gate and up. */
 COMETI_GEMM_FN int cometi_gemm_quantizes(int epilogue)
 {
-    return epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 || epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU;
+    return epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3 || epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU ||
+           epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU8;
 }
 COMETI_GEMM_FN int cometi_gemm_keeps_gu(int epilogue)
 {
-    return epilogue == COMETI_GEMM_EPI_SWIGLU_GU || epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU;
+    return epilogue == COMETI_GEMM_EPI_SWIGLU_GU || epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU ||
+           epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU8;
 }
 /* Bytes of an output element: bf16, or E4M3 for the quantizing epilogue (fp32 adds go
  * straight from the registers, never staged). */
