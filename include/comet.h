@@ -407,15 +407,22 @@ typedef struct comet_moe_saved_config {
      * sequential path; on the fused path through comet_comm_get_async_error(), the
      * communicator unusable after it). */
     int64_t max_recv_rows;
+    /* COMET_DTYPE_FP8_BLOCK layers, 0 or 1. 0: each received row's gate and up projections
+     * ([g u], 2 x ffn / tp_size values) are kept in bf16. 1: in E4M3 with an FP32 scale per
+     * 128 of them, quantized by GEMM0's epilogue as the activation is: about half the
+     * saved state, for one more E4M3 rounding of g and u in the backward (docs/PERF.md
+     * measures what it costs the gradients). */
+    int gate_up_e4m3;
 } comet_moe_saved_config_t;
 
-#define COMET_MOE_SAVED_CONFIG_INIT {sizeof(comet_moe_saved_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0}
+#define COMET_MOE_SAVED_CONFIG_INIT {sizeof(comet_moe_saved_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0, 0}
 
 /*
  * The device memory a saved state of this layer takes: per received row, (hidden + 2 x
  * ffn / tp_size) x 2 bytes (x, gate and up, bf16; 2 x ffn / tp_size x 2 where the config
  * resends x; FP8: x as hidden E4M3 bytes and its ceil(hidden / 128) scales padded to 16
- * bytes, gate and up in bf16); per token, top_k x 12 bytes (each choice's place in the send order, expert
+ * bytes, gate and up in bf16, or with gate_up_e4m3 2 x ffn / tp_size bytes and 2 x ffn /
+ * tp_size / 128 scales of 4 bytes); per token, top_k x 12 bytes (each choice's place in the send order, expert
  * id and weight; no expert outputs: d topk_weights is <dy W2, silu(g) u> at the expert,
  * from rows the backward has anyway); plus, per local expert, one 128-row block of
  * padding and 8 bytes (its rows' place), and at most 2 KB of alignment. Rows are

@@ -440,6 +440,13 @@ static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
     sc.max_recv_rows = -1;
     CHECK_EQ(comet_moe_saved_create(fx.moe, &sc, &small), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_last_create_error(), "max_recv_rows = -1");
+    sc.max_recv_rows = 0, sc.gate_up_e4m3 = 1; /* [g u] in E4M3 is for FP8 layers */
+    CHECK_EQ(comet_moe_saved_bytes(fx.moe, &sc, &small_bytes), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "gate_up_e4m3 = 1 is for layers of dtype COMET_DTYPE_FP8_BLOCK");
+    sc.gate_up_e4m3 = 2;
+    CHECK_EQ(comet_moe_saved_create(fx.moe, &sc, &small), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "gate_up_e4m3 = 2");
+    sc.gate_up_e4m3 = 0;
     CHECK_EQ(comet_moe_saved_destroy(b.saved), COMET_SUCCESS);
     CHECK_EQ(comet_moe_saved_destroy(saved), COMET_SUCCESS);
     CHECK_EQ(comet_moe_saved_destroy(other_saved), COMET_SUCCESS);

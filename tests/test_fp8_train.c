@@ -22,7 +22,9 @@
  *   - fp32 accumulation: the gradients added to a known start equal the bf16 ones within
  *     bf16's rounding;
  *   - the refusals: the sequential path, missing or misaligned W^T, FP8 fields on a bf16
- *     layer; the saved state's bytes (x's rows in E4M3 with their scales).
+ *     layer; the saved state's bytes (x's rows in E4M3 with their scales);
+ *   - [g u] kept in E4M3 (gate_up_e4m3_case): its bytes, the same y, and the gradients'
+ *     measures against the bf16 layer's printed and held < 2e-3.
  * And 1000 steps of random sizes and routings (fp8_soak_rank) on any bf16 x: every 50th
  * repeated bit for bit, and against the bf16 layer with a measure < 2e-3 per tensor of 256
  * values or more (< 1e-2 below: a mean of few squared errors scatters) and
@@ -328,6 +330,56 @@ static int fp8_layers_close(comet_comm_t comm, fp8_fixture_t *fx, fp8_layers_t *
     return 0;
 }
 
+/* The saved state keeping [g u] in E4M3 (saved config gate_up_e4m3): comet.h's bytes (h
+ * E4M3, its scales [2F / 128][cap] after the other parts); the same forward, bit for bit
+ * (o8's y); repeatable; and every tensor against the bf16 layer's (o16) with one more
+ * E4M3 rounding of g and u in the backward: DeepGEMM's measure < 2e-3 per tensor (each
+ * measure printed: what keeping [g u] in E4M3 costs), the elements within GU8_BOUND. */
+static const elem_bound_t GU8_BOUND = {0x1p-2, 0.5};
+static int gate_up_e4m3_case(fp8_fixture_t *fx, comet_moe_t moe8, const comet_moe_args_t *a,
+                             comet_moe_backward_args_t *b, const step_out_t *o8, const step_out_t *o16, size_t bytes8,
+                             size_t bytes16, int top_k)
+{
+    comet_comm_t comm = fx->comm;
+    comet_moe_saved_config_t sc = COMET_MOE_SAVED_CONFIG_INIT;
+    sc.gate_up_e4m3 = 1;
+    size_t bytes = 0;
+    COMET_OK(comet_moe_saved_bytes(moe8, &sc, &bytes), comm);
+    const int world = comet_comm_size(comm), here = top_k < fx->per ? top_k : fx->per;
+    const size_t cap = (size_t)world * MAX_TOKENS * here + (size_t)fx->per * 128;
+#define ALIGN256(x) (((x) + 255) / 256 * 256)
+    CHECK_EQ(bytes8 - bytes, ALIGN256(cap * 2 * F * 2) - ALIGN256(cap * 2 * F) - ALIGN256(cap * 2 * F / 128 * 4));
+#undef ALIGN256
+    comet_moe_saved_t sv;
+    COMET_OK(comet_moe_saved_create(moe8, &sc, &sv), comm);
+    step_out_t o, again;
+    alloc_out(fx, &o), alloc_out(fx, &again);
+    if (step_in(fx, moe8, a, b, sv, &o) || step_in(fx, moe8, a, b, sv, &again) || same_bits(fx, &o, &again)) return 1;
+    CHECK(memcmp(o.y, o8->y, fx->ny * 2) == 0);
+    struct { const char *name; const uint16_t *got, *want; size_t n, group; } t[] = {
+        {"dx", o.dx, o16->dx, fx->ny, H},
+        {"d gate_up", o.g13, o16->g13, fx->n13, (size_t)F * H}, {"d down", o.g2, o16->g2, fx->n2, (size_t)H * F},
+    };
+    double measure[4] = {0}, used = 0;
+    for (int i = 0; i < 3; i++) {
+        float *g = bf16_floats(t[i].got, t[i].n), *w = bf16_floats(t[i].want, t[i].n);
+        const int failed = t[i].n && against_bf16(t[i].name, fx->me, g, w, t[i].n, t[i].group, GU8_BOUND, &measure[i],
+                                                  &used);
+        free(g), free(w);
+        if (failed) return 1;
+    }
+    if (fx->nw && against_bf16("d topk_weights", fx->me, o.dw, o16->dw, fx->nw, fx->nw, GU8_BOUND, &measure[3], &used))
+        return 1;
+    printf("rank %d: [g u] kept in E4M3: saved state %.2fx the bf16 one's (%.2fx with [g u] in bf16); against the "
+           "bf16 layer: dx %.2e, d topk_weights %.2e, d gate_up %.2e, d down %.2e, elements at most %.0f%% of their "
+           "bound\n", fx->me, (double)bytes / (double)bytes16, (double)bytes8 / (double)bytes16, measure[0],
+           measure[3], measure[1], measure[2], 100 * used);
+    for (int i = 0; i < 4; i++) CHECK(measure[i] < 2e-3);
+    free_out(&o), free_out(&again);
+    COMET_OK(comet_moe_saved_destroy(sv), comm);
+    return 0;
+}
+
 static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int top_k)
 {
     const int me = ctx->rank;
@@ -462,6 +514,7 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
            "%.0f%% of their bound; bitwise repeatable; saved state %.2fx the bf16 one's\n", me, top_k, fx.m,
            measure[0], measure[1], measure[4], measure[2], measure[3], 100 * used, (double)bytes8 / (double)bytes16);
     for (int i = 0; i < 5; i++) CHECK(measure[i] < 1e-3);
+    if (gate_up_e4m3_case(&fx, moe8, &a, &b, &o8, &o16, bytes8, bytes16, top_k)) return 1;
     /* fp32 accumulation into a known start: the bf16 write's values added. */
     float *start13 = malloc(fx.n13 * 4), *start2 = malloc(fx.n2 * 4), *acc13 = malloc(fx.n13 * 4),
           *acc2 = malloc(fx.n2 * 4);

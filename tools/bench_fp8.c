@@ -14,7 +14,8 @@
  * bf16 weight gradients) of the FP8 layer beside the bf16 one's, both fused, in turns at
  * the bench's token count; the FP8 weights' two copies (W, and W^T for the backward) made
  * once beside, as an optimizer step makes them; the saved states' bytes; and the FP8 dx
- * and weight gradients against the bf16 ones by DeepGEMM's measure.
+ * and weight gradients against the bf16 ones by DeepGEMM's measure. The FP8 step runs
+ * twice over: [g u] kept in bf16, and in E4M3 (saved config gate_up_e4m3).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -118,9 +119,10 @@ static int time_backward_gemms(comet_moe_t moe, const comet_moe_backward_args_t 
     return 0;
 }
 
-/* --train: the FP8 training step beside the bf16 one (the file's header). gu and dn: the
- * bf16 weights of this rank's experts (gate and up in one tensor), a8 and a16 each
- * layer's forward arguments. */
+/* --train: the FP8 training step beside the bf16 one (the file's header), and the FP8 step
+ * keeping [g u] in E4M3 (saved config gate_up_e4m3). gu and dn: the bf16 weights of this
+ * rank's experts (gate and up in one tensor), a8 and a16 each layer's forward arguments. */
+#define SIDES 3 /* bf16, FP8, FP8 with [g u] in E4M3 */
 static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
                            const comet_moe_config_t *cfg, const char *label, comet_moe_t m16, comet_moe_t m8,
                            comet_moe_args_t *a16, comet_moe_args_t *a8, const void *gu, const void *dn,
@@ -132,7 +134,7 @@ static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o
     const size_t n13 = (size_t)per * 2 * Fl * H, n2 = (size_t)per * H * Fl;
     const size_t s13 = (size_t)per * (2 * Fl / 128) * ((H + 127) / 128), s2 = (size_t)per * ((H + 127) / 128) *
                                                                              ((Fl + 127) / 128);
-    void *gut, *dnt, *dy, *dx[2], *g13[2], *g2[2];
+    void *gut, *dnt, *dy, *dx[SIDES], *g13[SIDES], *g2[SIDES];
     float *guts, *dnts, *dw;
     CUDA_OK(cudaMalloc(&gut, n13));
     CUDA_OK(cudaMalloc(&dnt, n2));
@@ -140,7 +142,7 @@ static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o
     CUDA_OK(cudaMalloc((void **)&dnts, s2 * 4 + 16));
     CUDA_OK(cudaMalloc(&dy, (size_t)M * H * 2 + 16));
     CUDA_OK(cudaMalloc((void **)&dw, sizeof(float) * ((size_t)M * cfg->top_k + 4)));
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < SIDES; i++) {
         CUDA_OK(cudaMalloc(&dx[i], (size_t)M * H * 2 + 16));
         CUDA_OK(cudaMalloc(&g13[i], n13 * 2));
         CUDA_OK(cudaMalloc(&g2[i], n2 * 2));
@@ -157,30 +159,34 @@ static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o
     CUDA_OK(cudaEventSynchronize(e1));
     float quant_ms = 0;
     cudaEventElapsedTime(&quant_ms, e0, e1);
-    comet_moe_backward_args_t b[2];
-    for (int i = 0; i < 2; i++) {
+    comet_moe_backward_args_t b[SIDES];
+    for (int i = 0; i < SIDES; i++) {
         b[i] = (comet_moe_backward_args_t)COMET_MOE_BACKWARD_ARGS_INIT;
         b[i].dy = dy, b[i].dx = dx[i], b[i].d_topk_weights = dw;
         b[i].grads.gate_up = g13[i], b[i].grads.down = g2[i];
         b[i].impl = COMET_IMPL_FUSED;
+        if (i) {
+            b[i].weights_t.gate_up = gut, b[i].weights_t.down = dnt;
+            b[i].weight_t_scales.gate_up = guts, b[i].weight_t_scales.down = dnts;
+        }
     }
     b[0].weights = a16->weights;
-    b[1].weights_t.gate_up = gut, b[1].weights_t.down = dnt;
-    b[1].weight_t_scales.gate_up = guts, b[1].weight_t_scales.down = dnts;
-    comet_moe_t moe[2] = {m16, m8};
-    comet_moe_args_t *args[2] = {a16, a8};
-    comet_moe_saved_t sv[2];
-    size_t bytes[2];
-    for (int i = 0; i < 2; i++) {
+    comet_moe_t moe[SIDES] = {m16, m8, m8};
+    comet_moe_args_t *args[SIDES] = {a16, a8, a8};
+    comet_moe_saved_t sv[SIDES];
+    size_t bytes[SIDES];
+    for (int i = 0; i < SIDES; i++) {
+        comet_moe_saved_config_t sc = COMET_MOE_SAVED_CONFIG_INIT;
+        sc.gate_up_e4m3 = i == 2;
         args[i]->num_tokens = M;
         args[i]->impl = COMET_IMPL_FUSED;
-        FAIL_IF(comet_moe_saved_create(moe[i], NULL, &sv[i]) != COMET_SUCCESS ||
-                    comet_moe_saved_bytes(moe[i], NULL, &bytes[i]) != COMET_SUCCESS,
+        FAIL_IF(comet_moe_saved_create(moe[i], &sc, &sv[i]) != COMET_SUCCESS ||
+                    comet_moe_saved_bytes(moe[i], &sc, &bytes[i]) != COMET_SUCCESS,
                 "saved state: %s", comet_last_create_error());
     }
-    /* Check: each step once on poisoned outputs, FP8 against bf16. */
+    /* Check: each step once on poisoned outputs, each FP8 one against bf16. */
     int failed = 0;
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < SIDES; i++) {
         CUDA_OK(cudaMemset(dx[i], 0xff, (size_t)M * H * 2));
         CUDA_OK(cudaMemset(g13[i], 0xff, n13 * 2));
         CUDA_OK(cudaMemset(g2[i], 0xff, n2 * 2));
@@ -188,63 +194,76 @@ static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o
         timed_step(moe[i], args[i], &b[i], sv[i], st, e, part, &failed);
         FAIL_IF(failed, "%s: %s training step: %s", label, i ? "FP8" : "bf16", comet_moe_last_error(moe[i]));
     }
-    double m_dx, m_g13, m_g2;
-    if (bf16_measure(comm, dx[1], dx[0], (size_t)M * H, &m_dx) || bf16_measure(comm, g13[1], g13[0], n13, &m_g13) ||
-        bf16_measure(comm, g2[1], g2[0], n2, &m_g2))
-        return 1;
-    /* FP8's own error on these random operands is about 2e-3 of the measure; 5e-3 flags a
-     * wrong answer. */
-    const int accurate = m_dx < 5e-3 && m_g13 < 5e-3 && m_g2 < 5e-3;
-    /* Per format: the step, its forward, its backward; in turns. */
-    float *t[2][3];
-    for (int i = 0; i < 2; i++)
+    double m[SIDES][3] = {{0}}; /* dx, dW13, dW2 */
+    for (int i = 1; i < SIDES; i++)
+        if (bf16_measure(comm, dx[i], dx[0], (size_t)M * H, &m[i][0]) ||
+            bf16_measure(comm, g13[i], g13[0], n13, &m[i][1]) || bf16_measure(comm, g2[i], g2[0], n2, &m[i][2]))
+            return 1;
+    /* FP8's own error on these random operands is about 2e-3 of the measure (a little more
+     * with [g u] in E4M3); 5e-3 flags a wrong answer. */
+    int accurate = 1;
+    for (int i = 1; i < SIDES; i++) accurate &= m[i][0] < 5e-3 && m[i][1] < 5e-3 && m[i][2] < 5e-3;
+    /* Per side: the step, its forward, its backward; in turns. */
+    float *t[SIDES][3];
+    for (int i = 0; i < SIDES; i++)
         for (int j = 0; j < 3; j++) t[i][j] = TOOL_MALLOC(sizeof(float) * o->iters);
     for (int it = -o->warmup; it < o->iters; it++) {
         FAIL_IF(cometi_barrier(comm, st) != COMET_SUCCESS, "barrier: %s", comet_comm_last_error(comm));
-        for (int i = 0; i < 2; i++) {
+        for (int i = 0; i < SIDES; i++) {
             float part[2];
             const float step_ms = timed_step(moe[i], args[i], &b[i], sv[i], st, e, part, &failed);
             FAIL_IF(failed, "%s: a training step failed: %s", label, comet_moe_last_error(moe[i]));
             if (it >= 0) t[i][0][it] = step_ms, t[i][1][it] = part[0], t[i][2][it] = part[1];
         }
     }
-    /* ms: the steps, the FP8 weights' copies, each format's forward and backward, then each
-     * format's four backward GEMMs alone (on the rows of its last forward). */
-    float ms[15] = {median(t[0][0], o->iters), median(t[1][0], o->iters), quant_ms, median(t[0][1], o->iters),
-                    median(t[0][2], o->iters), median(t[1][1], o->iters), median(t[1][2], o->iters)};
+    /* ms: per side its step, forward and backward (3 i + j), the FP8 weights' copies, then
+     * the bf16 and FP8 layers' four backward GEMMs alone (on the rows of their last forward). */
+    enum { COPIES = 3 * SIDES, GEMMS = COPIES + 1, NMS = GEMMS + 8 };
+    float ms[NMS];
+    for (int i = 0; i < SIDES; i++)
+        for (int j = 0; j < 3; j++) {
+            ms[3 * i + j] = median(t[i][j], o->iters);
+            free(t[i][j]);
+        }
+    ms[COPIES] = quant_ms;
     for (int i = 0; i < 2; i++) {
-        for (int j = 0; j < 3; j++) free(t[i][j]);
         FAIL_IF(comet_moe_forward_train(moe[i], args[i], sv[i], st) != COMET_SUCCESS, "forward_train: %s",
                 comet_moe_last_error(moe[i]));
         b[i].saved = sv[i];
-        if (time_backward_gemms(moe[i], &b[i], o->iters, st, e, ms + 7 + 4 * i)) return 1;
+        if (time_backward_gemms(moe[i], &b[i], o->iters, st, e, ms + GEMMS + 4 * i)) return 1;
     }
-    if (allreduce(comm, ms, 15, ncclMax)) return 1;
+    if (allreduce(comm, ms, NMS, ncclMax)) return 1;
     if (me == 0) {
         printf("\n%s FP8 training: E=%d top-k=%d H=%d F=%d, %d x GPU (EP=%d x TP=%d), %d tokens; the step "
                "(forward_train + backward, bf16 weight gradients), both fused, in turns, median of %d\n", label, E,
                cfg->top_k, H, cfg->ffn, R, R / tp, tp, M, o->iters);
         printf("%-16s %12s %12s %9s %16s %14s %9s %9s %9s\n", "case", "bf16 step ms", "fp8 step ms", "bf16/fp8",
                "FP8 weights ms", "saved fp8/bf16", "dx", "dW13", "dW2");
-        printf("%-16s %12.3f %12.3f %9.2f %16.3f %14.2f %9.2e %9.2e %9.2e%s\n", label, ms[0], ms[1], ms[0] / ms[1],
-               ms[2], (double)bytes[1] / (double)bytes[0], m_dx, m_g13, m_g2,
-               accurate ? "" : " !");
+        printf("%-16s %12.3f %12.3f %9.2f %16.3f %14.2f %9.2e %9.2e %9.2e%s\n", label, ms[0], ms[3], ms[0] / ms[3],
+               ms[COPIES], (double)bytes[1] / (double)bytes[0], m[1][0], m[1][1], m[1][2], accurate ? "" : " !");
+        printf("%-16s %12s %12.3f %9.2f %16s %14.2f %9.2e %9.2e %9.2e   ([g u] kept in E4M3)\n", "", "", ms[6],
+               ms[0] / ms[6], "", (double)bytes[2] / (double)bytes[0], m[2][0], m[2][1], m[2][2]);
         static const char *const names[4] = {"dgrad W2", "dgrad W13", "dW2", "dW13"};
-        for (int i = 0; i < 2; i++) {
-            printf("  %s: forward_train %.3f ms, backward %.3f ms; its GEMMs alone:", i ? "fp8 " : "bf16",
-                   ms[3 + 2 * i], ms[4 + 2 * i]);
-            for (int g = 0; g < 4; g++) printf(" %s %.3f", names[g], ms[7 + 4 * i + g]);
-            printf(" ms\n");
+        static const char *const side[SIDES] = {"bf16", "fp8 ", "fp8, [g u] E4M3"};
+        for (int i = 0; i < SIDES; i++) {
+            printf("  %s: forward_train %.3f ms, backward %.3f ms", side[i], ms[3 * i + 1], ms[3 * i + 2]);
+            if (i < 2) {
+                printf("; its GEMMs alone:");
+                for (int g = 0; g < 4; g++) printf(" %s %.3f", names[g], ms[GEMMS + 4 * i + g]);
+                printf(" ms");
+            }
+            printf("\n");
         }
         fflush(stdout);
     }
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < SIDES; i++) {
         comet_moe_saved_destroy(sv[i]);
         cudaFree(dx[i]), cudaFree(g13[i]), cudaFree(g2[i]);
     }
     cudaFree(gut), cudaFree(dnt), cudaFree(guts), cudaFree(dnts), cudaFree(dy), cudaFree(dw);
     return !accurate;
 }
+#undef SIDES
 
 int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
                    const comet_moe_config_t *cfg, const char *label)

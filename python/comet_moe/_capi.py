@@ -160,10 +160,11 @@ class MoeSavedConfigStruct(ctypes.Structure):
         ("magic", c_uint),
         ("version", c_uint),
         ("max_recv_rows", ctypes.c_int64),
+        ("gate_up_e4m3", c_int),
     ]
 
-    def __init__(self, max_recv_rows: int = 0):
-        super().__init__(ctypes.sizeof(MoeSavedConfigStruct), STRUCT_MAGIC, API_VERSION, max_recv_rows)
+    def __init__(self, max_recv_rows: int = 0, gate_up_e4m3: int = 0):
+        super().__init__(ctypes.sizeof(MoeSavedConfigStruct), STRUCT_MAGIC, API_VERSION, max_recv_rows, gate_up_e4m3)
 
 
 class MoeWeightGradsStruct(ctypes.Structure):

@@ -134,11 +134,14 @@ def _layer_class():
         earlier layer of the same shape, group and settings made (False: make its own).
         resend_x: keep no x rows between the forward and the backward, which sends x
         again (comet_moe_config_t.resend_x): less memory per layer in flight, for a
-        receive buffer that grows once per handle (it pays from two layers in flight)."""
+        receive buffer that grows once per handle (it pays from two layers in flight).
+        fp8_gate_up: in FP8, "e4m3" keeps each row's gate and up in E4M3 between the
+        forward and the backward (comet_moe.Moe's fp8_gate_up): about half the memory."""
 
         def __init__(self, config, max_tokens: int, pg_collection=None, layer_number=None, *, comm=None,
                      moe=None, impl="auto", max_recv_rows: int = 0, grad_accumulation: str = "main_grad",
-                     share_handle: bool = True, resend_x: bool = False, fp8: bool = False):
+                     share_handle: bool = True, resend_x: bool = False, fp8: bool = False,
+                     fp8_gate_up: str = "bf16"):
             super().__init__()
             from megatron.core.transformer.moe.router import TopKRouter
             cfg = moe_config_from_megatron(config, max_tokens, fp8)
@@ -154,11 +157,11 @@ def _layer_class():
 
                 def make():
                     c = comm or Comm.from_process_group(group=pg_collection.tp_ep)
-                    return c, Moe(c, cfg, max_recv_rows=max_recv_rows, grad_accumulation=grad_accumulation), \
-                        comm is None
+                    return c, Moe(c, cfg, max_recv_rows=max_recv_rows, grad_accumulation=grad_accumulation,
+                                  fp8_gate_up=fp8_gate_up), comm is None
                 if share_handle:  # the same on every rank: the layers are built in the same order
                     comm, moe = _shared_handle(comm or pg_collection.tp_ep,
-                                               (bytes(cfg), max_recv_rows, grad_accumulation), make)
+                                               (bytes(cfg), max_recv_rows, grad_accumulation, fp8_gate_up), make)
                 else:
                     comm, moe, _ = make()
             self.moe = moe

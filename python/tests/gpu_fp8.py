@@ -321,10 +321,13 @@ def fp8_moe_trains_from_bf16_masters(c):
     the routing weights, both masters) against the bf16 Moe's on the same operands (masters
     and x on the E4M3 grid of power-of-two scales) by DeepGEMM's measure < 1e-3, none NaN;
     the FP8 copies made once per version of a master (an in-place update makes them again);
-    main_grad accumulation equal to .grad within bf16's rounding; gate and up apart refused."""
+    main_grad accumulation equal to .grad within bf16's rounding; gate and up apart refused.
+    With fp8_gate_up="e4m3": y bit for bit the same, every gradient < 2e-3 against bf16's
+    (one more E4M3 rounding of g and u)."""
     torch, cm = c.torch, c.cm
     with cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1)) as m8, cm.Moe(c.comm, c.config()) as m16, \
-            cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1), grad_accumulation="main_grad") as mg:
+            cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1), grad_accumulation="main_grad") as mg, \
+            cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1), fp8_gate_up="e4m3") as m8e:
         experts = list(m8.local_experts)
         sd = c.full_sd
         gate_up = torch.stack([torch.cat([sd[f"experts.{e}.w1.weight"], sd[f"experts.{e}.w3.weight"]])
@@ -336,7 +339,7 @@ def fp8_moe_trains_from_bf16_masters(c):
         ids, tw = c.routing(m, "random")
         dy = c.tokens(m)
         runs = {}
-        for name, layer in (("fp8", m8), ("bf16", m16)):
+        for name, layer in (("fp8", m8), ("bf16", m16), ("fp8, [g u] e4m3", m8e)):
             gu, dn = torch.nn.Parameter(gate_up.clone()), torch.nn.Parameter(down.clone())
             xi, twi = x.clone().requires_grad_(True), tw.clone().requires_grad_(True)
             y = layer(xi, ids, twi, gate_up=gu, down=dn)
@@ -352,6 +355,13 @@ def fp8_moe_trains_from_bf16_masters(c):
             check(d < DIFF_LIMIT, f"FP8 training from masters: {what} measures {d:.3g} against bf16 (limit "
                                   f"{DIFF_LIMIT})")
             c.note(f"FP8 training from bf16 masters: {what} {d:.2e} against the bf16 layer")
+            got = runs["fp8, [g u] e4m3"][i]
+            if i == 0:
+                check(torch.equal(got, runs["fp8"][0]), "fp8_gate_up='e4m3': y differs from the FP8 layer's")
+                continue
+            d = calc_diff(got.float(), want.float())
+            check(d < 2e-3, f"FP8 training, [g u] in E4M3: {what} measures {d:.3g} against bf16 (limit 2e-3)")
+            c.note(f"FP8 training, [g u] in E4M3: {what} {d:.2e} against the bf16 layer")
         # The copies: kept while the master is unchanged, made again after an in-place update.
         gu, dn = runs["fp8"][5], runs["fp8"][6]
         first = m8._fp8_cache[id(gu)][2]

@@ -39,9 +39,9 @@ class CpuMoe(comet_moe.Moe):
     calls: (what, num_tokens, impl) of each call; saved: every saved state made, each with
     `destroyed` set when the operators gave it back."""
 
-    def __init__(self, torch, config, *, grad_accumulation="grad", max_recv_rows=0):  # no C handle: no super()
+    def __init__(self, torch, config, *, grad_accumulation="grad", max_recv_rows=0, fp8_gate_up="bf16"):  # no C handle
         self.torch, self.config = torch, config.copy()
-        self.max_recv_rows, self.grad_accumulation = max_recv_rows, grad_accumulation
+        self.max_recv_rows, self.grad_accumulation, self.fp8_gate_up = max_recv_rows, grad_accumulation, fp8_gate_up
         self.comm, self._lib, self._box = CpuComm(torch), None, _Box(1)
         for key, value in _rank_layout(self.config, 1, 0).items():
             setattr(self, key, value)

@@ -133,7 +133,7 @@ GCC_X86_64 = {
     "comet_moe_weight_scales_t": (32, {"down": 24}),
     "comet_moe_args_t": (136, {"num_tokens": 16, "x": 24, "topk_ids": 32, "topk_weights": 40, "weights": 48,
                                "y": 80, "impl": 88, "weight_scales": 96, "x_scales": 128}),
-    "comet_moe_saved_config_t": (24, {"max_recv_rows": 16}),
+    "comet_moe_saved_config_t": (32, {"max_recv_rows": 16, "gate_up_e4m3": 24}),
     "comet_moe_weight_grads_t": (40, {"down": 24, "mode": 32}),
     "comet_moe_backward_args_t": (200, {"saved": 16, "dy": 24, "x": 32, "weights": 40, "dx": 72,
                                         "d_topk_weights": 80, "grads": 88, "impl": 128, "weights_t": 136,
@@ -640,6 +640,14 @@ def test_impl_names():
 def test_layer_refuses_wrong_types_before_calling_comet():
     cfg = comet_moe.MoeConfig.preset("tiny", 16)
     raises(TypeError, lambda: comet_moe.Moe("comm", cfg), "comm: expected a comet_moe.Comm, got str")
+    # [g u] in E4M3 between the forward and the backward: FP8 layers only, by name.
+    raises(ValueError, lambda: comet_moe.Moe("comm", cfg, fp8_gate_up="fp8"), "fp8_gate_up = 'fp8'",
+           "expected 'bf16' or 'e4m3'")
+    raises(ValueError, lambda: comet_moe.Moe("comm", cfg, fp8_gate_up="e4m3"), "is for FP8 layers")
+    fp8 = comet_moe.MoeConfig.preset("tiny", 16, dtype="fp8")
+    raises(TypeError, lambda: comet_moe.Moe("comm", fp8, fp8_gate_up="e4m3"), "comm: expected a comet_moe.Comm")
+    check_eq(bytes(_capi.MoeSavedConfigStruct(5, 1))[16:28], bytes([5, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0]),
+             "comet_moe_saved_config_t's max_recv_rows and gate_up_e4m3 bytes")
     # Handles are never copied (a copy would destroy them twice), and an object whose
     # constructor failed closes as a no-op.
     for cls in (comet_moe.Moe, comet_moe.Comm):

@@ -50,7 +50,9 @@ struct comet_moe_saved {
     void *recv;                  /* [cap_rows][H] bf16: x rows received, in the plan's layout; NULL
                                   * where the config resends x (the backward sends it again) */
     void *h;                     /* [cap_rows][2 Fl] bf16: their gate and up projections (the fused
-                                  * backward turns them into their gradients in place) */
+                                  * backward turns them into their gradients in place); E4M3 where
+                                  * h_scales is set (FP8, saved config gate_up_e4m3) */
+    float *h_scales;             /* [2 Fl / 128][cap_rows]: h's 1 x 128 scales, or NULL (bf16) */
     int32_t *send_pos;           /* [max_tokens x k] each choice's place in the send order (-1: an
                                   * expert id out of range, no row) */
     int32_t *ids;                /* [max_tokens x k] the forward's topk_ids (fused: its route again) */

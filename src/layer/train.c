@@ -9,11 +9,14 @@
 #include <string.h>
 
 #include "layer/layer.h"
+#include "base/fp8.h"
 #include "baseline/baseline.h"
 #include "layer/fused.h"
 
-/* The bound (rows received, unpadded) and the rows allocated for it. */
-static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t *c, int64_t *bound, int64_t *cap)
+/* The bound (rows received, unpadded), the rows allocated for it, and whether [g u] is
+ * kept in E4M3. */
+static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t *c, int64_t *bound, int64_t *cap,
+                                 int *gu8)
 {
     char *cerr = cometi_create_error_buffer();
     /* A token's choices are distinct experts: at most min(top_k, experts here) land here. */
@@ -29,6 +32,13 @@ static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t
         return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.max_recv_rows = %lld: must be 0 (the worst "
                            "case) .. world x max_tokens x min(top_k, experts per rank) = %lld",
                            (long long)c->max_recv_rows, (long long)worst);
+    if (c && c->gate_up_e4m3 != 0 && c->gate_up_e4m3 != 1)
+        return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.gate_up_e4m3 = %d: must be 0 (bf16) or 1 "
+                           "(E4M3)", c->gate_up_e4m3);
+    if (c && c->gate_up_e4m3 && moe->cfg.dtype != COMET_DTYPE_FP8_BLOCK)
+        return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.gate_up_e4m3 = 1 is for layers of dtype "
+                           "COMET_DTYPE_FP8_BLOCK (this one's is %d)", (int)moe->cfg.dtype);
+    *gu8 = c ? c->gate_up_e4m3 : 0;
     *bound = c && c->max_recv_rows ? c->max_recv_rows : worst;
     *cap = *bound + (int64_t)moe->experts_per_rank * COMETI_BLOCK_M;
     return COMET_SUCCESS;
@@ -36,20 +46,22 @@ static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t
 
 /* The saved state's device parts, each starting on a 256-byte boundary of one block. */
 #define SAVED_ALIGN 256
-#define SAVED_PARTS 6
-static size_t saved_layout(comet_moe_t moe, int64_t cap, size_t offset[SAVED_PARTS])
+#define SAVED_PARTS 7
+static size_t saved_layout(comet_moe_t moe, int64_t cap, int gu8, size_t offset[SAVED_PARTS])
 {
+    const size_t gu_values = (size_t)cap * 2 * moe->ffn_local;
     const size_t choices = (size_t)moe->cfg.max_tokens * moe->cfg.top_k, H = (size_t)moe->cfg.hidden;
     /* No expert outputs: d topk_weights is <s, a>, from rows the backward has anyway. */
     /* x's rows as they arrive: bf16, or FP8 (E4M3 then the row's scales, dispatch_gemm.h). */
     const size_t x_row = moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK ? (size_t)cometi_fp8_row_bytes((int)H) : H * 2;
     const size_t size[SAVED_PARTS] = {
         moe->cfg.resend_x ? 0 : (size_t)cap * x_row, /* recv: x rows, unless the backward sends x again */
-        (size_t)cap * 2 * moe->ffn_local * 2,       /* h: gate and up */
+        gu_values * (gu8 ? 1 : 2),                  /* h: gate and up, bf16 or E4M3 */
         choices * sizeof(int32_t),                  /* send_pos */
         choices * sizeof(int32_t),                  /* ids */
         choices * sizeof(float),                    /* weights */
         sizeof(cometi_segment_t) * (size_t)moe->experts_per_rank, /* segs */
+        gu8 ? gu_values / COMETI_FP8_BLOCK * sizeof(float) : 0,   /* h_scales: [2 Fl / 128][cap] */
     };
     size_t at = 0;
     for (int i = 0; i < SAVED_PARTS; i++) {
@@ -65,9 +77,10 @@ comet_status_t comet_moe_saved_bytes(comet_moe_t moe, const comet_moe_saved_conf
     if (!moe || !bytes) return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_bytes: %s is NULL",
                                            !moe ? "moe" : "bytes");
     int64_t bound, cap;
-    COMETI_TRY(saved_rows(moe, config, &bound, &cap));
+    int gu8;
+    COMETI_TRY(saved_rows(moe, config, &bound, &cap, &gu8));
     size_t offset[SAVED_PARTS];
-    *bytes = saved_layout(moe, cap, offset);
+    *bytes = saved_layout(moe, cap, gu8, offset);
     return COMET_SUCCESS;
 }
 
@@ -103,9 +116,10 @@ static comet_status_t saved_create_on(comet_moe_t moe, const comet_moe_saved_con
 {
     char *cerr = cometi_create_error_buffer();
     int64_t bound, cap;
-    COMETI_TRY(saved_rows(moe, config, &bound, &cap));
+    int gu8;
+    COMETI_TRY(saved_rows(moe, config, &bound, &cap, &gu8));
     size_t offset[SAVED_PARTS];
-    const size_t bytes = saved_layout(moe, cap, offset);
+    const size_t bytes = saved_layout(moe, cap, gu8, offset);
     if (memory && memory_bytes < bytes)
         return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "comet_moe_saved_create_in: bytes = %zu: the saved state "
                            "needs %zu (comet_moe_saved_bytes)", memory_bytes, bytes);
@@ -134,6 +148,7 @@ static comet_status_t saved_create_on(comet_moe_t moe, const comet_moe_saved_con
         s->ids = (int32_t *)(m + offset[3]);
         s->weights = (float *)(m + offset[4]);
         s->segs = (cometi_segment_t *)(m + offset[5]);
+        s->h_scales = gu8 ? (float *)(m + offset[6]) : NULL;
     }
     const int per = moe->experts_per_rank, W = moe->comm->size;
     s->segs_host = malloc(per * sizeof(cometi_segment_t));

@@ -27,7 +27,8 @@
  *
  * In block-scaled FP8 the same steps, with every GEMM in E4M3 (DeepSeek-V3's recipe):
  * the forward keeps x's rows as they arrived (E4M3 and their 1 x 128 scales) and [g u] in
- * bf16 from GEMM0's quantizing epilogue; dy is quantized once per token before it is
+ * bf16 (or, as the saved state asks, in E4M3 with 1 x 128 scales) from GEMM0's quantizing
+ * epilogue; dy is quantized once per token before it is
  * dispatched; the dgrad GEMMs read W^T's E4M3 copies (FP8 MMAs read k-major operands only);
  * SwiGLU's backward writes its FP8 operands directly (dh 1 x 128 for dx = dh W13, w a and
  * dh in 128 x 1 blocks along the tokens per expert segment for the weight gradients), and
@@ -270,9 +271,12 @@ comet_status_t cometi_fused_forward_train(comet_moe_t moe, const comet_moe_args_
     if (l0->fp8) COMETI_TRY(fp8_train_get(moe, f, &t)); /* the backward's, made before anything is enqueued */
     /* GEMM0's epilogue keeps [g u] beside the activation (FP8: beside its E4M3 bytes). */
     cometi_gemm_t core0 = cometi_dispatch_gemm_gemm(comm, l0, a);
-    core0.out.epilogue = l0->fp8 ? COMETI_GEMM_EPI_SWIGLU_E4M3_GU : COMETI_GEMM_EPI_SWIGLU_GU;
+    core0.out.epilogue = !l0->fp8      ? COMETI_GEMM_EPI_SWIGLU_GU
+                         : sv->h_scales ? COMETI_GEMM_EPI_SWIGLU_E4M3_GU8
+                                        : COMETI_GEMM_EPI_SWIGLU_E4M3_GU;
     core0.out.gu = sv->h;
     core0.out.gu_rows = sv->cap_rows;
+    core0.out.gu_scale = sv->h_scales;
     /* The route's call id of a training forward: its bound, which every rank must share. */
     const cometi_dispatch_call_t kind = {0, NULL, COMETI_CALL_TRAIN_FORWARD | (unsigned int)(sv->max_recv_rows %
                                                                                              COMETI_CALL_TRAIN_FORWARD)};
@@ -332,10 +336,11 @@ static comet_status_t backward_fp8_operands(comet_moe_t moe, struct cometi_fused
     const int H = moe->cfg.hidden, F = moe->ffn_local, per = l0->experts_per_group, pow2 = l0->pow2_scales;
     const int64_t R = l0->max_recv_rows, rows = sv->cap_rows < R ? sv->cap_rows : R, rb = l0->row_bytes;
     const cometi_segment_t *segs = l0->route.plan.local_segs;
-    COMETI_TRY(cometi_cuda(comm->err, cometi_launch_swiglu_backward_e4m3(sv->h, t->s, F, segs, per, (int)rows, rows,
-                                                                         f->w_rows, f->dw_rows, t->dh_scales, R,
-                                                                         t->wa_t, t->wa_t_scales, t->dh_t,
-                                                                         t->dh_t_scales, t->ld, pow2, stream),
+    COMETI_TRY(cometi_cuda(comm->err, cometi_launch_swiglu_backward_e4m3(sv->h, sv->h_scales, sv->cap_rows, t->s, F,
+                                                                         segs, per, (int)rows, rows, f->w_rows,
+                                                                         f->dw_rows, t->dh_scales, R, t->wa_t,
+                                                                         t->wa_t_scales, t->dh_t, t->dh_t_scales,
+                                                                         t->ld, pow2, stream),
                            "launch SwiGLU's FP8 backward"));
     /* dy's rows as the dispatch delivered them, x's as the forward kept them: E4M3, each
      * row's scales after its hidden bytes. */

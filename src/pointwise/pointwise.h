@@ -49,8 +49,11 @@ cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, void *dh, int
  * bytes and get no scale (the dgrad GEMM stores nothing for them). ffn a multiple of 128
  * (2 ffn bytes of shared memory within the device's most); h, s_dh, wa_t and dh_t 16-byte
  * aligned; ldq a multiple of 16 >= rows rounded up to 128; dh_scale_block >= rows: else
- * cudaErrorInvalidValue and nothing launched. */
-cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, void *s_dh, int ffn, const cometi_segment_t *segs,
+ * cudaErrorInvalidValue and nothing launched. h is [g u] in bf16 (h_scales NULL), or in
+ * E4M3 [rows][2 ffn] with 1 x 128 block scales, row r's block b's at h_scales[b x h_ld +
+ * r] (h_ld >= rows), each value dequantized and rounded to bf16 before the rest. */
+cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, const float *h_scales, int64_t h_ld, void *s_dh,
+                                               int ffn, const cometi_segment_t *segs,
                                                int groups, int max_rows, int64_t rows, const float *w_rows,
                                                float *dw_rows, float *dh_scales, int64_t dh_scale_block, void *wa_t,
                                                float *wa_t_scales, void *dh_t, float *dh_t_scales, int64_t ldq,

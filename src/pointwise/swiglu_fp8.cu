@@ -9,7 +9,9 @@
  * rounded to bf16 as that kernel stores it), then quantize them as quantize.cu's
  * kernels quantize bf16 rows: the FP8 operands are those the bf16 backward and the casts
  * would make, bit for bit, in half the traffic (each reads [g u] and s once; the four
- * kernels they replace also wrote and read dh and w a in bf16).
+ * kernels they replace also wrote and read dh and w a in bf16). [g u] is kept in bf16, or
+ * in E4M3 (each value dequantized and rounded to bf16 first: the same bits as the bf16
+ * backward on those values).
  */
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -55,6 +57,34 @@ static __device__ __forceinline__ void dswiglu8(uint4 g4, uint4 u4, uint4 s4, fl
     }
 }
 
+/* Eight columns of a kept gate or up row from `h` at element (row, col): bf16 (h_scales
+ * NULL: the 16 bytes as they are), or E4M3 (GU8: 1 x 128 blocks, block b's scale of row r
+ * at h_scales[b x ld + r]: the 8 bytes and the scale's bits, dequantized by gu_bf16 where
+ * they are used, so that loads stay in flight ahead of the math). */
+template <bool GU8>
+static __device__ __forceinline__ uint4 load_gu(const void *h, const float *h_scales, long long ld, int ffn,
+                                                long long row, int col)
+{
+    if (!GU8) return *(const uint4 *)((const uint16_t *)h + row * 2 * ffn + col);
+    const uint2 q = *(const uint2 *)((const uint8_t *)h + row * 2 * ffn + col);
+    return make_uint4(q.x, q.y, __float_as_uint(h_scales[(long long)(col / COMETI_FP8_BLOCK) * ld + row]), 0u);
+}
+
+/* load_gu's eight values in bf16: E4M3 ones dequantized and each rounded to bf16, so that
+ * the rest is the bf16 backward on those values, bit for bit. */
+template <bool GU8>
+static __device__ __forceinline__ uint4 gu_bf16(uint4 v)
+{
+    if (!GU8) return v;
+    float f[8];
+    dequantize8(make_uint2(v.x, v.y), __uint_as_float(v.z), f);
+    uint4 r;
+    __nv_bfloat162 *b = (__nv_bfloat162 *)&r;
+#pragma unroll
+    for (int k = 0; k < 4; k++) b[k] = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+    return r;
+}
+
 /* The weight gradients' operands: a block takes 128 rows of a segment (a 128-row block) x
  * 128 columns f of [g u] and s, laid out among its threads as quantize.cu's tiles are (8
  * passes of 16 rows), computes dg, du and w a for all of them in registers, then for each
@@ -62,8 +92,10 @@ static __device__ __forceinline__ void dswiglu8(uint4 g4, uint4 u4, uint4 s4, fl
  * through the swizzled staging to the transposed rows: (w a)^T row f, dh^T rows f (gate)
  * and ffn + f (up). Rows of the block past its segment's end (or past `rows`) are zeros;
  * a block in no segment is not written (quantize_segments_t_kernel's contract). */
+template <bool GU8>
 static __global__ void __launch_bounds__(QUANTIZE_THREADS)
-swiglu_backward_t_kernel(const uint16_t *__restrict__ h, const uint16_t *__restrict__ s,
+swiglu_backward_t_kernel(const void *__restrict__ h, const float *__restrict__ h_scales, long long h_ld,
+                         const uint16_t *__restrict__ s,
                          const float *__restrict__ w_rows, int ffn, const cometi_segment_t *segs, int groups,
                          long long rows, uint8_t *__restrict__ wa_t, float *__restrict__ wa_scales,
                          uint8_t *__restrict__ dh_t, float *__restrict__ dh_scales, long long ldq, int pow2,
@@ -92,14 +124,15 @@ swiglu_backward_t_kernel(const uint16_t *__restrict__ h, const uint16_t *__restr
                 w[(p + 1) % 2] = 0.0f;
                 if (tr < valid) {
                     const long long row = r0 + tr;
-                    x[0] = *(const uint4 *)(h + row * 2 * ffn + c), x[1] = *(const uint4 *)(h + row * 2 * ffn + ffn + c);
+                    x[0] = load_gu<GU8>(h, h_scales, h_ld, ffn, row, c);
+                    x[1] = load_gu<GU8>(h, h_scales, h_ld, ffn, row, ffn + c);
                     x[2] = *(const uint4 *)(s + row * ffn + c);
                     w[(p + 1) % 2] = w_rows[row];
                 }
             }
             if (p >= 0) { /* rows past the segment: zeros in, zeros out */
                 const uint4 *x = in[p % 2];
-                dswiglu8(x[0], x[1], x[2], w[p % 2], &out[1][p], &out[2][p], &out[0][p]);
+                dswiglu8(gu_bf16<GU8>(x[0]), gu_bf16<GU8>(x[1]), x[2], w[p % 2], &out[1][p], &out[2][p], &out[0][p]);
             }
         }
 #pragma unroll
@@ -124,8 +157,10 @@ swiglu_backward_t_kernel(const uint16_t *__restrict__ h, const uint16_t *__restr
  * one of du, whose amax is a shuffle among them. <s, a> is summed as that kernel sums it
  * (the same order: the same bits). */
 #define DSWIGLU_THREADS 256
+template <bool GU8>
 static __global__ void __launch_bounds__(DSWIGLU_THREADS)
-swiglu_backward_rows_kernel(const uint16_t *__restrict__ h, uint16_t *s_dh, int ffn, const cometi_segment_t *segs,
+swiglu_backward_rows_kernel(const void *__restrict__ h, const float *__restrict__ h_scales, long long h_ld,
+                            uint16_t *s_dh, int ffn, const cometi_segment_t *segs,
                             long long row_limit, const float *__restrict__ w_rows, float *__restrict__ dw_rows,
                             float *__restrict__ dh_scales, long long scale_block_stride, int pow2)
 {
@@ -147,7 +182,8 @@ swiglu_backward_rows_kernel(const uint16_t *__restrict__ h, uint16_t *s_dh, int 
             const bool in = v < vecs;
             uint4 dg4 = make_uint4(0, 0, 0, 0), du4 = dg4;
             if (in) {
-                const uint4 g4 = *(const uint4 *)(h + row * 2 * ffn + f), u4 = *(const uint4 *)(h + row * 2 * ffn + ffn + f);
+                const uint4 g4 = gu_bf16<GU8>(load_gu<GU8>(h, h_scales, h_ld, ffn, row, f)),
+                            u4 = gu_bf16<GU8>(load_gu<GU8>(h, h_scales, h_ld, ffn, row, ffn + f));
                 const uint4 s4 = s_row[v];
                 const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
                                      *s = (const __nv_bfloat162 *)&s4;
@@ -190,7 +226,8 @@ swiglu_backward_rows_kernel(const uint16_t *__restrict__ h, uint16_t *s_dh, int 
     }
 }
 
-extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, void *s_dh, int ffn,
+extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, const float *h_scales, int64_t h_ld,
+                                                          void *s_dh, int ffn,
                                                           const cometi_segment_t *segs, int groups, int max_rows,
                                                           int64_t rows, const float *w_rows, float *dw_rows,
                                                           float *dh_scales, int64_t dh_scale_block, void *wa_t,
@@ -201,8 +238,9 @@ extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, void *s
     const int row_blocks = (int)((rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK);
     if (ffn <= 0 || ffn % COMETI_FP8_BLOCK || (uintptr_t)h % 16 || (uintptr_t)s_dh % 16 || (uintptr_t)wa_t % 16 ||
         (uintptr_t)dh_t % 16 || ldq % 16 || ldq < (int64_t)row_blocks * COMETI_FP8_BLOCK || dh_scale_block < rows ||
-        !segs || !w_rows || !dw_rows || !dh_scales || !wa_t_scales || !dh_t_scales)
+        !segs || !w_rows || !dw_rows || !dh_scales || !wa_t_scales || !dh_t_scales || (h_scales && h_ld < rows))
         return cudaErrorInvalidValue;
+    const bool gu8 = h_scales != NULL;
     /* The row kernel keeps s's row in shared memory beside its own (warp_sums): past the
      * default 48 KB it must ask for more, and past the device's most it cannot run. Both
      * checked before either kernel is launched. */
@@ -214,19 +252,21 @@ extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, void *s
         if (e == cudaSuccess) e = cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
         if (e != cudaSuccess) return e;
         if (smem + smem_static > (size_t)most) return cudaErrorInvalidValue;
-        e = cudaFuncSetAttribute(swiglu_backward_rows_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        e = cudaFuncSetAttribute(gu8 ? swiglu_backward_rows_kernel<true> : swiglu_backward_rows_kernel<false>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) return e;
     }
     const int col_tiles = ffn / COMETI_FP8_BLOCK;
     const long long tiles = (long long)row_blocks * col_tiles;
-    swiglu_backward_t_kernel<<<(unsigned int)(tiles < (1 << 20) ? tiles : (1 << 20)), QUANTIZE_THREADS, 0, stream>>>(
-        (const uint16_t *)h, (const uint16_t *)s_dh, w_rows, ffn, segs, groups, (long long)rows, (uint8_t *)wa_t,
-        wa_t_scales, (uint8_t *)dh_t, dh_t_scales, (long long)ldq, pow2, row_blocks, col_tiles);
+    const unsigned int t_grid = (unsigned int)(tiles < (1 << 20) ? tiles : (1 << 20));
+    (gu8 ? swiglu_backward_t_kernel<true> : swiglu_backward_t_kernel<false>)<<<t_grid, QUANTIZE_THREADS, 0, stream>>>(
+        h, h_scales, (long long)h_ld, (const uint16_t *)s_dh, w_rows, ffn, segs, groups, (long long)rows,
+        (uint8_t *)wa_t, wa_t_scales, (uint8_t *)dh_t, dh_t_scales, (long long)ldq, pow2, row_blocks, col_tiles);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned int)(max_rows < 1024 ? max_rows : 1024), (unsigned int)groups);
-    swiglu_backward_rows_kernel<<<grid, threads, smem, stream>>>((const uint16_t *)h, (uint16_t *)s_dh, ffn, segs,
-                                                                 (long long)rows, w_rows, dw_rows, dh_scales,
-                                                                 (long long)dh_scale_block, pow2);
+    (gu8 ? swiglu_backward_rows_kernel<true> : swiglu_backward_rows_kernel<false>)<<<grid, threads, smem, stream>>>(
+        h, h_scales, (long long)h_ld, (uint16_t *)s_dh, ffn, segs, (long long)rows, w_rows, dw_rows, dh_scales,
+        (long long)dh_scale_block, pow2);
     return cudaGetLastError();
 }
