@@ -363,7 +363,11 @@ typedef struct comet_moe_args {
  * allow), COMET_TIMEOUT (fused: a peer that stopped calling, reported by this call or
  * comet_comm_get_async_error()), COMET_REMOTE_ERROR (another rank refused the call: its
  * expert id out of range, or a tuning file that differs), COMET_OUT_OF_MEMORY (a path's
- * first call allocates), COMET_NCCL_ERROR, COMET_CUDA_ERROR.
+ * first call allocates), COMET_NCCL_ERROR, COMET_CUDA_ERROR. On the sequential path a rank
+ * whose experts fail after the dispatch (a cuBLAS error) still joins the return, sending
+ * NaN rows, and reports the error after it: no peer waits for good, and a peer's call
+ * returns COMET_SUCCESS with NaN in the rows of its tokens that went there (the same in
+ * comet_moe_backward: dx and d topk_weights).
  */
 COMET_API comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream);
 

@@ -21,6 +21,7 @@
 
 #include "comet.h"
 #include "layer/layer.h"
+#include "baseline/baseline.h"
 #include "layer/fused.h"
 #include "testutil.h"
 #include "gpu_util.h"
@@ -421,6 +422,18 @@ static int backward_refusals_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_SUCCESS);
     CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx.moe), "a backward consumes it");
+    CUDA_OK(cudaDeviceSynchronize());
+    /* The backward's expert phase failing on rank 0 after its dispatch (injected, as a
+     * cuBLAS call without an algorithm would): every rank still takes part in the return,
+     * so none hangs; rank 0 reports it by name; the next forward and backward run. */
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &seq, saved, 0), COMET_SUCCESS);
+    if (ctx->rank == 0) fx.moe->baseline->fail_experts = 1;
+    st = comet_moe_backward(fx.moe, &b, 0);
+    CUDA_OK(cudaDeviceSynchronize());
+    CHECK_EQ(st, ctx->rank == 0 ? COMET_CUDA_ERROR : COMET_SUCCESS);
+    if (ctx->rank == 0) CHECK_CONTAINS(comet_moe_last_error(fx.moe), "the expert phase failed (injected by a test)");
+    CHECK_EQ(comet_moe_forward_train(fx.moe, &seq, saved, 0), COMET_SUCCESS);
+    CHECK_EQ(comet_moe_backward(fx.moe, &b, 0), COMET_SUCCESS);
     CUDA_OK(cudaDeviceSynchronize());
     /* A bound the routing exceeds, on the sequential path: refused by every rank (each
      * sees every group's rows), and the state left empty. */

@@ -8,7 +8,9 @@
  *   max_tokens        num_tokens past config.max_tokens: COMET_INVALID_ARGUMENT naming
  *                     args.num_tokens, nothing launched;
  *   misaligned        x, y or topk_ids off their alignment: COMET_INVALID_ARGUMENT naming
- *                     the field, nothing launched.
+ *                     the field, nothing launched;
+ *   expert failure    the sequential path's expert phase failing on one rank after the
+ *                     dispatch: no hang, the failure reported there, NaN rows elsewhere.
  * A peer gone mid-call is gpu_layer1_*missing_peer*, gpu_backward_missing_peer_times_out
  * and gpu_moe_destroy_missing_peer (two GPUs).
  */
@@ -21,6 +23,7 @@
 
 #include "comet.h"
 #include "layer/layer.h"
+#include "baseline/baseline.h"
 #include "testutil.h"
 #include "gpu_util.h"
 
@@ -53,6 +56,39 @@ static int refused(fixture_t *fx, const comet_moe_args_t *a, uint16_t *y, const 
     CHECK_EQ(st, COMET_INVALID_ARGUMENT);
     CHECK_CONTAINS(comet_moe_last_error(fx->moe), field);
     for (size_t i = 0; i < (size_t)M * H; i++) CHECK_EQ(y[i], POISON);
+    return 0;
+}
+
+/* The sequential path's expert phase failing on rank 0 after the dispatch (injected, as a
+ * cuBLAS call with no algorithm for its shape would fail): every rank still takes part in
+ * the return, so none hangs; rank 0 reports the failure by name, and its peers' tokens
+ * with a choice there get NaN rows (the poisoned rows it returns), every other row the
+ * clean bits; then a clean call again on every rank gives the clean bits. */
+static int expert_failure(fixture_t *fx, const comet_moe_args_t *a, int m, const uint16_t *clean, uint16_t *got)
+{
+    const int H = fx->cfg.hidden, me = fx->ctx->rank;
+    comet_status_t st;
+    if (me == 0) fx->moe->baseline->fail_experts = 1;
+    if (call(fx, a, m, got, &st)) return 1;
+    int nan_rows = 0;
+    if (me == 0) {
+        CHECK_EQ(st, COMET_CUDA_ERROR);
+        CHECK_CONTAINS(comet_moe_last_error(fx->moe), "the expert phase failed (injected by a test)");
+    } else {
+        CHECK_EQ(st, COMET_SUCCESS);
+        for (int t = 0; t < m; t++) {
+            const uint16_t *row = got + (size_t)t * H;
+            if (!memcmp(row, clean + (size_t)t * H, (size_t)H * 2)) continue;
+            for (int h = 0; h < H; h++) CHECK(!bf16_finite(row[h]));
+            nan_rows++;
+        }
+    }
+    if (call(fx, a, m, got, &st)) return 1;
+    CHECK_EQ(st, COMET_SUCCESS);
+    CHECK(memcmp(got, clean, (size_t)m * H * 2) == 0);
+    printf("rank %d baseline: an expert phase failing on rank 0 after the dispatch: %s, no hang%s; the next call "
+           "bit-equal\n", me, me == 0 ? "reported by name" : "this rank's call returned", me == 0 ? "" :
+           nan_rows ? " with NaN rows for the tokens routed there" : "");
     return 0;
 }
 
@@ -138,6 +174,7 @@ static int faults_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CHECK(memcmp(got, clean, (size_t)m * H * 2) == 0);
         printf("rank %d %s: 0 tokens everywhere left y untouched; num_tokens past max_tokens and misaligned x, y "
                "and topk_ids refused with nothing launched; the next calls bit-equal\n", me, path);
+        if (impl && expert_failure(&fx, &a, m, clean, got)) return 1;
     }
     free(clean), free(got), free(bad);
     fixture_close(&fx);

@@ -85,44 +85,17 @@ static comet_status_t dispatch_rows(comet_moe_t moe, const comet_moe_saved_t sv,
     return cometi_nccl(moe->err, r != ncclSuccess ? r : end, what);
 }
 
-comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
-                                        cudaStream_t stream)
+/* 3 of the backward: at the experts, s = dy W2, SwiGLU's backward, the weight gradients
+ * and the dx rows (into b->out), each expert's rows by cuBLAS. */
+static comet_status_t backward_experts(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
+                                       const void *x_rows, cudaStream_t stream)
 {
     char *err = moe->err;
     const comet_moe_saved_t sv = args->saved;
-    const int k = moe->cfg.top_k, H = moe->cfg.hidden, F = moe->ffn_local, per = moe->experts_per_rank;
-    const int m = sv->num_tokens, n = m * k, tp = moe->tp, fp32 = args->grads.mode == COMET_GRAD_ACCUMULATE_FP32;
-    const size_t stride = (size_t)moe->cfg.max_tokens * k * H; /* elements between TP ranks' returned copies */
+    const int H = moe->cfg.hidden, F = moe->ffn_local, per = moe->experts_per_rank;
+    const int fp32 = args->grads.mode == COMET_GRAD_ACCUMULATE_FP32;
     const size_t gsize = fp32 ? 4 : BF16;
-    ncclComm_t nccl = moe->comm->nccl;
-    COMETI_TRY(cublas_ok(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
-    /* The count exchange with no counts, only the call id: ranks in the backward of another
-     * forward (or in a forward) refuse with this rank, before anything is sent, and the
-     * saved state stays filled. */
-    const int E = moe->cfg.num_experts;
-    COMETI_TRY(cometi_cuda(err, cudaMemsetAsync(b->counts, 0, sizeof(int32_t) * E, stream), "clear the counts"));
-    COMETI_TRY(cometi_cuda(err, cudaMemsetAsync(b->counts + E, 0xff, sizeof(int32_t), stream), "no bad id"));
-    COMETI_TRY(cometi_baseline_exchange(moe, b, sv->call, stream));
-    sv->filled = 0; /* consumed from here on, as the fused path's is */
-
-    /* 0. Where the config resends x: its rows again, into the dx rows' buffer, which holds
-     * them until each expert's dW13 has read them (dx rows are written after). */
-    const void *x_rows = sv->recv;
-    if (!x_rows) {
-        COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->x, NULL, NULL, NULL, n, k, H, b->send, sv->send_pos,
-                                                          stream), "launch permute_kernel (x again)"));
-        COMETI_TRY(dispatch_rows(moe, sv, b->send, b->out, NULL, NULL, stream, "backward all-to-all of x again"));
-        x_rows = b->out;
-    }
-    /* 1. dy rows to their send places, the weights beside them. */
-    COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->dy, NULL, NULL, NULL, n, k, H, b->send, sv->send_pos,
-                                                      stream), "launch permute_kernel (dy)"));
-    COMETI_TRY(cometi_cuda(err, cometi_launch_weights_to_send_order(sv->weights, sv->send_pos, n, b->w_send, stream),
-                           "launch weights_to_send_order_kernel"));
-    /* 2. Dispatch, as the forward's. */
-    COMETI_TRY(dispatch_rows(moe, sv, b->send, b->recv, b->w_send, b->w_recv, stream, "backward dispatch all-to-all"));
-
-    /* 3. The experts. */
+    COMETI_TRY(cometi_baseline_injected_failure(moe, b));
     const comet_moe_weights_t *w = &args->weights;
     const comet_moe_weight_grads_t *gr = &args->grads;
     for (int le = 0; le < per; le++) { /* s = dy W2 */
@@ -172,6 +145,54 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
         }
     }
 
+    return COMET_SUCCESS;
+}
+
+comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
+                                        cudaStream_t stream)
+{
+    char *err = moe->err;
+    const comet_moe_saved_t sv = args->saved;
+    const int k = moe->cfg.top_k, H = moe->cfg.hidden;
+    const int m = sv->num_tokens, n = m * k, tp = moe->tp;
+    const size_t stride = (size_t)moe->cfg.max_tokens * k * H; /* elements between TP ranks' returned copies */
+    ncclComm_t nccl = moe->comm->nccl;
+    COMETI_TRY(cublas_ok(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
+    /* The count exchange with no counts, only the call id: ranks in the backward of another
+     * forward (or in a forward) refuse with this rank, before anything is sent, and the
+     * saved state stays filled. */
+    const int E = moe->cfg.num_experts;
+    COMETI_TRY(cometi_cuda(err, cudaMemsetAsync(b->counts, 0, sizeof(int32_t) * E, stream), "clear the counts"));
+    COMETI_TRY(cometi_cuda(err, cudaMemsetAsync(b->counts + E, 0xff, sizeof(int32_t), stream), "no bad id"));
+    COMETI_TRY(cometi_baseline_exchange(moe, b, sv->call, stream));
+    sv->filled = 0; /* consumed from here on, as the fused path's is */
+
+    /* 0. Where the config resends x: its rows again, into the dx rows' buffer, which holds
+     * them until each expert's dW13 has read them (dx rows are written after). */
+    const void *x_rows = sv->recv;
+    if (!x_rows) {
+        COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->x, NULL, NULL, NULL, n, k, H, b->send, sv->send_pos,
+                                                          stream), "launch permute_kernel (x again)"));
+        COMETI_TRY(dispatch_rows(moe, sv, b->send, b->out, NULL, NULL, stream, "backward all-to-all of x again"));
+        x_rows = b->out;
+    }
+    /* 1. dy rows to their send places, the weights beside them. */
+    COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->dy, NULL, NULL, NULL, n, k, H, b->send, sv->send_pos,
+                                                      stream), "launch permute_kernel (dy)"));
+    COMETI_TRY(cometi_cuda(err, cometi_launch_weights_to_send_order(sv->weights, sv->send_pos, n, b->w_send, stream),
+                           "launch weights_to_send_order_kernel"));
+    /* 2. Dispatch, as the forward's. */
+    COMETI_TRY(dispatch_rows(moe, sv, b->send, b->recv, b->w_send, b->w_recv, stream, "backward dispatch all-to-all"));
+
+    /* 3. The experts; a failure still takes part in step 4, with poisoned rows. */
+    const comet_status_t experts = backward_experts(moe, b, args, x_rows, stream);
+    char kept[COMETI_ERR_LEN];
+    if (experts != COMET_SUCCESS) {
+        void *const bufs[2] = {b->out, b->dw_recv};
+        const size_t bytes[2] = {(size_t)moe->max_recv_rows * H * BF16, sizeof(float) * (size_t)moe->max_recv_rows};
+        cometi_baseline_poison_returned(moe, experts, bufs, bytes, 2, kept, stream);
+    }
+
     /* 4. Home, each token's choices summed (and the TP ranks' partials), and d topk_weights. */
     const size_t choices = (size_t)moe->cfg.max_tokens * k;
     ncclResult_t r = ncclGroupStart();
@@ -191,6 +212,7 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
                          ncclFloat32, sv->sends[i].peer, nccl, stream);
     }
     const ncclResult_t end = ncclGroupEnd();
+    if (experts != COMET_SUCCESS) return cometi_baseline_failed_after_return(moe, experts, kept);
     COMETI_TRY(cometi_nccl(err, r != ncclSuccess ? r : end, "backward combine all-to-all"));
     COMETI_TRY(cometi_cuda(err, cometi_launch_gather_weight_grads(b->dw_back, tp, choices, 1, sv->send_pos, n,
                                                                   args->d_topk_weights, stream),

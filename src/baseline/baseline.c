@@ -290,9 +290,32 @@ static comet_status_t experts_fp8(comet_moe_t moe, cometi_baseline_t *b, const c
 /* GEMM0 (gate and up), SwiGLU, GEMM1: one cuBLAS call per expert and matrix, on the
  * segments of the last forward call (the ACTIVATED mark between SwiGLU and GEMM1); FP8
  * configs run experts_fp8. */
+comet_status_t cometi_baseline_injected_failure(comet_moe_t moe, cometi_baseline_t *b)
+{
+    if (!b->fail_experts) return COMET_SUCCESS;
+    b->fail_experts = 0;
+    return cometi_fail(moe->err, COMET_CUDA_ERROR, "baseline: the expert phase failed (injected by a test)");
+}
+
+void cometi_baseline_poison_returned(comet_moe_t moe, comet_status_t st, void *const *bufs, const size_t *bytes, int n,
+                                     char *kept, cudaStream_t stream)
+{
+    (void)st;
+    snprintf(kept, COMETI_ERR_LEN, "%s", moe->err);
+    for (int i = 0; i < n; i++)
+        if (bufs[i] && bytes[i]) cudaMemsetAsync(bufs[i], 0xff, bytes[i], stream); /* a failure here shows after */
+}
+
+comet_status_t cometi_baseline_failed_after_return(comet_moe_t moe, comet_status_t st, const char *kept)
+{
+    snprintf(moe->err, COMETI_ERR_LEN, "%s", kept);
+    return st;
+}
+
 comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        cudaStream_t stream)
 {
+    COMETI_TRY(cometi_baseline_injected_failure(moe, b));
     if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK) return experts_fp8(moe, b, args, stream);
     char *err = moe->err;
     const int per = moe->experts_per_rank, H = moe->cfg.hidden, F = moe->ffn_local;
@@ -474,10 +497,16 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "dispatch all-to-all"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_DISPATCHED, stream), out);
 
-    /* 3. Experts. */
+    /* 3. Experts. A failure here still takes part in the return, with poisoned rows. */
     b->max_seg_rows = max_seg_rows;
-    COMETI_TRY_GOTO(st, cometi_baseline_experts(moe, b, args, stream), out);
-    COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_COMPUTED, stream), out);
+    comet_status_t experts = cometi_baseline_experts(moe, b, args, stream);
+    if (experts == COMET_SUCCESS) experts = mark(moe, COMETI_MARK_COMPUTED, stream);
+    char kept[COMETI_ERR_LEN];
+    if (experts != COMET_SUCCESS) {
+        void *const bufs[1] = {b->out};
+        const size_t bytes[1] = {(size_t)moe->max_recv_rows * H * BF16};
+        cometi_baseline_poison_returned(moe, experts, bufs, bytes, 1, kept, stream);
+    }
 
     /* 4. Return: the same messages the other way; each chunk lands where it left from, in
      * the copy of the TP rank that computed it. */
@@ -490,6 +519,10 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
                                         (size_t)b->sends[i].offset * H) * BF16,
                      (size_t)b->sends[i].rows * H, ncclBfloat16, b->sends[i].peer, nccl, stream);
     end = ncclGroupEnd();
+    if (experts != COMET_SUCCESS) {
+        st = cometi_baseline_failed_after_return(moe, experts, kept);
+        goto out;
+    }
     COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "combine all-to-all"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_RETURNED, stream), out);
 
