@@ -112,16 +112,24 @@ static __device__ __forceinline__ void dequantize8(uint2 b, float s, float *out)
 }
 
 /* The rows of the 128-row block at r0 in its segment (a segment starts at a multiple of
- * 128; rows at or past `rows` count as none of it), or -1 where the block is in no segment. */
+ * 128; rows at or past `rows` count as none of it; the first segment holding r0 where
+ * several would), or -1 where the block is in no segment. Called by whole warps: each lane
+ * looks at every 32nd segment and a ballot picks the first hit, so 64 experts cost two
+ * loads a lane, not 64 in a row. */
 static __device__ __forceinline__ int block_rows_in_segment(const cometi_segment_t *segs, int groups, long long r0,
                                                             long long rows)
 {
-    for (int g = 0; g < groups; g++) {
-        const cometi_segment_t sg = segs[g];
-        if (r0 >= sg.start && r0 < sg.start + sg.rows) {
-            const long long end = sg.start + sg.rows < rows ? sg.start + sg.rows : rows;
-            return end <= r0 ? 0 : (int)(end - r0 < COMETI_FP8_BLOCK ? end - r0 : COMETI_FP8_BLOCK);
-        }
+    const int lane = threadIdx.x % 32;
+    for (int g0 = 0; g0 < groups; g0 += 32) {
+        cometi_segment_t sg = {0, 0};
+        if (g0 + lane < groups) sg = segs[g0 + lane];
+        const unsigned int hits = __ballot_sync(0xffffffffu, r0 >= sg.start && r0 < sg.start + sg.rows);
+        if (!hits) continue;
+        const int first = __ffs((int)hits) - 1;
+        const long long start = __shfl_sync(0xffffffffu, sg.start, first),
+                        end_seg = start + __shfl_sync(0xffffffffu, sg.rows, first);
+        const long long end = end_seg < rows ? end_seg : rows;
+        return end <= r0 ? 0 : (int)(end - r0 < COMETI_FP8_BLOCK ? end - r0 : COMETI_FP8_BLOCK);
     }
     return -1;
 }
