@@ -10,6 +10,10 @@ back, after warm-up steps, so the GPU runs as warm as in training.
 
     torchrun --nproc-per-node 1 bench/trace_train.py
     torchrun --nproc-per-node 1 bench/trace_train.py --preset mixtral-8x7b --tokens 8192
+    torchrun --nproc-per-node 1 bench/trace_train.py --fp8 --preset qwen2-57b-a14b
+
+--fp8: the block-scaled FP8 layer, trained from the same bf16 masters (its FP8 copies
+made once, by the first step).
 
 Needs build/libcomet.so. Routing: balanced (token g picks experts (g*k + j) mod E), as
 comet bench does.
@@ -39,8 +43,8 @@ def short_name(name):
     return name.split()[-1].split("::")[-1] if name.split() else name
 
 
-def layer(comm, preset, tokens, device, rank):
-    cfg = comet_moe.MoeConfig.preset(preset, max_tokens=tokens)
+def layer(comm, preset, tokens, device, rank, fp8=False):
+    cfg = comet_moe.MoeConfig.preset(preset, max_tokens=tokens, dtype="fp8" if fp8 else "bf16")
     moe = comet_moe.Moe(comm, cfg)
     E, El, H, F, k = cfg.num_experts, moe.experts_per_rank, cfg.hidden, moe.ffn_local, cfg.top_k
     g = torch.Generator(device=device).manual_seed(11 + rank)
@@ -121,6 +125,7 @@ def main():
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--fp8", action="store_true", help="the block-scaled FP8 layer")
     a = p.parse_args()
     if a.steps < 1 or a.warmup < 0 or a.tokens < 1:
         p.error(f"--steps {a.steps} must be >= 1, --warmup {a.warmup} >= 0 and --tokens {a.tokens} >= 1")
@@ -132,7 +137,7 @@ def main():
     comm = comet_moe.Comm.from_process_group()
     lines = []
     for preset in a.preset:
-        moe, tensors = layer(comm, preset, a.tokens, device, rank)
+        moe, tensors = layer(comm, preset, a.tokens, device, rank, a.fp8)
         out = trace(moe, tensors, a.steps, a.warmup)
         for phase, (rows, span) in out.items():
             busy = sum(d for _, d in rows)
