@@ -771,6 +771,22 @@ static float random_scale(uint64_t *rng)
  * subnormals 2^-10 of the scale) on top of SwiGLU's propagation of the sums' errors, the
  * row's scale its amax / 448 (or, pow2, the power of two at or above it) within that
  * error; every row's block written once, padding rows and columns past n untouched. */
+/* A block's scale against its values (float64, each within err of the GPU's): the 128
+ * from `from` (below n) have amax / 448 = *want, which the scale matches within the errors
+ * (/ 448), or, pow2, a power of two with *want in (scale / 2, scale]. */
+static int block_scale_ok(const double *vals, const double *err, int from, int n, float scale, int pow2, double *want)
+{
+    double amax = 0, slack = 0;
+    for (int c = from; c < from + 128 && c < n; c++) {
+        amax = fmax(amax, fabs(vals[c]));
+        slack = fmax(slack, 1.07 * err[c]);
+    }
+    *want = amax / 448;
+    const double tol = slack / 448 + 1e-6 * *want;
+    return pow2 ? scale > 0 && frexpf(scale, &(int){0}) == 0.5f && *want <= scale + tol && scale / 2 < *want + tol
+                : fabs(scale - *want) <= tol;
+}
+
 static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int exact, int kmajor, uint64_t *rng)
 {
     const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
@@ -989,17 +1005,10 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
                     bad++, printf("%s: kept %s of row %d col %d = %g (scale %g), float64 %g\n", v->name,
                                   j < n ? "g" : "u", r, j % n, got, scale, want);
                 if (j % 128) continue;
-                double amax = 0, slack = 0;
-                for (int c = j % n; c < j % n + 128 && c < n; c++) {
-                    amax = fmax(amax, fabs(ref_gu[(size_t)r * n + c]));
-                    slack = fmax(slack, 1.07 * ref_e[(size_t)r * n + c]);
-                }
-                const double ws = amax / 448, tol = slack / 448 + 1e-6 * ws;
-                const int ok = pow2 ? scale > 0 && frexpf(scale, &(int){0}) == 0.5f && ws <= scale + tol &&
-                                          scale / 2 < ws + tol
-                                    : fabs(scale - ws) <= tol;
-                if (!ok) bad++, printf("%s: kept row %d block %d scale %.9g, amax / 448 = %.9g\n", v->name, r, blk,
-                                       scale, ws);
+                double ws;
+                if (!block_scale_ok(ref_gu + (size_t)r * n, ref_e + (size_t)r * n, j % n, n, scale, pow2, &ws))
+                    bad++, printf("%s: kept row %d block %d scale %.9g, amax / 448 = %.9g\n", v->name, r, blk, scale,
+                                  ws);
             }
             /* The kept gate and up in bf16: each sum rounded to bf16 once, rows past gu_rows left. */
             for (int j = 0; gu && !gu8 && j < n && bad < 5; j++) {
@@ -1026,16 +1035,9 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
                                                                            v->name, r);
                     continue;
                 }
-                double amax = 0, slack = 0;
-                for (int j = blk * 128; j < n && j < blk * 128 + 128; j++) {
-                    amax = fmax(amax, fabs(ref[(size_t)r * n + j]));
-                    slack = fmax(slack, 1.07 * err_bound[(size_t)r * n + j]);
-                }
-                const double want = amax / 448, tol = slack / 448 + 1e-6 * want;
-                const int ok = pow2 ? scale > 0 && frexpf(scale, &(int){0}) == 0.5f && want <= scale + tol &&
-                                          scale / 2 < want + tol
-                                    : fabs(scale - want) <= tol;
-                if (!ok) bad++, printf("%s: row %d block %d scale %.9g, amax / 448 = %.9g (pow2 %d)\n", v->name, r,
+                double want;
+                if (!block_scale_ok(ref + (size_t)r * n, err_bound + (size_t)r * n, blk * 128, n, scale, pow2, &want))
+                    bad++, printf("%s: row %d block %d scale %.9g, amax / 448 = %.9g (pow2 %d)\n", v->name, r,
                                        blk, scale, want, pow2);
             }
         }
