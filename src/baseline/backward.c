@@ -190,7 +190,7 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
     if (experts != COMET_SUCCESS) {
         void *const bufs[2] = {b->out, b->dw_recv};
         const size_t bytes[2] = {(size_t)moe->max_recv_rows * H * BF16, sizeof(float) * (size_t)moe->max_recv_rows};
-        cometi_baseline_poison_returned(moe, experts, bufs, bytes, 2, kept, stream);
+        cometi_baseline_poison_returned(moe, bufs, bytes, 2, kept, stream);
     }
 
     /* 4. Home, each token's choices summed (and the TP ranks' partials), and d topk_weights. */

@@ -287,9 +287,6 @@ static comet_status_t experts_fp8(comet_moe_t moe, cometi_baseline_t *b, const c
                                      s1, b->out, H, stream);
 }
 
-/* GEMM0 (gate and up), SwiGLU, GEMM1: one cuBLAS call per expert and matrix, on the
- * segments of the last forward call (the ACTIVATED mark between SwiGLU and GEMM1); FP8
- * configs run experts_fp8. */
 comet_status_t cometi_baseline_injected_failure(comet_moe_t moe, cometi_baseline_t *b)
 {
     if (!b->fail_experts) return COMET_SUCCESS;
@@ -297,10 +294,9 @@ comet_status_t cometi_baseline_injected_failure(comet_moe_t moe, cometi_baseline
     return cometi_fail(moe->err, COMET_CUDA_ERROR, "baseline: the expert phase failed (injected by a test)");
 }
 
-void cometi_baseline_poison_returned(comet_moe_t moe, comet_status_t st, void *const *bufs, const size_t *bytes, int n,
-                                     char *kept, cudaStream_t stream)
+void cometi_baseline_poison_returned(comet_moe_t moe, void *const *bufs, const size_t *bytes, int n, char *kept,
+                                     cudaStream_t stream)
 {
-    (void)st;
     snprintf(kept, COMETI_ERR_LEN, "%s", moe->err);
     for (int i = 0; i < n; i++)
         if (bufs[i] && bytes[i]) cudaMemsetAsync(bufs[i], 0xff, bytes[i], stream); /* a failure here shows after */
@@ -312,6 +308,9 @@ comet_status_t cometi_baseline_failed_after_return(comet_moe_t moe, comet_status
     return st;
 }
 
+/* GEMM0 (gate and up), SwiGLU, GEMM1: one cuBLAS call per expert and matrix, on the
+ * segments of the last forward call (the ACTIVATED mark between SwiGLU and GEMM1); FP8
+ * configs run experts_fp8. */
 comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        cudaStream_t stream)
 {
@@ -505,7 +504,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     if (experts != COMET_SUCCESS) {
         void *const bufs[1] = {b->out};
         const size_t bytes[1] = {(size_t)moe->max_recv_rows * H * BF16};
-        cometi_baseline_poison_returned(moe, experts, bufs, bytes, 1, kept, stream);
+        cometi_baseline_poison_returned(moe, bufs, bytes, 1, kept, stream);
     }
 
     /* 4. Return: the same messages the other way; each chunk lands where it left from, in

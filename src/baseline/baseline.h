@@ -109,14 +109,14 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
 comet_status_t cometi_baseline_experts(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        cudaStream_t stream);
 
-/* An expert phase that failed after the dispatch (st, its message in moe->err): peers
- * still wait for this rank's rows in the return all-to-all, so the return runs anyway (a
- * rank that skipped it would hang them in NCCL), with the rows it sends poisoned (0xff:
- * NaN in bf16 and fp32, never taken for a result). Poisons `bufs` (n of them, bytes[i]
- * each) on `stream` and keeps st's message in `kept` (COMETI_ERR_LEN) for
+/* An expert phase that failed after the dispatch (its message in moe->err): peers still
+ * wait for this rank's rows in the return all-to-all, so the return runs anyway (a rank
+ * that skipped it would hang them in NCCL), with the rows it sends poisoned (0xff: NaN in
+ * bf16 and fp32, never taken for a result). Poisons `bufs` (n of them, bytes[i] each) on
+ * `stream` and keeps the failure's message in `kept` (COMETI_ERR_LEN) for
  * cometi_baseline_failed_after_return. */
-void cometi_baseline_poison_returned(comet_moe_t moe, comet_status_t st, void *const *bufs, const size_t *bytes, int n,
-                                     char *kept, cudaStream_t stream);
+void cometi_baseline_poison_returned(comet_moe_t moe, void *const *bufs, const size_t *bytes, int n, char *kept,
+                                     cudaStream_t stream);
 /* After the return: the expert phase's failure st with its message back in moe->err (the
  * return's own failure, if any, is dropped: the first cause is reported). */
 comet_status_t cometi_baseline_failed_after_return(comet_moe_t moe, comet_status_t st, const char *kept);

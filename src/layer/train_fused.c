@@ -28,8 +28,8 @@
  * In block-scaled FP8 the same steps, with every GEMM in E4M3 (DeepSeek-V3's recipe):
  * the forward keeps x's rows as they arrived (E4M3 and their 1 x 128 scales) and [g u] in
  * bf16 (or, as the saved state asks, in E4M3 with 1 x 128 scales) from GEMM0's quantizing
- * epilogue; dy is quantized once per token before it is
- * dispatched; the dgrad GEMMs read W^T's E4M3 copies (FP8 MMAs read k-major operands only);
+ * epilogue; dy is quantized once per token before it is dispatched; the dgrad GEMMs read
+ * W^T's E4M3 copies (FP8 MMAs read k-major operands only);
  * SwiGLU's backward writes its FP8 operands directly (dh 1 x 128 for dx = dh W13, w a and
  * dh in 128 x 1 blocks along the tokens per expert segment for the weight gradients), and
  * dy and x are requantized the same way from their E4M3 rows.
