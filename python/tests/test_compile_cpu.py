@@ -508,6 +508,44 @@ def test_backward_runs_once_and_saved_states_go_back():
         model.moe.close()
 
 
+def test_backward_writes_no_zeros_for_the_saved_state():
+    """The saved state (the training forward's second output, uint8) never gets a
+    gradient: the backward must not start by writing zeros its size for it, as autograd
+    does for an undefined output gradient unless told not to (0.3 ms a step on mixtral).
+    Every uint8 tensor the backward zeroes or fills is recorded, bf16 and FP8 layers."""
+    torch = need_torch()
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from standin import CpuMoe
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = str(func)
+            if ("zero" in name or "fill" in name or "full" in name) and isinstance(out, torch.Tensor) \
+                    and out.dtype == torch.uint8:
+                self.seen.append((name, tuple(out.shape)))
+            return out
+
+    F8, bf = 128, torch.bfloat16
+    for dtype in ("bf16", "fp8"):
+        layer = CpuMoe(torch, comet_moe.MoeConfig(hidden=H, ffn=F8, num_experts=E, top_k=TOP_K, max_tokens=MAX_TOKENS,
+                                                  dtype=dtype))
+        g = torch.Generator().manual_seed(7)
+        gate_up = torch.nn.Parameter((torch.randn(E, 2 * F8, H, generator=g) / H ** 0.5).to(bf))
+        down = torch.nn.Parameter((torch.randn(E, H, F8, generator=g) / F8 ** 0.5).to(bf))
+        x, ids, w, _ = inputs(torch, 9, seed=8)
+        y = layer(x.requires_grad_(True), ids, w, gate_up=gate_up, down=down)
+        with Fills() as fills:
+            y.backward(torch.randn(y.shape, generator=g).to(bf))
+        check(x.grad is not None and gate_up.grad is not None, f"{dtype}: the backward gave no gradients")
+        check_eq(fills.seen, [], f"{dtype}: uint8 tensors zeroed or filled during the backward")
+        layer.close()
+
+
 def test_training_forward_refuses_before_launch():
     """main_grad mode: a weight without an fp32 main_grad of its shape is refused by the
     forward (ValueError naming it) before anything runs; out= and stream= are not taken
