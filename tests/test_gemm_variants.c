@@ -756,21 +756,6 @@ static float random_scale(uint64_t *rng)
     return (float)(ldexp(1.0, -8 + (int)(cometi_rand_next(rng) % 6)) * (1.0 + cometi_rand_unit(rng)));
 }
 
-/* An E4M3 row of the table against float64 on the dequantized operands: A [a_rows][K] of
- * random codes with scales per row per 128 columns (K = 192: a partial last block), laid
- * out MN-major apart (`kmajor` 0; C's scales too) or K-major after each row's values, as
- * the dispatch sends rows (`kmajor` 1: A's rows K + 16 bytes apart; C's scales K-major), B per group [rows][K] with 128 x 128 block scales (gate and up in one tensor, or
- * up apart: `up_apart`), n columns (a partial last column tile or scale block where n is
- * not a multiple of the tile). The error allowed in a block's sum, e below, is a part of
- * S, the block's sum of |products| scaled: with `exact` codes (random_e4m3) every block
- * sum is exact in the tensor core and only the fp32 promotion rounds (2^-20 of S: a
- * misplaced scale or row shows as an error of the value's size); with any codes, the FP8
- * MMA's accumulator keeps about 14 bits (DeepSeek-V3, section 3.3.2): 128 additions each
- * truncated by at most 2^-13 of a partial sum (<= S) give 2^-6 of S. Store: bf16 output
- * (2^-8 of |C|) on top. Quantizing SwiGLU: the E4M3 rounding (2^-4 of |value|,
- * subnormals 2^-10 of the scale) on top of SwiGLU's propagation of the sums' errors, the
- * row's scale its amax / 448 (or, pow2, the power of two at or above it) within that
- * error; every row's block written once, padding rows and columns past n untouched. */
 /* A block's scale against its values (float64, each within err of the GPU's): the 128
  * from `from` (below n) have amax / 448 = *want, which the scale matches within the errors
  * (/ 448), or, pow2, a power of two with *want in (scale / 2, scale]. */
@@ -787,6 +772,22 @@ static int block_scale_ok(const double *vals, const double *err, int from, int n
                 : fabs(scale - *want) <= tol;
 }
 
+/* An E4M3 row of the table against float64 on the dequantized operands: A [a_rows][K] of
+ * random codes with scales per row per 128 columns (K = 192: a partial last block), laid
+ * out MN-major apart (`kmajor` 0; C's scales too) or K-major after each row's values, as
+ * the dispatch sends rows (`kmajor` 1: A's rows K + 16 bytes apart; C's scales K-major),
+ * B per group [rows][K] with 128 x 128 block scales (gate and up in one tensor, or up
+ * apart: `up_apart`), n columns (a partial last column tile or scale block where n is
+ * not a multiple of the tile). The error allowed in a block's sum, e below, is a part of
+ * S, the block's sum of |products| scaled: with `exact` codes (random_e4m3) every block
+ * sum is exact in the tensor core and only the fp32 promotion rounds (2^-20 of S: a
+ * misplaced scale or row shows as an error of the value's size); with any codes, the FP8
+ * MMA's accumulator keeps about 14 bits (DeepSeek-V3, section 3.3.2): 128 additions each
+ * truncated by at most 2^-13 of a partial sum (<= S) give 2^-6 of S. Store: bf16 output
+ * (2^-8 of |C|) on top. Quantizing SwiGLU: the E4M3 rounding (2^-4 of |value|,
+ * subnormals 2^-10 of the scale) on top of SwiGLU's propagation of the sums' errors, the
+ * row's scale its amax / 448 (or, pow2, the power of two at or above it) within that
+ * error; every row's block written once, padding rows and columns past n untouched. */
 static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int exact, int kmajor, uint64_t *rng)
 {
     const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
@@ -1038,7 +1039,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
                 double want;
                 if (!block_scale_ok(ref + (size_t)r * n, err_bound + (size_t)r * n, blk * 128, n, scale, pow2, &want))
                     bad++, printf("%s: row %d block %d scale %.9g, amax / 448 = %.9g (pow2 %d)\n", v->name, r,
-                                       blk, scale, want, pow2);
+                                  blk, scale, want, pow2);
             }
         }
         CHECK_EQ(bad, 0);
