@@ -89,7 +89,8 @@ extern "C" {
 #define COMET_VERSION_MINOR 1
 #define COMET_VERSION_PATCH 0
 /* Version of the config and argument structs below; bumped when a field is added (2:
- * block-scaled FP8, the config's fp8_pow2_scales and the forward args' scales). */
+ * block-scaled FP8: the config's fp8_pow2_scales, the forward args' scales, the backward
+ * args' weights_t and weight_t_scales, the saved config's gate_up_e4m3). */
 #define COMET_API_VERSION 2
 /* Stamped into every struct by its initializer, so an uninitialised struct is caught. */
 #define COMET_STRUCT_MAGIC 0xC0E7u
@@ -232,9 +233,10 @@ typedef struct comet_moe_config {
                       * x unchanged): less memory per layer in flight, for a second dispatch
                       * of x in the backward (PERF.md measures both); the handle's fused
                       * receive buffer doubles to hold those rows (once per handle). */
-    int fp8_pow2_scales; /* COMET_DTYPE_FP8_BLOCK, 0 or 1: the scales comet makes (x's rows, the
-                          * activation) amax / 448, or (1) the power of two at or above it
-                          * (DeepSeek-V3.1's UE8M0 scales) */
+    int fp8_pow2_scales; /* COMET_DTYPE_FP8_BLOCK, 0 or 1: the scales the layer makes (x's rows,
+                          * the activation; in training also dy's rows, [g u] kept in E4M3 and
+                          * the weight gradients' operands) amax / 448, or (1) the power of
+                          * two at or above it (DeepSeek-V3.1's UE8M0 scales) */
 } comet_moe_config_t;
 
 #define COMET_MOE_CONFIG_INIT \
