@@ -186,15 +186,13 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
     constexpr int BN = T.block_n, TM = cometi_gemm_tile_rows(T), ON = cometi_gemm_out_cols(T);
     /* The gate and up kept are compiled into the rows that keep them alone; the push, the
-     * fp32 add and the split counts are tested at run time in every row: compiled out of the
-     * rows without them, the 256-wide kernels spilled a register or two (the register
-     * allocation shifts with the code around the loop). */
+     * fp32 add and the split counts are tested at run time in every bf16 row: compiled out
+     * of the rows without them, the 256-wide kernels spilled a register or two (the register
+     * allocation shifts with the code around the loop). The E4M3 rows keep the push and the
+     * split counts only where they push or count (cometi_gemm_keeps_push). */
     constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA, SWIGLU = ON != BN,
                    GU = T.epilogue == COMETI_GEMM_EPI_SWIGLU_GU, MAY_BE_EMPTY = T.along == COMETI_GEMM_GROUPS_ALONG_K;
-    /* The push and the split counts compiled out of the plain E4M3 rows (the 256-wide E4M3
-     * store spilled 112 bytes with them in, its promotion's registers beside them; the rows
-     * that push or count keep them, and one 4-byte local load per k block). */
-    constexpr bool PUSH_OR_SPLITS = T.a_type == COMETI_GEMM_BF16 || T.epilogue == COMETI_GEMM_EPI_PUSH || T.roles;
+    constexpr bool PUSH_OR_SPLITS = cometi_gemm_keeps_push(T);
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
     const bool lo_ok = row0 < seg.rows, hi_ok = row0 + 8 < seg.rows;

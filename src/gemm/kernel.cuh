@@ -65,7 +65,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                    SWIGLU = cometi_gemm_is_swiglu(T.epilogue), E4M3 = T.a_type == COMETI_GEMM_E4M3,
                    PINGPONG = T.schedule == COMETI_GEMM_PINGPONG, WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K,
                    DISPATCH = T.roles & COMETI_GEMM_ROLE_DISPATCH, SPLITS = T.roles & COMETI_GEMM_ROLE_SPLITS,
-                   PUSH_OR_SPLITS = !E4M3 || T.epilogue == COMETI_GEMM_EPI_PUSH || SPLITS; /* epilogue.cuh */
+                   PUSH_OR_SPLITS = cometi_gemm_keeps_push(T);
     /* Output columns per tile (SwiGLU pairs gate column c with up column c + BN/2), and rows
      * per tile: 128 shared by both consumers, or 64 for one (ping-pong). */
     constexpr int ON = cometi_gemm_out_cols(T), TM = cometi_gemm_tile_rows(T), BK = cometi_gemm_bk(T);

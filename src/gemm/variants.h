@@ -243,6 +243,14 @@ COMETI_GEMM_FN int cometi_gemm_keeps_gu(int epilogue)
     return epilogue == COMETI_GEMM_EPI_SWIGLU_GU || epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU ||
            epilogue == COMETI_GEMM_EPI_SWIGLU_E4M3_GU8;
 }
+/* Whether a row's epilogue keeps the push and the split counts: every bf16 row, and the
+ * E4M3 rows that push or count. The plain E4M3 rows compile them out (the 256-wide E4M3
+ * store spilled 112 bytes with them in, beside the promotion's registers); those that
+ * keep them pay one 4-byte local load per k block. */
+COMETI_GEMM_FN int cometi_gemm_keeps_push(cometi_gemm_variant_t v)
+{
+    return v.a_type == COMETI_GEMM_BF16 || v.epilogue == COMETI_GEMM_EPI_PUSH || (v.roles & COMETI_GEMM_ROLE_SPLITS);
+}
 /* Bytes of an output element: bf16, or E4M3 for the quantizing epilogue (fp32 adds go
  * straight from the registers, never staged). */
 COMETI_GEMM_FN int cometi_gemm_out_bytes(cometi_gemm_variant_t v) { return cometi_gemm_quantizes(v.epilogue) ? 1 : 2; }
