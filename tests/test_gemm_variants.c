@@ -76,6 +76,11 @@ int test_gemm_variant_table(void)
          * beside the push (which is GEMM -> combine already). */
         CHECK(v.roles != (COMETI_GEMM_ROLE_DISPATCH | COMETI_GEMM_ROLE_SPLITS));
         CHECK(v.epilogue != COMETI_GEMM_EPI_PUSH || !v.roles);
+        /* Every row that pushes or counts compiles the push and the split counts in; the other
+         * E4M3 rows (plain, dispatch) compile them out, beside the promotion's registers. */
+        const int pushes_or_counts = v.epilogue == COMETI_GEMM_EPI_PUSH || (v.roles & COMETI_GEMM_ROLE_SPLITS);
+        CHECK(!pushes_or_counts || cometi_gemm_keeps_push(v));
+        CHECK(!e4m3 || pushes_or_counts || !cometi_gemm_keeps_push(v));
         /* E4M3: both operands (8-bit wgmma reads K-major alone), cooperative; the quantizing
          * SwiGLU is E4M3's. */
         CHECK(v.b_type == v.a_type);
