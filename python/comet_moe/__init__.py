@@ -15,11 +15,12 @@ package's source, then the system loader. The package imports without torch (the
 library, configs, presets and errors need none); Comm.from_process_group, Moe.forward
 and CometSparseMoeBlock need torch (>= 2.4; without it they raise ImportError saying what
 to install). Under torch, comet's calls are torch custom operators (comet_moe::forward,
-forward_out, forward_train, backward, the FP8 forward and quantizers; see ops.py), so
+forward_out, forward_train, backward, their FP8 forms and the quantizers; see ops.py), so
 torch.compile(model, fullgraph=True) traces a model that holds these layers, forward and
 backward, without a graph break.
 
-Block-scaled FP8 experts (MoeConfig(..., dtype="fp8"), inference only): with torch,
+Block-scaled FP8 experts (MoeConfig(..., dtype="fp8"); Moe trains them from bf16 master
+weights, CometSparseMoeBlock serves FP8 checkpoints): with torch,
 quantize_fp8_weights[_transposed] and quantize_fp8_rows (comet's quantizers, on a GPU),
 dequantize_fp8 (plain torch) and stack_fp8_experts (this rank's experts from an HF FP8
 checkpoint's state dict); CometSparseMoeBlock.load_state_dict takes such a state dict too.

@@ -82,10 +82,12 @@ class MoeConfig(_capi.MoeConfigStruct):
     = the world size; tp_size 0 means 1, ep_size 0 means world size / tp_size; tp_size must
     divide the world size), resend_x (training: 1 keeps no x rows between forward and
     backward and sends x again in the backward, for memory; 0 keeps them), dtype ("bf16",
-    or "fp8": block-scaled E4M3 experts, inference only; read back as comet_dtype_t's int,
-    dtype_name gives the name) and fp8_pow2_scales (FP8: the scales comet makes, for x's
-    rows and the activation, rounded up to powers of two). size, magic and version are set
-    as COMET_MOE_CONFIG_INIT sets them.
+    or "fp8": block-scaled E4M3 experts, for inference and for training from bf16 master
+    weights; read back as comet_dtype_t's int, dtype_name gives the name) and
+    fp8_pow2_scales (FP8: the scales comet makes, for x's rows and the activation, and in
+    training dy's rows, [g u] kept in E4M3 and the weight gradients' operands, rounded up
+    to powers of two). size, magic and version are set as COMET_MOE_CONFIG_INIT sets
+    them.
 
     Made with its sizes (MoeConfig(hidden=..., ...)) or from a preset, a config is checked
     at once for what no world size makes right (see the module's note); MoeConfig() with
