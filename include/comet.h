@@ -108,7 +108,8 @@ typedef enum comet_status {
     COMET_INTERNAL_ERROR = 9    /* a bug in comet: please report it */
 } comet_status_t;
 
-/* A static string naming the status, e.g. "COMET_TIMEOUT: a device-side wait timed out". */
+/* A static string naming the status, e.g. "COMET_TIMEOUT: a device-side wait for a peer timed
+ * out". */
 COMET_API const char *comet_status_string(comet_status_t status);
 
 /* "0.1.0 (NCCL 2.28.9 at build time)". Static string. */
@@ -157,9 +158,11 @@ COMET_API comet_status_t comet_comm_create_from_id(const ncclUniqueId *id, int n
 
 /*
  * Collective. Frees everything comet allocated. NULL is a no-op. Waits for the device,
- * then for every rank, within the timeout: when a peer is gone (or a wait already timed
- * out) it does not wait for it, aborts the NCCL communicator comet created, frees the
- * symmetric memory the layers left to it, and returns COMET_TIMEOUT or COMET_REMOTE_ERROR.
+ * then for every rank, within the timeout: when a peer is gone or an error is stored (a
+ * wait that timed out, a call mismatch, a saved state's bound) it does not wait, aborts
+ * the NCCL communicator comet created, frees the symmetric memory the layers left to it,
+ * and returns the error: COMET_TIMEOUT, COMET_REMOTE_ERROR (a layer's destroy found a
+ * peer gone), or the stored error's code (COMET_INVALID_ARGUMENT for a mismatch).
  * A caller's communicator is left to the caller to abort; that symmetric memory stays
  * registered in it and allocated (freeing it before the abort would be unsafe). The
  * handle is freed whatever it returns; its message moves to comet_last_create_error().
@@ -278,9 +281,12 @@ COMET_API comet_status_t comet_moe_create(comet_comm_t comm, const comet_moe_con
                                 comet_moe_t *out);
 /*
  * Collective (the fused path's symmetric memory is deregistered on every rank together).
- * NULL is a no-op. Waits for the device, then for every rank within the timeout: with a
- * peer gone it frees only this rank's own memory, leaves the symmetric memory to
- * comet_comm_destroy and returns COMET_TIMEOUT or COMET_REMOTE_ERROR instead of hanging.
+ * NULL is a no-op. Waits for the device, then (a layer that ran the fused path) for every
+ * rank within the timeout: with a peer gone, or an error stored by an earlier call (but an
+ * expert id out of range), it frees only this rank's own memory, leaves the symmetric
+ * memory to comet_comm_destroy and returns that error (COMET_TIMEOUT for a peer that did
+ * not answer) instead of hanging; after another layer's destroy found a peer gone it does
+ * the same and returns COMET_SUCCESS.
  * The handle is freed whatever it returns; its message moves to comet_last_create_error().
  * Ranks must reach it within timeout_ms of each other: one later than that is taken for
  * gone (and one that passed the barrier before the late one gave up would then wait on it
@@ -364,7 +370,8 @@ typedef struct comet_moe_args {
  * unusable then), COMET_NOT_SUPPORTED (an impl the config does not
  * allow), COMET_TIMEOUT (fused: a peer that stopped calling, reported by this call or
  * comet_comm_get_async_error()), COMET_REMOTE_ERROR (another rank refused the call: its
- * expert id out of range, or a tuning file that differs), COMET_OUT_OF_MEMORY (a path's
+ * expert id out of range, or its $COMET_TUNING_FILE unreadable; tuning files that pick
+ * different settings: COMET_INVALID_ARGUMENT on every rank), COMET_OUT_OF_MEMORY (a path's
  * first call allocates), COMET_NCCL_ERROR, COMET_CUDA_ERROR. On the sequential path a rank
  * whose experts fail after the dispatch (a cuBLAS error) still joins the return, sending
  * NaN rows, and reports the error after it: no peer waits for good, and a peer's call
