@@ -236,10 +236,13 @@ static comet_status_t comm_destroy(comet_comm_t comm)
     /* Windows are deregistered collectively, so first make sure every rank is here, with a
      * device barrier that times out (an NCCL host barrier would wait forever for a rank
      * that failed and aborted). */
-    if (st == COMET_SUCCESS && comm->async_host->status == 0 && !comm->peers_lost &&
-        cometi_barrier_sync(comm, "comet_comm_destroy: every rank here") == COMET_SUCCESS) {
-        comm_free(comm);
-        return COMET_SUCCESS;
+    comet_status_t barrier = COMET_SUCCESS;
+    if (st == COMET_SUCCESS && comm->async_host->status == 0 && !comm->peers_lost) {
+        barrier = cometi_barrier_sync(comm, "comet_comm_destroy: every rank here");
+        if (barrier == COMET_SUCCESS) {
+            comm_free(comm);
+            return COMET_SUCCESS;
+        }
     }
     /* A peer did not answer, so a collective here could hang: abort our own NCCL
      * communicator (that frees its windows), or, when the caller owns it, leave the
@@ -259,6 +262,9 @@ static comet_status_t comm_destroy(comet_comm_t comm)
         comm->devcomm = NULL;
     }
     if (st == COMET_SUCCESS) st = cometi_check_async(comm);
+    /* A barrier that failed without the device recording why (a launch error) still fails
+     * the destroy, with the barrier's own message. */
+    if (st == COMET_SUCCESS) st = barrier;
     if (st == COMET_SUCCESS && comm->peers_lost)
         st = cometi_fail(comm->err, COMET_REMOTE_ERROR, "comet_comm_destroy: a layer's destroy found a peer gone");
     /* The handle goes now: its message moves to where comet_last_create_error() reads. */
