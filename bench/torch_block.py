@@ -24,7 +24,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from comet_moe import Comm, Moe, MoeConfig, _capi  # noqa: E402
-from comet_moe.autograd import _Saved  # noqa: E402
 from comet_moe.errors import check  # noqa: E402
 
 PRESETS = ("mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b", "qwen2-moe-2.7b", "gpt-oss-120b")
@@ -33,15 +32,23 @@ PRESETS = ("mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b", "qwen2-moe-2.7b", "g
 def raw_step(moe, x, ids, w, w13, w2, dy, out):
     """comet_moe_forward_train then comet_moe_backward, no autograd (what MoeFunction calls)."""
     lib, ptr, m = moe._lib, moe._box.ptr, x.shape[0]
-    saved = _Saved(moe, x.device)
+    memory = torch.empty(moe._comet_saved_bytes(), dtype=torch.uint8, device=x.device)
+    handle = moe._comet_saved_create_in(memory)
+    try:
+        _raw_calls(lib, ptr, m, handle, x, ids, w, w13, w2, dy, out)
+    finally:
+        moe._comet_saved_destroy(handle)
+
+
+def _raw_calls(lib, ptr, m, handle, x, ids, w, w13, w2, dy, out):
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     a = _capi.MoeArgsStruct()
     a.num_tokens, a.x, a.topk_ids, a.topk_weights, a.y = m, x.data_ptr(), ids.data_ptr(), w.data_ptr(), out["y"].data_ptr()
     a.weights.gate_up, a.weights.down = w13.data_ptr(), w2.data_ptr()
-    check(lib.comet_moe_forward_train(ptr, ctypes.byref(a), ctypes.c_void_p(saved.handle), stream),
+    check(lib.comet_moe_forward_train(ptr, ctypes.byref(a), ctypes.c_void_p(handle), stream),
           "comet_moe_forward_train", lambda: _capi.text(lib.comet_moe_last_error(ptr)))
     b = _capi.MoeBackwardArgsStruct()
-    b.saved, b.dy, b.dx, b.d_topk_weights = saved.handle, dy.data_ptr(), out["dx"].data_ptr(), out["dw"].data_ptr()
+    b.saved, b.dy, b.dx, b.d_topk_weights = handle, dy.data_ptr(), out["dx"].data_ptr(), out["dw"].data_ptr()
     b.weights.gate_up, b.weights.down = w13.data_ptr(), w2.data_ptr()
     b.grads.gate_up, b.grads.down = out["g13"].data_ptr(), out["g2"].data_ptr()
     check(lib.comet_moe_backward(ptr, ctypes.byref(b), stream), "comet_moe_backward",
