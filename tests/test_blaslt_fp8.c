@@ -11,7 +11,9 @@
  * poisoned (bf16 NaN) before each call. Every element of every group's rows is checked
  * against the bound below; every row outside the groups' padded extents and every column
  * past n must still hold the poison. Each case runs twice on one handle (the second
- * call finds its shapes in the handle's table).
+ * call finds its shapes in the handle's table). The weight gradients' form (1 x 128 by
+ * 1 x 128, k the tokens) the same way, written in bf16 and accumulated in fp32
+ * (check_wgrad).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -86,6 +88,35 @@ int test_blaslt_fp8_layouts_and_checks(void)
     CHECK_CONTAINS(err, "before group 0's padded end");
     /* The handle's absence is a usage error, checked first. */
     CHECK_EQ(cometi_blaslt_fp8_grouped(err, NULL, 4, start, rows, 1408, 2880, p, f, p, f, p, 1408, 0),
+             COMET_INVALID_USAGE);
+
+    /* The weight gradients' form: groups on whole 128-column blocks within lda and ldb. */
+    const int64_t ks[3] = {0, 256, 256}, kl[3] = {256, 0, 384};
+    CHECK_EQ(cometi_blaslt_fp8_wgrad_check(err, 3, ks, kl, 4096, 1408, p, 768, f, p, 640, f, p), COMET_SUCCESS);
+    CHECK_EQ(cometi_blaslt_fp8_wgrad_check(err, 0, NULL, NULL, 4096, 1408, NULL, 16, NULL, NULL, 16, NULL, NULL),
+             COMET_SUCCESS);
+    const int64_t none[2] = {0, 0}; /* no tokens: only d is written (zeros) */
+    CHECK_EQ(cometi_blaslt_fp8_wgrad_check(err, 2, none, none, 64, 64, NULL, 16, NULL, NULL, 16, NULL, p),
+             COMET_SUCCESS);
+    CHECK_EQ(cometi_blaslt_fp8_wgrad_check(err, 3, ks, kl, 4092, 1408, p, 768, f, p, 768, f, p), COMET_NOT_SUPPORTED);
+    CHECK_CONTAINS(err, "m = 4092");
+    CHECK_EQ(cometi_blaslt_fp8_wgrad_check(err, 3, ks, kl, 4096, 1408, p, 760, f, p, 768, f, p),
+             COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "lda = 760");
+    const int64_t off_grid[3] = {0, 200, 256};
+    CHECK_EQ(cometi_blaslt_fp8_wgrad_check(err, 3, off_grid, kl, 4096, 1408, p, 768, f, p, 768, f, p),
+             COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "k_start = 200");
+    CHECK_EQ(cometi_blaslt_fp8_wgrad_check(err, 3, ks, kl, 4096, 1408, p, 768, f, p, 512, f, p),
+             COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "past lda = 768 or ldb = 512");
+    CHECK_EQ(cometi_blaslt_fp8_wgrad_check(err, 3, ks, kl, 4096, 1408, p, 768, f + 2, p, 768, f, p),
+             COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "a_scales");
+    CHECK_EQ(cometi_blaslt_fp8_wgrad_check(err, 3, NULL, kl, 4096, 1408, p, 768, f, p, 768, f, p),
+             COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "host arrays");
+    CHECK_EQ(cometi_blaslt_fp8_wgrad(err, NULL, 3, ks, kl, 4096, 1408, p, 768, f, p, 768, f, p, 0, 0, 0),
              COMET_INVALID_USAGE);
     return 0;
 }
@@ -253,6 +284,94 @@ static int check_case(cometi_blaslt_fp8_t *lt, const blaslt_case_t *c, cudaStrea
     return 0;
 }
 
+/* The weight gradients' form (cometi_blaslt_fp8_wgrad) on one case: A [m][lda], B [n][ldb]
+ * random finite E4M3 with random 1 x 128 scales along k ([lda / 128][m], [ldb / 128][n]);
+ * groups on 128-column blocks with gaps between them (and one without tokens); D [G][m][n]
+ * once written in bf16 over poison (a group without tokens must come back zero) and once
+ * accumulated in fp32 onto random values (that group's left as they were). The bound is
+ * check_case's, with T and L over the group's k; fp32 output adds one rounding of the sum
+ * (2^-24 of |start + ref|, 2^-23 with margin) in place of bf16's 2^-8 |ref|. */
+typedef struct wgrad_case {
+    int m, n, groups;
+    int64_t lda, ldb, k_start[MAX_GROUPS], k_len[MAX_GROUPS];
+} wgrad_case_t;
+
+static int check_wgrad(cometi_blaslt_fp8_t *lt, const wgrad_case_t *c, cudaStream_t stream, uint64_t *rng)
+{
+    const int m = c->m, n = c->n, G = c->groups;
+    const int64_t la = (c->lda + 127) / 128, lb = (c->ldb + 127) / 128;
+    const size_t a_bytes = (size_t)m * c->lda, b_bytes = (size_t)n * c->ldb, d_elems = (size_t)G * m * n;
+    uint8_t *a = malloc(a_bytes), *b = malloc(b_bytes);
+    float *as = malloc(sizeof(float) * la * m), *bs = malloc(sizeof(float) * lb * n);
+    float *start = malloc(sizeof(float) * d_elems), *got32 = malloc(sizeof(float) * d_elems);
+    uint16_t *got16 = malloc(sizeof(uint16_t) * d_elems);
+    CHECK(a && b && as && bs && start && got32 && got16);
+    for (size_t i = 0; i < a_bytes; i++) a[i] = random_e4m3(rng);
+    for (size_t i = 0; i < b_bytes; i++) b[i] = random_e4m3(rng);
+    for (int64_t i = 0; i < la * m; i++) as[i] = random_scale(rng);
+    for (int64_t i = 0; i < lb * n; i++) bs[i] = random_scale(rng);
+    for (size_t i = 0; i < d_elems; i++) start[i] = (float)(cometi_rand_unit(rng) - 0.5);
+    void *da, *db, *dd;
+    float *das, *dbs;
+    CUDA_OK(cudaMalloc(&da, a_bytes));
+    CUDA_OK(cudaMalloc(&db, b_bytes));
+    CUDA_OK(cudaMalloc(&dd, d_elems * 4));
+    CUDA_OK(cudaMalloc((void **)&das, sizeof(float) * la * m));
+    CUDA_OK(cudaMalloc((void **)&dbs, sizeof(float) * lb * n));
+    CUDA_OK(cudaMemcpy(da, a, a_bytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(db, b, b_bytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(das, as, sizeof(float) * la * m, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dbs, bs, sizeof(float) * lb * n, cudaMemcpyHostToDevice));
+    char err[COMETI_ERR_LEN] = "";
+    for (int fp32 = 0; fp32 < 2; fp32++) {
+        if (fp32) CUDA_OK(cudaMemcpy(dd, start, d_elems * 4, cudaMemcpyHostToDevice));
+        else CUDA_OK(cudaMemset(dd, 0xff, d_elems * 2)); /* bf16 NaN */
+        const comet_status_t st = cometi_blaslt_fp8_wgrad(err, lt, G, c->k_start, c->k_len, m, n, da, c->lda, das, db,
+                                                          c->ldb, dbs, dd, fp32, fp32, stream);
+        if (st != COMET_SUCCESS) printf("wgrad (%s): %s: %s\n", fp32 ? "fp32 accumulate" : "bf16", comet_status_string(st),
+                                        err);
+        CHECK_EQ(st, COMET_SUCCESS);
+        CUDA_OK(cudaStreamSynchronize(stream));
+        if (fp32) CUDA_OK(cudaMemcpy(got32, dd, d_elems * 4, cudaMemcpyDeviceToHost));
+        else CUDA_OK(cudaMemcpy(got16, dd, d_elems * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0;
+        for (int g = 0; g < G; g++) {
+            const int64_t k0 = c->k_start[g], L = c->k_len[g] / 128;
+            for (int i = 0; i < m; i++)
+                for (int j = 0; j < n; j++) {
+                    double ref = 0, t = 0;
+                    for (int64_t blk = k0 / 128; blk < k0 / 128 + L; blk++) {
+                        const double s = (double)as[blk * m + i] * bs[blk * n + j];
+                        double p = 0, pa = 0;
+                        for (int64_t q = blk * 128; q < blk * 128 + 128; q++) {
+                            const double x = e4m3_value(a[(size_t)i * c->lda + q]) * e4m3_value(b[(size_t)j * c->ldb + q]);
+                            p += x, pa += fabs(x);
+                        }
+                        ref += s * p, t += s * pa;
+                    }
+                    const size_t at = ((size_t)g * m + i) * n + j;
+                    const double base = fp32 ? start[at] : 0, want = base + ref;
+                    const double v = fp32 ? got32[at] : cometi_bf16_to_float(got16[at]);
+                    const double bound = (fp32 ? ldexp(fabs(want), -23) : ldexp(fabs(ref), -8)) +
+                                         (ldexp(1, -9) + (L + 1) * ldexp(1, -23)) * t;
+                    if (!(fabs(v - want) <= bound)) {
+                        printf("wgrad %s group %d (k %lld from %lld) d[%d][%d] = %.9g, want %.9g (bound %.3g)\n",
+                               fp32 ? "fp32" : "bf16", g, (long long)c->k_len[g], (long long)k0, i, j, v, want, bound);
+                        return 1;
+                    }
+                    num += (v - want) * (v - want), den += want * want;
+                }
+        }
+        const double rel = den > 0 ? sqrt(num / den) : 0;
+        printf("wgrad m %d n %d groups %d, %s: ||d - ref|| / ||ref|| %.2e\n", m, n, G, fp32 ? "fp32 accumulate" : "bf16",
+               rel);
+        CHECK(rel <= ldexp(1, -7));
+    }
+    free(a), free(b), free(as), free(bs), free(start), free(got32), free(got16);
+    cudaFree(da), cudaFree(db), cudaFree(dd), cudaFree(das), cudaFree(dbs);
+    return 0;
+}
+
 static int blaslt_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t rng = *(uint64_t *)arg;
@@ -277,6 +396,15 @@ static int blaslt_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 printf("case %zu (n %d, k %d), call %d failed\n", i, cases_[i].n, cases_[i].k, run + 1);
                 return 1;
             }
+    const wgrad_case_t wcases[] = {
+        {136, 200, 3, 784, 768, {0, 256, 384}, {256, 0, 384}}, /* a group without tokens, lda != ldb */
+        {64, 320, 2, 512, 512, {128, 256}, {128, 256}},        /* a gap before the first group */
+    };
+    for (size_t i = 0; i < sizeof(wcases) / sizeof(wcases[0]); i++)
+        if (check_wgrad(lt, &wcases[i], stream, &rng)) {
+            printf("wgrad case %zu (m %d, n %d) failed\n", i, wcases[i].m, wcases[i].n);
+            return 1;
+        }
     /* A refusal through the handle names the field. */
     const int64_t start = 0, rows = 8;
     CHECK_EQ(cometi_blaslt_fp8_grouped(err, lt, 1, &start, &rows, 64, 100, (void *)256, (float *)256, (void *)256,

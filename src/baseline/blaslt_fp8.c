@@ -22,7 +22,9 @@
 
 typedef struct shape {
     int n, k, ldd;
-    int64_t rows;                   /* the group's padded rows: the GEMM's N */
+    int64_t rows;                   /* the group's padded rows (weight gradients: D's rows): the GEMM's N */
+    int64_t lda, ldb;               /* our A's and B's row strides (k in the forward's form) */
+    int wgrad, d_fp32;              /* the weight-gradient form (1D x 1D); D in fp32 */
     uint32_t align_a, align_b, align_d; /* the operands' alignment classes (16..256 bytes) */
 } shape_t;
 
@@ -35,7 +37,8 @@ typedef struct entry {
 
 struct cometi_blaslt_fp8 {
     cublasLtHandle_t handle;
-    cublasLtMatmulDesc_t desc;
+    cublasLtMatmulDesc_t desc;       /* the forward's form: B's scales 128 x 128, A's 1 x 128 */
+    cublasLtMatmulDesc_t desc_wgrad; /* the weight gradients': both operands 1 x 128 along k */
     void *workspace;
     entry_t cache[CACHE_SLOTS];
     int next; /* the slot the next new shape takes */
@@ -157,13 +160,14 @@ void cometi_blaslt_fp8_destroy(cometi_blaslt_fp8_t *lt)
         if (e->d) cublasLtMatrixLayoutDestroy(e->d);
     }
     if (lt->desc) cublasLtMatmulDescDestroy(lt->desc);
+    if (lt->desc_wgrad) cublasLtMatmulDescDestroy(lt->desc_wgrad);
     if (lt->handle) cublasLtDestroy(lt->handle);
     cudaFree(lt->workspace);
     free(lt);
 }
 
-#define DESC_SET(st, lt, attr, value, label)                                                       \
-    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatmulDescSetAttribute((lt)->desc, attr, &(value), sizeof(value)), \
+#define DESC_SET(st, desc, attr, value, label)                                                      \
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatmulDescSetAttribute(desc, attr, &(value), sizeof(value)),   \
                                   "blaslt fp8: cublasLtMatmulDescSetAttribute(" #attr ")"), label)
 
 comet_status_t cometi_blaslt_fp8_create(char *err, cometi_blaslt_fp8_t **out)
@@ -192,17 +196,24 @@ comet_status_t cometi_blaslt_fp8_create(char *err, cometi_blaslt_fp8_t **out)
     COMETI_TRY_GOTO(st, lt_status(err, cublasLtCreate(&lt->handle), "blaslt fp8: cublasLtCreate"), fail);
     COMETI_TRY_GOTO(st, cometi_cuda(err, cudaMalloc(&lt->workspace, WORKSPACE_BYTES),
                                     "blaslt fp8: cudaMalloc(workspace, 32 MiB)"), fail);
-    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatmulDescCreate(&lt->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-                                  "blaslt fp8: cublasLtMatmulDescCreate"), fail);
-    /* TN: cuBLAS's A is the weight (k x n, transposed), its B the rows (k x rows). */
+    /* TN: cuBLAS's A is the weight (k x n, transposed), its B the rows (k x rows). The
+     * weight gradients' form is the same with 1 x 128 scales on both operands, as
+     * Transformer Engine's blockwise recipe runs its weight gradients (only 2D x 2D is
+     * refused on Hopper). */
     const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
     const int8_t fast_accum = 0; /* promote to FP32 per block (PyTorch refuses fast accumulation here too) */
-    const int32_t mode_a = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-    DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_TRANSA, trans_a, fail);
-    DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_TRANSB, trans_b, fail);
-    DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast_accum, fail);
-    DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode_a, fail);
-    DESC_SET(st, lt, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode_b, fail);
+    const int32_t vec = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F, blk = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    cublasLtMatmulDesc_t *descs[2] = {&lt->desc, &lt->desc_wgrad};
+    for (int i = 0; i < 2; i++) {
+        COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatmulDescCreate(descs[i], CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                                      "blaslt fp8: cublasLtMatmulDescCreate"), fail);
+        const int32_t mode_a = i ? vec : blk;
+        DESC_SET(st, *descs[i], CUBLASLT_MATMUL_DESC_TRANSA, trans_a, fail);
+        DESC_SET(st, *descs[i], CUBLASLT_MATMUL_DESC_TRANSB, trans_b, fail);
+        DESC_SET(st, *descs[i], CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast_accum, fail);
+        DESC_SET(st, *descs[i], CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode_a, fail);
+        DESC_SET(st, *descs[i], CUBLASLT_MATMUL_DESC_B_SCALE_MODE, vec, fail);
+    }
     *out = lt;
     return COMET_SUCCESS;
 fail:
@@ -225,7 +236,8 @@ static uint32_t align_class(const void *p)
 
 static int same_shape(const shape_t *x, const shape_t *y)
 {
-    return x->n == y->n && x->k == y->k && x->ldd == y->ldd && x->rows == y->rows && x->align_a == y->align_a &&
+    return x->n == y->n && x->k == y->k && x->ldd == y->ldd && x->rows == y->rows && x->lda == y->lda &&
+           x->ldb == y->ldb && x->wgrad == y->wgrad && x->d_fp32 == y->d_fp32 && x->align_a == y->align_a &&
            x->align_b == y->align_b && x->align_d == y->align_d;
 }
 
@@ -252,11 +264,12 @@ static comet_status_t shape_entry(char *err, cometi_blaslt_fp8_t *lt, const shap
     e->key = *key;
     comet_status_t st;
     cublasLtMatmulPreference_t pref = NULL;
-    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatrixLayoutCreate(&e->a, CUDA_R_8F_E4M3, key->k, key->n, key->k),
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatrixLayoutCreate(&e->a, CUDA_R_8F_E4M3, key->k, key->n, key->ldb),
                                   "blaslt fp8: cublasLtMatrixLayoutCreate(B as cuBLAS's A)"), fail);
-    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatrixLayoutCreate(&e->b, CUDA_R_8F_E4M3, key->k, key->rows, key->k),
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatrixLayoutCreate(&e->b, CUDA_R_8F_E4M3, key->k, key->rows, key->lda),
                                   "blaslt fp8: cublasLtMatrixLayoutCreate(A as cuBLAS's B)"), fail);
-    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatrixLayoutCreate(&e->d, CUDA_R_16BF, key->n, key->rows, key->ldd),
+    COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatrixLayoutCreate(&e->d, key->d_fp32 ? CUDA_R_32F : CUDA_R_16BF, key->n,
+                                                                  key->rows, key->ldd),
                                   "blaslt fp8: cublasLtMatrixLayoutCreate(D)"), fail);
     COMETI_TRY_GOTO(st, lt_status(err, cublasLtMatmulPreferenceCreate(&pref), "blaslt fp8: cublasLtMatmulPreferenceCreate"),
                     fail);
@@ -275,14 +288,16 @@ static comet_status_t shape_entry(char *err, cometi_blaslt_fp8_t *lt, const shap
     cublasLtMatmulHeuristicResult_t result;
     int found = 0;
     memset(&result, 0, sizeof(result));
-    const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt->handle, lt->desc, e->a, e->b, e->d, e->d, pref, 1,
-                                                             &result, &found);
+    const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt->handle, key->wgrad ? lt->desc_wgrad : lt->desc, e->a,
+                                                             e->b, e->d, e->d, pref, 1, &result, &found);
     if (hs != CUBLAS_STATUS_SUCCESS || found < 1 || result.state != CUBLAS_STATUS_SUCCESS) {
         const cublasStatus_t why = hs != CUBLAS_STATUS_SUCCESS ? hs : result.state;
-        st = cometi_fail(err, COMET_NOT_SUPPORTED, "blaslt fp8: cuBLASLt has no block-scaled FP8 algorithm for n = %d, "
-                         "k = %d, rows = %lld (padded), ldd = %d, alignments %u/%u/%u bytes (%d found: %s)",
-                         key->n, key->k, (long long)key->rows, key->ldd, key->align_a, key->align_b, key->align_d,
-                         found, cublasLtGetStatusString(why));
+        st = cometi_fail(err, COMET_NOT_SUPPORTED, "blaslt fp8: cuBLASLt has no block-scaled FP8 algorithm (%s) for "
+                         "n = %d, k = %d, rows = %lld (padded), ldd = %d, lda = %lld, ldb = %lld, D %s, alignments "
+                         "%u/%u/%u bytes (%d found: %s)", key->wgrad ? "1 x 128 by 1 x 128" : "1 x 128 by 128 x 128",
+                         key->n, key->k, (long long)key->rows, key->ldd, (long long)key->lda, (long long)key->ldb,
+                         key->d_fp32 ? "fp32" : "bf16", key->align_a, key->align_b, key->align_d, found,
+                         cublasLtGetStatusString(why));
         goto fail;
     }
     e->algo = result.algo;
@@ -322,7 +337,7 @@ comet_status_t cometi_blaslt_fp8_grouped(char *err, cometi_blaslt_fp8_t *lt, int
         COMETI_TRY(lt_status(err, cublasLtMatmulDescSetAttribute(lt->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
                                                                  sizeof(sb)),
                              "blaslt fp8: cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)"));
-        const shape_t key = {n, k, ldd, padded, align_class(ag), align_class(bg), align_class(dg)};
+        const shape_t key = {n, k, ldd, padded, k, k, 0, 0, align_class(ag), align_class(bg), align_class(dg)};
         const entry_t *e = NULL;
         st = shape_entry(err, lt, &key, &e);
         if (st != COMET_SUCCESS) return st;
@@ -332,6 +347,91 @@ comet_status_t cometi_blaslt_fp8_grouped(char *err, cometi_blaslt_fp8_t *lt, int
             char what[160];
             snprintf(what, sizeof(what), "blaslt fp8: cublasLtMatmul(group %d: %lld rows, n = %d, k = %d)", g,
                      (long long)rows[g], n, k);
+            return lt_status(err, s, what);
+        }
+    }
+    return COMET_SUCCESS;
+}
+
+/* ---- the weight gradients' form ---- */
+
+comet_status_t cometi_blaslt_fp8_wgrad_check(char *err, int groups, const int64_t *k_start, const int64_t *k_len,
+                                             int m, int n, const void *a, int64_t lda, const float *a_scales,
+                                             const void *b, int64_t ldb, const float *b_scales, const void *d)
+{
+    if (groups < 0)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8 wgrad: groups = %d must be >= 0", groups);
+    if (groups > 0 && (!k_start || !k_len))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8 wgrad: k_start = %p, k_len = %p: both host arrays "
+                           "of %d groups are needed", (const void *)k_start, (const void *)k_len, groups);
+    if (m <= 0 || n <= 0 || m % 8 || n % 8)
+        return cometi_fail(err, COMET_NOT_SUPPORTED, "blaslt fp8 wgrad: m = %d, n = %d must be positive multiples of 8 "
+                           "(cuBLASLt's block-scaled GEMMs need M and N multiples of 4, 16-byte rows of D 8)", m, n);
+    if (lda <= 0 || ldb <= 0 || lda % 16 || ldb % 16)
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8 wgrad: lda = %lld, ldb = %lld must be positive "
+                           "multiples of 16 (16-byte aligned rows of E4M3)", (long long)lda, (long long)ldb);
+    int any = 0;
+    for (int g = 0; g < groups; g++) {
+        if (k_start[g] < 0 || k_len[g] < 0 || k_start[g] % 128 || k_len[g] % 128)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8 wgrad: group %d has k_start = %lld, k_len = "
+                               "%lld: both must be multiples of 128 and >= 0 (whole 1 x 128 scale blocks)", g,
+                               (long long)k_start[g], (long long)k_len[g]);
+        if (k_start[g] + k_len[g] > lda || k_start[g] + k_len[g] > ldb)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8 wgrad: group %d ends at column %lld, past lda = "
+                               "%lld or ldb = %lld", g, (long long)(k_start[g] + k_len[g]), (long long)lda,
+                               (long long)ldb);
+        if (k_len[g] > INT32_MAX)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8 wgrad: group %d has k_len = %lld, above the %d "
+                               "one GEMM takes", g, (long long)k_len[g], INT32_MAX);
+        any |= k_len[g] > 0;
+    }
+    const struct { const void *p; const char *name; int used; } ptr[] = {
+        {a, "a", any}, {a_scales, "a_scales", any}, {b, "b", any}, {b_scales, "b_scales", any}, {d, "d", groups > 0}};
+    for (size_t i = 0; i < sizeof(ptr) / sizeof(ptr[0]); i++)
+        if (ptr[i].used && (!ptr[i].p || misaligned(ptr[i].p)))
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "blaslt fp8 wgrad: %s = %p must be a 16-byte aligned device "
+                               "pointer (cuBLASLt's FP8 operands and scale tensors)", ptr[i].name, ptr[i].p);
+    return COMET_SUCCESS;
+}
+
+comet_status_t cometi_blaslt_fp8_wgrad(char *err, cometi_blaslt_fp8_t *lt, int groups, const int64_t *k_start,
+                                       const int64_t *k_len, int m, int n, const void *a, int64_t lda,
+                                       const float *a_scales, const void *b, int64_t ldb, const float *b_scales,
+                                       void *d, int d_fp32, int accumulate, cudaStream_t stream)
+{
+    if (!lt) return cometi_fail(err, COMET_INVALID_USAGE, "blaslt fp8 wgrad: no handle (lt = NULL)");
+    COMETI_TRY(cometi_blaslt_fp8_wgrad_check(err, groups, k_start, k_len, m, n, a, lda, a_scales, b, ldb, b_scales,
+                                             d));
+    const size_t d_group = (size_t)m * n * (d_fp32 ? 4 : 2);
+    const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+    for (int g = 0; g < groups; g++) {
+        void *dg = (char *)d + (size_t)g * d_group;
+        if (k_len[g] == 0) { /* no tokens: a zero gradient, or nothing to add */
+            if (!accumulate)
+                COMETI_TRY(cometi_cuda(err, cudaMemsetAsync(dg, 0, d_group, stream),
+                                       "blaslt fp8 wgrad: zero an expert's gradient"));
+            continue;
+        }
+        const int64_t blocks_before = k_start[g] / 128;
+        const void *ag = (const uint8_t *)a + k_start[g], *bg = (const uint8_t *)b + k_start[g];
+        /* cuBLAS's A scales are our B's, its B scales our A's: MN-major, one block row at a time. */
+        const float *sa = b_scales + blocks_before * n, *sb = a_scales + blocks_before * m;
+        COMETI_TRY(lt_status(err, cublasLtMatmulDescSetAttribute(lt->desc_wgrad, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                                 &sa, sizeof(sa)),
+                             "blaslt fp8 wgrad: cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)"));
+        COMETI_TRY(lt_status(err, cublasLtMatmulDescSetAttribute(lt->desc_wgrad, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                                 &sb, sizeof(sb)),
+                             "blaslt fp8 wgrad: cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)"));
+        const shape_t key = {n, (int)k_len[g], n, m, lda, ldb, 1, d_fp32, align_class(ag), align_class(bg),
+                             align_class(dg)};
+        const entry_t *e = NULL;
+        COMETI_TRY(shape_entry(err, lt, &key, &e));
+        const cublasStatus_t s = cublasLtMatmul(lt->handle, lt->desc_wgrad, &one, bg, e->a, ag, e->b, &beta, dg, e->d,
+                                                dg, e->d, &e->algo, lt->workspace, WORKSPACE_BYTES, stream);
+        if (s != CUBLAS_STATUS_SUCCESS) {
+            char what[160];
+            snprintf(what, sizeof(what), "blaslt fp8 wgrad: cublasLtMatmul(group %d: k = %lld, m = %d, n = %d)", g,
+                     (long long)k_len[g], m, n);
             return lt_status(err, s, what);
         }
     }

@@ -108,10 +108,35 @@ comet_status_t cometi_blaslt_fp8_grouped(char *err, cometi_blaslt_fp8_t *lt, int
                                          const int64_t *rows, int n, int k, const void *a, const float *a_scales,
                                          const void *b, const float *b_scales, void *d, int ldd, cudaStream_t stream);
 
+/* The weight gradients' form (1 x 128 by 1 x 128, VEC128_32F on both operands, as
+ * Transformer Engine's blockwise recipe computes its weight gradients): for each group,
+ *     D_g [m][n] = dequant(A_g) dequant(B_g)^T  (or D_g += that, accumulate),
+ * k running over the group's tokens, columns k_start[g] .. k_start[g] + k_len[g] - 1 of
+ *   a         E4M3 [m][lda] (a token-major operand: x^T, dy^T, dh^T ...);
+ *   a_scales  FP32 [lda / 128][m]: row r's scale over columns 128 b .. 128 b + 127 at
+ *             a_scales[b * m + r] (MN-major, cuBLASLt's VEC128_32F layout: one block
+ *             column after another, so a group's start at block k_start / 128 is a pointer);
+ *   b, b_scales  the same for B, [n][ldb] and [ldb / 128][n];
+ *   d         [groups][m][n] row-major, bf16, or fp32 with d_fp32.
+ * k_start and k_len are multiples of 128 (whole scale blocks; the operands' columns past a
+ * group's tokens hold zeros, as cometi_quantize_segments_t_e4m3 writes them). A group with
+ * k_len 0 gets D_g zeroed, or, accumulating, nothing. Refused, naming the field: m or n not
+ * a multiple of 8, lda or ldb not of 16 (COMET_NOT_SUPPORTED for m and n), a group not
+ * on 128-column blocks or past lda or ldb, a pointer not 16-byte aligned. */
+comet_status_t cometi_blaslt_fp8_wgrad(char *err, cometi_blaslt_fp8_t *lt, int groups, const int64_t *k_start,
+                                       const int64_t *k_len, int m, int n, const void *a, int64_t lda,
+                                       const float *a_scales, const void *b, int64_t ldb, const float *b_scales,
+                                       void *d, int d_fp32, int accumulate, cudaStream_t stream);
+
 /* grouped's checks alone, no device touched (the CPU tests run them). */
 comet_status_t cometi_blaslt_fp8_check(char *err, int groups, const int64_t *row_start, const int64_t *rows, int n,
                                        int k, const void *a, const float *a_scales, const void *b,
                                        const float *b_scales, const void *d, int ldd);
+
+/* wgrad's checks alone. */
+comet_status_t cometi_blaslt_fp8_wgrad_check(char *err, int groups, const int64_t *k_start, const int64_t *k_len,
+                                             int m, int n, const void *a, int64_t lda, const float *a_scales,
+                                             const void *b, int64_t ldb, const float *b_scales, const void *d);
 
 #ifdef __cplusplus
 }
