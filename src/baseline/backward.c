@@ -12,6 +12,7 @@
  *      partials: the fused path's arithmetic, so the two give the same bits.
  * The forward's buffers are the workspaces: send (x or dy rows), recv (dy received), act
  * (s, then w a), h (dh), out (x rows received again, then dx rows), back (dx rows home).
+ * In block-scaled FP8, steps 0-3 are backward_fp8.c's; step 4 is the same.
  */
 #include <stdio.h>
 #include <string.h>
@@ -157,7 +158,7 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
     const int m = sv->num_tokens, n = m * k, tp = moe->tp;
     const size_t stride = (size_t)moe->cfg.max_tokens * k * H; /* elements between TP ranks' returned copies */
     ncclComm_t nccl = moe->comm->nccl;
-    COMETI_TRY(cublas_ok(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
+    if (b->cublas) COMETI_TRY(cublas_ok(err, cublasSetStream(b->cublas, stream), "cublasSetStream"));
     /* The count exchange with no counts, only the call id: ranks in the backward of another
      * forward (or in a forward) refuse with this rank, before anything is sent, and the
      * saved state stays filled. */
@@ -167,25 +168,32 @@ comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, c
     COMETI_TRY(cometi_baseline_exchange(moe, b, sv->call, stream));
     sv->filled = 0; /* consumed from here on, as the fused path's is */
 
-    /* 0. Where the config resends x: its rows again, into the dx rows' buffer, which holds
-     * them until each expert's dW13 has read them (dx rows are written after). */
-    const void *x_rows = sv->recv;
-    if (!x_rows) {
-        COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->x, NULL, NULL, NULL, n, k, H, b->send, sv->send_pos,
-                                                          stream), "launch permute_kernel (x again)"));
-        COMETI_TRY(dispatch_rows(moe, sv, b->send, b->out, NULL, NULL, stream, "backward all-to-all of x again"));
-        x_rows = b->out;
+    comet_status_t experts;
+    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK) {
+        COMETI_TRY(cometi_baseline_fp8_send(moe, b, args, stream));
+        experts = cometi_baseline_fp8_experts(moe, b, args, stream);
+    } else {
+        /* 0. Where the config resends x: its rows again, into the dx rows' buffer, which
+         * holds them until each expert's dW13 has read them (dx rows are written after). */
+        const void *x_rows = sv->recv;
+        if (!x_rows) {
+            COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->x, NULL, NULL, NULL, n, k, H, b->send,
+                                                              sv->send_pos, stream), "launch permute_kernel (x again)"));
+            COMETI_TRY(dispatch_rows(moe, sv, b->send, b->out, NULL, NULL, stream, "backward all-to-all of x again"));
+            x_rows = b->out;
+        }
+        /* 1. dy rows to their send places, the weights beside them. */
+        COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->dy, NULL, NULL, NULL, n, k, H, b->send, sv->send_pos,
+                                                          stream), "launch permute_kernel (dy)"));
+        COMETI_TRY(cometi_cuda(err, cometi_launch_weights_to_send_order(sv->weights, sv->send_pos, n, b->w_send,
+                                                                        stream),
+                               "launch weights_to_send_order_kernel"));
+        /* 2. Dispatch, as the forward's. */
+        COMETI_TRY(dispatch_rows(moe, sv, b->send, b->recv, b->w_send, b->w_recv, stream,
+                                 "backward dispatch all-to-all"));
+        /* 3. The experts; a failure still takes part in step 4, with poisoned rows. */
+        experts = backward_experts(moe, b, args, x_rows, stream);
     }
-    /* 1. dy rows to their send places, the weights beside them. */
-    COMETI_TRY(cometi_cuda(err, cometi_launch_permute(args->dy, NULL, NULL, NULL, n, k, H, b->send, sv->send_pos,
-                                                      stream), "launch permute_kernel (dy)"));
-    COMETI_TRY(cometi_cuda(err, cometi_launch_weights_to_send_order(sv->weights, sv->send_pos, n, b->w_send, stream),
-                           "launch weights_to_send_order_kernel"));
-    /* 2. Dispatch, as the forward's. */
-    COMETI_TRY(dispatch_rows(moe, sv, b->send, b->recv, b->w_send, b->w_recv, stream, "backward dispatch all-to-all"));
-
-    /* 3. The experts; a failure still takes part in step 4, with poisoned rows. */
-    const comet_status_t experts = backward_experts(moe, b, args, x_rows, stream);
     char kept[COMETI_ERR_LEN];
     if (experts != COMET_SUCCESS) {
         void *const bufs[2] = {b->out, b->dw_recv};

@@ -48,6 +48,7 @@ static comet_status_t cublas_status(char *err, cublasStatus_t s, const char *wha
 void cometi_baseline_destroy(cometi_baseline_t *b)
 {
     if (!b) return;
+    cometi_baseline_fp8_train_free(b);
     if (b->cublas) cublasDestroy(b->cublas);
     cometi_blaslt_fp8_destroy(b->lt);
     void *dev[] = {b->counts, b->counts_all, b->pos, b->route_scratch, b->send_pos, b->send_base, b->segs,
@@ -69,9 +70,9 @@ static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 /*
  * The buffers of the config's dtype (baseline.h), sized for the worst routing. With
  * rows_out = max_tokens x top_k, rows_in = max_recv_rows, F = ffn / tp, every dtype holds
- * h 4F rows_in, act 2F rows_in, out 2H rows_in and back 2H tp rows_out bytes, and
- *   bf16:  send 2H rows_out + recv 2H rows_in, the backward's weights 4 (1 + tp) rows_out
- *          + 8 rows_in, and cuBLAS's handle;
+ * h 4F rows_in, act 2F rows_in, out 2H rows_in and back 2H tp rows_out bytes, the
+ * backward's routing weights 4 (1 + tp) rows_out + 8 rows_in, and
+ *   bf16:  send 2H rows_out + recv 2H rows_in, and cuBLAS's handle;
  *   FP8:   (H + 4 L0)(max_tokens + rows_out + rows_in) for x quantized, sent and received,
  *          4 L0 rows_in + (F + 4 L1) rows_in for GEMM0's A scales and the activation
  *          quantized with its scales (L0 = ceil(H / 128), L1 = ceil(F / 128); the packed
@@ -108,10 +109,10 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
         {&b->act, 2 * rows_in * F, 1, "SwiGLU output"},
         {&b->out, 2 * rows_in * H, 1, "GEMM1 output"},
         {&b->back, 2 * rows_out * H * tp, 1, "returned rows"},
-        {(void **)&b->w_send, sizeof(float) * rows_out, bf16, "weights in the send order"},
-        {(void **)&b->w_recv, sizeof(float) * rows_in, bf16, "received rows' weights"},
-        {(void **)&b->dw_recv, sizeof(float) * rows_in, bf16, "received rows' weight gradients"},
-        {(void **)&b->dw_back, sizeof(float) * rows_out * tp, bf16, "returned weight gradients"},
+        {(void **)&b->w_send, sizeof(float) * rows_out, 1, "weights in the send order"},
+        {(void **)&b->w_recv, sizeof(float) * rows_in, 1, "received rows' weights"},
+        {(void **)&b->dw_recv, sizeof(float) * rows_in, 1, "received rows' weight gradients"},
+        {(void **)&b->dw_back, sizeof(float) * rows_out * tp, 1, "returned weight gradients"},
         {&b->xq, (size_t)c->max_tokens * H, fp8, "x in FP8"},
         {(void **)&b->xs, sizeof(float) * c->max_tokens * L0, fp8, "x's scales"},
         {&b->send_q, rows_out * H, fp8, "FP8 send buffer"},
@@ -158,7 +159,7 @@ comet_status_t cometi_baseline_create(comet_moe_t moe, cometi_baseline_t **out)
     } else {
         COMETI_TRY_GOTO(st, cublas_status(err, cublasCreate(&b->cublas), "cublasCreate"), fail);
     }
-    b->io_recv = fp8 ? b->recv_q : b->recv, b->io_h = b->h, b->io_send_pos = b->send_pos;
+    b->io_recv = fp8 ? b->recv_q : b->recv, b->io_recv_s = b->recv_s, b->io_h = b->h, b->io_send_pos = b->send_pos;
     *out = b;
     return COMET_SUCCESS;
 fail:
@@ -219,13 +220,31 @@ static comet_status_t mark(comet_moe_t moe, int which, cudaStream_t stream)
 
 /* B's scales as cuBLASLt reads them: the caller's where each row of k blocks is already a
  * multiple of 4 long, else padded into `room` (a few floats per 128 x 128 block: per call). */
-static comet_status_t weight_scales(comet_moe_t moe, int n, int k, const float *given, float *room,
-                                    const float **out, cudaStream_t stream)
+comet_status_t cometi_baseline_weight_scales(comet_moe_t moe, int n, int k, const float *given, float *room,
+                                             const float **out, cudaStream_t stream)
 {
     *out = given;
     if (cometi_blaslt_fp8_b_scale_ld(k) == ceil_div(k, 128)) return COMET_SUCCESS;
     *out = room;
     return cometi_blaslt_fp8_pad_b_scales(moe->err, moe->experts_per_rank, n, k, given, room, stream);
+}
+
+comet_status_t cometi_baseline_fp8_groups(comet_moe_t moe, cometi_baseline_t *b, const cometi_segment_t *segs_host,
+                                          int *max_padded, cudaStream_t stream)
+{
+    int64_t before = 0;
+    *max_padded = 0;
+    for (int le = 0; le < moe->experts_per_rank; le++) {
+        const cometi_segment_t seg = segs_host[le];
+        const int padded = (int)cometi_blaslt_fp8_group_rows(seg.rows);
+        b->groups_host[le] = (cometi_fp8_group_t){seg.start, seg.rows, padded, 0, before};
+        b->lt_start[le] = seg.start, b->lt_rows[le] = seg.rows;
+        before += padded;
+        if (padded > *max_padded) *max_padded = padded;
+    }
+    return cometi_cuda(moe->err, cudaMemcpyAsync(b->groups, b->groups_host,
+                                                 sizeof(cometi_fp8_group_t) * moe->experts_per_rank,
+                                                 cudaMemcpyHostToDevice, stream), "copy the FP8 groups");
 }
 
 /* The FP8 expert phase on the last forward's segments: the received scales packed by group
@@ -241,35 +260,38 @@ static comet_status_t experts_fp8(comet_moe_t moe, cometi_baseline_t *b, const c
     const int L0 = (int)ceil_div(H, 128), L1 = (int)ceil_div(F, 128), pow2 = moe->cfg.fp8_pow2_scales;
     const comet_moe_weights_t *w = &args->weights;
     const comet_moe_weight_scales_t *ws = &args->weight_scales;
-    int64_t before = 0;
     int max_padded = 0;
-    for (int le = 0; le < per; le++) {
-        const cometi_segment_t seg = b->segs_host[le];
-        const int padded = (int)cometi_blaslt_fp8_group_rows(seg.rows);
-        b->groups_host[le] = (cometi_fp8_group_t){seg.start, seg.rows, padded, 0, before};
-        b->lt_start[le] = seg.start, b->lt_rows[le] = seg.rows;
-        before += padded;
-        if (padded > max_padded) max_padded = padded;
-    }
-    COMETI_TRY(cometi_cuda(err, cudaMemcpyAsync(b->groups, b->groups_host, sizeof(cometi_fp8_group_t) * per,
-                                                cudaMemcpyHostToDevice, stream), "copy the FP8 groups"));
-    COMETI_TRY(cometi_cuda(err, cometi_launch_fp8_pack_groups(b->groups, per, max_padded, b->recv_s, L0, b->recv_q, H,
-                                                              b->a0_scales, stream), "launch fp8_pack_groups_kernel"));
+    COMETI_TRY(cometi_baseline_fp8_groups(moe, b, b->segs_host, &max_padded, stream));
+    COMETI_TRY(cometi_cuda(err, cometi_launch_fp8_pack_groups(b->groups, per, max_padded, b->io_recv_s, L0, 1, L0,
+                                                              b->io_recv, H, b->a0_scales, stream),
+                           "launch fp8_pack_groups_kernel"));
     const float *s0, *s1;
     if (w->gate_up) {
-        COMETI_TRY(weight_scales(moe, 2 * F, H, ws->gate_up, b->w0_scales, &s0, stream));
-        COMETI_TRY(cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, 2 * F, H, b->recv_q,
-                                             b->a0_scales, w->gate_up, s0, b->h, 2 * F, stream));
+        COMETI_TRY(cometi_baseline_weight_scales(moe, 2 * F, H, ws->gate_up, b->w0_scales, &s0, stream));
+        COMETI_TRY(cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, 2 * F, H, b->io_recv,
+                                             b->a0_scales, w->gate_up, s0, b->io_h, 2 * F, stream));
     } else {
         const size_t half = (size_t)per * ceil_div(F, 128) * cometi_blaslt_fp8_b_scale_ld(H);
-        COMETI_TRY(weight_scales(moe, F, H, ws->gate, b->w0_scales, &s0, stream));
-        COMETI_TRY(weight_scales(moe, F, H, ws->up, b->w0_scales + half, &s1, stream));
-        COMETI_TRY(cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, F, H, b->recv_q, b->a0_scales,
-                                             w->gate, s0, b->h, 2 * F, stream));
-        COMETI_TRY(cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, F, H, b->recv_q, b->a0_scales,
-                                             w->up, s1, (uint16_t *)b->h + F, 2 * F, stream));
+        COMETI_TRY(cometi_baseline_weight_scales(moe, F, H, ws->gate, b->w0_scales, &s0, stream));
+        COMETI_TRY(cometi_baseline_weight_scales(moe, F, H, ws->up, b->w0_scales + half, &s1, stream));
+        COMETI_TRY(cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, F, H, b->io_recv,
+                                             b->a0_scales, w->gate, s0, b->io_h, 2 * F, stream));
+        COMETI_TRY(cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, F, H, b->io_recv,
+                                             b->a0_scales, w->up, s1, (uint16_t *)b->io_h + F, 2 * F, stream));
     }
-    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu(b->h, b->act, F, b->segs, per, b->max_seg_rows, stream),
+    /* A training forward keeping [g u] in E4M3: each row 1 x 128, scales MN-major (row r's
+     * block c at keep_h_scales[c x keep_h_ld + r]), as the fused epilogue keeps them. */
+    for (int le = 0; b->keep_h && le < per; le++) {
+        const cometi_fp8_group_t g = b->groups_host[le];
+        if (!g.rows) continue;
+        COMETI_TRY(cometi_cuda(err, cometi_quantize_rows_e4m3((const uint16_t *)b->io_h + (size_t)g.start * 2 * F,
+                                                              g.rows, 2 * F, 2 * F,
+                                                              (uint8_t *)b->keep_h + (size_t)g.start * 2 * F, 2 * F,
+                                                              b->keep_h_scales + g.start, 1, b->keep_h_ld, pow2,
+                                                              stream),
+                               "launch quantize_rows_kernel ([g u] kept in E4M3)"));
+    }
+    COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu(b->io_h, b->act, F, b->segs, per, b->max_seg_rows, stream),
                            "launch swiglu_kernel"));
     for (int le = 0; le < per; le++) {
         const cometi_fp8_group_t g = b->groups_host[le];
@@ -279,10 +301,10 @@ static comet_status_t experts_fp8(comet_moe_t moe, cometi_baseline_t *b, const c
                                                               b->a1_scales + g.before * L1, 1, g.padded, pow2, stream),
                                "launch quantize_rows_kernel (the activation)"));
     }
-    COMETI_TRY(cometi_cuda(err, cometi_launch_fp8_pack_groups(b->groups, per, max_padded, NULL, L1, b->act_q, F,
+    COMETI_TRY(cometi_cuda(err, cometi_launch_fp8_pack_groups(b->groups, per, max_padded, NULL, 0, 0, L1, b->act_q, F,
                                                               b->a1_scales, stream), "launch fp8_pack_groups_kernel"));
     COMETI_TRY(mark(moe, COMETI_MARK_ACTIVATED, stream));
-    COMETI_TRY(weight_scales(moe, H, F, ws->down, b->w1_scales, &s1, stream));
+    COMETI_TRY(cometi_baseline_weight_scales(moe, H, F, ws->down, b->w1_scales, &s1, stream));
     return cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, H, F, b->act_q, b->a1_scales, w->down,
                                      s1, b->out, H, stream);
 }
@@ -381,12 +403,20 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     ncclComm_t nccl = moe->comm->nccl;
     comet_status_t st;
 
-    if (saved && c->dtype == COMET_DTYPE_FP8_BLOCK)
-        return cometi_fail(err, COMET_NOT_SUPPORTED, "baseline: a training forward in FP8 (config.dtype "
-                           "COMET_DTYPE_FP8_BLOCK) is not built; the inference forward is (saved = NULL)");
     const int fp8 = c->dtype == COMET_DTYPE_FP8_BLOCK, L0 = (int)ceil_div(H, 128); /* FP8: scales per row */
+    if (saved && fp8) { /* the backward's workspaces, agreed on by every rank before any row moves */
+        COMETI_TRY(cometi_baseline_fp8_train_supported(moe));
+        COMETI_TRY(cometi_baseline_fp8_train_get(moe, b));
+    }
     b->io_recv = saved && saved->recv ? saved->recv : fp8 ? b->recv_q : b->recv; /* none kept where the config resends x */
-    b->io_h = saved ? saved->h : b->h;
+    /* FP8 rows kept: their values, then their scales, in the saved state's row bytes. */
+    b->io_recv_s = saved && saved->recv && fp8 ? (float *)((uint8_t *)saved->recv + (size_t)saved->cap_rows * H)
+                                               : b->recv_s;
+    const int keep_e4m3 = saved && saved->h_scales; /* [g u] kept in E4M3: GEMM0 writes bf16 h first */
+    b->io_h = saved && !keep_e4m3 ? saved->h : b->h;
+    b->keep_h = keep_e4m3 ? saved->h : NULL;
+    b->keep_h_scales = keep_e4m3 ? saved->h_scales : NULL;
+    b->keep_h_ld = keep_e4m3 ? saved->cap_rows : 0;
     b->io_send_pos = saved ? saved->send_pos : b->send_pos;
     if (saved) saved->filled = 0; /* until this call has enqueued all of its work */
     COMETI_TRY(mark(moe, COMETI_MARK_START, stream));
@@ -488,9 +518,9 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
                          stream);
             continue;
         }
-        r = ncclRecv((char *)b->recv_q + v->offset * H, (size_t)v->rows * H, ncclUint8, v->peer, nccl, stream);
+        r = ncclRecv((char *)b->io_recv + v->offset * H, (size_t)v->rows * H, ncclUint8, v->peer, nccl, stream);
         if (r == ncclSuccess)
-            r = ncclRecv(b->recv_s + v->offset * L0, (size_t)v->rows * L0, ncclFloat32, v->peer, nccl, stream);
+            r = ncclRecv(b->io_recv_s + v->offset * L0, (size_t)v->rows * L0, ncclFloat32, v->peer, nccl, stream);
     }
     ncclResult_t end = ncclGroupEnd(); /* always close the group, even after a failed post */
     COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "dispatch all-to-all"), out);

@@ -30,11 +30,27 @@ enum {
     COMETI_NUM_MARKS
 };
 
+/* The sequential FP8 backward's own workspaces (backward_fp8.c), made by the first FP8
+ * training forward on this path (an inference-only layer never pays for them). With
+ * R = max_recv_rows, ld = R rounded up to 128, F = ffn / tp, L2 = 2F / 128: */
+typedef struct cometi_baseline_fp8_train {
+    int64_t ld;
+    float *dh_scales;     /* [L2][R]: dh's 1 x 128 scales, as SwiGLU's FP8 backward writes them */
+    float *dh_packed;     /* [R x L2] at most: the same packed by group (blaslt_fp8.h) */
+    void *dy_t, *x_t, *wa_t, *dh_t; /* E4M3 [H | H | F | 2F][ld]: the weight gradients' operands, each
+                           * column's tokens in a row, 128 x 1 blocks per expert segment */
+    float *dy_t_scales, *x_t_scales, *wa_t_scales, *dh_t_scales; /* [ld / 128][H | H | F | 2F] */
+    float *wt_down_scales;    /* [E_local][F / 128][L4(H)]: down^T's scales padded for cuBLASLt */
+    float *wt_gate_up_scales; /* [E_local][ceil(H / 128)][L4(2F)]: gate_up^T's */
+    int64_t *k_start, *k_len; /* host [E_local]: each expert's tokens as the weight gradients' k */
+} cometi_baseline_fp8_train_t;
+
 /* The sequential path's buffers; the forward's receive, GEMM0, act, GEMM1 and return
  * buffers are the backward's workspaces too (dy rows, s and act, dh, dx rows, dx rows home).
- * A config of one dtype gets the buffers of that dtype alone: bf16 the cuBLAS handle, the
- * bf16 send and receive rows and the backward's weights; block-scaled FP8 (inference only)
- * the cuBLASLt handle and the E4M3 rows and scales below, NULL in a bf16 config. */
+ * A config of one dtype gets the buffers of that dtype alone: bf16 the cuBLAS handle and
+ * the bf16 send and receive rows; block-scaled FP8 the cuBLASLt handle and the E4M3 rows
+ * and scales below, NULL in a bf16 config (and fp8_train, made by the first FP8 training
+ * forward). */
 typedef struct cometi_baseline {
     cublasHandle_t cublas;
     cometi_blaslt_fp8_t *lt;
@@ -76,10 +92,17 @@ typedef struct cometi_baseline {
     int32_t *send_base_host;
     cometi_segment_t *segs_host;
     int max_seg_rows;     /* the last call's largest local segment */
-    /* Where the last forward put its received rows, GEMM0 output and send positions: the
-     * buffers above, or a training forward's saved state. */
+    cometi_baseline_fp8_train_t *fp8_train; /* FP8 training's workspaces, or NULL */
+    /* Where the last forward put its received rows (FP8: their values, and their scales in
+     * io_recv_s), GEMM0 output and send positions: the buffers above, or a training
+     * forward's saved state. keep_h: an FP8 training forward whose saved state holds [g u]
+     * in E4M3 (GEMM0 writes h, and each row is quantized from there), else NULL. */
     void *io_recv, *io_h;
+    float *io_recv_s;
     int32_t *io_send_pos;
+    void *keep_h;
+    float *keep_h_scales;
+    int64_t keep_h_ld;
     int fail_experts;     /* tests: the next expert phase fails (as a cuBLAS call with no algorithm
                            * for its shape would), once */
 } cometi_baseline_t;
@@ -93,8 +116,9 @@ void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, cons
  * (its bound checked on every rank before any row moves) and it is marked filled. With
  * config.dtype COMET_DTYPE_FP8_BLOCK it runs in block-scaled FP8: x quantized once per
  * token where it comes in bf16, E4M3 rows and their scales sent, cuBLASLt's block-scaled
- * GEMMs, the activation quantized per row; the inference forward only (saved given:
- * COMET_NOT_SUPPORTED, before anything is enqueued). */
+ * GEMMs, the activation quantized per row; a training forward keeps the E4M3 rows and
+ * their scales as they arrived (values [cap_rows][H], then scales [cap_rows][ceil(H / 128)],
+ * in saved->recv's bytes) and [g u] in bf16 or, as the saved state asks, in E4M3. */
 comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        comet_moe_saved_t saved, cudaStream_t stream);
 /* The count exchange every call of the path makes first (baseline.c); a backward's
@@ -103,6 +127,31 @@ comet_status_t cometi_baseline_exchange(comet_moe_t moe, cometi_baseline_t *b, u
 /* The backward of the training forward that filled args->saved (checked by the caller). */
 comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
                                         cudaStream_t stream);
+
+/* FP8 training on this path (backward_fp8.c). */
+/* What it needs of the config, the same on every rank: COMET_NOT_SUPPORTED naming it. */
+comet_status_t cometi_baseline_fp8_train_supported(comet_moe_t moe);
+/* Its workspaces, made once per handle; collective (cometi_moe_agree), before any row moves. */
+comet_status_t cometi_baseline_fp8_train_get(comet_moe_t moe, cometi_baseline_t *b);
+void cometi_baseline_fp8_train_free(cometi_baseline_t *b);
+/* Steps 0-2 of the backward (backward.c) in FP8: the kept x rows cast along the tokens,
+ * dy quantized per token, its E4M3 rows, scales and routing weights dispatched as the
+ * forward's x went. A failure here is the dispatch's (no peer waits on this rank's return
+ * yet). */
+comet_status_t cometi_baseline_fp8_send(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
+                                        cudaStream_t stream);
+/* Step 3 in FP8: s = dy W2 (cuBLASLt 1 x 128 by 128 x 128 on W2^T's copy), SwiGLU's FP8
+ * backward, dx rows = dh W13 (on W13^T's copy), dy cast along the tokens, and the weight
+ * gradients dW2 = dy^T (w a), dW13 = dh^T x (cuBLASLt 1 x 128 by 1 x 128, k the tokens). */
+comet_status_t cometi_baseline_fp8_experts(comet_moe_t moe, cometi_baseline_t *b,
+                                           const comet_moe_backward_args_t *args, cudaStream_t stream);
+/* The forward's FP8 groups (its segments as cuBLASLt reads them) into b->groups_host,
+ * b->lt_start and b->lt_rows, copied to b->groups; the largest group's padded rows. */
+comet_status_t cometi_baseline_fp8_groups(comet_moe_t moe, cometi_baseline_t *b, const cometi_segment_t *segs_host,
+                                          int *max_padded, cudaStream_t stream);
+/* W's 128 x 128 scales as cuBLASLt reads them (rows of k blocks padded to 4, baseline.c). */
+comet_status_t cometi_baseline_weight_scales(comet_moe_t moe, int n, int k, const float *given, float *room,
+                                             const float **out, cudaStream_t stream);
 /* The forward's expert phase alone (cuBLAS GEMM0, SwiGLU, cuBLAS GEMM1; with FP8 the
  * scales' relayout, cuBLASLt GEMM0, SwiGLU, its quantization, cuBLASLt GEMM1), again on the
  * rows the last forward call received: the bench times it against our GEMMs on the same rows. */

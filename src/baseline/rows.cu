@@ -38,15 +38,16 @@ extern "C" cudaError_t cometi_launch_permute(const void *x, const int32_t *ids, 
 }
 
 /* The same for FP8 rows: one block per (token, choice) copies the token's E4M3 row and its
- * scales to the row's send place. The scales travel in their own buffer (their own NCCL
+ * scales to the row's send place (with no ids, the place send_pos holds: a backward's dy,
+ * or x sent again). The scales travel in their own buffer (their own NCCL
  * message per chunk), so the values arrive as the contiguous rows the GEMM reads. */
 static __global__ void permute_fp8_kernel(const uint4 *xq, const float *xs, const int32_t *ids, const int32_t *pos,
                                           const int32_t *send_base, int k, int row_vecs, int blocks, uint4 *send_q,
                                           float *send_s, int32_t *send_pos)
 {
     const int i = blockIdx.x, t = i / k;
-    const int dst = send_base[ids[i]] + pos[i];
-    if (threadIdx.x == 0) send_pos[i] = dst;
+    const int dst = ids ? send_base[ids[i]] + pos[i] : send_pos[i];
+    if (ids && threadIdx.x == 0) send_pos[i] = dst;
     const uint4 *src = xq + (size_t)t * row_vecs;
     uint4 *out = send_q + (size_t)dst * row_vecs;
     for (int v = threadIdx.x; v < row_vecs; v += blockDim.x) out[v] = src[v];
@@ -66,10 +67,11 @@ extern "C" cudaError_t cometi_launch_permute_fp8(const void *xq, const float *xs
 
 /* blockIdx.y is the group. Its packed scales [blocks][padded] are walked in their own
  * order: entry i is row i % padded of block i / padded, so the stores are contiguous and
- * the loads (K-major, a row's blocks side by side) are strided, which at blocks floats a
- * row is the cheap side. Then its padding rows' values, 16 bytes a thread. */
-static __global__ void fp8_pack_groups_kernel(const cometi_fp8_group_t *groups, const float *src_scales, int blocks,
-                                              uint4 *q, int row_vecs, float *scales)
+ * the loads (K-major: a row's blocks side by side) are strided, which at blocks floats a
+ * row is the cheap side (MN-major sources load contiguously too). Then its padding rows' values, 16 bytes a thread. */
+static __global__ void fp8_pack_groups_kernel(const cometi_fp8_group_t *groups, const float *src_scales,
+                                              long long src_row, long long src_block, int blocks, uint4 *q,
+                                              int row_vecs, float *scales)
 {
     const cometi_fp8_group_t g = groups[blockIdx.y];
     if (g.padded == 0) return;
@@ -79,7 +81,7 @@ static __global__ void fp8_pack_groups_kernel(const cometi_fp8_group_t *groups, 
     for (long long i = first; i < entries; i += stride) {
         const int r = (int)(i % g.padded), b = (int)(i / g.padded);
         if (r >= g.rows) dst[i] = 0.0f;
-        else if (src_scales) dst[i] = src_scales[((long long)g.start + r) * blocks + b];
+        else if (src_scales) dst[i] = src_scales[((long long)g.start + r) * src_row + b * src_block];
     }
     const long long pad_vecs = (long long)(g.padded - g.rows) * row_vecs;
     uint4 *pad = q + ((long long)g.start + g.rows) * row_vecs;
@@ -87,14 +89,15 @@ static __global__ void fp8_pack_groups_kernel(const cometi_fp8_group_t *groups, 
 }
 
 extern "C" cudaError_t cometi_launch_fp8_pack_groups(const cometi_fp8_group_t *groups, int num_groups, int max_padded,
-                                                     const float *src_scales, int blocks, void *q, int cols,
-                                                     float *scales, cudaStream_t stream)
+                                                     const float *src_scales, int64_t src_row, int64_t src_block,
+                                                     int blocks, void *q, int cols, float *scales, cudaStream_t stream)
 {
     if (num_groups == 0 || max_padded == 0) return cudaSuccess;
     const long long work = (long long)max_padded * blocks, per_block = 256;
     const long long grid = (work + per_block - 1) / per_block;
     fp8_pack_groups_kernel<<<dim3((unsigned int)(grid < 1024 ? grid : 1024), (unsigned int)num_groups), 256, 0,
-                             stream>>>(groups, src_scales, blocks, (uint4 *)q, cols / 16, scales);
+                             stream>>>(groups, src_scales, src_row, src_block, blocks, (uint4 *)q, cols / 16,
+                                       scales);
     return cudaGetLastError();
 }
 

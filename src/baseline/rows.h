@@ -19,8 +19,9 @@ cudaError_t cometi_launch_permute(const void *x, const int32_t *ids, const int32
                                   int n, int k, int hidden, void *send, int32_t *send_pos, cudaStream_t stream);
 /* Block-scaled FP8 rows (config.dtype COMET_DTYPE_FP8_BLOCK): each (token, choice)'s E4M3
  * row of xq [m][hidden] and its scales xs [m][blocks] (DeepEP's layout) to its send place
- * send_base[id] + pos, recorded in send_pos: the values into send_q [..][hidden], the scales
- * into send_s [..][blocks]. hidden a multiple of 16, xq and send_q 16-byte aligned. */
+ * send_base[id] + pos, recorded in send_pos (ids NULL: to the place send_pos holds): the
+ * values into send_q [..][hidden], the scales into send_s [..][blocks]. hidden a multiple
+ * of 16, xq and send_q 16-byte aligned. */
 cudaError_t cometi_launch_permute_fp8(const void *xq, const float *xs, const int32_t *ids, const int32_t *pos,
                                       const int32_t *send_base, int n, int k, int hidden, int blocks, void *send_q,
                                       float *send_s, int32_t *send_pos, cudaStream_t stream);
@@ -39,15 +40,17 @@ typedef struct cometi_fp8_group {
 } cometi_fp8_group_t;
 
 /* For each group with rows: its A scales packed by group ([blocks][padded] from
- * scales + blocks x before), each of its rows' taken from src_scales [row][blocks] (the
- * receive layout's rows, K-major) or, src_scales NULL, left as the quantizer wrote them;
+ * scales + blocks x before), each of its rows' taken from src_scales (row r's block b at
+ * src_scales[r x src_row + b x src_block], r in the receive layout's rows: K-major
+ * [row][blocks] is (blocks, 1), MN-major [blocks][ld] is (1, ld)) or, src_scales NULL,
+ * left as the quantizer wrote them;
  * its padding rows' (rows .. padded - 1) scales set to 0 and their values, cols bytes each
  * of q [..][cols], zeroed, so the GEMM reads no stale bytes there (an E4M3 NaN would make
  * its padding rows NaN). cols a multiple of 16, q 16-byte aligned; max_padded: the
  * largest group's padded rows. */
 cudaError_t cometi_launch_fp8_pack_groups(const cometi_fp8_group_t *groups, int num_groups, int max_padded,
-                                          const float *src_scales, int blocks, void *q, int cols, float *scales,
-                                          cudaStream_t stream);
+                                          const float *src_scales, int64_t src_row, int64_t src_block, int blocks,
+                                          void *q, int cols, float *scales, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

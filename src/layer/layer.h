@@ -69,6 +69,13 @@ struct comet_moe_saved {
  * that only runs fused never pays for them. */
 comet_status_t cometi_moe_baseline(comet_moe_t moe, struct cometi_baseline **out);
 
+/* Every rank's outcome of a local step (an allocation) before anything collective is
+ * enqueued, so that where one rank failed all refuse together instead of peers waiting
+ * for rows that never come: COMET_SUCCESS where every rank's `mine` is; else this rank's
+ * own failure (its message already in moe->err), or COMET_REMOTE_ERROR naming the rank
+ * that could not `what`, every message prefixed by `who`. Collective, host-blocking. */
+comet_status_t cometi_moe_agree(comet_moe_t moe, comet_status_t mine, const char *who, const char *what);
+
 /* A forward's arguments checked (moe.c): COMET_INVALID_ARGUMENT naming the field. */
 comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *args);
 

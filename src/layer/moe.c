@@ -299,6 +299,23 @@ static comet_status_t check_fp8_args(comet_moe_t moe, const comet_moe_args_t *a)
     return COMET_SUCCESS;
 }
 
+comet_status_t cometi_moe_agree(comet_moe_t moe, comet_status_t mine, const char *who, const char *what)
+{
+    comet_comm_t comm = moe->comm;
+    const int word = (int)mine;
+    int *all = malloc(sizeof(int) * comm->size);
+    comet_status_t st = all ? cometi_allgather_ints(comm, &word, 1, all)
+                            : cometi_fail(comm->err, COMET_OUT_OF_MEMORY, "out of host memory");
+    if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "%s: %.480s", who, comm->err);
+    if (st == COMET_SUCCESS && mine != COMET_SUCCESS) st = mine; /* its message is in moe->err */
+    for (int r = 0; st == COMET_SUCCESS && r < comm->size; r++)
+        if (all[r] != COMET_SUCCESS)
+            st = cometi_fail(moe->err, COMET_REMOTE_ERROR, "%s: rank %d could not %s (%s); every rank refuses this "
+                             "call", who, r, what, comet_status_string((comet_status_t)all[r]));
+    free(all);
+    return st;
+}
+
 comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *a)
 {
     char *err = moe->err;

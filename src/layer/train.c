@@ -203,17 +203,6 @@ comet_status_t comet_moe_saved_create_in(comet_moe_t moe, const comet_moe_saved_
  * falls back to the sequential one), or the one asked for. */
 static comet_status_t training_path(comet_moe_t moe, const comet_moe_args_t *a, int *path)
 {
-    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK) { /* the fused path alone trains in FP8 */
-        if (a->impl == COMET_IMPL_BASELINE)
-            return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "comet_moe_forward_train: args.impl = "
-                               "COMET_IMPL_BASELINE with config.dtype COMET_DTYPE_FP8_BLOCK: training in FP8 runs on "
-                               "the fused path alone");
-        COMETI_TRY(cometi_fused_train_supported(moe, &a->weights));
-        struct cometi_fused *f;
-        COMETI_TRY(cometi_fused_get(moe, &f));
-        *path = COMETI_SAVED_FUSED;
-        return COMET_SUCCESS;
-    }
     if (a->impl == COMET_IMPL_BASELINE) {
         *path = COMETI_SAVED_SEQUENTIAL;
         return COMET_SUCCESS;

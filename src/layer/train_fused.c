@@ -97,19 +97,8 @@ static comet_status_t fp8_train_get(comet_moe_t moe, struct cometi_fused *f, com
         *out = f->fp8;
         return COMET_SUCCESS;
     }
-    comet_comm_t comm = moe->comm;
-    const int mine = (int)fp8_train_alloc(moe, f);
-    int *all = malloc(sizeof(int) * comm->size);
-    comet_status_t st = all ? cometi_allgather_ints(comm, &mine, 1, all)
-                            : cometi_fail(comm->err, COMET_OUT_OF_MEMORY, "out of host memory");
-    if (st != COMET_SUCCESS) snprintf(moe->err, COMETI_ERR_LEN, "FP8 training: %.480s", comm->err);
-    if (st == COMET_SUCCESS && mine != COMET_SUCCESS) st = (comet_status_t)mine; /* its message is in moe->err */
-    for (int r = 0; st == COMET_SUCCESS && r < comm->size; r++)
-        if (all[r] != COMET_SUCCESS)
-            st = cometi_fail(moe->err, COMET_REMOTE_ERROR, "FP8 training: rank %d could not make its FP8 backward "
-                             "workspaces (%s); every rank refuses this call", r,
-                             comet_status_string((comet_status_t)all[r]));
-    free(all);
+    const comet_status_t st = cometi_moe_agree(moe, fp8_train_alloc(moe, f), "FP8 training",
+                                               "make its FP8 backward workspaces");
     if (st != COMET_SUCCESS) {
         cometi_fp8_train_free(f); /* every rank alike: the next call tries again */
         return st;
