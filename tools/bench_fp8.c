@@ -11,11 +11,12 @@
  * the weights and the activation each rounded to E4M3). Medians of the slowest rank.
  *
  * With --train, instead: the training step (comet_moe_forward_train and comet_moe_backward,
- * bf16 weight gradients) of the FP8 layer beside the bf16 one's, both fused, in turns at
- * the bench's token count; the FP8 weights' two copies (W, and W^T for the backward) made
- * once beside, as an optimizer step makes them; the saved states' bytes; and the FP8 dx
- * and weight gradients against the bf16 ones by DeepGEMM's measure. The FP8 step runs
- * twice over: [g u] kept in bf16, and in E4M3 (saved config gate_up_e4m3).
+ * bf16 weight gradients) of the FP8 layer beside the bf16 one's, both fused, and beside
+ * the FP8 sequential step (NCCL, cuBLASLt's block-scaled GEMMs: the yardstick), in turns
+ * at the bench's token count; the FP8 weights' two copies (W, and W^T for the backward)
+ * made once beside, as an optimizer step makes them; the saved states' bytes; and the FP8
+ * dx and weight gradients against the bf16 ones by DeepGEMM's measure. The fused FP8 step
+ * runs twice over: [g u] kept in bf16, and in E4M3 (saved config gate_up_e4m3).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -119,10 +120,11 @@ static int time_backward_gemms(comet_moe_t moe, const comet_moe_backward_args_t 
     return 0;
 }
 
-/* --train: the FP8 training step beside the bf16 one (the file's header), and the FP8 step
- * keeping [g u] in E4M3 (saved config gate_up_e4m3). gu and dn: the bf16 weights of this
- * rank's experts (gate and up in one tensor), a8 and a16 each layer's forward arguments. */
-#define SIDES 3 /* bf16, FP8, FP8 with [g u] in E4M3 */
+/* --train: the FP8 training step beside the bf16 one (the file's header), the FP8 step
+ * keeping [g u] in E4M3 (saved config gate_up_e4m3), and the FP8 sequential step. gu and
+ * dn: the bf16 weights of this rank's experts (gate and up in one tensor), a8 and a16 each
+ * layer's forward arguments. */
+#define SIDES 4 /* bf16, FP8, FP8 with [g u] in E4M3, FP8 sequential */
 static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_comm_t comm,
                            const comet_moe_config_t *cfg, const char *label, comet_moe_t m16, comet_moe_t m8,
                            comet_moe_args_t *a16, comet_moe_args_t *a8, const void *gu, const void *dn,
@@ -164,22 +166,23 @@ static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o
         b[i] = (comet_moe_backward_args_t)COMET_MOE_BACKWARD_ARGS_INIT;
         b[i].dy = dy, b[i].dx = dx[i], b[i].d_topk_weights = dw;
         b[i].grads.gate_up = g13[i], b[i].grads.down = g2[i];
-        b[i].impl = COMET_IMPL_FUSED;
+        b[i].impl = i == 3 ? COMET_IMPL_BASELINE : COMET_IMPL_FUSED;
         if (i) {
             b[i].weights_t.gate_up = gut, b[i].weights_t.down = dnt;
             b[i].weight_t_scales.gate_up = guts, b[i].weight_t_scales.down = dnts;
         }
     }
     b[0].weights = a16->weights;
-    comet_moe_t moe[SIDES] = {m16, m8, m8};
-    comet_moe_args_t *args[SIDES] = {a16, a8, a8};
+    comet_moe_t moe[SIDES] = {m16, m8, m8, m8};
+    comet_moe_args_t a8_seq = *a8;
+    comet_moe_args_t *args[SIDES] = {a16, a8, a8, &a8_seq};
     comet_moe_saved_t sv[SIDES];
     size_t bytes[SIDES];
     for (int i = 0; i < SIDES; i++) {
         comet_moe_saved_config_t sc = COMET_MOE_SAVED_CONFIG_INIT;
         sc.gate_up_e4m3 = i == 2;
         args[i]->num_tokens = M;
-        args[i]->impl = COMET_IMPL_FUSED;
+        args[i]->impl = b[i].impl;
         FAIL_IF(comet_moe_saved_create(moe[i], &sc, &sv[i]) != COMET_SUCCESS ||
                     comet_moe_saved_bytes(moe[i], &sc, &bytes[i]) != COMET_SUCCESS,
                 "saved state: %s", comet_last_create_error());
@@ -192,7 +195,8 @@ static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o
         CUDA_OK(cudaMemset(g2[i], 0xff, n2 * 2));
         float part[2];
         timed_step(moe[i], args[i], &b[i], sv[i], st, e, part, &failed);
-        FAIL_IF(failed, "%s: %s training step: %s", label, i ? "FP8" : "bf16", comet_moe_last_error(moe[i]));
+        FAIL_IF(failed, "%s: %s training step: %s", label, i == 3 ? "FP8 sequential" : i ? "FP8" : "bf16",
+                comet_moe_last_error(moe[i]));
     }
     double m[SIDES][3] = {{0}}; /* dx, dW13, dW2 */
     for (int i = 1; i < SIDES; i++)
@@ -200,7 +204,7 @@ static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o
             bf16_measure(comm, g13[i], g13[0], n13, &m[i][1]) || bf16_measure(comm, g2[i], g2[0], n2, &m[i][2]))
             return 1;
     /* FP8's own error on these random operands is about 2e-3 of the measure (a little more
-     * with [g u] in E4M3); 5e-3 flags a wrong answer. */
+     * with [g u] in E4M3), the sequential FP8 step's alike; 5e-3 flags a wrong answer. */
     int accurate = 1;
     for (int i = 1; i < SIDES; i++) accurate &= m[i][0] < 5e-3 && m[i][1] < 5e-3 && m[i][2] < 5e-3;
     /* Per side: the step, its forward, its backward; in turns. */
@@ -235,16 +239,20 @@ static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o
     if (allreduce(comm, ms, NMS, ncclMax)) return 1;
     if (me == 0) {
         printf("\n%s FP8 training: E=%d top-k=%d H=%d F=%d, %d x GPU (EP=%d x TP=%d), %d tokens; the step "
-               "(forward_train + backward, bf16 weight gradients), both fused, in turns, median of %d\n", label, E,
-               cfg->top_k, H, cfg->ffn, R, R / tp, tp, M, o->iters);
-        printf("%-16s %12s %12s %9s %16s %14s %9s %9s %9s\n", "case", "bf16 step ms", "fp8 step ms", "bf16/fp8",
-               "FP8 weights ms", "saved fp8/bf16", "dx", "dW13", "dW2");
-        printf("%-16s %12.3f %12.3f %9.2f %16.3f %14.2f %9.2e %9.2e %9.2e%s\n", label, ms[0], ms[3], ms[0] / ms[3],
-               ms[COPIES], (double)bytes[1] / (double)bytes[0], m[1][0], m[1][1], m[1][2], accurate ? "" : " !");
-        printf("%-16s %12s %12.3f %9.2f %16s %14.2f %9.2e %9.2e %9.2e   ([g u] kept in E4M3)\n", "", "", ms[6],
-               ms[0] / ms[6], "", (double)bytes[2] / (double)bytes[0], m[2][0], m[2][1], m[2][2]);
+               "(forward_train + backward, bf16 weight gradients), bf16 and fp8 fused, \"fp8 seq\" the FP8 "
+               "sequential step (NCCL, cuBLASLt), in turns, median of %d\n", label, E, cfg->top_k, H, cfg->ffn, R,
+               R / tp, tp, M, o->iters);
+        printf("%-16s %12s %12s %9s %12s %8s %16s %14s %9s %9s %9s\n", "case", "bf16 step ms", "fp8 step ms",
+               "bf16/fp8", "fp8 seq ms", "seq/fp8", "FP8 weights ms", "saved fp8/bf16", "dx", "dW13", "dW2");
+        printf("%-16s %12.3f %12.3f %9.2f %12.3f %8.2f %16.3f %14.2f %9.2e %9.2e %9.2e%s\n", label, ms[0], ms[3],
+               ms[0] / ms[3], ms[9], ms[9] / ms[3], ms[COPIES], (double)bytes[1] / (double)bytes[0], m[1][0],
+               m[1][1], m[1][2], accurate ? "" : " !");
+        printf("%-16s %12s %12.3f %9.2f %12s %8s %16s %14.2f %9.2e %9.2e %9.2e   ([g u] kept in E4M3)\n", "", "",
+               ms[6], ms[0] / ms[6], "", "", "", (double)bytes[2] / (double)bytes[0], m[2][0], m[2][1], m[2][2]);
+        printf("%-16s %12s %12s %9s %12s %8s %16s %14s %9.2e %9.2e %9.2e   (fp8 seq against bf16)\n", "", "", "", "",
+               "", "", "", "", m[3][0], m[3][1], m[3][2]);
         static const char *const names[4] = {"dgrad W2", "dgrad W13", "dW2", "dW13"};
-        static const char *const side[SIDES] = {"bf16", "fp8 ", "fp8, [g u] E4M3"};
+        static const char *const side[SIDES] = {"bf16", "fp8 ", "fp8, [g u] E4M3", "fp8 seq"};
         for (int i = 0; i < SIDES; i++) {
             printf("  %s: forward_train %.3f ms, backward %.3f ms", side[i], ms[3 * i + 1], ms[3 * i + 2]);
             if (i < 2) {

@@ -14,9 +14,11 @@
  * 1 - 2 sum(xy) / sum(x^2 + y^2) (what FP8 costs in accuracy).
  * Then the backward's weight gradients (dW2 = dy^T a, dW13 = dh^T x, groups along K): our
  * FP8 GEMM on operands cast-transposed in 128 x 1 blocks along the tokens, beside our bf16
- * one, alone and with the two cast-transposes it needs (timed too), and the same measure
- * against bf16; and the data gradients (s = dy W2, dx = dh W13): our FP8 GEMM on W^T's
- * copy beside our bf16 one reading W as the forward keeps it.
+ * one, alone and with the two cast-transposes it needs (timed too), and beside cuBLASLt's
+ * 1 x 128 by 1 x 128 GEMM per expert on the same operands (the sequential FP8 backward's),
+ * with the same measures; and the data gradients (s = dy W2, dx = dh W13): our FP8 GEMM
+ * on W^T's copy beside cuBLASLt's per expert on the same operands and our bf16 one
+ * reading W as the forward keeps it.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -355,6 +357,9 @@ typedef struct wgrad_run {
     void *at, *bt;            /* E4M3 [m_out][total], [n][total] */
     float *as, *bs;           /* [total / 128][m_out], [total / 128][n] */
     cometi_gemm_t g;
+    cometi_blaslt_fp8_t *lt;
+    int64_t *k_start, *k_len; /* host: each expert's tokens in whole 128-token blocks (cuBLASLt's k) */
+    void *c_lt;               /* cuBLASLt's output, bf16 [groups][m_out][n] */
     char err[COMETI_ERR_LEN];
 } wgrad_run_t;
 
@@ -376,14 +381,39 @@ static int run_wgrad_gemm(void *p, cudaStream_t s)
 
 static int run_wgrad_both(void *p, cudaStream_t s) { return run_wgrad_quantize(p, s) || run_wgrad_gemm(p, s); }
 
+static int run_wgrad_lt(void *p, cudaStream_t s)
+{
+    wgrad_run_t *w = p;
+    const int64_t T = w->c->total;
+    return cometi_blaslt_fp8_wgrad(w->err, w->lt, w->c->groups, w->k_start, w->k_len, w->m_out, w->n, w->at, T, w->as,
+                                   w->bt, T, w->bs, w->c_lt, 0, 0, s) != COMET_SUCCESS;
+}
+
+/* DeepGEMM's measure of n bf16 values on the device against others, and their non-finite count. */
+static int device_measure(const void *got, const void *want, size_t n, double *measure, int *nonfinite)
+{
+    uint16_t *g = TOOL_MALLOC(n * 2 + 2), *w = TOOL_MALLOC(n * 2 + 2);
+    CUDA_OK(cudaMemcpy(g, got, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(w, want, n * 2, cudaMemcpyDeviceToHost));
+    double sums[2] = {0, 0};
+    for (size_t i = 0; i < n; i++) {
+        const double x = cometi_bf16_to_float(g[i]);
+        *nonfinite += !isfinite(x);
+        add_pair(sums, x, cometi_bf16_to_float(w[i]));
+    }
+    *measure = deepgemm_diff(sums);
+    free(g), free(w);
+    return 0;
+}
+
 /* One weight gradient, C [groups][m_out][n] = A_g^T B_g: bf16, FP8 alone, FP8 with its
  * cast-transposes; prints a row, returns 1 on a failure (2: a wrong answer). */
-static int wgrad_row(const tool_options_t *o, fp8_case_t *c, const char *name, const void *a, int m_out, const void *b,
-                     int n, cometi_async_error_t *err_host, cometi_async_error_t *err_dev)
+static int wgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t *lt, const char *name, const void *a,
+                     int m_out, const void *b, int n, cometi_async_error_t *err_host, cometi_async_error_t *err_dev)
 {
     wgrad_run_t w;
     memset(&w, 0, sizeof(w));
-    w.c = c, w.a = a, w.b = b, w.m_out = m_out, w.n = n;
+    w.c = c, w.a = a, w.b = b, w.m_out = m_out, w.n = n, w.lt = lt;
     const size_t T = (size_t)c->total, out = (size_t)c->groups * m_out * n;
     void *c16 = NULL, *c8 = NULL;
     CUDA_OK(cudaMalloc(&w.at, (size_t)m_out * T));
@@ -438,14 +468,27 @@ static int wgrad_row(const tool_options_t *o, fp8_case_t *c, const char *name, c
     free(h8), free(h16);
     const float t_q = gemm_time_ms(run_wgrad_quantize, &w, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s cast-transposes: %s", name, w.err);
+    /* cuBLASLt on the same operands (the last cast's), its output poisoned first. */
+    w.k_start = TOOL_MALLOC(sizeof(int64_t) * c->groups), w.k_len = TOOL_MALLOC(sizeof(int64_t) * c->groups);
+    for (int g = 0; g < c->groups; g++) w.k_start[g] = c->row_start[g], w.k_len[g] = (c->row_count[g] + 127) / 128 * 128;
+    CUDA_OK(cudaMalloc(&w.c_lt, out * 2));
+    CUDA_OK(cudaMemset(w.c_lt, 0xff, out * 2));
+    FAIL_IF(run_wgrad_lt(&w, 0), "%s cuBLASLt: %s", name, w.err);
+    double d_lt = 0;
+    if (device_measure(w.c_lt, c8, out, &d_lt, &nonfinite)) return 1;
+    const float t_lt = gemm_time_ms(run_wgrad_lt, &w, 3, o->iters, &failed, NULL, NULL);
+    FAIL_IF(failed, "%s cuBLASLt: %s", name, w.err);
+    free(w.k_start), free(w.k_len), cudaFree(w.c_lt);
     /* Both operands rounded to E4M3 once: about 6e-4 of the measure on these operands (the
-     * forward's GEMM1 has the same two roundings); 1e-3 flags a wrong one. */
-    const int wrong = nonfinite || !(diff <= 1e-3);
+     * forward's GEMM1 has the same two roundings); 1e-3 flags a wrong one. Against cuBLASLt
+     * on the same operands only the FP32 sums' order and the bf16 rounding differ (about
+     * (2^-9)^2 = 4e-6): 1e-4 flags a wrong one. */
+    const int wrong = nonfinite || !(diff <= 1e-3) || !(d_lt <= 1e-4);
     const double flop = 2.0 * c->groups * c->rows * (double)m_out * n;
 #define TF(ms) (flop / ((ms) * 1e-3) / 1e12)
-    printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.0f %8.0f %8.3f %8.2f %8.2f %9.1e%s\n", name, c->groups, c->rows,
-           m_out, n, TF(t_bf16), TF(t_fp8[0]), TF(t_fp8[1]), TF(t_fp8[2]), t_q, t_bf16 / t_fp8[0], t_bf16 / t_both,
-           diff, wrong ? " WRONG" : "");
+    printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.0f %8.0f %8.0f %8.3f %8.2f %8.2f %9.2f %9.1e %9.1e%s\n", name,
+           c->groups, c->rows, m_out, n, TF(t_bf16), TF(t_lt), TF(t_fp8[0]), TF(t_fp8[1]), TF(t_fp8[2]), t_q,
+           t_bf16 / t_fp8[0], t_bf16 / t_both, t_lt / t_fp8[0], d_lt, diff, wrong ? " WRONG" : "");
 #undef TF
     fflush(stdout);
     cudaFree(w.at), cudaFree(w.bt), cudaFree(w.as), cudaFree(w.bs), cudaFree(c16), cudaFree(c8);
@@ -456,23 +499,48 @@ static int wgrad_row(const tool_options_t *o, fp8_case_t *c, const char *name, c
  * the forward keeps it, read MN-major) and in FP8 (A's rows 1 x 128, W^T's 128 x 128
  * copy, K-major: FP8 wgmma reads k-major operands only), the FP8 result against bf16's
  * by DeepGEMM's measure; prints a row, returns 1 on a failure (2: a wrong answer). */
-static int dgrad_row(const tool_options_t *o, fp8_case_t *c, const char *name, const void *a, int k, const void *w,
-                     int n, cometi_async_error_t *err_host, cometi_async_error_t *err_dev)
+typedef struct dgrad_lt {
+    fp8_run_t *r;
+    int n, k;
+    const void *aq, *wt;
+    const float *as_lt, *wts_lt;
+    void *c_lt;
+} dgrad_lt_t;
+
+static int run_dgrad_lt(void *p, cudaStream_t s)
+{
+    dgrad_lt_t *d = p;
+    const fp8_case_t *c = d->r->c;
+    return cometi_blaslt_fp8_grouped(d->r->err, d->r->lt, c->groups, c->row_start, c->row_count, d->n, d->k, d->aq,
+                                     d->as_lt, d->wt, d->wts_lt, d->c_lt, d->n, s) != COMET_SUCCESS;
+}
+
+static int dgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t *lt, const char *name, const void *a,
+                     int k, const void *w, int n, cometi_async_error_t *err_host, cometi_async_error_t *err_dev)
 {
     const size_t T = (size_t)c->total, out = T * n, kb = (size_t)(k + 127) / 128;
     const int G = c->groups;
-    void *aq = NULL, *wt = NULL, *c16 = NULL, *c8 = NULL;
-    float *as = NULL, *wts = NULL;
+    const size_t nb = (size_t)G * ((n + 127) / 128);
+    const int64_t lt_scales = cometi_blaslt_fp8_a_scales_layout(G, c->row_count, k, NULL);
+    void *aq = NULL, *wt = NULL, *c16 = NULL, *c8 = NULL, *c_lt = NULL;
+    float *as = NULL, *wts = NULL, *as_lt = NULL, *wts_lt = NULL;
     CUDA_OK(cudaMalloc(&aq, T * k));
     CUDA_OK(cudaMalloc((void **)&as, T * kb * 4));
+    CUDA_OK(cudaMalloc((void **)&as_lt, (size_t)lt_scales * 4 + 16));
     CUDA_OK(cudaMalloc(&wt, (size_t)G * n * k));
-    CUDA_OK(cudaMalloc((void **)&wts, (size_t)G * ((n + 127) / 128) * kb * 4));
+    CUDA_OK(cudaMalloc((void **)&wts, nb * kb * 4));
+    CUDA_OK(cudaMalloc((void **)&wts_lt, nb * cometi_blaslt_fp8_b_scale_ld(k) * 4));
     CUDA_OK(cudaMalloc(&c16, out * 2));
     CUDA_OK(cudaMalloc(&c8, out * 2));
-    CUDA_OK(cometi_quantize_rows_e4m3(a, c->total, k, k, aq, k, as, 1, c->total, 0, 0));
+    CUDA_OK(cudaMalloc(&c_lt, out * 2));
+    CUDA_OK(cudaMemset(as_lt, 0, (size_t)lt_scales * 4 + 16)); /* the padding rows' scales */
+    if (quantize_rows_both(c, a, k, aq, as, as_lt)) return 1;
     CUDA_OK(cometi_quantize_blocks_e4m3(w, G, k, n, NULL, NULL, wt, wts, 0, 0)); /* W^T [G][n][k] */
+    char lt_err[COMETI_ERR_LEN];
+    FAIL_IF(cometi_blaslt_fp8_pad_b_scales(lt_err, G, n, k, wts, wts_lt, 0) != COMET_SUCCESS, "%s", lt_err);
     fp8_run_t r;
     memset(&r, 0, sizeof(r));
+    r.c = c, r.lt = lt;
     cometi_gemm_t *g = &r.g;
     g->problem.groups = G, g->problem.segs = c->segs, g->problem.n = n, g->problem.k = k;
     g->a.ptr = a, g->a.rows = c->total;
@@ -502,26 +570,47 @@ static int dgrad_row(const tool_options_t *o, fp8_case_t *c, const char *name, c
                 nonfinite += !isfinite(x);
                 add_pair(sums, x, cometi_bf16_to_float(h16[at]));
             }
-    free(h8), free(h16);
     const float t_fp8 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s fp8: %s", name, r.err);
-    const double diff = deepgemm_diff(sums);
-    const int wrong = nonfinite || !(diff <= 1e-3); /* two E4M3 roundings, as GEMM1's */
+    /* cuBLASLt per expert on the same E4M3 operands, poisoned output first; the experts' rows
+     * against ours. */
+    dgrad_lt_t d = {&r, n, k, aq, wt, as_lt, wts_lt, c_lt};
+    CUDA_OK(cudaMemset(c_lt, 0xff, out * 2));
+    FAIL_IF(run_dgrad_lt(&d, 0), "%s cuBLASLt: %s", name, r.err);
+    CUDA_OK(cudaDeviceSynchronize());
+    uint16_t *hl = TOOL_MALLOC(out * 2);
+    CUDA_OK(cudaMemcpy(hl, c_lt, out * 2, cudaMemcpyDeviceToHost));
+    double lsums[2] = {0, 0};
+    for (int e = 0; e < G; e++)
+        for (int64_t i = 0; i < c->row_count[e]; i++)
+            for (int j = 0; j < n; j++) {
+                const size_t at = (size_t)(c->row_start[e] + i) * n + j;
+                const double x = cometi_bf16_to_float(hl[at]);
+                nonfinite += !isfinite(x);
+                add_pair(lsums, x, cometi_bf16_to_float(h8[at]));
+            }
+    free(h8), free(h16), free(hl);
+    const float t_lt = gemm_time_ms(run_dgrad_lt, &d, 3, o->iters, &failed, NULL, NULL);
+    FAIL_IF(failed, "%s cuBLASLt: %s", name, r.err);
+    const double diff = deepgemm_diff(sums), d_lt = deepgemm_diff(lsums);
+    /* Two E4M3 roundings, as GEMM1's; against cuBLASLt, as the weight gradients'. */
+    const int wrong = nonfinite || !(diff <= 1e-3) || !(d_lt <= 1e-4);
     const double flop = 2.0 * G * c->rows * (double)n * k;
 #define TF(ms) (flop / ((ms) * 1e-3) / 1e12)
-    printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.2f %9.1e%s\n", name, G, c->rows, n, k, TF(t_bf16), TF(t_fp8),
-           t_bf16 / t_fp8, diff, wrong ? " WRONG" : "");
+    printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.0f %8.2f %9.2f %9.1e %9.1e%s\n", name, G, c->rows, n, k, TF(t_bf16),
+           TF(t_lt), TF(t_fp8), t_bf16 / t_fp8, t_lt / t_fp8, d_lt, diff, wrong ? " WRONG" : "");
 #undef TF
     fflush(stdout);
-    cudaFree(aq), cudaFree(as), cudaFree(wt), cudaFree(wts), cudaFree(c16), cudaFree(c8);
+    cudaFree(aq), cudaFree(as), cudaFree(as_lt), cudaFree(wt), cudaFree(wts), cudaFree(wts_lt), cudaFree(c16);
+    cudaFree(c8), cudaFree(c_lt);
     return wrong ? 2 : 0;
 }
 
 /* The backward's GEMMs on every preset: the weight gradients (dW2 = dy^T a, dW13 = dh^T x)
  * or the data gradients (s = dy W2, dx = dh W13); dy takes x's values, dh is hash-filled
  * [total][2F] with zero padding rows (as the layer's). 1: a failure; *bad |= a wrong row. */
-static int backward_table(const tool_options_t *o, int ep, int dgrad, cometi_async_error_t *err_host,
-                          cometi_async_error_t *err_dev, int *bad)
+static int backward_table(const tool_options_t *o, cometi_blaslt_fp8_t *lt, int ep, int dgrad,
+                          cometi_async_error_t *err_host, cometi_async_error_t *err_dev, int *bad)
 {
     for (int i = 0; i < o->npresets; i++) {
         comet_moe_config_t cfg;
@@ -535,10 +624,10 @@ static int backward_table(const tool_options_t *o, int ep, int dgrad, cometi_asy
         for (int which = 0; which < 2; which++) { /* W2's, then W13's */
             char name[48];
             snprintf(name, sizeof(name), "%s %s%s", o->presets[i], dgrad ? "dgrad " : "d", which ? "W13" : "W2");
-            const int st = dgrad ? (which ? dgrad_row(o, &c, name, c.h, 2 * c.F, c.w13, c.H, err_host, err_dev)
-                                          : dgrad_row(o, &c, name, c.x, c.H, c.w2, c.F, err_host, err_dev))
-                                 : (which ? wgrad_row(o, &c, name, c.h, 2 * c.F, c.x, c.H, err_host, err_dev)
-                                          : wgrad_row(o, &c, name, c.x, c.H, c.act, c.F, err_host, err_dev));
+            const int st = dgrad ? (which ? dgrad_row(o, &c, lt, name, c.h, 2 * c.F, c.w13, c.H, err_host, err_dev)
+                                          : dgrad_row(o, &c, lt, name, c.x, c.H, c.w2, c.F, err_host, err_dev))
+                                 : (which ? wgrad_row(o, &c, lt, name, c.h, 2 * c.F, c.x, c.H, err_host, err_dev)
+                                          : wgrad_row(o, &c, lt, name, c.x, c.H, c.act, c.F, err_host, err_dev));
             if (st == 1) return 1;
             *bad |= st != 0;
         }
@@ -651,17 +740,19 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
         case_close(&c);
     }
     printf("\nweight gradients (groups along K): dW2 = dy^T a, dW13 = dh^T x; fp8: our GEMM on operands cast-transposed "
-           "in 128 x 1 blocks along the tokens (its chosen tile width and store, the direct store, 128 wide); quant: "
-           "both cast-transposes, ms; +quant: bf16 / (quant + fp8); vs bf16: 1 - 2xy/(x^2+y^2)\n");
-    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %8s %8s %8s %9s\n", "shape", "groups", "rows", "m", "n", "bf16",
-           "fp8", "direct", "fp8 128", "quant", "/bf16", "+quant", "vs bf16");
-    if (backward_table(o, ep, 0, err_host, err_dev, &bad)) return 1;
-    printf("\ndata gradients: s = dy W2 (k = hidden), dx = dh W13 (k = 2 ffn); bf16: W read MN-major as the forward "
-           "keeps it; fp8: dy and dh rows 1 x 128 (quantized before, not timed), W^T's 128 x 128 copy; vs bf16: "
-           "1 - 2xy/(x^2+y^2)\n");
-    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %9s\n", "shape", "groups", "rows", "n", "k", "bf16", "fp8", "/bf16",
+           "in 128 x 1 blocks along the tokens (its chosen tile width and store, the direct store, 128 wide); "
+           "cuBLASLt: its 1 x 128 by 1 x 128 GEMM per expert on the same operands; quant: both cast-transposes, ms; "
+           "+quant: bf16 / (quant + fp8); vs lt, vs bf16: 1 - 2xy/(x^2+y^2)\n");
+    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %8s %8s %8s %8s %9s %9s %9s\n", "shape", "groups", "rows", "m", "n",
+           "bf16", "cuBLASLt", "fp8", "direct", "fp8 128", "quant", "/bf16", "+quant", "/cuBLASLt", "vs lt",
            "vs bf16");
-    if (backward_table(o, ep, 1, err_host, err_dev, &bad)) return 1;
+    if (backward_table(o, r.lt, ep, 0, err_host, err_dev, &bad)) return 1;
+    printf("\ndata gradients: s = dy W2 (k = hidden), dx = dh W13 (k = 2 ffn); bf16: W read MN-major as the forward "
+           "keeps it; fp8: dy and dh rows 1 x 128 (quantized before, not timed), W^T's 128 x 128 copy; cuBLASLt: per "
+           "expert on the same operands; vs lt, vs bf16: 1 - 2xy/(x^2+y^2)\n");
+    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %9s %9s %9s\n", "shape", "groups", "rows", "n", "k", "bf16",
+           "cuBLASLt", "fp8", "/bf16", "/cuBLASLt", "vs lt", "vs bf16");
+    if (backward_table(o, r.lt, ep, 1, err_host, err_dev, &bad)) return 1;
     cometi_blaslt_fp8_destroy(r.lt);
     cudaFree(tail_ws);
     cudaFreeHost(err_host);

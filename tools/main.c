@@ -195,7 +195,8 @@ static const flag_t flags[] = {
      "instead, the block-scaled FP8 layer (E4M3, 128 x 128 weight scales, x quantized per 128 columns) beside "
      "the bf16 layer (both fused) and the FP8 sequential path, in turns, at --tokens and at 1, 16 and 128 "
      "tokens (there the fused layers as CUDA-graph replays); with 1 - 2xy/(x^2+y^2) of the FP8 and bf16 outputs; "
-     "with --train, the FP8 training step beside the bf16 one instead, in turns, with the FP8 weights' copies, "
+     "with --train, the FP8 training step beside the bf16 one and the FP8 sequential step instead, in turns, "
+     "with the FP8 weights' copies, "
      "the saved bytes and 1 - 2xy/(x^2+y^2) of dx and the weight gradients"},
     {"--fp8", NULL, CMD_GEMM, set_switch, AT(o.fp8), 1, 0,
      "instead, the block-scaled FP8 forward GEMMs (E4M3, 1 x 128 and 128 x 128 scales) beside cuBLASLt's "
