@@ -211,10 +211,13 @@ typedef enum comet_dtype {
                                * scales, about half the bytes) or already E4M3 with its scales
                                * (args.x_scales); y bf16. Gate and up in one tensor need ffn /
                                * tp_size a multiple of 128 (a block must not hold both).
-                               * Training in FP8 runs on the fused path alone (gate_up in one
-                               * tensor; config.resend_x 0): the training forward keeps x's rows
-                               * in E4M3 with their scales and [g u] in bf16, the backward runs
-                               * its four GEMMs in FP8 (comet_moe_backward_args_t.weights_t). */
+                               * Training in FP8 needs ffn / tp_size a multiple of 128 and
+                               * config.resend_x 0 (the fused path: gate_up in one tensor): the
+                               * training forward keeps x's rows in E4M3 with their scales and
+                               * [g u] in bf16 (or E4M3), the backward runs its four GEMMs in
+                               * FP8 (comet_moe_backward_args_t.weights_t). COMET_IMPL_BASELINE
+                               * trains on the sequential path with cuBLASLt's block-scaled
+                               * GEMMs, the yardstick. */
 } comet_dtype_t;
 
 typedef struct comet_moe_config {
@@ -466,7 +469,8 @@ COMET_API comet_status_t comet_moe_saved_destroy(comet_moe_saved_t saved);
  * inference forward or a backward, saved states of different bounds: reported by
  * comet_comm_get_async_error() on the fused path, by the call on the sequential one),
  * and COMET_NOT_SUPPORTED for COMET_IMPL_FUSED where the fused path cannot train (the
- * message says why). An FP8 layer's first training forward allocates its backward's
+ * message says why; an FP8 layer whose ffn / tp_size is not a multiple of 128 on either
+ * path). An FP8 layer's first training forward on a path allocates that path's backward
  * workspaces on every rank, host-blocking once: where one rank cannot, every rank refuses
  * the call before anything is sent (that rank COMET_OUT_OF_MEMORY, the others
  * COMET_REMOTE_ERROR) and the next training forward tries again.
