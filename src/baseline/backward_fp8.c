@@ -176,18 +176,15 @@ comet_status_t cometi_baseline_fp8_experts(comet_moe_t moe, cometi_baseline_t *b
     const comet_moe_saved_t sv = args->saved;
     const cometi_baseline_fp8_train_t *t = b->fp8_train;
     const int per = moe->experts_per_rank, H = moe->cfg.hidden, F = moe->ffn_local, pow2 = moe->cfg.fp8_pow2_scales;
-    const int L0 = (int)ceil_div(H, 128), L2 = 2 * F / 128;
+    const int L2 = 2 * F / 128;
     const int64_t R = moe->max_recv_rows, rows = sv->cap_rows < R ? sv->cap_rows : R;
     const int fp32 = args->grads.mode == COMET_GRAD_ACCUMULATE_FP32;
     const comet_moe_weights_t *wt = &args->weights_t;
     const comet_moe_weight_scales_t *wts = &args->weight_t_scales;
     COMETI_TRY(cometi_baseline_injected_failure(moe, b));
-    int max_padded = 0;
-    COMETI_TRY(cometi_baseline_fp8_groups(moe, b, sv->segs_host, &max_padded, stream));
     /* s = dy W2: dy's scales packed by group, W2^T [F][H] by its 128 x 128 scales. */
-    COMETI_TRY(cometi_cuda(err, cometi_launch_fp8_pack_groups(b->groups, per, max_padded, b->recv_s, L0, 1, L0,
-                                                              b->recv_q, H, b->a0_scales, stream),
-                           "launch fp8_pack_groups_kernel (dy)"));
+    int max_padded = 0;
+    COMETI_TRY(cometi_baseline_fp8_groups(moe, b, sv->segs_host, b->recv_q, b->recv_s, &max_padded, stream));
     const float *s_down, *s_gate_up;
     COMETI_TRY(cometi_baseline_weight_scales(moe, F, H, wts->down, t->wt_down_scales, &s_down, stream));
     COMETI_TRY(cometi_blaslt_fp8_grouped(err, b->lt, per, b->lt_start, b->lt_rows, F, H, b->recv_q, b->a0_scales,

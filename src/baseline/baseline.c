@@ -230,7 +230,7 @@ comet_status_t cometi_baseline_weight_scales(comet_moe_t moe, int n, int k, cons
 }
 
 comet_status_t cometi_baseline_fp8_groups(comet_moe_t moe, cometi_baseline_t *b, const cometi_segment_t *segs_host,
-                                          int *max_padded, cudaStream_t stream)
+                                          void *q, const float *scales, int *max_padded, cudaStream_t stream)
 {
     int64_t before = 0;
     *max_padded = 0;
@@ -242,9 +242,13 @@ comet_status_t cometi_baseline_fp8_groups(comet_moe_t moe, cometi_baseline_t *b,
         before += padded;
         if (padded > *max_padded) *max_padded = padded;
     }
-    return cometi_cuda(moe->err, cudaMemcpyAsync(b->groups, b->groups_host,
-                                                 sizeof(cometi_fp8_group_t) * moe->experts_per_rank,
-                                                 cudaMemcpyHostToDevice, stream), "copy the FP8 groups");
+    COMETI_TRY(cometi_cuda(moe->err, cudaMemcpyAsync(b->groups, b->groups_host,
+                                                     sizeof(cometi_fp8_group_t) * moe->experts_per_rank,
+                                                     cudaMemcpyHostToDevice, stream), "copy the FP8 groups"));
+    const int H = moe->cfg.hidden, L0 = (int)ceil_div(H, 128);
+    return cometi_cuda(moe->err, cometi_launch_fp8_pack_groups(b->groups, moe->experts_per_rank, *max_padded, scales,
+                                                               L0, 1, L0, q, H, b->a0_scales, stream),
+                       "launch fp8_pack_groups_kernel (the received rows' scales)");
 }
 
 /* The FP8 expert phase on the last forward's segments: the received scales packed by group
@@ -257,14 +261,11 @@ static comet_status_t experts_fp8(comet_moe_t moe, cometi_baseline_t *b, const c
 {
     char *err = moe->err;
     const int per = moe->experts_per_rank, H = moe->cfg.hidden, F = moe->ffn_local;
-    const int L0 = (int)ceil_div(H, 128), L1 = (int)ceil_div(F, 128), pow2 = moe->cfg.fp8_pow2_scales;
+    const int L1 = (int)ceil_div(F, 128), pow2 = moe->cfg.fp8_pow2_scales;
     const comet_moe_weights_t *w = &args->weights;
     const comet_moe_weight_scales_t *ws = &args->weight_scales;
     int max_padded = 0;
-    COMETI_TRY(cometi_baseline_fp8_groups(moe, b, b->segs_host, &max_padded, stream));
-    COMETI_TRY(cometi_cuda(err, cometi_launch_fp8_pack_groups(b->groups, per, max_padded, b->io_recv_s, L0, 1, L0,
-                                                              b->io_recv, H, b->a0_scales, stream),
-                           "launch fp8_pack_groups_kernel"));
+    COMETI_TRY(cometi_baseline_fp8_groups(moe, b, b->segs_host, b->io_recv, b->io_recv_s, &max_padded, stream));
     const float *s0, *s1;
     if (w->gate_up) {
         COMETI_TRY(cometi_baseline_weight_scales(moe, 2 * F, H, ws->gate_up, b->w0_scales, &s0, stream));

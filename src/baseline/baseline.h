@@ -145,10 +145,12 @@ comet_status_t cometi_baseline_fp8_send(comet_moe_t moe, cometi_baseline_t *b, c
  * gradients dW2 = dy^T (w a), dW13 = dh^T x (cuBLASLt 1 x 128 by 1 x 128, k the tokens). */
 comet_status_t cometi_baseline_fp8_experts(comet_moe_t moe, cometi_baseline_t *b,
                                            const comet_moe_backward_args_t *args, cudaStream_t stream);
-/* The forward's FP8 groups (its segments as cuBLASLt reads them) into b->groups_host,
- * b->lt_start and b->lt_rows, copied to b->groups; the largest group's padded rows. */
+/* The segments as cuBLASLt's FP8 groups (b->groups_host, b->lt_start, b->lt_rows, copied
+ * to b->groups; the largest group's padded rows into *max_padded), and the received E4M3
+ * rows q [..][H] made ready for a GEMM: their K-major scales ([row][ceil(H / 128)])
+ * packed by group into b->a0_scales, the groups' padding rows zeroed. */
 comet_status_t cometi_baseline_fp8_groups(comet_moe_t moe, cometi_baseline_t *b, const cometi_segment_t *segs_host,
-                                          int *max_padded, cudaStream_t stream);
+                                          void *q, const float *scales, int *max_padded, cudaStream_t stream);
 /* W's 128 x 128 scales as cuBLASLt reads them (rows of k blocks padded to 4, baseline.c). */
 comet_status_t cometi_baseline_weight_scales(comet_moe_t moe, int n, int k, const float *given, float *room,
                                              const float **out, cudaStream_t stream);
