@@ -18,7 +18,8 @@
  * 1 x 128 by 1 x 128 GEMM per expert on the same operands (the sequential FP8 backward's),
  * with the same measures; and the data gradients (s = dy W2, dx = dh W13): our FP8 GEMM
  * on W^T's copy beside cuBLASLt's per expert on the same operands and our bf16 one
- * reading W as the forward keeps it.
+ * reading W as the forward keeps it. Under each row, what cuBLASLt's heuristic chose (its
+ * tile, stages, cluster).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -478,6 +479,8 @@ static int wgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     if (device_measure(w.c_lt, c8, out, &d_lt, &nonfinite)) return 1;
     const float t_lt = gemm_time_ms(run_wgrad_lt, &w, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s cuBLASLt: %s", name, w.err);
+    char lt_algo[192];
+    cometi_blaslt_fp8_algo_text(lt, lt_algo, sizeof(lt_algo));
     free(w.k_start), free(w.k_len), cudaFree(w.c_lt);
     /* Both operands rounded to E4M3 once: about 6e-4 of the measure on these operands (the
      * forward's GEMM1 has the same two roundings); 1e-3 flags a wrong one. Against cuBLASLt
@@ -489,6 +492,7 @@ static int wgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.0f %8.0f %8.0f %8.3f %8.2f %8.2f %9.2f %9.1e %9.1e%s\n", name,
            c->groups, c->rows, m_out, n, TF(t_bf16), TF(t_lt), TF(t_fp8[0]), TF(t_fp8[1]), TF(t_fp8[2]), t_q,
            t_bf16 / t_fp8[0], t_bf16 / t_both, t_lt / t_fp8[0], d_lt, diff, wrong ? " WRONG" : "");
+    printf("  cuBLASLt: %s\n", lt_algo);
 #undef TF
     fflush(stdout);
     cudaFree(w.at), cudaFree(w.bt), cudaFree(w.as), cudaFree(w.bs), cudaFree(c16), cudaFree(c8);
@@ -592,6 +596,8 @@ static int dgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     free(h8), free(h16), free(hl);
     const float t_lt = gemm_time_ms(run_dgrad_lt, &d, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s cuBLASLt: %s", name, r.err);
+    char lt_algo[192];
+    cometi_blaslt_fp8_algo_text(lt, lt_algo, sizeof(lt_algo));
     const double diff = deepgemm_diff(sums), d_lt = deepgemm_diff(lsums);
     /* Two E4M3 roundings, as GEMM1's; against cuBLASLt, as the weight gradients'. */
     const int wrong = nonfinite || !(diff <= 1e-3) || !(d_lt <= 1e-4);
@@ -599,6 +605,7 @@ static int dgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
 #define TF(ms) (flop / ((ms) * 1e-3) / 1e12)
     printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.0f %8.2f %9.2f %9.1e %9.1e%s\n", name, G, c->rows, n, k, TF(t_bf16),
            TF(t_lt), TF(t_fp8), t_bf16 / t_fp8, t_lt / t_fp8, d_lt, diff, wrong ? " WRONG" : "");
+    printf("  cuBLASLt: %s\n", lt_algo);
 #undef TF
     fflush(stdout);
     cudaFree(aq), cudaFree(as), cudaFree(as_lt), cudaFree(wt), cudaFree(wts), cudaFree(wts_lt), cudaFree(c16);
@@ -684,6 +691,8 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             CUDA_OK(cudaMemset(which ? c.y_ref : c.act_lt_q, 0xff, (size_t)c.total * (which ? c.H * 2 : c.F)));
             const float t_lt = gemm_time_ms(which ? run_lt_gemm1 : run_lt_gemm0, &r, 3, o->iters, &failed, NULL, NULL);
             FAIL_IF(failed, "%s GEMM%d cuBLASLt: %s", o->presets[i], which, r.err);
+            char lt_algo[192];
+            cometi_blaslt_fp8_algo_text(r.lt, lt_algo, sizeof(lt_algo));
             float t_lt_all = t_lt;
             if (!which) {
                 t_lt_all = gemm_time_ms(run_lt_gemm0_swiglu, &r, 3, o->iters, &failed, NULL, NULL);
@@ -734,6 +743,7 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             else
                 printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8.0f %8.2f %8.2f %8s %9.1e  (128-wide tiles)\n", "", "", "",
                        "", "", "", "", "", TF(t_128), t_bf16 / t_128, t_lt / t_128, "", d_128);
+            printf("  cuBLASLt: %s\n", lt_algo);
 #undef TF
             fflush(stdout);
         }

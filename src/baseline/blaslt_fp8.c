@@ -41,7 +41,8 @@ struct cometi_blaslt_fp8 {
     cublasLtMatmulDesc_t desc_wgrad; /* the weight gradients': both operands 1 x 128 along k */
     void *workspace;
     entry_t cache[CACHE_SLOTS];
-    int next; /* the slot the next new shape takes */
+    int next;           /* the slot the next new shape takes */
+    const entry_t *last; /* the shape the last GEMM ran, for cometi_blaslt_fp8_algo_text */
 };
 
 static comet_status_t lt_status(char *err, cublasStatus_t s, const char *what)
@@ -341,6 +342,7 @@ comet_status_t cometi_blaslt_fp8_grouped(char *err, cometi_blaslt_fp8_t *lt, int
         const entry_t *e = NULL;
         st = shape_entry(err, lt, &key, &e);
         if (st != COMET_SUCCESS) return st;
+        lt->last = e;
         const cublasStatus_t s = cublasLtMatmul(lt->handle, lt->desc, &one, bg, e->a, ag, e->b, &zero, dg, e->d, dg,
                                                 e->d, &e->algo, lt->workspace, WORKSPACE_BYTES, stream);
         if (s != CUBLAS_STATUS_SUCCESS) {
@@ -426,6 +428,7 @@ comet_status_t cometi_blaslt_fp8_wgrad(char *err, cometi_blaslt_fp8_t *lt, int g
                              align_class(dg)};
         const entry_t *e = NULL;
         COMETI_TRY(shape_entry(err, lt, &key, &e));
+        lt->last = e;
         const cublasStatus_t s = cublasLtMatmul(lt->handle, lt->desc_wgrad, &one, bg, e->a, ag, e->b, &beta, dg, e->d,
                                                 dg, e->d, &e->algo, lt->workspace, WORKSPACE_BYTES, stream);
         if (s != CUBLAS_STATUS_SUCCESS) {
@@ -436,4 +439,64 @@ comet_status_t cometi_blaslt_fp8_wgrad(char *err, cometi_blaslt_fp8_t *lt, int g
         }
     }
     return COMET_SUCCESS;
+}
+
+/* ---- what cuBLASLt chose ---- */
+
+/* cublasLt.h's names for the tiles and cluster shapes Hopper's FP8 kernels use. */
+static const char *tile_name(int id)
+{
+    static const struct { int id; const char *name; } t[] = {
+        {CUBLASLT_MATMUL_TILE_64x64, "64x64"},   {CUBLASLT_MATMUL_TILE_64x128, "64x128"},
+        {CUBLASLT_MATMUL_TILE_128x64, "128x64"}, {CUBLASLT_MATMUL_TILE_64x256, "64x256"},
+        {CUBLASLT_MATMUL_TILE_128x128, "128x128"}, {CUBLASLT_MATMUL_TILE_256x64, "256x64"},
+        {CUBLASLT_MATMUL_TILE_128x256, "128x256"}, {CUBLASLT_MATMUL_TILE_256x128, "256x128"},
+    };
+    for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
+        if (t[i].id == id) return t[i].name;
+    return NULL;
+}
+
+static const char *cluster_name(int id)
+{
+    static const struct { int id; const char *name; } c[] = {
+        {CUBLASLT_CLUSTER_SHAPE_1x1x1, "1x1"}, {CUBLASLT_CLUSTER_SHAPE_2x1x1, "2x1"},
+        {CUBLASLT_CLUSTER_SHAPE_1x2x1, "1x2"}, {CUBLASLT_CLUSTER_SHAPE_2x2x1, "2x2"},
+        {CUBLASLT_CLUSTER_SHAPE_4x1x1, "4x1"}, {CUBLASLT_CLUSTER_SHAPE_1x4x1, "1x4"},
+    };
+    for (size_t i = 0; i < sizeof(c) / sizeof(c[0]); i++)
+        if (c[i].id == id) return c[i].name;
+    return NULL;
+}
+
+void cometi_blaslt_fp8_algo_text(const cometi_blaslt_fp8_t *lt, char *buf, size_t len)
+{
+    if (!len) return;
+    buf[0] = '\0';
+    if (!lt || !lt->last || !lt->last->used) return;
+    const cublasLtMatmulAlgo_t *algo = &lt->last->algo;
+    static const cublasLtMatmulAlgoConfigAttributes_t attrs[] = {
+        CUBLASLT_ALGO_CONFIG_ID, CUBLASLT_ALGO_CONFIG_TILE_ID, CUBLASLT_ALGO_CONFIG_STAGES_ID,
+        CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
+        CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION};
+    uint32_t v[7] = {0};
+    for (int i = 0; i < 7; i++) { /* 32 bits each but the cluster shape's 16 (cublasLt.h) */
+        size_t written = 0;
+        uint32_t word = 0;
+        uint16_t half = 0;
+        const int narrow = attrs[i] == CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID;
+        if (cublasLtMatmulAlgoConfigGetAttribute(algo, attrs[i], narrow ? (void *)&half : (void *)&word,
+                                                 narrow ? sizeof(half) : sizeof(word), &written) ==
+            CUBLAS_STATUS_SUCCESS)
+            v[i] = narrow ? half : word;
+    }
+    char tile[16], cluster[16];
+    const char *tn = tile_name((int)v[1]), *cn = cluster_name((int)v[3]);
+    if (tn) snprintf(tile, sizeof(tile), "%s", tn);
+    else snprintf(tile, sizeof(tile), "#%u", v[1]);
+    if (cn) snprintf(cluster, sizeof(cluster), "%s", cn);
+    else snprintf(cluster, sizeof(cluster), "#%u", v[3]);
+    /* cuBLASLt's tile is D's rows x cols in its column-major terms: our n x rows. */
+    snprintf(buf, len, "algo %u, tile %s (n x rows), stages #%u, cluster %s, split-k %u, swizzle %u, option %u", v[0],
+             tile, v[2], cluster, v[4], v[5], v[6]);
 }

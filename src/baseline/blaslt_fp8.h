@@ -133,6 +133,11 @@ comet_status_t cometi_blaslt_fp8_check(char *err, int groups, const int64_t *row
                                        int k, const void *a, const float *a_scales, const void *b,
                                        const float *b_scales, const void *d, int ldd);
 
+/* What cuBLASLt's heuristic chose for the last GEMM the handle ran (its algorithm id,
+ * tile, stages, cluster shape, split-k, swizzle, custom option), as one line of text; ""
+ * before any. For the tools: cuBLASLt's configuration beside ours where it is faster. */
+void cometi_blaslt_fp8_algo_text(const cometi_blaslt_fp8_t *lt, char *buf, size_t len);
+
 /* wgrad's checks alone. */
 comet_status_t cometi_blaslt_fp8_wgrad_check(char *err, int groups, const int64_t *k_start, const int64_t *k_len,
                                              int m, int n, const void *a, int64_t lda, const float *a_scales,
