@@ -118,6 +118,10 @@ int test_blaslt_fp8_layouts_and_checks(void)
     CHECK_CONTAINS(err, "host arrays");
     CHECK_EQ(cometi_blaslt_fp8_wgrad(err, NULL, 3, ks, kl, 4096, 1408, p, 768, f, p, 768, f, p, 0, 0, 0),
              COMET_INVALID_USAGE);
+    /* No handle, or no GEMM run yet: no algorithm to describe. */
+    char algo[64] = "stale";
+    cometi_blaslt_fp8_algo_text(NULL, algo, sizeof(algo));
+    CHECK(algo[0] == '\0');
     return 0;
 }
 
