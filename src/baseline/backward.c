@@ -12,7 +12,8 @@
  *      partials: the fused path's arithmetic, so the two give the same bits.
  * The forward's buffers are the workspaces: send (x or dy rows), recv (dy received), act
  * (s, then w a), h (dh), out (x rows received again, then dx rows), back (dx rows home).
- * In block-scaled FP8, steps 0-3 are backward_fp8.c's; step 4 is the same.
+ * In block-scaled FP8, steps 0-3 are backward_fp8.c's (act holds s, then dh in E4M3; its
+ * own workspaces the operands along the tokens); step 4 is the same.
  */
 #include <stdio.h>
 #include <string.h>

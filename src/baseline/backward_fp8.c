@@ -62,8 +62,10 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, cometi_baseline_t *b)
         t->k_len = malloc(sizeof(int64_t) * (per + 1));
     }
     b->fp8_train = t;
-    if (!t || !t->k_start || !t->k_len)
+    if (!t || !t->k_start || !t->k_len) {
+        cometi_baseline_fp8_train_free(b);
         return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training (sequential): out of host memory");
+    }
     const int64_t R = moe->max_recv_rows, H = moe->cfg.hidden, F = moe->ffn_local, L2 = 2 * F / 128;
     t->ld = ceil_div(R, 128) * 128;
     const int64_t blocks = t->ld / 128;
@@ -82,7 +84,11 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, cometi_baseline_t *b)
     for (size_t i = 0; i < sizeof(a) / sizeof(a[0]); i++) {
         char what[96];
         snprintf(what, sizeof(what), "FP8 training (sequential): cudaMalloc(%zu bytes)", a[i].bytes);
-        COMETI_TRY(cometi_cuda(moe->err, cudaMalloc(a[i].p, a[i].bytes ? a[i].bytes : 1), what));
+        const comet_status_t st = cometi_cuda(moe->err, cudaMalloc(a[i].p, a[i].bytes ? a[i].bytes : 1), what);
+        if (st != COMET_SUCCESS) { /* freed before the ranks agree: the agreement allocates too */
+            cometi_baseline_fp8_train_free(b);
+            return st;
+        }
     }
     return COMET_SUCCESS;
 }

@@ -136,8 +136,8 @@ comet_status_t cometi_baseline_fp8_train_get(comet_moe_t moe, cometi_baseline_t 
 void cometi_baseline_fp8_train_free(cometi_baseline_t *b);
 /* Steps 0-2 of the backward (backward.c) in FP8: the kept x rows cast along the tokens,
  * dy quantized per token, its E4M3 rows, scales and routing weights dispatched as the
- * forward's x went. A failure here is the dispatch's (no peer waits on this rank's return
- * yet). */
+ * forward's x went. It fails before the dispatch only on a launch error (its arguments
+ * are the forward's, valid on every rank), as the bf16 steps 0-2 do. */
 comet_status_t cometi_baseline_fp8_send(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
                                         cudaStream_t stream);
 /* Step 3 in FP8: s = dy W2 (cuBLASLt 1 x 128 by 128 x 128 on W2^T's copy), SwiGLU's FP8
