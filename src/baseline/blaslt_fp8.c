@@ -312,6 +312,37 @@ fail:
     return st;
 }
 
+/* One group's GEMM in the form its key names: the scale pointers set on that form's
+ * descriptor (sa: cuBLAS's A's, our B's; sb: its B's, our A's), the shape's layouts and
+ * algorithm found or made, then D = A B^T (+ D with beta 1). */
+static comet_status_t run_group(char *err, cometi_blaslt_fp8_t *lt, int g, const shape_t *key, const float *sa,
+                                const float *sb, const void *ag, const void *bg, void *dg, float beta,
+                                cudaStream_t stream)
+{
+    const char *form = key->wgrad ? "blaslt fp8 wgrad" : "blaslt fp8";
+    cublasLtMatmulDesc_t desc = key->wgrad ? lt->desc_wgrad : lt->desc;
+    const struct { cublasLtMatmulDescAttributes_t attr; const float *p; const char *name; } ptrs[2] = {
+        {CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, sa, "A_SCALE_POINTER"},
+        {CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, sb, "B_SCALE_POINTER"}};
+    for (int i = 0; i < 2; i++) {
+        char what[96];
+        snprintf(what, sizeof(what), "%s: cublasLtMatmulDescSetAttribute(%s)", form, ptrs[i].name);
+        COMETI_TRY(lt_status(err, cublasLtMatmulDescSetAttribute(desc, ptrs[i].attr, &ptrs[i].p, sizeof(ptrs[i].p)),
+                             what));
+    }
+    const entry_t *e = NULL;
+    COMETI_TRY(shape_entry(err, lt, key, &e));
+    lt->last = e;
+    const float one = 1.0f;
+    const cublasStatus_t s = cublasLtMatmul(lt->handle, desc, &one, bg, e->a, ag, e->b, &beta, dg, e->d, dg, e->d,
+                                            &e->algo, lt->workspace, WORKSPACE_BYTES, stream);
+    if (s == CUBLAS_STATUS_SUCCESS) return COMET_SUCCESS;
+    char what[160];
+    snprintf(what, sizeof(what), "%s: cublasLtMatmul(group %d: %lld rows, n = %d, k = %d)", form, g,
+             (long long)key->rows, key->n, key->k);
+    return lt_status(err, s, what);
+}
+
 comet_status_t cometi_blaslt_fp8_grouped(char *err, cometi_blaslt_fp8_t *lt, int groups, const int64_t *row_start,
                                          const int64_t *rows, int n, int k, const void *a, const float *a_scales,
                                          const void *b, const float *b_scales, void *d, int ldd, cudaStream_t stream)
@@ -320,7 +351,6 @@ comet_status_t cometi_blaslt_fp8_grouped(char *err, cometi_blaslt_fp8_t *lt, int
     COMETI_TRY(cometi_blaslt_fp8_check(err, groups, row_start, rows, n, k, a, a_scales, b, b_scales, d, ldd));
     const int64_t L = ceil_div(k, 128);
     const size_t b_group = (size_t)n * k, b_scale_group = (size_t)ceil_div(n, 128) * cometi_blaslt_fp8_b_scale_ld(k);
-    const float one = 1.0f, zero = 0.0f;
     int64_t a_scale_offset = 0;
     for (int g = 0; g < groups; g++) {
         if (rows[g] == 0) continue;
@@ -331,26 +361,8 @@ comet_status_t cometi_blaslt_fp8_grouped(char *err, cometi_blaslt_fp8_t *lt, int
         /* cuBLAS's A scales are the weight's, its B scales the rows'. */
         const float *sa = b_scales + (size_t)g * b_scale_group, *sb = a_scales + a_scale_offset;
         a_scale_offset += L * padded;
-        comet_status_t st;
-        COMETI_TRY(lt_status(err, cublasLtMatmulDescSetAttribute(lt->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa,
-                                                                 sizeof(sa)),
-                             "blaslt fp8: cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)"));
-        COMETI_TRY(lt_status(err, cublasLtMatmulDescSetAttribute(lt->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb,
-                                                                 sizeof(sb)),
-                             "blaslt fp8: cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)"));
         const shape_t key = {n, k, ldd, padded, k, k, 0, 0, align_class(ag), align_class(bg), align_class(dg)};
-        const entry_t *e = NULL;
-        st = shape_entry(err, lt, &key, &e);
-        if (st != COMET_SUCCESS) return st;
-        lt->last = e;
-        const cublasStatus_t s = cublasLtMatmul(lt->handle, lt->desc, &one, bg, e->a, ag, e->b, &zero, dg, e->d, dg,
-                                                e->d, &e->algo, lt->workspace, WORKSPACE_BYTES, stream);
-        if (s != CUBLAS_STATUS_SUCCESS) {
-            char what[160];
-            snprintf(what, sizeof(what), "blaslt fp8: cublasLtMatmul(group %d: %lld rows, n = %d, k = %d)", g,
-                     (long long)rows[g], n, k);
-            return lt_status(err, s, what);
-        }
+        COMETI_TRY(run_group(err, lt, g, &key, sa, sb, ag, bg, dg, 0.0f, stream));
     }
     return COMET_SUCCESS;
 }
@@ -405,7 +417,6 @@ comet_status_t cometi_blaslt_fp8_wgrad(char *err, cometi_blaslt_fp8_t *lt, int g
     COMETI_TRY(cometi_blaslt_fp8_wgrad_check(err, groups, k_start, k_len, m, n, a, lda, a_scales, b, ldb, b_scales,
                                              d));
     const size_t d_group = (size_t)m * n * (d_fp32 ? 4 : 2);
-    const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
     for (int g = 0; g < groups; g++) {
         void *dg = (char *)d + (size_t)g * d_group;
         if (k_len[g] == 0) { /* no tokens: a zero gradient, or nothing to add */
@@ -418,25 +429,9 @@ comet_status_t cometi_blaslt_fp8_wgrad(char *err, cometi_blaslt_fp8_t *lt, int g
         const void *ag = (const uint8_t *)a + k_start[g], *bg = (const uint8_t *)b + k_start[g];
         /* cuBLAS's A scales are our B's, its B scales our A's: MN-major, one block row at a time. */
         const float *sa = b_scales + blocks_before * n, *sb = a_scales + blocks_before * m;
-        COMETI_TRY(lt_status(err, cublasLtMatmulDescSetAttribute(lt->desc_wgrad, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-                                                                 &sa, sizeof(sa)),
-                             "blaslt fp8 wgrad: cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)"));
-        COMETI_TRY(lt_status(err, cublasLtMatmulDescSetAttribute(lt->desc_wgrad, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-                                                                 &sb, sizeof(sb)),
-                             "blaslt fp8 wgrad: cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)"));
         const shape_t key = {n, (int)k_len[g], n, m, lda, ldb, 1, d_fp32, align_class(ag), align_class(bg),
                              align_class(dg)};
-        const entry_t *e = NULL;
-        COMETI_TRY(shape_entry(err, lt, &key, &e));
-        lt->last = e;
-        const cublasStatus_t s = cublasLtMatmul(lt->handle, lt->desc_wgrad, &one, bg, e->a, ag, e->b, &beta, dg, e->d,
-                                                dg, e->d, &e->algo, lt->workspace, WORKSPACE_BYTES, stream);
-        if (s != CUBLAS_STATUS_SUCCESS) {
-            char what[160];
-            snprintf(what, sizeof(what), "blaslt fp8 wgrad: cublasLtMatmul(group %d: k = %lld, m = %d, n = %d)", g,
-                     (long long)k_len[g], m, n);
-            return lt_status(err, s, what);
-        }
+        COMETI_TRY(run_group(err, lt, g, &key, sa, sb, ag, bg, dg, accumulate ? 1.0f : 0.0f, stream));
     }
     return COMET_SUCCESS;
 }
@@ -444,29 +439,32 @@ comet_status_t cometi_blaslt_fp8_wgrad(char *err, cometi_blaslt_fp8_t *lt, int g
 /* ---- what cuBLASLt chose ---- */
 
 /* cublasLt.h's names for the tiles and cluster shapes Hopper's FP8 kernels use. */
-static const char *tile_name(int id)
-{
-    static const struct { int id; const char *name; } t[] = {
-        {CUBLASLT_MATMUL_TILE_64x64, "64x64"},   {CUBLASLT_MATMUL_TILE_64x128, "64x128"},
-        {CUBLASLT_MATMUL_TILE_128x64, "128x64"}, {CUBLASLT_MATMUL_TILE_64x256, "64x256"},
-        {CUBLASLT_MATMUL_TILE_128x128, "128x128"}, {CUBLASLT_MATMUL_TILE_256x64, "256x64"},
-        {CUBLASLT_MATMUL_TILE_128x256, "128x256"}, {CUBLASLT_MATMUL_TILE_256x128, "256x128"},
-    };
-    for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
-        if (t[i].id == id) return t[i].name;
-    return NULL;
-}
+typedef struct id_name {
+    uint32_t id;
+    const char *name;
+} id_name_t;
 
-static const char *cluster_name(int id)
+static const id_name_t TILES[] = {
+    {CUBLASLT_MATMUL_TILE_64x64, "64x64"},     {CUBLASLT_MATMUL_TILE_64x128, "64x128"},
+    {CUBLASLT_MATMUL_TILE_128x64, "128x64"},   {CUBLASLT_MATMUL_TILE_64x256, "64x256"},
+    {CUBLASLT_MATMUL_TILE_128x128, "128x128"}, {CUBLASLT_MATMUL_TILE_256x64, "256x64"},
+    {CUBLASLT_MATMUL_TILE_128x256, "128x256"}, {CUBLASLT_MATMUL_TILE_256x128, "256x128"},
+    {0, NULL}};
+static const id_name_t CLUSTERS[] = {
+    {CUBLASLT_CLUSTER_SHAPE_1x1x1, "1x1"}, {CUBLASLT_CLUSTER_SHAPE_2x1x1, "2x1"},
+    {CUBLASLT_CLUSTER_SHAPE_1x2x1, "1x2"}, {CUBLASLT_CLUSTER_SHAPE_2x2x1, "2x2"},
+    {CUBLASLT_CLUSTER_SHAPE_4x1x1, "4x1"}, {CUBLASLT_CLUSTER_SHAPE_1x4x1, "1x4"},
+    {0, NULL}};
+
+/* id's name from a NULL-ended table into out, or "#id" where it has none. */
+static void id_text(const id_name_t *table, uint32_t id, char *out, size_t len)
 {
-    static const struct { int id; const char *name; } c[] = {
-        {CUBLASLT_CLUSTER_SHAPE_1x1x1, "1x1"}, {CUBLASLT_CLUSTER_SHAPE_2x1x1, "2x1"},
-        {CUBLASLT_CLUSTER_SHAPE_1x2x1, "1x2"}, {CUBLASLT_CLUSTER_SHAPE_2x2x1, "2x2"},
-        {CUBLASLT_CLUSTER_SHAPE_4x1x1, "4x1"}, {CUBLASLT_CLUSTER_SHAPE_1x4x1, "1x4"},
-    };
-    for (size_t i = 0; i < sizeof(c) / sizeof(c[0]); i++)
-        if (c[i].id == id) return c[i].name;
-    return NULL;
+    for (; table->name; table++)
+        if (table->id == id) {
+            snprintf(out, len, "%s", table->name);
+            return;
+        }
+    snprintf(out, len, "#%u", id);
 }
 
 void cometi_blaslt_fp8_algo_text(const cometi_blaslt_fp8_t *lt, char *buf, size_t len)
@@ -491,11 +489,8 @@ void cometi_blaslt_fp8_algo_text(const cometi_blaslt_fp8_t *lt, char *buf, size_
             v[i] = narrow ? half : word;
     }
     char tile[16], cluster[16];
-    const char *tn = tile_name((int)v[1]), *cn = cluster_name((int)v[3]);
-    if (tn) snprintf(tile, sizeof(tile), "%s", tn);
-    else snprintf(tile, sizeof(tile), "#%u", v[1]);
-    if (cn) snprintf(cluster, sizeof(cluster), "%s", cn);
-    else snprintf(cluster, sizeof(cluster), "#%u", v[3]);
+    id_text(TILES, v[1], tile, sizeof(tile));
+    id_text(CLUSTERS, v[3], cluster, sizeof(cluster));
     /* cuBLASLt's tile is D's rows x cols in its column-major terms: our n x rows. */
     snprintf(buf, len, "algo %u, tile %s (n x rows), stages #%u, cluster %s, split-k %u, swizzle %u, option %u", v[0],
              tile, v[2], cluster, v[4], v[5], v[6]);
