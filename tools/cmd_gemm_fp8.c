@@ -130,6 +130,27 @@ static void add_pair(double *sums, double x, double y)
     sums[1] += x * x + y * y;
 }
 
+/* n bf16 values of `got` against `want` into DeepGEMM's sums, got's non-finite ones counted. */
+static void add_bf16_pairs(const uint16_t *got, const uint16_t *want, size_t n, double *sums, int *nonfinite)
+{
+    for (size_t i = 0; i < n; i++) {
+        const double x = cometi_bf16_to_float(got[i]);
+        *nonfinite += !isfinite(x);
+        add_pair(sums, x, cometi_bf16_to_float(want[i]));
+    }
+}
+
+/* The same over the experts' rows of two host [total][n] bf16 outputs (padding rows hold
+ * nothing of either). */
+static void add_expert_rows(const fp8_case_t *c, const uint16_t *got, const uint16_t *want, int n, double *sums,
+                            int *nonfinite)
+{
+    for (int e = 0; e < c->groups; e++) {
+        const size_t at = (size_t)c->row_start[e] * n;
+        add_bf16_pairs(got + at, want + at, (size_t)c->row_count[e] * n, sums, nonfinite);
+    }
+}
+
 /* Quantize rows of `src` [total][k] bf16 into comet's layout (scales [k blocks][total]) and
  * cuBLASLt's (packed per expert). */
 static int quantize_rows_both(fp8_case_t *c, const void *src, int k, void *q, float *scales, float *scales_lt)
@@ -328,12 +349,8 @@ static int check_gemm1(fp8_case_t *c, double *diff_lt, double *diff_bf16, const 
     CUDA_OK(cudaMemcpy(theirs, c->y_ref, n * 2, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(bf, y_bf16, n * 2, cudaMemcpyDeviceToHost));
     double b16[2] = {0, 0};
-    for (int g = 0; g < c->groups; g++)
-        for (int64_t i = 0; i < c->row_count[g]; i++)
-            for (int j = 0; j < c->H; j++) {
-                const size_t at = (size_t)(c->row_start[g] + i) * c->H + j;
-                add_pair(b16, cometi_bf16_to_float(ours[at]), cometi_bf16_to_float(bf[at]));
-            }
+    int nonfinite = 0; /* unused: a non-finite value makes the distance to cuBLASLt below infinite */
+    add_expert_rows(c, ours, bf, c->H, b16, &nonfinite);
     /* Rows of the experts alone (padding rows hold nothing of either). */
     double num = 0, den = 0;
     for (int g = 0; g < c->groups; g++)
@@ -390,23 +407,6 @@ static int run_wgrad_lt(void *p, cudaStream_t s)
                                    w->bt, T, w->bs, w->c_lt, 0, 0, s) != COMET_SUCCESS;
 }
 
-/* DeepGEMM's measure of n bf16 values on the device against others, and their non-finite count. */
-static int device_measure(const void *got, const void *want, size_t n, double *measure, int *nonfinite)
-{
-    uint16_t *g = TOOL_MALLOC(n * 2 + 2), *w = TOOL_MALLOC(n * 2 + 2);
-    CUDA_OK(cudaMemcpy(g, got, n * 2, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(w, want, n * 2, cudaMemcpyDeviceToHost));
-    double sums[2] = {0, 0};
-    for (size_t i = 0; i < n; i++) {
-        const double x = cometi_bf16_to_float(g[i]);
-        *nonfinite += !isfinite(x);
-        add_pair(sums, x, cometi_bf16_to_float(w[i]));
-    }
-    *measure = deepgemm_diff(sums);
-    free(g), free(w);
-    return 0;
-}
-
 /* One weight gradient, C [groups][m_out][n] = A_g^T B_g: bf16, FP8 alone, FP8 with its
  * cast-transposes; prints a row, returns 1 on a failure (2: a wrong answer). */
 static int wgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t *lt, const char *name, const void *a,
@@ -456,27 +456,26 @@ static int wgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
         FAIL_IF(err_host->status, "%s fp8: the GEMM pipeline stalled", name);
         CUDA_OK(cudaMemcpy(h8, c8, out * 2, cudaMemcpyDeviceToHost));
         double sums[2] = {0, 0};
-        for (size_t i = 0; i < out; i++) {
-            const double x = cometi_bf16_to_float(h8[i]);
-            nonfinite += !isfinite(x);
-            add_pair(sums, x, cometi_bf16_to_float(h16[i]));
-        }
+        add_bf16_pairs(h8, h16, out, sums, &nonfinite);
         if (deepgemm_diff(sums) > diff) diff = deepgemm_diff(sums);
         t_fp8[wi] = gemm_time_ms(run_wgrad_gemm, &w, 3, o->iters, &failed, NULL, NULL);
         if (!wi) t_both = gemm_time_ms(run_wgrad_both, &w, 3, o->iters, &failed, NULL, NULL);
         FAIL_IF(failed, "%s fp8: %s", name, w.err);
     }
-    free(h8), free(h16);
     const float t_q = gemm_time_ms(run_wgrad_quantize, &w, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s cast-transposes: %s", name, w.err);
-    /* cuBLASLt on the same operands (the last cast's), its output poisoned first. */
+    /* cuBLASLt on the same operands (the last cast's), its output poisoned first, against
+     * ours as the last check read it (h8; h16 takes cuBLASLt's). */
     w.k_start = TOOL_MALLOC(sizeof(int64_t) * c->groups), w.k_len = TOOL_MALLOC(sizeof(int64_t) * c->groups);
     for (int g = 0; g < c->groups; g++) w.k_start[g] = c->row_start[g], w.k_len[g] = (c->row_count[g] + 127) / 128 * 128;
     CUDA_OK(cudaMalloc(&w.c_lt, out * 2));
     CUDA_OK(cudaMemset(w.c_lt, 0xff, out * 2));
     FAIL_IF(run_wgrad_lt(&w, 0), "%s cuBLASLt: %s", name, w.err);
-    double d_lt = 0;
-    if (device_measure(w.c_lt, c8, out, &d_lt, &nonfinite)) return 1;
+    CUDA_OK(cudaMemcpy(h16, w.c_lt, out * 2, cudaMemcpyDeviceToHost));
+    double lt_sums[2] = {0, 0};
+    add_bf16_pairs(h16, h8, out, lt_sums, &nonfinite);
+    const double d_lt = deepgemm_diff(lt_sums);
+    free(h8), free(h16);
     const float t_lt = gemm_time_ms(run_wgrad_lt, &w, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s cuBLASLt: %s", name, w.err);
     char lt_algo[192];
@@ -566,14 +565,7 @@ static int dgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     CUDA_OK(cudaMemcpy(h16, c16, out * 2, cudaMemcpyDeviceToHost));
     double sums[2] = {0, 0};
     int nonfinite = 0;
-    for (int e = 0; e < G; e++) /* the experts' rows (padding rows hold nothing of either) */
-        for (int64_t i = 0; i < c->row_count[e]; i++)
-            for (int j = 0; j < n; j++) {
-                const size_t at = (size_t)(c->row_start[e] + i) * n + j;
-                const double x = cometi_bf16_to_float(h8[at]);
-                nonfinite += !isfinite(x);
-                add_pair(sums, x, cometi_bf16_to_float(h16[at]));
-            }
+    add_expert_rows(c, h8, h16, n, sums, &nonfinite);
     const float t_fp8 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s fp8: %s", name, r.err);
     /* cuBLASLt per expert on the same E4M3 operands, poisoned output first; the experts' rows
@@ -585,14 +577,7 @@ static int dgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     uint16_t *hl = TOOL_MALLOC(out * 2);
     CUDA_OK(cudaMemcpy(hl, c_lt, out * 2, cudaMemcpyDeviceToHost));
     double lsums[2] = {0, 0};
-    for (int e = 0; e < G; e++)
-        for (int64_t i = 0; i < c->row_count[e]; i++)
-            for (int j = 0; j < n; j++) {
-                const size_t at = (size_t)(c->row_start[e] + i) * n + j;
-                const double x = cometi_bf16_to_float(hl[at]);
-                nonfinite += !isfinite(x);
-                add_pair(lsums, x, cometi_bf16_to_float(h8[at]));
-            }
+    add_expert_rows(c, hl, h8, n, lsums, &nonfinite);
     free(h8), free(h16), free(hl);
     const float t_lt = gemm_time_ms(run_dgrad_lt, &d, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s cuBLASLt: %s", name, r.err);
