@@ -95,11 +95,6 @@ int test_gemm_variant_table(void)
                             : 0));
         CHECK(e4m3 || !cometi_gemm_quantizes(v.epilogue));
         CHECK(cometi_gemm_stage_bytes(v) == (cometi_gemm_tile_rows(v) + v.block_n) * 128);
-        /* Clusters of two: static tiles of the forward's layout, no role (a role's blocks wait
-         * on others and take tiles from the shared counter). */
-        CHECK(v.cluster == 1 || v.cluster == 2);
-        CHECK(v.cluster == 1 || (!v.roles && !along_k && v.b_major == COMETI_GEMM_K_MAJOR &&
-                                 v.schedule == COMETI_GEMM_COOPERATIVE));
         for (int j = 0; j < i; j++) {
             cometi_gemm_variant_t w = cometi_gemm_variants[j];
             CHECK(strcmp(w.name, v.name) != 0);
@@ -181,8 +176,7 @@ static cometi_gemm_t describe(const cometi_gemm_variant_t *v, problem_t *p)
     if (v->epilogue == COMETI_GEMM_EPI_PUSH) g.out.push = &p->push;
     g.launch.schedule = v->schedule;
     g.launch.block_n = v->block_n;
-    g.launch.cluster = v->cluster;
-    g.launch.sched = v->cluster > 1 ? NULL : p->sched;
+    g.launch.sched = p->sched;
     g.err = p->err;
     if (v->roles & COMETI_GEMM_ROLE_DISPATCH) g.roles.dispatch = &p->dispatch;
     if (v->roles & COMETI_GEMM_ROLE_SPLITS) g.roles.splits = &p->splits;
@@ -279,28 +273,6 @@ int test_gemm_descriptions_resolve(void)
     g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nt_256], &p);
     g.a.type = 3; /* a format no row has */
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_NOT_SUPPORTED);
-    /* Clusters: a size out of range, one no row of these choices has, and the two that a
-     * cluster row needs (static tiles, whole clusters) named. */
-    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256_x2], &p);
-    g.launch.cluster = 3;
-    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
-    CHECK_CONTAINS(err, "launch.cluster = 3: must be 0 (choose), 1 or 2");
-    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256_dispatch], &p);
-    g.launch.cluster = 2;
-    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_NOT_SUPPORTED);
-    CHECK_CONTAINS(err, "roles dispatch, cluster 2");
-    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256_x2], &p);
-    g.launch.sched = p.sched;
-    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
-    CHECK_CONTAINS(err, "launch.cluster = 2 takes tiles statically: launch.sched must be NULL");
-    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_swiglu_x2], &p);
-    g.problem.n = 256, g.launch.sms = 5;
-    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
-    CHECK_CONTAINS(err, "launch.sms = 5: clusters of 2 blocks need a multiple of 2");
-    g.launch.sms = 6, g.launch.cluster = 0; /* choose: no cluster */
-    int chosen = -1;
-    CHECK_EQ(cometi_gemm_check(err, &g, &chosen), COMET_SUCCESS);
-    CHECK_EQ(chosen, COMETI_GEMM_V_fp8_swiglu);
     /* Fields a row's choices need, missing or out of range: named. */
     g = describe(&cometi_gemm_variants[COMETI_GEMM_V_swiglu_gu], &p);
     g.out.gu = NULL;
@@ -589,15 +561,6 @@ static int check_role_counts(const shared_t *s, const unsigned long long *split_
     return 0;
 }
 
-/* The GEMM blocks of a row's two runs: a few (static tiles, so each block takes several,
- * with ragged groups between them), then every SM (a row's shared counter, where it takes
- * one; a cluster row's static tiles on every SM, its pairs straddling groups and column
- * tiles, the last pair's second block without a tile). A cluster row takes whole clusters. */
-static int run_sms(const cometi_gemm_variant_t *v, int second)
-{
-    return second ? 0 : v->cluster > 1 ? 6 : 5;
-}
-
 /* |got - want| within 2^-8 of want plus 1e-2 of the RMS of its row (bf16 output: one
  * rounding, 2^-9, over fp32 sums of at most 300 products). */
 static int within(double got, double want, double rms) { return fabs(got - want) <= fabs(want) / 256 + 1e-2 * rms; }
@@ -699,7 +662,7 @@ static int run_row(shared_t *s, int vi, uint64_t *rng)
         }
         p.sched = dynamic ? s->sched : NULL;
         cometi_gemm_t g = describe(v, &p);
-        g.launch.sms = run_sms(v, dynamic);
+        g.launch.sms = dynamic ? 0 : 5;
         char err[COMETI_ERR_LEN];
         cometi_gemm_prepared_t prepared;
         comet_status_t st = cometi_gemm_prepare(err, &g, &prepared);
@@ -983,7 +946,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
         }
         p.sched = dynamic ? s->sched : NULL;
         cometi_gemm_t g = describe(v, &p);
-        g.launch.sms = run_sms(v, dynamic);
+        g.launch.sms = dynamic ? 0 : 5;
         char err[COMETI_ERR_LEN];
         cometi_gemm_prepared_t prepared;
         comet_status_t st = cometi_gemm_prepare(err, &g, &prepared);
@@ -1185,7 +1148,7 @@ static int run_row_e4m3_wgrad(shared_t *s, const wgrad_segs_t *ws, int vi, int e
         else CUDA_OK(cudaMemset(c, 0xff, c_bytes)); /* poison: NaN in bf16 */
         p.sched = dynamic ? s->sched : NULL;
         cometi_gemm_t g = describe(v, &p);
-        g.launch.sms = run_sms(v, dynamic);
+        g.launch.sms = dynamic ? 0 : 5;
         char err[COMETI_ERR_LEN];
         comet_status_t st = cometi_gemm_run(err, &g, 0);
         if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);

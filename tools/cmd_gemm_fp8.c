@@ -7,8 +7,7 @@
  *   runs after it (SwiGLU, then the activation quantized for GEMM1), and
  *   comet's bf16 GEMM on the operands before quantization.
  * GEMM0 is x W13^T with the quantizing SwiGLU (E4M3 activation and its 1 x 128 scales out),
- * GEMM1 act W2^T (bf16 out); ours also on clusters of two blocks that share each weight
- * tile (the `*_x2` rows), and GEMM1 with 128-wide tiles. Operands are hash-filled bf16, quantized once by comet's
+ * GEMM1 act W2^T (bf16 out). Operands are hash-filled bf16, quantized once by comet's
  * quantizers (not timed). Checks, on poisoned outputs before timing: ours against
  * cuBLASLt on the same FP8 operands (GEMM1: ||ours - cuBLASLt|| / ||cuBLASLt||; GEMM0: the
  * dequantized activations), and against the bf16 GEMM with DeepGEMM's measure
@@ -62,8 +61,6 @@ typedef struct fp8_run {
     cometi_blaslt_fp8_t *lt;
     cometi_gemm_t g;
     int which;                        /* 0: GEMM0, 1: GEMM1 */
-    void *tail_ws;                    /* the last wave's cut */
-    cometi_async_error_t *err_host, *err_dev; /* where a stuck pipeline reports */
     char err[COMETI_ERR_LEN];
 } fp8_run_t;
 
@@ -304,34 +301,6 @@ static cometi_gemm_t describe(const fp8_case_t *c, int which, int fp8, cometi_as
         g.out.c_scale_row = 1, g.out.c_scale_block = c->total;
     }
     return g;
-}
-
-/* One form of our FP8 GEMM (a tile width, a cluster size; 0: chosen): checked on poisoned
- * outputs against cuBLASLt and bf16, then timed. */
-typedef struct ours {
-    int block_n, cluster;
-    float ms;
-    double d_lt, d_bf16;
-} ours_t;
-
-static int check_gemm0(fp8_case_t *c, double *diff_lt, double *diff_bf16, const void *act_bf16);
-static int check_gemm1(fp8_case_t *c, double *diff_lt, double *diff_bf16, const void *y_bf16);
-
-static int time_ours(const tool_options_t *o, fp8_run_t *r, fp8_case_t *c, int which, const void *bf16_out,
-                     const char *form, ours_t *f)
-{
-    r->g = describe(c, which, 1, r->err_dev, f->cluster > 1 ? NULL : r->tail_ws);
-    r->g.launch.block_n = f->block_n, r->g.launch.cluster = f->cluster;
-    CUDA_OK(cudaMemset(which ? c->y : c->actq_out, 0xff, (size_t)c->total * (which ? c->H * 2 : c->F)));
-    FAIL_IF(run_ours(r, 0), "GEMM%d %s: %s", which, form, r->err);
-    CUDA_OK(cudaDeviceSynchronize());
-    FAIL_IF(r->err_host->status, "GEMM%d %s: the GEMM pipeline stalled", which, form);
-    if (which ? check_gemm1(c, &f->d_lt, &f->d_bf16, bf16_out) : check_gemm0(c, &f->d_lt, &f->d_bf16, bf16_out))
-        return 1;
-    int failed = 0;
-    f->ms = gemm_time_ms(run_ours, r, 3, o->iters, &failed, NULL, NULL);
-    FAIL_IF(failed, "GEMM%d %s: %s", which, form, r->err);
-    return 0;
 }
 
 /* GEMM0: ours (FP8, quantizing SwiGLU) against cuBLASLt + SwiGLU + quantization, and the
@@ -675,7 +644,6 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaMemset(tail_ws, 0, COMETI_GEMM_TAIL_COUNTERS * 8));
     fp8_run_t r;
     memset(&r, 0, sizeof(r));
-    r.tail_ws = tail_ws, r.err_host = err_host, r.err_dev = err_dev;
     FAIL_IF(cometi_blaslt_fp8_create(r.err, &r.lt) != COMET_SUCCESS, "%s", r.err);
     const int ep = o->ep ? o->ep : 1;
     printf("%s, %d SMs; block-scaled FP8 (E4M3, 1 x 128 and 128 x 128 FP32 scales); rows per expert: %d tokens over "
@@ -715,16 +683,29 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
                 t_lt_all = gemm_time_ms(run_lt_gemm0_swiglu, &r, 3, o->iters, &failed, NULL, NULL);
                 FAIL_IF(failed, "%s GEMM0 cuBLASLt + SwiGLU: %s", o->presets[i], r.err);
             }
-            /* Ours in FP8, then on clusters of two blocks sharing each weight tile; GEMM1 with
-             * 128-wide tiles too (the layer's, with the push or splits). */
-            ours_t fp8 = {.block_n = 0}, x2 = {.cluster = 2}, w128 = {.block_n = 128};
-            if (time_ours(o, &r, &c, which, bf16_out, "fp8", &fp8) || time_ours(o, &r, &c, which, bf16_out, "x2", &x2) ||
-                (which && time_ours(o, &r, &c, which, bf16_out, "128", &w128)))
-                return 1;
-            double d_lt = fmax(fp8.d_lt, x2.d_lt), d_bf16 = fp8.d_bf16;
-            if (which) d_lt = fmax(d_lt, w128.d_lt);
-            const float t_fp8 = fp8.ms, t_x2 = x2.ms, t_128 = w128.ms;
-            const double d_x2 = x2.d_lt, d_128 = w128.d_lt;
+            /* Ours in FP8: checked on poisoned outputs, then timed. */
+            r.g = describe(&c, which, 1, err_dev, tail_ws);
+            CUDA_OK(cudaMemset(which ? c.y : c.actq_out, 0xff, (size_t)c.total * (which ? c.H * 2 : c.F)));
+            FAIL_IF(run_ours(&r, 0), "%s GEMM%d fp8: %s", o->presets[i], which, r.err);
+            CUDA_OK(cudaDeviceSynchronize());
+            FAIL_IF(err_host->status, "%s GEMM%d fp8: the GEMM pipeline stalled", o->presets[i], which);
+            double d_lt = 0, d_bf16 = 0;
+            if (which ? check_gemm1(&c, &d_lt, &d_bf16, bf16_out) : check_gemm0(&c, &d_lt, &d_bf16, bf16_out)) return 1;
+            const float t_fp8 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+            FAIL_IF(failed, "%s GEMM%d fp8: %s", o->presets[i], which, r.err);
+            /* GEMM1 with 128-wide tiles too (the layer's, with the push or splits), checked the same way. */
+            float t_128 = 0;
+            double d_128 = 0, d_128_bf16 = 0;
+            if (which) {
+                r.g.launch.block_n = 128;
+                CUDA_OK(cudaMemset(c.y, 0xff, (size_t)c.total * c.H * 2));
+                FAIL_IF(run_ours(&r, 0), "%s GEMM1 fp8 128: %s", o->presets[i], r.err);
+                CUDA_OK(cudaDeviceSynchronize());
+                if (check_gemm1(&c, &d_128, &d_128_bf16, bf16_out)) return 1;
+                t_128 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+                FAIL_IF(failed, "%s GEMM1 fp8 128: %s", o->presets[i], r.err);
+                if (d_128 > d_lt) d_lt = d_128;
+            }
             cudaFree(bf16_out);
             const int n = which ? c.H : 2 * c.F, k = which ? c.F : c.H;
             const double flop = 2.0 * c.groups * c.rows * (double)n * k;
@@ -747,8 +728,6 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             else
                 printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8.0f %8.2f %8.2f %8s %9.1e  (128-wide tiles)\n", "", "", "",
                        "", "", "", "", "", TF(t_128), t_bf16 / t_128, t_lt / t_128, "", d_128);
-            printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8.0f %8.2f %8.2f %8s %9.1e  (clusters of 2; %.2fx ours)\n", "",
-                   "", "", "", "", "", "", "", TF(t_x2), t_bf16 / t_x2, t_lt / t_x2, "", d_x2, t_fp8 / t_x2);
             printf("  cuBLASLt: %s\n", lt_algo);
 #undef TF
             fflush(stdout);

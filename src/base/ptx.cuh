@@ -195,32 +195,6 @@ static __device__ __forceinline__ void mbar_arrive(uint64_t *bar)
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-/* Arrive on the mbarrier at `bar`'s offset in block `cta` of this cluster (this block's
- * own when cta is its rank). The default semantics (release at the CTA's scope), as for a
- * stage's local release: the reads it orders are the wgmmas' (waited for), and a cluster
- * scope's release here, a fence on the consumers' path once per stage, made the FP8 GEMM
- * 40% slower (docs/PERF-archive.md). */
-static __device__ __forceinline__ void mbar_arrive_cluster(uint64_t *bar, uint32_t cta)
-{
-    asm volatile("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-                 "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n"
-                 ::"r"(smem_u32(bar)), "r"(cta)
-                 : "memory");
-}
-
-/* This block's rank in its cluster, and a barrier of every thread of the cluster (its
- * mbarriers initialized before any block's thread arrives on them). */
-static __device__ __forceinline__ uint32_t cluster_rank(void)
-{
-    uint32_t r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-static __device__ __forceinline__ void cluster_sync(void)
-{
-    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
 static __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t bytes)
 {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
@@ -262,26 +236,6 @@ static __device__ __forceinline__ void tma_load_3d(void *dst, const CUtensorMap 
 {
     asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
                  ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(outer2), "r"(smem_u32(bar))
-                 : "memory");
-}
-
-/* The same boxes, written to `dst`'s offset in every block of `cta_mask` in this cluster,
- * each completing bytes on the mbarrier at `bar`'s offset there. */
-static __device__ __forceinline__ void tma_load_2d_multicast(void *dst, const CUtensorMap *map, int inner, int outer,
-                                                             uint64_t *bar, uint16_t cta_mask)
-{
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1, {%2, %3}], [%4], %5;"
-                 ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(smem_u32(bar)), "h"(cta_mask)
-                 : "memory");
-}
-static __device__ __forceinline__ void tma_load_3d_multicast(void *dst, const CUtensorMap *map, int inner, int outer,
-                                                             int outer2, uint64_t *bar, uint16_t cta_mask)
-{
-    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-                 " [%0], [%1, {%2, %3, %4}], [%5], %6;"
-                 ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(inner), "r"(outer), "r"(outer2), "r"(smem_u32(bar)),
-                   "h"(cta_mask)
                  : "memory");
 }
 

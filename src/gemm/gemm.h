@@ -176,9 +176,6 @@ typedef struct cometi_gemm {
         int group_m;                  /* row tiles per band of the tile order (L2 reuse); 0: 8 */
         int schedule;                 /* COMETI_GEMM_SCHEDULE_AUTO, COMETI_GEMM_COOPERATIVE or
                                        * COMETI_GEMM_PINGPONG */
-        int cluster;                  /* blocks per cluster: 0 (choose: 1), 1, or 2 (a row built
-                                       * for clusters of two: static tiles (sched NULL), an even
-                                       * number of blocks, no cut of the last wave) */
         unsigned int *sched;          /* [COMETI_GEMM_SCHED_WORDS] zeroed device words: tiles then come
                                        * from a counter shared by the grid (dispatch blocks join in
                                        * when done; they need it) and the last block zeroes them

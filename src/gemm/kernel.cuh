@@ -53,27 +53,6 @@ static __device__ __forceinline__ int2 unit_loads(const cometi_gemm_args_t &p, t
     return make_int2(WGRAD ? seg.start : seg.start + tl.m * TM, WGRAD ? (seg.rows + BK - 1) / BK : un.kb1);
 }
 
-/* Clusters of two (variants.h): the blocks take adjacent tickets of the static order, rank
- * 0 the even one, so a block's partner this turn holds ticket t ^ 1. Whether it has a tile
- * (the last turn may leave it none), and whether both tiles read the same B tile (one group,
- * one column tile; whole tiles, the cut is off): then rank 0 loads B for both. */
-typedef struct cluster_pair {
-    bool peer_has_tile, shares_b;
-} cluster_pair_t;
-
-static __device__ __forceinline__ cluster_pair_t cluster_pair(int t, tile_t tl, const cometi_tail_plan_t *tail,
-                                                              int k_blocks, int per_split, const gemm_smem_t &sm,
-                                                              const cometi_gemm_args_t &p, int split_tiles)
-{
-    cluster_pair_t r = {(t ^ 1) < tail->units, false};
-    if (r.peer_has_tile) {
-        const tile_t o = split_tile(decode_unit(t ^ 1, tail, k_blocks).tile, per_split, sm.first_tile, p.groups,
-                                    split_tiles, p.group_m);
-        r.shares_b = o.group == tl.group && o.n == tl.n;
-    }
-    return r;
-}
-
 template <int V>
 static __global__ void __launch_bounds__(THREADS, 1)
 grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -82,10 +61,6 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
 {
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
     constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T);
-    constexpr int CLUSTER = T.cluster;
-    static_assert(CLUSTER == 1 || (T.roles == COMETI_GEMM_ROLE_NONE && T.schedule == COMETI_GEMM_COOPERATIVE &&
-                                   T.along == COMETI_GEMM_GROUPS_ALONG_M && T.b_major == COMETI_GEMM_K_MAJOR),
-                  "clusters: static tiles, no role, cooperative, groups along M, B K-major");
     constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA,
                    SWIGLU = cometi_gemm_is_swiglu(T.epilogue), E4M3 = T.a_type == COMETI_GEMM_E4M3,
                    PINGPONG = T.schedule == COMETI_GEMM_PINGPONG, WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K,
@@ -165,8 +140,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                                          !PINGPONG && p.tail_ws);
         for (int s = 0; s < STAGES; s++) {
             mbar_init(&sm.full[s], E4M3 ? 33 : 1); /* the TMA's bytes (and E4M3: each scale lane's) */
-            /* one arrive per consumer of the stage (a cluster's: of both blocks, release_stage) */
-            mbar_init(&sm.empty[s], (PINGPONG ? 1 : 2) * CLUSTER);
+            mbar_init(&sm.empty[s], PINGPONG ? 1 : 2); /* one arrive per consumer of the stage */
         }
         mbar_init(&sm.turn[0], 1);
         mbar_init(&sm.turn[1], 1);
@@ -182,10 +156,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         if (SWIGLU) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_up) : "memory");
         if (cometi_gemm_keeps_gu(T.epilogue) && p.gu_tma) asm volatile("prefetch.tensormap [%0];" ::"l"((uint64_t)&map_gu) : "memory");
     }
-    /* A cluster's blocks arrive on each other's barriers: both initialized first. */
-    if constexpr (CLUSTER > 1) cluster_sync();
-    else __syncthreads();
-    const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
+    __syncthreads();
     const int per_split = sm.first_tile[2 * p.groups];
     const cometi_tail_plan_t *tail = sm.tail;
 
@@ -259,22 +230,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                 asm volatile("fence.proxy.async.global;" ::: "memory");
                 if (rec) rec[2] = cometi_globaltimer_ns();
             }
-            int b_load = B_OWN;
-            if constexpr (CLUSTER > 1) {
-                const cluster_pair_t pair = cluster_pair(t, tl, tail, k_blocks, per_split, sm, p, split_tiles);
-                if (pair.shares_b) b_load = rank == 0 ? B_MULTICAST : B_FROM_PEER;
-            }
-            produce_unit<V>(p, sm, &map_a, &map_b, &map_up, tl, a_row, un.kb0, kb1, &pos, &claimed, &next, b_load);
+            produce_unit<V>(p, sm, &map_a, &map_b, &map_up, tl, a_row, un.kb0, kb1, &pos, &claimed, &next);
             t = p.sched ? next : t + p.gemm_blocks;
             if (trace) trace[2] = (unsigned long long)ordinal + 1;
-        }
-        /* The other block's consumers release this block's stages (and its producer writes
-         * into them): it stays until every stage's last release has come. */
-        if constexpr (CLUSTER > 1) {
-            for (int s = 0; s < STAGES; s++) {
-                mbar_wait(&sm.empty[pos.stage], pos.phase ^ 1, p.err, p.timeout_ns);
-                if (++pos.stage == STAGES) pos.stage = 0, pos.phase ^= 1;
-            }
         }
         /* The last block to finish taking tickets resets the counters for the next call
          * (kernels on one stream do not overlap, so nobody reads them in between). */
@@ -340,7 +298,6 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         push_rows_t push;
         push.first = make_int2(-1, 0), push.last = push.first, push.row[0] = push.row[1] = push.first;
         if (TMA_EPILOGUE && PUSH_OR_SPLITS && p.push_dest) push = load_push_rows(p, tl, part, warp * 16 + lane / 4);
-        if constexpr (CLUSTER > 1) pos.release_cta = (t ^ 1) < tail->units ? rank ^ 1 : rank;
         if constexpr (E4M3)
             consume_unit_e4m3<V>(acc, p, sm, half * 64 * 128, un.kb0, kb1, &pos);
         else
@@ -372,32 +329,8 @@ static cudaError_t launch(const cometi_gemm_maps_t *m, const cometi_gemm_args_t 
         if (e != cudaSuccess) return e;
         if (dev < 64) configured |= 1ull << dev;
     }
-    cudaLaunchAttribute attrs[2];
-    cudaLaunchConfig_t cfg = cometi_pdl_config(blocks, THREADS, smem, stream, attrs);
-    constexpr int CLUSTER = cometi_gemm_variants[V].cluster;
-    if constexpr (CLUSTER > 1) {
-        attrs[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
-        attrs[cfg.numAttrs].val.clusterDim.x = CLUSTER;
-        attrs[cfg.numAttrs].val.clusterDim.y = attrs[cfg.numAttrs].val.clusterDim.z = 1;
-        cfg.numAttrs++;
-        /* A persistent grid is what fits at once: where some SMs cannot pair up (their
-         * GPC has an odd count free), fewer blocks take the same static tiles. */
-        static int fits[64]; /* clusters at once, per device */
-        int clusters = dev < 64 ? fits[dev] : 0;
-        if (!clusters) {
-            e = cudaOccupancyMaxActiveClusters(&clusters, grouped_gemm_kernel<V>, &cfg);
-            if (e != cudaSuccess) return e;
-            if (clusters < 1) return cudaErrorInvalidConfiguration;
-            if (dev < 64) fits[dev] = clusters;
-        }
-        if (blocks > clusters * CLUSTER) {
-            blocks = clusters * CLUSTER;
-            cometi_gemm_args_t fewer = *args;
-            fewer.gemm_blocks = blocks;
-            cfg.gridDim.x = blocks;
-            return cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<V>, m->a, m->b, m->up, m->c, m->gu, fewer);
-        }
-    }
+    cudaLaunchAttribute pdl[1];
+    const cudaLaunchConfig_t cfg = cometi_pdl_config(blocks, THREADS, smem, stream, pdl);
     return cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<V>, m->a,
                               m->b, m->up, m->c, m->gu, *args);
 }

@@ -30,34 +30,11 @@ typedef struct gemm_smem {
     cometi_tail_plan_t *tail;   /* the last wave's cut */
 } gemm_smem_t;
 
-/* A ring position: the stage and the parity its barriers are at. In a cluster of two, a
- * consumer also knows where its second release of each stage goes (release_stage). */
+/* A ring position: the stage and the parity its barriers are at. */
 typedef struct ring_pos {
     int stage;
     uint32_t phase;
-    uint32_t release_cta; /* cluster: the other block, or this one where the other has no tile */
 } ring_pos_t;
-
-/* A consumer warpgroup is done with `stage`. Alone: one arrival on the block's empty
- * barrier. In a cluster of two, each block's producer may multicast into both blocks'
- * stages, so each stage waits for both blocks' consumers: a warpgroup arrives on its own
- * block's barrier and on the other's (on its own twice where the other block has no tile
- * this turn, so the count, 2 x the consumers, holds either way). */
-template <int V>
-static __device__ __forceinline__ void release_stage(const gemm_smem_t &sm, int stage, const ring_pos_t *pos)
-{
-    if constexpr (cometi_gemm_variants[V].cluster == 1) {
-        if (threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[stage]);
-    } else {
-        if (threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[stage]);
-        if (threadIdx.x % 128 == 1) mbar_arrive_cluster(&sm.empty[stage], pos->release_cta);
-    }
-}
-
-/* How a producer gets its unit's B tile: its own load, its own load multicast to both
- * blocks of the cluster (rank 0 of a pair whose tiles share B), or none (rank 1 of such a
- * pair: rank 0's multicast fills its stages and completes its barriers' bytes). */
-enum { B_OWN = 0, B_MULTICAST = 1, B_FROM_PEER = 2 };
 
 /* With dispatch blocks, in the last two rounds of tiles, how many k-steps before a tile's
  * last load its block takes its next ticket: early enough that the atomic's round trip
@@ -74,7 +51,7 @@ template <int V>
 static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                     const CUtensorMap *map_a, const CUtensorMap *map_b,
                                                     const CUtensorMap *map_up, tile_t tl, int a_row, int kb0, int kb1,
-                                                    ring_pos_t *pos, bool *claimed, int *next, int b_load)
+                                                    ring_pos_t *pos, bool *claimed, int *next)
 {
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
     constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T),
@@ -112,16 +89,7 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
             continue;
         }
         tma_load_2d(sm.a + stage * A_BYTES, map_a, kb * BK, a_row, &sm.full[stage]);
-        if (T.cluster > 1 && b_load != B_OWN) {
-            static_assert(T.cluster == 1 || (!B_MN && !WGRAD), "clusters: B K-major, groups along M");
-            if (b_load == B_MULTICAST && SWIGLU) {
-                tma_load_3d_multicast(sm.b + stage * B_BYTES, map_b, kb * BK, tl.n * ON, tl.group, &sm.full[stage], 3);
-                tma_load_3d_multicast(sm.b + stage * B_BYTES + ON * 128, map_up, kb * BK, tl.n * ON, tl.group,
-                                      &sm.full[stage], 3);
-            } else if (b_load == B_MULTICAST) {
-                tma_load_2d_multicast(sm.b + stage * B_BYTES, map_b, kb * BK, b_row, &sm.full[stage], 3);
-            }
-        } else if (B_MN) {
+        if (B_MN) {
             /* B MN-major ([groups][k][n]): BN / 64 boxes of 64 k rows x 64 columns, 8 KB apart. */
 #pragma unroll
             for (int j = 0; j < BN / 64; j++)
@@ -185,13 +153,13 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
         wgmma_commit();
         /* The previous step's MMAs are done once at most this one is in flight. */
         wgmma_wait<1>();
-        if (prev >= 0) release_stage<V>(sm, prev, pos);
+        if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[prev]);
         prev = pos->stage;
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
     }
     if (PINGPONG && threadIdx.x % 128 == 0) mbar_arrive(hand_over); /* the other's turn */
     wgmma_wait<0>();
-    if (prev >= 0) release_stage<V>(sm, prev, pos);
+    if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[prev]);
 }
 
 /* E4M3: the producer's scale warp (a warp of warpgroup 0), over k-steps [kb0, kb1) of tile
@@ -369,7 +337,7 @@ static __device__ __forceinline__ void step_e4m3(float *acc, float *done, float 
     } else {
         wgmma_wait<0>();
     }
-    release_stage<V>(sm, pipe->prev_stage, pos);
+    if (threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pipe->prev_stage]);
     promote_e4m3(acc, done, pipe->s0, pipe->s1);
     pipe->prev_stage = next_stage, pipe->s0 = n0, pipe->s1 = n1;
 }
@@ -451,10 +419,10 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
                     /* The promotion read the slot after the wait: every warp of this warpgroup
                      * is past it before the one arrival releases the stage. */
                     warpgroup_sync(1 + wg_half);
-                    release_stage<V>(sm, pos->stage, pos);
+                    if (threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]);
                 }
             } else {
-                if (h == HALVES - 1) release_stage<V>(sm, pos->stage, pos);
+                if (h == HALVES - 1 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[pos->stage]);
                 promote_e4m3(acc + h * 64, part, sa.a0 * sb, sa.a1 * sb);
             }
         }

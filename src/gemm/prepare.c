@@ -117,7 +117,7 @@ static const char *format_name(int t)
 void cometi_gemm_variant_text(const cometi_gemm_variant_t *v, char *out, size_t len)
 {
     snprintf(out, len, "%s x %s, A %s-major, B %s-major, groups along %s, epilogue %s, %s store, %s, block_n %d, "
-             "roles %s, cluster %d", format_name(v->a_type), format_name(v->b_type),
+             "roles %s", format_name(v->a_type), format_name(v->b_type),
              v->a_major == COMETI_GEMM_MN_MAJOR ? "MN" : "K", v->b_major == COMETI_GEMM_MN_MAJOR ? "MN" : "K",
              v->along == COMETI_GEMM_GROUPS_ALONG_K ? "K" : "M", epilogue_name(v->epilogue),
              v->store == COMETI_GEMM_STORE_DIRECT ? "direct" : v->store == COMETI_GEMM_STORE_TMA ? "TMA" : "any",
@@ -125,8 +125,7 @@ void cometi_gemm_variant_text(const cometi_gemm_variant_t *v, char *out, size_t 
              v->roles == (COMETI_GEMM_ROLE_DISPATCH | COMETI_GEMM_ROLE_SPLITS) ? "dispatch and splits"
              : v->roles == COMETI_GEMM_ROLE_DISPATCH                           ? "dispatch"
              : v->roles == COMETI_GEMM_ROLE_SPLITS                             ? "splits"
-                                                                               : "none",
-             v->cluster);
+                                                                               : "none");
 }
 
 /* Bytes of an element of C: E4M3 out of the quantizing SwiGLU, else bf16 (fp32 adds never
@@ -142,7 +141,7 @@ static int tma_store_ok(const cometi_gemm_t *g)
 }
 
 /* The row of the table with the description's choices: its formats, layouts, epilogue,
- * schedule (0: cooperative), roles and cluster (0: 1) exactly; its store as asked (0: TMA where
+ * schedule (0: cooperative) and roles exactly; its store as asked (0: TMA where
  * tma_store_ok, else direct); its width as asked (0: cometi_gemm_tile_n's where a row has
  * it, else the row's). COMET_NOT_SUPPORTED names the choices no row has. */
 static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *out)
@@ -157,7 +156,6 @@ static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *ou
     want.schedule = g->launch.schedule ? g->launch.schedule : COMETI_GEMM_COOPERATIVE;
     want.block_n = g->launch.block_n;
     want.roles = (g->roles.dispatch ? COMETI_GEMM_ROLE_DISPATCH : 0) | (g->roles.splits ? COMETI_GEMM_ROLE_SPLITS : 0);
-    want.cluster = g->launch.cluster ? g->launch.cluster : 1;
     if (want.store == COMETI_GEMM_STORE_TMA && !tma_store_ok(g))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm store TMA: ldc = %d must be a multiple of %d, c "
                            "16-byte aligned and row_index NULL", g->out.ldc, 16 / out_bytes(g));
@@ -167,7 +165,7 @@ static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *ou
         const cometi_gemm_variant_t *v = &cometi_gemm_variants[i];
         if (v->a_type != want.a_type || v->b_type != want.b_type || v->a_major != want.a_major ||
             v->b_major != want.b_major || v->along != want.along || v->epilogue != want.epilogue ||
-            v->schedule != want.schedule || v->roles != want.roles || v->cluster != want.cluster)
+            v->schedule != want.schedule || v->roles != want.roles)
             continue;
         if (want.store ? v->store != want.store : v->store == COMETI_GEMM_STORE_TMA && !tma_store_ok(g)) continue;
         if (want.block_n && v->block_n != want.block_n) continue;
@@ -427,20 +425,9 @@ comet_status_t cometi_gemm_check(char *err, const cometi_gemm_t *g, int *variant
     if (g->launch.block_n && g->launch.block_n != 128 && g->launch.block_n != 256)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm block_n = %d: must be 128, 256 or 0 (choose)",
                            g->launch.block_n);
-    if (g->launch.cluster < 0 || g->launch.cluster > 2)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm launch.cluster = %d: must be 0 (choose), 1 or 2",
-                           g->launch.cluster);
     int vi = 0;
     COMETI_TRY(resolve_variant(err, g, &vi));
     const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
-    /* A cluster's two blocks take adjacent tickets of the static order, so both walk the
-     * ring in step: no shared counter, blocks in pairs. */
-    if (v->cluster > 1 && g->launch.sched)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm launch.cluster = %d takes tiles statically: "
-                           "launch.sched must be NULL", v->cluster);
-    if (v->cluster > 1 && g->launch.sms % v->cluster)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm launch.sms = %d: clusters of %d blocks need a "
-                           "multiple of %d", g->launch.sms, v->cluster, v->cluster);
     COMETI_TRY(check_core(err, g, v));
     const int out_n = cometi_gemm_out_cols(*v), n_tiles = (g->problem.n + out_n - 1) / out_n;
     if (g->roles.dispatch) COMETI_TRY(check_dispatch(err, g, v));
@@ -587,10 +574,6 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     const int side_blocks = dispatch_blocks + combine_blocks;
     /* GEMM blocks, then dispatch (or combine) blocks. */
     args.gemm_blocks = g->launch.sms > 0 ? g->launch.sms : sm_count - side_blocks;
-    if (v->cluster > 1) { /* whole clusters, and each tile whole (no cut) */
-        args.gemm_blocks -= args.gemm_blocks % v->cluster;
-        args.tail_ws = NULL;
-    }
     const int blocks = args.gemm_blocks + side_blocks;
     /* Blocks that wait for others must never keep those off the GPU: one per SM, all resident. */
     if ((g->roles.dispatch || combine_blocks) && (args.gemm_blocks < 1 || blocks > sm_count))

@@ -99,89 +99,81 @@ typedef struct cometi_gemm_variant {
     int schedule;         /* COMETI_GEMM_COOPERATIVE, COMETI_GEMM_PINGPONG */
     int block_n;          /* rows of B per tile: 128 or 256 (SwiGLU: 128 gate + 128 up) */
     int roles;            /* COMETI_GEMM_ROLE_* */
-    int cluster;          /* blocks per cluster: 1, or 2 (two adjacent row tiles of one group
-                           * load their shared B tile once, multicast to both; static tiles,
-                           * no role, groups along M, B K-major) */
 } cometi_gemm_variant_t;
 
 /*
  * The table. Columns: name, A's and B's format, A's and B's majorness, what the groups
- * split, epilogue, store, schedule, tile width, roles, blocks per cluster. Rows are what
- * the layer runs (the forward's GEMM0 and GEMM1, the backward's dgrad GEMMs and weight
- * gradients, each alone and with the role its pattern gives it), what `comet gemm`
- * compares, and the plain forms their epilogues and stores fall back to. Names are the
- * variant's choices, short.
+ * split, epilogue, store, schedule, tile width, roles. Rows are what the layer runs (the
+ * forward's GEMM0 and GEMM1, the backward's dgrad GEMMs and weight gradients, each alone
+ * and with the role its pattern gives it), what `comet gemm` compares, and the plain
+ * forms their epilogues and stores fall back to. Names are the variant's choices, short.
  */
 #define COMETI_GEMM_VARIANTS(X)                                                                      \
     /* the forward: x W^T, A and B K-major */                                                        \
-    X(swiglu,             BF16, BF16, K,  K,  M, SWIGLU,    TMA,    COOPERATIVE, 256, NONE, 1)       \
-    X(swiglu_direct,      BF16, BF16, K,  K,  M, SWIGLU,    DIRECT, COOPERATIVE, 256, NONE, 1)       \
-    X(swiglu_pingpong,    BF16, BF16, K,  K,  M, SWIGLU,    TMA,    PINGPONG,    256, NONE, 1)       \
-    X(swiglu_dispatch,    BF16, BF16, K,  K,  M, SWIGLU,    TMA,    COOPERATIVE, 256, DISPATCH, 1)   \
-    X(swiglu_gu,          BF16, BF16, K,  K,  M, SWIGLU_GU, TMA,    COOPERATIVE, 256, NONE, 1)       \
-    X(swiglu_gu_dispatch, BF16, BF16, K,  K,  M, SWIGLU_GU, TMA,    COOPERATIVE, 256, DISPATCH, 1)   \
-    X(nt_256,             BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, NONE, 1)       \
-    X(nt_128,             BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE, 1)       \
-    X(nt_256_direct,      BF16, BF16, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE, 1)       \
-    X(nt_128_direct,      BF16, BF16, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE, 1)       \
-    X(nt_pingpong,        BF16, BF16, K,  K,  M, STORE,     TMA,    PINGPONG,    256, NONE, 1)       \
-    X(nt_pingpong_direct, BF16, BF16, K,  K,  M, STORE,     DIRECT, PINGPONG,    256, NONE, 1)       \
-    X(nt_256_splits,      BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, SPLITS, 1)     \
-    X(nt_128_splits,      BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS, 1)     \
-    X(nt_256_push,        BF16, BF16, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 256, NONE, 1)       \
-    X(nt_128_push,        BF16, BF16, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE, 1)       \
+    X(swiglu,             BF16, BF16, K,  K,  M, SWIGLU,    TMA,    COOPERATIVE, 256, NONE)          \
+    X(swiglu_direct,      BF16, BF16, K,  K,  M, SWIGLU,    DIRECT, COOPERATIVE, 256, NONE)          \
+    X(swiglu_pingpong,    BF16, BF16, K,  K,  M, SWIGLU,    TMA,    PINGPONG,    256, NONE)          \
+    X(swiglu_dispatch,    BF16, BF16, K,  K,  M, SWIGLU,    TMA,    COOPERATIVE, 256, DISPATCH)      \
+    X(swiglu_gu,          BF16, BF16, K,  K,  M, SWIGLU_GU, TMA,    COOPERATIVE, 256, NONE)          \
+    X(swiglu_gu_dispatch, BF16, BF16, K,  K,  M, SWIGLU_GU, TMA,    COOPERATIVE, 256, DISPATCH)      \
+    X(nt_256,             BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
+    X(nt_128,             BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
+    X(nt_256_direct,      BF16, BF16, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
+    X(nt_128_direct,      BF16, BF16, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
+    X(nt_pingpong,        BF16, BF16, K,  K,  M, STORE,     TMA,    PINGPONG,    256, NONE)          \
+    X(nt_pingpong_direct, BF16, BF16, K,  K,  M, STORE,     DIRECT, PINGPONG,    256, NONE)          \
+    X(nt_256_splits,      BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, SPLITS)        \
+    X(nt_128_splits,      BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
+    X(nt_256_push,        BF16, BF16, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 256, NONE)          \
+    X(nt_128_push,        BF16, BF16, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE)          \
     /* the dgrad GEMMs: dy W, B MN-major (a weight as the forward keeps it) */                       \
-    X(nn_256,             BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 256, NONE, 1)       \
-    X(nn_128,             BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 128, NONE, 1)       \
-    X(nn_256_direct,      BF16, BF16, K,  MN, M, STORE,     DIRECT, COOPERATIVE, 256, NONE, 1)       \
-    X(nn_128_direct,      BF16, BF16, K,  MN, M, STORE,     DIRECT, COOPERATIVE, 128, NONE, 1)       \
-    X(nn_256_dispatch,    BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 256, DISPATCH, 1)   \
-    X(nn_128_dispatch,    BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 128, DISPATCH, 1)   \
-    X(nn_256_splits,      BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 256, SPLITS, 1)     \
-    X(nn_128_splits,      BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 128, SPLITS, 1)     \
-    X(nn_256_push,        BF16, BF16, K,  MN, M, PUSH,      TMA,    COOPERATIVE, 256, NONE, 1)       \
-    X(nn_128_push,        BF16, BF16, K,  MN, M, PUSH,      TMA,    COOPERATIVE, 128, NONE, 1)       \
+    X(nn_256,             BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
+    X(nn_128,             BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
+    X(nn_256_direct,      BF16, BF16, K,  MN, M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
+    X(nn_128_direct,      BF16, BF16, K,  MN, M, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
+    X(nn_256_dispatch,    BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 256, DISPATCH)      \
+    X(nn_128_dispatch,    BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 128, DISPATCH)      \
+    X(nn_256_splits,      BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 256, SPLITS)        \
+    X(nn_128_splits,      BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
+    X(nn_256_push,        BF16, BF16, K,  MN, M, PUSH,      TMA,    COOPERATIVE, 256, NONE)          \
+    X(nn_128_push,        BF16, BF16, K,  MN, M, PUSH,      TMA,    COOPERATIVE, 128, NONE)          \
     /* the weight gradients: A^T B, groups along K, both MN-major */                                 \
-    X(wgrad_256,          BF16, BF16, MN, MN, K, STORE,     TMA,    COOPERATIVE, 256, NONE, 1)       \
-    X(wgrad_128,          BF16, BF16, MN, MN, K, STORE,     TMA,    COOPERATIVE, 128, NONE, 1)       \
-    X(wgrad_256_direct,   BF16, BF16, MN, MN, K, STORE,     DIRECT, COOPERATIVE, 256, NONE, 1)       \
-    X(wgrad_128_direct,   BF16, BF16, MN, MN, K, STORE,     DIRECT, COOPERATIVE, 128, NONE, 1)       \
-    X(wgrad_256_add,      BF16, BF16, MN, MN, K, ADD_FP32,  DIRECT, COOPERATIVE, 256, NONE, 1)       \
-    X(wgrad_128_add,      BF16, BF16, MN, MN, K, ADD_FP32,  DIRECT, COOPERATIVE, 128, NONE, 1)       \
+    X(wgrad_256,          BF16, BF16, MN, MN, K, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
+    X(wgrad_128,          BF16, BF16, MN, MN, K, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
+    X(wgrad_256_direct,   BF16, BF16, MN, MN, K, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
+    X(wgrad_128_direct,   BF16, BF16, MN, MN, K, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
+    X(wgrad_256_add,      BF16, BF16, MN, MN, K, ADD_FP32,  DIRECT, COOPERATIVE, 256, NONE)          \
+    X(wgrad_128_add,      BF16, BF16, MN, MN, K, ADD_FP32,  DIRECT, COOPERATIVE, 128, NONE)          \
     /* the FP8 forward: x W^T in E4M3 with block scales, A and B K-major */                         \
-    X(fp8_swiglu,         E4M3, E4M3, K,  K,  M, SWIGLU_E4M3, TMA,    COOPERATIVE, 256, NONE, 1)     \
-    X(fp8_swiglu_direct,  E4M3, E4M3, K,  K,  M, SWIGLU_E4M3, DIRECT, COOPERATIVE, 256, NONE, 1)     \
-    X(fp8_swiglu_dispatch, E4M3, E4M3, K, K,  M, SWIGLU_E4M3, TMA,    COOPERATIVE, 256, DISPATCH, 1) \
-    X(fp8_swiglu_gu,      E4M3, E4M3, K,  K,  M, SWIGLU_E4M3_GU, TMA, COOPERATIVE, 256, NONE, 1)     \
-    X(fp8_swiglu_gu_dispatch, E4M3, E4M3, K, K, M, SWIGLU_E4M3_GU, TMA, COOPERATIVE, 256, DISPATCH, 1) \
-    X(fp8_swiglu_gu8,     E4M3, E4M3, K,  K,  M, SWIGLU_E4M3_GU8, TMA, COOPERATIVE, 256, NONE, 1)    \
-    X(fp8_swiglu_gu8_dispatch, E4M3, E4M3, K, K, M, SWIGLU_E4M3_GU8, TMA, COOPERATIVE, 256, DISPATCH, 1) \
-    X(fp8_nt_256,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, NONE, 1)       \
-    X(fp8_nt_128,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE, 1)       \
-    X(fp8_nt_256_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE, 1)       \
-    X(fp8_nt_128_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE, 1)       \
+    X(fp8_swiglu,         E4M3, E4M3, K,  K,  M, SWIGLU_E4M3, TMA,    COOPERATIVE, 256, NONE)        \
+    X(fp8_swiglu_direct,  E4M3, E4M3, K,  K,  M, SWIGLU_E4M3, DIRECT, COOPERATIVE, 256, NONE)        \
+    X(fp8_swiglu_dispatch, E4M3, E4M3, K, K,  M, SWIGLU_E4M3, TMA,    COOPERATIVE, 256, DISPATCH)    \
+    X(fp8_swiglu_gu,      E4M3, E4M3, K,  K,  M, SWIGLU_E4M3_GU, TMA, COOPERATIVE, 256, NONE)        \
+    X(fp8_swiglu_gu_dispatch, E4M3, E4M3, K, K, M, SWIGLU_E4M3_GU, TMA, COOPERATIVE, 256, DISPATCH)  \
+    X(fp8_swiglu_gu8,     E4M3, E4M3, K,  K,  M, SWIGLU_E4M3_GU8, TMA, COOPERATIVE, 256, NONE)       \
+    X(fp8_swiglu_gu8_dispatch, E4M3, E4M3, K, K, M, SWIGLU_E4M3_GU8, TMA, COOPERATIVE, 256, DISPATCH) \
+    X(fp8_nt_256,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
+    X(fp8_nt_128,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
+    X(fp8_nt_256_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
+    X(fp8_nt_128_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
     /* GEMM1 with its roles, and the backward's data-gradient GEMM of W2 (dy dispatched) */         \
-    X(fp8_nt_256_dispatch, E4M3, E4M3, K, K,  M, STORE,     TMA,    COOPERATIVE, 256, DISPATCH, 1)   \
-    X(fp8_nt_128_dispatch, E4M3, E4M3, K, K,  M, STORE,     TMA,    COOPERATIVE, 128, DISPATCH, 1)   \
-    X(fp8_nt_256_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, SPLITS, 1)     \
-    X(fp8_nt_128_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS, 1)     \
-    X(fp8_nt_256_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 256, NONE, 1)       \
-    X(fp8_nt_128_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE, 1)       \
+    X(fp8_nt_256_dispatch, E4M3, E4M3, K, K,  M, STORE,     TMA,    COOPERATIVE, 256, DISPATCH)      \
+    X(fp8_nt_128_dispatch, E4M3, E4M3, K, K,  M, STORE,     TMA,    COOPERATIVE, 128, DISPATCH)      \
+    X(fp8_nt_256_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, SPLITS)        \
+    X(fp8_nt_128_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
+    X(fp8_nt_256_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 256, NONE)          \
+    X(fp8_nt_128_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE)          \
     /* the FP8 weight gradients: A^T B with groups along K, both operands token-major (each   \
      * row of A^T and B^T runs along the tokens) with 1 x 128 scales along them */              \
-    X(fp8_wgrad_256,      E4M3, E4M3, K,  K,  K, STORE,     TMA,    COOPERATIVE, 256, NONE, 1)       \
-    X(fp8_wgrad_128,      E4M3, E4M3, K,  K,  K, STORE,     TMA,    COOPERATIVE, 128, NONE, 1)       \
-    X(fp8_wgrad_256_direct, E4M3, E4M3, K, K, K, STORE,     DIRECT, COOPERATIVE, 256, NONE, 1)       \
-    X(fp8_wgrad_128_direct, E4M3, E4M3, K, K, K, STORE,     DIRECT, COOPERATIVE, 128, NONE, 1)       \
-    X(fp8_wgrad_256_add,  E4M3, E4M3, K,  K,  K, ADD_FP32,  DIRECT, COOPERATIVE, 256, NONE, 1)       \
-    X(fp8_wgrad_128_add,  E4M3, E4M3, K,  K,  K, ADD_FP32,  DIRECT, COOPERATIVE, 128, NONE, 1)       \
-    /* the FP8 forward's plain GEMMs on clusters of two blocks: adjacent row tiles of one    \
-     * expert share the weight tile, loaded once and multicast to both */                    \
-    X(fp8_swiglu_x2,      E4M3, E4M3, K,  K,  M, SWIGLU_E4M3, TMA,    COOPERATIVE, 256, NONE, 2)     \
-    X(fp8_nt_256_x2,      E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 256, NONE, 2)
+    X(fp8_wgrad_256,      E4M3, E4M3, K,  K,  K, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
+    X(fp8_wgrad_128,      E4M3, E4M3, K,  K,  K, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
+    X(fp8_wgrad_256_direct, E4M3, E4M3, K, K, K, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
+    X(fp8_wgrad_128_direct, E4M3, E4M3, K, K, K, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
+    X(fp8_wgrad_256_add,  E4M3, E4M3, K,  K,  K, ADD_FP32,  DIRECT, COOPERATIVE, 256, NONE)          \
+    X(fp8_wgrad_128_add,  E4M3, E4M3, K,  K,  K, ADD_FP32,  DIRECT, COOPERATIVE, 128, NONE)
 
 /* The rows' ids, COMETI_GEMM_V_<name>, in table order. */
-#define COMETI_GEMM_VARIANT_ID(name, at, bt, am, bm, along, epi, store, sched, bn, roles, cluster) COMETI_GEMM_V_##name,
+#define COMETI_GEMM_VARIANT_ID(name, at, bt, am, bm, along, epi, store, sched, bn, roles) COMETI_GEMM_V_##name,
 enum { COMETI_GEMM_VARIANTS(COMETI_GEMM_VARIANT_ID) COMETI_GEMM_NUM_VARIANTS };
 #undef COMETI_GEMM_VARIANT_ID
 
@@ -192,10 +184,10 @@ enum { COMETI_GEMM_VARIANTS(COMETI_GEMM_VARIANT_ID) COMETI_GEMM_NUM_VARIANTS };
 #else
 #define COMETI_GEMM_TABLE_CONST const
 #endif
-#define COMETI_GEMM_VARIANT_ROW(name, at, bt, am, bm, along, epi, store, sched, bn, roles, cluster)            \
+#define COMETI_GEMM_VARIANT_ROW(name, at, bt, am, bm, along, epi, store, sched, bn, roles)                     \
     {#name, COMETI_GEMM_##at, COMETI_GEMM_##bt, COMETI_GEMM_##am##_MAJOR, COMETI_GEMM_##bm##_MAJOR,             \
      COMETI_GEMM_GROUPS_ALONG_##along, COMETI_GEMM_EPI_##epi, COMETI_GEMM_STORE_##store, COMETI_GEMM_##sched, \
-     bn, COMETI_GEMM_ROLE_##roles, cluster},
+     bn, COMETI_GEMM_ROLE_##roles},
 static COMETI_GEMM_TABLE_CONST cometi_gemm_variant_t cometi_gemm_variants[COMETI_GEMM_NUM_VARIANTS] = {
     COMETI_GEMM_VARIANTS(COMETI_GEMM_VARIANT_ROW)};
 #undef COMETI_GEMM_VARIANT_ROW
