@@ -11,9 +11,11 @@ back, after warm-up steps, so the GPU runs as warm as in training.
     torchrun --nproc-per-node 1 bench/trace_train.py
     torchrun --nproc-per-node 1 bench/trace_train.py --preset mixtral-8x7b --tokens 8192
     torchrun --nproc-per-node 1 bench/trace_train.py --fp8 --preset qwen2-57b-a14b
+    torchrun --nproc-per-node 1 bench/trace_train.py --fp8 --impl baseline --preset mixtral-8x7b
 
 --fp8: the block-scaled FP8 layer, trained from the same bf16 masters (its FP8 copies
-made once, by the first step).
+made once, by the first step). --impl: comet's path, as Moe.forward takes it (auto, fused,
+or baseline: the sequential step, the yardstick).
 
 Needs build/libcomet.so. Routing: balanced (token g picks experts (g*k + j) mod E), as
 comet bench does.
@@ -58,7 +60,7 @@ def layer(comm, preset, tokens, device, rank, fp8=False):
     return moe, (x, ids, w, w13, w2, dy)
 
 
-def trace(moe, tensors, steps, warmup):
+def trace(moe, tensors, steps, warmup, impl):
     """Kernels of `steps` training steps run back to back (after `warmup` more, so the GPU
     is as warm as in training), split by a marker kernel launched before each forward
     and each backward: {phase: ([(label, median us)], median span us)}."""
@@ -66,7 +68,7 @@ def trace(moe, tensors, steps, warmup):
 
     def step():
         torch.cuda._sleep(100)  # the marker: a kernel of torch's own (spin_kernel)
-        y = moe.forward(x, ids, w, gate_up=w13, down=w2)
+        y = moe.forward(x, ids, w, gate_up=w13, down=w2, impl=impl)
         torch.cuda._sleep(100)
         y.backward(dy)
         x.grad = w.grad = w13.grad = w2.grad = None
@@ -126,6 +128,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--fp8", action="store_true", help="the block-scaled FP8 layer")
+    p.add_argument("--impl", default="auto", choices=["auto", "fused", "baseline"],
+                   help="comet's path (baseline: the sequential step)")
     a = p.parse_args()
     if a.steps < 1 or a.warmup < 0 or a.tokens < 1:
         p.error(f"--steps {a.steps} must be >= 1, --warmup {a.warmup} >= 0 and --tokens {a.tokens} >= 1")
@@ -138,10 +142,10 @@ def main():
     lines = []
     for preset in a.preset:
         moe, tensors = layer(comm, preset, a.tokens, device, rank, a.fp8)
-        out = trace(moe, tensors, a.steps, a.warmup)
+        out = trace(moe, tensors, a.steps, a.warmup, a.impl)
         for phase, (rows, span) in out.items():
             busy = sum(d for _, d in rows)
-            lines.append(f"{preset} {a.tokens} rank {rank} {phase}: "
+            lines.append(f"{preset} {a.tokens} {a.impl} rank {rank} {phase}: "
                          + ", ".join(f"{label} {d:.0f}" for label, d in rows)
                          + f" | span {span:.0f}, kernels {busy:.0f}, between {span - busy:.0f} us")
         moe.close()
