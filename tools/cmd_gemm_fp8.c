@@ -17,8 +17,8 @@
  * one, alone and with the two cast-transposes it needs (timed too), and beside cuBLASLt's
  * 1 x 128 by 1 x 128 GEMM per expert on the same operands (the sequential FP8 backward's),
  * with the same measures; and the data gradients (s = dy W2, dx = dh W13): our FP8 GEMM
- * on W^T's copy beside cuBLASLt's per expert on the same operands and our bf16 one
- * reading W as the forward keeps it. Under each row, what cuBLASLt's heuristic chose (its
+ * on W^T's copy (its chosen width, then 128-wide tiles) beside cuBLASLt's per expert on
+ * the same operands and our bf16 one reading W as the forward keeps it. Under each row, what cuBLASLt's heuristic chose (its
  * tile, stages, cluster).
  */
 #define _GNU_SOURCE
@@ -568,6 +568,19 @@ static int dgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     add_expert_rows(c, h8, h16, n, sums, &nonfinite);
     const float t_fp8 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
     FAIL_IF(failed, "%s fp8: %s", name, r.err);
+    /* 128-wide tiles too (their k blocks pipelined two deep), checked the same way. */
+    g->launch.block_n = 128;
+    CUDA_OK(cudaMemset(c8, 0xff, out * 2));
+    FAIL_IF(run_ours(&r, 0), "%s fp8 128: %s", name, r.err);
+    CUDA_OK(cudaDeviceSynchronize());
+    FAIL_IF(err_host->status, "%s fp8 128: the GEMM pipeline stalled", name);
+    CUDA_OK(cudaMemcpy(h8, c8, out * 2, cudaMemcpyDeviceToHost));
+    double sums_128[2] = {0, 0};
+    add_expert_rows(c, h8, h16, n, sums_128, &nonfinite);
+    const float t_128 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+    FAIL_IF(failed, "%s fp8 128: %s", name, r.err);
+    g->launch.block_n = 0;
+    CUDA_OK(cudaMemcpy(h8, c8, out * 2, cudaMemcpyDeviceToHost)); /* cuBLASLt's rows against these */
     /* cuBLASLt per expert on the same E4M3 operands, poisoned output first; the experts' rows
      * against ours. */
     dgrad_lt_t d = {&r, n, k, aq, wt, as_lt, wts_lt, c_lt};
@@ -583,13 +596,15 @@ static int dgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     FAIL_IF(failed, "%s cuBLASLt: %s", name, r.err);
     char lt_algo[192];
     cometi_blaslt_fp8_algo_text(lt, lt_algo, sizeof(lt_algo));
-    const double diff = deepgemm_diff(sums), d_lt = deepgemm_diff(lsums);
+    const double diff = deepgemm_diff(sums), d_lt = deepgemm_diff(lsums), diff_128 = deepgemm_diff(sums_128);
     /* Two E4M3 roundings, as GEMM1's; against cuBLASLt, as the weight gradients'. */
-    const int wrong = nonfinite || !(diff <= 1e-3) || !(d_lt <= 1e-4);
+    const int wrong = nonfinite || !(diff <= 1e-3) || !(diff_128 <= 1e-3) || !(d_lt <= 1e-4);
     const double flop = 2.0 * G * c->rows * (double)n * k;
 #define TF(ms) (flop / ((ms) * 1e-3) / 1e12)
     printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.0f %8.2f %9.2f %9.1e %9.1e%s\n", name, G, c->rows, n, k, TF(t_bf16),
            TF(t_lt), TF(t_fp8), t_bf16 / t_fp8, t_lt / t_fp8, d_lt, diff, wrong ? " WRONG" : "");
+    printf("%-24s %6s %6s %6s %6s %8s %8s %8.0f %8.2f %9.2f %9s %9.1e  (128-wide tiles)\n", "", "", "", "", "", "", "",
+           TF(t_128), t_bf16 / t_128, t_lt / t_128, "", diff_128);
     printf("  cuBLASLt: %s\n", lt_algo);
 #undef TF
     fflush(stdout);
