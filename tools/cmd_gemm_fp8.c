@@ -556,31 +556,26 @@ static int dgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     g->a.ptr = aq, g->a.type = COMETI_GEMM_E4M3, g->a.scale = as, g->a.scale_row = 1, g->a.scale_block = c->total;
     g->b.ptr = wt, g->b.type = COMETI_GEMM_E4M3, g->b.major = COMETI_GEMM_K_MAJOR, g->b.scale = wts;
     g->out.c = c8;
-    CUDA_OK(cudaMemset(c8, 0xff, out * 2));
-    FAIL_IF(run_ours(&r, 0), "%s fp8: %s", name, r.err);
-    CUDA_OK(cudaDeviceSynchronize());
-    FAIL_IF(err_host->status, "%s fp8: the GEMM pipeline stalled", name);
+    /* Ours at its chosen width, then with 128-wide tiles, each checked against bf16 on a
+     * poisoned output, then timed. */
     uint16_t *h8 = TOOL_MALLOC(out * 2), *h16 = TOOL_MALLOC(out * 2);
-    CUDA_OK(cudaMemcpy(h8, c8, out * 2, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(h16, c16, out * 2, cudaMemcpyDeviceToHost));
-    double sums[2] = {0, 0};
+    double sums[2][2] = {{0, 0}, {0, 0}};
+    float t_fp8[2];
     int nonfinite = 0;
-    add_expert_rows(c, h8, h16, n, sums, &nonfinite);
-    const float t_fp8 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
-    FAIL_IF(failed, "%s fp8: %s", name, r.err);
-    /* 128-wide tiles too (their k blocks pipelined two deep), checked the same way. */
-    g->launch.block_n = 128;
-    CUDA_OK(cudaMemset(c8, 0xff, out * 2));
-    FAIL_IF(run_ours(&r, 0), "%s fp8 128: %s", name, r.err);
-    CUDA_OK(cudaDeviceSynchronize());
-    FAIL_IF(err_host->status, "%s fp8 128: the GEMM pipeline stalled", name);
-    CUDA_OK(cudaMemcpy(h8, c8, out * 2, cudaMemcpyDeviceToHost));
-    double sums_128[2] = {0, 0};
-    add_expert_rows(c, h8, h16, n, sums_128, &nonfinite);
-    const float t_128 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
-    FAIL_IF(failed, "%s fp8 128: %s", name, r.err);
+    for (int wi = 0; wi < 2; wi++) {
+        const char *form = wi ? "fp8 128" : "fp8";
+        g->launch.block_n = wi ? 128 : 0;
+        CUDA_OK(cudaMemset(c8, 0xff, out * 2));
+        FAIL_IF(run_ours(&r, 0), "%s %s: %s", name, form, r.err);
+        CUDA_OK(cudaDeviceSynchronize());
+        FAIL_IF(err_host->status, "%s %s: the GEMM pipeline stalled", name, form);
+        CUDA_OK(cudaMemcpy(h8, c8, out * 2, cudaMemcpyDeviceToHost)); /* cuBLASLt's rows go against the last */
+        add_expert_rows(c, h8, h16, n, sums[wi], &nonfinite);
+        t_fp8[wi] = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
+        FAIL_IF(failed, "%s %s: %s", name, form, r.err);
+    }
     g->launch.block_n = 0;
-    CUDA_OK(cudaMemcpy(h8, c8, out * 2, cudaMemcpyDeviceToHost)); /* cuBLASLt's rows against these */
     /* cuBLASLt per expert on the same E4M3 operands, poisoned output first; the experts' rows
      * against ours. */
     dgrad_lt_t d = {&r, n, k, aq, wt, as_lt, wts_lt, c_lt};
@@ -596,15 +591,15 @@ static int dgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     FAIL_IF(failed, "%s cuBLASLt: %s", name, r.err);
     char lt_algo[192];
     cometi_blaslt_fp8_algo_text(lt, lt_algo, sizeof(lt_algo));
-    const double diff = deepgemm_diff(sums), d_lt = deepgemm_diff(lsums), diff_128 = deepgemm_diff(sums_128);
+    const double diff = deepgemm_diff(sums[0]), d_lt = deepgemm_diff(lsums), diff_128 = deepgemm_diff(sums[1]);
     /* Two E4M3 roundings, as GEMM1's; against cuBLASLt, as the weight gradients'. */
     const int wrong = nonfinite || !(diff <= 1e-3) || !(diff_128 <= 1e-3) || !(d_lt <= 1e-4);
     const double flop = 2.0 * G * c->rows * (double)n * k;
 #define TF(ms) (flop / ((ms) * 1e-3) / 1e12)
     printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8.0f %8.2f %9.2f %9.1e %9.1e%s\n", name, G, c->rows, n, k, TF(t_bf16),
-           TF(t_lt), TF(t_fp8), t_bf16 / t_fp8, t_lt / t_fp8, d_lt, diff, wrong ? " WRONG" : "");
+           TF(t_lt), TF(t_fp8[0]), t_bf16 / t_fp8[0], t_lt / t_fp8[0], d_lt, diff, wrong ? " WRONG" : "");
     printf("%-24s %6s %6s %6s %6s %8s %8s %8.0f %8.2f %9.2f %9s %9.1e  (128-wide tiles)\n", "", "", "", "", "", "", "",
-           TF(t_128), t_bf16 / t_128, t_lt / t_128, "", diff_128);
+           TF(t_fp8[1]), t_bf16 / t_fp8[1], t_lt / t_fp8[1], "", diff_128);
     printf("  cuBLASLt: %s\n", lt_algo);
 #undef TF
     fflush(stdout);

@@ -316,6 +316,19 @@ def on_e4m3_grid(c, t, rows_only=False):
     return cm.dequantize_fp8(q, s, dtype=torch.bfloat16)
 
 
+def masters_on_grid(c, moe, m):
+    """The training tests' operands: this rank's bf16 masters (gate_up, down) and m tokens of
+    x on the E4M3 grid of power-of-two scales, random routing, and dy."""
+    torch, sd = c.torch, c.full_sd
+    experts = list(moe.local_experts)
+    gate_up = torch.stack([torch.cat([sd[f"experts.{e}.w1.weight"], sd[f"experts.{e}.w3.weight"]])
+                           for e in experts]).to(c.device)
+    down = torch.stack([sd[f"experts.{e}.w2.weight"] for e in experts]).to(c.device)
+    x = on_e4m3_grid(c, c.tokens(m), rows_only=True)
+    ids, tw = c.routing(m, "random")
+    return on_e4m3_grid(c, gate_up), on_e4m3_grid(c, down), x, ids, tw, c.tokens(m)
+
+
 @gpu_test
 def fp8_moe_trains_from_bf16_masters(c):
     """An FP8 Moe given bf16 master weights trains under autograd: y and every gradient (x,
@@ -329,16 +342,7 @@ def fp8_moe_trains_from_bf16_masters(c):
     with cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1)) as m8, cm.Moe(c.comm, c.config()) as m16, \
             cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1), grad_accumulation="main_grad") as mg, \
             cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1), fp8_gate_up="e4m3") as m8e:
-        experts = list(m8.local_experts)
-        sd = c.full_sd
-        gate_up = torch.stack([torch.cat([sd[f"experts.{e}.w1.weight"], sd[f"experts.{e}.w3.weight"]])
-                               for e in experts]).to(c.device)
-        down = torch.stack([sd[f"experts.{e}.w2.weight"] for e in experts]).to(c.device)
-        gate_up, down = on_e4m3_grid(c, gate_up), on_e4m3_grid(c, down)
-        m = 200
-        x = on_e4m3_grid(c, c.tokens(m), rows_only=True)
-        ids, tw = c.routing(m, "random")
-        dy = c.tokens(m)
+        gate_up, down, x, ids, tw, dy = masters_on_grid(c, m8, 200)
         runs = {}
         for name, layer in (("fp8", m8), ("bf16", m16), ("fp8, [g u] e4m3", m8e)):
             gu, dn = torch.nn.Parameter(gate_up.clone()), torch.nn.Parameter(down.clone())
@@ -401,16 +405,7 @@ def fp8_moe_trains_sequentially(c):
     torch, cm = c.torch, c.cm
     with cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1)) as m8, cm.Moe(c.comm, c.config()) as m16, \
             cm.Moe(c.comm, c.config(dtype="fp8", fp8_pow2_scales=1), fp8_gate_up="e4m3") as m8e:
-        experts = list(m8.local_experts)
-        sd = c.full_sd
-        gate_up = torch.stack([torch.cat([sd[f"experts.{e}.w1.weight"], sd[f"experts.{e}.w3.weight"]])
-                               for e in experts]).to(c.device)
-        down = torch.stack([sd[f"experts.{e}.w2.weight"] for e in experts]).to(c.device)
-        gate_up, down = on_e4m3_grid(c, gate_up), on_e4m3_grid(c, down)
-        m = 200
-        x = on_e4m3_grid(c, c.tokens(m), rows_only=True)
-        ids, tw = c.routing(m, "random")
-        dy = c.tokens(m)
+        gate_up, down, x, ids, tw, dy = masters_on_grid(c, m8, 200)
         runs = {}
         for name, layer, impl in (("fused", m8, "fused"), ("sequential", m8, "baseline"),
                                   ("sequential again", m8, "baseline"), ("bf16", m16, "auto"),
