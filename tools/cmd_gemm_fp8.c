@@ -18,8 +18,8 @@
  * 1 x 128 by 1 x 128 GEMM per expert on the same operands (the sequential FP8 backward's),
  * with the same measures; and the data gradients (s = dy W2, dx = dh W13): our FP8 GEMM
  * on W^T's copy (its chosen width, then 128-wide tiles) beside cuBLASLt's per expert on
- * the same operands and our bf16 one reading W as the forward keeps it. Under each row, what cuBLASLt's heuristic chose (its
- * tile, stages, cluster).
+ * the same operands and our bf16 one reading W as the forward keeps it. Under each row,
+ * what cuBLASLt's heuristic chose (its tile, stages, cluster).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -753,8 +753,8 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
            "vs bf16");
     if (backward_table(o, r.lt, ep, 0, err_host, err_dev, &bad)) return 1;
     printf("\ndata gradients: s = dy W2 (k = hidden), dx = dh W13 (k = 2 ffn); bf16: W read MN-major as the forward "
-           "keeps it; fp8: dy and dh rows 1 x 128 (quantized before, not timed), W^T's 128 x 128 copy; cuBLASLt: per "
-           "expert on the same operands; vs lt, vs bf16: 1 - 2xy/(x^2+y^2)\n");
+           "keeps it; fp8: dy and dh rows 1 x 128 (quantized before, not timed), W^T's 128 x 128 copy (its chosen tile "
+           "width, then 128 wide); cuBLASLt: per expert on the same operands; vs lt, vs bf16: 1 - 2xy/(x^2+y^2)\n");
     printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %9s %9s %9s\n", "shape", "groups", "rows", "n", "k", "bf16",
            "cuBLASLt", "fp8", "/bf16", "/cuBLASLt", "vs lt", "vs bf16");
     if (backward_table(o, r.lt, ep, 1, err_host, err_dev, &bad)) return 1;
