@@ -74,7 +74,7 @@ takes[bench]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --rou
 takes[tune]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --warmup --iters
  --no-check --json --out --seed --trace --ranks --timeout-ms --id-file"
 takes[bandwidth]="--mib --ranks --timeout-ms --id-file"
-takes[gemm]="--preset --tokens --ep --iters --seed --sweep --fp8"
+takes[gemm]="--preset --tokens --ep --iters --seed --sweep --fp8 --gemms"
 takes[presets]=""
 takes[version]=""
 commands="bench tune bandwidth gemm presets version"
@@ -152,7 +152,7 @@ declare -A good=(
     [--preset]=mixtral-8x7b [--hidden]=4096 [--ffn]=14336 [--experts]=8 [--top-k]=2 [--tokens]=1024
     [--ep]=2 [--tp]=1 [--routing]=skewed [--skew]=4.5 [--impl]=comet [--warmup]=2 [--iters]=10
     [--json]=out.json [--out]=tuning.txt [--seed]=0x2a [--ranks]=2 [--timeout-ms]=1000
-    [--id-file]=comet.id [--mib]=64
+    [--id-file]=comet.id [--mib]=64 [--gemms]=wgrad,dgrad
 )
 for cmd in $commands; do
     for f in ${takes[$cmd]}; do
@@ -240,6 +240,9 @@ refused "strict-tokens-blank" '--tokens " 5";whole number' bench --tokens " 5"
 refused "strict-tokens-overflow" '--tokens "99999999999999999999";whole number' bench --tokens 99999999999999999999
 refused "strict-iters-zero" '--iters "0";1..100000' bench --iters 0
 refused "strict-gemm-iters" '--iters "65";1..64' gemm --iters 65
+refused "strict-gemm-gemms" '--gemms "fwd";forward, dgrad, wgrad or all' gemm --gemms fwd
+refused "strict-gemm-gemms-empty" '--gemms "wgrad,";forward, dgrad, wgrad or all' gemm --gemms wgrad,
+reaches_gpu "gemm-gemms-valid-run" gemm --fp8 --gemms wgrad --preset mixtral-8x7b
 refused "strict-warmup-negative" '--warmup "-1";0..10000' tune --warmup -1
 refused "strict-mib-zero" '--mib "0";1..16384' bandwidth --mib 0
 refused "strict-ranks-zero" '--ranks "0";1..' bench --ranks 0

@@ -4,6 +4,8 @@
  * balanced EP = 2 routing of 8192 tokens per GPU gives) and on 8192^3. Each variant's
  * output is checked against cuBLAS's on poisoned memory before it is timed. Ours cuts a
  * short last wave along k (tail_ws), as the fused layers do, unless a variant says not.
+ * Then the backward's GEMMs: the data gradients and the weight gradients. --gemms picks
+ * the tables.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -320,8 +322,8 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     struct cudaDeviceProp prop;
     CUDA_OK(cudaGetDeviceProperties(&prop, ctx->local_rank));
     shape_t shapes[2 * TOOL_MAX_PRESETS + 1];
-    int nshapes = 0;
-    for (int i = 0; i < o->npresets; i++) {
+    int nshapes = 0; /* the forward's shapes, where its tables are asked for */
+    for (int i = 0; i < o->npresets && (o->gemms & TOOL_GEMMS_FORWARD); i++) {
         comet_moe_config_t c;
         comet_moe_config_preset(o->presets[i], o->tokens, &c);
         const int ep = o->ep ? o->ep : 2, per = c.num_experts / ep,
@@ -331,7 +333,7 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         shapes[nshapes++] = (shape_t){"", per, rows, c.hidden, c.ffn, 0, 0};
         snprintf(shapes[nshapes - 1].name, 48, "%s GEMM1", o->presets[i]);
     }
-    shapes[nshapes++] = (shape_t){"8192^3", 1, 8192, 8192, 8192, 0, 0};
+    if (o->gemms & TOOL_GEMMS_FORWARD) shapes[nshapes++] = (shape_t){"8192^3", 1, 8192, 8192, 8192, 0, 0};
 
     cometi_async_error_t *err_host, *err_dev;
     CUDA_OK(cudaHostAlloc((void **)&err_host, sizeof(*err_host), cudaHostAllocMapped));
@@ -341,8 +343,9 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     FAIL_IF(cublasCreate(&cublas) != CUBLAS_STATUS_SUCCESS, "cublasCreate failed");
     printf("%s, %d SMs; TFLOP/s = 2 rows n k / median time of %d calls; diff = ||ours - cuBLAS|| / ||cuBLAS||\n",
            prop.name, prop.multiProcessorCount, o->iters);
-    printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuBLAS",
-           "coop-256", "pp-256", "coop-128", "best/cuB", "diff");
+    if (nshapes)
+        printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuBLAS",
+               "coop-256", "pp-256", "coop-128", "best/cuB", "diff");
     int bad = 0;
     const int sweep = o->sweep;
     unsigned int *sched;                /* the shared tile counter's words, zero between calls */
@@ -435,22 +438,29 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
         free(ref), free(got);
         cudaFree(a), cudaFree(b), cudaFree(c_ref), cudaFree(c), cudaFree(segs);
     }
-    printf("\nGEMM0 with SwiGLU: cuBLAS GEMM0 + the baseline's SwiGLU kernel, against ours with SwiGLU in the epilogue\n"
-           "(TFLOP/s counts the GEMM's flops; diff against the cuBLAS path, which rounds h to bf16 first)\n");
-    printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuB+act",
-           "coop-256", "pp-256", "", "best/cuB", "diff");
+    if (nshapes) {
+        printf("\nGEMM0 with SwiGLU: cuBLAS GEMM0 + the baseline's SwiGLU kernel, against ours with SwiGLU in the "
+               "epilogue\n(TFLOP/s counts the GEMM's flops; diff against the cuBLAS path, which rounds h to bf16 "
+               "first)\n");
+        printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuB+act",
+               "coop-256", "pp-256", "", "best/cuB", "diff");
+    }
     for (int si = 0; si < nshapes; si++)
         if (strstr(shapes[si].name, "GEMM0")) bad |= time_swiglu(o, &shapes[si], cublas, err_host, err_dev, si, tail_ws);
-    printf("\nThe backward's dgrad GEMMs: B MN-major, the weights as the forward keeps them (s = dy W2: n = F, k = H;\n"
-           "dx = dh W13: n = H, k = 2F), ours against cuBLAS's NN GEMM per expert\n");
-    printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuBLAS",
-           "coop-256", "", "coop-128", "best/cuB", "diff");
-    bad |= time_backward_table(o, 0, cublas, err_host, err_dev, tail_ws);
-    printf("\nThe backward's weight gradients: groups along K (each expert's rows), both operands MN-major\n"
-           "(dW2 = dy^T act: m = H, n = F; dW13 = dh^T x: m = 2F, n = H), ours against cuBLAS per expert\n");
-    printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "m", "n", "cuBLAS",
-           "coop-256", "", "coop-128", "best/cuB", "diff");
-    bad |= time_backward_table(o, 1, cublas, err_host, err_dev, tail_ws);
+    if (o->gemms & TOOL_GEMMS_DGRAD) {
+        printf("\nThe backward's dgrad GEMMs: B MN-major, the weights as the forward keeps them (s = dy W2: n = F, "
+               "k = H;\ndx = dh W13: n = H, k = 2F), ours against cuBLAS's NN GEMM per expert\n");
+        printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuBLAS",
+               "coop-256", "", "coop-128", "best/cuB", "diff");
+        bad |= time_backward_table(o, 0, cublas, err_host, err_dev, tail_ws);
+    }
+    if (o->gemms & TOOL_GEMMS_WGRAD) {
+        printf("\nThe backward's weight gradients: groups along K (each expert's rows), both operands MN-major\n"
+               "(dW2 = dy^T act: m = H, n = F; dW13 = dh^T x: m = 2F, n = H), ours against cuBLAS per expert\n");
+        printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "m", "n", "cuBLAS",
+               "coop-256", "", "coop-128", "best/cuB", "diff");
+        bad |= time_backward_table(o, 1, cublas, err_host, err_dev, tail_ws);
+    }
     cublasDestroy(cublas);
     cudaFree(sched), cudaFree(split_done), cudaFree(tail_ws);
     FAIL_IF(bad, "an output differed from cuBLAS by more than 1e-2 (marked WRONG)");

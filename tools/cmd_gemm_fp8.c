@@ -19,7 +19,7 @@
  * with the same measures; and the data gradients (s = dy W2, dx = dh W13): our FP8 GEMM
  * on W^T's copy (its chosen width, then 128-wide tiles) beside cuBLASLt's per expert on
  * the same operands and our bf16 one reading W as the forward keeps it. Under each row,
- * what cuBLASLt's heuristic chose (its tile, stages, cluster).
+ * what cuBLASLt's heuristic chose (its tile, stages, cluster). --gemms picks the tables.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -659,14 +659,17 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
     printf("%s, %d SMs; block-scaled FP8 (E4M3, 1 x 128 and 128 x 128 FP32 scales); rows per expert: %d tokens over "
            "EP %d, balanced; TFLOP/s = 2 rows n k / median time of %d calls\n", prop.name, prop.multiProcessorCount,
            o->tokens, ep, o->iters);
-    printf("GEMM0 = x W13^T, ours with the quantizing SwiGLU; \"+SwiGLU\": cuBLASLt, then SwiGLU and the activation "
-           "quantized (the baseline's GEMM0)\n");
-    printf("vs lt: ||ours - cuBLASLt|| / ||cuBLASLt|| (GEMM1), 1 - 2xy/(x^2+y^2) of the activations (GEMM0); vs "
-           "bf16: 1 - 2xy/(x^2+y^2) against our bf16 GEMM\n");
-    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %8s %8s %8s %9s %9s\n", "shape", "groups", "rows", "n", "k", "bf16",
-           "cuBLASLt", "+SwiGLU", "fp8", "/bf16", "/cuBLASLt", "/+SwiGLU", "vs lt", "vs bf16");
+    const int forward = o->gemms & TOOL_GEMMS_FORWARD;
+    if (forward) {
+        printf("GEMM0 = x W13^T, ours with the quantizing SwiGLU; \"+SwiGLU\": cuBLASLt, then SwiGLU and the "
+               "activation quantized (the baseline's GEMM0)\n");
+        printf("vs lt: ||ours - cuBLASLt|| / ||cuBLASLt|| (GEMM1), 1 - 2xy/(x^2+y^2) of the activations (GEMM0); vs "
+               "bf16: 1 - 2xy/(x^2+y^2) against our bf16 GEMM\n");
+        printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %8s %8s %8s %9s %9s\n", "shape", "groups", "rows", "n", "k",
+               "bf16", "cuBLASLt", "+SwiGLU", "fp8", "/bf16", "/cuBLASLt", "/+SwiGLU", "vs lt", "vs bf16");
+    }
     int bad = 0;
-    for (int i = 0; i < o->npresets; i++) {
+    for (int i = 0; forward && i < o->npresets; i++) {
         comet_moe_config_t cfg;
         comet_moe_config_preset(o->presets[i], o->tokens, &cfg);
         fp8_case_t c;
@@ -744,20 +747,25 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
         }
         case_close(&c);
     }
-    printf("\nweight gradients (groups along K): dW2 = dy^T a, dW13 = dh^T x; fp8: our GEMM on operands cast-transposed "
-           "in 128 x 1 blocks along the tokens (its chosen tile width and store, the direct store, 128 wide); "
-           "cuBLASLt: its 1 x 128 by 1 x 128 GEMM per expert on the same operands; quant: both cast-transposes, ms; "
-           "+quant: bf16 / (quant + fp8); vs lt, vs bf16: 1 - 2xy/(x^2+y^2)\n");
-    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %8s %8s %8s %8s %9s %9s %9s\n", "shape", "groups", "rows", "m", "n",
-           "bf16", "cuBLASLt", "fp8", "direct", "fp8 128", "quant", "/bf16", "+quant", "/cuBLASLt", "vs lt",
-           "vs bf16");
-    if (backward_table(o, r.lt, ep, 0, err_host, err_dev, &bad)) return 1;
-    printf("\ndata gradients: s = dy W2 (k = hidden), dx = dh W13 (k = 2 ffn); bf16: W read MN-major as the forward "
-           "keeps it; fp8: dy and dh rows 1 x 128 (quantized before, not timed), W^T's 128 x 128 copy (its chosen tile "
-           "width, then 128 wide); cuBLASLt: per expert on the same operands; vs lt, vs bf16: 1 - 2xy/(x^2+y^2)\n");
-    printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %9s %9s %9s\n", "shape", "groups", "rows", "n", "k", "bf16",
-           "cuBLASLt", "fp8", "/bf16", "/cuBLASLt", "vs lt", "vs bf16");
-    if (backward_table(o, r.lt, ep, 1, err_host, err_dev, &bad)) return 1;
+    if (o->gemms & TOOL_GEMMS_WGRAD) {
+        printf("\nweight gradients (groups along K): dW2 = dy^T a, dW13 = dh^T x; fp8: our GEMM on operands "
+               "cast-transposed in 128 x 1 blocks along the tokens (its chosen tile width and store, the direct store, "
+               "128 wide); cuBLASLt: its 1 x 128 by 1 x 128 GEMM per expert on the same operands; quant: both "
+               "cast-transposes, ms; +quant: bf16 / (quant + fp8); vs lt, vs bf16: 1 - 2xy/(x^2+y^2)\n");
+        printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %8s %8s %8s %8s %9s %9s %9s\n", "shape", "groups", "rows", "m",
+               "n", "bf16", "cuBLASLt", "fp8", "direct", "fp8 128", "quant", "/bf16", "+quant", "/cuBLASLt", "vs lt",
+               "vs bf16");
+        if (backward_table(o, r.lt, ep, 0, err_host, err_dev, &bad)) return 1;
+    }
+    if (o->gemms & TOOL_GEMMS_DGRAD) {
+        printf("\ndata gradients: s = dy W2 (k = hidden), dx = dh W13 (k = 2 ffn); bf16: W read MN-major as the "
+               "forward keeps it; fp8: dy and dh rows 1 x 128 (quantized before, not timed), W^T's 128 x 128 copy (its "
+               "chosen tile width, then 128 wide); cuBLASLt: per expert on the same operands; vs lt, vs bf16: "
+               "1 - 2xy/(x^2+y^2)\n");
+        printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8s %9s %9s %9s\n", "shape", "groups", "rows", "n", "k", "bf16",
+               "cuBLASLt", "fp8", "/bf16", "/cuBLASLt", "vs lt", "vs bf16");
+        if (backward_table(o, r.lt, ep, 1, err_host, err_dev, &bad)) return 1;
+    }
     cometi_blaslt_fp8_destroy(r.lt);
     cudaFree(tail_ws);
     cudaFreeHost(err_host);

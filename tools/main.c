@@ -106,6 +106,7 @@ static void set_defaults(cli_t *c, const command_t *cmd)
     o->run_baseline = o->run_comet = 1;
     o->warmup = 5;
     o->iters = 20;
+    o->gemms = TOOL_GEMMS_ALL;
     o->check = 1;
     o->mib = 256;
     o->seed = ((uint64_t)time(NULL) << 16) ^ (uint64_t)getpid();
@@ -134,6 +135,7 @@ static int parse_skew(const flag_t *f, const char *v, cli_t *c);
 static int parse_presets(const flag_t *f, const char *v, cli_t *c);
 static int parse_routing(const flag_t *f, const char *v, cli_t *c);
 static int parse_impl(const flag_t *f, const char *v, cli_t *c);
+static int parse_gemms(const flag_t *f, const char *v, cli_t *c);
 static int parse_path(const flag_t *f, const char *v, cli_t *c);
 static int set_switch(const flag_t *f, const char *v, cli_t *c);
 
@@ -188,6 +190,9 @@ static const flag_t flags[] = {
      "also time training, each case's last, the baseline's then comet's: comet_moe_forward_train, "
      "comet_moe_backward (bf16 weight gradients), the two as one step, comet's backward GEMMs alone; comet's "
      "step vs the baseline's in turns and its dx vs the baseline's; n/a where an impl does not serve a call"},
+    {"--gemms", "WHICH[,WHICH...]", CMD_GEMM, parse_gemms, AT(o.gemms), 0, 0,
+     "the tables timed: forward (GEMM0 and GEMM1, with the SwiGLU), dgrad (the backward's data gradients), "
+     "wgrad (its weight gradients), or all [all]"},
     {"--sweep", NULL, CMD_GEMM, set_switch, AT(o.sweep), 1, 0,
      "also every variant of ours, a line each: epilogues, tile orders, grid sizes, the shared tile counter, "
      "two column splits, no cut of the last wave (the backward's GEMMs: epilogues and tile orders)"},
@@ -439,6 +444,24 @@ static int parse_routing(const flag_t *f, const char *v, cli_t *c)
             return 0;
         }
     return refuse_value(c, f, v, "expected balanced, random or skewed");
+}
+
+static int parse_gemms(const flag_t *f, const char *v, cli_t *c)
+{
+    static const char *names[] = {"forward", "dgrad", "wgrad", "all"};
+    static const unsigned bits[] = {TOOL_GEMMS_FORWARD, TOOL_GEMMS_DGRAD, TOOL_GEMMS_WGRAD, TOOL_GEMMS_ALL};
+    unsigned set = 0;
+    for (const char *p = v;; p++) {
+        const size_t n = strcspn(p, ",");
+        int i = 0;
+        while (i < 4 && !(strlen(names[i]) == n && !strncmp(p, names[i], n))) i++;
+        if (i == 4) return refuse_value(c, f, v, "expected forward, dgrad, wgrad or all, separated by commas");
+        set |= bits[i];
+        p += n;
+        if (!*p) break;
+    }
+    *(unsigned *)((char *)c + f->field) = set;
+    return 0;
 }
 
 static int parse_impl(const flag_t *f, const char *v, cli_t *c)

@@ -40,6 +40,10 @@ enum {
         FAIL_IF(e_ != cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                       \
     } while (0)
 
+/* comet gemm's tables (--gemms): the forward's GEMMs, the backward's data gradients, its
+ * weight gradients. */
+enum { TOOL_GEMMS_FORWARD = 1, TOOL_GEMMS_DGRAD = 2, TOOL_GEMMS_WGRAD = 4, TOOL_GEMMS_ALL = 7 };
+
 typedef struct tool_options {
     /* bench */
     const char *presets[TOOL_MAX_PRESETS]; /* names; explicit sizes when npresets == 0 */
@@ -63,6 +67,7 @@ typedef struct tool_options {
     /* gemm */
     int sweep;                       /* --sweep: every variant of ours, a line each */
     int fp8;                         /* --fp8: the block-scaled FP8 forward GEMMs instead */
+    unsigned gemms;                  /* --gemms: the tables timed, TOOL_GEMMS_* bits */
     /* both */
     int timeout_ms;
 } tool_options_t;
