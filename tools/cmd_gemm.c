@@ -447,19 +447,17 @@ int gemm_rank(const cometi_rank_ctx_t *ctx, void *arg)
     }
     for (int si = 0; si < nshapes; si++)
         if (strstr(shapes[si].name, "GEMM0")) bad |= time_swiglu(o, &shapes[si], cublas, err_host, err_dev, si, tail_ws);
-    if (o->gemms & TOOL_GEMMS_DGRAD) {
-        printf("\nThe backward's dgrad GEMMs: B MN-major, the weights as the forward keeps them (s = dy W2: n = F, "
-               "k = H;\ndx = dh W13: n = H, k = 2F), ours against cuBLAS's NN GEMM per expert\n");
-        printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "n", "k", "cuBLAS",
-               "coop-256", "", "coop-128", "best/cuB", "diff");
-        bad |= time_backward_table(o, 0, cublas, err_host, err_dev, tail_ws);
-    }
-    if (o->gemms & TOOL_GEMMS_WGRAD) {
-        printf("\nThe backward's weight gradients: groups along K (each expert's rows), both operands MN-major\n"
-               "(dW2 = dy^T act: m = H, n = F; dW13 = dh^T x: m = 2F, n = H), ours against cuBLAS per expert\n");
-        printf("%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", "shape", "groups", "rows", "m", "n", "cuBLAS",
-               "coop-256", "", "coop-128", "best/cuB", "diff");
-        bad |= time_backward_table(o, 1, cublas, err_host, err_dev, tail_ws);
+    /* The backward's tables: the data gradients, then the weight gradients. */
+    static const char *const backward_title[2] = {
+        "\nThe backward's dgrad GEMMs: B MN-major, the weights as the forward keeps them (s = dy W2: n = F, k = H;\n"
+        "dx = dh W13: n = H, k = 2F), ours against cuBLAS's NN GEMM per expert\n",
+        "\nThe backward's weight gradients: groups along K (each expert's rows), both operands MN-major\n"
+        "(dW2 = dy^T act: m = H, n = F; dW13 = dh^T x: m = 2F, n = H), ours against cuBLAS per expert\n"};
+    for (int wgrad = 0; wgrad < 2; wgrad++) {
+        if (!(o->gemms & (wgrad ? TOOL_GEMMS_WGRAD : TOOL_GEMMS_DGRAD))) continue;
+        printf("%s%-24s %6s %6s %6s %6s %9s %9s %9s %9s %8s %9s\n", backward_title[wgrad], "shape", "groups", "rows",
+               wgrad ? "m" : "n", wgrad ? "n" : "k", "cuBLAS", "coop-256", "", "coop-128", "best/cuB", "diff");
+        bad |= time_backward_table(o, wgrad, cublas, err_host, err_dev, tail_ws);
     }
     cublasDestroy(cublas);
     cudaFree(sched), cudaFree(split_done), cudaFree(tail_ws);
