@@ -66,25 +66,10 @@ static comet_status_t weight_grad(cometi_baseline_t *b, char *err, int m, int n,
 static comet_status_t dispatch_rows(comet_moe_t moe, const comet_moe_saved_t sv, const void *send, void *recv,
                                     const float *w_send, float *w_recv, cudaStream_t stream, const char *what)
 {
-    const int H = moe->cfg.hidden;
-    ncclComm_t nccl = moe->comm->nccl;
-    ncclResult_t r = ncclGroupStart();
-    for (int i = 0; i < sv->n_sends && r == ncclSuccess; i++) {
-        r = ncclSend((const char *)send + sv->sends[i].offset * H * BF16, (size_t)sv->sends[i].rows * H, ncclBfloat16,
-                     sv->sends[i].peer, nccl, stream);
-        if (w_send && r == ncclSuccess)
-            r = ncclSend(w_send + sv->sends[i].offset, (size_t)sv->sends[i].rows, ncclFloat32, sv->sends[i].peer, nccl,
-                         stream);
-    }
-    for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++) {
-        r = ncclRecv((char *)recv + sv->recvs[i].offset * H * BF16, (size_t)sv->recvs[i].rows * H, ncclBfloat16,
-                     sv->recvs[i].peer, nccl, stream);
-        if (w_send && r == ncclSuccess)
-            r = ncclRecv(w_recv + sv->recvs[i].offset, (size_t)sv->recvs[i].rows, ncclFloat32, sv->recvs[i].peer, nccl,
-                         stream);
-    }
-    const ncclResult_t end = ncclGroupEnd();
-    return cometi_nccl(moe->err, r != ncclSuccess ? r : end, what);
+    const cometi_row_part_t parts[2] = {{send, recv, (size_t)moe->cfg.hidden, BF16, ncclBfloat16},
+                                        {w_send, w_recv, 1, 4, ncclFloat32}};
+    return cometi_baseline_dispatch(moe, sv->sends, sv->n_sends, sv->recvs, sv->n_recvs, parts, w_send ? 2 : 1,
+                                    stream, what);
 }
 
 /* 3 of the backward: at the experts, s = dy W2, SwiGLU's backward, the weight gradients

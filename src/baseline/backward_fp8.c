@@ -102,35 +102,6 @@ comet_status_t cometi_baseline_fp8_train_get(comet_moe_t moe, cometi_baseline_t 
     return st;
 }
 
-/* The dispatch's all-to-all of E4M3 rows: for each chunk its values, its scales and its
- * routing weights, in that order on both sides (NCCL matches a pair's messages in order).
- * send_q/send_s/w_send in the send order -> recv_q/recv_s/w_recv in each expert's segment. */
-static comet_status_t dispatch_fp8(comet_moe_t moe, const comet_moe_saved_t sv, const cometi_baseline_t *b,
-                                   const float *w_send, float *w_recv, cudaStream_t stream, const char *what)
-{
-    const int H = moe->cfg.hidden, L0 = (int)ceil_div(H, 128);
-    ncclComm_t nccl = moe->comm->nccl;
-    ncclResult_t r = ncclGroupStart();
-    for (int i = 0; i < sv->n_sends && r == ncclSuccess; i++) {
-        const cometi_a2a_msg_t *s = &sv->sends[i];
-        r = ncclSend((const char *)b->send_q + s->offset * H, (size_t)s->rows * H, ncclUint8, s->peer, nccl, stream);
-        if (r == ncclSuccess)
-            r = ncclSend(b->send_s + s->offset * L0, (size_t)s->rows * L0, ncclFloat32, s->peer, nccl, stream);
-        if (r == ncclSuccess)
-            r = ncclSend(w_send + s->offset, (size_t)s->rows, ncclFloat32, s->peer, nccl, stream);
-    }
-    for (int i = 0; i < sv->n_recvs && r == ncclSuccess; i++) {
-        const cometi_a2a_msg_t *v = &sv->recvs[i];
-        r = ncclRecv((char *)b->recv_q + v->offset * H, (size_t)v->rows * H, ncclUint8, v->peer, nccl, stream);
-        if (r == ncclSuccess)
-            r = ncclRecv(b->recv_s + v->offset * L0, (size_t)v->rows * L0, ncclFloat32, v->peer, nccl, stream);
-        if (r == ncclSuccess)
-            r = ncclRecv(w_recv + v->offset, (size_t)v->rows, ncclFloat32, v->peer, nccl, stream);
-    }
-    const ncclResult_t end = ncclGroupEnd(); /* always close the group, even after a failed post */
-    return cometi_nccl(moe->err, r != ncclSuccess ? r : end, what);
-}
-
 /* A bf16 [m][H] tensor's rows (dy's) quantized per token into b->xq / b->xs and moved to
  * the send places the forward kept. */
 static comet_status_t quantize_to_send_order(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_saved_t sv,
@@ -172,7 +143,12 @@ comet_status_t cometi_baseline_fp8_send(comet_moe_t moe, cometi_baseline_t *b, c
     COMETI_TRY(cometi_cuda(moe->err, cometi_launch_weights_to_send_order(sv->weights, sv->send_pos, n, b->w_send,
                                                                          stream),
                            "launch weights_to_send_order_kernel"));
-    return dispatch_fp8(moe, sv, b, b->w_send, b->w_recv, stream, "backward dispatch all-to-all");
+    /* Per chunk its E4M3 values, its scales and its routing weights, as the forward's x went. */
+    const cometi_row_part_t parts[3] = {{b->send_q, b->recv_q, (size_t)H, 1, ncclUint8},
+                                        {b->send_s, b->recv_s, (size_t)ceil_div(H, 128), 4, ncclFloat32},
+                                        {b->w_send, b->w_recv, 1, 4, ncclFloat32}};
+    return cometi_baseline_dispatch(moe, sv->sends, sv->n_sends, sv->recvs, sv->n_recvs, parts, 3, stream,
+                                    "backward dispatch all-to-all");
 }
 
 comet_status_t cometi_baseline_fp8_experts(comet_moe_t moe, cometi_baseline_t *b,

@@ -229,6 +229,28 @@ comet_status_t cometi_baseline_weight_scales(comet_moe_t moe, int n, int k, cons
     return cometi_blaslt_fp8_pad_b_scales(moe->err, moe->experts_per_rank, n, k, given, room, stream);
 }
 
+comet_status_t cometi_baseline_dispatch(comet_moe_t moe, const cometi_a2a_msg_t *sends, int n_sends,
+                                        const cometi_a2a_msg_t *recvs, int n_recvs, const cometi_row_part_t *parts,
+                                        int nparts, cudaStream_t stream, const char *what)
+{
+    ncclComm_t nccl = moe->comm->nccl;
+    ncclResult_t r = ncclGroupStart();
+    for (int i = 0; i < n_sends; i++)
+        for (int j = 0; j < nparts && r == ncclSuccess; j++) {
+            const cometi_row_part_t *pt = &parts[j];
+            r = ncclSend((const char *)pt->send + (size_t)sends[i].offset * pt->per_row * pt->elem,
+                         (size_t)sends[i].rows * pt->per_row, pt->type, sends[i].peer, nccl, stream);
+        }
+    for (int i = 0; i < n_recvs; i++)
+        for (int j = 0; j < nparts && r == ncclSuccess; j++) {
+            const cometi_row_part_t *pt = &parts[j];
+            r = ncclRecv((char *)pt->recv + (size_t)recvs[i].offset * pt->per_row * pt->elem,
+                         (size_t)recvs[i].rows * pt->per_row, pt->type, recvs[i].peer, nccl, stream);
+        }
+    const ncclResult_t end = ncclGroupEnd(); /* always close the group, even after a failed post */
+    return cometi_nccl(moe->err, r != ncclSuccess ? r : end, what);
+}
+
 comet_status_t cometi_baseline_fp8_groups(comet_moe_t moe, cometi_baseline_t *b, const cometi_segment_t *segs_host,
                                           void *q, const float *scales, int *max_padded, cudaStream_t stream)
 {
@@ -500,31 +522,11 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
     int n_sends, n_recvs;
     cometi_route_dispatch_messages(&plan, me, b->sends, &n_sends, b->recvs, &n_recvs);
     const size_t back_stride = (size_t)c->max_tokens * k * H; /* elements between TP ranks' copies */
-    ncclResult_t r = ncclGroupStart();
-    for (int i = 0; i < n_sends && r == ncclSuccess; i++) {
-        const cometi_a2a_msg_t *s = &b->sends[i];
-        if (!fp8) {
-            r = ncclSend((char *)b->send + s->offset * H * BF16, (size_t)s->rows * H, ncclBfloat16, s->peer, nccl,
-                         stream);
-            continue;
-        }
-        r = ncclSend((char *)b->send_q + s->offset * H, (size_t)s->rows * H, ncclUint8, s->peer, nccl, stream);
-        if (r == ncclSuccess)
-            r = ncclSend(b->send_s + s->offset * L0, (size_t)s->rows * L0, ncclFloat32, s->peer, nccl, stream);
-    }
-    for (int i = 0; i < n_recvs && r == ncclSuccess; i++) {
-        const cometi_a2a_msg_t *v = &b->recvs[i];
-        if (!fp8) {
-            r = ncclRecv((char *)b->io_recv + v->offset * H * BF16, (size_t)v->rows * H, ncclBfloat16, v->peer, nccl,
-                         stream);
-            continue;
-        }
-        r = ncclRecv((char *)b->io_recv + v->offset * H, (size_t)v->rows * H, ncclUint8, v->peer, nccl, stream);
-        if (r == ncclSuccess)
-            r = ncclRecv(b->io_recv_s + v->offset * L0, (size_t)v->rows * L0, ncclFloat32, v->peer, nccl, stream);
-    }
-    ncclResult_t end = ncclGroupEnd(); /* always close the group, even after a failed post */
-    COMETI_TRY_GOTO(st, cometi_nccl(err, r != ncclSuccess ? r : end, "dispatch all-to-all"), out);
+    const cometi_row_part_t rows_bf16[1] = {{b->send, b->io_recv, (size_t)H, BF16, ncclBfloat16}},
+                            rows_fp8[2] = {{b->send_q, b->io_recv, (size_t)H, 1, ncclUint8},
+                                           {b->send_s, b->io_recv_s, (size_t)L0, 4, ncclFloat32}};
+    COMETI_TRY_GOTO(st, cometi_baseline_dispatch(moe, b->sends, n_sends, b->recvs, n_recvs, fp8 ? rows_fp8 : rows_bf16,
+                                                 fp8 ? 2 : 1, stream, "dispatch all-to-all"), out);
     COMETI_TRY_GOTO(st, mark(moe, COMETI_MARK_DISPATCHED, stream), out);
 
     /* 3. Experts. A failure here still takes part in the return, with poisoned rows. */
@@ -540,7 +542,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
 
     /* 4. Return: the same messages the other way; each chunk lands where it left from, in
      * the copy of the TP rank that computed it. */
-    r = ncclGroupStart();
+    ncclResult_t r = ncclGroupStart();
     for (int i = 0; i < n_recvs && r == ncclSuccess; i++)
         r = ncclSend((char *)b->out + b->recvs[i].offset * H * BF16, (size_t)b->recvs[i].rows * H,
                      ncclBfloat16, b->recvs[i].peer, nccl, stream);
@@ -548,7 +550,7 @@ comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, co
         r = ncclRecv((char *)b->back + ((size_t)(b->sends[i].peer % moe->tp) * back_stride +
                                         (size_t)b->sends[i].offset * H) * BF16,
                      (size_t)b->sends[i].rows * H, ncclBfloat16, b->sends[i].peer, nccl, stream);
-    end = ncclGroupEnd();
+    const ncclResult_t end = ncclGroupEnd();
     if (experts != COMET_SUCCESS) {
         st = cometi_baseline_failed_after_return(moe, experts, kept);
         goto out;

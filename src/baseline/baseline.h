@@ -9,6 +9,7 @@
 
 #include <stdint.h>
 #include <cublas_v2.h>
+#include <nccl.h>
 #include "base/host.h"
 #include "baseline/blaslt_fp8.h"
 #include "baseline/rows.h"
@@ -121,6 +122,20 @@ void cometi_baseline_buffers(const cometi_baseline_t *b, const void **recv, cons
  * in saved->recv's bytes) and [g u] in bf16 or, as the saved state asks, in E4M3. */
 comet_status_t cometi_baseline_forward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_args_t *args,
                                        comet_moe_saved_t saved, cudaStream_t stream);
+/* One part of every row a dispatch moves: the rows' `per_row` elements of `type` (`elem`
+ * bytes each) at send, in the send order, and at recv, in each expert's segment. */
+typedef struct cometi_row_part {
+    const void *send;
+    void *recv;
+    size_t per_row, elem;
+    ncclDataType_t type;
+} cometi_row_part_t;
+/* One all-to-all of rows (baseline.c): for each chunk of `sends` and of `recvs`, a message
+ * per part, in the parts' order on both sides (NCCL matches a pair's messages in order),
+ * in one NCCL group; a failure names `what`. */
+comet_status_t cometi_baseline_dispatch(comet_moe_t moe, const cometi_a2a_msg_t *sends, int n_sends,
+                                        const cometi_a2a_msg_t *recvs, int n_recvs, const cometi_row_part_t *parts,
+                                        int nparts, cudaStream_t stream, const char *what);
 /* The count exchange every call of the path makes first (baseline.c); a backward's
  * message carries no counts, only its call id. */
 comet_status_t cometi_baseline_exchange(comet_moe_t moe, cometi_baseline_t *b, unsigned int call, cudaStream_t stream);
