@@ -36,6 +36,41 @@
 
 /* ---- the table ---- */
 
+/* Along K, B's column scales (cometi_gemm_col_scale_pos): each column in its own float of
+ * the slot; a thread's column pairs j (columns h 128 + 8 j + 2 q, q = t % 4) 2 j apart from
+ * its half's first, which is 16-byte aligned; a warp's 16-byte loads (four runs) and the
+ * scale warp's stores of 32 consecutive columns each free of bank conflicts. */
+static int check_col_scale_layout(cometi_gemm_variant_t v)
+{
+    const int floats = 4 * cometi_gemm_col_scale_run(v);
+    unsigned char seen[4 * (256 / 4 + 8)] = {0};
+    CHECK(floats <= (int)sizeof(seen));
+    for (int c = 0; c < v.block_n; c++) {
+        const int pos = cometi_gemm_col_scale_pos(v, c);
+        CHECK(pos >= 0 && pos < floats && !seen[pos]);
+        seen[pos] = 1;
+        const int h = c / 128, q = (c % 8) / 2, j = (c % 128) / 8, first = cometi_gemm_col_scale_pos(v, h * 128 + 2 * q);
+        CHECK_EQ(pos, first + 2 * j + c % 2);
+        CHECK((COMETI_GEMM_BM + first) % 4 == 0);
+        CHECK_EQ(pos, cometi_gemm_col_scale_pos(v, c % 32) + 8 * (c / 32)); /* the scale warp's stores */
+    }
+    for (int i = 0; i < 8; i++) { /* load i of the four runs: 16 floats in 16 banks */
+        unsigned banks = 0;
+        for (int q = 0; q < 4; q++)
+            for (int f = 0; f < 4; f++) {
+                const unsigned bank = 1u << ((COMETI_GEMM_BM + cometi_gemm_col_scale_pos(v, 2 * q) + 4 * i + f) % 32);
+                CHECK(!(banks & bank));
+                banks |= bank;
+            }
+    }
+    for (int c0 = 0; c0 < v.block_n; c0 += 32) {
+        unsigned banks = 0;
+        for (int lane = 0; lane < 32; lane++) banks |= 1u << ((COMETI_GEMM_BM + cometi_gemm_col_scale_pos(v, c0 + lane)) % 32);
+        CHECK(banks == 0xffffffffu);
+    }
+    return 0;
+}
+
 /* Every row: a known format and tile width, stages that fit (the most that do, up to the
  * cap), the choices a kernel needs together, and no two rows alike. */
 int test_gemm_variant_table(void)
@@ -56,8 +91,9 @@ int test_gemm_variant_table(void)
         const int swiglu = cometi_gemm_is_swiglu(v.epilogue);
         const int along_k = v.along == COMETI_GEMM_GROUPS_ALONG_K, e4m3 = v.a_type == COMETI_GEMM_E4M3;
         CHECK_EQ(cometi_gemm_scale_slot_bytes(v),
-                 !e4m3 ? 0 : along_k ? (COMETI_GEMM_BM + v.block_n) * 4 : (COMETI_GEMM_BM + 4) * 4);
+                 !e4m3 ? 0 : along_k ? (COMETI_GEMM_BM + v.block_n + 32) * 4 : (COMETI_GEMM_BM + 4) * 4);
         CHECK(cometi_gemm_scale_slot_bytes(v) % 16 == 0);
+        if (e4m3 && along_k) CHECK(check_col_scale_layout(v) == 0);
         /* SwiGLU tiles hold 128 gate and 128 up columns of one expert. */
         CHECK(!swiglu || (v.block_n == 256 && v.b_major == COMETI_GEMM_K_MAJOR && !along_k));
         /* The push stages its parts like C's boxes; fp32 adds go from the registers. */
@@ -1074,7 +1110,8 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
  * (C starts at random values). Then a group starting off the 128-row grid: the report
  * word names it (COMETI_SITE_WGRAD_SEGMENT). */
 /* The segments a weight-gradient row runs on: the shared routing's (one k block a group),
- * or long ones (up to 8 k blocks, more than the ring's stages, one of a single row). */
+ * or long ones (5 and 8 k blocks, more than the ring's stages, an odd and an even count for
+ * the pipelined 128-wide loop's two drains, and one of a single row). */
 typedef struct wgrad_segs {
     const cometi_segment_t *host;
     cometi_segment_t *dev;
@@ -1202,7 +1239,7 @@ static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
     if (gemm_setup(ctx, &s.err_host, &s.err_dev)) return 1;
     if (shared_open(&s, &rng)) return 1;
     const wgrad_segs_t short_segs = {s.segs_host, s.segs, s.a_rows, 0};
-    static const cometi_segment_t long_host[GROUPS] = {{0, 700}, {768, 0}, {768, 1000}, {1792, 1}};
+    static const cometi_segment_t long_host[GROUPS] = {{0, 600}, {768, 0}, {768, 1000}, {1792, 1}};
     wgrad_segs_t long_segs = {long_host, NULL, 1920, 1};
     CUDA_OK(cudaMalloc((void **)&long_segs.dev, sizeof(long_host)));
     CUDA_OK(cudaMemcpy(long_segs.dev, long_host, sizeof(long_host), cudaMemcpyHostToDevice));

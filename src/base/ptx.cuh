@@ -150,6 +150,15 @@ static __device__ __forceinline__ float2 lds_f32x2(const float *p) /* p 8-byte a
     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_u32(p)) : "memory");
     return v;
 }
+static __device__ __forceinline__ float4 lds_f32x4(const float *p) /* p 16-byte aligned */
+{
+    float4 v;
+    asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(smem_u32(p))
+                 : "memory");
+    return v;
+}
 static __device__ __forceinline__ void sts_f32(float *p, float v)
 {
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(smem_u32(p)), "f"(v) : "memory");

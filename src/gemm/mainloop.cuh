@@ -208,7 +208,8 @@ static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_arg
 #pragma unroll
             for (int j = 0; j < 4; j++) sts_f32(slot + lane + 32 * j, a[j]);
 #pragma unroll
-            for (int j = 0; j < BN / 32; j++) sts_f32(slot + COMETI_GEMM_BM + lane + 32 * j, b[j]);
+            for (int j = 0; j < BN / 32; j++) /* column lane + 32 j lies 8 j past column lane */
+                sts_f32(slot + COMETI_GEMM_BM + cometi_gemm_col_scale_pos(T, lane) + 8 * j, b[j]);
             mbar_arrive(&sm.full[pos->stage]); /* each lane's arrival releases its own stores */
             if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
         }
@@ -281,19 +282,23 @@ static __device__ __forceinline__ void promote_e4m3(float *acc, const float *par
     }
 }
 
-/* The weight gradients' promotion: acc += part x (row scale x column scale), each of this
- * thread's column pairs' B scales read from the stage's slot (`b_cols`: its first pair;
- * pair j is 8 columns further). Read into registers while the MMAs run instead, they cost
- * spills and 5-14% of the GEMM's time (docs/PERF-archive.md). */
+/* The weight gradients' promotion: acc += part x (row scale x column scale), this thread's
+ * column pairs' B scales read from the stage's slot (`b_cols`: its run's 32 scales of the
+ * half, pair j at 2 j; cometi_gemm_col_scale_pos), two pairs per 16-byte load. Read into
+ * registers while the MMAs run instead, they cost spills and 5-14% of the GEMM's time
+ * (docs/PERF-archive.md). */
 static __device__ __forceinline__ void promote_e4m3_cols(float *acc, const float *part, float s0, float s1,
                                                          const float *b_cols)
 {
 #pragma unroll
-    for (int j = 0; j < 16; j++) {
-        const float2 sb = lds_f32x2(b_cols + j * 8);
-        float *d = &acc[j * 4];
-        d[0] = fmaf(part[j * 4], s0 * sb.x, d[0]), d[1] = fmaf(part[j * 4 + 1], s0 * sb.y, d[1]);
-        d[2] = fmaf(part[j * 4 + 2], s1 * sb.x, d[2]), d[3] = fmaf(part[j * 4 + 3], s1 * sb.y, d[3]);
+    for (int i = 0; i < 8; i++) {
+        const float4 sb = lds_f32x4(b_cols + i * 4);
+        float *d = &acc[i * 8];
+        const float *c = &part[i * 8];
+        d[0] = fmaf(c[0], s0 * sb.x, d[0]), d[1] = fmaf(c[1], s0 * sb.y, d[1]);
+        d[2] = fmaf(c[2], s1 * sb.x, d[2]), d[3] = fmaf(c[3], s1 * sb.y, d[3]);
+        d[4] = fmaf(c[4], s0 * sb.z, d[4]), d[5] = fmaf(c[5], s0 * sb.w, d[5]);
+        d[6] = fmaf(c[6], s1 * sb.z, d[6]), d[7] = fmaf(c[7], s1 * sb.w, d[7]);
     }
 }
 
@@ -414,7 +419,7 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
             wgmma_wait<0>();
             if constexpr (WGRAD) {
                 promote_e4m3_cols(acc + h * 64, part, sa.a0, sa.a1,
-                                  slot + COMETI_GEMM_BM + h * 128 + (threadIdx.x % 4) * 2);
+                                  slot + COMETI_GEMM_BM + cometi_gemm_col_scale_pos(T, h * 128 + (threadIdx.x % 4) * 2));
                 if (h == HALVES - 1) {
                     /* The promotion read the slot after the wait: every warp of this warpgroup
                      * is past it before the one arrival releases the stage. */
