@@ -144,12 +144,6 @@ static __device__ __forceinline__ float lds_f32(const float *p)
     asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_u32(p)) : "memory");
     return v;
 }
-static __device__ __forceinline__ float2 lds_f32x2(const float *p) /* p 8-byte aligned */
-{
-    float2 v;
-    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_u32(p)) : "memory");
-    return v;
-}
 static __device__ __forceinline__ float4 lds_f32x4(const float *p) /* p 16-byte aligned */
 {
     float4 v;
