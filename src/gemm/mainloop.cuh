@@ -162,6 +162,19 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
     if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[prev]);
 }
 
+/* Groups along M: this lane's scales of k block kb, A's rows a_row + lane + 32 j (0 past A)
+ * and, where sb_ok, the B block's at sb. */
+static __device__ __forceinline__ void load_block_scales(const cometi_gemm_args_t &p, int lane, long long a_row, int kb,
+                                                         const float *sb, bool sb_ok, float *a, float *b)
+{
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const long long r = a_row + lane + 32 * j;
+        a[j] = r < p.a_rows ? __ldcg(p.a_scale + r * p.a_scale_row + kb * p.a_scale_block) : 0.0f;
+    }
+    *b = sb_ok ? __ldg(sb + kb) : 0.0f;
+}
+
 /* E4M3: the producer's scale warp (a warp of warpgroup 0), over k-steps [kb0, kb1) of tile
  * `tl` (A's first row a_row; a weight gradient: its group's first token row, a multiple of
  * 128): for each k block, once its stage is released, the A tile's 128 rows' scales and
@@ -223,14 +236,14 @@ static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_arg
              (long long)nb * p.b_scale_kb;
         sb_ok = nb < p.b_scale_blocks;
     }
+    /* Block kb + 1's loads are issued before block kb's wait and stores, so two blocks' loads
+     * are in flight where one was: with one, each stage's scales came an L2 round trip after
+     * the previous stage's, which under the GEMM's own traffic can exceed a stage's MMAs. */
+    float a[4], b;
+    load_block_scales(p, lane, a_row, kb0, sb, sb_ok, a, &b);
     for (int kb = kb0; kb < kb1; kb++) {
-        float a[4], b = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const long long r = a_row + lane + 32 * j;
-            a[j] = r < p.a_rows ? __ldcg(p.a_scale + r * p.a_scale_row + kb * p.a_scale_block) : 0.0f;
-        }
-        if (sb_ok) b = __ldg(sb + kb);
+        float a_next[4], b_next = 0.0f;
+        if (kb + 1 < kb1) load_block_scales(p, lane, a_row, kb + 1, sb, sb_ok, a_next, &b_next);
         mbar_wait(&sm.empty[pos->stage], pos->phase ^ 1, p.err, p.timeout_ns);
         float *slot = sm.scales + pos->stage * SLOT;
 #pragma unroll
@@ -238,6 +251,9 @@ static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_arg
         if (lane < HALVES) sts_f32(slot + COMETI_GEMM_BM + lane, b);
         mbar_arrive(&sm.full[pos->stage]); /* each lane's arrival releases its own stores */
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
+#pragma unroll
+        for (int j = 0; j < 4; j++) a[j] = a_next[j];
+        b = b_next;
     }
 }
 
