@@ -1,0 +1,111 @@
+"""DeepGEMM's SM90 FP8 grouped GEMM on the forward shapes `comet gemm --fp8` prints, so ours can
+be compared with the strongest public FP8 kernel on the same GPU. DeepGEMM is not part of
+comet: build it beside comet from its own repository (github.com/deepseek-ai/DeepGEMM, with
+its third-party cutlass and fmt), then point --deepgemm at that checkout.
+
+    python3 bench/deepgemm_gemm.py --deepgemm ../DeepGEMM [--tokens 8192] [--preset NAME,...]
+
+The GEMM is deep_gemm.m_grouped_fp8_fp4_gemm_nt_contiguous (its "1D2D" kernel on Hopper: E4M3,
+FP32 scales per 1 x 128 of a row and per 128 x 128 of a weight, as comet's; bf16 out), rows
+grouped by expert, each expert's rows as balanced routing of --tokens tokens on one GPU gives
+(a multiple of 128, as its contiguous layout asks). GEMM0 is x W13^T alone (comet's GEMM0 also
+runs the SwiGLU and quantizes the activation), GEMM1 act W2^T. Operands are random bf16,
+quantized by DeepGEMM's own test helpers; each output is checked against the bf16 product
+with DeepGEMM's measure 1 - 2 sum(xy) / sum(x^2 + y^2) (its tests' bound: 1e-3), after the
+output is poisoned with NaN. TFLOP/s = 2 rows n k / the median of 20 CUDA-event intervals
+after 3 warm-ups; DeepGEMM picks its own tile and cluster per shape (its JIT compiles each
+on first use, before the timing).
+
+Building DeepGEMM's extension where the default C++ compiler links its own libstdc++
+statically (a toolchain under /opt, say): build it with the system compiler (CXX=/usr/bin/g++),
+or the process holds two libstdc++ and the first GEMM segfaults in its host code (std::regex,
+an ostream of an integer).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+PRESETS = {  # name: (experts, top_k, hidden, ffn), as in src/layer/config.c
+    "mixtral-8x7b": (8, 2, 4096, 14336),
+    "phi-3.5-moe": (16, 2, 4096, 6400),
+    "qwen2-57b-a14b": (64, 8, 3584, 2560),
+    "qwen2-moe-2.7b": (64, 4, 2048, 1408),
+    "gpt-oss-120b": (128, 4, 2880, 2880),
+}
+
+
+def measure(x, y):
+    """DeepGEMM's accuracy measure: 0 for equal tensors, 1e-3 its tests' bound."""
+    x, y = x.double(), y.double()
+    return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
+
+
+def median_ms(fn, iters):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--deepgemm", required=True, help="DeepGEMM's checkout, its extension built")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--preset", default="all", help="names separated by commas, or all")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    names = list(PRESETS) if args.preset == "all" else args.preset.split(",")
+    for name in names:
+        if name not in PRESETS:
+            sys.exit(f"--preset {name}: not one of {', '.join(PRESETS)}")
+    root = os.path.abspath(args.deepgemm)
+    sys.path[:0] = [root, os.path.join(root, "tests")]
+    import deep_gemm
+    from generators import MajorTypeAB, cast_fp8_fp4_with_major, grouped_cast_fp8_fp4_with_major
+
+    align = deep_gemm.get_theoretical_mk_alignment_for_contiguous_layout()
+    deep_gemm.set_mk_alignment_for_contiguous_layout(align)
+    print(f"{torch.cuda.get_device_name()}, DeepGEMM {deep_gemm.__version__}, {deep_gemm.get_num_sms()} SMs; "
+          f"{args.tokens} tokens, balanced, rows per expert rounded up to {align}")
+    print(f"{'shape':24s} {'groups':>6s} {'rows':>6s} {'n':>6s} {'k':>6s} {'TFLOP/s':>8s} {'vs bf16':>9s}")
+    torch.manual_seed(0)
+    bad = 0
+    for name in names:
+        experts, top_k, hidden, ffn = PRESETS[name]
+        rows = (args.tokens * top_k // experts + align - 1) // align * align
+        for which, (n, k) in (("GEMM0", (2 * ffn, hidden)), ("GEMM1", (hidden, ffn))):
+            m = experts * rows
+            a = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+            b = torch.randn((experts, n, k), device="cuda", dtype=torch.bfloat16)
+            layout = torch.arange(experts, device="cuda", dtype=torch.int32).repeat_interleave(rows)
+            d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            a8 = cast_fp8_fp4_with_major(a, MajorTypeAB.KMajor, 128, False, False)
+            b8 = grouped_cast_fp8_fp4_with_major(b, MajorTypeAB.KMajor, 128, False, False,
+                                                 use_block_cast_for_fp8=True)
+
+            def run():
+                deep_gemm.m_grouped_fp8_fp4_gemm_nt_contiguous(a8, b8, d, layout, disable_ue8m0_cast=True,
+                                                               ensure_zero_padding=False)
+            run()
+            torch.cuda.synchronize()
+            ref = torch.cat([a[g * rows:(g + 1) * rows] @ b[g].t() for g in range(experts)])
+            diff = measure(d, ref)
+            wrong = not diff < 1e-3
+            bad |= wrong
+            tflops = 2 * m * n * k / (median_ms(run, args.iters) * 1e-3) / 1e12
+            print(f"{name + ' ' + which:24s} {experts:6d} {rows:6d} {n:6d} {k:6d} {tflops:8.0f} {diff:9.1e}"
+                  f"{'  WRONG' if wrong else ''}", flush=True)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
