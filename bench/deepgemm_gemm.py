@@ -27,33 +27,13 @@ import sys
 
 import torch
 
-PRESETS = {  # name: (experts, top_k, hidden, ffn), as in src/layer/config.c
-    "mixtral-8x7b": (8, 2, 4096, 14336),
-    "phi-3.5-moe": (16, 2, 4096, 6400),
-    "qwen2-57b-a14b": (64, 8, 3584, 2560),
-    "qwen2-moe-2.7b": (64, 4, 2048, 1408),
-    "gpt-oss-120b": (128, 4, 2880, 2880),
-}
+from torch_gemm import PRESETS, median_ms  # the presets' shapes, the timing torch's GEMMs get
 
 
 def measure(x, y):
     """DeepGEMM's accuracy measure: 0 for equal tensors, 1e-3 its tests' bound."""
     x, y = x.double(), y.double()
     return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
-
-
-def median_ms(fn, iters):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main():
