@@ -181,8 +181,10 @@ static __device__ __forceinline__ void load_block_scales(const cometi_gemm_args_
  * B's (groups along M: each half's block, SwiGLU's gate and up blocks of column tile tl.n
  * or a plain tile's 128-row blocks; along K: each of the tile's B rows') into the stage's
  * slot, then each lane's arrival on the stage's full barrier (beside the TMA thread's with
- * the bytes). Each block's loads are issued before the wait for its stage, so they are in
- * flight while the ring is full, off the consumers' mainloop. A scale that does not exist
+ * the bytes). Each block's loads are issued before the wait for its stage (along M a block
+ * earlier still, before the previous block's wait and stores; never past the unit, whose
+ * rows the dispatch role has seen arrive), so they are in flight while the ring is full,
+ * off the consumers' mainloop. A scale that does not exist
  * is 0 (a row past A, an n block past B: their products are never stored). A's through L2
  * (ld.global.cg): its rows may have been written by other ranks' dispatch while this
  * kernel runs, and L1 is not coherent (a line holding one row's scales can hold a
