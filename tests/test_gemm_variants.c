@@ -131,6 +131,17 @@ int test_gemm_variant_table(void)
                             : 0));
         CHECK(e4m3 || !cometi_gemm_quantizes(v.epilogue));
         CHECK(cometi_gemm_stage_bytes(v) == (cometi_gemm_tile_rows(v) + v.block_n) * 128);
+        /* The TMA store's staging: E4M3 bytes of the whole tile (quantizing), or bf16 boxes
+         * of 64 x 64, all of a warpgroup's at once or, where that would cost E4M3's long-k
+         * rows (along M) their fourth stage, one a round. */
+        const int boxes = cometi_gemm_store_boxes(v), all_boxes = cometi_gemm_out_cols(v) / 64;
+        CHECK(boxes >= 1 && all_boxes % boxes == 0);
+        CHECK_EQ(cometi_gemm_staging_bytes(v), v.store != COMETI_GEMM_STORE_TMA ? 0
+                                               : cometi_gemm_quantizes(v.epilogue)
+                                                   ? COMETI_GEMM_BM * cometi_gemm_out_cols(v)
+                                                   : COMETI_GEMM_BM * 64 * boxes * 2);
+        CHECK(boxes == all_boxes || (e4m3 && !along_k));
+        if (e4m3 && !along_k) CHECK_EQ(stages, COMETI_GEMM_MAX_STAGES);
         for (int j = 0; j < i; j++) {
             cometi_gemm_variant_t w = cometi_gemm_variants[j];
             CHECK(strcmp(w.name, v.name) != 0);

@@ -20,11 +20,6 @@
 #include "base/fp8.h"
 #include "base/ptx.cuh"
 
-/* The epilogue's staging in shared memory for 128 rows of `on` columns of `bytes` each: the
- * TMA store's swizzled boxes (C's, or the push's whole parts), 64 rows per consumer
- * warpgroup. */
-static __host__ __device__ constexpr uint32_t c_stage_bytes(int on, int bytes) { return COMETI_GEMM_BM * on * bytes; }
-
 /* Where 16-byte chunk j (8 columns) of staged row r goes among the TMA store's boxes of 64
  * rows x 128 bytes, 128B-swizzled: the chunk index XOR the row's low 3 bits (conflict-free,
  * and the layout the store reads). */
@@ -226,12 +221,14 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
                    : scale[h] * acc[(j) * 4 + 2 * (h) + (e)])
     /* Training: the gate and up projections kept beside the activation, for the backward. */
     const bool full_tile = tl.m * TM + TM <= seg.rows;
+    /* The TMA store's boxes a round (cometi_gemm_store_boxes), and this warpgroup's staging. */
+    constexpr int BOXES = cometi_gemm_store_boxes(T);
+    unsigned char *stage_c = sc + half * (BOXES * 8192);
     if (GU && TMA_EPILOGUE && p.gu_tma && full_tile)
-        keep_gate_up<BN, ON, ON / 64>(acc, p, map_gu, sc + half * (64 * ON * 2), tl, seg, part, half, true, row0,
-                                      lo_ok, hi_ok, col0, pairs);
+        keep_gate_up<BN, ON, BOXES>(acc, p, map_gu, stage_c, tl, seg, part, half, true, row0, lo_ok, hi_ok, col0,
+                                    pairs);
     else if (GU && p.gu)
-        keep_gate_up<BN, ON, ON / 64>(acc, p, map_gu, NULL, tl, seg, part, half, false, row0, lo_ok, hi_ok, col0,
-                                      pairs);
+        keep_gate_up<BN, ON, BOXES>(acc, p, map_gu, NULL, tl, seg, part, half, false, row0, lo_ok, hi_ok, col0, pairs);
     /* The push: the tile's rows go straight to their token owners' slots (gemm.h), over
      * NVLink for other ranks. If this warpgroup's 64 rows all go to consecutive slots of
      * one owner (one chunk: one owner at both ends of a full part, since a segment holds
@@ -264,32 +261,37 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
         return;
     }
     if (push_whole || (TMA_EPILOGUE && !(PUSH_OR_SPLITS ? p.push_dest : NULL) && !p.row_index && full_tile)) {
-        /* Into shared memory as ON/64 swizzled boxes (swizzled_chunk), then one thread
-         * stores the boxes asynchronously: to C, or to a push part's owner. */
-        unsigned char *stage_c = sc + half * (64 * ON * 2);
-        if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the previous tile's store has read it */
-        warpgroup_sync(1 + half);
+        /* Into shared memory as swizzled boxes (swizzled_chunk), BOXES at a time, then one
+         * thread stores them asynchronously: to C, or to a push part's owner. */
+        const int t_rank = p.combine.rank % p.combine.tp;
+        const CUtensorMap *map = push_whole ? &p.push_maps[push.first.x] : map_c;
+        const int row = push_whole ? (push.first.y - t_rank) / p.combine.tp /* in the map's rows */
+                                   : seg.start + part;
 #pragma unroll
-        for (int j = 0; j < ON / 8; j++) {
+        for (int round = 0; round < ON / 64 / BOXES; round++) {
+            if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the last store has read the staging */
+            warpgroup_sync(1 + half);
 #pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int r = r_lo + 8 * h;
-                __nv_bfloat162 v = __floats2bfloat162_rn(OUT(j, h, 0), OUT(j, h, 1));
-                unsigned char *dst = stage_c + swizzled_chunk(j, r) + (lane % 4) * 4;
-                asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&v) : "memory");
+            for (int j = 0; j < BOXES * 8; j++) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int r = r_lo + 8 * h, jt = round * BOXES * 8 + j; /* jt: the tile's chunk */
+                    __nv_bfloat162 v = __floats2bfloat162_rn(OUT(jt, h, 0), OUT(jt, h, 1));
+                    unsigned char *dst = stage_c + swizzled_chunk(j, r) + (lane % 4) * 4;
+                    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_u32(dst)), "r"(*(uint32_t *)&v) : "memory");
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
+            warpgroup_sync(1 + half);
+            /* (A partial last tile's boxes past n are clipped by the store: the maps end at n.) */
+            if (threadIdx.x % 128 == 0) {
+#pragma unroll
+                for (int box = 0; box < BOXES; box++)
+                    tma_store_2d(map, stage_c + box * 8192, tl.n * ON + (round * BOXES + box) * 64, row);
+                bulk_commit();
             }
         }
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
-        warpgroup_sync(1 + half);
         if (threadIdx.x % 128 == 0) {
-            const int t_rank = p.combine.rank % p.combine.tp;
-            const CUtensorMap *map = push_whole ? &p.push_maps[push.first.x] : map_c;
-            const int row = push_whole ? (push.first.y - t_rank) / p.combine.tp /* in the map's rows */
-                                       : seg.start + part;
-            /* (A partial last tile's boxes past n are clipped by the store: the maps end at n.) */
-#pragma unroll
-            for (int box = 0; box < ON / 64; box++) tma_store_2d(map, stage_c + box * 8192, tl.n * ON + box * 64, row);
-            bulk_commit();
             if (PUSH_OR_SPLITS && p.split_done) {
                 /* The split's readers load these rows with ordinary loads: a store must have
                  * landed, and the async proxy's writes be ordered before its count. Count

@@ -70,11 +70,9 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
      * per tile: 128 shared by both consumers, or 64 for one (ping-pong). */
     constexpr int ON = cometi_gemm_out_cols(T), TM = cometi_gemm_tile_rows(T), BK = cometi_gemm_bk(T);
     /* A stage holds 128 bytes of each row of A's and B's tiles (BK elements). */
-    constexpr uint32_t A_BYTES = TM * 128, B_BYTES = BN * 128,
-                       C_BYTES = TMA_EPILOGUE ? c_stage_bytes(ON, cometi_gemm_out_bytes(T)) : 0;
+    constexpr uint32_t A_BYTES = TM * 128, B_BYTES = BN * 128, C_BYTES = cometi_gemm_staging_bytes(T);
     /* The layout below is what variants.h sized the row's shared memory for. */
-    static_assert(A_BYTES + B_BYTES == (uint32_t)cometi_gemm_stage_bytes(T) &&
-                      C_BYTES == (uint32_t)cometi_gemm_staging_bytes(T),
+    static_assert(A_BYTES + B_BYTES == (uint32_t)cometi_gemm_stage_bytes(T) && (C_BYTES > 0) == TMA_EPILOGUE,
                   "the kernel's stages and staging as variants.h counts them");
     extern __shared__ unsigned char smem_raw[];
     unsigned char *smem = (unsigned char *)(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);

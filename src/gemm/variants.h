@@ -207,8 +207,9 @@ static COMETI_GEMM_TABLE_CONST cometi_gemm_variant_t cometi_gemm_variants[COMETI
 /* Rows of an A tile (and of the arrival counters' blocks), k per pipeline stage of bf16
  * (128 bytes of a row: one 128B-swizzled box; E4M3 takes 128 k, one scale block, in the
  * same bytes: cometi_gemm_bk), and the ring's depth at most. The stages a variant gets are
- * the most that fit its shared memory (cometi_gemm_stages), up to this: 4 is the depth
- * every row was measured with; the 128-wide tiles would fit 5 or 6. */
+ * the most that fit its shared memory (cometi_gemm_stages), up to this: 4, measured
+ * against 3 where a 256-wide tile's staging leaves room for 3 (cometi_gemm_store_boxes);
+ * the 128-wide tiles would fit 5 or 6. */
 #define COMETI_GEMM_BM COMETI_BLOCK_M
 #define COMETI_GEMM_BK 64
 /* The rows and columns of a block scale (E4M3): a row operand's 1 x 128, a weight's 128 x 128. */
@@ -292,11 +293,6 @@ COMETI_GEMM_FN int cometi_gemm_stage_bytes(cometi_gemm_variant_t v)
     return (cometi_gemm_tile_rows(v) * cometi_gemm_element_bytes(v.a_type) +
             v.block_n * cometi_gemm_element_bytes(v.b_type)) * cometi_gemm_bk(v);
 }
-/* The TMA store's staging: 128 rows of the tile's output columns. */
-COMETI_GEMM_FN int cometi_gemm_staging_bytes(cometi_gemm_variant_t v)
-{
-    return v.store == COMETI_GEMM_STORE_TMA ? COMETI_GEMM_BM * cometi_gemm_out_cols(v) * cometi_gemm_out_bytes(v) : 0;
-}
 /* Everything but the stages' boxes: the 1 KB alignment of the stages, the mbarriers (full
  * and empty per stage, the two ping-pong turns, the ticket ring's), the group table
  * (first_tile), the tickets and the last wave's plan (kernel.cuh lays them out). */
@@ -305,14 +301,42 @@ COMETI_GEMM_FN int cometi_gemm_fixed_bytes(int stages)
     return 1024 + (2 * stages + 2 + 2 * COMETI_GEMM_TICKETS) * 8 + (2 * COMETI_GEMM_MAX_GROUPS + 1) * 4 +
            COMETI_GEMM_TICKETS * 4 + 3 * 4;
 }
+/* Whether `stages` stages fit beside `staging` bytes of the epilogue's staging. */
+COMETI_GEMM_FN int cometi_gemm_ring_fits(cometi_gemm_variant_t v, int stages, int staging)
+{
+    return cometi_gemm_fixed_bytes(stages) + staging +
+               stages * (cometi_gemm_stage_bytes(v) + cometi_gemm_scale_slot_bytes(v)) <=
+           COMETI_GEMM_SMEM_LIMIT;
+}
+/* The bf16 TMA store's boxes of 64 rows x 64 columns (8 KB) a consumer warpgroup stages at
+ * a time: all its out_cols / 64 at once, except in E4M3's 256-wide tiles with groups along
+ * M, where their 64 KB would cost the ring its last stage: there one box a round, 16 KB in
+ * all. Their long k gains from the fourth stage (mixtral-8x7b's GEMM1 +2% on H100) what
+ * three rounds' waits for the store to read its box cost a short one (qwen2-moe-2.7b's
+ * data gradients 1%); the weight gradients' k, each expert's rows, lost 10% there, and
+ * bf16's cooperative 256-wide tiles gained nothing (its ping-pong ones gained 35% but
+ * stayed behind them). (The quantizing epilogue stages E4M3 bytes, a tile's 16 KB at
+ * once.) */
+COMETI_GEMM_FN int cometi_gemm_store_boxes(cometi_gemm_variant_t v)
+{
+    const int all = cometi_gemm_out_cols(v) / 64;
+    return v.a_type != COMETI_GEMM_E4M3 || v.along != COMETI_GEMM_GROUPS_ALONG_M || cometi_gemm_quantizes(v.epilogue) ||
+                   cometi_gemm_ring_fits(v, COMETI_GEMM_MAX_STAGES, COMETI_GEMM_BM * 64 * all * 2)
+               ? all
+               : 1;
+}
+/* The TMA store's staging: 128 rows of the tile's output columns, or of a round's boxes. */
+COMETI_GEMM_FN int cometi_gemm_staging_bytes(cometi_gemm_variant_t v)
+{
+    return v.store != COMETI_GEMM_STORE_TMA       ? 0
+           : cometi_gemm_quantizes(v.epilogue) ? COMETI_GEMM_BM * cometi_gemm_out_cols(v)
+                                                 : COMETI_GEMM_BM * 64 * cometi_gemm_store_boxes(v) * 2;
+}
 /* The ring's depth: the most stages that fit beside the staging, at most MAX_STAGES. */
 COMETI_GEMM_FN int cometi_gemm_stages(cometi_gemm_variant_t v)
 {
     int stages = COMETI_GEMM_MAX_STAGES;
-    while (stages > 1 && cometi_gemm_fixed_bytes(stages) + cometi_gemm_staging_bytes(v) +
-                                 stages * (cometi_gemm_stage_bytes(v) + cometi_gemm_scale_slot_bytes(v)) >
-                             COMETI_GEMM_SMEM_LIMIT)
-        stages--;
+    while (stages > 1 && !cometi_gemm_ring_fits(v, stages, cometi_gemm_staging_bytes(v))) stages--;
     return stages;
 }
 /* The file a row's kernel is compiled in (gemm_forward.cu, gemm_dgrad.cu, gemm_wgrad.cu,
