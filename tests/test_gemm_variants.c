@@ -274,6 +274,14 @@ int test_gemm_descriptions_resolve(void)
         if (st != COMET_SUCCESS || got != i) printf("%s: status %d, row %d: %s\n", v->name, (int)st, got, err);
         CHECK_EQ(st, COMET_SUCCESS);
         CHECK_EQ(got, i);
+        /* The tile order's bands: 16 row tiles for E4M3's 256-wide tiles along M, else 8,
+         * unless group_m says. */
+        const int e4m3_256_m = v->a_type == COMETI_GEMM_E4M3 && v->along == COMETI_GEMM_GROUPS_ALONG_M &&
+                               v->block_n == 256;
+        CHECK_EQ(cometi_gemm_band_rows(&g, v->block_n), e4m3_256_m ? 16 : 8);
+        g.launch.group_m = 5;
+        CHECK_EQ(cometi_gemm_band_rows(&g, v->block_n), 5);
+        g.launch.group_m = 0;
         /* With the store, schedule and width left to choose, a row of the same choices
          * otherwise: the TMA store where one is built. */
         g.out.store = COMETI_GEMM_STORE_AUTO, g.launch.schedule = 0, g.launch.block_n = 0;

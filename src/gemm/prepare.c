@@ -310,7 +310,7 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm push = %p: the push epilogue needs where its rows go, "
                            "the others take none", (const void *)g->out.push);
     if (g->launch.group_m < 0 || g->launch.group_m > 64)
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm group_m = %d: must be 0..64 (0: 8)",
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm group_m = %d: must be 0..64 (0: the format's default)",
                            g->launch.group_m);
     return COMET_SUCCESS;
 }
@@ -511,7 +511,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     args.k = along_k ? cometi_gemm_bk(*v) : k; /* along K: each group's own rows set its k */
     args.ldc = g->out.ldc;
     args.m_out = along_k ? m_out : 0;
-    args.group_m = g->launch.group_m ? g->launch.group_m : 8;
+    args.group_m = cometi_gemm_band_rows(g, v->block_n);
     args.b_group_rows = b_group_rows;
     args.row_scale = g->out.row_scale;
     args.row_index = g->out.row_index;

@@ -223,7 +223,8 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     d->rank = comm->rank;
     d->mode = knobs->dispatch_mode;
     d->wave_blocks = wave;
-    d->head_pieces = cometi_head_pieces(l->tp, 8 /* the GEMM's default group_m */, gemm_blocks, col_tiles);
+    d->head_pieces = cometi_head_pieces(l->tp, cometi_gemm_band_rows(&g, 256 /* SwiGLU's tiles */), gemm_blocks,
+                                         col_tiles);
     for (int p = 0; p < comm->size; p++) {
         d->recv[p] = l->recv.peer[p];
         d->arrive[p] = (unsigned long long *)l->arrive.peer[p];
