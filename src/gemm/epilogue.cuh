@@ -295,13 +295,13 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
             if (PUSH_OR_SPLITS && p.split_done) {
                 /* The split's readers load these rows with ordinary loads: a store must have
                  * landed, and the async proxy's writes be ordered before its count. Count
-                 * each store one tile late (wait for all but the newest), so the next tile's
-                 * MMAs never wait for a store to land; at a split's end, wait for all, so a
-                 * finished split is not held back by a tile. (TMA stores are whole tiles:
-                 * this warpgroup's 64 rows are all real.) */
+                 * each tile's stores one tile late (wait for all but this tile's rounds, a
+                 * group each), so the next tile's MMAs never wait for a store to land; at a
+                 * split's end, wait for all, so a finished split is not held back by a
+                 * tile. (TMA stores are whole tiles: this warpgroup's 64 rows are all real.) */
                 const int split = tl.n / split_tiles;
                 if (st->pending_split >= 0 && st->pending_split != split) bulk_wait();
-                else asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");
+                else asm volatile("cp.async.bulk.wait_group %0;" ::"n"(ON / 64 / BOXES) : "memory");
                 asm volatile("fence.proxy.async.global;" ::: "memory");
                 if (st->pending_split >= 0) cometi_red_release_gpu_add(&p.split_done[st->pending_split], 64ull);
                 st->pending_split = split;
