@@ -223,6 +223,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     const bool full_tile = tl.m * TM + TM <= seg.rows;
     /* The TMA store's boxes a round (cometi_gemm_store_boxes), and this warpgroup's staging. */
     constexpr int BOXES = cometi_gemm_store_boxes(T);
+    static_assert(!TMA_EPILOGUE || 2 * BOXES * 8192 <= cometi_gemm_staging_bytes(T), "two warpgroups' boxes fit");
     unsigned char *stage_c = sc + half * (BOXES * 8192);
     if (GU && TMA_EPILOGUE && p.gu_tma && full_tile)
         keep_gate_up<BN, ON, BOXES>(acc, p, map_gu, stage_c, tl, seg, part, half, true, row0, lo_ok, hi_ok, col0,
@@ -263,12 +264,9 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
     if (push_whole || (TMA_EPILOGUE && !(PUSH_OR_SPLITS ? p.push_dest : NULL) && !p.row_index && full_tile)) {
         /* Into shared memory as swizzled boxes (swizzled_chunk), BOXES at a time, then one
          * thread stores them asynchronously: to C, or to a push part's owner. */
-        const int t_rank = p.combine.rank % p.combine.tp;
-        const CUtensorMap *map = push_whole ? &p.push_maps[push.first.x] : map_c;
-        const int row = push_whole ? (push.first.y - t_rank) / p.combine.tp /* in the map's rows */
-                                   : seg.start + part;
+        constexpr int ROUNDS = ON / 64 / BOXES;
 #pragma unroll
-        for (int round = 0; round < ON / 64 / BOXES; round++) {
+        for (int round = 0; round < ROUNDS; round++) {
             if (threadIdx.x % 128 == 0) bulk_wait_read(); /* the last store has read the staging */
             warpgroup_sync(1 + half);
 #pragma unroll
@@ -283,16 +281,17 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
             }
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* generic writes -> TMA reads */
             warpgroup_sync(1 + half);
+            if (threadIdx.x % 128 != 0) continue;
+            const int t_rank = p.combine.rank % p.combine.tp;
+            const CUtensorMap *map = push_whole ? &p.push_maps[push.first.x] : map_c;
+            const int row = push_whole ? (push.first.y - t_rank) / p.combine.tp /* in the map's rows */
+                                       : seg.start + part;
             /* (A partial last tile's boxes past n are clipped by the store: the maps end at n.) */
-            if (threadIdx.x % 128 == 0) {
 #pragma unroll
-                for (int box = 0; box < BOXES; box++)
-                    tma_store_2d(map, stage_c + box * 8192, tl.n * ON + (round * BOXES + box) * 64, row);
-                bulk_commit();
-            }
-        }
-        if (threadIdx.x % 128 == 0) {
-            if (PUSH_OR_SPLITS && p.split_done) {
+            for (int box = 0; box < BOXES; box++)
+                tma_store_2d(map, stage_c + box * 8192, tl.n * ON + (round * BOXES + box) * 64, row);
+            bulk_commit();
+            if (PUSH_OR_SPLITS && p.split_done && round == ROUNDS - 1) {
                 /* The split's readers load these rows with ordinary loads: a store must have
                  * landed, and the async proxy's writes be ordered before its count. Count
                  * each tile's stores one tile late (wait for all but this tile's rounds, a
@@ -301,7 +300,7 @@ static __device__ __forceinline__ void store_tile(const float *acc, const cometi
                  * tile. (TMA stores are whole tiles: this warpgroup's 64 rows are all real.) */
                 const int split = tl.n / split_tiles;
                 if (st->pending_split >= 0 && st->pending_split != split) bulk_wait();
-                else asm volatile("cp.async.bulk.wait_group %0;" ::"n"(ON / 64 / BOXES) : "memory");
+                else asm volatile("cp.async.bulk.wait_group %0;" ::"n"(ROUNDS) : "memory");
                 asm volatile("fence.proxy.async.global;" ::: "memory");
                 if (st->pending_split >= 0) cometi_red_release_gpu_add(&p.split_done[st->pending_split], 64ull);
                 st->pending_split = split;
@@ -439,6 +438,8 @@ static __device__ __forceinline__ void store_tile_e4m3(const float *acc, const c
     constexpr int BN = T.block_n, TM = cometi_gemm_tile_rows(T), ON = cometi_gemm_out_cols(T);
     constexpr bool TMA_EPILOGUE = T.store == COMETI_GEMM_STORE_TMA;
     static_assert(ON == COMETI_GEMM_SCALE_BLOCK, "a tile's output columns are one scale block");
+    static_assert(!TMA_EPILOGUE || (2 * 64 * ON <= cometi_gemm_staging_bytes(T) && 2 * 8192 <= cometi_gemm_staging_bytes(T)),
+                  "two warpgroups' E4M3 rows, or bf16 boxes of the kept gate and up, fit the staging");
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const int r_lo = warp * 16 + lane / 4, row0 = part + r_lo;
     const bool ok[2] = {row0 < seg.rows, row0 + 8 < seg.rows};
