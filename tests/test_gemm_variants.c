@@ -278,6 +278,10 @@ int test_gemm_descriptions_resolve(void)
          * unless group_m says. */
         const int e4m3_256_m = v->a_type == COMETI_GEMM_E4M3 && v->along == COMETI_GEMM_GROUPS_ALONG_M &&
                                v->block_n == 256;
+        CHECK_EQ(cometi_gemm_block_n(&g), v->block_n);
+        cometi_gemm_t none = g;
+        none.out.epilogue = -1; /* no row has it */
+        CHECK_EQ(cometi_gemm_block_n(&none), 0);
         CHECK_EQ(cometi_gemm_band_rows(&g, v->block_n), e4m3_256_m ? 16 : 8);
         g.launch.group_m = 5;
         CHECK_EQ(cometi_gemm_band_rows(&g, v->block_n), 5);

@@ -226,6 +226,10 @@ static inline int cometi_gemm_band_rows(const cometi_gemm_t *g, int block_n)
     return g->a.type == COMETI_GEMM_E4M3 && g->problem.along == COMETI_GEMM_GROUPS_ALONG_M && block_n == 256 ? 16 : 8;
 }
 
+/* The tile width of the row the description resolves to (cometi_gemm_check's), 0 where none
+ * is built; before its roles' fields are filled, for what sizes itself by the tiles. */
+int cometi_gemm_block_n(const cometi_gemm_t *g);
+
 /* A checked GEMM with its tensor maps built, ready to launch (opaque; args.h). */
 #ifdef __cplusplus
 #define COMETI_ALIGN128 alignas(128)

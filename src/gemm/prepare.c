@@ -189,6 +189,13 @@ static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *ou
     return COMET_SUCCESS;
 }
 
+int cometi_gemm_block_n(const cometi_gemm_t *g)
+{
+    char err[COMETI_ERR_LEN];
+    int vi;
+    return resolve_variant(err, g, &vi) == COMET_SUCCESS ? cometi_gemm_variants[vi].block_n : 0;
+}
+
 /* ---- the checks ---- */
 
 /* The block scales: E4M3 operands need theirs, in range; bf16 ones take none. */

@@ -223,13 +223,13 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     d->rank = comm->rank;
     d->mode = knobs->dispatch_mode;
     d->wave_blocks = wave;
-    d->head_pieces = cometi_head_pieces(l->tp, cometi_gemm_band_rows(&g, 256 /* SwiGLU's tiles */), gemm_blocks,
+    g.roles.dispatch = &role; /* the row with the role, whose tiles set the band */
+    d->head_pieces = cometi_head_pieces(l->tp, cometi_gemm_band_rows(&g, cometi_gemm_block_n(&g)), gemm_blocks,
                                          col_tiles);
     for (int p = 0; p < comm->size; p++) {
         d->recv[p] = l->recv.peer[p];
         d->arrive[p] = (unsigned long long *)l->arrive.peer[p];
     }
-    g.roles.dispatch = &role;
     /* Check everything before the route: once it has run, peers expect this rank's rows
      * and its arrival totals have grown, so failing after it would leave them waiting. The
      * plan's arrays are allocated once, so the GEMM can be described before they are filled. */
