@@ -292,6 +292,7 @@ int test_gemm_descriptions_resolve(void)
         if (v->schedule == COMETI_GEMM_PINGPONG) g.launch.schedule = COMETI_GEMM_PINGPONG;
         CHECK_EQ(cometi_gemm_check(err, &g, &got), COMET_SUCCESS);
         const cometi_gemm_variant_t *w = &cometi_gemm_variants[got];
+        CHECK_EQ(cometi_gemm_block_n(&g), w->block_n); /* the width left to choose, as the check chose it */
         CHECK(w->epilogue == v->epilogue && w->roles == v->roles && w->along == v->along && w->b_major == v->b_major);
         int tma_built = 0;
         for (int j = 0; j < COMETI_GEMM_NUM_VARIANTS; j++) {
