@@ -321,16 +321,16 @@ COMETI_GEMM_FN int cometi_gemm_store_boxes(cometi_gemm_variant_t v)
 {
     const int all = cometi_gemm_out_cols(v) / 64;
     return v.a_type != COMETI_GEMM_E4M3 || v.along != COMETI_GEMM_GROUPS_ALONG_M || cometi_gemm_quantizes(v.epilogue) ||
-                   cometi_gemm_ring_fits(v, COMETI_GEMM_MAX_STAGES, COMETI_GEMM_BM * 64 * all * 2)
+                   cometi_gemm_ring_fits(v, COMETI_GEMM_MAX_STAGES, COMETI_GEMM_BM * 64 * all * cometi_gemm_out_bytes(v))
                ? all
                : 1;
 }
-/* The TMA store's staging: 128 rows of the tile's output columns, or of a round's boxes. */
+/* The TMA store's staging: 128 rows of a round's boxes (all the tile's output columns but
+ * where cometi_gemm_store_boxes takes one at a time). */
 COMETI_GEMM_FN int cometi_gemm_staging_bytes(cometi_gemm_variant_t v)
 {
-    return v.store != COMETI_GEMM_STORE_TMA       ? 0
-           : cometi_gemm_quantizes(v.epilogue) ? COMETI_GEMM_BM * cometi_gemm_out_cols(v)
-                                                 : COMETI_GEMM_BM * 64 * cometi_gemm_store_boxes(v) * 2;
+    return v.store != COMETI_GEMM_STORE_TMA ? 0
+                                            : COMETI_GEMM_BM * 64 * cometi_gemm_store_boxes(v) * cometi_gemm_out_bytes(v);
 }
 /* The ring's depth: the most stages that fit beside the staging, at most MAX_STAGES. */
 COMETI_GEMM_FN int cometi_gemm_stages(cometi_gemm_variant_t v)
