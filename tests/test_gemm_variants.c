@@ -278,10 +278,14 @@ int test_gemm_descriptions_resolve(void)
          * unless group_m says. */
         const int e4m3_256_m = v->a_type == COMETI_GEMM_E4M3 && v->along == COMETI_GEMM_GROUPS_ALONG_M &&
                                v->block_n == 256;
-        CHECK_EQ(cometi_gemm_block_n(&g), v->block_n);
+        int band = -1, across = -1;
+        cometi_gemm_tiling(&g, &band, &across);
+        CHECK_EQ(band, e4m3_256_m ? 16 : 8);
+        CHECK_EQ(across, (g.problem.n + cometi_gemm_out_cols(*v) - 1) / cometi_gemm_out_cols(*v));
         cometi_gemm_t none = g;
         none.out.epilogue = -1; /* no row has it */
-        CHECK_EQ(cometi_gemm_block_n(&none), 0);
+        cometi_gemm_tiling(&none, &band, &across);
+        CHECK(band == 0 && across == 0);
         CHECK_EQ(cometi_gemm_band_rows(&g, v->block_n), e4m3_256_m ? 16 : 8);
         g.launch.group_m = 5;
         CHECK_EQ(cometi_gemm_band_rows(&g, v->block_n), 5);
@@ -292,7 +296,9 @@ int test_gemm_descriptions_resolve(void)
         if (v->schedule == COMETI_GEMM_PINGPONG) g.launch.schedule = COMETI_GEMM_PINGPONG;
         CHECK_EQ(cometi_gemm_check(err, &g, &got), COMET_SUCCESS);
         const cometi_gemm_variant_t *w = &cometi_gemm_variants[got];
-        CHECK_EQ(cometi_gemm_block_n(&g), w->block_n); /* the width left to choose, as the check chose it */
+        cometi_gemm_tiling(&g, &band, &across); /* the width left to choose, as the check chose it */
+        CHECK_EQ(across, (g.problem.n + cometi_gemm_out_cols(*w) - 1) / cometi_gemm_out_cols(*w));
+        CHECK_EQ(band, cometi_gemm_band_rows(&g, w->block_n));
         CHECK(w->epilogue == v->epilogue && w->roles == v->roles && w->along == v->along && w->b_major == v->b_major);
         int tma_built = 0;
         for (int j = 0; j < COMETI_GEMM_NUM_VARIANTS; j++) {

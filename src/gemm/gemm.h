@@ -226,9 +226,11 @@ static inline int cometi_gemm_band_rows(const cometi_gemm_t *g, int block_n)
     return g->a.type == COMETI_GEMM_E4M3 && g->problem.along == COMETI_GEMM_GROUPS_ALONG_M && block_n == 256 ? 16 : 8;
 }
 
-/* The tile width of the row the description resolves to (cometi_gemm_check's), 0 where none
- * is built; before its roles' fields are filled, for what sizes itself by the tiles. */
-int cometi_gemm_block_n(const cometi_gemm_t *g);
+/* The tiling of the row the description resolves to (cometi_gemm_check's): its band of row
+ * tiles (cometi_gemm_band_rows) and its output's column tiles (n over the tile's output
+ * columns: SwiGLU's 256-wide tiles give 128); both 0 where no row is built. Before the
+ * roles' fields are filled, for what sizes itself by the tiles (the dispatch's head). */
+void cometi_gemm_tiling(const cometi_gemm_t *g, int *band_rows, int *col_tiles);
 
 /* A checked GEMM with its tensor maps built, ready to launch (opaque; args.h). */
 #ifdef __cplusplus

@@ -189,11 +189,16 @@ static comet_status_t resolve_variant(char *err, const cometi_gemm_t *g, int *ou
     return COMET_SUCCESS;
 }
 
-int cometi_gemm_block_n(const cometi_gemm_t *g)
+void cometi_gemm_tiling(const cometi_gemm_t *g, int *band_rows, int *col_tiles)
 {
     char err[COMETI_ERR_LEN];
     int vi;
-    return resolve_variant(err, g, &vi) == COMET_SUCCESS ? cometi_gemm_variants[vi].block_n : 0;
+    *band_rows = *col_tiles = 0;
+    if (resolve_variant(err, g, &vi) != COMET_SUCCESS) return;
+    const cometi_gemm_variant_t v = cometi_gemm_variants[vi];
+    const int cols = cometi_gemm_out_cols(v);
+    *band_rows = cometi_gemm_band_rows(g, v.block_n);
+    *col_tiles = (g->problem.n + cols - 1) / cols;
 }
 
 /* ---- the checks ---- */

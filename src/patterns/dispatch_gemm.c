@@ -192,7 +192,8 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     /* The first wave (tp 1, tune.h): row blocks of the first expert on the side stream,
      * beside the exchange; the fused GEMM sees the segments without them.
      * cometi_first_rows_allowed says where it cannot run (more route chunks than its table
-     * holds, rows not 16-byte vectors): then none. */
+     * holds, rows not 16-byte vectors): then none. It runs in the forward alone, whose
+     * SwiGLU tiles have 128 output columns. */
     const int col_tiles = (l->ffn + 127) / 128, gemm_blocks = comm->sm_count - dispatch_blocks;
     int wave = cometi_first_wave_blocks(knobs->first_wave, (int)cometi_param_int(COMETI_PARAM_FIRST_WAVE), l->tp,
                                         comm->sm_count, dispatch_blocks, col_tiles);
@@ -223,9 +224,10 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     d->rank = comm->rank;
     d->mode = knobs->dispatch_mode;
     d->wave_blocks = wave;
-    g.roles.dispatch = &role; /* the row with the role, whose tiles set the band */
-    d->head_pieces = cometi_head_pieces(l->tp, cometi_gemm_band_rows(&g, cometi_gemm_block_n(&g)), gemm_blocks,
-                                         col_tiles);
+    g.roles.dispatch = &role; /* the row with the role, whose tiles set the head */
+    int band_rows, tiles_across;
+    cometi_gemm_tiling(&g, &band_rows, &tiles_across);
+    d->head_pieces = cometi_head_pieces(l->tp, band_rows, gemm_blocks, tiles_across);
     for (int p = 0; p < comm->size; p++) {
         d->recv[p] = l->recv.peer[p];
         d->arrive[p] = (unsigned long long *)l->arrive.peer[p];
