@@ -308,6 +308,11 @@ COMETI_GEMM_FN int cometi_gemm_ring_fits(cometi_gemm_variant_t v, int stages, in
                stages * (cometi_gemm_stage_bytes(v) + cometi_gemm_scale_slot_bytes(v)) <=
            COMETI_GEMM_SMEM_LIMIT;
 }
+/* 128 rows of `boxes` boxes of 64 output columns: the staging a round of them takes. */
+COMETI_GEMM_FN int cometi_gemm_boxes_bytes(cometi_gemm_variant_t v, int boxes)
+{
+    return COMETI_GEMM_BM * 64 * boxes * cometi_gemm_out_bytes(v);
+}
 /* The bf16 TMA store's boxes of 64 rows x 64 columns (8 KB) a consumer warpgroup stages at
  * a time: all its out_cols / 64 at once, except in E4M3's 256-wide tiles with groups along
  * M, where their 64 KB would cost the ring its last stage: there one box a round, 16 KB in
@@ -321,7 +326,7 @@ COMETI_GEMM_FN int cometi_gemm_store_boxes(cometi_gemm_variant_t v)
 {
     const int all = cometi_gemm_out_cols(v) / 64;
     return v.a_type != COMETI_GEMM_E4M3 || v.along != COMETI_GEMM_GROUPS_ALONG_M || cometi_gemm_quantizes(v.epilogue) ||
-                   cometi_gemm_ring_fits(v, COMETI_GEMM_MAX_STAGES, COMETI_GEMM_BM * 64 * all * cometi_gemm_out_bytes(v))
+                   cometi_gemm_ring_fits(v, COMETI_GEMM_MAX_STAGES, cometi_gemm_boxes_bytes(v, all))
                ? all
                : 1;
 }
@@ -329,8 +334,7 @@ COMETI_GEMM_FN int cometi_gemm_store_boxes(cometi_gemm_variant_t v)
  * where cometi_gemm_store_boxes takes one at a time). */
 COMETI_GEMM_FN int cometi_gemm_staging_bytes(cometi_gemm_variant_t v)
 {
-    return v.store != COMETI_GEMM_STORE_TMA ? 0
-                                            : COMETI_GEMM_BM * 64 * cometi_gemm_store_boxes(v) * cometi_gemm_out_bytes(v);
+    return v.store != COMETI_GEMM_STORE_TMA ? 0 : cometi_gemm_boxes_bytes(v, cometi_gemm_store_boxes(v));
 }
 /* The ring's depth: the most stages that fit beside the staging, at most MAX_STAGES. */
 COMETI_GEMM_FN int cometi_gemm_stages(cometi_gemm_variant_t v)
