@@ -13,6 +13,12 @@
 #include "base/types.h"
 
 #define QUANTIZE_THREADS 256
+/* Blocks an SM the transposing kernels keep (their __launch_bounds__): left to itself,
+ * ptxas holds staged_pieces4's 16 words beside the tile's values and goes past the
+ * registers of 3 blocks (quantize.cu's, 72-80 registers) or 2 (SwiGLU's FP8 tile kernel,
+ * 128 and a 36-byte spill instead of 174). */
+#define QUANTIZE_T_BLOCKS 3
+#define DSWIGLU_T_BLOCKS 2
 #define QUANTIZE_WARPS (QUANTIZE_THREADS / 32)
 
 /* The NaN-propagating max of two pairs of bf16, half by half (bf16 max is exact: the
@@ -80,17 +86,26 @@ static __device__ __forceinline__ int staged_at(int row, int col)
     return row * COMETI_FP8_BLOCK + (((col / 4) ^ (row / 16 * 4)) * 4 | (col % 4));
 }
 
-/* Rows 16 piece .. 16 piece + 15 of the staged tile's column tc: 16 bytes of a qt row. */
-static __device__ __forceinline__ uint4 staged_piece(const uint8_t *staged, int piece, int tc)
+/* Rows 16 piece .. 16 piece + 15 of the staged tile's columns 4 w .. 4 w + 3: a 16-byte
+ * piece of each of four qt rows. Each row's word of those four columns is read once (16
+ * loads), and each 4 x 4 block of bytes transposed with byte permutes (8 a block), where
+ * gathering a byte at a time took 64 loads and as many shifts. Across a warp (w: 4 values,
+ * piece: 8) the words fall in 32 different banks. */
+static __device__ __forceinline__ void staged_pieces4(const uint8_t *staged, int piece, int w, uint4 *out)
 {
-    uint32_t word[4];
+    uint32_t col[4][4]; /* [column][4-row group]: rows 4 g .. 4 g + 3 of the piece, first lowest */
 #pragma unroll
-    for (int k = 0; k < 4; k++) {
-        word[k] = 0;
+    for (int g = 0; g < 4; g++) {
+        uint32_t r[4];
 #pragma unroll
-        for (int b = 0; b < 4; b++) word[k] |= (uint32_t)staged[staged_at(piece * 16 + k * 4 + b, tc)] << (8 * b);
+        for (int k = 0; k < 4; k++) r[k] = *(const uint32_t *)(staged + staged_at(piece * 16 + g * 4 + k, w * 4));
+        const uint32_t lo01 = __byte_perm(r[0], r[1], 0x5140), lo23 = __byte_perm(r[2], r[3], 0x5140);
+        const uint32_t hi01 = __byte_perm(r[0], r[1], 0x7362), hi23 = __byte_perm(r[2], r[3], 0x7362);
+        col[0][g] = __byte_perm(lo01, lo23, 0x5410), col[1][g] = __byte_perm(lo01, lo23, 0x7632);
+        col[2][g] = __byte_perm(hi01, hi23, 0x5410), col[3][g] = __byte_perm(hi01, hi23, 0x7632);
     }
-    return make_uint4(word[0], word[1], word[2], word[3]);
+#pragma unroll
+    for (int c = 0; c < 4; c++) out[c] = make_uint4(col[c][0], col[c][1], col[c][2], col[c][3]);
 }
 
 /* Eight E4M3 values (8 bytes, the first column lowest) times their row's scale: exact
@@ -179,17 +194,21 @@ static __device__ __forceinline__ void tile_column_scales(float *amax, float (*w
 }
 
 /* The staged tile out, transposed: column tc's 128 rows to qt row first_col + tc, from
- * column r0 on (columns at or past cols: none). Barriers on both sides: the staging is
- * whole before it is read, and read before the next tile writes it (and warp_amax too). */
+ * column r0 on (columns at or past cols: none). A thread takes rows 16 (t % 8) .. + 15 of
+ * columns 4 (t / 8) .. + 3, so 8 lanes side by side write 128 bytes of a qt row. Barriers
+ * on both sides: the staging is whole before it is read, and read before the next tile
+ * writes it (and warp_amax too). */
+static_assert(TILE_PIECES == 4 * QUANTIZE_THREADS, "a thread stores four pieces of the tile");
 static __device__ __forceinline__ void tile_store_t(const uint8_t *staged, uint8_t *qt, long long ldq, int first_col,
                                                     int cols, long long r0)
 {
     __syncthreads();
-    for (int i = threadIdx.x; i < TILE_PIECES; i += QUANTIZE_THREADS) {
-        const int piece = i % 8, tc = i / 8; /* rows 16 piece .. 16 piece + 15 of column tc */
-        if (first_col + tc >= cols) continue;
-        *(uint4 *)(qt + (long long)(first_col + tc) * ldq + r0 + piece * 16) = staged_piece(staged, piece, tc);
-    }
+    const int piece = threadIdx.x % 8, w = threadIdx.x / 8;
+    uint4 out[4];
+    staged_pieces4(staged, piece, w, out);
+#pragma unroll
+    for (int c = 0; c < 4; c++)
+        if (first_col + 4 * w + c < cols) *(uint4 *)(qt + (long long)(first_col + 4 * w + c) * ldq + r0 + piece * 16) = out[c];
     __syncthreads();
 }
 

@@ -101,10 +101,10 @@ extern "C" cudaError_t cometi_quantize_rows_e4m3(const void *x, int64_t rows, in
  * TRANSPOSED: the tile's bytes also go through shared memory to qt, W^T's rows (a column
  * of the tile is 128 bytes of a qt row). The staging is 128 rows of 128 bytes whose 4-byte
  * words are swizzled by row / 16 (word ^ 4 (row / 16)), so the transposing reads, 16 rows
- * apart across a warp's lanes, fall in 8 different banks. A lane gathers 16 rows of one
- * column (a 16-byte piece of a qt row); 8 lanes side by side write one qt row's 128 bytes. */
+ * apart, fall in different banks. A lane gathers 16 rows of four columns (staged_pieces4:
+ * a 16-byte piece of four qt rows); 8 lanes side by side write a qt row's 128 bytes. */
 template <bool TRANSPOSED>
-static __global__ void __launch_bounds__(QUANTIZE_THREADS)
+static __global__ void __launch_bounds__(QUANTIZE_THREADS, QUANTIZE_T_BLOCKS)
 quantize_blocks_kernel(const uint16_t *__restrict__ w, long long mats, int rows, int cols, uint8_t *__restrict__ q,
                        float *__restrict__ scales, uint8_t *__restrict__ qt, float *__restrict__ scales_t, int pow2,
                        int row_tiles, int col_tiles)
@@ -149,11 +149,15 @@ quantize_blocks_kernel(const uint16_t *__restrict__ w, long long mats, int rows,
         if (q && threadIdx.x == 0) scales[t] = scale; /* [mats][row_tiles][col_tiles]: tile t's */
         if (TRANSPOSED) {
             __syncthreads(); /* the tile's bytes are staged */
-            for (int i = threadIdx.x; i < TILE_PIECES; i += QUANTIZE_THREADS) {
-                const int piece = i % 8, tc = i / 8; /* rows 16 piece .. 16 piece + 15 of column tc */
-                const int r0 = rt * COMETI_FP8_BLOCK + piece * 16, cc = ct * COMETI_FP8_BLOCK + tc;
-                if (r0 >= rows || cc >= cols) continue; /* rows % 16 == 0: a piece is all in or all out */
-                *(uint4 *)(qt + m * rows * (long long)cols + (long long)cc * rows + r0) = staged_piece(staged, piece, tc);
+            const int piece = threadIdx.x % 8, w = threadIdx.x / 8; /* as tile_store_t's */
+            const int r0 = rt * COMETI_FP8_BLOCK + piece * 16;
+            uint4 out[4];
+            staged_pieces4(staged, piece, w, out);
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int cc = ct * COMETI_FP8_BLOCK + 4 * w + k;
+                if (r0 < rows && cc < cols) /* rows % 16 == 0: a piece is all in or all out */
+                    *(uint4 *)(qt + m * rows * (long long)cols + (long long)cc * rows + r0) = out[k];
             }
             if (threadIdx.x == 0) scales_t[(m * col_tiles + ct) * row_tiles + rt] = scale; /* [mats][col_tiles][row_tiles] */
             __syncthreads(); /* the staging is read before the next tile writes it */
@@ -191,7 +195,7 @@ extern "C" cudaError_t cometi_quantize_blocks_e4m3(const void *w, int64_t mats, 
  * columns (as the dispatch delivers them, or the forward keeps them), dequantized in fp32
  * first (DeepSeek-V3's 1 x 128 to 128 x 1 requantization); else bf16. */
 template <bool E4M3_IN>
-static __global__ void __launch_bounds__(QUANTIZE_THREADS)
+static __global__ void __launch_bounds__(QUANTIZE_THREADS, QUANTIZE_T_BLOCKS)
 quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const float *__restrict__ x_scales,
                            long long xs_row, long long xs_block, int cols, const cometi_segment_t *segs, int groups,
                            uint8_t *__restrict__ qt, long long ldq, float *__restrict__ scales,

@@ -93,7 +93,7 @@ static __device__ __forceinline__ uint4 gu_bf16(uint4 v)
  * and ffn + f (up). Rows of the block past its segment's end (or past `rows`) are zeros;
  * a block in no segment is not written (quantize_segments_t_kernel's contract). */
 template <bool GU8>
-static __global__ void __launch_bounds__(QUANTIZE_THREADS)
+static __global__ void __launch_bounds__(QUANTIZE_THREADS, DSWIGLU_T_BLOCKS)
 swiglu_backward_t_kernel(const void *__restrict__ h, const float *__restrict__ h_scales, long long h_ld,
                          const uint16_t *__restrict__ s,
                          const float *__restrict__ w_rows, int ffn, const cometi_segment_t *segs, int groups,
