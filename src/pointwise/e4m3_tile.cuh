@@ -207,8 +207,10 @@ static __device__ __forceinline__ void tile_store_t(const uint8_t *staged, uint8
     uint4 out[4];
     staged_pieces4(staged, piece, w, out);
 #pragma unroll
-    for (int c = 0; c < 4; c++)
-        if (first_col + 4 * w + c < cols) *(uint4 *)(qt + (long long)(first_col + 4 * w + c) * ldq + r0 + piece * 16) = out[c];
+    for (int c = 0; c < 4; c++) {
+        const int row = first_col + 4 * w + c; /* qt's */
+        if (row < cols) *(uint4 *)(qt + (long long)row * ldq + r0 + piece * 16) = out[c];
+    }
     __syncthreads();
 }
 
