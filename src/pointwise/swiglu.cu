@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "pointwise/pointwise.h"
+#include "pointwise/dswiglu.cuh"
 
 /* act[r][f] = silu(h[r][f]) * h[r][F + f] over the rows of each expert's segment;
  * blockIdx.y is the local expert, padding rows are skipped. */
@@ -57,7 +58,7 @@ extern "C" cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, c
  * (dy unweighted) and the row's weight w:
  *   a = silu(g) u,  dw = <s, a> (fp32, this rank's ffn columns; a fixed order: the same
  *   bits every run),  da = w s,  dh = [da u silu'(g), da silu(g)],
- * and sa overwritten with w a, so that dW2 = dy^T (w a). silu'(g) = sig(g) (1 + g (1 - sig(g))). */
+ * and sa overwritten with w a, so that dW2 = dy^T (w a) (each element: dswiglu.cuh). */
 #define DSWIGLU_THREADS 256
 static __global__ void __launch_bounds__(DSWIGLU_THREADS)
 swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *sa, __nv_bfloat16 *dh, int ffn,
@@ -77,23 +78,21 @@ swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *sa, __nv_bfloat16 
             const uint4 s4 = *(const uint4 *)(sa + row * ffn + f);
             const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
                                  *s = (const __nv_bfloat162 *)&s4;
-            uint4 dg4, du4, a4;
-            __nv_bfloat162 *dg = (__nv_bfloat162 *)&dg4, *du = (__nv_bfloat162 *)&du4, *wa = (__nv_bfloat162 *)&a4;
+            uint32_t dg[4], du[4], wa[4]; /* words, so each goes out as one 16-byte store */
 #pragma unroll
             for (int q = 0; q < 4; q++) {
                 const float2 gf = __bfloat1622float2(g[q]), uf = __bfloat1622float2(u[q]), sf = __bfloat1622float2(s[q]);
-                const float sx = 1.0f / (1.0f + expf(-gf.x)), sy = 1.0f / (1.0f + expf(-gf.y));
-                const float silu_x = gf.x * sx, silu_y = gf.y * sy, ax = silu_x * uf.x, ay = silu_y * uf.y;
-                const float dax = w * sf.x, day = w * sf.y;
-                dot += sf.x * ax + sf.y * ay;
-                dg[q] = __floats2bfloat162_rn(dax * uf.x * sx * (1.0f + gf.x * (1.0f - sx)),
-                                              day * uf.y * sy * (1.0f + gf.y * (1.0f - sy)));
-                du[q] = __floats2bfloat162_rn(dax * silu_x, day * silu_y);
-                wa[q] = __floats2bfloat162_rn(w * ax, w * ay);
+                const dswiglu_t x = dswiglu(gf.x, uf.x, sf.x, w), y = dswiglu(gf.y, uf.y, sf.y, w);
+                dot += sf.x * x.a + sf.y * y.a;
+                dg[q] = bf16x2_bits(x.dg, y.dg);
+                du[q] = bf16x2_bits(x.du, y.du);
+                wa[q] = bf16x2_bits(x.wa, y.wa);
             }
+            const uint4 dg4 = make_uint4(dg[0], dg[1], dg[2], dg[3]), du4 = make_uint4(du[0], du[1], du[2], du[3]),
+                        a4 = make_uint4(wa[0], wa[1], wa[2], wa[3]);
             /* Read before written, element by element: h and dh may be one buffer (the fused path's). */
-            *(uint4 *)(dh + row * 2 * ffn + f) = dg4;
-            *(uint4 *)(dh + row * 2 * ffn + ffn + f) = du4;
+            ((uint4 *)dh)[(row * 2 * ffn + f) / 8] = dg4;
+            ((uint4 *)dh)[(row * 2 * ffn + ffn + f) / 8] = du4;
             *(uint4 *)(sa + row * ffn + f) = a4;
         }
         for (int off = 16; off > 0; off /= 2) dot += __shfl_down_sync(0xffffffffu, dot, off);

@@ -5,7 +5,7 @@
  *                                quantized along the tokens (128 x 1 blocks);
  *   swiglu_backward_rows_kernel  dh's rows quantized 1 x 128 (the dgrad GEMM of W13 reads
  *                                them) over s's bytes, and <s, a> for d topk_weights.
- * Both compute the same values as swiglu.cu's bf16 backward (dswiglu below, each value
+ * Both compute the same values as swiglu.cu's bf16 backward (dswiglu.cuh, each value
  * rounded to bf16 as that kernel stores it), then quantize them as quantize.cu's
  * kernels quantize bf16 rows: the FP8 operands are those the bf16 backward and the casts
  * would make, bit for bit, in half the traffic (each reads [g u] and s once; the four
@@ -18,26 +18,8 @@
 
 #include "base/fp8.h"
 #include "pointwise/pointwise.h"
+#include "pointwise/dswiglu.cuh"
 #include "pointwise/e4m3_tile.cuh"
-
-/* One element of SwiGLU's backward, as swiglu_backward_kernel computes it: from g, u, s =
- * (dy W2) and the row's weight w, dg and du (dh = [dg du] of da = w s), w a, and a =
- * silu(g) u for <s, a>. */
-typedef struct dswiglu {
-    float dg, du, wa, a;
-} dswiglu_t;
-
-static __device__ __forceinline__ dswiglu_t dswiglu(float g, float u, float s, float w)
-{
-    const float sg = 1.0f / (1.0f + expf(-g));
-    const float silu = g * sg, a = silu * u, da = w * s;
-    dswiglu_t r;
-    r.dg = da * u * sg * (1.0f + g * (1.0f - sg));
-    r.du = da * silu;
-    r.wa = w * a;
-    r.a = a;
-    return r;
-}
 
 /* Eight columns of one row (16-byte loads of g, u and s) -> dg, du and w a, eight bf16 each
  * (the first column in the low half of .x). */
