@@ -16,6 +16,11 @@ output is poisoned with NaN. TFLOP/s = 2 rows n k / the median of 20 CUDA-event 
 after 3 warm-ups; DeepGEMM picks its own tile and cluster per shape (its JIT compiles each
 on first use, before the timing).
 
+--wgrad times its k-grouped weight-gradient GEMM instead (deep_gemm.k_grouped_fp8_gemm_nt_contiguous,
+its "1D1D" kernel: both operands E4M3 with FP32 scales per 128 tokens of each row, K-major, the
+groups along K; FP32 out, added to C): dW2 (m = hidden, n = ffn) and dW13 (m = 2 ffn, n =
+hidden), each expert's K its rows, beside `comet gemm --fp8`'s weight-gradient table (ours
+writes bf16 there; its FP32-adding variant is what the layer runs into main_grad).
 Building DeepGEMM's extension where the default C++ compiler links its own libstdc++
 statically (a toolchain under /opt, say): build it with the system compiler (CXX=/usr/bin/g++),
 or the process holds two libstdc++ and the first GEMM segfaults in its host code (std::regex,
@@ -42,6 +47,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--preset", default="all", help="names separated by commas, or all")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--wgrad", action="store_true", help="the weight gradients' k-grouped GEMM instead")
     args = ap.parse_args()
     names = list(PRESETS) if args.preset == "all" else args.preset.split(",")
     for name in names:
@@ -50,18 +56,38 @@ def main():
     root = os.path.abspath(args.deepgemm)
     sys.path[:0] = [root, os.path.join(root, "tests")]
     import deep_gemm
-    from generators import MajorTypeAB, cast_fp8_fp4_with_major, grouped_cast_fp8_fp4_with_major
+    from generators import (MajorTypeAB, cast_fp8_fp4_with_major, generate_k_grouped_contiguous,
+                            grouped_cast_fp8_fp4_with_major)
 
     align = deep_gemm.get_theoretical_mk_alignment_for_contiguous_layout()
     deep_gemm.set_mk_alignment_for_contiguous_layout(align)
     print(f"{torch.cuda.get_device_name()}, DeepGEMM {deep_gemm.__version__}, {deep_gemm.get_num_sms()} SMs; "
           f"{args.tokens} tokens, balanced, rows per expert rounded up to {align}")
-    print(f"{'shape':24s} {'groups':>6s} {'rows':>6s} {'n':>6s} {'k':>6s} {'TFLOP/s':>8s} {'vs bf16':>9s}")
+    dims = ("m", "n") if args.wgrad else ("n", "k")
+    print(f"{'shape':24s} {'groups':>6s} {'rows':>6s} {dims[0]:>6s} {dims[1]:>6s} {'TFLOP/s':>8s} {'vs bf16':>9s}")
     torch.manual_seed(0)
     bad = 0
     for name in names:
         experts, top_k, hidden, ffn = PRESETS[name]
         rows = (args.tokens * top_k // experts + align - 1) // align * align
+        if args.wgrad:
+            for which, (m, n) in (("dW2", (hidden, ffn)), ("dW13", (2 * ffn, hidden))):
+                ks = [rows] * experts
+                _, a8, b8, c, d, ref, layout, _ = generate_k_grouped_contiguous(
+                    experts, m, n, MajorTypeAB.KMajor, MajorTypeAB.KMajor, ks)
+                ref -= c  # its reference adds C; d is C, and each call adds the product to it
+                d.zero_()
+                def run():
+                    deep_gemm.k_grouped_fp8_gemm_nt_contiguous(a8, b8, d, ks, layout, d, recipe=(1, 1, 128))
+                run()
+                torch.cuda.synchronize()
+                diff = measure(d, ref)
+                wrong = not diff < 1e-3
+                bad |= wrong
+                tflops = 2 * m * n * rows * experts / (median_ms(run, args.iters) * 1e-3) / 1e12
+                print(f"{name + ' ' + which:24s} {experts:6d} {rows:6d} {m:6d} {n:6d} {tflops:8.0f} {diff:9.1e}"
+                      f"{'  WRONG' if wrong else ''}", flush=True)
+            continue
         for which, (n, k) in (("GEMM0", (2 * ffn, hidden)), ("GEMM1", (hidden, ffn))):
             m = experts * rows
             a = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
