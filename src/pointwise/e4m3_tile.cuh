@@ -194,13 +194,14 @@ static __device__ __forceinline__ void tile_column_scales(float *amax, float (*w
 }
 
 /* The staged tile out, transposed: column tc's 128 rows to qt row first_col + tc, from
- * column r0 on (columns at or past cols: none). A thread takes rows 16 (t % 8) .. + 15 of
- * columns 4 (t / 8) .. + 3, so 8 lanes side by side write 128 bytes of a qt row. Barriers
- * on both sides: the staging is whole before it is read, and read before the next tile
- * writes it (and warp_amax too). */
+ * column r0 on (columns at or past cols: none), the first `pieces` 16-row pieces of them
+ * (8 but in a weight's last row tile, whose rows are a multiple of 16). A thread takes
+ * rows 16 (t % 8) .. + 15 of columns 4 (t / 8) .. + 3, so 8 lanes side by side write 128
+ * bytes of a qt row. Barriers on both sides: the staging is whole before it is read, and
+ * read before the next tile writes it (and warp_amax too). */
 static_assert(TILE_PIECES == 4 * QUANTIZE_THREADS, "a thread stores four pieces of the tile");
 static __device__ __forceinline__ void tile_store_t(const uint8_t *staged, uint8_t *qt, long long ldq, int first_col,
-                                                    int cols, long long r0)
+                                                    int cols, long long r0, int pieces)
 {
     __syncthreads();
     const int piece = threadIdx.x % 8, w = threadIdx.x / 8;
@@ -209,7 +210,7 @@ static __device__ __forceinline__ void tile_store_t(const uint8_t *staged, uint8
 #pragma unroll
     for (int c = 0; c < 4; c++) {
         const int row = first_col + 4 * w + c; /* qt's */
-        if (row < cols) *(uint4 *)(qt + (long long)row * ldq + r0 + piece * 16) = out[c];
+        if (row < cols && piece < pieces) *(uint4 *)(qt + (long long)row * ldq + r0 + piece * 16) = out[c];
     }
     __syncthreads();
 }

@@ -147,20 +147,10 @@ quantize_blocks_kernel(const uint16_t *__restrict__ w, long long mats, int rows,
             if (TRANSPOSED) *(uint2 *)(staged + staged_at(tr, col_in)) = bytes; /* col_in % 8 == 0: 8 bytes in */
         }
         if (q && threadIdx.x == 0) scales[t] = scale; /* [mats][row_tiles][col_tiles]: tile t's */
-        if (TRANSPOSED) {
-            __syncthreads(); /* the tile's bytes are staged */
-            const int piece = threadIdx.x % 8, w = threadIdx.x / 8; /* as tile_store_t's */
-            const int r0 = rt * COMETI_FP8_BLOCK + piece * 16;
-            uint4 out[4];
-            staged_pieces4(staged, piece, w, out);
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const int cc = ct * COMETI_FP8_BLOCK + 4 * w + k;
-                if (r0 < rows && cc < cols) /* rows % 16 == 0: a piece is all in or all out */
-                    *(uint4 *)(qt + m * rows * (long long)cols + (long long)cc * rows + r0) = out[k];
-            }
+        if (TRANSPOSED) { /* W^T's rows are w's columns, rows bytes long */
+            const int r0 = rt * COMETI_FP8_BLOCK, pieces = rows - r0 < COMETI_FP8_BLOCK ? (rows - r0) / 16 : 8;
+            tile_store_t(staged, qt + base, rows, ct * COMETI_FP8_BLOCK, cols, r0, pieces);
             if (threadIdx.x == 0) scales_t[(m * col_tiles + ct) * row_tiles + rt] = scale; /* [mats][col_tiles][row_tiles] */
-            __syncthreads(); /* the staging is read before the next tile writes it */
         }
     }
 }
@@ -259,7 +249,7 @@ quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const floa
             }
             *(uint2 *)(staged + staged_at(tr, col_in)) = bytes;
         }
-        tile_store_t(staged, qt, ldq, ct * COMETI_FP8_BLOCK, cols, r0);
+        tile_store_t(staged, qt, ldq, ct * COMETI_FP8_BLOCK, cols, r0, 8);
     }
 }
 

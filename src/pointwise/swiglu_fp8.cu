@@ -127,7 +127,7 @@ swiglu_backward_t_kernel(const void *__restrict__ h, const float *__restrict__ h
 #pragma unroll
             for (int p = 0; p < TILE_PASSES; p++)
                 *(uint2 *)(staged + staged_at(p * TILE_ROWS_PER_PASS + tile_row, col_in)) = quantize8_cols(out[o][p], inv);
-            tile_store_t(staged, o == 0 ? wa_t : dh_t, ldq, first + ct * COMETI_FP8_BLOCK, out_rows, r0);
+            tile_store_t(staged, o == 0 ? wa_t : dh_t, ldq, first + ct * COMETI_FP8_BLOCK, out_rows, r0, 8);
         }
     }
 }
