@@ -399,6 +399,23 @@ int test_gemm_descriptions_resolve(void)
     CHECK_CONTAINS(err, "a.ld = 200");
     g.a.ld = g.problem.k + 16;
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_SUCCESS);
+    /* E4M3 rows whose k blocks lie apart: whole blocks, 16-byte strides, rows that hold them. */
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256], &p);
+    g.problem.k = 256, g.a.ld = 512, g.a.kb_stride = 256;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_SUCCESS);
+    g.a.kb_stride = 264;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "a.kb_stride = 264: must be a multiple of 16 >= 128");
+    g.a.kb_stride = 272; /* two blocks 272 apart: 544 bytes a row */
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "a.ld = 512 >= k / 128 x kb_stride");
+    g.a.kb_stride = 256, g.problem.k = 208;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "with k = 208 a multiple of 128");
+    g = describe(&cometi_gemm_variants[COMETI_GEMM_V_nt_256], &p);
+    g.a.kb_stride = 256;
+    CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(err, "a.kb_stride = 256: for E4M3 rows along M without the dispatch role only");
     g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256], &p);
     g.b.scale = NULL;
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
@@ -1261,6 +1278,77 @@ static int run_row_e4m3_wgrad(shared_t *s, const wgrad_segs_t *ws, int vi, int e
     return 0;
 }
 
+/* E4M3 rows whose k blocks lie apart (a.kb_stride): the row's GEMM on A laid out
+ * contiguous, then on the same bytes with each 128-byte k block 256 bytes from the next and
+ * the gaps NaN codes (0x7f), the same scales: C equal bit for bit, every row of a segment
+ * written. K is 256 here (whole blocks, which the layout needs). The store rows without
+ * roles: the A loads are the same code in every row along M (the layer's push row is
+ * covered by gpu_fp8_training). */
+static int run_row_e4m3_blocks_apart(shared_t *s, int vi, uint64_t *rng)
+{
+    const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
+    enum { KA = 256, STRIDE = 256, LDA = 2 * 256 };
+    const int n = row_n(v), ldc = n, n_blocks = (n + 127) / 128, kbs = KA / 128;
+    const size_t a_bytes = (size_t)s->a_rows * LDA, c_bytes = (size_t)s->a_rows * ldc * 2;
+    uint8_t *a_host = malloc(a_bytes), *b_host = malloc((size_t)GROUPS * n * KA);
+    float *sa = malloc(sizeof(float) * kbs * s->a_rows), *sb = malloc(sizeof(float) * GROUPS * n_blocks * kbs);
+    memset(a_host, 0x7f, a_bytes);
+    for (int r = 0; r < s->a_rows; r++)
+        for (int q = 0; q < KA; q++) a_host[(size_t)r * LDA + (q / 128) * STRIDE + q % 128] = random_e4m3(rng, 0);
+    for (size_t i = 0; i < (size_t)GROUPS * n * KA; i++) b_host[i] = random_e4m3(rng, 0);
+    for (int i = 0; i < kbs * s->a_rows; i++) sa[i] = random_scale(rng);
+    for (int i = 0; i < GROUPS * n_blocks * kbs; i++) sb[i] = random_scale(rng);
+    uint8_t *packed = malloc((size_t)s->a_rows * KA); /* the same rows, contiguous */
+    for (int r = 0; r < s->a_rows; r++)
+        for (int b = 0; b < kbs; b++) memcpy(packed + (size_t)r * KA + b * 128, a_host + (size_t)r * LDA + b * STRIDE, 128);
+    void *a_apart = NULL, *a_packed = NULL, *b = NULL, *c = NULL;
+    float *dsa = NULL, *dsb = NULL;
+    CUDA_OK(cudaMalloc(&a_apart, a_bytes));
+    CUDA_OK(cudaMalloc(&a_packed, (size_t)s->a_rows * KA));
+    CUDA_OK(cudaMalloc(&b, (size_t)GROUPS * n * KA));
+    CUDA_OK(cudaMalloc(&c, c_bytes));
+    CUDA_OK(cudaMalloc((void **)&dsa, sizeof(float) * kbs * s->a_rows));
+    CUDA_OK(cudaMalloc((void **)&dsb, sizeof(float) * GROUPS * n_blocks * kbs));
+    CUDA_OK(cudaMemcpy(a_apart, a_host, a_bytes, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(a_packed, packed, (size_t)s->a_rows * KA, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(b, b_host, (size_t)GROUPS * n * KA, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsa, sa, sizeof(float) * kbs * s->a_rows, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsb, sb, sizeof(float) * GROUPS * n_blocks * kbs, cudaMemcpyHostToDevice));
+    uint16_t *out[2] = {malloc(c_bytes), malloc(c_bytes)};
+    for (int apart = 0; apart < 2; apart++) {
+        problem_t p;
+        memset(&p, 0, sizeof(p));
+        p.groups = GROUPS, p.n = n, p.k = KA, p.ldc = ldc, p.a_rows = s->a_rows, p.segs = s->segs;
+        p.a = apart ? a_apart : a_packed, p.b = b, p.c = c;
+        p.a_scale = dsa, p.b_scale = dsb, p.a_scale_row = 1, p.a_scale_block = s->a_rows;
+        p.a_ld = apart ? LDA : 0, p.err = s->err_dev;
+        cometi_gemm_t g = describe(v, &p);
+        g.a.kb_stride = apart ? STRIDE : 0;
+        g.launch.sms = 5;
+        CUDA_OK(cudaMemset(c, 0xff, c_bytes)); /* poison: NaN */
+        char err[COMETI_ERR_LEN];
+        cometi_gemm_prepared_t prepared;
+        comet_status_t st = cometi_gemm_prepare(err, &g, &prepared);
+        if (st == COMET_SUCCESS) st = cometi_gemm_launch(err, &prepared, 0);
+        if (st != COMET_SUCCESS) printf("%s, k blocks apart %d: %s\n", v->name, apart, err);
+        CHECK_EQ(st, COMET_SUCCESS);
+        CUDA_OK(cudaDeviceSynchronize());
+        CHECK_EQ(s->err_host->status, 0);
+        CUDA_OK(cudaMemcpy(out[apart], c, c_bytes, cudaMemcpyDeviceToHost));
+    }
+    int bad = 0;
+    for (int gi = 0; gi < GROUPS && bad < 5; gi++)
+        for (int r = s->segs_host[gi].start; r < s->segs_host[gi].start + s->segs_host[gi].rows && bad < 5; r++)
+            for (int j = 0; j < n && bad < 5; j++) {
+                const uint16_t x = out[0][(size_t)r * ldc + j], y = out[1][(size_t)r * ldc + j];
+                if (x != y || (x & 0x7fff) > 0x7f80)
+                    bad++, printf("%s: C[%d][%d] = %#x with k blocks apart, %#x contiguous\n", v->name, r, j, y, x);
+            }
+    free(a_host), free(b_host), free(sa), free(sb), free(packed), free(out[0]), free(out[1]);
+    cudaFree(a_apart), cudaFree(a_packed), cudaFree(b), cudaFree(c), cudaFree(dsa), cudaFree(dsb);
+    return bad != 0;
+}
+
 static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     uint64_t rng = *(uint64_t *)arg;
@@ -1289,7 +1377,8 @@ static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)
         else if (!cometi_gemm_quantizes(v->epilogue))
             failed = run_row_e4m3(&s, vi, row_n(v), 0, 0, 1, 0, &rng) ||
                      run_row_e4m3(&s, vi, row_n(v), 0, 0, 1, 1, &rng) ||
-                     run_row_e4m3(&s, vi, row_n(v), 0, 0, 0, 0, &rng);
+                     run_row_e4m3(&s, vi, row_n(v), 0, 0, 0, 0, &rng) ||
+                     (v->epilogue == COMETI_GEMM_EPI_STORE && !v->roles && run_row_e4m3_blocks_apart(&s, vi, &rng));
         else /* gate and up in one tensor (n of whole blocks), and up apart */
             failed = run_row_e4m3(&s, vi, 256, 0, 0, 1, 0, &rng) || run_row_e4m3(&s, vi, n_apart, 1, 1, 1, 1, &rng) ||
                      run_row_e4m3(&s, vi, 256, 0, 0, 0, 0, &rng);

@@ -53,6 +53,8 @@ typedef struct cometi_gemm_args {
      * a_scale_block] and b_scale[n * b_scale_row + b * b_scale_block]. */
     const float *a_scale, *b_scale, *b_up_scale;
     long long a_scale_row, a_scale_block, a_rows, b_scale_row, b_scale_block;
+    int a_kb_strided;                    /* E4M3 along M: map a is [rows][k / 128][128 bytes] (gemm.h's
+                                          * a.kb_stride), loaded a k block at a time */
     int b_scale_group, b_scale_kb, b_scale_blocks;
     float *c_scale;
     long long c_scale_row, c_scale_block;

@@ -120,6 +120,11 @@ typedef struct cometi_gemm {
                                        * COMETI_SITE_WGRAD_SEGMENT) and its padding to the next 128 is
                                        * zero in A^T and B^T */
         int64_t scale_row, scale_block;
+        int64_t kb_stride;            /* E4M3 along M, no dispatch role: bytes from one 128-wide k
+                                       * block of a row to the next (0: 128, the row contiguous); a
+                                       * multiple of 16, with k a multiple of 128 and ld at least
+                                       * k / 128 x kb_stride: rows whose k blocks lie
+                                       * apart, as SwiGLU's FP8 backward leaves dh in [g u]'s bytes */
     } a;
     /* B: K-major [groups][n][k] (SwiGLU: [groups][2n][k], gate rows then up rows, or the gate
      * rows alone with `up` beside them); MN-major [groups][k][n] along M, [rows][n] along K. */

@@ -88,7 +88,10 @@ static __device__ __forceinline__ void produce_unit(const cometi_gemm_args_t &p,
             if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
             continue;
         }
-        tma_load_2d(sm.a + stage * A_BYTES, map_a, kb * BK, a_row, &sm.full[stage]);
+        if (T.a_type == COMETI_GEMM_E4M3 && p.a_kb_strided) /* [rows][k blocks][128 bytes] */
+            tma_load_3d(sm.a + stage * A_BYTES, map_a, 0, kb, a_row, &sm.full[stage]);
+        else
+            tma_load_2d(sm.a + stage * A_BYTES, map_a, kb * BK, a_row, &sm.full[stage]);
         if (B_MN) {
             /* B MN-major ([groups][k][n]): BN / 64 boxes of 64 k rows x 64 columns, 8 KB apart. */
 #pragma unroll

@@ -288,6 +288,19 @@ static comet_status_t check_core(char *err, const cometi_gemm_t *g, const cometi
     } else if (g->a.ld && (along_k || g->a.ld < g->problem.k || g->a.ld * ea % 16))
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm a.ld = %lld: along M, >= k = %d and rows of 16-byte "
                            "multiples (0: k)", (long long)g->a.ld, g->problem.k);
+    if (g->a.kb_stride) {
+        const int64_t blocks = g->problem.k / COMETI_GEMM_SCALE_BLOCK, ld = g->a.ld ? g->a.ld : g->problem.k;
+        if (!e4m3 || along_k || g->roles.dispatch)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm a.kb_stride = %lld: for E4M3 rows along M without "
+                               "the dispatch role only (0 otherwise)", (long long)g->a.kb_stride);
+        /* A row holds its blocks whole, so the tensor map's strides nest (row >= blocks x block). */
+        if (g->a.kb_stride < COMETI_GEMM_SCALE_BLOCK || g->a.kb_stride % 16 || g->problem.k % COMETI_GEMM_SCALE_BLOCK ||
+            blocks * g->a.kb_stride > ld)
+            return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm a.kb_stride = %lld: must be a multiple of 16 >= %d, "
+                               "with k = %d a multiple of %d and a.ld = %lld >= k / %d x kb_stride",
+                               (long long)g->a.kb_stride, COMETI_GEMM_SCALE_BLOCK, g->problem.k,
+                               COMETI_GEMM_SCALE_BLOCK, (long long)ld, COMETI_GEMM_SCALE_BLOCK);
+    }
     if (g->b.up && !swiglu)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: b.up is for the SwiGLU epilogues only");
     if (epi != COMETI_GEMM_EPI_PUSH) {
@@ -476,7 +489,12 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
     } else if (along_k) /* A [rows][m_out]: boxes of 64 rows of m x 64 k rows */
         COMETI_TRY(make_map(err, &m.a, g->a.ptr, ea, (uint64_t)m_out, (uint64_t)g->a.rows, COMETI_GEMM_BK,
                             "A (along K)"));
-    else
+    else if (g->a.kb_stride) { /* [rows][k / 128][128 bytes]: a box is one k block of 128 rows */
+        const uint64_t dims[3] = {COMETI_GEMM_SCALE_BLOCK, (uint64_t)k / COMETI_GEMM_SCALE_BLOCK, (uint64_t)g->a.rows},
+                       strides[2] = {(uint64_t)g->a.kb_stride, (uint64_t)(g->a.ld ? g->a.ld : k)};
+        const uint32_t box[3] = {COMETI_GEMM_SCALE_BLOCK, 1, pingpong ? 64 : COMETI_GEMM_BM};
+        COMETI_TRY(encode_map(err, &m.a, g->a.ptr, 1, 3, dims, strides, box, "A (k blocks apart)"));
+    } else
         COMETI_TRY(make_map_3d(err, &m.a, g->a.ptr, ea, (uint64_t)k, (uint64_t)g->a.rows, 1,
                                (uint64_t)(g->a.ld ? g->a.ld : k), 0, pingpong ? 64 : COMETI_GEMM_BM, "A"));
     if (along_k && v->a_type == COMETI_GEMM_E4M3) {
@@ -550,6 +568,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
         args.a_scale_row = g->a.scale_row;
         args.a_scale_block = g->a.scale_block;
         args.a_rows = g->a.rows;
+        args.a_kb_strided = g->a.kb_stride != 0;
         args.b_scale = g->b.scale;
         args.b_scale_row = g->b.scale_row;
         args.b_scale_block = g->b.scale_block;
