@@ -8,8 +8,9 @@
  * scale of the three FP8 operands and every <s, a> equal bit for bit, nothing written
  * past the segments, and s's bytes past the segments' rows left alone. With [g u] kept in
  * E4M3 (1 x 128 scales) the same, the chain given [g u] dequantized and rounded to bf16.
- * Then both timed at mixtral-8x7b's size, for the record. On the CPU: the launcher's
- * refusals.
+ * The one-kernel form (dh's rows left in [g u]'s bytes) the same, its rows gathered from
+ * there, rows in no segment left alone. Then all timed at mixtral-8x7b's size, for the
+ * record. On the CPU: the launchers' refusals.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -51,6 +52,19 @@ int test_swiglu_fp8_refusals(void)
              cudaErrorInvalidValue); /* dh's scale blocks would overlap */
     CHECK_EQ(cometi_launch_swiglu_backward_e4m3(p, f, 199, p, F, segs, 1, 1, 200, f, f, f, R, p, f, p, f, R, 0, 0),
              cudaErrorInvalidValue); /* E4M3 [g u]: its scale blocks would overlap */
+    /* The one kernel: the same checks, and its workspace for the dot's parts. */
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3_in_place(p, NULL, 0, p, F, segs, 1, 1, 0, f, f, NULL, f, R, p, f, p, f, R,
+                                                         0, 0),
+             cudaSuccess);
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3_in_place(p, NULL, 0, p, F, segs, 1, 1, 10, f, f, NULL, f, R, p, f, p, f,
+                                                         R, 0, 0),
+             cudaErrorInvalidValue);
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3_in_place(p, NULL, 0, p + 8, F, segs, 1, 1, 10, f, f, f, f, R, p, f, p, f,
+                                                         R, 0, 0),
+             cudaErrorInvalidValue);
+    CHECK_EQ(cometi_launch_swiglu_backward_e4m3_in_place(p, NULL, 0, p, 320, segs, 1, 1, 10, f, f, f, f, R, p, f, p, f,
+                                                         R, 0, 0),
+             cudaErrorInvalidValue);
     return 0;
 }
 
@@ -65,11 +79,11 @@ static void *fetch(const void *d, size_t bytes)
     return h;
 }
 
-/* The speed of both, for the record (not checked against anything): mixtral-8x7b's rows on
+/* The speed of each, for the record (not checked against anything): mixtral-8x7b's rows on
  * one GPU (8 experts x 2048 rows, ffn 14336), median of 10 calls each, in turns; the
  * bytes each must move (the chain: [g u] and s read, dh and w a written and read again,
- * the FP8 outputs written; the FP8 backward: [g u] twice and s twice read, the outputs
- * written), and the FP8 backward reading [g u] in E4M3. */
+ * the FP8 outputs written; the two kernels: [g u] twice and s twice read, the outputs
+ * written; the one kernel: each read once), and each reading [g u] in E4M3. */
 static int time_both(void)
 {
     enum { ROWS = 16384, FF = 14336, RUNS = 10 };
@@ -92,12 +106,18 @@ static int time_both(void)
     CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(segs_host), cudaMemcpyHostToDevice));
     float *sc_wa = sc, *sc_dht = sc + (size_t)(ROWS / 128) * FF, *sc_dh = sc_dht + (size_t)(ROWS / 128) * 2 * FF,
           *sc_hq = sc_dh + (size_t)(ROWS / 128) * 2 * FF;
-    void *hq;
+    void *hq, *h_ip, *hq_ip; /* the one kernel's [g u], bf16 and E4M3, which it overwrites */
+    float *parts;
     CUDA_OK(cudaMalloc(&hq, nh));
+    CUDA_OK(cudaMalloc(&h_ip, nh * 2));
+    CUDA_OK(cudaMalloc(&hq_ip, nh));
+    CUDA_OK(cudaMalloc((void **)&parts, sizeof(float) * ROWS * (FF / 128)));
     CUDA_OK(cometi_quantize_rows_e4m3(h, ROWS, 2 * FF, 2 * FF, hq, 2 * FF, sc_hq, 1, ROWS, 0, 0));
-    cudaEvent_t ev[4];
-    for (int i = 0; i < 4; i++) CUDA_OK(cudaEventCreate(&ev[i]));
-    float ms[3][RUNS];
+    CUDA_OK(cudaMemcpy(h_ip, h, nh * 2, cudaMemcpyDeviceToDevice));
+    CUDA_OK(cudaMemcpy(hq_ip, hq, nh, cudaMemcpyDeviceToDevice));
+    cudaEvent_t ev[6];
+    for (int i = 0; i < 6; i++) CUDA_OK(cudaEventCreate(&ev[i]));
+    float ms[5][RUNS];
     for (int i = -2; i < RUNS; i++) { /* w = 0: s and dh stay finite call after call */
         CUDA_OK(cudaEventRecord(ev[0], 0));
         CUDA_OK(cometi_launch_swiglu_backward(h, s, h, FF, segs, 8, ROWS / 8, ROWS, w, dw, 0));
@@ -111,11 +131,17 @@ static int time_both(void)
         CUDA_OK(cometi_launch_swiglu_backward_e4m3(hq, sc_hq, ROWS, s, FF, segs, 8, ROWS / 8, ROWS, w, dw, sc_dh, ROWS,
                                                    wa_t, sc_wa, dh_t, sc_dht, ROWS, 0, 0));
         CUDA_OK(cudaEventRecord(ev[3], 0));
-        CUDA_OK(cudaEventSynchronize(ev[3]));
+        CUDA_OK(cometi_launch_swiglu_backward_e4m3_in_place(h_ip, NULL, 0, s, FF, segs, 8, ROWS / 8, ROWS, w, dw, parts,
+                                                            sc_dh, ROWS, wa_t, sc_wa, dh_t, sc_dht, ROWS, 0, 0));
+        CUDA_OK(cudaEventRecord(ev[4], 0));
+        CUDA_OK(cometi_launch_swiglu_backward_e4m3_in_place(hq_ip, sc_hq, ROWS, s, FF, segs, 8, ROWS / 8, ROWS, w, dw,
+                                                            parts, sc_dh, ROWS, wa_t, sc_wa, dh_t, sc_dht, ROWS, 0, 0));
+        CUDA_OK(cudaEventRecord(ev[5], 0));
+        CUDA_OK(cudaEventSynchronize(ev[5]));
         if (i >= 0)
-            for (int k = 0; k < 3; k++) CUDA_OK(cudaEventElapsedTime(&ms[k][i], ev[k], ev[k + 1]));
+            for (int k = 0; k < 5; k++) CUDA_OK(cudaEventElapsedTime(&ms[k][i], ev[k], ev[k + 1]));
     }
-    for (int k = 0; k < 3; k++) qsort(ms[k], RUNS, sizeof(float), cmp_float);
+    for (int k = 0; k < 5; k++) qsort(ms[k], RUNS, sizeof(float), cmp_float);
     /* Bytes a row moves, in units of ffn: the chain 12 (SwiGLU's backward: [g u] 4 and s 2 in,
      * dh 4 and w a 2 out) + 3 + 6 + 6 (each cast: its bf16 in, its E4M3 out); the FP8
      * backward 9 (its first kernel: [g u] and s in, (w a)^T and dh^T out) + 8 (its second:
@@ -126,8 +152,15 @@ static int time_both(void)
            chain / ms[0][RUNS / 2] / 1e9, ms[1][RUNS / 2], fused / ms[1][RUNS / 2] / 1e9,
            ms[0][RUNS / 2] / ms[1][RUNS / 2], ms[2][RUNS / 2], fused8 / ms[2][RUNS / 2] / 1e9,
            ms[0][RUNS / 2] / ms[2][RUNS / 2]);
-    for (int i = 0; i < 4; i++) cudaEventDestroy(ev[i]);
-    cudaFree(hq);
+    /* The one kernel: [g u] and s read once, (w a)^T, dh^T and dh's rows written: 11 (bf16
+     * [g u]) or 9 (E4M3). Its [g u] becomes dh call after call: the values change, not the
+     * work. */
+    const double one = (double)ns * 11, one8 = (double)ns * 9;
+    printf("in one kernel (dh's rows in [g u]'s bytes) %.3f ms (%.2f TB/s), %.2fx; with [g u] in E4M3 %.3f ms "
+           "(%.2f TB/s), %.2fx\n", ms[3][RUNS / 2], one / ms[3][RUNS / 2] / 1e9, ms[0][RUNS / 2] / ms[3][RUNS / 2],
+           ms[4][RUNS / 2], one8 / ms[4][RUNS / 2] / 1e9, ms[0][RUNS / 2] / ms[4][RUNS / 2]);
+    for (int i = 0; i < 6; i++) cudaEventDestroy(ev[i]);
+    cudaFree(hq), cudaFree(h_ip), cudaFree(hq_ip), cudaFree(parts);
     cudaFree(h), cudaFree(s), cudaFree(wa_t), cudaFree(dh_t), cudaFree(w), cudaFree(dw), cudaFree(sc), cudaFree(segs);
     return 0;
 }
@@ -186,16 +219,22 @@ static int equal_case(int ffn, int gu8, uint64_t *rng)
         CUDA_OK(cudaMemcpy(dhsc, hsc, sizeof(float) * R * (2 * ffn / 128), cudaMemcpyHostToDevice));
     }
     cometi_segment_t *dsegs;
-    void *dh, *ds, *dh_old, *ds_old, *wa_t[2], *dh_t[2];
-    float *dw, *dw_rows[2], *dh_sc[2], *wa_sc[2], *dh_tsc[2];
+    /* Three ways: the chain [0], the two kernels [1] (dh's rows over s), the one kernel [2]
+     * (dh's rows in [g u]'s bytes: dh_ip, a copy of [g u] for it, s_ip of s). */
+    void *dh, *ds, *dh_old, *ds_old, *dh_ip, *ds_ip, *wa_t[3], *dh_t[3];
+    float *dw, *dw_rows[3], *dh_sc[3], *wa_sc[3], *dh_tsc[3], *dot_parts;
+    const size_t ip_bytes = gu8 ? nh : nh * 2; /* [g u]'s bytes, E4M3 or bf16 */
     const size_t n_wa_t = (size_t)ffn * R, n_dh_t = (size_t)2 * ffn * R, nb = R / 128;
     CUDA_OK(cudaMalloc((void **)&dsegs, sizeof(segs)));
     CUDA_OK(cudaMalloc(&dh, nh * 2));
     CUDA_OK(cudaMalloc(&dh_old, nh * 2));
     CUDA_OK(cudaMalloc(&ds, ns * 2));
     CUDA_OK(cudaMalloc(&ds_old, ns * 2));
+    CUDA_OK(cudaMalloc(&dh_ip, ip_bytes));
+    CUDA_OK(cudaMalloc(&ds_ip, ns * 2));
+    CUDA_OK(cudaMalloc((void **)&dot_parts, sizeof(float) * R * (ffn / 128)));
     CUDA_OK(cudaMalloc((void **)&dw, sizeof(float) * R));
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 3; i++) {
         CUDA_OK(cudaMalloc(&wa_t[i], n_wa_t));
         CUDA_OK(cudaMalloc(&dh_t[i], n_dh_t));
         CUDA_OK(cudaMalloc((void **)&dw_rows[i], sizeof(float) * R));
@@ -210,7 +249,10 @@ static int equal_case(int ffn, int gu8, uint64_t *rng)
         CUDA_OK(cudaMemcpy(dh_old, h, nh * 2, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(ds, s, ns * 2, cudaMemcpyHostToDevice));
         CUDA_OK(cudaMemcpy(ds_old, s, ns * 2, cudaMemcpyHostToDevice));
-        for (int i = 0; i < 2; i++) {
+        CUDA_OK(cudaMemcpy(dh_ip, gu8 ? (const void *)hq : (const void *)h, ip_bytes, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(ds_ip, s, ns * 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemset(dot_parts, POISON, sizeof(float) * R * (ffn / 128)));
+        for (int i = 0; i < 3; i++) {
             CUDA_OK(cudaMemset(wa_t[i], POISON, n_wa_t));
             CUDA_OK(cudaMemset(dh_t[i], POISON, n_dh_t));
             CUDA_OK(cudaMemset(dw_rows[i], POISON, sizeof(float) * R));
@@ -230,65 +272,88 @@ static int equal_case(int ffn, int gu8, uint64_t *rng)
         CUDA_OK(cometi_launch_swiglu_backward_e4m3(gu8 ? dhq : dh, dhsc, R, ds, ffn, dsegs, groups, max_rows, rows, dw,
                                                    dw_rows[1], dh_sc[1], R, wa_t[1], wa_sc[1], dh_t[1], dh_tsc[1], R,
                                                    pow2, 0));
+        /* The one kernel: dh's rows in [g u]'s own bytes. */
+        CUDA_OK(cometi_launch_swiglu_backward_e4m3_in_place(dh_ip, dhsc, R, ds_ip, ffn, dsegs, groups, max_rows, rows,
+                                                            dw, dw_rows[2], dot_parts, dh_sc[2], R, wa_t[2], wa_sc[2],
+                                                            dh_t[2], dh_tsc[2], R, pow2, 0));
         CUDA_OK(cudaDeviceSynchronize());
-        uint8_t *q[2] = {fetch(ds_old, ns * 2), fetch(ds, ns * 2)}, *wt[2] = {fetch(wa_t[0], n_wa_t), fetch(wa_t[1], n_wa_t)},
-                *ht[2] = {fetch(dh_t[0], n_dh_t), fetch(dh_t[1], n_dh_t)};
-        float *dws[2] = {fetch(dw_rows[0], 4 * R), fetch(dw_rows[1], 4 * R)},
-              *hs[2] = {fetch(dh_sc[0], 4 * R * (2 * ffn / 128)), fetch(dh_sc[1], 4 * R * (2 * ffn / 128))},
-              *ws[2] = {fetch(wa_sc[0], 4 * nb * ffn), fetch(wa_sc[1], 4 * nb * ffn)},
-              *hts[2] = {fetch(dh_tsc[0], 4 * nb * 2 * ffn), fetch(dh_tsc[1], 4 * nb * 2 * ffn)};
-        for (int i = 0; i < 2; i++) CHECK(q[i] && wt[i] && ht[i] && dws[i] && hs[i] && ws[i] && hts[i]);
+        uint8_t *q[3] = {fetch(ds_old, ns * 2), fetch(ds, ns * 2), malloc(nh)},
+                *wt[3] = {fetch(wa_t[0], n_wa_t), fetch(wa_t[1], n_wa_t), fetch(wa_t[2], n_wa_t)},
+                *ht[3] = {fetch(dh_t[0], n_dh_t), fetch(dh_t[1], n_dh_t), fetch(dh_t[2], n_dh_t)},
+                *ip = fetch(dh_ip, ip_bytes), *s_ip = fetch(ds_ip, ns * 2);
+        float *dws[3], *hs[3], *ws[3], *hts[3];
+        for (int i = 0; i < 3; i++) {
+            dws[i] = fetch(dw_rows[i], 4 * R), hs[i] = fetch(dh_sc[i], 4 * R * (2 * ffn / 128));
+            ws[i] = fetch(wa_sc[i], 4 * nb * ffn), hts[i] = fetch(dh_tsc[i], 4 * nb * 2 * ffn);
+            CHECK(q[i] && wt[i] && ht[i] && dws[i] && hs[i] && ws[i] && hts[i]);
+        }
+        CHECK(ip && s_ip);
+        CHECK_EQ(memcmp(s_ip, s, ns * 2), 0); /* the one kernel leaves s as it is */
+        /* The one kernel's dh rows gathered from [g u]'s bytes: block b of row r at r x 2 ffn +
+         * 128 b (E4M3 [g u]) or r x 4 ffn + 256 b (bf16). */
+        const size_t ip_row = (size_t)(gu8 ? 2 : 4) * ffn, ip_block = gu8 ? 128 : 256;
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < 2 * ffn / 128; b++)
+                memcpy(q[2] + (size_t)r * 2 * ffn + b * 128, ip + r * ip_row + b * ip_block, 128);
+        const uint8_t *ip_in = gu8 ? hq : (const uint8_t *)h; /* [g u] as given */
         int bad = 0, nan_rows = 0;
         for (int r = 0; r < R && bad < 8; r++) {
-            if (!in_seg[r]) { /* s left as it was; nothing else of the row written */
+            if (!in_seg[r]) { /* s and [g u] left as they were; nothing else of the row written */
                 if (memcmp(q[1] + (size_t)r * 2 * ffn, s + (size_t)r * ffn, 2 * ffn) ||
-                    cometi_f32_bits(dws[1][r]) != 0xa5a5a5a5u)
+                    memcmp(ip + r * ip_row, ip_in + r * ip_row, ip_row) || cometi_f32_bits(dws[1][r]) != 0xa5a5a5a5u ||
+                    cometi_f32_bits(dws[2][r]) != 0xa5a5a5a5u)
                     printf("row %d, in no segment: written\n", r), bad++;
                 continue;
             }
-            if (memcmp(q[0] + (size_t)r * 2 * ffn, q[1] + (size_t)r * 2 * ffn, 2 * ffn))
-                printf("pow2 %d: dh's E4M3 row %d differs\n", pow2, r), bad++;
-            for (int b = 0; b < 2 * ffn / 128; b++)
-                if (!same_float(hs[0][r + b * R], hs[1][r + b * R]))
-                    printf("pow2 %d: dh row %d block %d scale %g, want %g\n", pow2, r, b, hs[1][r + b * R],
-                           hs[0][r + b * R]), bad++;
-            if (!same_float(dws[0][r], dws[1][r]))
-                printf("pow2 %d: <s, a> of row %d = %a, want %a\n", pow2, r, dws[1][r], dws[0][r]), bad++;
+            for (int w = 1; w < 3; w++) {
+                const char *way = w == 1 ? "two kernels" : "one kernel";
+                if (memcmp(q[0] + (size_t)r * 2 * ffn, q[w] + (size_t)r * 2 * ffn, 2 * ffn))
+                    printf("pow2 %d, %s: dh's E4M3 row %d differs\n", pow2, way, r), bad++;
+                for (int b = 0; b < 2 * ffn / 128; b++)
+                    if (!same_float(hs[0][r + b * R], hs[w][r + b * R]))
+                        printf("pow2 %d, %s: dh row %d block %d scale %g, want %g\n", pow2, way, r, b,
+                               hs[w][r + b * R], hs[0][r + b * R]), bad++;
+                if (!same_float(dws[0][r], dws[w][r]))
+                    printf("pow2 %d, %s: <s, a> of row %d = %a, want %a\n", pow2, way, r, dws[w][r], dws[0][r]), bad++;
+            }
             nan_rows += isnan(dws[1][r]);
         }
         /* The transposed operands: blocks in a segment equal (rows past the end are zeros in
          * both); blocks in none untouched. */
+        for (int w = 1; w < 3; w++)
         for (int rb = 0; rb < (int)nb && bad < 8; rb++) {
             int in = 0;
             for (int g = 0; g < groups; g++) in |= rb * 128 >= segs[g].start && rb * 128 < segs[g].start + segs[g].rows;
             for (int c = 0; c < 2 * ffn && bad < 8; c++) {
-                const uint8_t *a = ht[0] + (size_t)c * R + rb * 128, *b = ht[1] + (size_t)c * R + rb * 128;
-                const float sa = hts[0][c + rb * 2 * ffn], sb = hts[1][c + rb * 2 * ffn];
+                const uint8_t *a = ht[0] + (size_t)c * R + rb * 128, *b = ht[w] + (size_t)c * R + rb * 128;
+                const float sa = hts[0][c + rb * 2 * ffn], sb = hts[w][c + rb * 2 * ffn];
                 int poisoned = 1;
                 for (int k = 0; k < 128; k++) poisoned &= b[k] == POISON;
                 if (in ? memcmp(a, b, 128) || !same_float(sa, sb) : !poisoned || cometi_f32_bits(sb) != 0xa5a5a5a5u)
                     printf("pow2 %d: dh^T column %d, rows %d..: %s\n", pow2, c, rb * 128,
                            in ? "differs" : "written in no segment"), bad++;
                 if (c >= ffn) continue;
-                a = wt[0] + (size_t)c * R + rb * 128, b = wt[1] + (size_t)c * R + rb * 128;
+                a = wt[0] + (size_t)c * R + rb * 128, b = wt[w] + (size_t)c * R + rb * 128;
                 poisoned = 1;
                 for (int k = 0; k < 128; k++) poisoned &= b[k] == POISON;
-                if (in ? memcmp(a, b, 128) || !same_float(ws[0][c + rb * ffn], ws[1][c + rb * ffn])
-                       : !poisoned || cometi_f32_bits(ws[1][c + rb * ffn]) != 0xa5a5a5a5u)
+                if (in ? memcmp(a, b, 128) || !same_float(ws[0][c + rb * ffn], ws[w][c + rb * ffn])
+                       : !poisoned || cometi_f32_bits(ws[w][c + rb * ffn]) != 0xa5a5a5a5u)
                     printf("pow2 %d: (w a)^T column %d, rows %d..: %s\n", pow2, c, rb * 128,
                            in ? "differs" : "written in no segment"), bad++;
             }
         }
-        for (int i = 0; i < 2; i++) free(q[i]), free(wt[i]), free(ht[i]), free(dws[i]), free(hs[i]), free(ws[i]), free(hts[i]);
+        for (int i = 0; i < 3; i++) free(q[i]), free(wt[i]), free(ht[i]), free(dws[i]), free(hs[i]), free(ws[i]), free(hts[i]);
+        free(ip), free(s_ip);
         CHECK_EQ(bad, 0);
         CHECK_EQ(nan_rows, 1); /* the planted NaN's row */
     }
-    printf("ffn %d, [g u] in %s: SwiGLU's FP8 backward equals the bf16 backward and its casts bit for bit: dh's "
-           "rows, (w a)^T, dh^T, their scales and <s, a>, over %d segments, both scale modes\n", ffn,
-           gu8 ? "E4M3" : "bf16", groups);
+    printf("ffn %d, [g u] in %s: SwiGLU's FP8 backward, in two kernels and in one (dh's rows in [g u]'s bytes), "
+           "equals the bf16 backward and its casts bit for bit: dh's rows, (w a)^T, dh^T, their scales and <s, a>, "
+           "over %d segments, both scale modes\n", ffn, gu8 ? "E4M3" : "bf16", groups);
     cudaFree(dhq), cudaFree(dhsc), free(hq), free(hsc);
     cudaFree(dsegs), cudaFree(dh), cudaFree(dh_old), cudaFree(ds), cudaFree(ds_old), cudaFree(dw);
-    for (int i = 0; i < 2; i++)
+    cudaFree(dh_ip), cudaFree(ds_ip), cudaFree(dot_parts);
+    for (int i = 0; i < 3; i++)
         cudaFree(wa_t[i]), cudaFree(dh_t[i]), cudaFree(dw_rows[i]), cudaFree(dh_sc[i]), cudaFree(wa_sc[i]),
             cudaFree(dh_tsc[i]);
     free(h), free(s), free(w);

@@ -15,9 +15,10 @@ extern "C" {
 /* The FP8 backward's workspaces (config.dtype COMET_DTYPE_FP8_BLOCK), made by the first
  * training forward, rows of the layer's receive bound R (l0.max_recv_rows): */
 typedef struct cometi_fp8_train {
-    void *s;            /* [R][F] bf16: s = dy W2; then dh quantized 1 x 128 over it by SwiGLU's
-                         * backward, [R][2F] E4M3 (the same bytes a row): the A of dx = dh W13 */
+    void *s;            /* [R][F] bf16: s = dy W2 (SwiGLU's backward leaves dh quantized 1 x 128
+                         * in the saved state's [g u] bytes: the A of dx = dh W13) */
     float *dh_scales;   /* [2F / 128][R]: dh's scales, MN-major */
+    float *dot_parts;   /* [F / 128][R]: each row's <s, a> per 128 columns, summed in order */
     /* The weight gradients' operands, each [cols][ld] E4M3 (x^T, tokens contiguous), cast
      * along the tokens in 128 x 1 blocks per expert segment, scales [ld / 128][cols]: */
     void *dy_t, *wa_t, *dh_t, *x_t;                 /* cols H, F, 2F, H */

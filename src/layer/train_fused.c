@@ -49,8 +49,8 @@ void cometi_fp8_train_free(struct cometi_fused *f)
 {
     cometi_fp8_train_t *t = f->fp8;
     if (!t) return;
-    void *bufs[] = {t->s, t->dh_scales, t->dy_t, t->wa_t, t->dh_t, t->x_t, t->dy_t_scales, t->wa_t_scales,
-                    t->dh_t_scales, t->x_t_scales};
+    void *bufs[] = {t->s, t->dh_scales, t->dot_parts, t->dy_t, t->wa_t, t->dh_t, t->x_t, t->dy_t_scales,
+                    t->wa_t_scales, t->dh_t_scales, t->x_t_scales};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
     free(t);
     f->fp8 = NULL;
@@ -66,8 +66,9 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, struct cometi_fused *f)
     t->ld = (R + 127) / 128 * 128;
     const int64_t blocks = t->ld / 128;
     struct { void **p; size_t bytes; } a[] = {
-        {&t->s, (size_t)R * F * BF16},                         /* then dh in E4M3: R x 2F bytes */
+        {&t->s, (size_t)R * F * BF16},
         {(void **)&t->dh_scales, sizeof(float) * (size_t)(2 * F / 128) * R},
+        {(void **)&t->dot_parts, sizeof(float) * (size_t)(F / 128) * R},
         {&t->dy_t, (size_t)H * t->ld}, {&t->wa_t, (size_t)F * t->ld},
         {&t->dh_t, (size_t)2 * F * t->ld}, {&t->x_t, (size_t)H * t->ld},
         {(void **)&t->dy_t_scales, sizeof(float) * blocks * H}, {(void **)&t->wa_t_scales, sizeof(float) * blocks * F},
@@ -87,7 +88,7 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, struct cometi_fused *f)
 
 /* The FP8 backward's workspaces, made once per handle by its first FP8 training forward
  * (an inference-only FP8 layer never pays for them): about (5 ffn / tp + 2 hidden) bytes
- * per row of the receive bound. Collective there, host-blocking once: the ranks agree on
+ * per row of the receive bound (and 1 / 32 of ffn / tp for the dot's parts). Collective there, host-blocking once: the ranks agree on
  * the allocation before any row moves, so where one rank cannot make them every rank
  * refuses the call (that rank COMET_OUT_OF_MEMORY, the others COMET_REMOTE_ERROR) and the
  * next training forward tries again, instead of peers waiting for rows that never come. */
@@ -196,8 +197,9 @@ static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *
 }
 
 /* The same in FP8: the dgrad GEMMs on W^T's E4M3 copies, dy's rows as they arrived (E4M3,
- * scales after each row's values) and dh quantized into t->s; the weight gradients on the
- * cast operands. */
+ * scales after each row's values) and dh quantized into the saved [g u]'s bytes (E4M3 [g
+ * u]: in its place; bf16: each 128-byte k block in the first half of the 256 bytes it came
+ * from); the weight gradients on the cast operands. */
 static backward_gemms_t describe_backward_e4m3(comet_moe_t moe, struct cometi_fused *f, const cometi_fp8_train_t *t,
                                                const comet_moe_args_t *a, const comet_moe_backward_args_t *ba)
 {
@@ -220,8 +222,11 @@ static backward_gemms_t describe_backward_e4m3(comet_moe_t moe, struct cometi_fu
     b.dgrad_down.out.pow2_scales = 0;
     b.dgrad_gate_up = cometi_gemm_combine_gemm(comm, &f->l1, &f->l0, a);
     b.dgrad_gate_up.problem.k = 2 * F;
-    b.dgrad_gate_up.a.ptr = t->s; /* dh in E4M3, once quantized */
-    b.dgrad_gate_up.a.rows = R;
+    const int gu8 = ba->saved->h_scales != NULL;
+    b.dgrad_gate_up.a.ptr = ba->saved->h; /* dh in E4M3, once SwiGLU's backward has run */
+    b.dgrad_gate_up.a.rows = ba->saved->cap_rows < R ? ba->saved->cap_rows : R; /* dh_scales' rows: R */
+    b.dgrad_gate_up.a.ld = (int64_t)(gu8 ? 2 : 4) * F; /* bytes: a row of [g u] */
+    b.dgrad_gate_up.a.kb_stride = gu8 ? 0 : 256;
     b.dgrad_gate_up.a.scale = t->dh_scales;
     b.dgrad_gate_up.a.scale_row = 1, b.dgrad_gate_up.a.scale_block = R;
     b.dgrad_gate_up.b.ptr = ba->weights_t.gate_up; /* [E][H][2F]: n = H rows of k = 2F */
@@ -314,9 +319,9 @@ static comet_moe_args_t backward_args(const struct cometi_fused *f, const comet_
 }
 
 /* FP8, between the dgrad GEMM of W2 and that of W13: SwiGLU's backward straight into its
- * FP8 outputs ((w a)^T and dh^T along the tokens, then dh's rows over s's bytes, and
- * <s, a>), then dy and x cast along the tokens from their E4M3 rows. Rows past R are in
- * no segment. */
+ * FP8 outputs in one kernel ((w a)^T and dh^T along the tokens, dh's rows in the saved
+ * [g u]'s bytes, and <s, a>), then dy and x cast along the tokens from their E4M3 rows.
+ * Rows past R are in no segment. */
 static comet_status_t backward_fp8_operands(comet_moe_t moe, struct cometi_fused *f, const cometi_fp8_train_t *t,
                                             const comet_moe_saved_t sv, cudaStream_t stream)
 {
@@ -325,11 +330,10 @@ static comet_status_t backward_fp8_operands(comet_moe_t moe, struct cometi_fused
     const int H = moe->cfg.hidden, F = moe->ffn_local, per = l0->experts_per_group, pow2 = l0->pow2_scales;
     const int64_t R = l0->max_recv_rows, rows = sv->cap_rows < R ? sv->cap_rows : R, rb = l0->row_bytes;
     const cometi_segment_t *segs = l0->route.plan.local_segs;
-    COMETI_TRY(cometi_cuda(comm->err, cometi_launch_swiglu_backward_e4m3(sv->h, sv->h_scales, sv->cap_rows, t->s, F,
-                                                                         segs, per, (int)rows, rows, f->w_rows,
-                                                                         f->dw_rows, t->dh_scales, R, t->wa_t,
-                                                                         t->wa_t_scales, t->dh_t, t->dh_t_scales,
-                                                                         t->ld, pow2, stream),
+    COMETI_TRY(cometi_cuda(comm->err, cometi_launch_swiglu_backward_e4m3_in_place(
+                                          sv->h, sv->h_scales, sv->cap_rows, t->s, F, segs, per, (int)rows, rows,
+                                          f->w_rows, f->dw_rows, t->dot_parts, t->dh_scales, R, t->wa_t,
+                                          t->wa_t_scales, t->dh_t, t->dh_t_scales, t->ld, pow2, stream),
                            "launch SwiGLU's FP8 backward"));
     /* dy's rows as the dispatch delivered them, x's as the forward kept them: E4M3, each
      * row's scales after its hidden bytes. */

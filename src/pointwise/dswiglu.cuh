@@ -1,6 +1,7 @@
 /*
- * dswiglu.cuh - one element of SwiGLU's backward, the one definition swiglu.cu's bf16
- * backward and swiglu_fp8.cu's FP8 kernels share (so their values agree bit for bit).
+ * dswiglu.cuh - SwiGLU's backward on one element and on eight columns of a row, and the
+ * order <s, a> is summed in: the one definition swiglu.cu's bf16 backward and
+ * swiglu_fp8.cu's FP8 kernels share, so their values agree bit for bit.
  */
 #ifndef COMET_POINTWISE_DSWIGLU_CUH
 #define COMET_POINTWISE_DSWIGLU_CUH
@@ -30,11 +31,46 @@ static __device__ __forceinline__ dswiglu_t dswiglu(float g, float u, float s, f
     return r;
 }
 
-/* Two floats rounded to bf16, as one word (the first in the low half). */
-static __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi)
+/* <s, a> of a row is summed in one order by every SwiGLU backward (the bf16 kernel, the FP8
+ * kernels, both paths), so d topk_weights has the same bits whichever runs: each chunk of 8
+ * columns from 0, its column pairs in turn (dot_pair); a 128-column block's 16 chunks by a
+ * xor tree across the 16 lanes that hold them (dot_block: every lane gets the block's sum);
+ * the blocks from 0, first to last. Every rounding is explicit, so no kernel's compilation
+ * can contract it differently. Chunks past ffn add 0. */
+static __device__ __forceinline__ float dot_pair(float acc, float s0, float a0, float s1, float a1)
 {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *(const uint32_t *)&v;
+    return __fadd_rn(acc, __fadd_rn(__fmul_rn(s0, a0), __fmul_rn(s1, a1)));
+}
+
+/* The 128-column block's sum of its 16 chunks: lanes 16 h .. 16 h + 15 of the warp hold one
+ * block (each its chunk's `part`), all 32 lanes take part. */
+static __device__ __forceinline__ float dot_block(float part)
+{
+#pragma unroll
+    for (int off = 8; off > 0; off /= 2) part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, off));
+    return part;
+}
+
+/* Eight columns of one row (16-byte loads of g, u and s) -> dg, du and w a, eight bf16 each
+ * (the first column in the low half of .x), and their chunk's part of <s, a> (dot_pair's
+ * order). */
+static __device__ __forceinline__ void dswiglu8(uint4 g4, uint4 u4, uint4 s4, float w, uint4 *dg4, uint4 *du4,
+                                                uint4 *wa4, float *dot)
+{
+    const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
+                         *s = (const __nv_bfloat162 *)&s4;
+    __nv_bfloat162 *dg = (__nv_bfloat162 *)dg4, *du = (__nv_bfloat162 *)du4, *wa = (__nv_bfloat162 *)wa4;
+    float part = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const float2 gf = __bfloat1622float2(g[q]), uf = __bfloat1622float2(u[q]), sf = __bfloat1622float2(s[q]);
+        const dswiglu_t x = dswiglu(gf.x, uf.x, sf.x, w), y = dswiglu(gf.y, uf.y, sf.y, w);
+        part = dot_pair(part, sf.x, x.a, sf.y, y.a);
+        dg[q] = __floats2bfloat162_rn(x.dg, y.dg);
+        du[q] = __floats2bfloat162_rn(x.du, y.du);
+        wa[q] = __floats2bfloat162_rn(x.wa, y.wa);
+    }
+    *dot = part;
 }
 
 #endif /* COMET_POINTWISE_DSWIGLU_CUH */

@@ -59,6 +59,25 @@ cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, const float *h_sca
                                                float *wa_t_scales, void *dh_t, float *dh_t_scales, int64_t ldq,
                                                int pow2, cudaStream_t stream);
 
+/* The same in one kernel, with dh's rows left in [g u]'s own bytes instead (the fused
+ * path's: [g u] is not read again, and s stays as it is): each tile of 128 rows x 128
+ * columns writes the 1 x 128 blocks of dh made from it over the bytes it read them from.
+ * E4M3 [g u] (h_scales given): dh [rows][2 ffn] E4M3 in its place. bf16: row r's block b
+ * (b < ffn / 128 gate's, then up's; 128 bytes) at byte r x 4 ffn + 256 b of h, the first
+ * half of its 128 values' bytes (a GEMM reads it with a.ld 4 ffn, a.kb_stride 256). Their
+ * scales at dh_scales[r + b x dh_scale_block] as above, and dw_rows[r] summed in the same
+ * order from each tile's part, dot_parts[t x dh_scale_block + r] (t < ffn / 128, a
+ * workspace). Bytes of rows in no segment are left alone. Segments start at multiples of
+ * 128 (as the transposed operands need; the route lays them out so): a block's rows and
+ * parts are written by the tile that holds them. The same checks, dot_parts set. */
+cudaError_t cometi_launch_swiglu_backward_e4m3_in_place(void *h, const float *h_scales, int64_t h_ld, const void *s,
+                                                        int ffn, const cometi_segment_t *segs, int groups,
+                                                        int max_rows, int64_t rows, const float *w_rows,
+                                                        float *dw_rows, float *dot_parts, float *dh_scales,
+                                                        int64_t dh_scale_block, void *wa_t, float *wa_t_scales,
+                                                        void *dh_t, float *dh_t_scales, int64_t ldq, int pow2,
+                                                        cudaStream_t stream);
+
 /* Block-scaled FP8 (E4M3) with base/fp8.h's arithmetic: each block's amax, its scale
  * (pow2: a power of two), q = e4m3(x x (1 / scale)); NaN and infinity as comet.h states.
  * Rows: x bf16 [rows][ldx] in 1 x 128 blocks along its cols -> q E4M3 [rows][ldq], the

@@ -56,54 +56,47 @@ extern "C" cudaError_t cometi_launch_swiglu(const void *h, void *act, int ffn, c
 /* SwiGLU's backward and the routing weight's gradient, one block per row of each expert's
  * segment (blockIdx.y the local expert), from h = [g u] (GEMM0's output), sa = s = dy W2
  * (dy unweighted) and the row's weight w:
- *   a = silu(g) u,  dw = <s, a> (fp32, this rank's ffn columns; a fixed order: the same
- *   bits every run),  da = w s,  dh = [da u silu'(g), da silu(g)],
- * and sa overwritten with w a, so that dW2 = dy^T (w a) (each element: dswiglu.cuh). */
+ *   a = silu(g) u,  dw = <s, a> (fp32, this rank's ffn columns, in dswiglu.cuh's order: the
+ *   same bits every run and on every path),  da = w s,  dh = [da u silu'(g), da silu(g)],
+ * and sa overwritten with w a, so that dW2 = dy^T (w a) (each element: dswiglu.cuh). A
+ * thread takes 8 columns a pass, so a half-warp holds one 128-column block; the blocks'
+ * sums wait in shared memory (block_sums, ceil(ffn / 128) of them) for the row's. */
 #define DSWIGLU_THREADS 256
 static __global__ void __launch_bounds__(DSWIGLU_THREADS)
 swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *sa, __nv_bfloat16 *dh, int ffn,
                        const cometi_segment_t *segs, long long row_limit, const float *w_rows, float *dw_rows)
 {
-    __shared__ float warp_sums[DSWIGLU_THREADS / 32];
+    extern __shared__ float block_sums[];
     const cometi_segment_t seg = segs[blockIdx.y];
     const int vecs = ffn / 8; /* 16-byte loads and stores: 8 columns at a time */
     const long long rows = cometi_segment_rows_below(seg, row_limit);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const long long row = seg.start + r;
         const float w = w_rows[row];
-        float dot = 0.0f;
-        for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
-            const int f = v * 8;
-            const uint4 g4 = *(const uint4 *)(h + row * 2 * ffn + f), u4 = *(const uint4 *)(h + row * 2 * ffn + ffn + f);
-            const uint4 s4 = *(const uint4 *)(sa + row * ffn + f);
-            const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
-                                 *s = (const __nv_bfloat162 *)&s4;
-            uint32_t dg[4], du[4], wa[4]; /* words, so each goes out as one 16-byte store */
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const float2 gf = __bfloat1622float2(g[q]), uf = __bfloat1622float2(u[q]), sf = __bfloat1622float2(s[q]);
-                const dswiglu_t x = dswiglu(gf.x, uf.x, sf.x, w), y = dswiglu(gf.y, uf.y, sf.y, w);
-                dot += sf.x * x.a + sf.y * y.a;
-                dg[q] = bf16x2_bits(x.dg, y.dg);
-                du[q] = bf16x2_bits(x.du, y.du);
-                wa[q] = bf16x2_bits(x.wa, y.wa);
+        /* Every lane through every pass: the blocks' sums are shuffles among all. */
+        for (int v0 = 0; v0 < vecs; v0 += blockDim.x) {
+            const int v = v0 + (int)threadIdx.x, f = v * 8;
+            float part = 0.0f;
+            if (v < vecs) {
+                const uint4 g4 = *(const uint4 *)(h + row * 2 * ffn + f), u4 = *(const uint4 *)(h + row * 2 * ffn + ffn + f);
+                const uint4 s4 = *(const uint4 *)(sa + row * ffn + f);
+                uint4 dg4, du4, a4;
+                dswiglu8(g4, u4, s4, w, &dg4, &du4, &a4, &part);
+                /* Read before written, element by element: h and dh may be one buffer (the fused path's). */
+                ((uint4 *)dh)[(row * 2 * ffn + f) / 8] = dg4; /* indexed: nvcc then stores 16 bytes, not 4 x 4 */
+                ((uint4 *)dh)[(row * 2 * ffn + ffn + f) / 8] = du4;
+                *(uint4 *)(sa + row * ffn + f) = a4;
             }
-            const uint4 dg4 = make_uint4(dg[0], dg[1], dg[2], dg[3]), du4 = make_uint4(du[0], du[1], du[2], du[3]),
-                        a4 = make_uint4(wa[0], wa[1], wa[2], wa[3]);
-            /* Read before written, element by element: h and dh may be one buffer (the fused path's). */
-            ((uint4 *)dh)[(row * 2 * ffn + f) / 8] = dg4;
-            ((uint4 *)dh)[(row * 2 * ffn + ffn + f) / 8] = du4;
-            *(uint4 *)(sa + row * ffn + f) = a4;
+            part = dot_block(part);
+            if (threadIdx.x % 16 == 0 && v < vecs) block_sums[v / 16] = part;
         }
-        for (int off = 16; off > 0; off /= 2) dot += __shfl_down_sync(0xffffffffu, dot, off);
-        if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = dot;
         __syncthreads();
         if (threadIdx.x == 0) {
             float sum = 0.0f;
-            for (int q = 0; q < (int)blockDim.x / 32; q++) sum += warp_sums[q];
+            for (int b = 0; b < (vecs + 15) / 16; b++) sum = __fadd_rn(sum, block_sums[b]);
             dw_rows[row] = sum;
         }
-        __syncthreads(); /* warp_sums free for the next row */
+        __syncthreads(); /* block_sums free for the next row */
     }
 }
 
@@ -115,7 +108,8 @@ extern "C" cudaError_t cometi_launch_swiglu_backward(const void *h, void *sa, vo
     if (num_segs == 0 || max_rows == 0) return cudaSuccess;
     const int vecs = ffn / 8, threads = vecs >= DSWIGLU_THREADS ? DSWIGLU_THREADS : (vecs + 31) / 32 * 32;
     const dim3 grid((unsigned int)(max_rows < 1024 ? max_rows : 1024), (unsigned int)num_segs);
-    swiglu_backward_kernel<<<grid, threads, 0, stream>>>((const __nv_bfloat16 *)h, (__nv_bfloat16 *)sa,
+    const size_t smem = sizeof(float) * (size_t)((vecs + 15) / 16); /* a float per 128 columns */
+    swiglu_backward_kernel<<<grid, threads, smem, stream>>>((const __nv_bfloat16 *)h, (__nv_bfloat16 *)sa,
                                                          (__nv_bfloat16 *)dh, ffn, segs, (long long)row_limit, w_rows,
                                                          dw_rows);
     return cudaGetLastError();

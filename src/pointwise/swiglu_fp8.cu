@@ -2,16 +2,21 @@
  * swiglu_fp8.cu - SwiGLU's backward in FP8 training, straight into the FP8 operands the
  * GEMMs after it read, so no bf16 dh or w a ever goes to memory:
  *   swiglu_backward_t_kernel     the weight gradients' operands, (w a)^T and dh^T, each
- *                                quantized along the tokens (128 x 1 blocks);
- *   swiglu_backward_rows_kernel  dh's rows quantized 1 x 128 (the dgrad GEMM of W13 reads
- *                                them) over s's bytes, and <s, a> for d topk_weights.
- * Both compute the same values as swiglu.cu's bf16 backward (dswiglu.cuh, each value
- * rounded to bf16 as that kernel stores it), then quantize them as quantize.cu's
- * kernels quantize bf16 rows: the FP8 operands are those the bf16 backward and the casts
- * would make, bit for bit, in half the traffic (each reads [g u] and s once; the four
- * kernels they replace also wrote and read dh and w a in bf16). [g u] is kept in bf16, or
- * in E4M3 (each value dequantized and rounded to bf16 first: the same bits as the bf16
- * backward on those values).
+ *                                quantized along the tokens (128 x 1 blocks); in the fused
+ *                                path's form (ROWS) also dh's rows quantized 1 x 128, left
+ *                                in [g u]'s own bytes, and each tile's part of <s, a>
+ *                                (swiglu_dot_sum_kernel sums them): one pass over [g u]
+ *                                and s;
+ *   swiglu_backward_rows_kernel  the sequential path's second kernel: dh's rows quantized
+ *                                1 x 128 over s's bytes (its cuBLASLt GEMM reads them
+ *                                contiguous), and <s, a>.
+ * All compute the same values as swiglu.cu's bf16 backward (dswiglu.cuh, each value
+ * rounded to bf16 as that kernel stores it; <s, a> in its order), then quantize them as
+ * quantize.cu's kernels quantize bf16 rows: the FP8 operands are those the bf16 backward
+ * and the casts would make, bit for bit, in less than half the traffic (the four kernels
+ * they replace also wrote and read dh and w a in bf16). [g u] is kept in bf16, or in E4M3
+ * (each value dequantized and rounded to bf16 first: the same bits as the bf16 backward
+ * on those values).
  */
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -21,21 +26,44 @@
 #include "pointwise/dswiglu.cuh"
 #include "pointwise/e4m3_tile.cuh"
 
-/* Eight columns of one row (16-byte loads of g, u and s) -> dg, du and w a, eight bf16 each
- * (the first column in the low half of .x). */
-static __device__ __forceinline__ void dswiglu8(uint4 g4, uint4 u4, uint4 s4, float w, uint4 *dg4, uint4 *du4,
-                                                uint4 *wa4)
+/* Where the one-kernel backward leaves dh's rows (cometi_launch_swiglu_backward_e4m3_in_place):
+ * in [g u]'s own bytes, row r's k block b (128 E4M3 bytes: gate's blocks, then up's) at
+ * rows + r x row_bytes + b x block_bytes, its scale at scales[r + b x scale_block]; each
+ * row's <s, a> per 128-column tile at dot_parts[t x scale_block + r]. */
+typedef struct dh_rows_out {
+    uint8_t *rows;
+    long long row_bytes;
+    int block_bytes;
+    float *scales;
+    long long scale_block;
+    float *dot_parts;
+} dh_rows_out_t;
+
+/* One row's two 1 x 128 blocks of dh in tile column ct (dg's block ct and du's block
+ * ffn / 128 + ct), held by the 16 lanes of a half-warp, 8 columns each (col_in the first):
+ * each block's amax across them, its scale and bytes out as the row kernel writes them, and
+ * the tile's part of <s, a> (dot_block). Every lane takes part (the shuffles); rows past
+ * their segment (`in` false) write nothing. */
+static __device__ __forceinline__ void dh_row_blocks(const dh_rows_out_t &o, uint4 dg4, uint4 du4, float part,
+                                                     long long row, bool in, int ct, int blocks, int col_in,
+                                                     int pow2)
 {
-    const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
-                         *s = (const __nv_bfloat162 *)&s4;
-    __nv_bfloat162 *dg = (__nv_bfloat162 *)dg4, *du = (__nv_bfloat162 *)du4, *wa = (__nv_bfloat162 *)wa4;
+    const float dot = dot_block(part);
+    float amax_g = amax_float(amax8(dg4, 0)), amax_u = amax_float(amax8(du4, 0));
 #pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const float2 gf = __bfloat1622float2(g[q]), uf = __bfloat1622float2(u[q]), sf = __bfloat1622float2(s[q]);
-        const dswiglu_t x = dswiglu(gf.x, uf.x, sf.x, w), y = dswiglu(gf.y, uf.y, sf.y, w);
-        dg[q] = __floats2bfloat162_rn(x.dg, y.dg);
-        du[q] = __floats2bfloat162_rn(x.du, y.du);
-        wa[q] = __floats2bfloat162_rn(x.wa, y.wa);
+    for (int off = 8; off > 0; off /= 2) {
+        amax_g = cometi_fp8_max(amax_g, __shfl_xor_sync(0xffffffffu, amax_g, off));
+        amax_u = cometi_fp8_max(amax_u, __shfl_xor_sync(0xffffffffu, amax_u, off));
+    }
+    if (!in) return;
+    const float sg = cometi_fp8_scale(amax_g, pow2), su = cometi_fp8_scale(amax_u, pow2);
+    uint8_t *q = o.rows + row * o.row_bytes + col_in;
+    *(uint2 *)(q + (long long)ct * o.block_bytes) = quantize8(dg4, cometi_fp8_inverse(sg));
+    *(uint2 *)(q + (long long)(blocks + ct) * o.block_bytes) = quantize8(du4, cometi_fp8_inverse(su));
+    if (col_in == 0) {
+        o.scales[row + (long long)ct * o.scale_block] = sg;
+        o.scales[row + (long long)(blocks + ct) * o.scale_block] = su;
+        o.dot_parts[row + (long long)ct * o.scale_block] = dot;
     }
 }
 
@@ -73,15 +101,17 @@ static __device__ __forceinline__ uint4 gu_bf16(uint4 v)
  * of the three in turn each column's amax over the 128 rows, its scale, and its bytes
  * through the swizzled staging to the transposed rows: (w a)^T row f, dh^T rows f (gate)
  * and ffn + f (up). Rows of the block past its segment's end (or past `rows`) are zeros;
- * a block in no segment is not written (quantize_segments_t_kernel's contract). */
-template <bool GU8>
+ * a block in no segment is not written (quantize_segments_t_kernel's contract). ROWS: each
+ * pass's row also leaves its dh blocks and its part of <s, a> (dh_row_blocks, rows_out),
+ * so h is not __restrict__: those bytes are written over. */
+template <bool GU8, bool ROWS>
 static __global__ void __launch_bounds__(QUANTIZE_THREADS, DSWIGLU_T_BLOCKS)
-swiglu_backward_t_kernel(const void *__restrict__ h, const float *__restrict__ h_scales, long long h_ld,
+swiglu_backward_t_kernel(const void *h, const float *__restrict__ h_scales, long long h_ld,
                          const uint16_t *__restrict__ s,
                          const float *__restrict__ w_rows, int ffn, const cometi_segment_t *segs, int groups,
                          long long rows, uint8_t *__restrict__ wa_t, float *__restrict__ wa_scales,
                          uint8_t *__restrict__ dh_t, float *__restrict__ dh_scales, long long ldq, int pow2,
-                         int row_blocks, int col_tiles)
+                         int row_blocks, int col_tiles, dh_rows_out_t rows_out)
 {
     __shared__ float warp_amax[QUANTIZE_WARPS][COMETI_FP8_BLOCK];
     __shared__ __align__(16) uint8_t staged[COMETI_FP8_BLOCK * COMETI_FP8_BLOCK];
@@ -114,7 +144,15 @@ swiglu_backward_t_kernel(const void *__restrict__ h, const float *__restrict__ h
             }
             if (p >= 0) { /* rows past the segment: zeros in, zeros out */
                 const uint4 *x = in[p % 2];
-                dswiglu8(gu_bf16<GU8>(x[0]), gu_bf16<GU8>(x[1]), x[2], w[p % 2], &out[1][p], &out[2][p], &out[0][p]);
+                float part;
+                dswiglu8(gu_bf16<GU8>(x[0]), gu_bf16<GU8>(x[1]), x[2], w[p % 2], &out[1][p], &out[2][p], &out[0][p],
+                         &part);
+                /* The row's dh blocks over the bytes of [g u] this half-warp has just read
+                 * (its stores wait on every lane's values, through the shuffles). */
+                const int tr_p = p * TILE_ROWS_PER_PASS + tile_row;
+                if (ROWS)
+                    dh_row_blocks(rows_out, out[1][p], out[2][p], part, r0 + tr_p, tr_p < valid, ct, col_tiles,
+                                  col_in, pow2);
             }
         }
 #pragma unroll
@@ -136,8 +174,8 @@ swiglu_backward_t_kernel(const void *__restrict__ h, const float *__restrict__ h
  * the expert), as swiglu_backward_kernel does. s's row is copied into shared memory first,
  * since dh's E4M3 bytes (2 ffn a row: gate, then up) overwrite s's bf16 ones. A thread
  * takes 8 columns a pass; the 16 threads of a half-warp hold one 128-column block of dg and
- * one of du, whose amax is a shuffle among them. <s, a> is summed as that kernel sums it
- * (the same order: the same bits). */
+ * one of du, whose amax is a shuffle among them. <s, a> is summed as every SwiGLU backward
+ * sums it (dswiglu.cuh's order: the same bits). */
 #define DSWIGLU_THREADS 256
 template <bool GU8>
 static __global__ void __launch_bounds__(DSWIGLU_THREADS)
@@ -146,8 +184,8 @@ swiglu_backward_rows_kernel(const void *__restrict__ h, const float *__restrict_
                             long long row_limit, const float *__restrict__ w_rows, float *__restrict__ dw_rows,
                             float *__restrict__ dh_scales, long long scale_block_stride, int pow2)
 {
-    extern __shared__ uint4 s_row[]; /* ffn / 8 */
-    __shared__ float warp_sums[DSWIGLU_THREADS / 32];
+    extern __shared__ uint4 s_row[]; /* ffn / 8, then block_sums: ffn / 128 floats */
+    float *block_sums = (float *)(s_row + ffn / 8);
     const cometi_segment_t seg = segs[blockIdx.y];
     const int vecs = ffn / 8, lane = threadIdx.x % 32;
     const long long rows = cometi_segment_rows_below(seg, row_limit);
@@ -157,29 +195,20 @@ swiglu_backward_rows_kernel(const void *__restrict__ h, const float *__restrict_
         for (int v = threadIdx.x; v < vecs; v += blockDim.x) s_row[v] = *(const uint4 *)(s_dh + row * ffn + v * 8);
         __syncthreads(); /* s's row is read before any dh byte lands on it */
         uint8_t *q = (uint8_t *)(s_dh + row * ffn);
-        float dot = 0.0f;
         /* Every lane through every pass (vecs is a multiple of 16): the shuffles need all. */
         for (int v0 = 0; v0 < vecs; v0 += blockDim.x) {
             const int v = v0 + (int)threadIdx.x, f = v * 8;
             const bool in = v < vecs;
             uint4 dg4 = make_uint4(0, 0, 0, 0), du4 = dg4;
+            float part = 0.0f;
             if (in) {
                 const uint4 g4 = gu_bf16<GU8>(load_gu<GU8>(h, h_scales, h_ld, ffn, row, f)),
                             u4 = gu_bf16<GU8>(load_gu<GU8>(h, h_scales, h_ld, ffn, row, ffn + f));
-                const uint4 s4 = s_row[v];
-                const __nv_bfloat162 *g = (const __nv_bfloat162 *)&g4, *u = (const __nv_bfloat162 *)&u4,
-                                     *s = (const __nv_bfloat162 *)&s4;
-                __nv_bfloat162 *dg = (__nv_bfloat162 *)&dg4, *du = (__nv_bfloat162 *)&du4;
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const float2 gf = __bfloat1622float2(g[k]), uf = __bfloat1622float2(u[k]),
-                                 sf = __bfloat1622float2(s[k]);
-                    const dswiglu_t x = dswiglu(gf.x, uf.x, sf.x, w), y = dswiglu(gf.y, uf.y, sf.y, w);
-                    dot += sf.x * x.a + sf.y * y.a;
-                    dg[k] = __floats2bfloat162_rn(x.dg, y.dg);
-                    du[k] = __floats2bfloat162_rn(x.du, y.du);
-                }
+                uint4 wa4; /* not kept: the tile kernel writes (w a)^T */
+                dswiglu8(g4, u4, s_row[v], w, &dg4, &du4, &wa4, &part);
             }
+            part = dot_block(part);
+            if (lane % 16 == 0 && in) block_sums[v / 16] = part;
             float amax_g = amax_float(amax8(dg4, 0)), amax_u = amax_float(amax8(du4, 0));
 #pragma unroll
             for (int off = 8; off > 0; off /= 2) {
@@ -196,16 +225,62 @@ swiglu_backward_rows_kernel(const void *__restrict__ h, const float *__restrict_
                 }
             }
         }
-        for (int off = 16; off > 0; off /= 2) dot += __shfl_down_sync(0xffffffffu, dot, off);
-        if (lane == 0) warp_sums[threadIdx.x / 32] = dot;
         __syncthreads();
         if (threadIdx.x == 0) {
             float sum = 0.0f;
-            for (int k = 0; k < (int)blockDim.x / 32; k++) sum += warp_sums[k];
+            for (int b = 0; b < vecs / 16; b++) sum = __fadd_rn(sum, block_sums[b]);
             dw_rows[row] = sum;
         }
-        __syncthreads(); /* warp_sums and s_row free for the next row */
+        __syncthreads(); /* block_sums and s_row free for the next row */
     }
+}
+
+/* Each row's <s, a> from its tiles' parts (the one-kernel backward's), the tiles in turn:
+ * dswiglu.cuh's order. A thread a row of blockIdx.y's segment. */
+static __global__ void swiglu_dot_sum_kernel(const float *__restrict__ parts, long long ld, int tiles,
+                                             const cometi_segment_t *segs, long long row_limit, float *dw_rows)
+{
+    const cometi_segment_t seg = segs[blockIdx.y];
+    const long long rows = cometi_segment_rows_below(seg, row_limit);
+    for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (long long)gridDim.x * blockDim.x) {
+        const long long row = seg.start + r;
+        float sum = 0.0f;
+        for (int t = 0; t < tiles; t++) sum = __fadd_rn(sum, parts[row + (long long)t * ld]);
+        dw_rows[row] = sum;
+    }
+}
+
+/* What both launchers take alike, checked before either launches anything. */
+static bool swiglu_e4m3_args_ok(const void *h, const float *h_scales, int64_t h_ld, const void *s, int ffn,
+                                const cometi_segment_t *segs, int64_t rows, const float *w_rows,
+                                const float *dw_rows, const float *dh_scales, int64_t dh_scale_block,
+                                const void *wa_t, const float *wa_t_scales, const void *dh_t,
+                                const float *dh_t_scales, int64_t ldq)
+{
+    const int64_t row_blocks = (rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK;
+    return ffn > 0 && ffn % COMETI_FP8_BLOCK == 0 && (uintptr_t)h % 16 == 0 && (uintptr_t)s % 16 == 0 &&
+           (uintptr_t)wa_t % 16 == 0 && (uintptr_t)dh_t % 16 == 0 && ldq % 16 == 0 &&
+           ldq >= row_blocks * COMETI_FP8_BLOCK && dh_scale_block >= rows && segs && w_rows && dw_rows && dh_scales &&
+           wa_t_scales && dh_t_scales && (!h_scales || h_ld >= rows);
+}
+
+static void launch_t_kernel(bool gu8, bool in_place, const void *h, const float *h_scales, int64_t h_ld,
+                            const void *s, int ffn, const cometi_segment_t *segs, int groups, int64_t rows,
+                            const float *w_rows, void *wa_t, float *wa_t_scales, void *dh_t, float *dh_t_scales,
+                            int64_t ldq, int pow2, dh_rows_out_t rows_out, cudaStream_t stream)
+{
+    const int row_blocks = (int)((rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK), col_tiles = ffn / COMETI_FP8_BLOCK;
+    const long long tiles = (long long)row_blocks * col_tiles;
+    const unsigned int grid = (unsigned int)(tiles < (1 << 20) ? tiles : (1 << 20));
+    void (*kernel)(const void *, const float *, long long, const uint16_t *, const float *, int,
+                   const cometi_segment_t *, int, long long, uint8_t *, float *, uint8_t *, float *, long long, int,
+                   int, int, dh_rows_out_t) =
+        gu8 ? (in_place ? swiglu_backward_t_kernel<true, true> : swiglu_backward_t_kernel<true, false>)
+            : (in_place ? swiglu_backward_t_kernel<false, true> : swiglu_backward_t_kernel<false, false>);
+    kernel<<<grid, QUANTIZE_THREADS, 0, stream>>>(h, h_scales, (long long)h_ld, (const uint16_t *)s, w_rows, ffn, segs,
+                                                  groups, (long long)rows, (uint8_t *)wa_t, wa_t_scales,
+                                                  (uint8_t *)dh_t, dh_t_scales, (long long)ldq, pow2, row_blocks,
+                                                  col_tiles, rows_out);
 }
 
 extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, const float *h_scales, int64_t h_ld,
@@ -217,38 +292,65 @@ extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, const f
                                                           int64_t ldq, int pow2, cudaStream_t stream)
 {
     if (rows <= 0 || groups <= 0 || max_rows <= 0) return cudaSuccess;
-    const int row_blocks = (int)((rows + COMETI_FP8_BLOCK - 1) / COMETI_FP8_BLOCK);
-    if (ffn <= 0 || ffn % COMETI_FP8_BLOCK || (uintptr_t)h % 16 || (uintptr_t)s_dh % 16 || (uintptr_t)wa_t % 16 ||
-        (uintptr_t)dh_t % 16 || ldq % 16 || ldq < (int64_t)row_blocks * COMETI_FP8_BLOCK || dh_scale_block < rows ||
-        !segs || !w_rows || !dw_rows || !dh_scales || !wa_t_scales || !dh_t_scales || (h_scales && h_ld < rows))
+    if (!swiglu_e4m3_args_ok(h, h_scales, h_ld, s_dh, ffn, segs, rows, w_rows, dw_rows, dh_scales, dh_scale_block,
+                             wa_t, wa_t_scales, dh_t, dh_t_scales, ldq))
         return cudaErrorInvalidValue;
     const bool gu8 = h_scales != NULL;
-    /* The row kernel keeps s's row in shared memory beside its own (warp_sums): past the
-     * default 48 KB it must ask for more, and past the device's most it cannot run. Both
-     * checked before either kernel is launched. */
+    /* The row kernel keeps s's row and a float per 128 columns (block_sums) in shared
+     * memory: past the default 48 KB it must ask for more, and past the device's most it
+     * cannot run. Both checked before either kernel is launched. */
     const int vecs = ffn / 8, threads = vecs >= DSWIGLU_THREADS ? DSWIGLU_THREADS : (vecs + 31) / 32 * 32;
-    const size_t smem = (size_t)ffn * 2, smem_static = sizeof(float) * (DSWIGLU_THREADS / 32);
-    if (smem + smem_static > 48 * 1024) {
+    const size_t smem = (size_t)ffn * 2 + sizeof(float) * (size_t)(ffn / COMETI_FP8_BLOCK);
+    if (smem > 48 * 1024) {
         int dev = 0, most = 0;
         cudaError_t e = cudaGetDevice(&dev);
         if (e == cudaSuccess) e = cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
         if (e != cudaSuccess) return e;
-        if (smem + smem_static > (size_t)most) return cudaErrorInvalidValue;
+        if (smem > (size_t)most) return cudaErrorInvalidValue;
         e = cudaFuncSetAttribute(gu8 ? swiglu_backward_rows_kernel<true> : swiglu_backward_rows_kernel<false>,
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) return e;
     }
-    const int col_tiles = ffn / COMETI_FP8_BLOCK;
-    const long long tiles = (long long)row_blocks * col_tiles;
-    const unsigned int t_grid = (unsigned int)(tiles < (1 << 20) ? tiles : (1 << 20));
-    (gu8 ? swiglu_backward_t_kernel<true> : swiglu_backward_t_kernel<false>)<<<t_grid, QUANTIZE_THREADS, 0, stream>>>(
-        h, h_scales, (long long)h_ld, (const uint16_t *)s_dh, w_rows, ffn, segs, groups, (long long)rows,
-        (uint8_t *)wa_t, wa_t_scales, (uint8_t *)dh_t, dh_t_scales, (long long)ldq, pow2, row_blocks, col_tiles);
+    const dh_rows_out_t none = {NULL, 0, 0, NULL, 0, NULL}; /* the row kernel writes them */
+    launch_t_kernel(gu8, false, h, h_scales, h_ld, s_dh, ffn, segs, groups, rows, w_rows, wa_t, wa_t_scales, dh_t,
+                    dh_t_scales, ldq, pow2, none, stream);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
     const dim3 grid((unsigned int)(max_rows < 1024 ? max_rows : 1024), (unsigned int)groups);
     (gu8 ? swiglu_backward_rows_kernel<true> : swiglu_backward_rows_kernel<false>)<<<grid, threads, smem, stream>>>(
         h, h_scales, (long long)h_ld, (uint16_t *)s_dh, ffn, segs, (long long)rows, w_rows, dw_rows, dh_scales,
         (long long)dh_scale_block, pow2);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3_in_place(void *h, const float *h_scales, int64_t h_ld,
+                                                                   const void *s, int ffn,
+                                                                   const cometi_segment_t *segs, int groups,
+                                                                   int max_rows, int64_t rows, const float *w_rows,
+                                                                   float *dw_rows, float *dot_parts, float *dh_scales,
+                                                                   int64_t dh_scale_block, void *wa_t,
+                                                                   float *wa_t_scales, void *dh_t, float *dh_t_scales,
+                                                                   int64_t ldq, int pow2, cudaStream_t stream)
+{
+    if (rows <= 0 || groups <= 0 || max_rows <= 0) return cudaSuccess;
+    if (!dot_parts || !swiglu_e4m3_args_ok(h, h_scales, h_ld, s, ffn, segs, rows, w_rows, dw_rows, dh_scales,
+                                           dh_scale_block, wa_t, wa_t_scales, dh_t, dh_t_scales, ldq))
+        return cudaErrorInvalidValue;
+    const bool gu8 = h_scales != NULL;
+    dh_rows_out_t out;
+    out.rows = (uint8_t *)h;
+    out.row_bytes = (long long)ffn * (gu8 ? 2 : 4);     /* a row of [g u] */
+    out.block_bytes = gu8 ? COMETI_FP8_BLOCK : 2 * COMETI_FP8_BLOCK; /* the bytes of 128 of its values */
+    out.scales = dh_scales;
+    out.scale_block = (long long)dh_scale_block;
+    out.dot_parts = dot_parts;
+    launch_t_kernel(gu8, true, h, h_scales, h_ld, s, ffn, segs, groups, rows, w_rows, wa_t, wa_t_scales, dh_t,
+                    dh_t_scales, ldq, pow2, out, stream);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    const int per_block = 256, blocks = (max_rows + per_block - 1) / per_block;
+    const dim3 grid((unsigned int)(blocks < 1024 ? blocks : 1024), (unsigned int)groups);
+    swiglu_dot_sum_kernel<<<grid, per_block, 0, stream>>>(dot_parts, (long long)dh_scale_block, ffn / COMETI_FP8_BLOCK,
+                                                          segs, (long long)rows, dw_rows);
     return cudaGetLastError();
 }
