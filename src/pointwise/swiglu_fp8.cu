@@ -26,10 +26,11 @@
 #include "pointwise/dswiglu.cuh"
 #include "pointwise/e4m3_tile.cuh"
 
-/* Where the one-kernel backward leaves dh's rows (cometi_launch_swiglu_backward_e4m3_in_place):
- * in [g u]'s own bytes, row r's k block b (128 E4M3 bytes: gate's blocks, then up's) at
- * rows + r x row_bytes + b x block_bytes, its scale at scales[r + b x scale_block]; each
- * row's <s, a> per 128-column tile at dot_parts[t x scale_block + r]. */
+/* Where dh's rows go: row r's k block b (128 E4M3 bytes: gate's blocks, then up's) at
+ * rows + r x row_bytes + b x block_bytes, its scale at scales[r + b x scale_block], and the
+ * row's <s, a> over 128-column tile t at dot_parts[r x dot_row + t x dot_tile]. The
+ * one-kernel backward (cometi_launch_swiglu_backward_e4m3_in_place): [g u]'s own bytes,
+ * the parts in a workspace; the row kernel: s's bytes, the parts in shared memory. */
 typedef struct dh_rows_out {
     uint8_t *rows;
     long long row_bytes;
@@ -37,12 +38,13 @@ typedef struct dh_rows_out {
     float *scales;
     long long scale_block;
     float *dot_parts;
+    long long dot_row, dot_tile;
 } dh_rows_out_t;
 
 /* One row's two 1 x 128 blocks of dh in tile column ct (dg's block ct and du's block
  * ffn / 128 + ct), held by the 16 lanes of a half-warp, 8 columns each (col_in the first):
- * each block's amax across them, its scale and bytes out as the row kernel writes them, and
- * the tile's part of <s, a> (dot_block). Every lane takes part (the shuffles); rows past
+ * each block's amax across them, its scale and bytes out, and the tile's part of <s, a>
+ * (dot_block). Every lane takes part (the shuffles); rows past
  * their segment (`in` false) write nothing. */
 static __device__ __forceinline__ void dh_row_blocks(const dh_rows_out_t &o, uint4 dg4, uint4 du4, float part,
                                                      long long row, bool in, int ct, int blocks, int col_in,
@@ -63,7 +65,7 @@ static __device__ __forceinline__ void dh_row_blocks(const dh_rows_out_t &o, uin
     if (col_in == 0) {
         o.scales[row + (long long)ct * o.scale_block] = sg;
         o.scales[row + (long long)(blocks + ct) * o.scale_block] = su;
-        o.dot_parts[row + (long long)ct * o.scale_block] = dot;
+        o.dot_parts[row * o.dot_row + (long long)ct * o.dot_tile] = dot;
     }
 }
 
@@ -187,14 +189,16 @@ swiglu_backward_rows_kernel(const void *__restrict__ h, const float *__restrict_
     extern __shared__ uint4 s_row[]; /* ffn / 8, then block_sums: ffn / 128 floats */
     float *block_sums = (float *)(s_row + ffn / 8);
     const cometi_segment_t seg = segs[blockIdx.y];
-    const int vecs = ffn / 8, lane = threadIdx.x % 32;
+    const int vecs = ffn / 8, blocks = ffn / COMETI_FP8_BLOCK;
     const long long rows = cometi_segment_rows_below(seg, row_limit);
+    /* dh's rows over s's (2 ffn bytes a row), the blocks' parts of <s, a> in block_sums */
+    const dh_rows_out_t out = {(uint8_t *)s_dh, 2LL * ffn, COMETI_FP8_BLOCK, dh_scales, scale_block_stride,
+                               block_sums, 0, 1};
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const long long row = seg.start + r;
         const float w = w_rows[row];
         for (int v = threadIdx.x; v < vecs; v += blockDim.x) s_row[v] = *(const uint4 *)(s_dh + row * ffn + v * 8);
         __syncthreads(); /* s's row is read before any dh byte lands on it */
-        uint8_t *q = (uint8_t *)(s_dh + row * ffn);
         /* Every lane through every pass (vecs is a multiple of 16): the shuffles need all. */
         for (int v0 = 0; v0 < vecs; v0 += blockDim.x) {
             const int v = v0 + (int)threadIdx.x, f = v * 8;
@@ -207,28 +211,12 @@ swiglu_backward_rows_kernel(const void *__restrict__ h, const float *__restrict_
                 uint4 wa4; /* not kept: the tile kernel writes (w a)^T */
                 dswiglu8(g4, u4, s_row[v], w, &dg4, &du4, &wa4, &part);
             }
-            part = dot_block(part);
-            if (lane % 16 == 0 && in) block_sums[v / 16] = part;
-            float amax_g = amax_float(amax8(dg4, 0)), amax_u = amax_float(amax8(du4, 0));
-#pragma unroll
-            for (int off = 8; off > 0; off /= 2) {
-                amax_g = cometi_fp8_max(amax_g, __shfl_xor_sync(0xffffffffu, amax_g, off));
-                amax_u = cometi_fp8_max(amax_u, __shfl_xor_sync(0xffffffffu, amax_u, off));
-            }
-            if (in) {
-                const float sg = cometi_fp8_scale(amax_g, pow2), su = cometi_fp8_scale(amax_u, pow2);
-                *(uint2 *)(q + f) = quantize8(dg4, cometi_fp8_inverse(sg));
-                *(uint2 *)(q + ffn + f) = quantize8(du4, cometi_fp8_inverse(su));
-                if (lane % 16 == 0) {
-                    dh_scales[row + (f / COMETI_FP8_BLOCK) * scale_block_stride] = sg;
-                    dh_scales[row + ((ffn + f) / COMETI_FP8_BLOCK) * scale_block_stride] = su;
-                }
-            }
+            dh_row_blocks(out, dg4, du4, part, row, in, v / 16, blocks, f % COMETI_FP8_BLOCK, pow2);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
             float sum = 0.0f;
-            for (int b = 0; b < vecs / 16; b++) sum = __fadd_rn(sum, block_sums[b]);
+            for (int b = 0; b < blocks; b++) sum = __fadd_rn(sum, block_sums[b]);
             dw_rows[row] = sum;
         }
         __syncthreads(); /* block_sums and s_row free for the next row */
@@ -311,7 +299,7 @@ extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3(const void *h, const f
                                  cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
         if (e != cudaSuccess) return e;
     }
-    const dh_rows_out_t none = {NULL, 0, 0, NULL, 0, NULL}; /* the row kernel writes them */
+    const dh_rows_out_t none = {NULL, 0, 0, NULL, 0, NULL, 0, 0}; /* the row kernel writes them */
     launch_t_kernel(gu8, false, h, h_scales, h_ld, s_dh, ffn, segs, groups, rows, w_rows, wa_t, wa_t_scales, dh_t,
                     dh_t_scales, ldq, pow2, none, stream);
     const cudaError_t e = cudaGetLastError();
@@ -344,6 +332,7 @@ extern "C" cudaError_t cometi_launch_swiglu_backward_e4m3_in_place(void *h, cons
     out.scales = dh_scales;
     out.scale_block = (long long)dh_scale_block;
     out.dot_parts = dot_parts;
+    out.dot_row = 1, out.dot_tile = (long long)dh_scale_block;
     launch_t_kernel(gu8, true, h, h_scales, h_ld, s, ffn, segs, groups, rows, w_rows, wa_t, wa_t_scales, dh_t,
                     dh_t_scales, ldq, pow2, out, stream);
     const cudaError_t e = cudaGetLastError();
