@@ -51,6 +51,15 @@ static __device__ __forceinline__ float dot_block(float part)
     return part;
 }
 
+/* A row's <s, a> from its 128-column blocks' sums (block b's at parts[b x stride]), the
+ * blocks from first to last. */
+static __device__ __forceinline__ float dot_blocks_sum(const float *parts, int blocks, long long stride)
+{
+    float sum = 0.0f;
+    for (int b = 0; b < blocks; b++) sum = __fadd_rn(sum, parts[b * stride]);
+    return sum;
+}
+
 /* Eight columns of one row (16-byte loads of g, u and s) -> dg, du and w a, eight bf16 each
  * (the first column in the low half of .x), and their chunk's part of <s, a> (dot_pair's
  * order). */

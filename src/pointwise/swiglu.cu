@@ -91,11 +91,7 @@ swiglu_backward_kernel(const __nv_bfloat16 *h, __nv_bfloat16 *sa, __nv_bfloat16 
             if (threadIdx.x % 16 == 0 && v < vecs) block_sums[v / 16] = part;
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            float sum = 0.0f;
-            for (int b = 0; b < (vecs + 15) / 16; b++) sum = __fadd_rn(sum, block_sums[b]);
-            dw_rows[row] = sum;
-        }
+        if (threadIdx.x == 0) dw_rows[row] = dot_blocks_sum(block_sums, (vecs + 15) / 16, 1);
         __syncthreads(); /* block_sums free for the next row */
     }
 }

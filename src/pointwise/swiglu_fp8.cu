@@ -214,11 +214,7 @@ swiglu_backward_rows_kernel(const void *__restrict__ h, const float *__restrict_
             dh_row_blocks(out, dg4, du4, part, row, in, v / 16, blocks, f % COMETI_FP8_BLOCK, pow2);
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            float sum = 0.0f;
-            for (int b = 0; b < blocks; b++) sum = __fadd_rn(sum, block_sums[b]);
-            dw_rows[row] = sum;
-        }
+        if (threadIdx.x == 0) dw_rows[row] = dot_blocks_sum(block_sums, blocks, 1);
         __syncthreads(); /* block_sums and s_row free for the next row */
     }
 }
@@ -232,9 +228,7 @@ static __global__ void swiglu_dot_sum_kernel(const float *__restrict__ parts, lo
     const long long rows = cometi_segment_rows_below(seg, row_limit);
     for (long long r = (long long)blockIdx.x * blockDim.x + threadIdx.x; r < rows; r += (long long)gridDim.x * blockDim.x) {
         const long long row = seg.start + r;
-        float sum = 0.0f;
-        for (int t = 0; t < tiles; t++) sum = __fadd_rn(sum, parts[row + (long long)t * ld]);
-        dw_rows[row] = sum;
+        dw_rows[row] = dot_blocks_sum(parts + row, tiles, ld);
     }
 }
 
