@@ -120,6 +120,13 @@ comet_status_t cometi_fused_train_supported(comet_moe_t moe, const comet_moe_wei
 }
 
 /* The weight gradient of one weight: C_g = A_g^T B_g over each expert's rows. */
+/* The saved rows the layer's buffers hold (dy's rows, the activation, dh's scales: max_recv_rows
+ * each); the saved bound cap_rows may be larger. */
+static int64_t held_rows(comet_moe_saved_t sv, const cometi_dispatch_gemm_t *l0)
+{
+    return sv->cap_rows < l0->max_recv_rows ? sv->cap_rows : l0->max_recv_rows;
+}
+
 static cometi_gemm_t wgrad_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t *l0, const void *a, int m_out,
                                 const void *b, int n, int64_t rows, void *c, int fp32)
 {
@@ -186,8 +193,7 @@ static backward_gemms_t describe_backward(comet_moe_t moe, struct cometi_fused *
     b.dgrad_gate_up.a.rows = sv->cap_rows;
     b.dgrad_gate_up.b.ptr = ba->weights.gate_up; /* [E][2F][H]: k = 2F rows of n = H */
     b.dgrad_gate_up.b.major = COMETI_GEMM_MN_MAJOR;
-    /* The layer's buffers (dy rows, the activation) hold max_recv_rows; the bound may be larger. */
-    const int64_t layer_rows = sv->cap_rows < f->l0.max_recv_rows ? sv->cap_rows : f->l0.max_recv_rows;
+    const int64_t layer_rows = held_rows(sv, &f->l0);
     b.wgrad_down = wgrad_gemm(comm, &f->l0, f->l0.recv.local, H, f->l0.act, F, layer_rows, ba->grads.down, fp32);
     if (f->l0.x_rows) /* x sent again into the layer's rows */
         b.wgrad_gate_up = wgrad_gemm(comm, &f->l0, sv->h, 2 * F, f->l0.x_rows, H, layer_rows, ba->grads.gate_up, fp32);
@@ -224,7 +230,7 @@ static backward_gemms_t describe_backward_e4m3(comet_moe_t moe, struct cometi_fu
     b.dgrad_gate_up.problem.k = 2 * F;
     const int gu8 = ba->saved->h_scales != NULL;
     b.dgrad_gate_up.a.ptr = ba->saved->h; /* dh in E4M3, once SwiGLU's backward has run */
-    b.dgrad_gate_up.a.rows = ba->saved->cap_rows < R ? ba->saved->cap_rows : R; /* dh_scales' rows: R */
+    b.dgrad_gate_up.a.rows = held_rows(ba->saved, &f->l0); /* dh_scales' rows: R */
     b.dgrad_gate_up.a.ld = (int64_t)(gu8 ? 2 : 4) * F; /* bytes: a row of [g u] */
     b.dgrad_gate_up.a.kb_stride = gu8 ? 0 : 256;
     b.dgrad_gate_up.a.scale = t->dh_scales;
@@ -328,7 +334,7 @@ static comet_status_t backward_fp8_operands(comet_moe_t moe, struct cometi_fused
     comet_comm_t comm = moe->comm;
     const cometi_dispatch_gemm_t *l0 = &f->l0;
     const int H = moe->cfg.hidden, F = moe->ffn_local, per = l0->experts_per_group, pow2 = l0->pow2_scales;
-    const int64_t R = l0->max_recv_rows, rows = sv->cap_rows < R ? sv->cap_rows : R, rb = l0->row_bytes;
+    const int64_t R = l0->max_recv_rows, rows = held_rows(sv, l0), rb = l0->row_bytes;
     const cometi_segment_t *segs = l0->route.plan.local_segs;
     COMETI_TRY(cometi_cuda(comm->err, cometi_launch_swiglu_backward_e4m3_in_place(
                                           sv->h, sv->h_scales, sv->cap_rows, t->s, F, segs, per, (int)rows, rows,
