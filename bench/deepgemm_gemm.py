@@ -41,6 +41,59 @@ def measure(x, y):
     return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
 
 
+def row(name, experts, rows, dims, tflops, diff):
+    """One line of the table; returns whether the output was wrong (measure not under 1e-3)."""
+    wrong = not diff < 1e-3
+    print(f"{name:24s} {experts:6d} {rows:6d} {dims[0]:6d} {dims[1]:6d} {tflops:8.0f} {diff:9.1e}"
+          f"{'  WRONG' if wrong else ''}", flush=True)
+    return wrong
+
+
+def forward_rows(deep_gemm, gen, name, experts, rows, hidden, ffn, iters):
+    """GEMM0 (x W13^T) and GEMM1 (act W2^T) on contiguous expert rows; whether one was wrong."""
+    bad = False
+    for which, (n, k) in (("GEMM0", (2 * ffn, hidden)), ("GEMM1", (hidden, ffn))):
+        m = experts * rows
+        a = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+        b = torch.randn((experts, n, k), device="cuda", dtype=torch.bfloat16)
+        layout = torch.arange(experts, device="cuda", dtype=torch.int32).repeat_interleave(rows)
+        d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        a8 = gen.cast_fp8_fp4_with_major(a, gen.MajorTypeAB.KMajor, 128, False, False)
+        b8 = gen.grouped_cast_fp8_fp4_with_major(b, gen.MajorTypeAB.KMajor, 128, False, False,
+                                                 use_block_cast_for_fp8=True)
+
+        def run():
+            deep_gemm.m_grouped_fp8_fp4_gemm_nt_contiguous(a8, b8, d, layout, disable_ue8m0_cast=True,
+                                                           ensure_zero_padding=False)
+        run()
+        torch.cuda.synchronize()
+        ref = torch.cat([a[g * rows:(g + 1) * rows] @ b[g].t() for g in range(experts)])
+        tflops = 2 * m * n * k / (median_ms(run, iters) * 1e-3) / 1e12
+        bad |= row(f"{name} {which}", experts, rows, (n, k), tflops, measure(d, ref))
+    return bad
+
+
+def wgrad_rows(deep_gemm, gen, name, experts, rows, hidden, ffn, iters):
+    """dW2 (m = hidden, n = ffn) and dW13 (m = 2 ffn, n = hidden), each expert's K its rows;
+    whether one was wrong."""
+    bad = False
+    for which, (m, n) in (("dW2", (hidden, ffn)), ("dW13", (2 * ffn, hidden))):
+        ks = [rows] * experts
+        _, a8, b8, c, d, ref, layout, _ = gen.generate_k_grouped_contiguous(
+            experts, m, n, gen.MajorTypeAB.KMajor, gen.MajorTypeAB.KMajor, ks)
+        ref -= c  # its reference adds C; d is C, and each call adds the product to it
+        d.zero_()
+
+        def run():
+            deep_gemm.k_grouped_fp8_gemm_nt_contiguous(a8, b8, d, ks, layout, d, recipe=(1, 1, 128))
+        run()
+        torch.cuda.synchronize()
+        diff = measure(d, ref)
+        tflops = 2 * m * n * rows * experts / (median_ms(run, iters) * 1e-3) / 1e12
+        bad |= row(f"{name} {which}", experts, rows, (m, n), tflops, diff)
+    return bad
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--deepgemm", required=True, help="DeepGEMM's checkout, its extension built")
@@ -56,8 +109,7 @@ def main():
     root = os.path.abspath(args.deepgemm)
     sys.path[:0] = [root, os.path.join(root, "tests")]
     import deep_gemm
-    from generators import (MajorTypeAB, cast_fp8_fp4_with_major, generate_k_grouped_contiguous,
-                            grouped_cast_fp8_fp4_with_major)
+    import generators as gen  # DeepGEMM's test helpers: its own quantization and k-grouped inputs
 
     align = deep_gemm.get_theoretical_mk_alignment_for_contiguous_layout()
     deep_gemm.set_mk_alignment_for_contiguous_layout(align)
@@ -66,50 +118,12 @@ def main():
     dims = ("m", "n") if args.wgrad else ("n", "k")
     print(f"{'shape':24s} {'groups':>6s} {'rows':>6s} {dims[0]:>6s} {dims[1]:>6s} {'TFLOP/s':>8s} {'vs bf16':>9s}")
     torch.manual_seed(0)
-    bad = 0
+    table = wgrad_rows if args.wgrad else forward_rows
+    bad = False
     for name in names:
         experts, top_k, hidden, ffn = PRESETS[name]
         rows = (args.tokens * top_k // experts + align - 1) // align * align
-        if args.wgrad:
-            for which, (m, n) in (("dW2", (hidden, ffn)), ("dW13", (2 * ffn, hidden))):
-                ks = [rows] * experts
-                _, a8, b8, c, d, ref, layout, _ = generate_k_grouped_contiguous(
-                    experts, m, n, MajorTypeAB.KMajor, MajorTypeAB.KMajor, ks)
-                ref -= c  # its reference adds C; d is C, and each call adds the product to it
-                d.zero_()
-                def run():
-                    deep_gemm.k_grouped_fp8_gemm_nt_contiguous(a8, b8, d, ks, layout, d, recipe=(1, 1, 128))
-                run()
-                torch.cuda.synchronize()
-                diff = measure(d, ref)
-                wrong = not diff < 1e-3
-                bad |= wrong
-                tflops = 2 * m * n * rows * experts / (median_ms(run, args.iters) * 1e-3) / 1e12
-                print(f"{name + ' ' + which:24s} {experts:6d} {rows:6d} {m:6d} {n:6d} {tflops:8.0f} {diff:9.1e}"
-                      f"{'  WRONG' if wrong else ''}", flush=True)
-            continue
-        for which, (n, k) in (("GEMM0", (2 * ffn, hidden)), ("GEMM1", (hidden, ffn))):
-            m = experts * rows
-            a = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
-            b = torch.randn((experts, n, k), device="cuda", dtype=torch.bfloat16)
-            layout = torch.arange(experts, device="cuda", dtype=torch.int32).repeat_interleave(rows)
-            d = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            a8 = cast_fp8_fp4_with_major(a, MajorTypeAB.KMajor, 128, False, False)
-            b8 = grouped_cast_fp8_fp4_with_major(b, MajorTypeAB.KMajor, 128, False, False,
-                                                 use_block_cast_for_fp8=True)
-
-            def run():
-                deep_gemm.m_grouped_fp8_fp4_gemm_nt_contiguous(a8, b8, d, layout, disable_ue8m0_cast=True,
-                                                               ensure_zero_padding=False)
-            run()
-            torch.cuda.synchronize()
-            ref = torch.cat([a[g * rows:(g + 1) * rows] @ b[g].t() for g in range(experts)])
-            diff = measure(d, ref)
-            wrong = not diff < 1e-3
-            bad |= wrong
-            tflops = 2 * m * n * k / (median_ms(run, args.iters) * 1e-3) / 1e12
-            print(f"{name + ' ' + which:24s} {experts:6d} {rows:6d} {n:6d} {k:6d} {tflops:8.0f} {diff:9.1e}"
-                  f"{'  WRONG' if wrong else ''}", flush=True)
+        bad |= table(deep_gemm, gen, name, experts, rows, hidden, ffn, args.iters)
     sys.exit(1 if bad else 0)
 
 
