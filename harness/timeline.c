@@ -24,7 +24,8 @@ comet_status_t cometi_timeline_summarize(char *err, const unsigned long long *tr
         if (row[0] < first) first = row[0];
         if (row[3] > last) last = row[3];
     }
-    double launch = 0, dispatch = 0, wait = 0, first_wait = 0, tiles = 0, tail = 0;
+    double launch = 0, dispatch = 0, wait = 0, first_wait = 0, tiles = 0, tail = 0, first_tiles = 0, later_tiles = 0;
+    long long firsts = 0, laters = 0;
     for (int b = 0; b < blocks; b++) {
         const unsigned long long *row = trace + (size_t)b * COMETI_TILE_TRACE_WORDS;
         if (!row[0]) continue;
@@ -42,7 +43,10 @@ comet_status_t cometi_timeline_summarize(char *err, const unsigned long long *tr
                                    "the block's end (%llu)", b, i, n, done, ready, prev, end);
             wait += ready > prev ? (double)(ready - prev) : 0;
             if (i == 0) first_wait += ready > prev ? (double)(ready - prev) : 0;
-            tiles += (double)(done - (ready > prev ? ready : prev));
+            const double tile = (double)(done - (ready > prev ? ready : prev));
+            tiles += tile;
+            if (i == 0) first_tiles += tile, firsts++;
+            else later_tiles += tile, laters++;
             prev = done;
         }
         if (n > COMETI_TILE_TRACE_TILES) { /* the untraced tiles */
@@ -66,5 +70,7 @@ comet_status_t cometi_timeline_summarize(char *err, const unsigned long long *tr
     out->tiles_us = tiles / per;
     out->tail_us = tail / per;
     out->tile_us = out->tiles ? tiles / 1e3 / (double)out->tiles : 0;
+    out->first_tile_us = firsts ? first_tiles / 1e3 / (double)firsts : 0;
+    out->later_tile_us = laters ? later_tiles / 1e3 / (double)laters : 0;
     return COMET_SUCCESS;
 }

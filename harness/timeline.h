@@ -27,6 +27,9 @@ typedef struct cometi_timeline {
     double span_us, launch_us, dispatch_us, wait_us, tiles_us, tail_us;
     double first_wait_us;  /* the part of wait_us before each block's first tile */
     double tile_us;        /* one tile's mean time: tiles_us x blocks / tiles */
+    double first_tile_us;  /* a block's first recorded tile, mean over blocks (its weights come
+                            * cold: the pipeline starts empty) */
+    double later_tile_us;  /* the recorded tiles after each block's first, mean */
 } cometi_timeline_t;
 
 /* trace: [blocks][COMETI_TILE_TRACE_WORDS] as the kernel left it, rows zeroed before the

@@ -74,7 +74,7 @@ takes[bench]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --rou
 takes[tune]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --warmup --iters
  --no-check --json --out --seed --trace --ranks --timeout-ms --id-file"
 takes[bandwidth]="--mib --ranks --timeout-ms --id-file"
-takes[gemm]="--preset --tokens --ep --iters --seed --sweep --fp8 --gemms"
+takes[gemm]="--preset --tokens --ep --iters --seed --sweep --fp8 --gemms --trace"
 takes[presets]=""
 takes[version]=""
 commands="bench tune bandwidth gemm presets version"
@@ -243,6 +243,10 @@ refused "strict-gemm-iters" '--iters "65";1..64' gemm --iters 65
 refused "strict-gemm-gemms" '--gemms "fwd";forward, dgrad, wgrad or all' gemm --gemms fwd
 refused "strict-gemm-gemms-empty" '--gemms "wgrad,";forward, dgrad, wgrad or all' gemm --gemms wgrad,
 reaches_gpu "gemm-gemms-valid-run" gemm --fp8 --gemms wgrad --preset mixtral-8x7b
+# --trace: gemm's with --fp8 only, bench's without it.
+refused "gemm-trace-needs-fp8" 'comet gemm: --trace;give --fp8 with it' gemm --trace
+refused "bench-fp8-trace" '--fp8 times its own table: leave out --trace' bench --fp8 --trace
+reaches_gpu "gemm-fp8-trace-valid-run" gemm --fp8 --trace --gemms forward --preset qwen2-moe-2.7b
 refused "strict-warmup-negative" '--warmup "-1";0..10000' tune --warmup -1
 refused "strict-mib-zero" '--mib "0";1..16384' bandwidth --mib 0
 refused "strict-ranks-zero" '--ranks "0";1..' bench --ranks 0

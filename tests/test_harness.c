@@ -44,6 +44,8 @@ int test_timeline_accounting(void)
     CHECK_NEAR(s.tail_us, 0.95, 1e-9);    /* (100 + 1800) / 2 */
     CHECK_NEAR(s.launch_us + s.dispatch_us + s.wait_us + s.tiles_us + s.tail_us, s.span_us, 1e-9);
     CHECK_NEAR(s.tile_us, 3.8, 1e-9);
+    CHECK_NEAR(s.first_tile_us, 4.0, 1e-9);        /* tiles 7 and 0: 4000 ns each */
+    CHECK_NEAR(s.later_tile_us, 11.0 / 3, 1e-9);   /* tile 9 from its rows, 3000; tiles 2 and 4, 4000 */
     /* Block 1 took more tiles than its row holds: the rest, to its end, counts as tiles. */
     t[W + 2] = COMETI_TILE_TRACE_TILES + 5;
     for (int i = 3; i < COMETI_TILE_TRACE_TILES; i++) { /* tiles 3.. of 100 ns each, from 13300 */

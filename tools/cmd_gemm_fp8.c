@@ -36,6 +36,7 @@
 #include "pointwise/pointwise.h"
 #include "alloc.h"
 #include "tool.h"
+#include "../harness/timeline.h"
 
 /* One preset's forward operands, bf16 and FP8 alike. */
 typedef struct fp8_case {
@@ -638,6 +639,32 @@ static int backward_table(const tool_options_t *o, cometi_blaslt_fp8_t *lt, int 
     return 0;
 }
 
+/* --trace: one more call of r->g with the tile timeline (gemm.h's tile_trace) and where
+ * its time went, per SM. */
+static int print_timeline(fp8_run_t *r, int sms, const char *label)
+{
+    const size_t bytes = sizeof(unsigned long long) * COMETI_TILE_TRACE_WORDS * sms;
+    unsigned long long *dev, *host = TOOL_MALLOC(bytes);
+    FAIL_IF(!host, "out of host memory");
+    CUDA_OK(cudaMalloc((void **)&dev, bytes));
+    CUDA_OK(cudaMemset(dev, 0, bytes));
+    r->g.roles.tile_trace = dev;
+    const int failed = run_ours(r, 0);
+    r->g.roles.tile_trace = NULL;
+    FAIL_IF(failed, "%s traced: %s", label, r->err);
+    CUDA_OK(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost));
+    cudaFree(dev);
+    char err[COMETI_ERR_LEN];
+    cometi_timeline_t s;
+    FAIL_IF(cometi_timeline_summarize(err, host, sms, &s) != COMET_SUCCESS, "%s tile timeline: %s", label, err);
+    free(host);
+    printf("  %-4s timeline, us per SM: %.1f = launch %.1f + tiles %.1f (%lld, %.2f each; a block's first %.2f, later "
+           "%.2f) + tail %.1f + waits %.1f%s\n", label, s.span_us, s.launch_us, s.tiles_us, s.tiles, s.tile_us,
+           s.first_tile_us, s.later_tile_us, s.tail_us, s.wait_us,
+           s.truncated ? " (some blocks took more tiles than their rows hold)" : "");
+    return 0;
+}
+
 int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
 {
     const tool_options_t *o = arg;
@@ -681,6 +708,7 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             r.g = describe(&c, which, 0, err_dev, tail_ws);
             const float t_bf16 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
             FAIL_IF(failed, "%s GEMM%d bf16: %s", o->presets[i], which, r.err);
+            const cometi_gemm_t g_bf16 = r.g; /* --trace: its timeline after the row */
             const size_t out_bytes = (size_t)c.total * (which ? c.H : c.F) * 2;
             void *bf16_out = NULL;
             CUDA_OK(cudaMalloc(&bf16_out, out_bytes));
@@ -743,6 +771,14 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
                        "", "", "", "", "", TF(t_128), t_bf16 / t_128, t_lt / t_128, "", d_128);
             printf("  cuBLASLt: %s\n", lt_algo);
 #undef TF
+            if (o->trace) {
+                const cometi_gemm_t g_fp8 = r.g;
+                r.g = g_bf16;
+                if (print_timeline(&r, prop.multiProcessorCount, "bf16")) return 1;
+                r.g = g_fp8;
+                r.g.launch.block_n = 0; /* the row's own width, as timed in the fp8 column */
+                if (print_timeline(&r, prop.multiProcessorCount, "fp8")) return 1;
+            }
             fflush(stdout);
         }
         case_close(&c);

@@ -186,6 +186,9 @@ static const flag_t flags[] = {
     {"--trace", NULL, BT, set_switch, AT(o.trace), 1, 0,
      "also print, on every rank, where the fused kernels' time goes per SM against our GEMM alone's (launch, "
      "dispatch, waits for rows, tiles, tail), and with combine blocks layer1's combine timeline"},
+    {"--trace", NULL, CMD_GEMM, set_switch, AT(o.trace), 1, 0,
+     "with --fp8, also print where each forward GEMM's time goes per SM, ours in bf16 and in FP8: launch, tiles "
+     "(a block's first tile and its later ones apart), the last wave's tail, waits"},
     {"--train", NULL, CMD_BENCH, set_switch, AT(o.train), 1, 0,
      "also time training, each case's last, the baseline's then comet's: comet_moe_forward_train, "
      "comet_moe_backward (bf16 weight gradients), the two as one step, comet's backward GEMMs alone; comet's "
@@ -609,10 +612,17 @@ static int check_combinations(cli_t *c)
                 o->experts ? "" : " --experts", o->top_k ? "" : " --top-k");
         return -1;
     }
-    if (o->fp8 && (o->suite || o->sweep || given(c, "--impl") || given(c, "--json") || given(c, "--trace"))) {
+    const int gemm = c->cmd->bit == CMD_GEMM;
+    if (o->fp8 &&
+        (o->suite || o->sweep || given(c, "--impl") || given(c, "--json") || (!gemm && given(c, "--trace")))) {
         fprintf(stderr, "comet %s: --fp8 times its own table: leave out %s\n", cmd,
                 o->suite ? "--suite" : o->sweep ? "--sweep" : given(c, "--impl") ? "--impl"
                 : given(c, "--json") ? "--json" : "--trace");
+        return -1;
+    }
+    if (gemm && o->trace && !o->fp8) {
+        fprintf(stderr, "comet gemm: --trace prints the FP8 table's forward GEMMs' tile timelines: give --fp8 with "
+                "it\n");
         return -1;
     }
     if (o->suite && (shape || given(c, "--tokens") || given(c, "--routing"))) {
