@@ -734,6 +734,7 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             if (which ? check_gemm1(&c, &d_lt, &d_bf16, bf16_out) : check_gemm0(&c, &d_lt, &d_bf16, bf16_out)) return 1;
             const float t_fp8 = gemm_time_ms(run_ours, &r, 3, o->iters, &failed, NULL, NULL);
             FAIL_IF(failed, "%s GEMM%d fp8: %s", o->presets[i], which, r.err);
+            const cometi_gemm_t g_fp8 = r.g; /* --trace: its timeline after the row */
             /* GEMM1 with 128-wide tiles too (the layer's, with the push or splits), checked the same way. */
             float t_128 = 0;
             double d_128 = 0, d_128_bf16 = 0;
@@ -772,11 +773,9 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             printf("  cuBLASLt: %s\n", lt_algo);
 #undef TF
             if (o->trace) {
-                const cometi_gemm_t g_fp8 = r.g;
                 r.g = g_bf16;
                 if (print_timeline(&r, prop.multiProcessorCount, "bf16")) return 1;
                 r.g = g_fp8;
-                r.g.launch.block_n = 0; /* the row's own width, as timed in the fp8 column */
                 if (print_timeline(&r, prop.multiProcessorCount, "fp8")) return 1;
             }
             fflush(stdout);

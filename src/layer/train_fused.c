@@ -88,10 +88,11 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, struct cometi_fused *f)
 
 /* The FP8 backward's workspaces, made once per handle by its first FP8 training forward
  * (an inference-only FP8 layer never pays for them): about (5 ffn / tp + 2 hidden) bytes
- * per row of the receive bound (and 1 / 32 of ffn / tp for the dot's parts). Collective there, host-blocking once: the ranks agree on
- * the allocation before any row moves, so where one rank cannot make them every rank
- * refuses the call (that rank COMET_OUT_OF_MEMORY, the others COMET_REMOTE_ERROR) and the
- * next training forward tries again, instead of peers waiting for rows that never come. */
+ * per row of the receive bound (and ffn / tp / 32 for the dot's parts). Collective there,
+ * host-blocking once: the ranks agree on the allocation before any row moves, so where
+ * one rank cannot make them every rank refuses the call (that rank COMET_OUT_OF_MEMORY,
+ * the others COMET_REMOTE_ERROR) and the next training forward tries again, instead of
+ * peers waiting for rows that never come. */
 static comet_status_t fp8_train_get(comet_moe_t moe, struct cometi_fused *f, cometi_fp8_train_t **out)
 {
     if (f->fp8) {
@@ -119,14 +120,14 @@ comet_status_t cometi_fused_train_supported(comet_moe_t moe, const comet_moe_wei
     return COMET_SUCCESS;
 }
 
-/* The weight gradient of one weight: C_g = A_g^T B_g over each expert's rows. */
-/* The saved rows the layer's buffers hold (dy's rows, the activation, dh's scales: max_recv_rows
- * each); the saved bound cap_rows may be larger. */
+/* The saved rows the layer's buffers hold (dy's rows, the activation, dh's scales:
+ * max_recv_rows each); the saved bound cap_rows may be larger. */
 static int64_t held_rows(comet_moe_saved_t sv, const cometi_dispatch_gemm_t *l0)
 {
     return sv->cap_rows < l0->max_recv_rows ? sv->cap_rows : l0->max_recv_rows;
 }
 
+/* The weight gradient of one weight: C_g = A_g^T B_g over each expert's rows. */
 static cometi_gemm_t wgrad_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t *l0, const void *a, int m_out,
                                 const void *b, int n, int64_t rows, void *c, int fp32)
 {
