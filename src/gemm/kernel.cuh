@@ -297,7 +297,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
         push.first = make_int2(-1, 0), push.last = push.first, push.row[0] = push.row[1] = push.first;
         if (TMA_EPILOGUE && PUSH_OR_SPLITS && p.push_dest) push = load_push_rows(p, tl, part, warp * 16 + lane / 4);
         if constexpr (E4M3)
-            consume_unit_e4m3<V>(acc, p, sm, half * 64 * 128, un.kb0, kb1, &pos);
+            consume_unit_e4m3<V>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1, &pos, &sm.turn[half ^ 1]);
         else
             consume_unit<V>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1, &pos, &sm.turn[half ^ 1]);
         if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN>(acc, p, tail, t, k_blocks)) continue;

@@ -165,13 +165,14 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
     if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[prev]);
 }
 
-/* Groups along M: this lane's scales of k block kb, A's rows a_row + lane + 32 j (0 past A)
- * and, where sb_ok, the B block's at sb. */
+/* Groups along M: this lane's scales of k block kb, A's rows a_row + lane + 32 j, j < ROWS
+ * / 32 (0 past A) and, where sb_ok, the B block's at sb. */
+template <int ROWS>
 static __device__ __forceinline__ void load_block_scales(const cometi_gemm_args_t &p, int lane, long long a_row, int kb,
                                                          const float *sb, bool sb_ok, float *a, float *b)
 {
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
+    for (int j = 0; j < ROWS / 32; j++) {
         const long long r = a_row + lane + 32 * j;
         a[j] = r < p.a_rows ? __ldcg(p.a_scale + r * p.a_scale_row + kb * p.a_scale_block) : 0.0f;
     }
@@ -202,7 +203,8 @@ static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_arg
     constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), ON = cometi_gemm_out_cols(T), HALVES = BN / 128,
                   SLOT = cometi_gemm_scale_slot_floats(T);
     constexpr bool WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K;
-    static_assert(cometi_gemm_tile_rows(T) == 32 * 4, "a lane loads 4 rows' scales of a 128-row tile");
+    constexpr int TM = cometi_gemm_tile_rows(T);
+    static_assert(TM % 32 == 0 && TM <= COMETI_GEMM_BM, "a lane loads TM / 32 rows' scales of the tile");
     const int lane = threadIdx.x % 32;
     if constexpr (WGRAD) { /* rows m of A^T and n of B^T, the token block a_row / 128 + kb */
         if (a_row % COMETI_GEMM_SCALE_BLOCK && lane == 0) /* reported; the sums are wrong */
@@ -244,20 +246,20 @@ static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_arg
     /* Block kb + 1's loads are issued before block kb's wait and stores, so two blocks' loads
      * are in flight where one was: with one, each stage's scales came an L2 round trip after
      * the previous stage's, which under the GEMM's own traffic can exceed a stage's MMAs. */
-    float a[4], b;
-    load_block_scales(p, lane, a_row, kb0, sb, sb_ok, a, &b);
+    float a[TM / 32], b;
+    load_block_scales<TM>(p, lane, a_row, kb0, sb, sb_ok, a, &b);
     for (int kb = kb0; kb < kb1; kb++) {
-        float a_next[4], b_next = 0.0f;
-        if (kb + 1 < kb1) load_block_scales(p, lane, a_row, kb + 1, sb, sb_ok, a_next, &b_next);
+        float a_next[TM / 32], b_next = 0.0f;
+        if (kb + 1 < kb1) load_block_scales<TM>(p, lane, a_row, kb + 1, sb, sb_ok, a_next, &b_next);
         mbar_wait(&sm.empty[pos->stage], pos->phase ^ 1, p.err, p.timeout_ns);
         float *slot = sm.scales + pos->stage * SLOT;
 #pragma unroll
-        for (int j = 0; j < 4; j++) sts_f32(slot + lane + 32 * j, a[j]);
+        for (int j = 0; j < TM / 32; j++) sts_f32(slot + lane + 32 * j, a[j]);
         if (lane < HALVES) sts_f32(slot + COMETI_GEMM_BM + lane, b);
         mbar_arrive(&sm.full[pos->stage]); /* each lane's arrival releases its own stores */
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
 #pragma unroll
-        for (int j = 0; j < 4; j++) a[j] = a_next[j];
+        for (int j = 0; j < TM / 32; j++) a[j] = a_next[j];
         b = b_next;
     }
 }
@@ -406,19 +408,23 @@ static __device__ __forceinline__ void consume_e4m3_pipelined(float *acc, const 
  * warpgroup's MMAs fill the gap. Along K (the weight gradients) each output column has
  * its B row's scale, read from the slot by the promotion, so the stage is released after
  * it, once the whole warpgroup is past it (a named barrier). The 128-wide rows along M
- * pipeline two blocks instead (consume_e4m3_pipelined).
+ * pipeline two blocks instead (consume_e4m3_pipelined). Ping-pong (64-row tiles, one per
+ * warpgroup): the mainloop is handed to the other warpgroup (`hand_over`) once this one has
+ * seen its tile's last stage filled, so the other's MMAs run beside this one's last
+ * promotion and its epilogue.
  * `a_off`: this warpgroup's 64 rows, bytes into the stage's A tile. */
 template <int V>
 static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const cometi_gemm_args_t &p,
                                                          const gemm_smem_t &sm, int a_off, int kb0, int kb1,
-                                                         ring_pos_t *pos)
+                                                         ring_pos_t *pos, uint64_t *hand_over)
 {
     constexpr cometi_gemm_variant_t T = cometi_gemm_variants[V];
     constexpr int BN = T.block_n, STAGES = cometi_gemm_stages(T), TM = cometi_gemm_tile_rows(T), HALVES = BN / 128;
     constexpr bool WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K;
+    constexpr bool PINGPONG = T.schedule == COMETI_GEMM_PINGPONG;
     static_assert(T.a_type == COMETI_GEMM_E4M3 && T.b_type == COMETI_GEMM_E4M3 && T.a_major == COMETI_GEMM_K_MAJOR &&
-                      T.b_major == COMETI_GEMM_K_MAJOR && T.schedule == COMETI_GEMM_COOPERATIVE,
-                  "E4M3 rows: K-major operands, cooperative");
+                      T.b_major == COMETI_GEMM_K_MAJOR && (!PINGPONG || (HALVES == 2 && !WGRAD)),
+                  "E4M3 rows: K-major operands; ping-pong 256 wide, groups along M");
     const uint32_t A_BYTES = TM * 128, B_BYTES = BN * 128;
     /* This thread's first fragment row in the tile (the other is 8 further), and its
      * warpgroup's 64 rows (0 or 1: the named barrier 1 + wg_half is the warpgroup's). */
@@ -431,6 +437,7 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
     } else {
     for (int kb = kb0; kb < kb1; kb++) {
         mbar_wait(&sm.full[pos->stage], pos->phase, p.err, p.timeout_ns);
+        if (PINGPONG && kb == kb1 - 1 && threadIdx.x % 128 == 0) mbar_arrive(hand_over); /* the other's turn */
         const float *slot = stage_slot<V>(sm, pos->stage);
         const e4m3_scales_t sa = stage_row_scales(slot, row);
         const uint32_t a = a0 + (uint32_t)pos->stage * (A_BYTES >> 4), b = b0 + (uint32_t)pos->stage * (B_BYTES >> 4);
@@ -458,6 +465,7 @@ static __device__ __forceinline__ void consume_unit_e4m3(float *acc, const comet
         }
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
     }
+    if (PINGPONG && kb0 >= kb1 && threadIdx.x % 128 == 0) mbar_arrive(hand_over);
     }
 }
 

@@ -126,6 +126,10 @@ typedef struct cometi_gemm_variant {
     X(nt_128_splits,      BF16, BF16, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
     X(nt_256_push,        BF16, BF16, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 256, NONE)          \
     X(nt_128_push,        BF16, BF16, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE)          \
+    /* the forward's small batches (cometi_model_pingpong): ping-pong with the layer's roles */    \
+    X(swiglu_pingpong_dispatch, BF16, BF16, K, K, M, SWIGLU, TMA,   PINGPONG,    256, DISPATCH)      \
+    X(nt_pingpong_splits, BF16, BF16, K,  K,  M, STORE,     TMA,    PINGPONG,    256, SPLITS)        \
+    X(nt_pingpong_push,   BF16, BF16, K,  K,  M, PUSH,      TMA,    PINGPONG,    256, NONE)          \
     /* the dgrad GEMMs: dy W, B MN-major (a weight as the forward keeps it) */                       \
     X(nn_256,             BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
     X(nn_128,             BF16, BF16, K,  MN, M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
@@ -156,6 +160,9 @@ typedef struct cometi_gemm_variant {
     X(fp8_nt_128,         E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, NONE)          \
     X(fp8_nt_256_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 256, NONE)          \
     X(fp8_nt_128_direct,  E4M3, E4M3, K,  K,  M, STORE,     DIRECT, COOPERATIVE, 128, NONE)          \
+    X(fp8_swiglu_pingpong, E4M3, E4M3, K, K,  M, SWIGLU_E4M3, TMA,    PINGPONG,    256, NONE)        \
+    X(fp8_nt_pingpong,    E4M3, E4M3, K,  K,  M, STORE,     TMA,    PINGPONG,    256, NONE)          \
+    X(fp8_swiglu_pingpong_dispatch, E4M3, E4M3, K, K, M, SWIGLU_E4M3, TMA, PINGPONG, 256, DISPATCH) \
     /* GEMM1 with its roles, and the backward's data-gradient GEMM of W2 (dy dispatched) */         \
     X(fp8_nt_256_dispatch, E4M3, E4M3, K, K,  M, STORE,     TMA,    COOPERATIVE, 256, DISPATCH)      \
     X(fp8_nt_128_dispatch, E4M3, E4M3, K, K,  M, STORE,     TMA,    COOPERATIVE, 128, DISPATCH)      \
@@ -163,6 +170,8 @@ typedef struct cometi_gemm_variant {
     X(fp8_nt_128_splits,  E4M3, E4M3, K,  K,  M, STORE,     TMA,    COOPERATIVE, 128, SPLITS)        \
     X(fp8_nt_256_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 256, NONE)          \
     X(fp8_nt_128_push,    E4M3, E4M3, K,  K,  M, PUSH,      TMA,    COOPERATIVE, 128, NONE)          \
+    X(fp8_nt_pingpong_splits, E4M3, E4M3, K, K, M, STORE,   TMA,    PINGPONG,    256, SPLITS)        \
+    X(fp8_nt_pingpong_push, E4M3, E4M3, K, K,   M, PUSH,      TMA,    PINGPONG,    256, NONE)          \
     /* the FP8 weight gradients: A^T B with groups along K, both operands token-major (each   \
      * row of A^T and B^T runs along the tokens) with 1 x 128 scales along them */              \
     X(fp8_wgrad_256,      E4M3, E4M3, K,  K,  K, STORE,     TMA,    COOPERATIVE, 256, NONE)          \
