@@ -450,6 +450,34 @@ int test_tuning_file_limits(void)
     return 0;
 }
 
+/* The forward's schedule at small batches (cometi_model_pingpong, tune.h): ping-pong exactly
+ * where a balanced expert's rows, tokens x world x top_k / experts, are at most
+ * COMETI_MODEL_PINGPONG_ROWS, on the presets at the token counts measured, and on random
+ * counts up to where the product leaves 32 bits. */
+int test_small_batch_schedule_rule(void)
+{
+    static const struct { const char *preset; int tokens, world, pingpong; } at[] = {
+        {"qwen2-moe-2.7b", 1, 1, 1},    {"qwen2-moe-2.7b", 16, 1, 1},  {"qwen2-moe-2.7b", 128, 1, 1},
+        {"qwen2-moe-2.7b", 512, 1, 1},  {"qwen2-moe-2.7b", 1024, 1, 1}, {"qwen2-moe-2.7b", 1025, 1, 0},
+        {"qwen2-moe-2.7b", 2048, 1, 0}, {"qwen2-moe-2.7b", 512, 2, 1},  {"qwen2-moe-2.7b", 1024, 2, 0},
+        {"mixtral-8x7b", 128, 1, 1},    {"mixtral-8x7b", 256, 1, 1},   {"mixtral-8x7b", 512, 1, 0},
+        {"mixtral-8x7b", 8192, 1, 0},   {"gpt-oss-120b", 2048, 1, 1},  {"gpt-oss-120b", 8192, 1, 0}};
+    for (size_t i = 0; i < sizeof(at) / sizeof(at[0]); i++) {
+        comet_moe_config_t cfg;
+        CHECK_EQ(comet_moe_config_preset(at[i].preset, 8192, &cfg), COMET_SUCCESS);
+        CHECK_EQ(cometi_model_pingpong(at[i].tokens, at[i].world, cfg.top_k, cfg.num_experts), at[i].pingpong);
+    }
+    CHECK_EQ(cometi_model_pingpong(1, 1, 1, 0), 0); /* no experts: never */
+    uint64_t rng = test_seed();
+    for (int it = 0; it < 100000; it++) {
+        const int tokens = (int)(cometi_rand_next(&rng) % 1000000), world = 1 + (int)(cometi_rand_next(&rng) % 64),
+                  top_k = 1 + (int)(cometi_rand_next(&rng) % 16), experts = 1 + (int)(cometi_rand_next(&rng) % 1024);
+        const double rows = (double)tokens * world * top_k / experts;
+        CHECK_EQ(cometi_model_pingpong(tokens, world, top_k, experts), rows <= COMETI_MODEL_PINGPONG_ROWS);
+    }
+    return 0;
+}
+
 /* The first wave and the head, the rules the dispatch -> GEMM operator follows (tune.h):
  * on 132 SMs with 8 dispatch blocks, qwen2-57b-a14b's 20 column tiles give 5 row blocks
  * and qwen2-moe-2.7b's 11 give 9; phi-3.5-moe's 50 would give 2 and mixtral-8x7b's 112

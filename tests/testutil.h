@@ -76,6 +76,7 @@ uint64_t test_seed(void);
     X(cost_model_knobs, 10)                     \
     X(tuning_file, 10)                          \
     X(first_wave_and_head_rules, 10)            \
+    X(small_batch_schedule_rule, 10)            \
     X(tuning_file_limits, 10)                   \
     X(timeline_accounting, 10)                  \
     X(gemm_tail_plan, 10)                       \

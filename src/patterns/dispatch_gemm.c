@@ -157,7 +157,9 @@ cometi_gemm_t cometi_dispatch_gemm_gemm(comet_comm_t comm, const cometi_dispatch
 comet_status_t cometi_dispatch_gemm_run(comet_comm_t comm, cometi_dispatch_gemm_t *l, const comet_moe_args_t *a,
                                         const cometi_dispatch_knobs_t *knobs, cudaStream_t stream)
 {
-    const cometi_gemm_t core = cometi_dispatch_gemm_gemm(comm, l, a);
+    cometi_gemm_t core = cometi_dispatch_gemm_gemm(comm, l, a);
+    if (cometi_model_pingpong(a->num_tokens, comm->size, l->top_k, l->num_experts))
+        core.launch.schedule = COMETI_GEMM_PINGPONG;
     return cometi_dispatch_gemm_run_core(comm, l, a, &core, NULL, knobs, stream);
 }
 

@@ -240,7 +240,9 @@ comet_status_t cometi_gemm_combine_run(comet_comm_t comm, cometi_gemm_combine_t 
                                        const comet_moe_args_t *a, const cometi_combine_knobs_t *knobs,
                                        cudaStream_t stream)
 {
-    const cometi_gemm_t core = cometi_gemm_combine_gemm(comm, l, l0, a);
+    cometi_gemm_t core = cometi_gemm_combine_gemm(comm, l, l0, a);
+    if (cometi_model_pingpong(a->num_tokens, comm->size, l0->top_k, l0->num_experts))
+        core.launch.schedule = COMETI_GEMM_PINGPONG;
     return cometi_gemm_combine_run_core(comm, l, l0, a, &core, knobs, NULL, stream);
 }
 

@@ -336,6 +336,12 @@ void cometi_tuning_line(const comet_moe_config_t *cfg, int world, const cometi_k
              k->l1.push ? "push" : k->l1.tail || !k->l1.combine_blocks ? "tail" : "notail");
 }
 
+int cometi_model_pingpong(int num_tokens, int world, int top_k, int num_experts)
+{
+    return num_experts > 0 &&
+           (long long)num_tokens * world * top_k <= (long long)COMETI_MODEL_PINGPONG_ROWS * num_experts;
+}
+
 int cometi_first_wave_blocks(int requested, int enabled, int tp, int sm_count, int dispatch_blocks, int col_tiles)
 {
     if (tp != 1 || requested < 0 || !enabled || sm_count <= COMETI_FIRST_WAVE_FREE_SMS + dispatch_blocks ||

@@ -131,6 +131,20 @@ int cometi_tuning_update(const char *path, const comet_moe_config_t *cfg, int wo
 /* The tuning line for these settings (no newline); `buf` of at least 160 bytes. */
 void cometi_tuning_line(const comet_moe_config_t *cfg, int world, const cometi_knobs_t *k, char *buf, size_t len);
 
+/* The forward's small batches: where a balanced expert's rows (tokens x world x top_k /
+ * experts) are at most this, the layer's GEMMs run the ping-pong schedule (64-row tiles,
+ * each consumer warpgroup its own, one's epilogue beside the other's MMAs) instead of two
+ * warpgroups on a 128-row tile, half of it empty. comet gemm --fp8 on one H100, each GEMM
+ * alone: at 1-32 rows an expert ping-pong took 5-12% less time in FP8 and 2-7% in bf16
+ * (qwen2-moe-2.7b, mixtral-8x7b, gpt-oss-120b), at 64 (gpt-oss-120b) 4-8% less; at 128
+ * it was level (qwen2-moe-2.7b) or 5-10% slower (mixtral-8x7b), and at 512 slower by 30%
+ * and more, its MMAs no longer beside the other warpgroup's promotion or epilogue. */
+#define COMETI_MODEL_PINGPONG_ROWS 64
+
+/* Whether the forward's GEMMs of a call of `num_tokens` tokens per rank on `world` ranks
+ * take the ping-pong schedule (COMETI_MODEL_PINGPONG_ROWS). */
+int cometi_model_pingpong(int num_tokens, int world, int top_k, int num_experts);
+
 /* SMs the first-wave GEMM leaves to the route's kernels and the fused kernel's first
  * blocks; it takes (SMs - these) / column tiles row blocks. */
 #define COMETI_FIRST_WAVE_FREE_SMS 32
