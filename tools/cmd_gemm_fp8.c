@@ -7,7 +7,8 @@
  *   runs after it (SwiGLU, then the activation quantized for GEMM1), and
  *   comet's bf16 GEMM on the operands before quantization.
  * GEMM0 is x W13^T with the quantizing SwiGLU (E4M3 activation and its 1 x 128 scales out),
- * GEMM1 act W2^T (bf16 out). Operands are hash-filled bf16, quantized once by comet's
+ * GEMM1 act W2^T (bf16 out), ours in both formats on the schedule the layer takes for those
+ * rows (ping-pong at small batches, cometi_model_pingpong). Operands are hash-filled bf16, quantized once by comet's
  * quantizers (not timed). Checks, on poisoned outputs before timing: ours against
  * cuBLASLt on the same FP8 operands (GEMM1: ||ours - cuBLASLt|| / ||cuBLASLt||; GEMM0: the
  * dequantized activations), and against the bf16 GEMM with DeepGEMM's measure
@@ -33,6 +34,7 @@
 #include "base/fp8.h"
 #include "baseline/blaslt_fp8.h"
 #include "gemm/gemm.h"
+#include "patterns/tune.h"
 #include "pointwise/pointwise.h"
 #include "alloc.h"
 #include "tool.h"
@@ -42,6 +44,7 @@
 typedef struct fp8_case {
     int groups, rows, pad_rows, H, F; /* rows per expert; each expert's rows start pad_rows apart */
     int apart;                        /* gate and up in tensors of their own (F not a multiple of 128) */
+    int schedule;                     /* the forward's, as the layer picks it (cometi_model_pingpong) */
     int64_t total;                    /* A's rows: groups x pad_rows */
     cometi_segment_t *segs;
     int64_t *row_start, *row_count;   /* host, for cuBLASLt */
@@ -186,6 +189,7 @@ static int case_open(const tool_options_t *o, const comet_moe_config_t *cfg, int
     memset(c, 0, sizeof(*c));
     c->groups = cfg->num_experts / ep;
     c->rows = (int)((int64_t)o->tokens * cfg->top_k * ep / cfg->num_experts);
+    c->schedule = cometi_model_pingpong(o->tokens, ep, cfg->top_k, cfg->num_experts) ? COMETI_GEMM_PINGPONG : 0;
     c->pad_rows = (c->rows + 127) / 128 * 128;
     c->H = cfg->hidden, c->F = cfg->ffn;
     c->apart = c->F % 128 != 0;
@@ -277,6 +281,7 @@ static cometi_gemm_t describe(const fp8_case_t *c, int which, int fp8, cometi_as
     g.a.rows = c->total;
     g.launch.tail_ws = tail_ws;
     g.err = err;
+    g.launch.schedule = c->schedule;
     g.problem.n = which ? c->H : c->F;
     g.problem.k = which ? c->F : c->H;
     g.out.epilogue = which ? COMETI_GEMM_EPI_STORE : fp8 ? COMETI_GEMM_EPI_SWIGLU_E4M3 : COMETI_GEMM_EPI_SWIGLU;
@@ -739,7 +744,7 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             float t_128 = 0;
             double d_128 = 0, d_128_bf16 = 0;
             if (which) {
-                r.g.launch.block_n = 128;
+                r.g.launch.block_n = 128, r.g.launch.schedule = 0; /* 128 wide: cooperative */
                 CUDA_OK(cudaMemset(c.y, 0xff, (size_t)c.total * c.H * 2));
                 FAIL_IF(run_ours(&r, 0), "%s GEMM1 fp8 128: %s", o->presets[i], r.err);
                 CUDA_OK(cudaDeviceSynchronize());
@@ -761,14 +766,14 @@ int gemm_fp8_rank(const cometi_rank_ctx_t *ctx, void *arg)
             char name[48];
             snprintf(name, sizeof(name), "%s GEMM%d", o->presets[i], which);
 #define TF(ms) (flop / ((ms) * 1e-3) / 1e12)
-            printf("%-24s %6d %6d %6d %6d %8.0f %8.0f %8s %8.0f %8.2f %8.2f %8s %9.1e %9.1e%s\n", name, c.groups,
+            printf("%-24s %6d %6d %6d %6d %8.1f %8.1f %8s %8.1f %8.2f %8.2f %8s %9.1e %9.1e%s\n", name, c.groups,
                    c.rows, n, k, TF(t_bf16), TF(t_lt), "", TF(t_fp8), t_bf16 / t_fp8, t_lt / t_fp8, "", d_lt, d_bf16,
                    wrong ? " WRONG" : "");
             if (!which)
-                printf("%-24s %6s %6s %6s %6s %8s %8s %8.0f %8s %8s %8s %8.2f\n", "", "", "", "", "", "", "",
+                printf("%-24s %6s %6s %6s %6s %8s %8s %8.1f %8s %8s %8s %8.2f\n", "", "", "", "", "", "", "",
                        TF(t_lt_all), "", "", "", t_lt_all / t_fp8);
             else
-                printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8.0f %8.2f %8.2f %8s %9.1e  (128-wide tiles)\n", "", "", "",
+                printf("%-24s %6s %6s %6s %6s %8s %8s %8s %8.1f %8.2f %8.2f %8s %9.1e  (128-wide tiles)\n", "", "", "",
                        "", "", "", "", "", TF(t_128), t_bf16 / t_128, t_lt / t_128, "", d_128);
             printf("  cuBLASLt: %s\n", lt_algo);
 #undef TF

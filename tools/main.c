@@ -208,7 +208,8 @@ static const flag_t flags[] = {
      "the saved bytes and 1 - 2xy/(x^2+y^2) of dx and the weight gradients"},
     {"--fp8", NULL, CMD_GEMM, set_switch, AT(o.fp8), 1, 0,
      "instead, the block-scaled FP8 forward GEMMs (E4M3, 1 x 128 and 128 x 128 scales) beside cuBLASLt's "
-     "block-scaled FP8 GEMM per expert and our bf16 GEMM, then the backward's FP8 GEMMs beside our bf16 ones: the "
+     "block-scaled FP8 GEMM per expert and our bf16 GEMM (ours on the schedule the layer picks for those rows: "
+     "ping-pong at 64 rows an expert or fewer), then the backward's FP8 GEMMs beside our bf16 ones: the "
      "weight gradients (128 x 1 scales along the tokens) and the data gradients (on W^T's copy); --ep defaults to 1 "
      "(one GPU's rows)"},
     {"--mib", "N", CMD_BANDWIDTH, parse_int, AT(o.mib), 1, 16384, "bytes per transfer, MiB [256]"},
