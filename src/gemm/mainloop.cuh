@@ -181,19 +181,19 @@ static __device__ __forceinline__ void load_block_scales(const cometi_gemm_args_
 
 /* E4M3: the producer's scale warp (a warp of warpgroup 0), over k-steps [kb0, kb1) of tile
  * `tl` (A's first row a_row; a weight gradient: its group's first token row, a multiple of
- * 128): for each k block, once its stage is released, the A tile's 128 rows' scales and
- * B's (groups along M: each half's block, SwiGLU's gate and up blocks of column tile tl.n
- * or a plain tile's 128-row blocks; along K: each of the tile's B rows') into the stage's
- * slot, then each lane's arrival on the stage's full barrier (beside the TMA thread's with
- * the bytes). Each block's loads are issued before the wait for its stage (along M a block
- * earlier still, before the previous block's wait and stores; never past the unit, whose
- * rows the dispatch role has seen arrive), so they are in flight while the ring is full,
- * off the consumers' mainloop. A scale that does not exist
- * is 0 (a row past A, an n block past B: their products are never stored). A's through L2
- * (ld.global.cg): its rows may have been written by other ranks' dispatch while this
- * kernel runs, and L1 is not coherent (a line holding one row's scales can hold a
- * neighbour's that had not arrived yet); B's (weights) through the read-only path, or
- * along K (tokens, written by the kernels before) through L2 as A's. */
+ * 128): for each k block, once its stage is released, the A tile's rows' scales (128, or
+ * ping-pong's 64) and B's (groups along M: each half's block, SwiGLU's gate and up blocks
+ * of column tile tl.n or a plain tile's 128-row blocks; along K: each of the tile's B
+ * rows') into the stage's slot, then each lane's arrival on the stage's full barrier
+ * (beside the TMA thread's with the bytes). Each block's loads are issued before the wait
+ * for its stage (along M a block earlier still, before the previous block's wait and
+ * stores; never past the unit, whose rows the dispatch role has seen arrive), so they are
+ * in flight while the ring is full, off the consumers' mainloop. A scale that does not
+ * exist is 0 (a row past A, an n block past B: their products are never stored). A's
+ * through L2 (ld.global.cg): its rows may have been written by other ranks' dispatch while
+ * this kernel runs, and L1 is not coherent (a line holding one row's scales can hold a
+ * neighbour's that had not arrived yet); B's (weights) through the read-only path, or along
+ * K (tokens, written by the kernels before) through L2 as A's. */
 template <int V>
 static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                            tile_t tl, long long a_row, int kb0, int kb1,
