@@ -1,8 +1,9 @@
 """Where one comet_moe_forward's time goes, kernel by kernel, on every rank: the forward
 runs under torch.profiler (CUPTI sees libcomet's kernels too), and each kernel's median
-duration over the calls is printed, with the route's kernels summed, and the forward's
-span on the GPU (first kernel's start to last kernel's end) with the time between its
-kernels. Calls are taken one at a time (barrier, call, sync), so each rank's exchange
+duration over the calls is printed (the grouped GEMMs as gemm#1, GEMM0, and gemm#2,
+GEMM1, in launch order), with the route's kernels summed, and the forward's
+span on the GPU (from the end of a marker kernel the call queues behind to its last
+kernel's end) with the time between its kernels. Calls are taken one at a time (barrier, call, sync), so each rank's exchange
 kernel also holds its wait for the slower rank: the rank with the shorter exchange shows
 the route's own cost.
 
@@ -10,6 +11,7 @@ the route's own cost.
     torchrun --nproc-per-node 2 bench/trace_forward.py --preset qwen2-57b-a14b --tokens 1024 8192
     torchrun --nproc-per-node 2 bench/trace_forward.py --graph    # each call a CUDA graph replay
     torchrun --nproc-per-node 2 bench/trace_forward.py --routing skewed --starts   # kernel@start
+    torchrun --nproc-per-node 1 bench/trace_forward.py --fp8 --graph --tokens 16 128   # the FP8 layer
 
 Needs build/libcomet.so (`make`, built against PyTorch's NCCL: scripts/device-run.sh
 shows how). Routing: the block's router on random activations (about balanced), or
@@ -22,7 +24,6 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # before anything initialises NCCL
@@ -35,23 +36,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 import comet_moe  # noqa: E402
 from comet_moe.block import mixtral_route  # noqa: E402
 
-# Kernel name fragments -> short names, in launch order. The grouped GEMM is GEMM0 when its
-# SWIGLU template argument (the fourth) is true, else GEMM1.
-KERNELS = [("Memset", "memset"), ("chunk_rank", "rank"), ("chunk_offset", "offset"), ("exchange_plan", "exchange"),
-           ("place_rows", "place"), ("gemm0", "gemm0"), ("push_dest", "dest"), ("gemm1", "gemm1"),
-           ("combine_tail", "tail"), ("push_sum", "sum")]
-ROUTE = ("memset", "rank", "offset", "exchange", "place")
-GEMM = re.compile(r"grouped_gemm_kernel<\d+, \d+, \w+, (\w+), \w+>")
+ROUTE = ("chunk_rank", "chunk_offset", "exchange_plan", "place_rows")
 
 
-def kernel_key(name):
-    """The fragment KERNELS matches for a kernel's name: gemm0 / gemm1 for the GEMM."""
-    m = GEMM.search(name)
-    return ("gemm0" if m.group(1) == "true" else "gemm1") if m else name
+def short_name(name):
+    """A kernel's function name without namespace, return type, template arguments or
+    "_kernel"; the grouped GEMMs are told apart by launch order in the call (kernel_medians)."""
+    name = re.sub(r"<.*", "", name.replace("(anonymous namespace)::", "").split("(")[0])
+    name = name.split()[-1].split("::")[-1] if name.split() else name
+    return name[:-len("_kernel")] if name.endswith("_kernel") and name != "grouped_gemm_kernel" else name
 
 
-def random_block(comm, preset, tokens, device):
-    cfg = comet_moe.MoeConfig.preset(preset, max_tokens=tokens)
+def random_block(comm, preset, tokens, device, fp8):
+    cfg = comet_moe.MoeConfig.preset(preset, max_tokens=tokens, dtype="fp8" if fp8 else "bf16")
     block = comet_moe.CometSparseMoeBlock(comm, cfg, impl="fused")
     E, H, Fd = cfg.num_experts, cfg.hidden, cfg.ffn
     g = torch.Generator(device=device).manual_seed(7)
@@ -80,38 +77,44 @@ def kernel_medians(block, x, ids, w, calls, graph):
             for _ in range(calls):
                 dist.barrier()
                 torch.cuda.synchronize()
+                # The marker: a kernel of torch's own (spin_kernel) that the call's kernels
+                # queue behind, so the call starts on the GPU as soon as the marker ends.
+                torch.cuda._sleep(100000)
                 call()
                 torch.cuda.synchronize()
-                time.sleep(0.002)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         with open(f.name) as trace:
             events = json.load(trace)["traceEvents"]
-    durations, ours = {}, []
-    for e in events:
-        if e.get("cat") not in ("kernel", "gpu_memset"):
-            continue
-        key = kernel_key(e.get("name", ""))
-        for fragment, short in KERNELS:
-            if fragment in key:
-                durations.setdefault(short, []).append(e["dur"])
-                ours.append((e["ts"], e["ts"] + e["dur"], short))
-    med = {short: statistics.median(durations[short]) for _, short in KERNELS if short in durations}
-    # One forward's span on the GPU, first kernel's start to last kernel's end: the calls
-    # are milliseconds apart, so a gap over 1 ms starts the next call.
-    spans, starts, start, end = [], {}, None, None
-    for ts, te, short in sorted(ours):
-        if start is not None and ts - end > 1000:
-            spans.append(end - start)
-            start = None
-        if start is None:
-            start, end = ts, te
-        end = max(end, te)
-        starts.setdefault(short, []).append(ts - start)
-    if start is not None:
-        spans.append(end - start)
-    med["span"] = statistics.median(spans) if spans else 0.0
-    return med, {short: statistics.median(v) for short, v in starts.items()}
+    # One call's kernels: those after a marker, timed from the marker's end (the barrier's
+    # own kernels come before it).
+    calls_seen = []
+    for ts, dur, name in sorted((e["ts"], e["dur"], e.get("name", "")) for e in events
+                                if e.get("cat") in ("kernel", "gpu_memset")):
+        if "spin_kernel" in name:
+            calls_seen.append([(ts + dur, 0.0, "marker")])
+        elif calls_seen and "nccl" not in name.lower():
+            calls_seen[-1].append((ts, dur, short_name(name)))
+    calls_seen = [c for c in calls_seen if len(c) > 1]
+    # Per call, each kernel's label: its name, the grouped GEMMs numbered in launch order
+    # (gemm#1 is GEMM0), a name's later launches in the call numbered too; medians per label.
+    per_label, starts = {}, {}
+    for c in calls_seen:
+        seen = {}
+        for ts, dur, name in c[1:]:
+            if name == "grouped_gemm_kernel":
+                name = f"gemm#{seen.setdefault('gemm', 0) + 1}"
+                seen["gemm"] += 1
+            else:
+                seen[name] = seen.get(name, 0) + 1
+                name = name if seen[name] == 1 else f"{name}#{seen[name]}"
+            per_label.setdefault(name, []).append(dur)
+            starts.setdefault(name, []).append(ts - c[0][0])
+    order = sorted(per_label, key=lambda k: statistics.median(starts[k]))
+    med = {k: statistics.median(per_label[k]) for k in order}
+    starts = {k: statistics.median(starts[k]) for k in order}
+    med["span"] = statistics.median(max(k[0] + k[1] for k in c) - c[0][0] for c in calls_seen)
+    return med, starts
 
 
 def main():
@@ -123,6 +126,7 @@ def main():
     p.add_argument("--routing", choices=("router", "skewed"), default="router",
                    help="the block's router on random activations, or expert e drawn with weight skew^(-e/(E-1))")
     p.add_argument("--skew", type=float, default=8.0, help="skewed: the first expert's weight over the last's")
+    p.add_argument("--fp8", action="store_true", help="the block-scaled FP8 layer (x quantized by the layer)")
     p.add_argument("--starts", action="store_true",
                    help="also each kernel's start, us after the call's first kernel on that rank (kernel@start)")
     a = p.parse_args()
@@ -135,7 +139,7 @@ def main():
     lines = []
     for preset in a.preset:
         for tokens in a.tokens:
-            block, cfg = random_block(comm, preset, tokens, device)
+            block, cfg = random_block(comm, preset, tokens, device, a.fp8)
             x = torch.randn(tokens, cfg.hidden, device=device, dtype=torch.bfloat16,
                             generator=torch.Generator(device=device).manual_seed(rank))
             if a.routing == "skewed":
@@ -160,7 +164,7 @@ def main():
     gathered = [None] * world
     dist.all_gather_object(gathered, lines)
     if rank == 0:
-        print(f"median us per kernel over {a.calls} calls{' (CUDA graph replays)' if a.graph else ''}, "
+        print(f"{'FP8' if a.fp8 else 'bf16'} layer, median us per kernel over {a.calls} calls{' (CUDA graph replays)' if a.graph else ''}, "
               f"{a.routing} routing{f' (skew {a.skew:g})' if a.routing == 'skewed' else ''}, {world} x "
               f"{torch.cuda.get_device_name()}, comet {comet_moe.version()}")
         for i in range(len(lines)):
