@@ -30,6 +30,7 @@
 #include "comet.h"
 #include "layer/layer.h"
 #include "gemm/gemm.h"
+#include "gemm/schedule.h"
 #include "base/fp8.h"
 #include "testutil.h"
 #include "gpu_util.h"
@@ -1345,6 +1346,137 @@ static int run_row_e4m3_blocks_apart(shared_t *s, int vi, uint64_t *rng)
     free(a_host), free(b_host), free(sa), free(sb), free(packed), free(out[0]), free(out[1]);
     cudaFree(a_apart), cudaFree(a_packed), cudaFree(b), cudaFree(c), cudaFree(dsa), cudaFree(dsb);
     return bad != 0;
+}
+
+/* An E4M3 row with the last wave cut along k (tail_ws), as the layer's large batches run
+ * it (the bf16 rows have gpu_gemm_last_wave_cut): fp8_nt_256, k = 2048 (16 blocks a tile, so
+ * halves), 4 groups of {300, 129, 0, 256} rows (7 tiles of 128 rows, 1 left on 6 blocks),
+ * exact codes with random block scales. Against float64 as run_row_e4m3 checks its rows,
+ * padding rows untouched, run twice for the same bits, with the units the plan promised
+ * taken (the tile timeline) and the workspace's counters back at zero. */
+static int e4m3_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
+{
+    uint64_t rng = *(uint64_t *)arg;
+    cometi_async_error_t *err_host, *err_dev;
+    if (gemm_setup(ctx, &err_host, &err_dev)) return 1;
+    int sms = 0;
+    CUDA_OK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ctx->local_rank));
+    enum { G = 4, KC = 2048, KBS = KC / 128, NC = 256, BLOCKS = 6 };
+    const int vi = COMETI_GEMM_V_fp8_nt_256, sizes[G] = {300, 129, 0, 256};
+    const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
+    cometi_segment_t segs_host[G];
+    const int rows = padded_segments(sizes, G, segs_host);
+    const int64_t ld = rows + 8; /* A's MN-major scales' ld */
+    /* A [rows][k], scales [KBS][ld]; B [G][NC][k], scales [G][NC / 128][KBS]. */
+    uint8_t *a8 = malloc((size_t)rows * KC), *b8 = malloc((size_t)G * NC * KC);
+    float *sa = malloc(sizeof(float) * KBS * ld), *sb = malloc(sizeof(float) * G * 2 * KBS);
+    for (size_t i = 0; i < (size_t)rows * KC; i++) a8[i] = random_e4m3(&rng, 1);
+    for (size_t i = 0; i < (size_t)G * NC * KC; i++) b8[i] = random_e4m3(&rng, 1);
+    for (size_t i = 0; i < (size_t)KBS * ld; i++) sa[i] = random_scale(&rng);
+    for (int i = 0; i < G * 2 * KBS; i++) sb[i] = random_scale(&rng);
+    /* float64 sums on the dequantized operands and their bounds (exact codes: 2^-20 of the
+     * scaled |products|). */
+    const size_t nc = (size_t)rows * NC;
+    double *want = calloc(nc, 8), *bound = calloc(nc, 8);
+    for (int g = 0; g < G; g++)
+        for (int r = segs_host[g].start; r < segs_host[g].start + segs_host[g].rows; r++)
+            for (int j = 0; j < NC; j++) {
+                double c = 0, cs = 0;
+                for (int q = 0; q < KC; q++) {
+                    const double x = (double)cometi_e4m3_decode(a8[(size_t)r * KC + q]) * sa[(size_t)(q / 128) * ld + r];
+                    const double w = (double)cometi_e4m3_decode(b8[((size_t)g * NC + j) * KC + q]) *
+                                     sb[((size_t)g * 2 + j / 128) * KBS + q / 128];
+                    c += x * w, cs += fabs(x * w);
+                }
+                want[(size_t)r * NC + j] = c;
+                bound[(size_t)r * NC + j] = 0x1p-8 * fabs(c) + 1.01 * 0x1p-20 * cs; /* bf16 out */
+            }
+    void *a, *b, *c, *ws;
+    float *dsa, *dsb;
+    unsigned long long *trace, *trace_host = malloc((size_t)sms * COMETI_TILE_TRACE_WORDS * 8);
+    cometi_segment_t *segs;
+    CUDA_OK(cudaMalloc(&a, (size_t)rows * KC));
+    CUDA_OK(cudaMalloc(&b, (size_t)G * NC * KC));
+    CUDA_OK(cudaMalloc(&c, nc * 2));
+    CUDA_OK(cudaMalloc((void **)&dsa, sizeof(float) * KBS * ld));
+    CUDA_OK(cudaMalloc((void **)&dsb, sizeof(float) * G * 2 * KBS));
+    CUDA_OK(cudaMalloc(&ws, COMETI_GEMM_TAIL_BYTES(sms)));
+    CUDA_OK(cudaMemset(ws, 0, COMETI_GEMM_TAIL_COUNTERS * 8));
+    CUDA_OK(cudaMalloc((void **)&trace, (size_t)sms * COMETI_TILE_TRACE_WORDS * 8));
+    CUDA_OK(cudaMalloc((void **)&segs, sizeof(segs_host)));
+    CUDA_OK(cudaMemcpy(segs, segs_host, sizeof(segs_host), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(a, a8, (size_t)rows * KC, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(b, b8, (size_t)G * NC * KC, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsa, sa, sizeof(float) * KBS * ld, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsb, sb, sizeof(float) * G * 2 * KBS, cudaMemcpyHostToDevice));
+    problem_t p;
+    memset(&p, 0, sizeof(p));
+    p.groups = G, p.n = NC, p.k = KC, p.ldc = NC, p.a_rows = rows, p.segs = segs;
+    p.a = a, p.b = b, p.c = c, p.a_scale = dsa, p.b_scale = dsb;
+    p.a_scale_row = 1, p.a_scale_block = ld;
+    p.err = err_dev;
+    cometi_gemm_t g = describe(v, &p);
+    g.launch.sms = BLOCKS;
+    g.launch.tail_ws = ws;
+    g.roles.tile_trace = trace;
+    int m_tiles = 0;
+    for (int gi = 0; gi < G; gi++) m_tiles += (sizes[gi] + 127) / 128;
+    const int tiles = m_tiles * (NC / v->block_n);
+    const cometi_tail_plan_t plan = cometi_gemm_tail_plan(tiles, BLOCKS, KBS, 1);
+    CHECK(plan.parts > 1); /* meant to cut */
+    uint16_t *got = malloc(nc * 2), *again = malloc(nc * 2);
+    for (int run = 0; run < 2; run++) {
+        CUDA_OK(cudaMemset(c, 0xff, nc * 2));
+        CUDA_OK(cudaMemset(trace, 0, (size_t)sms * COMETI_TILE_TRACE_WORDS * 8));
+        char err[COMETI_ERR_LEN];
+        cometi_gemm_prepared_t prepared;
+        comet_status_t st = cometi_gemm_prepare(err, &g, &prepared);
+        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
+        CHECK_EQ(st, COMET_SUCCESS);
+        CHECK_EQ(((const cometi_gemm_plan_t *)prepared.bytes)->variant, vi);
+        CHECK_EQ(cometi_gemm_launch(err, &prepared, 0), COMET_SUCCESS);
+        CUDA_OK(cudaDeviceSynchronize());
+        CHECK_EQ(err_host->status, 0);
+        CUDA_OK(cudaMemcpy(run ? again : got, c, nc * 2, cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(trace_host, trace, (size_t)sms * COMETI_TILE_TRACE_WORDS * 8, cudaMemcpyDeviceToHost));
+        long long units = 0;
+        for (int blk = 0; blk < sms; blk++) units += (long long)trace_host[(size_t)blk * COMETI_TILE_TRACE_WORDS + 2];
+        if (units != plan.units) printf("%s: %lld units taken, the plan has %d\n", v->name, units, plan.units);
+        CHECK_EQ(units, plan.units);
+        unsigned long long counters[COMETI_GEMM_TAIL_COUNTERS];
+        CUDA_OK(cudaMemcpy(counters, ws, sizeof(counters), cudaMemcpyDeviceToHost));
+        for (int i = 0; i < COMETI_GEMM_TAIL_COUNTERS; i++) CHECK_EQ(counters[i], 0);
+    }
+    CHECK(memcmp(got, again, nc * 2) == 0); /* the same bits */
+    int bad = 0;
+    double worst = 0; /* |error| / its bound */
+    for (int gi = 0; gi < G; gi++)
+        for (int r = segs_host[gi].start; r < segs_host[gi].start + (sizes[gi] + 127) / 128 * 128 && bad < 5; r++)
+            for (int j = 0; j < NC && bad < 5; j++) {
+                const size_t at = (size_t)r * NC + j;
+                if (r >= segs_host[gi].start + sizes[gi]) { /* padding rows: untouched */
+                    if (got[at] != 0xffff) bad++, printf("%s: padding row %d written\n", v->name, r);
+                    continue;
+                }
+                const double val = cometi_bf16_to_float(got[at]);
+                if (!(fabs(val - want[at]) <= bound[at]))
+                    bad++, printf("%s: C[%d][%d] = %.9g, float64 %.9g, bound %.3g\n", v->name, r, j, val, want[at],
+                                  bound[at]);
+                if (bound[at] > 0 && fabs(val - want[at]) / bound[at] > worst) worst = fabs(val - want[at]) / bound[at];
+            }
+    printf("%s, %d blocks: %d tiles -> %d units (%d parts of the last %d), worst |error| / bound %.2f\n", v->name,
+           BLOCKS, tiles, plan.units, plan.parts, tiles - plan.first, worst);
+    CHECK_EQ(bad, 0);
+    free(a8), free(b8), free(sa), free(sb), free(want), free(bound), free(trace_host), free(got), free(again);
+    cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(dsa), cudaFree(dsb), cudaFree(ws), cudaFree(trace), cudaFree(segs);
+    return 0;
+}
+
+int test_gpu_gemm_e4m3_last_wave_cut(void)
+{
+    if (!have_gpus(1)) return TEST_SKIP;
+    uint64_t seed = test_seed();
+    return launch(1, e4m3_cut_rank, &seed, 120);
 }
 
 static int every_variant_rank(const cometi_rank_ctx_t *ctx, void *arg)

@@ -109,6 +109,7 @@ uint64_t test_seed(void);
     X(gpu_gemm_vs_reference, 120)               \
     X(gpu_gemm_epilogues, 120)                  \
     X(gpu_gemm_last_wave_cut, 120)              \
+    X(gpu_gemm_e4m3_last_wave_cut, 120)         \
     X(gpu_blaslt_fp8_grouped, 180)              \
     X(gpu_e4m3_cvt_matches_host, 120)           \
     X(gpu_quantize_fp8, 120)                    \
