@@ -336,8 +336,12 @@ static int fp8_layers_close(comet_comm_t comm, fp8_fixture_t *fx, fp8_layers_t *
  * E4M3, its scales [2F / 128][cap] after the other parts); the same forward, bit for bit
  * (o8's y); repeatable; and every tensor against the bf16 layer's (o16) with one more
  * E4M3 rounding of g and u in the backward: DeepGEMM's measure < 2e-3 per tensor (each
- * measure printed: what keeping [g u] in E4M3 costs), the elements within GU8_BOUND. */
-static const elem_bound_t GU8_BOUND = {0x1p-2, 0.5};
+ * measure printed: what keeping [g u] in E4M3 costs), the elements within GU8_BOUND. Each
+ * term of a weight gradient's sum then carries two more roundings of 2^-4, so over the
+ * hundreds of thousands of elements of d gate_up and d down the largest error reaches
+ * about 0.6 of its group's RMS (one seed: d down 0.099 at an RMS of 0.16), past ON_GRID's
+ * half; the group and tensor measures still catch a misplaced row or an unwritten tile. */
+static const elem_bound_t GU8_BOUND = {0x1p-2, 1.0};
 static int gate_up_e4m3_case(fp8_fixture_t *fx, comet_moe_t moe8, const comet_moe_args_t *a,
                              comet_moe_backward_args_t *b, const step_out_t *o8, const step_out_t *o16, size_t bytes8,
                              size_t bytes16, int top_k)
