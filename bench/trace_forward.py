@@ -86,14 +86,14 @@ def kernel_medians(block, x, ids, w, calls, graph):
         prof.export_chrome_trace(f.name)
         with open(f.name) as trace:
             events = json.load(trace)["traceEvents"]
-    # One call's kernels: those after a marker, timed from the marker's end (the barrier's
-    # own kernels come before it).
+    # One call's kernels: comet's after a marker, timed from the marker's end (the next
+    # barrier's kernels, NCCL's and torch's, are not the call's).
     calls_seen = []
     for ts, dur, name in sorted((e["ts"], e["dur"], e.get("name", "")) for e in events
                                 if e.get("cat") in ("kernel", "gpu_memset")):
         if "spin_kernel" in name:
             calls_seen.append([(ts + dur, 0.0, "marker")])
-        elif calls_seen and "nccl" not in name.lower():
+        elif calls_seen and "nccl" not in name.lower() and "at::native" not in name:  # not the barrier's
             calls_seen[-1].append((ts, dur, short_name(name)))
     calls_seen = [c for c in calls_seen if len(c) > 1]
     # Per call, each kernel's label: its name, the grouped GEMMs numbered in launch order
