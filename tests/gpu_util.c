@@ -330,6 +330,22 @@ int gemm_setup(const cometi_rank_ctx_t *ctx, cometi_async_error_t **host, cometi
     return 0;
 }
 
+int check_cut_units(const unsigned long long *trace, int sms, const void *ws, int plan_units, const char *what)
+{
+    unsigned long long *rows = malloc((size_t)sms * COMETI_TILE_TRACE_WORDS * 8);
+    CHECK(rows != NULL);
+    CUDA_OK(cudaMemcpy(rows, trace, (size_t)sms * COMETI_TILE_TRACE_WORDS * 8, cudaMemcpyDeviceToHost));
+    long long units = 0;
+    for (int blk = 0; blk < sms; blk++) units += (long long)rows[(size_t)blk * COMETI_TILE_TRACE_WORDS + 2];
+    free(rows);
+    if (units != plan_units) printf("%s: %lld units taken, the plan has %d\n", what, units, plan_units);
+    CHECK_EQ(units, plan_units);
+    unsigned long long counters[COMETI_GEMM_TAIL_COUNTERS];
+    CUDA_OK(cudaMemcpy(counters, ws, sizeof(counters), cudaMemcpyDeviceToHost));
+    for (int i = 0; i < COMETI_GEMM_TAIL_COUNTERS; i++) CHECK_EQ(counters[i], 0);
+    return 0;
+}
+
 /* Segments of the given sizes, each starting on a 128-row boundary as the MoE layout
  * pads them; returns the rows they span. */
 int padded_segments(const int *sizes, int groups, cometi_segment_t *segs)

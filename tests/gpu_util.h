@@ -146,6 +146,10 @@ void add_error_rel(const uint16_t *got, const uint16_t *want, const double *ref,
 
 /* This rank's GPU, and the host-mapped word where a stuck GEMM pipeline reports. */
 int gemm_setup(const cometi_rank_ctx_t *ctx, cometi_async_error_t **host, cometi_async_error_t **dev);
+/* After a GEMM run with the last wave's cut (tail_ws) and a tile timeline (`trace`, sms
+ * rows on the device): its blocks took the plan's units, and the workspace's counters are
+ * back at zero. 0, or 1 with the failure printed (`what` names the run). */
+int check_cut_units(const unsigned long long *trace, int sms, const void *ws, int plan_units, const char *what);
 /* Segments of the given sizes, each starting on a 128-row boundary as the MoE layout pads
  * them; returns the rows they span. */
 int padded_segments(const int *sizes, int groups, cometi_segment_t *segs);

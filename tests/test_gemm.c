@@ -268,7 +268,7 @@ static int gemm_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
         }
     void *a, *b, *gate, *c, *ws;
     unsigned int *sched;
-    unsigned long long *trace, *trace_host = malloc((size_t)sms * COMETI_TILE_TRACE_WORDS * 8);
+    unsigned long long *trace;
     CUDA_OK(cudaMalloc(&a, na * 2));
     CUDA_OK(cudaMalloc(&b, nb * 2));
     CUDA_OK(cudaMalloc(&gate, nb));
@@ -315,14 +315,9 @@ static int gemm_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
             CUDA_OK(cudaDeviceSynchronize());
             CHECK_EQ(err_host->status, 0);
             CUDA_OK(cudaMemcpy(run ? again16 : c16, c, nc * 2, cudaMemcpyDeviceToHost));
-            CUDA_OK(cudaMemcpy(trace_host, trace, (size_t)sms * COMETI_TILE_TRACE_WORDS * 8, cudaMemcpyDeviceToHost));
-            long long units = 0;
-            for (int blk = 0; blk < sms; blk++) units += (long long)trace_host[(size_t)blk * COMETI_TILE_TRACE_WORDS + 2];
-            if (units != plan.units) printf("variant %zu: %lld units taken, the plan has %d\n", v, units, plan.units);
-            CHECK_EQ(units, plan.units);
-            unsigned long long counters[COMETI_GEMM_TAIL_COUNTERS];
-            CUDA_OK(cudaMemcpy(counters, ws, sizeof(counters), cudaMemcpyDeviceToHost));
-            for (int i = 0; i < COMETI_GEMM_TAIL_COUNTERS; i++) CHECK_EQ(counters[i], 0);
+            char what[32];
+            snprintf(what, sizeof(what), "variant %zu", v);
+            if (check_cut_units(trace, sms, ws, plan.units, what)) return 1;
         }
         CHECK(memcmp(c16, again16, nc * 2) == 0); /* the same bits */
         double worst = 0;
@@ -365,7 +360,6 @@ static int gemm_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
     CUDA_OK(cudaDeviceSynchronize());
     CHECK_EQ(err_host->status, 0);
     free(a16), free(b16), free(gate16), free(c16), free(again16), free(af), free(bf), free(gate_ref), free(up_ref);
-    free(trace_host);
     cudaFree(a), cudaFree(b), cudaFree(gate), cudaFree(c), cudaFree(ws), cudaFree(sched), cudaFree(trace);
     cudaFree(segs);
     return 0;

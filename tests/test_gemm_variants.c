@@ -1393,7 +1393,7 @@ static int e4m3_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
             }
     void *a, *b, *c, *ws;
     float *dsa, *dsb;
-    unsigned long long *trace, *trace_host = malloc((size_t)sms * COMETI_TILE_TRACE_WORDS * 8);
+    unsigned long long *trace;
     cometi_segment_t *segs;
     CUDA_OK(cudaMalloc(&a, (size_t)rows * KC));
     CUDA_OK(cudaMalloc(&b, (size_t)G * NC * KC));
@@ -1438,14 +1438,7 @@ static int e4m3_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
         CUDA_OK(cudaDeviceSynchronize());
         CHECK_EQ(err_host->status, 0);
         CUDA_OK(cudaMemcpy(run ? again : got, c, nc * 2, cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(trace_host, trace, (size_t)sms * COMETI_TILE_TRACE_WORDS * 8, cudaMemcpyDeviceToHost));
-        long long units = 0;
-        for (int blk = 0; blk < sms; blk++) units += (long long)trace_host[(size_t)blk * COMETI_TILE_TRACE_WORDS + 2];
-        if (units != plan.units) printf("%s: %lld units taken, the plan has %d\n", v->name, units, plan.units);
-        CHECK_EQ(units, plan.units);
-        unsigned long long counters[COMETI_GEMM_TAIL_COUNTERS];
-        CUDA_OK(cudaMemcpy(counters, ws, sizeof(counters), cudaMemcpyDeviceToHost));
-        for (int i = 0; i < COMETI_GEMM_TAIL_COUNTERS; i++) CHECK_EQ(counters[i], 0);
+        if (check_cut_units(trace, sms, ws, plan.units, v->name)) return 1;
     }
     CHECK(memcmp(got, again, nc * 2) == 0); /* the same bits */
     int bad = 0;
@@ -1467,7 +1460,7 @@ static int e4m3_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
     printf("%s, %d blocks: %d tiles -> %d units (%d parts of the last %d), worst |error| / bound %.2f\n", v->name,
            BLOCKS, tiles, plan.units, plan.parts, tiles - plan.first, worst);
     CHECK_EQ(bad, 0);
-    free(a8), free(b8), free(sa), free(sb), free(want), free(bound), free(trace_host), free(got), free(again);
+    free(a8), free(b8), free(sa), free(sb), free(want), free(bound), free(got), free(again);
     cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(dsa), cudaFree(dsb), cudaFree(ws), cudaFree(trace), cudaFree(segs);
     return 0;
 }
