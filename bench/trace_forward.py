@@ -1,11 +1,11 @@
 """Where one comet_moe_forward's time goes, kernel by kernel, on every rank: the forward
 runs under torch.profiler (CUPTI sees libcomet's kernels too), and each kernel's median
 duration over the calls is printed (the grouped GEMMs as gemm#1, GEMM0, and gemm#2,
-GEMM1, in launch order), with the route's kernels summed, and the forward's
-span on the GPU (from the end of a marker kernel the call queues behind to its last
-kernel's end) with the time between its kernels. Calls are taken one at a time (barrier, call, sync), so each rank's exchange
-kernel also holds its wait for the slower rank: the rank with the shorter exchange shows
-the route's own cost.
+GEMM1, in launch order), with the route's kernels summed, and the forward's span on the
+GPU (from the end of a marker kernel the call queues behind to its last kernel's end)
+with the time between its kernels. Calls are taken one at a time (barrier, call, sync),
+so each rank's exchange kernel also holds its wait for the slower rank: the rank with the
+shorter exchange shows the route's own cost.
 
     torchrun --nproc-per-node 2 bench/trace_forward.py
     torchrun --nproc-per-node 2 bench/trace_forward.py --preset qwen2-57b-a14b --tokens 1024 8192
@@ -102,14 +102,13 @@ def kernel_medians(block, x, ids, w, calls, graph):
     for c in calls_seen:
         seen = {}
         for ts, dur, name in c[1:]:
+            n = seen[name] = seen.get(name, 0) + 1
             if name == "grouped_gemm_kernel":
-                name = f"gemm#{seen.setdefault('gemm', 0) + 1}"
-                seen["gemm"] += 1
+                label = f"gemm#{n}"
             else:
-                seen[name] = seen.get(name, 0) + 1
-                name = name if seen[name] == 1 else f"{name}#{seen[name]}"
-            per_label.setdefault(name, []).append(dur)
-            starts.setdefault(name, []).append(ts - c[0][0])
+                label = name if n == 1 else f"{name}#{n}"
+            per_label.setdefault(label, []).append(dur)
+            starts.setdefault(label, []).append(ts - c[0][0])
     order = sorted(per_label, key=lambda k: statistics.median(starts[k]))
     med = {k: statistics.median(per_label[k]) for k in order}
     starts = {k: statistics.median(starts[k]) for k in order}
@@ -128,7 +127,7 @@ def main():
     p.add_argument("--skew", type=float, default=8.0, help="skewed: the first expert's weight over the last's")
     p.add_argument("--fp8", action="store_true", help="the block-scaled FP8 layer (x quantized by the layer)")
     p.add_argument("--starts", action="store_true",
-                   help="also each kernel's start, us after the call's first kernel on that rank (kernel@start)")
+                   help="also each kernel's start, us after the call's marker on that rank (kernel@start)")
     a = p.parse_args()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -164,7 +163,8 @@ def main():
     gathered = [None] * world
     dist.all_gather_object(gathered, lines)
     if rank == 0:
-        print(f"{'FP8' if a.fp8 else 'bf16'} layer, median us per kernel over {a.calls} calls{' (CUDA graph replays)' if a.graph else ''}, "
+        print(f"{'FP8' if a.fp8 else 'bf16'} layer, median us per kernel over {a.calls} calls"
+              f"{' (CUDA graph replays)' if a.graph else ''}, "
               f"{a.routing} routing{f' (skew {a.skew:g})' if a.routing == 'skewed' else ''}, {world} x "
               f"{torch.cuda.get_device_name()}, comet {comet_moe.version()}")
         for i in range(len(lines)):
