@@ -1383,7 +1383,8 @@ static int e4m3_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
             for (int j = 0; j < NC; j++) {
                 double c = 0, cs = 0;
                 for (int q = 0; q < KC; q++) {
-                    const double x = (double)cometi_e4m3_decode(a8[(size_t)r * KC + q]) * sa[(size_t)(q / 128) * ld + r];
+                    const double x =
+                        (double)cometi_e4m3_decode(a8[(size_t)r * KC + q]) * sa[(size_t)(q / 128) * ld + r];
                     const double w = (double)cometi_e4m3_decode(b8[((size_t)g * NC + j) * KC + q]) *
                                      sb[((size_t)g * 2 + j / 128) * KBS + q / 128];
                     c += x * w, cs += fabs(x * w);

@@ -283,12 +283,12 @@ COMETI_GEMM_FN int cometi_gemm_col_scale_pos(cometi_gemm_variant_t v, int c)
     return (c % 8) / 2 * cometi_gemm_col_scale_run(v) + c / 8 * 2 + c % 2;
 }
 /* E4M3: a stage's scales beside its boxes, in their own slot (kernel.cuh): room for the A
- * tile's 128 rows' scales of the stage's k block (ping-pong fills 64), then B's: with groups along M a block per
- * 128 rows of B (gate and up, or the two 128-row blocks of a 256-wide tile), padded to 16
- * bytes; along K one per row of B (the weight gradients: both operands scaled 1 x 128
- * along the tokens), in four runs (cometi_gemm_col_scale_pos). Loaded by a warp of the
- * producer, so the consumers read them from shared memory, not at L2's latency in their
- * mainloop. */
+ * tile's 128 rows' scales of the stage's k block (ping-pong fills 64), then B's: with
+ * groups along M a block per 128 rows of B (gate and up, or the two 128-row blocks of a
+ * 256-wide tile), padded to 16 bytes; along K one per row of B (the weight gradients:
+ * both operands scaled 1 x 128 along the tokens), in four runs
+ * (cometi_gemm_col_scale_pos). Loaded by a warp of the producer, so the consumers read
+ * them from shared memory, not at L2's latency in their mainloop. */
 COMETI_GEMM_FN int cometi_gemm_scale_slot_floats(cometi_gemm_variant_t v)
 {
     return v.a_type != COMETI_GEMM_E4M3             ? 0
