@@ -8,7 +8,9 @@
  * layer can run on the very operands the FP8 layer sees (x quantized again by the FP8
  * layer gives its own bits back). Checked per shape (gate and up in one tensor with ffn
  * 256, apart with ffn 192: a half-full last SwiGLU tile and scale block; hidden 320: a
- * partial last k block):
+ * partial last k block; the second shape with every token's first choice on expert 0, so
+ * that a rank's own rows of it fill two 128-row blocks, which the first wave copies and
+ * computes beside the route):
  *   - y against float64 on those operands with the activation quantized as the layer does,
  *     element by element: |dy| <= sum over the token's choices of w times sum_f |W2| (2^-3
  *     |a_f| + 2^-9 s_f + e_a) (the GPU's activation may round to the neighbouring E4M3 step
@@ -110,7 +112,8 @@ static int fp8_shape(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t s
     uint16_t *xh = malloc((size_t)M * H * 2);
     int32_t *ids = malloc(sizeof(int32_t) * M * TOP_K);
     fill_bf16(xf, xh, (size_t)M * H, 1.0, &rng);
-    cometi_make_routing(COMETI_ROUTING_RANDOM, 1, M, TOP_K, E, seed, me, ids, wts);
+    if (apart) cometi_make_routing(COMETI_ROUTING_ONE_EXPERT, 0, M, TOP_K, E, seed, me, ids, wts);
+    else cometi_make_routing(COMETI_ROUTING_RANDOM, 1, M, TOP_K, E, seed, me, ids, wts);
     void *dx, *dxq, *dy;
     float *dxs, *dw;
     int32_t *did;

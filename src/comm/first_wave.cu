@@ -1,7 +1,8 @@
 /*
  * first_wave.cu - the first wave's rows (tp 1): while the route's exchange waits for the
- * peers' counts, this rank's own rows of its first expert are copied into its receive
- * buffer in whole 128-row blocks, so a GEMM on a side stream can start on them
+ * peers' counts, this rank's own rows of its first expert (bf16, or E4M3 with their
+ * scales: the rows as the dispatch sends them) are copied into its receive buffer in
+ * whole 128-row blocks, so a GEMM on a side stream can start on them
  * (patterns/dispatch_gemm.c runs it; route.c's cometi_first_rows launches this).
  */
 #include <stdint.h>
@@ -54,15 +55,15 @@ first_rows_kernel(const int32_t *ids, int n, int k, int e0, const int32_t *chunk
 
 extern "C" cudaError_t cometi_launch_first_rows(const int32_t *ids, int n, int k, int e0, const int32_t *chunk_pos,
                                                const int32_t *chunk_counts, int chunks, int wave_blocks, const void *x,
-                                               int hidden, void *recv, unsigned long long *arrive,
+                                               int row_bytes, void *recv, unsigned long long *arrive,
                                                cometi_segment_t *seg, int max_blocks, cudaStream_t stream)
 {
-    if (chunks > COMETI_FIRST_ROWS_MAX_CHUNKS || hidden % 8) return cudaErrorInvalidValue;
+    if (chunks > COMETI_FIRST_ROWS_MAX_CHUNKS || row_bytes % 16) return cudaErrorInvalidValue;
     /* A thread per id (a warp copies its lanes' rows), the blocks capped. */
     int blocks = n > 0 ? (n + FIRST_ROWS_THREADS - 1) / FIRST_ROWS_THREADS : 1;
     if (blocks > max_blocks) blocks = max_blocks;
     first_rows_kernel<<<blocks, FIRST_ROWS_THREADS, 0, stream>>>(ids, n, k, e0, chunk_pos, chunk_counts, chunks,
-                                                                 wave_blocks, (const uint4 *)x, hidden / 8,
+                                                                 wave_blocks, (const uint4 *)x, row_bytes / 16,
                                                                  (uint4 *)recv, arrive, seg);
     return cudaGetLastError();
 }

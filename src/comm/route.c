@@ -136,24 +136,24 @@ comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, co
 
 
 int cometi_first_rows_allowed(const cometi_route_dev_t *r, int wave_blocks, int m, int k, const void *x,
-                                         int hidden)
+                              int row_bytes)
 {
     return r->tp == 1 && wave_blocks >= 1 && cometi_route_chunks(m * k) <= COMETI_FIRST_ROWS_MAX_CHUNKS &&
-           hidden % 8 == 0 && (uintptr_t)x % 16 == 0;
+           row_bytes % 16 == 0 && (uintptr_t)x % 16 == 0;
 }
 
 comet_status_t cometi_first_rows(comet_comm_t comm, const cometi_route_dev_t *r, const int32_t *topk_ids,
-                                            int m, int k, const void *x, int hidden, void *recv,
-                                            unsigned long long *arrive, cometi_segment_t *seg, cudaStream_t stream)
+                                 int m, int k, const void *x, int row_bytes, void *recv,
+                                 unsigned long long *arrive, cometi_segment_t *seg, cudaStream_t stream)
 {
     const int n = m * k, chunks = cometi_route_chunks(n);
-    if (!cometi_first_rows_allowed(r, r->plan.wave_blocks, m, k, x, hidden))
+    if (!cometi_first_rows_allowed(r, r->plan.wave_blocks, m, k, x, row_bytes))
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "first rows: tp %d (must be 1), %d wave blocks (>= 1), "
-                           "%d route chunks (<= %d), hidden %d (a multiple of 8), x %p (16-byte aligned)", r->tp,
-                           r->plan.wave_blocks, chunks, COMETI_FIRST_ROWS_MAX_CHUNKS, hidden, x);
+                           "%d route chunks (<= %d), rows of %d bytes (a multiple of 16), x %p (16-byte aligned)",
+                           r->tp, r->plan.wave_blocks, chunks, COMETI_FIRST_ROWS_MAX_CHUNKS, row_bytes, x);
     return cometi_cuda(comm->err,
                        cometi_launch_first_rows(topk_ids, n, k, comm->rank * (r->num_experts / r->world), r->chunk_pos,
-                                                r->chunk_counts, chunks, r->plan.wave_blocks, x, hidden, recv, arrive,
-                                                seg, comm->sm_count, stream),
+                                                r->chunk_counts, chunks, r->plan.wave_blocks, x, row_bytes, recv,
+                                                arrive, seg, comm->sm_count, stream),
                        "launch first_rows_kernel");
 }

@@ -58,16 +58,18 @@ comet_status_t cometi_route_dev_run(comet_comm_t comm, cometi_route_dev_t *r, co
 
 /* The first-wave kernel's rows (tp 1), on the caller's stream once the chunk ranks of
  * this call are done (ranks_done): this rank's own rows of its group's first expert e0,
- * the first min(own / 128, r->plan.wave_blocks) x 128 of them, from x into row 0.. of its
+ * the first min(own / 128, r->plan.wave_blocks) x 128 of them, from x (a token per
+ * row_bytes: bf16, or E4M3 and its scales as the dispatch sends them) into row 0.. of its
  * own receive buffer (segment 0 starts at 0 and its own rows lead it whatever the peers
  * send), their 128-row blocks' arrivals counted, and *seg = {0, those rows} for the
  * first-wave GEMM. */
 /* Whether cometi_first_rows takes these arguments once the route has run with
  * wave_blocks: checked before the route, so that nothing fails after the side stream has
  * forked. */
-int cometi_first_rows_allowed(const cometi_route_dev_t *r, int wave_blocks, int m, int k, const void *x, int hidden);
+int cometi_first_rows_allowed(const cometi_route_dev_t *r, int wave_blocks, int m, int k, const void *x,
+                              int row_bytes);
 comet_status_t cometi_first_rows(comet_comm_t comm, const cometi_route_dev_t *r, const int32_t *topk_ids, int m,
-                                 int k, const void *x, int hidden, void *recv, unsigned long long *arrive,
+                                 int k, const void *x, int row_bytes, void *recv, unsigned long long *arrive,
                                  cometi_segment_t *seg, cudaStream_t stream);
 
 #ifdef __cplusplus

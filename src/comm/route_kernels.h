@@ -108,12 +108,12 @@ cudaError_t cometi_route_launch_place_rows(const int32_t *ids, const float *weig
 
 /* The first wave's rows (first_wave.cu; route.c's cometi_first_rows says what it copies):
  * ids [n], e0 this rank's first expert, the chunks' ranks and counts of this call, at
- * most COMETI_FIRST_ROWS_MAX_CHUNKS chunks; hidden a multiple of 8; at most max_blocks
- * blocks. */
+ * most COMETI_FIRST_ROWS_MAX_CHUNKS chunks; rows of row_bytes, a multiple of 16; at most
+ * max_blocks blocks. */
 #define COMETI_FIRST_ROWS_MAX_CHUNKS 256
 cudaError_t cometi_launch_first_rows(const int32_t *ids, int n, int k, int e0, const int32_t *chunk_pos,
                                      const int32_t *chunk_counts, int chunks, int wave_blocks, const void *x,
-                                     int hidden, void *recv, unsigned long long *arrive, cometi_segment_t *seg,
+                                     int row_bytes, void *recv, unsigned long long *arrive, cometi_segment_t *seg,
                                      int max_blocks, cudaStream_t stream);
 
 #ifdef __cplusplus

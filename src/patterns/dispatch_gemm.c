@@ -192,16 +192,18 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
         return cometi_fail(comm->err, COMET_INVALID_ARGUMENT, "first wave = %d row blocks: must be -1 (none), 0 "
                            "(automatic) or more", knobs->first_wave);
     /* The first wave (tp 1, tune.h): row blocks of the first expert on the side stream,
-     * beside the exchange; the fused GEMM sees the segments without them.
+     * beside the exchange; the fused GEMM sees the segments without them. It copies the
+     * rows the dispatch sends (in FP8, x_q: quantized before the route).
      * cometi_first_rows_allowed says where it cannot run (more route chunks than its table
      * holds, rows not 16-byte vectors): then none. It runs in the forward alone, whose
      * SwiGLU tiles have 128 output columns. */
     const int col_tiles = (l->ffn + 127) / 128, gemm_blocks = comm->sm_count - dispatch_blocks;
     int wave = cometi_first_wave_blocks(knobs->first_wave, (int)cometi_param_int(COMETI_PARAM_FIRST_WAVE), l->tp,
                                         comm->sm_count, dispatch_blocks, col_tiles);
-    if (backward || l->fp8 ||
-        (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, a->x, l->hidden)))
-        wave = 0; /* nothing may fail once the side stream has forked; its copy reads a bf16 row per token */
+    const void *rows = l->fp8 ? l->x_q : a->x;
+    if (backward ||
+        (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, rows, l->row_bytes)))
+        wave = 0; /* nothing may fail once the side stream has forked */
     cometi_gemm_t g = *core;
     g.problem.segs = l->route.plan.fused_segs;
     g.problem.local_rows = l->route.plan.fused_local_rows;
@@ -213,7 +215,7 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
     role.arrive = (const unsigned long long *)l->arrive.local;
     role.expected = l->route.plan.expected;
     cometi_dispatch_t *d = &role.rows;
-    d->x = l->fp8 ? l->x_q : a->x;
+    d->x = rows;
     d->src_of = l->route.plan.src_of;
     d->plan = cometi_route_tables(&l->route.plan);
     d->num_experts = l->num_experts;
@@ -260,7 +262,7 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
      * route could overwrite what the side stream still reads). */
     comet_status_t st = cometi_cuda(comm->err, cudaStreamWaitEvent(l->side, l->ranks_done, 0), "fork the first wave");
     if (st == COMET_SUCCESS)
-        st = cometi_first_rows(comm, &l->route, a->topk_ids, a->num_tokens, l->top_k, a->x, l->hidden, l->recv.local,
+        st = cometi_first_rows(comm, &l->route, a->topk_ids, a->num_tokens, l->top_k, rows, l->row_bytes, l->recv.local,
                                (unsigned long long *)l->arrive.local, l->wave_seg, l->side);
     if (st == COMET_SUCCESS) st = cometi_gemm_launch(comm->err, &wave_prepared, l->side);
     const comet_status_t recorded = cometi_cuda(comm->err, cudaEventRecord(l->wave_done, l->side),
