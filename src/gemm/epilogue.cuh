@@ -82,11 +82,18 @@ static __device__ __forceinline__ push_rows_t load_push_rows(const cometi_gemm_a
  * [BN/8][256 threads] float4, so each store and load instruction is coalesced. A part
  * other than the last stores its partials, counts itself and returns true (no epilogue).
  * The last waits for the others' counts and adds their partials into acc, in part order
- * (the same bits every run). Both consumer warpgroups call it (cooperative schedule). */
-template <int BN>
+ * (the same bits every run). Both consumer warpgroups call it (cooperative schedule).
+ * SWAP (E4M3 rows): each float4 holds its four sums as pairs swapped, (1, 0, 3, 2), on
+ * both sides. A 16-byte store's source is four consecutive registers, so storing acc in
+ * order made ptxas put sum j in the register bank of the MMA's fresh sum j, and every
+ * promotion FFMA (acc[j] += part[j] x scale) read two or three operands from one bank:
+ * 49-64 of each row's 128 with all three. Swapped, the sums sit in the other bank (none
+ * left; cuobjdump -sass), as on the ping-pong rows, which have no cut. */
+template <int BN, bool SWAP>
 static __device__ __forceinline__ bool exchange_cut_partials(float *acc, const cometi_gemm_args_t &p,
                                                              const cometi_tail_plan_t *tail, int t, int k_blocks)
 {
+    constexpr int S = SWAP ? 1 : 0; /* sum 4 i + (j ^ S) is the float4's component j */
     /* Decoded again from t: fewer registers live across the mainloop. */
     const unit_t cut = decode_unit(t, tail, k_blocks);
     const int x = cut.tile - tail->first, tid = threadIdx.x - 128;
@@ -96,7 +103,8 @@ static __device__ __forceinline__ bool exchange_cut_partials(float *acc, const c
         float4 *mine = parts + (size_t)cut.part * (BN * 32);
 #pragma unroll
         for (int i = 0; i < BN / 8; i++)
-            __stcg(&mine[i * 256 + tid], make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]));
+            __stcg(&mine[i * 256 + tid],
+                   make_float4(acc[4 * i + S], acc[4 * i + (1 ^ S)], acc[4 * i + (2 ^ S)], acc[4 * i + (3 ^ S)]));
         __threadfence();
         consumers_sync(); /* every thread's partials, then one count */
         if (threadIdx.x == 128) cometi_red_release_gpu_add(count, 1ull);
@@ -113,7 +121,8 @@ static __device__ __forceinline__ bool exchange_cut_partials(float *acc, const c
 #pragma unroll
         for (int i = 0; i < BN / 8; i++) {
             const float4 v = __ldcg(&theirs[i * 256 + tid]);
-            acc[4 * i] += v.x, acc[4 * i + 1] += v.y, acc[4 * i + 2] += v.z, acc[4 * i + 3] += v.w;
+            acc[4 * i + S] += v.x, acc[4 * i + (1 ^ S)] += v.y;
+            acc[4 * i + (2 ^ S)] += v.z, acc[4 * i + (3 ^ S)] += v.w;
         }
     }
     return false;

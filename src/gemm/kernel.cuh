@@ -300,7 +300,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
             consume_unit_e4m3<V>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1, &pos, &sm.turn[half ^ 1]);
         else
             consume_unit<V>(acc, p, sm, PINGPONG ? 0 : half * 64 * 128, un.kb0, kb1, &pos, &sm.turn[half ^ 1]);
-        if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN>(acc, p, tail, t, k_blocks)) continue;
+        if (!PINGPONG && t >= tail->first && exchange_cut_partials<BN, E4M3>(acc, p, tail, t, k_blocks)) continue;
         if constexpr (cometi_gemm_quantizes(T.epilogue))
             store_tile_e4m3<V>(acc, p, &map_c, &map_gu, sm.c, tl, seg, part, half);
         else
