@@ -229,6 +229,22 @@ static cometi_gemm_t describe(const cometi_gemm_variant_t *v, problem_t *p)
     return g;
 }
 
+/* Prepares g and launches it on the default stream, checking first that it resolves to row
+ * vi (vi < 0: any row); 1 with the error printed under `what`. */
+static int prepare_and_launch(const cometi_gemm_t *g, int vi, const char *what)
+{
+    char err[COMETI_ERR_LEN];
+    cometi_gemm_prepared_t prepared;
+    comet_status_t st = cometi_gemm_prepare(err, g, &prepared);
+    if (st != COMET_SUCCESS) printf("%s: %s\n", what, err);
+    CHECK_EQ(st, COMET_SUCCESS);
+    if (vi >= 0) CHECK_EQ(((const cometi_gemm_plan_t *)prepared.bytes)->variant, vi); /* this row's kernel runs */
+    st = cometi_gemm_launch(err, &prepared, 0);
+    if (st != COMET_SUCCESS) printf("%s: %s\n", what, err);
+    CHECK_EQ(st, COMET_SUCCESS);
+    return 0;
+}
+
 /* Stand-ins for the checks on the CPU: aligned addresses that are never read. */
 static void stand_in_problem(const cometi_gemm_variant_t *v, problem_t *p)
 {
@@ -745,15 +761,7 @@ static int run_row(shared_t *s, int vi, uint64_t *rng)
         p.sched = dynamic ? s->sched : NULL;
         cometi_gemm_t g = describe(v, &p);
         g.launch.sms = dynamic ? 0 : 5;
-        char err[COMETI_ERR_LEN];
-        cometi_gemm_prepared_t prepared;
-        comet_status_t st = cometi_gemm_prepare(err, &g, &prepared);
-        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
-        CHECK_EQ(st, COMET_SUCCESS);
-        CHECK_EQ(((const cometi_gemm_plan_t *)prepared.bytes)->variant, vi); /* this row's kernel runs */
-        st = cometi_gemm_launch(err, &prepared, 0);
-        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
-        CHECK_EQ(st, COMET_SUCCESS);
+        if (prepare_and_launch(&g, vi, v->name)) return 1;
         CUDA_OK(cudaDeviceSynchronize());
         if (s->err_host->status) printf("%s: the pipeline reported site %d\n", v->name, s->err_host->site);
         CHECK_EQ(s->err_host->status, 0);
@@ -1029,15 +1037,7 @@ static int run_row_e4m3(shared_t *s, int vi, int n, int up_apart, int pow2, int 
         p.sched = dynamic ? s->sched : NULL;
         cometi_gemm_t g = describe(v, &p);
         g.launch.sms = dynamic ? 0 : 5;
-        char err[COMETI_ERR_LEN];
-        cometi_gemm_prepared_t prepared;
-        comet_status_t st = cometi_gemm_prepare(err, &g, &prepared);
-        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
-        CHECK_EQ(st, COMET_SUCCESS);
-        CHECK_EQ(((const cometi_gemm_plan_t *)prepared.bytes)->variant, vi);
-        st = cometi_gemm_launch(err, &prepared, 0);
-        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
-        CHECK_EQ(st, COMET_SUCCESS);
+        if (prepare_and_launch(&g, vi, v->name)) return 1;
         CUDA_OK(cudaDeviceSynchronize());
         if (s->err_host->status) printf("%s: the pipeline reported site %d\n", v->name, s->err_host->site);
         CHECK_EQ(s->err_host->status, 0);
@@ -1325,12 +1325,9 @@ static int run_row_e4m3_blocks_apart(shared_t *s, int vi, uint64_t *rng)
         g.a.kb_stride = apart ? STRIDE : 0;
         g.launch.sms = 5;
         CUDA_OK(cudaMemset(c, 0xff, c_bytes)); /* poison: NaN */
-        char err[COMETI_ERR_LEN];
-        cometi_gemm_prepared_t prepared;
-        comet_status_t st = cometi_gemm_prepare(err, &g, &prepared);
-        if (st == COMET_SUCCESS) st = cometi_gemm_launch(err, &prepared, 0);
-        if (st != COMET_SUCCESS) printf("%s, k blocks apart %d: %s\n", v->name, apart, err);
-        CHECK_EQ(st, COMET_SUCCESS);
+        char what[96];
+        snprintf(what, sizeof(what), "%.60s, k blocks apart %d", v->name, apart);
+        if (prepare_and_launch(&g, -1, what)) return 1;
         CUDA_OK(cudaDeviceSynchronize());
         CHECK_EQ(s->err_host->status, 0);
         CUDA_OK(cudaMemcpy(out[apart], c, c_bytes, cudaMemcpyDeviceToHost));
@@ -1429,13 +1426,7 @@ static int e4m3_cut_rank(const cometi_rank_ctx_t *ctx, void *arg)
     for (int run = 0; run < 2; run++) {
         CUDA_OK(cudaMemset(c, 0xff, nc * 2));
         CUDA_OK(cudaMemset(trace, 0, (size_t)sms * COMETI_TILE_TRACE_WORDS * 8));
-        char err[COMETI_ERR_LEN];
-        cometi_gemm_prepared_t prepared;
-        comet_status_t st = cometi_gemm_prepare(err, &g, &prepared);
-        if (st != COMET_SUCCESS) printf("%s: %s\n", v->name, err);
-        CHECK_EQ(st, COMET_SUCCESS);
-        CHECK_EQ(((const cometi_gemm_plan_t *)prepared.bytes)->variant, vi);
-        CHECK_EQ(cometi_gemm_launch(err, &prepared, 0), COMET_SUCCESS);
+        if (prepare_and_launch(&g, vi, v->name)) return 1;
         CUDA_OK(cudaDeviceSynchronize());
         CHECK_EQ(err_host->status, 0);
         CUDA_OK(cudaMemcpy(run ? again : got, c, nc * 2, cudaMemcpyDeviceToHost));
