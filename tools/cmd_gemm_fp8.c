@@ -8,11 +8,11 @@
  *   comet's bf16 GEMM on the operands before quantization.
  * GEMM0 is x W13^T with the quantizing SwiGLU (E4M3 activation and its 1 x 128 scales out),
  * GEMM1 act W2^T (bf16 out), ours in both formats on the schedule the layer takes for those
- * rows (ping-pong at small batches, cometi_model_pingpong). Operands are hash-filled bf16, quantized once by comet's
- * quantizers (not timed). Checks, on poisoned outputs before timing: ours against
- * cuBLASLt on the same FP8 operands (GEMM1: ||ours - cuBLASLt|| / ||cuBLASLt||; GEMM0: the
- * dequantized activations), and against the bf16 GEMM with DeepGEMM's measure
- * 1 - 2 sum(xy) / sum(x^2 + y^2) (what FP8 costs in accuracy).
+ * rows (ping-pong at small batches, cometi_model_pingpong). Operands are hash-filled bf16,
+ * quantized once by comet's quantizers (not timed). Checks, on poisoned outputs before
+ * timing: ours against cuBLASLt on the same FP8 operands (GEMM1: ||ours - cuBLASLt|| /
+ * ||cuBLASLt||; GEMM0: the dequantized activations), and against the bf16 GEMM with
+ * DeepGEMM's measure 1 - 2 sum(xy) / sum(x^2 + y^2) (what FP8 costs in accuracy).
  * Then the backward's weight gradients (dW2 = dy^T a, dW13 = dh^T x, groups along K): our
  * FP8 GEMM on operands cast-transposed in 128 x 1 blocks along the tokens, beside our bf16
  * one, alone and with the two cast-transposes it needs (timed too), and beside cuBLASLt's
