@@ -14,6 +14,9 @@
 #           rounds, then the new binary once with the float64 check
 #   train   `comet bench --ranks 1 --preset all --train --no-check` in turns, ROUNDS rounds:
 #           comet's training step (forward_train, backward) beside the baseline's
+#   fp8     `comet bench --fp8 --preset all --no-check --routing ROUTING` (default balanced;
+#           random gives experts rows that are not whole tiles) in turns, ROUNDS rounds: the
+#           FP8 and bf16 layers at the bench's tokens and at 1, 16 and 128
 # The tables come from scripts/compare_summary.py.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -75,6 +78,16 @@ for step in "$@"; do
             done
         done
         python3 scripts/compare_summary.py train "$OUT" "$ROUNDS" ;;
+    fp8)
+        for r in $(seq "$ROUNDS"); do
+            for which in old new; do
+                dir=.; [ $which = old ] && dir=$old
+                timeout 200 "$dir/build/comet" bench --fp8 --preset all --no-check --routing "${ROUTING:-balanced}" \
+                    > "$OUT/fp8-$which-$r.log" 2>&1 ||
+                    { echo "comet bench --fp8 ($which) failed"; tail -5 "$OUT/fp8-$which-$r.log"; }
+            done
+        done
+        python3 scripts/compare_summary.py fp8 "$OUT" "$ROUNDS" ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
 done

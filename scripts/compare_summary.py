@@ -9,6 +9,8 @@ figure is the median over the rounds.
     bench  `comet bench --preset all`: the layer, and each fused half over its GEMM alone
     train  `comet bench --ranks 1 --preset all --train`: comet's training step, forward and
            backward, old and new, beside the baseline's step
+    fp8    `comet bench --fp8 --preset all`: the bf16 and FP8 layers, old and new, per preset
+           and token count
 """
 import json
 import re
@@ -20,6 +22,11 @@ SECTIONS = (("GEMM0 with SwiGLU", "swiglu"), ("The backward's dgrad", "dgrad"), 
 # A table row: a name, four sizes, then TFLOP/s columns (blank where one is not measured),
 # best/cuBLAS and the diff, maybe WRONG.
 ROW = re.compile(r"^(\S.*?)\s+\d+\s+\d+\s+\d+\s+\d+\s+([\d.\se+-]+?)(?: WRONG)?$")
+
+
+# A row of `comet bench --fp8`'s table: case, tokens, bf16 ms, FP8 ms, bf16/FP8, FP8
+# sequential ms, seq/FP8, the measure against bf16 (maybe flagged " !").
+FP8_ROW = re.compile(r"^(\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\S+( !)?$")
 
 
 def median_or_nan(values):
@@ -99,6 +106,30 @@ def train(out, rounds):
               f"{med('new', c, 'baseline-train', 'step_ms'):9.3f}")
 
 
+def fp8_table(path):
+    """(case, tokens) -> (bf16 ms, FP8 ms); empty when the log is missing."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return {}
+    return {(m[1], int(m[2])): (float(m[3]), float(m[4])) for m in map(FP8_ROW.match, lines) if m}
+
+
+def fp8(out, rounds):
+    runs = {w: [fp8_table(f"{out}/fp8-{w}-{r}.log") for r in range(1, rounds + 1)] for w in ("old", "new")}
+
+    def med(w, key, i):
+        return median_or_nan(run[key][i] if key in run else None for run in runs[w])
+
+    keys = sorted({k for run in runs["new"] for k in run}, key=lambda k: (k[0], -k[1]))
+    print(f"{'preset':16s} {'tokens':>6s} {'old bf16':>9s} {'new bf16':>9s} {'new/old':>8s} {'old fp8':>9s} "
+          f"{'new fp8':>9s} {'new/old':>8s} {'old bf16/fp8':>12s} {'new bf16/fp8':>12s}")
+    for k in keys:
+        ob, nb, of, nf = med("old", k, 0), med("new", k, 0), med("old", k, 1), med("new", k, 1)
+        print(f"{k[0]:16s} {k[1]:6d} {ob:9.3f} {nb:9.3f} {nb / ob:8.3f} {of:9.3f} {nf:9.3f} {nf / of:8.3f} "
+              f"{ob / of:12.2f} {nb / nf:12.2f}")
+
+
 if __name__ == "__main__":
     step, out, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"gemm": gemm, "bench": bench, "train": train}[step](out, rounds)
+    {"gemm": gemm, "bench": bench, "train": train, "fp8": fp8}[step](out, rounds)
