@@ -25,6 +25,7 @@ shift
 OUT=${OUT:-out}
 ROUNDS=${ROUNDS:-2}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd) # the old tree is built from its own folder, its log still here
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 torch_nccl=$(python3 -c "import torch, nvidia.nccl; print(list(nvidia.nccl.__path__)[0])" 2>/dev/null)
 [ -n "$torch_nccl" ] && [ -z "${NCCL_HOME:-}" ] && export NCCL_HOME=$torch_nccl
