@@ -181,8 +181,10 @@ static int route_check(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t
             CUDA_OK(cudaMemset(d_wave_recv, 0xff, sizeof(*wave_got) * WAVE_ROWS)); /* poison */
             CUDA_OK(cudaMemset(d_wave_arrive, 0, sizeof(wave_arrive)));
             CUDA_OK(cudaMemset(d_wave_seg, 0xff, sizeof(wave_seg)));
-            CHECK(cometi_first_rows_allowed(&r, wave, m[me], k, d_x, 8));
-            COMET_OK(cometi_first_rows(comm, &r, d_ids, m[me], k, d_x, 8, d_wave_recv, d_wave_arrive, d_wave_seg, 0),
+            const int row_bytes = (int)sizeof(*x_rows); /* the rows the dispatch would send */
+            CHECK(cometi_first_rows_allowed(&r, wave, m[me], k, d_x, row_bytes));
+            COMET_OK(cometi_first_rows(comm, &r, d_ids, m[me], k, d_x, row_bytes, d_wave_recv, d_wave_arrive,
+                                       d_wave_seg, 0),
                      comm);
             CUDA_OK(cudaMemcpy(wave_got, d_wave_recv, sizeof(*wave_got) * WAVE_ROWS, cudaMemcpyDeviceToHost));
             CUDA_OK(cudaMemcpy(wave_arrive, d_wave_arrive, sizeof(wave_arrive), cudaMemcpyDeviceToHost));
