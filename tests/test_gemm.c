@@ -1,7 +1,7 @@
 /*
  * test_gemm.c - the grouped GEMM's run-time choices (every row of its table runs in
  * test_gemm_variants.c): the tile width and the last wave's cut planned on the CPU (known
- * answers and random inputs), then on a GPU (skipping without one) the GEMM against
+ * answers and random inputs) and which row tiles go first, then on a GPU (skipping without one) the GEMM against
  * float64 over n, grids, tile orders, schedules and the shared tile counter, the last
  * wave cut along k, and the SwiGLU epilogues' inputs (gate and up in one tensor or two, a
  * half-full last tile, gate and up kept through TMA or from registers), row scales and
@@ -34,6 +34,41 @@ int test_gemm_tile_width(void)
     for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
         if (cometi_gemm_tile_n(want[i][0]) != want[i][1]) printf("n = %d\n", want[i][0]);
         CHECK_EQ(cometi_gemm_tile_n(want[i][0]), want[i][1]);
+    }
+    return 0;
+}
+
+/* The row tiles a group puts first: the whole tiles of its local rows, and all of them,
+ * a partial last one too, when every row is local (world 1). */
+int test_gemm_local_row_tiles(void)
+{
+    const int want[][5] = {
+        /* rows, local, mt, tm: first-phase tiles */
+        {1024, 1024, 8, 128, 8}, /* whole tiles, all local */
+        {1000, 1000, 8, 128, 8}, /* all local: the partial last tile too */
+        {1000, 600, 8, 128, 4},  /* remote rows after 600 local: 4 whole tiles */
+        {1000, 0, 8, 128, 0},    /* nothing local */
+        {100, 100, 1, 128, 1},   /* one partial tile, local */
+        {100, 99, 1, 128, 0},    /* one partial tile with a remote row */
+        {0, 0, 0, 128, 0},       /* an empty group */
+        {1000, 1000, 4, 256, 4}, /* E4M3's 256-row tiles */
+        {300, 300, 2, 256, 2},
+    };
+    for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
+        const int *w = want[i];
+        if (cometi_gemm_local_row_tiles(w[0], w[1], w[2], w[3]) != w[4]) printf("case %zu\n", i);
+        CHECK_EQ(cometi_gemm_local_row_tiles(w[0], w[1], w[2], w[3]), w[4]);
+    }
+    /* On random groups: never more tiles than the group has, only tiles made of local rows
+     * unless every row is local, and every tile then. */
+    uint64_t rng = test_seed();
+    for (int it = 0; it < 100000; it++) {
+        const int tm = cometi_rand_next(&rng) % 2 ? 128 : 256, rows = (int)(cometi_rand_next(&rng) % 5000),
+                  local = rows ? (int)(cometi_rand_next(&rng) % (rows + 1)) : 0, mt = (rows + tm - 1) / tm;
+        const int got = cometi_gemm_local_row_tiles(rows, local, mt, tm);
+        CHECK(got >= 0 && got <= mt);
+        if (local == rows) CHECK_EQ(got, mt);
+        else CHECK_EQ(got, local / tm);
     }
     return 0;
 }

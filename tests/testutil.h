@@ -80,6 +80,7 @@ uint64_t test_seed(void);
     X(tuning_file_limits, 10)                   \
     X(timeline_accounting, 10)                  \
     X(gemm_tail_plan, 10)                       \
+    X(gemm_local_row_tiles, 10)                 \
     X(gemm_tile_width, 10)                      \
     X(gemm_variant_table, 10)                   \
     X(gemm_descriptions_resolve, 10)            \

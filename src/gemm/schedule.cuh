@@ -14,9 +14,8 @@ typedef struct tile {
 } tile_t;
 
 /* Tiles come in two phases (COMET's rescheduling): phase 0 holds the row tiles made only
- * of local rows (the head of each group, its partial last row tile too when every row of
- * the group is local), phase 1 the rest. Entry i = phase * groups + g;
- * first_tile[i] is its first tile, first_tile[2 * groups] the total. Entry i has
+ * of local rows (cometi_gemm_local_row_tiles), phase 1 the rest. Entry i = phase * groups
+ * + g; first_tile[i] is its first tile, first_tile[2 * groups] the total. Entry i has
  * (first_tile[i + 1] - first_tile[i]) / n_tiles row tiles; phase 1's start after phase 0's. */
 static __device__ __forceinline__ tile_t decode_tile(int t, const int *first_tile, int groups, int n_tiles,
                                                      int group_m)
@@ -96,10 +95,7 @@ static __device__ __forceinline__ int build_tile_table(int *first_tile, const co
     for (int g = threadIdx.x; g < groups; g += blockDim.x) {
         /* Row tiles: the group's rows, or (a weight gradient's output) the same for all. */
         const int mt = fixed_mt ? fixed_mt : (segs[g].rows + tm - 1) / tm;
-        /* A partial last row tile of local rows alone stays with its group: in phase 1 it
-         * would read the group's weights again after every other group's (at world 1, with
-         * rows per expert not a multiple of tm, a second pass over all the weights). */
-        const int local = !local_rows ? 0 : local_rows[g] >= segs[g].rows ? mt : min(mt, local_rows[g] / tm);
+        const int local = local_rows ? cometi_gemm_local_row_tiles(segs[g].rows, local_rows[g], mt, tm) : 0;
         first_tile[g + 1] = local * split_tiles;
         first_tile[groups + g + 1] = (mt - local) * split_tiles;
     }

@@ -1,7 +1,7 @@
 /*
  * schedule.h - the part of the GEMM's tile schedule that is plain arithmetic on
- * counts, shared by the kernel (schedule.cuh) and the CPU tests: how a last wave
- * that would leave SMs idle is cut along k.
+ * counts, shared by the kernel (schedule.cuh) and the CPU tests: which row tiles of a
+ * group go first, and how a last wave that would leave SMs idle is cut along k.
  */
 #ifndef COMET_GEMM_SCHEDULE_H
 #define COMET_GEMM_SCHEDULE_H
@@ -11,6 +11,18 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* A group's row tiles in the first phase (COMET's rescheduling: tiles made only of local
+ * rows first), of its mt tiles of tm rows: `rows` rows, the first `local` of them local.
+ * Those are the whole tiles of local rows, and every tile when all rows are local: a
+ * partial last tile of local rows alone, put in the second phase, would read the group's
+ * weights again after every other group's (at world 1, with rows per expert not a
+ * multiple of tm, a second pass over all the weights). */
+static inline COMETI_HD int cometi_gemm_local_row_tiles(int rows, int local, int mt, int tm)
+{
+    if (local >= rows) return mt;
+    return local / tm < mt ? local / tm : mt;
+}
 
 /* The last wave's cut (tail_ws): `total` tiles taken by `takers` blocks, k_blocks steps of
  * 64 each. The last wave's `rest` tiles may each become `parts` units (at most
