@@ -15,6 +15,7 @@
 #include "comm/plan.h"
 #include "gemm/gemm.h"
 #include "patterns/tune.h"
+#include "patterns/dispatch_gemm.h"
 #include "testutil.h"
 
 /* The model's times as tune.h defines them, recomputed here from that definition (not
@@ -484,17 +485,42 @@ int test_small_batch_schedule_rule(void)
  * none, under the 4 where a wave pays. */
 int test_first_wave_and_head_rules(void)
 {
-    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 20), 5);
-    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 11), 9);
-    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 50), 0);
-    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 112), 0);
-    CHECK_EQ(cometi_first_wave_blocks(2, 1, 1, 132, 8, 112), 2);   /* asked for: taken */
-    CHECK_EQ(cometi_first_wave_blocks(-1, 1, 1, 132, 8, 20), 0);   /* none */
-    CHECK_EQ(cometi_first_wave_blocks(0, 0, 1, 132, 8, 20), 0);    /* COMET_FIRST_WAVE=0 */
-    CHECK_EQ(cometi_first_wave_blocks(3, 0, 1, 132, 8, 20), 0);
-    CHECK_EQ(cometi_first_wave_blocks(0, 1, 2, 132, 8, 20), 0);    /* TP: none */
-    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 40, 8, 1), 0);      /* no SM left for it */
-    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 41, 8, 1), 9);
+    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 20, 16384), 5);
+    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 11, 16384), 9);
+    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 50, 16384), 0);
+    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 112, 16384), 0);
+    CHECK_EQ(cometi_first_wave_blocks(2, 1, 1, 132, 8, 112, 16384), 2);   /* asked for: taken */
+    CHECK_EQ(cometi_first_wave_blocks(-1, 1, 1, 132, 8, 20, 16384), 0);   /* none */
+    CHECK_EQ(cometi_first_wave_blocks(0, 0, 1, 132, 8, 20, 16384), 0);    /* COMET_FIRST_WAVE=0 */
+    CHECK_EQ(cometi_first_wave_blocks(3, 0, 1, 132, 8, 20, 16384), 0);
+    CHECK_EQ(cometi_first_wave_blocks(0, 1, 2, 132, 8, 20, 16384), 0);    /* TP: none */
+    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 40, 8, 1, 16384), 0);      /* no SM left for it */
+    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 41, 8, 1, 16384), 9);
+    /* Rows (tokens x top-k) that make no whole 128-row block: none, asked for or not. */
+    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 11, 127), 0);
+    CHECK_EQ(cometi_first_wave_blocks(2, 1, 1, 132, 8, 11, 64), 0);
+    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 11, 0), 0);
+    CHECK_EQ(cometi_first_wave_blocks(0, 1, 1, 132, 8, 11, 128), 9);
+    CHECK_EQ(cometi_first_wave_blocks(2, 1, 1, 132, 8, 11, 128), 2);
+    /* Its copy takes the rows the dispatch sends, in 16-byte vectors: bf16 rows, or E4M3
+     * rows with their scales after them; at tp 1, at most COMETI_FIRST_ROWS_MAX_CHUNKS
+     * route chunks, from a 16-byte aligned x. */
+    cometi_route_dev_t r;
+    memset(&r, 0, sizeof(r));
+    r.tp = 1;
+    static _Alignas(16) unsigned char x[32];
+    const int max_m = COMETI_FIRST_ROWS_MAX_CHUNKS * COMETI_ROUTE_CHUNK / 2; /* at top-k 2 */
+    CHECK(cometi_first_rows_allowed(&r, 1, 16, 2, x, 4096 * 2)); /* bf16, hidden 4096 */
+    CHECK(cometi_first_rows_allowed(&r, 1, 16, 2, x, cometi_fp8_row_bytes(4096)));
+    CHECK(cometi_first_rows_allowed(&r, 1, 16, 2, x, cometi_fp8_row_bytes(2880))); /* scales padded */
+    CHECK(!cometi_first_rows_allowed(&r, 1, 16, 2, x, 2880 + 23 * 4));            /* unpadded */
+    CHECK(!cometi_first_rows_allowed(&r, 1, 16, 2, x, 8));
+    CHECK(!cometi_first_rows_allowed(&r, 1, 16, 2, x + 8, 16));
+    CHECK(!cometi_first_rows_allowed(&r, 0, 16, 2, x, 16));
+    CHECK(cometi_first_rows_allowed(&r, 1, max_m, 2, x, 16));
+    CHECK(!cometi_first_rows_allowed(&r, 1, max_m + 1, 2, x, 16));
+    r.tp = 2;
+    CHECK(!cometi_first_rows_allowed(&r, 1, 16, 2, x, 16));
     /* The head: the rows of two waves of tiles, 2 x (group_m + ceil(blocks / column tiles)). */
     CHECK_EQ(cometi_head_pieces(1, 8, 124, 20), 2 * (8 + 7));
     CHECK_EQ(cometi_head_pieces(1, 8, 124, 112), 2 * (8 + 2));

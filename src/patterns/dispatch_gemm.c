@@ -199,11 +199,8 @@ comet_status_t cometi_dispatch_gemm_run_core(comet_comm_t comm, cometi_dispatch_
      * SwiGLU tiles have 128 output columns. */
     const int col_tiles = (l->ffn + 127) / 128, gemm_blocks = comm->sm_count - dispatch_blocks;
     int wave = cometi_first_wave_blocks(knobs->first_wave, (int)cometi_param_int(COMETI_PARAM_FIRST_WAVE), l->tp,
-                                        comm->sm_count, dispatch_blocks, col_tiles);
-    /* This rank's rows of its first expert number at most num_tokens x top_k: below one row
-     * block the wave takes none, and its fork (a side stream, two launches, a join that the
-     * next kernel waits on) would be all it adds, in the small batches of every format. */
-    if ((long long)a->num_tokens * l->top_k < COMETI_BLOCK_M) wave = 0;
+                                        comm->sm_count, dispatch_blocks, col_tiles,
+                                        (long long)a->num_tokens * l->top_k);
     const void *rows = l->fp8 ? l->x_q : a->x;
     if (backward ||
         (wave && !cometi_first_rows_allowed(&l->route, wave, a->num_tokens, l->top_k, rows, l->row_bytes)))

@@ -342,10 +342,13 @@ int cometi_model_pingpong(int num_tokens, int world, int top_k, int num_experts)
            (long long)num_tokens * world * top_k <= (long long)COMETI_MODEL_PINGPONG_ROWS * num_experts;
 }
 
-int cometi_first_wave_blocks(int requested, int enabled, int tp, int sm_count, int dispatch_blocks, int col_tiles)
+int cometi_first_wave_blocks(int requested, int enabled, int tp, int sm_count, int dispatch_blocks, int col_tiles,
+                             long long rows)
 {
+    /* Below one row block the wave takes none, and its fork (a side stream, two launches, a
+     * join that the next kernel waits on) costs the small batches of every format. */
     if (tp != 1 || requested < 0 || !enabled || sm_count <= COMETI_FIRST_WAVE_FREE_SMS + dispatch_blocks ||
-        col_tiles < 1)
+        col_tiles < 1 || rows < COMETI_BLOCK_M)
         return 0;
     if (requested > 0) return requested;
     /* Idle SMs at a call's start cost their whole length, but a wave of a block or two

@@ -156,8 +156,10 @@ int cometi_model_pingpong(int num_tokens, int world, int top_k, int num_experts)
  * its own while the route exchanges counts (0: none). `requested` is the knob (0
  * automatic, -1 none, n > 0 exactly n); `enabled` is $COMET_FIRST_WAVE. Automatic: what
  * (SMs - COMETI_FIRST_WAVE_FREE_SMS) take at once, on only from COMETI_FIRST_WAVE_MIN_BLOCKS
- * blocks. */
-int cometi_first_wave_blocks(int requested, int enabled, int tp, int sm_count, int dispatch_blocks, int col_tiles);
+ * blocks. None, asked for or not, where the call's rows (tokens x top-k, this rank's rows
+ * of its first expert at most) make no whole block: the fork would be all it adds. */
+int cometi_first_wave_blocks(int requested, int enabled, int tp, int sm_count, int dispatch_blocks, int col_tiles,
+                             long long rows);
 
 /* The head of a dispatch -> GEMM call at tp 1: the pieces of this rank's own rows that
  * every GEMM block copies a share of at the kernel's start (the rows the first two waves
