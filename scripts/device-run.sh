@@ -20,6 +20,9 @@
 #              -d wheels megatron-core==0.19.2`, and copy wheels/ there with the tree)
 #   bandwidth  NVLink push and pull
 #   tune       comet tune --preset all into $OUT/tuning.txt
+#   fp8        PERF.md's FP8 tables in one call: comet bench --fp8 (the layers), comet gemm --fp8
+#              around bench/torch_gemm.py --fp8 --ep 1 (so torch sits between two of ours), the
+#              FP8 training step of four presets, and the torch FP8 layer (bench/torch_peer.py)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-out}
@@ -73,6 +76,21 @@ for step in $steps; do
     bandwidth) timeout 120 build/comet bandwidth 2>&1 | tee "$OUT/bandwidth.log" | tail -8 ;;
     tune) timeout 300 build/comet tune --preset all --no-check --out "$OUT/tuning.txt" > "$OUT/tune.log" 2>&1
           cat "$OUT/tuning.txt" ;;
+    fp8) rows="^[a-z0-9.]+-[a-z0-9.-]+ " # a table row: it starts with a preset's name
+         timeout 200 build/comet bench --fp8 --preset all > "$OUT/fp8-bench.log" 2>&1
+         echo "comet bench --fp8 (exit $?):"; grep -E "$rows" "$OUT/fp8-bench.log" | cut -c1-110
+         CUDA_VISIBLE_DEVICES=0 timeout 200 build/comet gemm --fp8 > "$OUT/fp8-gemm.log" 2>&1
+         echo "comet gemm --fp8 (exit $?):"; grep -E "$rows" "$OUT/fp8-gemm.log" | cut -c1-140
+         CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/torch_gemm.py --fp8 --ep 1 > "$OUT/fp8-torch-gemm.log" 2>&1
+         echo "torch_gemm.py --fp8 (exit $?):"; tail -12 "$OUT/fp8-torch-gemm.log"
+         CUDA_VISIBLE_DEVICES=0 timeout 100 build/comet gemm --fp8 --gemms forward > "$OUT/fp8-gemm-again.log" 2>&1
+         echo "comet gemm --fp8 --gemms forward again (exit $?):"; grep -E "$rows" "$OUT/fp8-gemm-again.log" | cut -c1-140
+         timeout 200 build/comet bench --fp8 --train --preset mixtral-8x7b,phi-3.5-moe,qwen2-57b-a14b,qwen2-moe-2.7b \
+             --no-check --iters 10 > "$OUT/fp8-train.log" 2>&1
+         echo "comet bench --fp8 --train (exit $?):"; grep -E "$rows" "$OUT/fp8-train.log" | cut -c1-160
+         timeout 200 torchrun --nproc-per-node 1 bench/torch_peer.py --fp8 --preset all --tokens 8192 \
+             > "$OUT/fp8-torch-layer.log" 2>&1
+         echo "torch_peer.py --fp8 (exit $?):"; tail -8 "$OUT/fp8-torch-layer.log" ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
 done
