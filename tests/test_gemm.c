@@ -1,11 +1,11 @@
 /*
  * test_gemm.c - the grouped GEMM's run-time choices (every row of its table runs in
- * test_gemm_variants.c): the tile width and the last wave's cut planned on the CPU (known
- * answers and random inputs) and which row tiles go first, then on a GPU (skipping without one) the GEMM against
- * float64 over n, grids, tile orders, schedules and the shared tile counter, the last
- * wave cut along k, and the SwiGLU epilogues' inputs (gate and up in one tensor or two, a
- * half-full last tile, gate and up kept through TMA or from registers), row scales and
- * scatter.
+ * test_gemm_variants.c): the tile width, which row tiles go first and the last wave's cut,
+ * planned on the CPU (known answers and random inputs), then on a GPU (skipping without
+ * one) the GEMM against float64 over n, grids, tile orders, schedules and the shared tile
+ * counter, the last wave cut along k, and the SwiGLU epilogues' inputs (gate and up in one
+ * tensor or two, a half-full last tile, gate and up kept through TMA or from registers),
+ * row scales and scatter.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -55,9 +55,9 @@ int test_gemm_local_row_tiles(void)
         {300, 300, 2, 256, 2},
     };
     for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++) {
-        const int *w = want[i];
-        if (cometi_gemm_local_row_tiles(w[0], w[1], w[2], w[3]) != w[4]) printf("case %zu\n", i);
-        CHECK_EQ(cometi_gemm_local_row_tiles(w[0], w[1], w[2], w[3]), w[4]);
+        const int *w = want[i], got = cometi_gemm_local_row_tiles(w[0], w[1], w[2], w[3]);
+        if (got != w[4]) printf("case %zu\n", i);
+        CHECK_EQ(got, w[4]);
     }
     /* On random groups: never more tiles than the group has, only tiles made of local rows
      * unless every row is local, and every tile then. */
