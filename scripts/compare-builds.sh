@@ -17,6 +17,10 @@
 #   fp8     `comet bench --fp8 --preset all --no-check --routing ROUTING` (default balanced;
 #           random gives experts rows that are not whole tiles) in turns, ROUNDS rounds: the
 #           FP8 and bf16 layers at the bench's tokens and at 1, 16 and 128
+#   fp8train `comet bench --fp8 --train --no-check --iters 10` on PRESETS (default mixtral-8x7b,
+#           phi-3.5-moe, qwen2-57b-a14b, qwen2-moe-2.7b) in turns, ROUNDS rounds: the bf16 and FP8
+#           training steps, the FP8 forward and backward; and SwiGLU's FP8 backward kernels
+#           alone on mixtral's rows (gpu_swiglu_backward_fp8's timing), in turns
 # The tables come from scripts/compare_summary.py.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -89,6 +93,20 @@ for step in "$@"; do
             done
         done
         python3 scripts/compare_summary.py fp8 "$OUT" "$ROUNDS" ;;
+    fp8train)
+        for r in $(seq "$ROUNDS"); do
+            for which in old new; do
+                dir=.; [ $which = old ] && dir=$old
+                timeout 200 "$dir/build/comet" bench --fp8 --train --no-check --iters 10 \
+                    --preset "${PRESETS:-mixtral-8x7b,phi-3.5-moe,qwen2-57b-a14b,qwen2-moe-2.7b}" \
+                    > "$OUT/fp8train-$which-$r.log" 2>&1 ||
+                    { echo "comet bench --fp8 --train ($which) failed"; tail -5 "$OUT/fp8train-$which-$r.log"; }
+                timeout 100 "$dir/build/comet_tests" gpu_swiglu_backward_fp8 -v > "$OUT/swiglu-$which-$r.log" 2>&1
+                echo "$which, round $r, SwiGLU's FP8 backward alone (exit $?):"
+                grep -E "^ *(mixtral|in one kernel)" "$OUT/swiglu-$which-$r.log" | sed 's/^ */  /' | cut -c1-180
+            done
+        done
+        python3 scripts/compare_summary.py fp8train "$OUT" "$ROUNDS" ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
 done

@@ -11,6 +11,8 @@ figure is the median over the rounds.
            backward, old and new, beside the baseline's step
     fp8    `comet bench --fp8 --preset all`: the bf16 and FP8 layers, old and new, per preset
            and token count
+    fp8train `comet bench --fp8 --train`: the bf16 and FP8 training steps and the FP8 forward
+           and backward, old and new, per preset
 """
 import json
 import re
@@ -115,6 +117,47 @@ def fp8_table(path):
     return {(m[1], int(m[2])): (float(m[3]), float(m[4])) for m in map(FP8_ROW.match, lines) if m}
 
 
+# `comet bench --fp8 --train`'s row: case, bf16 step ms, FP8 step ms, then the rest; and the
+# lines under it, "  fp8 : forward_train F ms, backward B ms; ...".
+FP8_TRAIN_ROW = re.compile(r"^(\S+)\s+([\d.]+)\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+[\d.]+\s")
+FP8_TRAIN_SIDE = re.compile(r"^  fp8 : forward_train ([\d.]+) ms, backward ([\d.]+) ms")
+
+
+def fp8_train_table(path):
+    """case -> [bf16 step, FP8 step, FP8 forward, FP8 backward] ms; empty when the log is missing."""
+    try:
+        lines = open(path).read().splitlines()
+    except OSError:
+        return {}
+    rows, case = {}, None
+    for line in lines:
+        m = FP8_TRAIN_ROW.match(line)
+        if m:
+            case = m[1]
+            rows[case] = [float(m[2]), float(m[3]), None, None]
+            continue
+        m = FP8_TRAIN_SIDE.match(line)
+        if m and case in rows:
+            rows[case][2:] = [float(m[1]), float(m[2])]
+    return rows
+
+
+def fp8train(out, rounds):
+    runs = {w: [fp8_train_table(f"{out}/fp8train-{w}-{r}.log") for r in range(1, rounds + 1)] for w in ("old", "new")}
+
+    def med(w, case, i):
+        return median_or_nan(run[case][i] if case in run else None for run in runs[w])
+
+    cases = sorted({c for run in runs["new"] for c in run})
+    print(f"{'preset':16s} {'old bf16':>9s} {'new bf16':>9s} {'old fp8':>9s} {'new fp8':>9s} {'new/old':>8s} "
+          f"{'old fwd':>8s} {'new fwd':>8s} {'old bwd':>8s} {'new bwd':>8s} {'old bf16/fp8':>12s} {'new bf16/fp8':>12s}")
+    for c in cases:
+        v = {w: [med(w, c, i) for i in range(4)] for w in ("old", "new")}
+        o, n = v["old"], v["new"]
+        print(f"{c:16s} {o[0]:9.3f} {n[0]:9.3f} {o[1]:9.3f} {n[1]:9.3f} {n[1] / o[1]:8.3f} {o[2]:8.3f} {n[2]:8.3f} "
+              f"{o[3]:8.3f} {n[3]:8.3f} {o[0] / o[1]:12.2f} {n[0] / n[1]:12.2f}")
+
+
 def fp8(out, rounds):
     runs = {w: [fp8_table(f"{out}/fp8-{w}-{r}.log") for r in range(1, rounds + 1)] for w in ("old", "new")}
 
@@ -132,4 +175,4 @@ def fp8(out, rounds):
 
 if __name__ == "__main__":
     step, out, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    {"gemm": gemm, "bench": bench, "train": train, "fp8": fp8}[step](out, rounds)
+    {"gemm": gemm, "bench": bench, "train": train, "fp8": fp8, "fp8train": fp8train}[step](out, rounds)
