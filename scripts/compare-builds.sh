@@ -42,6 +42,38 @@ build "$old" "$OUT/build-old.log" &
 wait
 grep NCCL_VERSION build/nccl.mk
 echo "$gpus GPU(s): $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+# in_turns FN: FN DIR WHICH R for the old build and the new one in turns, ROUNDS rounds (the
+# tree, old or new, the round), so clock drift falls on both.
+in_turns() {
+    local r which
+    for r in $(seq "$ROUNDS"); do
+        for which in old new; do
+            if [ "$which" = old ]; then "$1" "$old" old "$r"; else "$1" . new "$r"; fi
+        done
+    done
+}
+# comet_logged LOG SECONDS DIR ARGS...: DIR's `comet ARGS` into $OUT/LOG.log, its tail where
+# it fails.
+comet_logged() {
+    local log=$1 limit=$2 dir=$3
+    shift 3
+    timeout "$limit" "$dir/build/comet" "$@" > "$OUT/$log.log" 2>&1 ||
+        { echo "comet $1 ($log) failed"; tail -5 "$OUT/$log.log"; }
+}
+# Each step's run of one build (DIR WHICH R), its log named after the step.
+gemm_turn() { CUDA_VISIBLE_DEVICES=0 comet_logged "gemm-$2-$3" 200 "$1" gemm; }
+bench_turn() { comet_logged "bench-$2-$3" 280 "$1" bench --preset all --no-check --json "$OUT/bench-$2-$3.json"; }
+train_turn() {
+    comet_logged "train-$2-$3" 280 "$1" bench --ranks 1 --preset all --train --no-check --json "$OUT/train-$2-$3.json"
+}
+fp8_turn() { comet_logged "fp8-$2-$3" 200 "$1" bench --fp8 --preset all --no-check --routing "${ROUTING:-balanced}"; }
+fp8train_turn() {
+    comet_logged "fp8train-$2-$3" 200 "$1" bench --fp8 --train --no-check --iters 10 \
+        --preset "${PRESETS:-mixtral-8x7b,phi-3.5-moe,qwen2-57b-a14b,qwen2-moe-2.7b}"
+    timeout 100 "$1/build/comet_tests" gpu_swiglu_backward_fp8 -v > "$OUT/swiglu-$2-$3.log" 2>&1
+    echo "$2, round $3, SwiGLU's FP8 backward alone (exit $?):"
+    grep -E "^ *(mixtral|in one kernel)" "$OUT/swiglu-$2-$3.log" | sed 's/^ */  /' | cut -c1-180
+}
 for step in "$@"; do
     case $step in
     tests)
@@ -52,61 +84,14 @@ for step in "$@"; do
         timeout 200 torchrun --nproc-per-node "$gpus" python/tests/test_torch_gpu.py -v > "$OUT/python-gpu.log" 2>&1
         echo "python GPU tests (exit $?):"
         grep -E "^(FAIL|SKIP|[0-9]+ passed)" "$OUT/python-gpu.log" ;;
-    gemm)
-        for r in $(seq "$ROUNDS"); do
-            for which in old new; do
-                dir=.; [ $which = old ] && dir=$old
-                CUDA_VISIBLE_DEVICES=0 timeout 200 "$dir/build/comet" gemm > "$OUT/gemm-$which-$r.log" 2>&1 ||
-                    { echo "comet gemm ($which) failed"; tail -5 "$OUT/gemm-$which-$r.log"; }
-            done
-        done
-        python3 scripts/compare_summary.py gemm "$OUT" "$ROUNDS"
-        ;;
+    gemm|train|fp8|fp8train)
+        in_turns "${step}_turn"
+        python3 scripts/compare_summary.py "$step" "$OUT" "$ROUNDS" ;;
     bench)
-        for r in $(seq "$ROUNDS"); do
-            for which in old new; do
-                dir=.; [ $which = old ] && dir=$old
-                timeout 280 "$dir/build/comet" bench --preset all --no-check --json "$OUT/bench-$which-$r.json" \
-                    > "$OUT/bench-$which-$r.log" 2>&1 || { echo "comet bench ($which) failed"; tail -5 "$OUT/bench-$which-$r.log"; }
-            done
-        done
+        in_turns bench_turn
         python3 scripts/compare_summary.py bench "$OUT" "$ROUNDS"
         timeout 250 build/comet bench --preset all > "$OUT/bench-check.log" 2>&1
         echo "float64 check (new, exit $?):"; grep -E "^[a-z0-9.-]+ +(baseline|comet) " "$OUT/bench-check.log" | cut -c1-160 ;;
-    train)
-        for r in $(seq "$ROUNDS"); do
-            for which in old new; do
-                dir=.; [ $which = old ] && dir=$old
-                timeout 280 "$dir/build/comet" bench --ranks 1 --preset all --train --no-check \
-                    --json "$OUT/train-$which-$r.json" > "$OUT/train-$which-$r.log" 2>&1 ||
-                    { echo "comet bench --train ($which) failed"; tail -5 "$OUT/train-$which-$r.log"; }
-            done
-        done
-        python3 scripts/compare_summary.py train "$OUT" "$ROUNDS" ;;
-    fp8)
-        for r in $(seq "$ROUNDS"); do
-            for which in old new; do
-                dir=.; [ $which = old ] && dir=$old
-                timeout 200 "$dir/build/comet" bench --fp8 --preset all --no-check --routing "${ROUTING:-balanced}" \
-                    > "$OUT/fp8-$which-$r.log" 2>&1 ||
-                    { echo "comet bench --fp8 ($which) failed"; tail -5 "$OUT/fp8-$which-$r.log"; }
-            done
-        done
-        python3 scripts/compare_summary.py fp8 "$OUT" "$ROUNDS" ;;
-    fp8train)
-        for r in $(seq "$ROUNDS"); do
-            for which in old new; do
-                dir=.; [ $which = old ] && dir=$old
-                timeout 200 "$dir/build/comet" bench --fp8 --train --no-check --iters 10 \
-                    --preset "${PRESETS:-mixtral-8x7b,phi-3.5-moe,qwen2-57b-a14b,qwen2-moe-2.7b}" \
-                    > "$OUT/fp8train-$which-$r.log" 2>&1 ||
-                    { echo "comet bench --fp8 --train ($which) failed"; tail -5 "$OUT/fp8train-$which-$r.log"; }
-                timeout 100 "$dir/build/comet_tests" gpu_swiglu_backward_fp8 -v > "$OUT/swiglu-$which-$r.log" 2>&1
-                echo "$which, round $r, SwiGLU's FP8 backward alone (exit $?):"
-                grep -E "^ *(mixtral|in one kernel)" "$OUT/swiglu-$which-$r.log" | sed 's/^ */  /' | cut -c1-180
-            done
-        done
-        python3 scripts/compare_summary.py fp8train "$OUT" "$ROUNDS" ;;
     *) echo "unknown step $step"; exit 2 ;;
     esac
 done
