@@ -43,6 +43,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+from gpu_train import check, raises  # noqa: E402 - the checks every GPU test module shares
 
 H, FFN, E, TOP_K, MAX_TOKENS = 512, 256, 8, 2, 512  # a shape on the 128-column grid
 IMPLS = ("baseline", "fused", "auto")
@@ -55,17 +56,8 @@ def gpu_test(fn):
     return fn
 
 
-class Failed(AssertionError):
-    pass
-
-
 class Skip(Exception):
     """Raised by a test that cannot run at this world size (the same on every rank)."""
-
-
-def check(cond, msg):
-    if not cond:
-        raise Failed(msg)
 
 
 class Ctx:
@@ -182,18 +174,6 @@ class Ctx:
             self.failures.append(f"{what}: row {where.item()} relative error {worst.item():.3g} (limit 3e-2)")
         self.note(f"{what}: {y.shape[0]} tokens, relative error {err:.2e}, worst row {worst.item():.2e}")
         return err
-
-
-def raises(exc_type, fn, *contains):
-    try:
-        fn()
-    except exc_type as e:
-        for s in contains:
-            check(s in str(e), f"{type(e).__name__} message {str(e)!r} lacks {s!r}")
-        return e
-    except Exception as e:
-        raise Failed(f"expected {exc_type.__name__}, got {type(e).__name__}: {e}") from None
-    raise Failed(f"expected {exc_type.__name__}, nothing was raised")
 
 
 # ---- the tests, in the order they run (each rank runs each, in step) ----
