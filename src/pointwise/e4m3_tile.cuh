@@ -166,10 +166,13 @@ static __device__ __forceinline__ void tile_amax_bf16(const uint4 *v, float *ama
 }
 
 /* The tile's columns along the tokens, from each thread's amax of its 8 columns over its
- * rows: a shuffle across the warp's two row groups, the 8 warps' through shared memory
- * (each thread folds them in the same order); column col (< cols) gets its scale at
- * scales[col], written by the tile's first row of threads, and the inverses of the
- * thread's 8 come back in inv. A block barrier inside: every thread calls it. */
+ * rows: a shuffle across the warp's two row groups, the 8 warps' through shared memory;
+ * then thread t < 128 folds column t's 8 warps in order, computes its scale (stored at
+ * scales[col] where col < cols; c is this thread's first column, so the tile's is c minus
+ * its offset) and the inverse, and leaves the inverse in warp_amax[0][t] (no other thread
+ * reads that column), whence every thread takes its 8. Each column's two IEEE divisions
+ * and 8 loads are made once, where the 16 threads sharing a column each made them (64
+ * loads and 16 divisions a thread). Block barriers inside: every thread calls it. */
 static __device__ __forceinline__ void tile_column_scales(float *amax, float (*warp_amax)[COMETI_FP8_BLOCK], int c,
                                                           int cols, float *scales, long long scale_row_stride,
                                                           int pow2, float *inv)
@@ -182,15 +185,19 @@ static __device__ __forceinline__ void tile_column_scales(float *amax, float (*w
         for (int k = 0; k < 8; k++) warp_amax[warp][col_in + k] = amax[k];
     }
     __syncthreads();
+    if (threadIdx.x < COMETI_FP8_BLOCK) {
+        const int t = threadIdx.x, col = c - col_in + t;
+        float a = warp_amax[0][t];
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        float a = warp_amax[0][col_in + k];
-#pragma unroll
-        for (int w = 1; w < QUANTIZE_WARPS; w++) a = cometi_fp8_max(a, warp_amax[w][col_in + k]);
+        for (int w = 1; w < QUANTIZE_WARPS; w++) a = cometi_fp8_max(a, warp_amax[w][t]);
         const float scale = cometi_fp8_scale(a, pow2);
-        inv[k] = cometi_fp8_inverse(scale);
-        if (threadIdx.x < 16 && c + k < cols) scales[(long long)(c + k) * scale_row_stride] = scale;
+        if (col < cols) scales[(long long)col * scale_row_stride] = scale;
+        warp_amax[0][t] = cometi_fp8_inverse(scale);
     }
+    __syncthreads();
+    const float4 lo = *(const float4 *)&warp_amax[0][col_in], hi = *(const float4 *)&warp_amax[0][col_in + 4];
+    inv[0] = lo.x, inv[1] = lo.y, inv[2] = lo.z, inv[3] = lo.w, inv[4] = hi.x, inv[5] = hi.y, inv[6] = hi.z,
+    inv[7] = hi.w;
 }
 
 /* The staged tile out, transposed: column tc's 128 rows to qt row first_col + tc, from

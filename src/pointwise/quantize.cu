@@ -192,7 +192,7 @@ quantize_segments_t_kernel(const void *__restrict__ x, long long ldx, const floa
                            long long scale_row_stride, long long scale_block_stride, int pow2, long long rows,
                            int row_blocks, int col_tiles)
 {
-    __shared__ float warp_amax[QUANTIZE_WARPS][COMETI_FP8_BLOCK];
+    __shared__ __align__(16) float warp_amax[QUANTIZE_WARPS][COMETI_FP8_BLOCK]; /* read as float4s */
     __shared__ __align__(16) uint8_t staged[COMETI_FP8_BLOCK * COMETI_FP8_BLOCK];
     const int tile_row = threadIdx.x / 16, col_in = (threadIdx.x % 16) * 8;
     const long long tiles = (long long)row_blocks * col_tiles;

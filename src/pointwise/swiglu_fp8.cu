@@ -115,7 +115,7 @@ swiglu_backward_t_kernel(const void *h, const float *__restrict__ h_scales, long
                          uint8_t *__restrict__ dh_t, float *__restrict__ dh_scales, long long ldq, int pow2,
                          int row_blocks, int col_tiles, dh_rows_out_t rows_out)
 {
-    __shared__ float warp_amax[QUANTIZE_WARPS][COMETI_FP8_BLOCK];
+    __shared__ __align__(16) float warp_amax[QUANTIZE_WARPS][COMETI_FP8_BLOCK]; /* read as float4s */
     __shared__ __align__(16) uint8_t staged[COMETI_FP8_BLOCK * COMETI_FP8_BLOCK];
     const int tile_row = threadIdx.x / 16, col_in = (threadIdx.x % 16) * 8;
     const long long tiles = (long long)row_blocks * col_tiles;
