@@ -3,7 +3,9 @@
 # source tree: `git archive REV | tar -x -C DIR`), both against PyTorch's NCCL where torch
 # is installed, then run the chosen steps. Old and new binaries are timed in the same call,
 # in turns (old, new, old, new ...), so clock drift falls on both. Logs in $OUT; each step
-# prints its summary last.
+# prints its summary last. PREBUILT=1: nothing is built; OLD and this tree already hold
+# build/comet and build/comet_tests (and build/libcomet.so for the tests step), built for
+# sm_90a on another machine, and the NCCL they load is PyTorch's where torch is installed.
 # Usage: scripts/compare-builds.sh OLD STEP...
 #   tests   this tree's C tests (GPU tests at the world the visible GPUs allow) and the
 #           Python package's tests (CPU ones with torch, GPU ones under torchrun)
@@ -35,12 +37,25 @@ torch_nccl=$(python3 -c "import torch, nvidia.nccl; print(list(nvidia.nccl.__pat
 [ -n "$torch_nccl" ] && [ -z "${NCCL_HOME:-}" ] && export NCCL_HOME=$torch_nccl
 build() { # build DIR LOG
     (cd "$1" && { grep -q "${NCCL_HOME:-none}" build/nccl.mk 2>/dev/null || make clean > /dev/null; } &&
-        make -j16 > "$2" 2>&1) || { tail -30 "$2"; exit 1; }
+        make -j16 > "$2" 2>&1) || { tail -30 "$2"; return 1; }
 }
-build . "$OUT/build-new.log" &
-build "$old" "$OUT/build-old.log" &
-wait
-grep NCCL_VERSION build/nccl.mk
+if [ -n "${PREBUILT:-}" ]; then
+    for dir in . "$old"; do
+        for bin in comet comet_tests; do
+            [ -x "$dir/build/$bin" ] || { echo "PREBUILT: $dir/build/$bin is missing"; exit 2; }
+        done
+    done
+    [ -n "$torch_nccl" ] && export LD_LIBRARY_PATH="$torch_nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "prebuilt binaries; NCCL from ${torch_nccl:-their own path}"
+else
+    build . "$OUT/build-new.log" &
+    new_pid=$!
+    build "$old" "$OUT/build-old.log" &
+    old_pid=$!
+    wait "$new_pid" || { echo "the new tree did not build"; exit 1; }
+    wait "$old_pid" || { echo "the old tree ($old) did not build"; exit 1; }
+    grep NCCL_VERSION build/nccl.mk
+fi
 echo "$gpus GPU(s): $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 # in_turns FN: FN DIR WHICH R for the old build and the new one in turns, ROUNDS rounds (the
 # tree, old or new, the round), so clock drift falls on both.
