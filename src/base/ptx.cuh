@@ -203,6 +203,22 @@ static __device__ __forceinline__ void mbar_expect_tx(uint64_t *bar, uint32_t by
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 
+/* 4 bytes global to shared, asynchronously (cp.async through L1), zero where !ok (src is
+ * then not read); and the arrival on an mbarrier, counted in its init, once this thread's
+ * copies so far have landed: a producer warp stays stages ahead without holding the values
+ * in registers. */
+static __device__ __forceinline__ void cp_async_f32(float *dst, const float *src, bool ok)
+{
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(dst)), "l"((uint64_t)src),
+                 "r"(ok ? 4 : 0)
+                 : "memory");
+}
+static __device__ __forceinline__ void cp_async_mbar_arrive(uint64_t *bar)
+{
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+static __device__ __forceinline__ void cp_async_wait_all(void) { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 /* Whole rows: global to shared, completing on an mbarrier; shared to global, in a bulk group. */
 static __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t bytes, uint64_t *bar)
 {

@@ -188,6 +188,7 @@ grouped_gemm_kernel(const __grid_constant__ CUtensorMap map_a, const __grid_cons
                     }
                     produce_scales_unit<V>(p, sm, tl, a_row, un.kb0, kb1, &pos);
                 }
+                cp_async_wait_all(); /* the last scale copies land before the warp leaves */
             }
         }
         if (threadIdx.x != 0) return;

@@ -165,35 +165,20 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
     if (prev >= 0 && threadIdx.x % 128 == 0) mbar_arrive(&sm.empty[prev]);
 }
 
-/* Groups along M: this lane's scales of k block kb, A's rows a_row + lane + 32 j, j < ROWS
- * / 32 (0 past A) and, where sb_ok, the B block's at sb. */
-template <int ROWS>
-static __device__ __forceinline__ void load_block_scales(const cometi_gemm_args_t &p, int lane, long long a_row, int kb,
-                                                         const float *sb, bool sb_ok, float *a, float *b)
-{
-#pragma unroll
-    for (int j = 0; j < ROWS / 32; j++) {
-        const long long r = a_row + lane + 32 * j;
-        a[j] = r < p.a_rows ? __ldcg(p.a_scale + r * p.a_scale_row + kb * p.a_scale_block) : 0.0f;
-    }
-    *b = sb_ok ? __ldg(sb + kb) : 0.0f;
-}
-
 /* E4M3: the producer's scale warp (a warp of warpgroup 0), over k-steps [kb0, kb1) of tile
  * `tl` (A's first row a_row; a weight gradient: its group's first token row, a multiple of
  * 128): for each k block, once its stage is released, the A tile's rows' scales (128, or
  * ping-pong's 64) and B's (groups along M: each half's block, SwiGLU's gate and up blocks
  * of column tile tl.n or a plain tile's 128-row blocks; along K: each of the tile's B
- * rows') into the stage's slot, then each lane's arrival on the stage's full barrier
- * (beside the TMA thread's with the bytes). Each block's loads are issued before the wait
- * for its stage (along M a block earlier still, before the previous block's wait and
- * stores; never past the unit, whose rows the dispatch role has seen arrive), so they are
- * in flight while the ring is full, off the consumers' mainloop. A scale that does not
- * exist is 0 (a row past A, an n block past B: their products are never stored). A's
- * through L2 (ld.global.cg): its rows may have been written by other ranks' dispatch while
- * this kernel runs, and L1 is not coherent (a line holding one row's scales can hold a
- * neighbour's that had not arrived yet); B's (weights) through the read-only path, or along
- * K (tokens, written by the kernels before) through L2 as A's. */
+ * rows') copied into the stage's slot by cp.async, each lane's arrival on the stage's full
+ * barrier (beside the TMA thread's with the bytes) coming once its copies have landed. The
+ * warp holds no values, so it runs as many stages ahead as the ring has, like the TMA
+ * thread: loaded into registers, one or two blocks ahead, each stage's scales came an L2
+ * round trip after the previous one's, which under the GEMM's own traffic held the
+ * consumers (the weight gradients most). A scale that does not exist is 0 (a row past A,
+ * an n block past B: their products are never stored). Copies never pass the unit, whose
+ * rows the dispatch role has seen arrive (an acquire: what L1 held of them before is not
+ * read). */
 template <int V>
 static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                            tile_t tl, long long a_row, int kb0, int kb1,
@@ -204,63 +189,44 @@ static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_arg
                   SLOT = cometi_gemm_scale_slot_floats(T);
     constexpr bool WGRAD = T.along == COMETI_GEMM_GROUPS_ALONG_K;
     constexpr int TM = cometi_gemm_tile_rows(T);
-    static_assert(TM % 32 == 0 && TM <= COMETI_GEMM_BM, "a lane loads TM / 32 rows' scales of the tile");
+    static_assert(TM % 32 == 0 && TM <= COMETI_GEMM_BM, "a lane copies TM / 32 rows' scales of the tile");
     const int lane = threadIdx.x % 32;
-    if constexpr (WGRAD) { /* rows m of A^T and n of B^T, the token block a_row / 128 + kb */
-        if (a_row % COMETI_GEMM_SCALE_BLOCK && lane == 0) /* reported; the sums are wrong */
-            cometi_record_error(p.err, COMETI_ASYNC_INVALID_ARGUMENT, COMETI_SITE_WGRAD_SEGMENT, tl.group, 0,
-                                COMETI_GEMM_SCALE_BLOCK, (unsigned long long)a_row, 0);
-        const long long kb_first = a_row / COMETI_GEMM_SCALE_BLOCK;
-        for (int kb = kb0; kb < kb1; kb++) {
-            float a[4], b[BN / 32];
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                const int m = tl.m * 128 + lane + 32 * j;
-                a[j] = m < p.m_out ? __ldcg(p.a_scale + m * p.a_scale_row + (kb_first + kb) * p.a_scale_block) : 0.0f;
-            }
-#pragma unroll
-            for (int j = 0; j < BN / 32; j++) {
-                const int n = tl.n * BN + lane + 32 * j;
-                b[j] = n < p.n ? __ldcg(p.b_scale + n * p.b_scale_row + (kb_first + kb) * p.b_scale_block) : 0.0f;
-            }
-            mbar_wait(&sm.empty[pos->stage], pos->phase ^ 1, p.err, p.timeout_ns);
-            float *slot = sm.scales + pos->stage * SLOT;
-#pragma unroll
-            for (int j = 0; j < 4; j++) sts_f32(slot + lane + 32 * j, a[j]);
-#pragma unroll
-            for (int j = 0; j < BN / 32; j++) /* column lane + 32 j lies 8 j past column lane */
-                sts_f32(slot + COMETI_GEMM_BM + cometi_gemm_col_scale_pos(T, lane) + 8 * j, b[j]);
-            mbar_arrive(&sm.full[pos->stage]); /* each lane's arrival releases its own stores */
-            if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
-        }
-        return;
-    }
-    const float *sb = NULL;
+    /* Along K: rows m of A^T and n of B^T, the token block a_row / 128 + kb. */
+    if (WGRAD && a_row % COMETI_GEMM_SCALE_BLOCK && lane == 0) /* reported; the sums are wrong */
+        cometi_record_error(p.err, COMETI_ASYNC_INVALID_ARGUMENT, COMETI_SITE_WGRAD_SEGMENT, tl.group, 0,
+                            COMETI_GEMM_SCALE_BLOCK, (unsigned long long)a_row, 0);
+    const long long row0 = WGRAD ? (long long)tl.m * 128 : a_row, rows = WGRAD ? p.m_out : p.a_rows,
+                    kb_first = WGRAD ? a_row / COMETI_GEMM_SCALE_BLOCK : 0;
+    const float *sb = p.a_scale; /* along M: this lane's half's B block (lane < HALVES) */
     bool sb_ok = false;
-    if (lane < HALVES) {
+    if (!WGRAD && lane < HALVES) {
         const int nb = ON != BN ? tl.n : tl.n * HALVES + lane;
         sb = (ON != BN && lane ? p.b_up_scale : p.b_scale) + (long long)tl.group * p.b_scale_group +
              (long long)nb * p.b_scale_kb;
         sb_ok = nb < p.b_scale_blocks;
     }
-    /* Block kb + 1's loads are issued before block kb's wait and stores, so two blocks' loads
-     * are in flight where one was: with one, each stage's scales came an L2 round trip after
-     * the previous stage's, which under the GEMM's own traffic can exceed a stage's MMAs. */
-    float a[TM / 32], b;
-    load_block_scales<TM>(p, lane, a_row, kb0, sb, sb_ok, a, &b);
     for (int kb = kb0; kb < kb1; kb++) {
-        float a_next[TM / 32], b_next = 0.0f;
-        if (kb + 1 < kb1) load_block_scales<TM>(p, lane, a_row, kb + 1, sb, sb_ok, a_next, &b_next);
         mbar_wait(&sm.empty[pos->stage], pos->phase ^ 1, p.err, p.timeout_ns);
         float *slot = sm.scales + pos->stage * SLOT;
+        const long long blk = kb_first + kb;
 #pragma unroll
-        for (int j = 0; j < TM / 32; j++) sts_f32(slot + lane + 32 * j, a[j]);
-        if (lane < HALVES) sts_f32(slot + COMETI_GEMM_BM + lane, b);
-        mbar_arrive(&sm.full[pos->stage]); /* each lane's arrival releases its own stores */
+        for (int j = 0; j < TM / 32; j++) {
+            const long long r = row0 + lane + 32 * j;
+            cp_async_f32(slot + lane + 32 * j, p.a_scale + (r < rows ? r * p.a_scale_row + blk * p.a_scale_block : 0),
+                         r < rows);
+        }
+        if constexpr (WGRAD) {
+#pragma unroll
+            for (int j = 0; j < BN / 32; j++) { /* column lane + 32 j lies 8 j past column lane */
+                const int n = tl.n * BN + lane + 32 * j;
+                cp_async_f32(slot + COMETI_GEMM_BM + cometi_gemm_col_scale_pos(T, lane) + 8 * j,
+                             p.b_scale + (n < p.n ? n * p.b_scale_row + blk * p.b_scale_block : 0), n < p.n);
+            }
+        } else if (lane < HALVES) {
+            cp_async_f32(slot + COMETI_GEMM_BM + lane, sb_ok ? sb + kb : sb, sb_ok);
+        }
+        cp_async_mbar_arrive(&sm.full[pos->stage]); /* each lane's, once its copies have landed */
         if (++pos->stage == STAGES) pos->stage = 0, pos->phase ^= 1;
-#pragma unroll
-        for (int j = 0; j < TM / 32; j++) a[j] = a_next[j];
-        b = b_next;
     }
 }
 
