@@ -5,7 +5,7 @@
  *
  * One block per SM, 384 threads: warpgroup 0 is the producer (one thread issues TMA loads
  * of A and B tiles into a ring of shared-memory stages, completing on mbarriers; for E4M3
- * rows a second warp, the scale warp, loads each stage's block scales beside it);
+ * rows a second warp, the scale warp, copies each stage's block scales beside it);
  * warpgroups 1 and 2 are consumers. Cooperative schedule: both split each 128-row tile (64
  * rows each). Ping-pong schedule: each takes every other 64-row tile, so one's epilogue
  * runs while the other multiplies. The kernel reads as:
