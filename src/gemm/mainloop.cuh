@@ -173,9 +173,9 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
  * rows') copied into the stage's slot by cp.async, each lane's arrival on the stage's full
  * barrier (beside the TMA thread's with the bytes) coming once its copies have landed. The
  * warp holds no values, so it runs as many stages ahead as the ring has, like the TMA
- * thread: loaded into registers, one or two blocks ahead, each stage's scales came an L2
- * round trip after the previous one's, which under the GEMM's own traffic held the
- * consumers (the weight gradients most). A scale that does not exist is 0 (a row past A,
+ * thread: loaded into registers one or two blocks ahead instead, a stage's scales come an
+ * L2 round trip after the previous one's, which under the GEMM's own traffic holds the
+ * consumers back (the weight gradients most). A scale that does not exist is 0 (a row past A,
  * an n block past B: their products are never stored). Copies never pass the unit, whose
  * rows the dispatch role has seen arrive (an acquire: what L1 held of them before is not
  * read). */
