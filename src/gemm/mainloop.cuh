@@ -175,10 +175,10 @@ static __device__ __forceinline__ void consume_unit(float *acc, const cometi_gem
  * warp holds no values, so it runs as many stages ahead as the ring has, like the TMA
  * thread: loaded into registers one or two blocks ahead instead, a stage's scales come an
  * L2 round trip after the previous one's, which under the GEMM's own traffic holds the
- * consumers back (the weight gradients most). A scale that does not exist is 0 (a row past A,
- * an n block past B: their products are never stored). Copies never pass the unit, whose
- * rows the dispatch role has seen arrive (an acquire: what L1 held of them before is not
- * read). */
+ * consumers back (the weight gradients most). A scale that does not exist is 0 (a row
+ * past A, an n block past B: their products are never stored). Copies never pass the
+ * unit, whose rows the dispatch role has seen arrive (an acquire: what L1 held of them
+ * before is not read). */
 template <int V>
 static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_args_t &p, const gemm_smem_t &sm,
                                                            tile_t tl, long long a_row, int kb0, int kb1,
