@@ -243,10 +243,22 @@ typedef struct comet_moe_config {
                           * the activation; in training also dy's rows, [g u] kept in E4M3 and
                           * the weight gradients' operands) amax / 448, or (1) the power of
                           * two at or above it (DeepSeek-V3.1's UE8M0 scales) */
+    int fp8_wgrad_cublaslt; /* COMET_DTYPE_FP8_BLOCK training on the fused path, 0 or 1. 0: the
+                          * weight gradients run as comet's grouped GEMM, and the backward never
+                          * waits for the host. 1: as cuBLASLt's block-scaled GEMM per expert
+                          * (1 x 128 by 1 x 128, the sequential path's), faster where experts are
+                          * large (docs/PERF.md), which takes each expert's rows on the host: the
+                          * backward waits on the host, once its route has run, for those counts
+                          * (the GPU meanwhile runs the dgrad GEMMs), so it cannot be captured in
+                          * a CUDA graph (refused under capture, COMET_INVALID_ARGUMENT), and the
+                          * layer holds a cuBLASLt handle and its 32 MiB workspace (made with the
+                          * FP8 backward's workspaces; COMET_NOT_SUPPORTED there where cuBLASLt is
+                          * older than 12.9). The gradients differ from 0's in the last bits (the
+                          * sums' order), both within bf16's rounding of the same products. */
 } comet_moe_config_t;
 
 #define COMET_MOE_CONFIG_INIT \
-    {sizeof(comet_moe_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0, 0, 0, 0, 0, 0, 0, COMET_DTYPE_BF16, 0, 0}
+    {sizeof(comet_moe_config_t), COMET_STRUCT_MAGIC, COMET_API_VERSION, 0, 0, 0, 0, 0, 0, 0, COMET_DTYPE_BF16, 0, 0, 0}
 
 /*
  * Fill *out with a named model's shape: "mixtral-8x7b", "phi-3.5-moe", "qwen2-57b-a14b",
@@ -530,7 +542,8 @@ typedef struct comet_moe_backward_args {
  * ran (impl: COMET_IMPL_AUTO, or that path's). Collective, as the forward: every rank
  * calls it for the same forward call. It consumes args->saved. A token's dx sums its
  * choices in a fixed order (fp32): the same inputs give the same bits. The fused path
- * never waits for the host (capturable in a CUDA graph as its forward); a peer that
+ * never waits for the host (capturable in a CUDA graph as its forward), except on a layer
+ * made with config.fp8_wgrad_cublaslt (see there: refused under capture); a peer that
  * stops calling gives COMET_TIMEOUT through comet_comm_get_async_error(), and ranks that
  * run the backwards of different forward calls (layers out of order) get
  * COMET_INVALID_ARGUMENT there, every one of them, with nothing sent (its route compares

@@ -69,7 +69,7 @@ reaches_gpu() {
 # Each command's --help: exit 0, its usage on stdout, exactly its flags.
 
 declare -A takes
-takes[bench]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --impl --warmup --fp8
+takes[bench]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --impl --warmup --fp8 --fp8-wgrad-cublaslt
  --iters --no-check --suite --json --seed --trace --train --ranks --timeout-ms --id-file"
 takes[tune]="--preset --hidden --ffn --experts --top-k --tokens --ep --tp --routing --skew --warmup --iters
  --no-check --json --out --seed --trace --ranks --timeout-ms --id-file"
@@ -247,6 +247,10 @@ reaches_gpu "gemm-gemms-valid-run" gemm --fp8 --gemms wgrad --preset mixtral-8x7
 refused "gemm-trace-needs-fp8" 'comet gemm: --trace;give --fp8 with it' gemm --trace
 refused "bench-fp8-trace" '--fp8 times its own table: leave out --trace' bench --fp8 --trace
 reaches_gpu "gemm-fp8-trace-valid-run" gemm --fp8 --trace --gemms forward --preset qwen2-moe-2.7b
+# --fp8-wgrad-cublaslt: the FP8 training step's, so with --fp8 --train only.
+refused "bench-wgrad-cublaslt-needs-fp8-train" '--fp8-wgrad-cublaslt;give --fp8 --train with it' bench --fp8-wgrad-cublaslt
+refused "bench-wgrad-cublaslt-needs-train" '--fp8-wgrad-cublaslt;give --fp8 --train with it' bench --fp8 --fp8-wgrad-cublaslt
+reaches_gpu "bench-wgrad-cublaslt-valid-run" bench --fp8 --train --fp8-wgrad-cublaslt --preset mixtral-8x7b
 refused "strict-warmup-negative" '--warmup "-1";0..10000' tune --warmup -1
 refused "strict-mib-zero" '--mib "0";1..16384' bandwidth --mib 0
 refused "strict-ranks-zero" '--ranks "0";1..' bench --ranks 0

@@ -82,6 +82,11 @@ int test_config_validation(void)
         {"fp8 pow2", 1, 2, COMET_SUCCESS, ""},
         {"fp8 pow2", 2, 2, COMET_INVALID_ARGUMENT, "config.fp8_pow2_scales = 2: must be 0"},
         {"fp8 pow2", -1, 2, COMET_INVALID_ARGUMENT, "config.fp8_pow2_scales = -1"},
+        {"fp8_wgrad_cublaslt", 1, 2, COMET_INVALID_ARGUMENT, "config.fp8_wgrad_cublaslt = 1 is for config.dtype "
+                                                             "COMET_DTYPE_FP8_BLOCK (dtype is 0)"},
+        {"fp8 wgrad_cublaslt", 1, 2, COMET_SUCCESS, ""},
+        {"fp8 wgrad_cublaslt", 2, 2, COMET_INVALID_ARGUMENT, "config.fp8_wgrad_cublaslt = 2: must be 0"},
+        {"fp8 wgrad_cublaslt", -1, 2, COMET_INVALID_ARGUMENT, "config.fp8_wgrad_cublaslt = -1"},
         {"fp8 resend_x", 1, 2, COMET_INVALID_ARGUMENT, "config.resend_x = 1 with config.dtype "
                                                        "COMET_DTYPE_FP8_BLOCK"},
         {"fp8 resend_x", 0, 2, COMET_SUCCESS, ""},
@@ -105,6 +110,8 @@ int test_config_validation(void)
         else if (!strcmp(f, "dtype")) c.dtype = (comet_dtype_t)v;
         else if (!strcmp(f, "fp8_pow2_scales")) c.fp8_pow2_scales = v;
         else if (!strcmp(f, "fp8 pow2")) c.dtype = COMET_DTYPE_FP8_BLOCK, c.fp8_pow2_scales = v;
+        else if (!strcmp(f, "fp8_wgrad_cublaslt")) c.fp8_wgrad_cublaslt = v;
+        else if (!strcmp(f, "fp8 wgrad_cublaslt")) c.dtype = COMET_DTYPE_FP8_BLOCK, c.fp8_wgrad_cublaslt = v;
         else if (!strcmp(f, "fp8 resend_x")) c.dtype = COMET_DTYPE_FP8_BLOCK, c.resend_x = v;
         else if (!strcmp(f, "resend_x")) c.resend_x = v;
         else if (!strcmp(f, "size")) c.size = (size_t)v;

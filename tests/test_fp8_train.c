@@ -26,7 +26,10 @@
  *   - [g u] kept in E4M3 (gate_up_e4m3_case): its bytes, the same y, and the gradients'
  *     measures against the bf16 layer's printed and held < 2e-3;
  *   - the sequential FP8 step, the yardstick (sequential_case): repeatable, against the
- *     fused step element by element and by measure, against the bf16 layer.
+ *     fused step element by element and by measure, against the bf16 layer;
+ *   - config.fp8_wgrad_cublaslt (wgrad_cublaslt_case): the same y, dx and d topk_weights
+ *     bits, the weight gradients within the sequential step's bars of comet's, fp32
+ *     accumulation, the refusal under CUDA-graph capture.
  * And 1000 steps of random sizes and routings (fp8_soak_rank) on any bf16 x: every 50th
  * repeated bit for bit, and against the bf16 layer with a measure < 2e-3 per tensor of 256
  * values or more (< 1e-2 below: a mean of few squared errors scatters) and
@@ -482,6 +485,107 @@ static int sequential_case(fp8_fixture_t *fx, const fp8_layers_t *L,
     return 0;
 }
 
+/* fp32 accumulation into a known start (random, per element): the gradients added equal
+ * the bf16 ones this layer wrote (`written`) within bf16's rounding of them (2^-8 of the
+ * value) and fp32's of the start. b's mode is left COMET_GRAD_ACCUMULATE_FP32. */
+static int accumulate_case(fp8_fixture_t *fx, comet_moe_t moe, const comet_moe_args_t *a, comet_moe_backward_args_t *b,
+                           const step_out_t *written, uint64_t *rng)
+{
+    float *start13 = malloc(fx->n13 * 4), *start2 = malloc(fx->n2 * 4), *acc13 = malloc(fx->n13 * 4),
+          *acc2 = malloc(fx->n2 * 4);
+    for (size_t i = 0; i < fx->n13; i++) start13[i] = (float)(cometi_rand_unit(rng) - 0.5);
+    for (size_t i = 0; i < fx->n2; i++) start2[i] = (float)(cometi_rand_unit(rng) - 0.5);
+    CUDA_OK(cudaMemcpy(fx->g13, start13, fx->n13 * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(fx->g2, start2, fx->n2 * 4, cudaMemcpyHostToDevice));
+    b->grads.mode = COMET_GRAD_ACCUMULATE_FP32;
+    step_out_t out;
+    alloc_out(fx, &out);
+    if (step(fx, moe, a, b, &out)) return 1;
+    CUDA_OK(cudaMemcpy(acc13, fx->g13, fx->n13 * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(acc2, fx->g2, fx->n2 * 4, cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (size_t i = 0; i < fx->n13 + fx->n2 && bad < 5; i++) {
+        const int gu = i < fx->n13;
+        const size_t j = gu ? i : i - fx->n13;
+        const double got = gu ? acc13[j] - start13[j] : acc2[j] - start2[j];
+        const double want = cometi_bf16_to_float(gu ? written->g13[j] : written->g2[j]);
+        if (!(fabs(got - want) <= 0x1p-8 * fabs(want) + 0x1p-23)) /* bf16's rounding; fp32's of the start */
+            bad++, printf("rank %d %s[%zu]: fp32 accumulated %.8g, bf16 written %.8g\n", fx->me,
+                          gu ? "d gate_up" : "d down", j, got, want);
+    }
+    CHECK_EQ(bad, 0);
+    free(start13), free(start2), free(acc13), free(acc2);
+    free_out(&out);
+    return 0;
+}
+
+/* The layer made with config.fp8_wgrad_cublaslt = 1 (cuBLASLt's weight gradients, per
+ * expert, on counts the backward reads on the host), on o8's inputs and weights:
+ *   - y, dx and d topk_weights are o8's bits (the weight gradients' engine touches none of
+ *     them), and two steps give the same bits;
+ *   - the weight gradients against o8's: the same E4M3 operands, summed in another order,
+ *     so measure < 1e-4 and elements within ON_GRID (as the sequential step, whose weight
+ *     gradients are these GEMMs, is held to);
+ *   - fp32 accumulation as accumulate_case checks it;
+ *   - under CUDA-graph capture the backward is refused, naming the field, with nothing
+ *     enqueued: the captured forward, replayed, then an eager backward on its saved state
+ *     gives the eager step's bits. */
+static int wgrad_cublaslt_case(fp8_fixture_t *fx, const comet_moe_args_t *a8, const comet_moe_backward_args_t *b8,
+                               const step_out_t *o8, int top_k)
+{
+    comet_comm_t comm = fx->comm;
+    comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT;
+    cfg.hidden = H, cfg.ffn = F, cfg.num_experts = E, cfg.top_k = top_k, cfg.max_tokens = MAX_TOKENS;
+    cfg.dtype = COMET_DTYPE_FP8_BLOCK, cfg.fp8_pow2_scales = 1, cfg.fp8_wgrad_cublaslt = 1;
+    comet_moe_t moe;
+    COMET_OK(comet_moe_create(comm, &cfg, &moe), comm);
+    comet_moe_args_t a = *a8;
+    comet_moe_backward_args_t b = *b8;
+    b.grads.mode = COMET_GRAD_WRITE_BF16;
+    step_out_t lt, again;
+    alloc_out(fx, &lt), alloc_out(fx, &again);
+    if (step(fx, moe, &a, &b, &lt) || step(fx, moe, &a, &b, &again) || same_bits(fx, &lt, &again)) return 1;
+    CHECK(memcmp(lt.y, o8->y, fx->ny * 2) == 0);
+    CHECK(memcmp(lt.dx, o8->dx, fx->ny * 2) == 0);
+    CHECK(memcmp(lt.dw, o8->dw, fx->nw * 4) == 0);
+    double m[5], used = 0;
+    if (step_against(fx, "cuBLASLt's weight gradients against comet's", &lt, o8, ON_GRID, m, &used)) return 1;
+    printf("rank %d: fp8_wgrad_cublaslt, top-%d: against comet's weight gradients d gate_up %.2e, d down %.2e "
+           "(elements at most %.0f%% of their bound); y, dx, d topk_weights the same bits\n", fx->me, top_k, m[2],
+           m[3], 100 * used);
+    CHECK(m[2] < 1e-4);
+    CHECK(m[3] < 1e-4);
+    uint64_t rng = 0x5eed1234ull + (uint64_t)top_k;
+    if (accumulate_case(fx, moe, &a, &b, &lt, &rng)) return 1;
+    b.grads.mode = COMET_GRAD_WRITE_BF16;
+    /* Capture: the forward is taken, the backward refused before anything is enqueued. */
+    comet_moe_saved_t sv;
+    COMET_OK(comet_moe_saved_create(moe, NULL, &sv), comm);
+    if (poison_outputs(fx, 1)) return 1;
+    CUDA_OK(cudaDeviceSynchronize());
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(fx->st, cudaStreamCaptureModeThreadLocal));
+    const comet_status_t f_st = comet_moe_forward_train(moe, &a, sv, fx->st);
+    b.saved = sv;
+    const comet_status_t b_st = comet_moe_backward(moe, &b, fx->st);
+    CUDA_OK(cudaStreamEndCapture(fx->st, &graph));
+    CHECK_EQ(f_st, COMET_SUCCESS);
+    CHECK_EQ(b_st, COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_moe_last_error(moe), "fp8_wgrad_cublaslt = 1");
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_OK(cudaGraphLaunch(exec, fx->st));
+    COMET_OK(comet_moe_backward(moe, &b, fx->st), comm);
+    CUDA_OK(cudaStreamSynchronize(fx->st));
+    CHECK_EQ(comet_comm_get_async_error(comm), COMET_SUCCESS);
+    if (copy_outputs(fx, &again, 1) || same_bits(fx, &lt, &again)) return 1;
+    cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
+    COMET_OK(comet_moe_saved_destroy(sv), comm);
+    free_out(&lt), free_out(&again);
+    COMET_OK(comet_moe_destroy(moe), comm);
+    return 0;
+}
+
 static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int top_k)
 {
     const int me = ctx->rank;
@@ -613,29 +717,9 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
     for (int i = 0; i < 5; i++) CHECK(measure[i] < 1e-3);
     if (gate_up_e4m3_case(&fx, moe8, &a, &b, &o8, &o16, bytes8, bytes16, top_k)) return 1;
     if (sequential_case(&fx, &L, &a, &b, &o8, &o16, top_k)) return 1;
-    /* fp32 accumulation into a known start: the bf16 write's values added. */
-    float *start13 = malloc(fx.n13 * 4), *start2 = malloc(fx.n2 * 4), *acc13 = malloc(fx.n13 * 4),
-          *acc2 = malloc(fx.n2 * 4);
-    for (size_t i = 0; i < fx.n13; i++) start13[i] = (float)(cometi_rand_unit(&rng) - 0.5);
-    for (size_t i = 0; i < fx.n2; i++) start2[i] = (float)(cometi_rand_unit(&rng) - 0.5);
-    CUDA_OK(cudaMemcpy(fx.g13, start13, fx.n13 * 4, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(fx.g2, start2, fx.n2 * 4, cudaMemcpyHostToDevice));
-    b.grads.mode = COMET_GRAD_ACCUMULATE_FP32;
-    if (step(&fx, moe8, &a, &b, &again)) return 1;
-    CUDA_OK(cudaMemcpy(acc13, fx.g13, fx.n13 * 4, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(acc2, fx.g2, fx.n2 * 4, cudaMemcpyDeviceToHost));
-    int bad = 0;
-    for (size_t i = 0; i < fx.n13 + fx.n2 && bad < 5; i++) {
-        const int gu = i < fx.n13;
-        const size_t j = gu ? i : i - fx.n13;
-        const double got = gu ? acc13[j] - start13[j] : acc2[j] - start2[j];
-        const double want = cometi_bf16_to_float(gu ? o8.g13[j] : o8.g2[j]);
-        if (!(fabs(got - want) <= 0x1p-8 * fabs(want) + 0x1p-23)) /* bf16's rounding; fp32's of the start */
-            bad++, printf("rank %d %s[%zu]: fp32 accumulated %.8g, bf16 written %.8g\n", me, gu ? "d gate_up" : "d down",
-                          j, got, want);
-    }
-    CHECK_EQ(bad, 0);
-    free(start13), free(start2), free(acc13), free(acc2), free(y_inf);
+    if (accumulate_case(&fx, moe8, &a, &b, &o8, &rng)) return 1;
+    if (wgrad_cublaslt_case(&fx, &a, &b, &o8, top_k)) return 1;
+    free(y_inf);
     free_out(&o8), free_out(&again), free_out(&o16);
     COMET_OK(comet_moe_saved_destroy(sv), comm);
     free(xf), free(dyf), free(wts), free(xh), free(dyh), free(ids);

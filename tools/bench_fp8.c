@@ -240,8 +240,9 @@ static int fp8_train_table(const cometi_rank_ctx_t *ctx, const tool_options_t *o
     if (me == 0) {
         printf("\n%s FP8 training: E=%d top-k=%d H=%d F=%d, %d x GPU (EP=%d x TP=%d), %d tokens; the step "
                "(forward_train + backward, bf16 weight gradients), bf16 and fp8 fused, \"fp8 seq\" the FP8 "
-               "sequential step (NCCL, cuBLASLt), in turns, median of %d\n", label, E, cfg->top_k, H, cfg->ffn, R,
-               R / tp, tp, M, o->iters);
+               "sequential step (NCCL, cuBLASLt), in turns, median of %d%s\n", label, E, cfg->top_k, H, cfg->ffn, R,
+               R / tp, tp, M, o->iters,
+               o->wgrad_cublaslt ? "; the fused FP8 layer's weight gradients by cuBLASLt (fp8_wgrad_cublaslt)" : "");
         printf("%-16s %12s %12s %9s %12s %8s %16s %14s %9s %9s %9s\n", "case", "bf16 step ms", "fp8 step ms",
                "bf16/fp8", "fp8 seq ms", "seq/fp8", "FP8 weights ms", "saved fp8/bf16", "dx", "dW13", "dW2");
         printf("%-16s %12.3f %12.3f %9.2f %12.3f %8.2f %16.3f %14.2f %9.2e %9.2e %9.2e%s\n", label, ms[0], ms[3],
@@ -281,6 +282,7 @@ int bench_fp8_case(const cometi_rank_ctx_t *ctx, const tool_options_t *o, comet_
     const int tp = cfg->tp_size > 0 ? cfg->tp_size : 1, Fl = F / tp, per = E / (R / tp);
     comet_moe_config_t c8 = *cfg;
     c8.dtype = COMET_DTYPE_FP8_BLOCK;
+    c8.fp8_wgrad_cublaslt = o->wgrad_cublaslt;
     comet_moe_t m16, m8;
     FAIL_IF(comet_moe_create(comm, cfg, &m16) != COMET_SUCCESS, "comet_moe_create(%s): %s", label,
             comet_last_create_error());

@@ -206,6 +206,9 @@ static const flag_t flags[] = {
      "with --train, the FP8 training step beside the bf16 one and the FP8 sequential step instead, in turns, "
      "with the FP8 weights' copies, "
      "the saved bytes and 1 - 2xy/(x^2+y^2) of dx and the weight gradients"},
+    {"--fp8-wgrad-cublaslt", NULL, CMD_BENCH, set_switch, AT(o.wgrad_cublaslt), 1, 0,
+     "with --fp8 --train, the FP8 layer made with config.fp8_wgrad_cublaslt = 1: its weight gradients as "
+     "cuBLASLt's GEMM per expert, on counts the backward waits for on the host"},
     {"--fp8", NULL, CMD_GEMM, set_switch, AT(o.fp8), 1, 0,
      "instead, the block-scaled FP8 forward GEMMs (E4M3, 1 x 128 and 128 x 128 scales) beside cuBLASLt's "
      "block-scaled FP8 GEMM per expert and our bf16 GEMM (ours on the schedule the layer picks for those rows: "
@@ -619,6 +622,11 @@ static int check_combinations(cli_t *c)
         fprintf(stderr, "comet %s: --fp8 times its own table: leave out %s\n", cmd,
                 o->suite ? "--suite" : o->sweep ? "--sweep" : given(c, "--impl") ? "--impl"
                 : given(c, "--json") ? "--json" : "--trace");
+        return -1;
+    }
+    if (o->wgrad_cublaslt && !(o->fp8 && o->train)) {
+        fprintf(stderr, "comet bench: --fp8-wgrad-cublaslt sets the FP8 training step's weight gradients: give "
+                "--fp8 --train with it\n");
         return -1;
     }
     if (gemm && o->trace && !o->fp8) {

@@ -59,6 +59,7 @@ typedef struct tool_options {
     int check;                       /* float64 check of sample tokens */
     int trace;                       /* --trace: where the fused kernels' time goes, per SM */
     int train;                       /* --train: forward_train, backward and the step, per impl */
+    int wgrad_cublaslt;              /* --fp8-wgrad-cublaslt: the FP8 layer's config.fp8_wgrad_cublaslt */
     const char *json;
     const char *tune_out;            /* comet tune: the tuning file the best settings go to */
     uint64_t seed;

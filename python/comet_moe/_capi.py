@@ -101,6 +101,7 @@ class MoeConfigStruct(ctypes.Structure):
         ("dtype", c_int),  # comet_dtype_t
         ("resend_x", c_int),
         ("fp8_pow2_scales", c_int),
+        ("fp8_wgrad_cublaslt", c_int),
     ]
 
     def __init__(self, **fields):

@@ -29,7 +29,7 @@ from .checks import INT_MAX, c_range, check_int
 from .errors import check
 
 _FIELDS = ("hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size", "tp_size", "resend_x", "dtype",
-           "fp8_pow2_scales")
+           "fp8_pow2_scales", "fp8_wgrad_cublaslt")
 # Every field of comet_moe_config_t (size, magic, version and dtype too) with its range.
 _LIMITS = {name: c_range(ctype) for name, ctype in _capi.MoeConfigStruct._fields_}
 _DTYPES = {name: code for code, name in _capi.DTYPE_NAMES.items()}  # "bf16" -> COMET_DTYPE_BF16, ...
@@ -50,15 +50,18 @@ def parse_dtype(value) -> int:
     return code
 
 
-def _parse_pow2(value) -> int:
-    """fp8_pow2_scales: a bool, or 0 / 1."""
+_SWITCHES = {"fp8_pow2_scales": "False / 0 (scales amax / 448) or True / 1 (the power of two at or above it)",
+             "fp8_wgrad_cublaslt": "False / 0 (comet's weight-gradient GEMM) or True / 1 (cuBLASLt's, per expert)"}
+
+
+def _parse_switch(name, value) -> int:
+    """fp8_pow2_scales, fp8_wgrad_cublaslt: a bool, or 0 / 1."""
     if isinstance(value, bool):
         return int(value)
-    lo, hi, ctype = _LIMITS["fp8_pow2_scales"]
-    v = check_int("MoeConfig.fp8_pow2_scales", value, lo, hi, ctype)
+    lo, hi, ctype = _LIMITS[name]
+    v = check_int(f"MoeConfig.{name}", value, lo, hi, ctype)
     if v not in (0, 1):
-        raise ValueError(f"MoeConfig.fp8_pow2_scales = {v}: expected False / 0 (scales amax / 448) or True / 1 "
-                         f"(the power of two at or above it)")
+        raise ValueError(f"MoeConfig.{name} = {v}: expected {_SWITCHES[name]}")
     return v
 
 
@@ -86,8 +89,10 @@ class MoeConfig(_capi.MoeConfigStruct):
     weights; read back as comet_dtype_t's int, dtype_name gives the name) and
     fp8_pow2_scales (FP8: the scales comet makes, for x's rows and the activation, and in
     training dy's rows, [g u] kept in E4M3 and the weight gradients' operands, rounded up
-    to powers of two). size, magic and version are set as COMET_MOE_CONFIG_INIT sets
-    them.
+    to powers of two) and fp8_wgrad_cublaslt (FP8 training: the weight gradients as
+    cuBLASLt's GEMM per expert, faster on large experts, for a host wait in each backward,
+    which then cannot be captured in a CUDA graph; comet.h says more). size, magic and
+    version are set as COMET_MOE_CONFIG_INIT sets them.
 
     Made with its sizes (MoeConfig(hidden=..., ...)) or from a preset, a config is checked
     at once for what no world size makes right (see the module's note); MoeConfig() with
@@ -95,10 +100,11 @@ class MoeConfig(_capi.MoeConfigStruct):
 
     def __init__(self, hidden: int = 0, ffn: int = 0, num_experts: int = 0, top_k: int = 0,
                  max_tokens: int = 0, ep_size: int = 0, tp_size: int = 0, resend_x: int = 0, dtype="bf16",
-                 fp8_pow2_scales=False):
+                 fp8_pow2_scales=False, fp8_wgrad_cublaslt=False):
         super().__init__(hidden=hidden, ffn=ffn, num_experts=num_experts, top_k=top_k, max_tokens=max_tokens,
                          ep_size=ep_size, tp_size=tp_size, resend_x=resend_x, dtype=dtype,
-                         fp8_pow2_scales=fp8_pow2_scales)  # each through __setattr__'s check
+                         fp8_pow2_scales=fp8_pow2_scales,
+                         fp8_wgrad_cublaslt=fp8_wgrad_cublaslt)  # each through __setattr__'s check
         self._check_any_world()
 
     @classmethod
@@ -128,8 +134,8 @@ class MoeConfig(_capi.MoeConfigStruct):
             raise AttributeError(f"MoeConfig has no field {name!r}; fields: {', '.join(_FIELDS)}")
         if name == "dtype":
             value = parse_dtype(value)
-        elif name == "fp8_pow2_scales":
-            value = _parse_pow2(value)
+        elif name in _SWITCHES:
+            value = _parse_switch(name, value)
         lo, hi, ctype = _LIMITS[name]
         super().__setattr__(name, check_int(f"MoeConfig.{name}", value, lo, hi, ctype))
 

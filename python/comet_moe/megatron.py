@@ -136,16 +136,20 @@ def _layer_class():
         again (comet_moe_config_t.resend_x): less memory per layer in flight, for a
         receive buffer that grows once per handle (it pays from two layers in flight).
         fp8_gate_up: in FP8, "e4m3" keeps each row's gate and up in E4M3 between the
-        forward and the backward (comet_moe.Moe's fp8_gate_up): about half the memory."""
+        forward and the backward (comet_moe.Moe's fp8_gate_up): about half the memory.
+        fp8_wgrad_cublaslt: in FP8, the weight gradients as cuBLASLt's GEMM per expert
+        (comet_moe_config_t.fp8_wgrad_cublaslt): faster on large experts, for a host wait
+        in each backward, which then cannot be captured in a CUDA graph."""
 
         def __init__(self, config, max_tokens: int, pg_collection=None, layer_number=None, *, comm=None,
                      moe=None, impl="auto", max_recv_rows: int = 0, grad_accumulation: str = "main_grad",
                      share_handle: bool = True, resend_x: bool = False, fp8: bool = False,
-                     fp8_gate_up: str = "bf16"):
+                     fp8_gate_up: str = "bf16", fp8_wgrad_cublaslt: bool = False):
             super().__init__()
             from megatron.core.transformer.moe.router import TopKRouter
             cfg = moe_config_from_megatron(config, max_tokens, fp8)
             cfg.resend_x = int(bool(resend_x))
+            cfg.fp8_wgrad_cublaslt = bool(fp8_wgrad_cublaslt)
             self.config, self.layer_number, self.impl = config, layer_number, impl
             if pg_collection is None:
                 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection

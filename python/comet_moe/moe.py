@@ -52,7 +52,7 @@ def _ptr(t):
 
 # A layer's config as plain ints, which torch.compile reads where it cannot read a ctypes field.
 _Shape = collections.namedtuple("_Shape", "hidden ffn num_experts top_k max_tokens ep_size tp_size resend_x dtype "
-                                          "fp8_pow2_scales")
+                                          "fp8_pow2_scales fp8_wgrad_cublaslt")
 
 
 # The open layers by id. torch's custom operators (ops.py) name their layer by this int:

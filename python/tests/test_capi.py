@@ -128,7 +128,8 @@ MIRRORS = {
 # the layout computed from the header.
 GCC_X86_64 = {
     "comet_comm_config_t": (24, {"timeout_ms": 16}),
-    "comet_moe_config_t": (56, {"hidden": 16, "dtype": 44, "resend_x": 48, "fp8_pow2_scales": 52}),
+    "comet_moe_config_t": (64, {"hidden": 16, "dtype": 44, "resend_x": 48, "fp8_pow2_scales": 52,
+                                "fp8_wgrad_cublaslt": 56}),
     "comet_moe_weights_t": (32, {"down": 24}),
     "comet_moe_weight_scales_t": (32, {"down": 24}),
     "comet_moe_args_t": (136, {"num_tokens": 16, "x": 24, "topk_ids": 32, "topk_weights": 40, "weights": 48,
@@ -518,8 +519,9 @@ def test_presets_from_the_library():
              "presets()")
     m = comet_moe.MoeConfig.preset("mixtral-8x7b", max_tokens=8192)
     check_eq(m.as_dict(), dict(hidden=4096, ffn=14336, num_experts=8, top_k=2, max_tokens=8192, ep_size=0,
-                               tp_size=0, resend_x=0, dtype="bf16", fp8_pow2_scales=0), "mixtral-8x7b")
-    check_eq((m.size, m.magic, m.version, m.dtype), (56, _capi.STRUCT_MAGIC, _capi.API_VERSION, 0), "header fields")
+                               tp_size=0, resend_x=0, dtype="bf16", fp8_pow2_scales=0, fp8_wgrad_cublaslt=0),
+             "mixtral-8x7b")
+    check_eq((m.size, m.magic, m.version, m.dtype), (64, _capi.STRUCT_MAGIC, _capi.API_VERSION, 0), "header fields")
     t = comet_moe.MoeConfig.preset("tiny", 100, ffn=256, top_k=4)
     check_eq((t.hidden, t.ffn, t.num_experts, t.top_k, t.max_tokens), (256, 256, 8, 4, 100), "tiny with overrides")
     check(t.copy() == t and t.copy() is not t, "copy() equals and is new")
@@ -529,7 +531,7 @@ def test_presets_from_the_library():
     raises(ValueError, lambda: comet_moe.MoeConfig(max_tokens=2**31), "MoeConfig.max_tokens = 2147483648")
     raises(TypeError, lambda: comet_moe.MoeConfig(hidden=4096.0), "MoeConfig.hidden = 4096.0", "int")
     blank = comet_moe.MoeConfig._blank()  # internal: the struct as COMET_MOE_CONFIG_INIT, for copies and presets
-    check_eq((blank.size, blank.hidden, blank.max_tokens), (56, 0, 0), "an unchecked blank config")
+    check_eq((blank.size, blank.hidden, blank.max_tokens), (64, 0, 0), "an unchecked blank config")
 
 
 def test_config_refuses_ints_ctypes_would_truncate():
@@ -617,6 +619,26 @@ def test_config_takes_the_fp8_format_by_name():
     # Powers of two are for FP8 scales: comet refuses them on a bf16 config, in its words.
     raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig(**good, fp8_pow2_scales=True),
            "config.fp8_pow2_scales = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK")
+
+
+def test_config_takes_the_fp8_weight_gradients_switch():
+    """fp8_wgrad_cublaslt: a bool or 0 / 1 at byte 56, for FP8 configs (comet refuses it on
+    bf16, in its words), in repr and as_dict; anything else refused as it is set."""
+    good = dict(hidden=512, ffn=256, num_experts=8, top_k=2, max_tokens=64)
+    cfg = comet_moe.MoeConfig(**good, dtype="fp8", fp8_wgrad_cublaslt=True)
+    check_eq((cfg.fp8_wgrad_cublaslt, bytes(cfg)[56]), (1, 1), "fp8_wgrad_cublaslt=True")
+    check_eq(bytes(comet_moe.MoeConfig(**good, dtype="fp8"))[56], 0, "the default: comet's weight gradients")
+    check("fp8_wgrad_cublaslt=1" in repr(cfg), f"repr: {cfg!r}")
+    check_eq(comet_moe.MoeConfig(**cfg.as_dict()), cfg, "MoeConfig(**cfg.as_dict()) gives the config back")
+    check(cfg.validate(2) is cfg, "passes comet's validate")
+    before = cfg.copy()
+    for bad, exc, words in ((2, ValueError, ("MoeConfig.fp8_wgrad_cublaslt = 2", "True / 1 (cuBLASLt's")),
+                            (-1, ValueError, ("MoeConfig.fp8_wgrad_cublaslt = -1",)),
+                            ("on", TypeError, ("MoeConfig.fp8_wgrad_cublaslt = 'on'",))):
+        raises(exc, lambda: setattr(cfg, "fp8_wgrad_cublaslt", bad), *words)
+    check(cfg == before, f"a refused assignment changed the config: {cfg!r}")
+    raises(comet_moe.CometInvalidArgumentError, lambda: comet_moe.MoeConfig(**good, fp8_wgrad_cublaslt=1),
+           "config.fp8_wgrad_cublaslt = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK")
 
 
 def test_validate_refuses_a_world_size_ctypes_would_truncate():

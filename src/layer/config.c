@@ -108,6 +108,12 @@ comet_status_t comet_moe_config_validate(const comet_moe_config_t *c, int world,
     if (c->fp8_pow2_scales && c->dtype != COMET_DTYPE_FP8_BLOCK)
         return bad(msg, len, INVAL, "config.fp8_pow2_scales = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK (dtype "
                    "is %d)", (int)c->dtype);
+    if (c->fp8_wgrad_cublaslt != 0 && c->fp8_wgrad_cublaslt != 1)
+        return bad(msg, len, INVAL, "config.fp8_wgrad_cublaslt = %d: must be 0 (comet's weight-gradient GEMM) or 1 "
+                   "(cuBLASLt's, per expert)", c->fp8_wgrad_cublaslt);
+    if (c->fp8_wgrad_cublaslt && c->dtype != COMET_DTYPE_FP8_BLOCK)
+        return bad(msg, len, INVAL, "config.fp8_wgrad_cublaslt = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK (dtype "
+                   "is %d)", (int)c->dtype);
     if (c->resend_x != 0 && c->resend_x != 1)
         return bad(msg, len, INVAL, "config.resend_x = %d: must be 0 (the saved state keeps x's rows) or 1 (the "
                    "backward sends x again)", c->resend_x);

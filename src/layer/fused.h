@@ -24,6 +24,12 @@ typedef struct cometi_fp8_train {
     void *dy_t, *wa_t, *dh_t, *x_t;                 /* cols H, F, 2F, H */
     float *dy_t_scales, *wa_t_scales, *dh_t_scales, *x_t_scales;
     int64_t ld;         /* R rounded up to 128 */
+    /* config.fp8_wgrad_cublaslt: cuBLASLt's GEMMs for the weight gradients, with each
+     * expert's segment copied to the host once the backward's route has made it: */
+    struct cometi_blaslt_fp8 *lt;
+    cometi_segment_t *segs_host;  /* [experts_per_group], pinned */
+    cudaEvent_t segs_copied;
+    int64_t *k_start, *k_len;     /* [experts_per_group]: blaslt's groups */
 } cometi_fp8_train_t;
 
 struct cometi_fused {

@@ -52,8 +52,27 @@ void cometi_fp8_train_free(struct cometi_fused *f)
     void *bufs[] = {t->s, t->dh_scales, t->dot_parts, t->dy_t, t->wa_t, t->dh_t, t->x_t, t->dy_t_scales,
                     t->wa_t_scales, t->dh_t_scales, t->x_t_scales};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
+    cometi_blaslt_fp8_destroy(t->lt);
+    cudaFreeHost(t->segs_host);
+    if (t->segs_copied) cudaEventDestroy(t->segs_copied);
+    free(t->k_start);
+    free(t->k_len);
     free(t);
     f->fp8 = NULL;
+}
+
+/* config.fp8_wgrad_cublaslt's: the cuBLASLt handle, the segments' host copy and its event
+ * (on failure t is left for cometi_fp8_train_free). */
+static comet_status_t lt_alloc(comet_moe_t moe, int per, cometi_fp8_train_t *t)
+{
+    COMETI_TRY(cometi_blaslt_fp8_create(moe->err, &t->lt));
+    t->k_start = malloc(sizeof(int64_t) * per);
+    t->k_len = malloc(sizeof(int64_t) * per);
+    if (!t->k_start || !t->k_len) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training: out of host memory");
+    COMETI_TRY(cometi_cuda(moe->err, cudaMallocHost((void **)&t->segs_host, sizeof(cometi_segment_t) * per),
+                           "FP8 training: cudaMallocHost(the experts' segments)"));
+    return cometi_cuda(moe->err, cudaEventCreateWithFlags(&t->segs_copied, cudaEventDisableTiming),
+                       "FP8 training: cudaEventCreate");
 }
 
 /* The FP8 backward's workspaces on this rank: 0, or the failure with its message. */
@@ -83,7 +102,7 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, struct cometi_fused *f)
             return st;
         }
     }
-    return COMET_SUCCESS;
+    return moe->cfg.fp8_wgrad_cublaslt ? lt_alloc(moe, f->l0.experts_per_group, t) : COMET_SUCCESS;
 }
 
 /* The FP8 backward's workspaces, made once per handle by its first FP8 training forward
@@ -325,6 +344,39 @@ static comet_moe_args_t backward_args(const struct cometi_fused *f, const comet_
     return a;
 }
 
+/* config.fp8_wgrad_cublaslt: the route's segments to the host, for cuBLASLt's per-expert
+ * GEMMs (lt_weight_grads waits for them). */
+static comet_status_t copy_segments(char *err, const cometi_fp8_train_t *t, const cometi_segment_t *segs, int per,
+                                    cudaStream_t stream)
+{
+    COMETI_TRY(cometi_cuda(err, cudaMemcpyAsync(t->segs_host, segs, sizeof(cometi_segment_t) * per,
+                                                cudaMemcpyDeviceToHost, stream),
+                           "copy the experts' segments to the host"));
+    return cometi_cuda(err, cudaEventRecord(t->segs_copied, stream), "record the segments' copy");
+}
+
+/* The weight gradients as cuBLASLt's 1 x 128 by 1 x 128 GEMM per expert on the same E4M3
+ * operands (each segment's k rounded up to whole 128-token blocks, zeros past its rows as
+ * the casts leave them), once the copy above has landed: the host waits here, while the
+ * GPU runs what was enqueued before. */
+static comet_status_t lt_weight_grads(char *err, cometi_fp8_train_t *t, int per, int H, int F,
+                                      const comet_moe_weight_grads_t *grads, cudaStream_t stream)
+{
+    COMETI_TRY(cometi_cuda(err, cudaEventSynchronize(t->segs_copied), "wait for the experts' segments"));
+    for (int e = 0; e < per; e++) {
+        t->k_start[e] = t->segs_host[e].start;
+        t->k_len[e] = ((int64_t)t->segs_host[e].rows + 127) / 128 * 128;
+    }
+    const int fp32 = grads->mode == COMET_GRAD_ACCUMULATE_FP32;
+    if (grads->down) /* both but in cometi_moe_backward_gemms, which times one at a time */
+        COMETI_TRY(cometi_blaslt_fp8_wgrad(err, t->lt, per, t->k_start, t->k_len, H, F, t->dy_t, t->ld,
+                                           t->dy_t_scales, t->wa_t, t->ld, t->wa_t_scales, grads->down, fp32, fp32,
+                                           stream));
+    if (!grads->gate_up) return COMET_SUCCESS;
+    return cometi_blaslt_fp8_wgrad(err, t->lt, per, t->k_start, t->k_len, 2 * F, H, t->dh_t, t->ld, t->dh_t_scales,
+                                   t->x_t, t->ld, t->x_t_scales, grads->gate_up, fp32, fp32, stream);
+}
+
 /* FP8, between the dgrad GEMM of W2 and that of W13: SwiGLU's backward straight into its
  * FP8 outputs in one kernel ((w a)^T and dh^T along the tokens, dh's rows in the saved
  * [g u]'s bytes, and <s, a>), then dy and x cast along the tokens from their E4M3 rows.
@@ -355,7 +407,7 @@ static comet_status_t backward_fp8_operands(comet_moe_t moe, struct cometi_fused
                                               e4m3_rows[i].n, segs, per, e4m3_rows[i].qt, t->ld, e4m3_rows[i].scales,
                                               1, H, pow2, stream),
                                e4m3_rows[i].what));
-    return COMET_SUCCESS;
+    return t->lt ? copy_segments(comm->err, t, segs, per, stream) : COMET_SUCCESS;
 }
 
 /* The weight gradients, put beside the combine of the dgrad GEMM of W13 (between it and
@@ -363,13 +415,31 @@ static comet_status_t backward_fp8_operands(comet_moe_t moe, struct cometi_fused
 typedef struct weight_grads {
     char *err;
     const cometi_gemm_t *down, *gate_up;
+    cometi_fp8_train_t *lt_fp8; /* config.fp8_wgrad_cublaslt: cuBLASLt's instead (the rest below) */
+    int per, H, F;
+    const comet_moe_weight_grads_t *grads;
 } weight_grads_t;
 
 static comet_status_t run_weight_grads(void *ctx, cudaStream_t stream)
 {
     const weight_grads_t *w = (const weight_grads_t *)ctx;
+    if (w->lt_fp8) return lt_weight_grads(w->err, w->lt_fp8, w->per, w->H, w->F, w->grads, stream);
     COMETI_TRY(cometi_gemm_run(w->err, w->down, stream));
     return cometi_gemm_run(w->err, w->gate_up, stream);
+}
+
+/* config.fp8_wgrad_cublaslt's refusal, before anything is enqueued: the host cannot wait
+ * for the counts inside a capture. (cuBLASLt's shape limits, m and n multiples of 8, hold
+ * for every FP8 training config: hidden is a multiple of 64, ffn / tp of 128.) */
+static comet_status_t lt_check(comet_moe_t moe, cudaStream_t stream)
+{
+    enum cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    COMETI_TRY(cometi_cuda(moe->err, cudaStreamIsCapturing(stream, &capturing), "cudaStreamIsCapturing"));
+    if (capturing != cudaStreamCaptureStatusNone)
+        return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "backward under CUDA-graph capture with config."
+                           "fp8_wgrad_cublaslt = 1: cuBLASLt's weight gradients take each expert's rows on the host, "
+                           "which a captured graph cannot read; capture a layer made with 0");
+    return COMET_SUCCESS;
 }
 
 comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_args_t *ba, cudaStream_t stream)
@@ -389,6 +459,8 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
     cometi_gemm_prepared_t check;
     const cometi_gemm_t *later[3] = {&g.dgrad_gate_up, &g.wgrad_down, &g.wgrad_gate_up};
     for (int i = 0; i < 3; i++) COMETI_TRY(cometi_gemm_prepare(moe->err, later[i], &check));
+    cometi_fp8_train_t *lt = fp8 && t->lt ? t : NULL;
+    if (lt) COMETI_TRY(lt_check(moe, stream));
     cometi_dispatch_knobs_t k0 = f->k0;
     k0.first_wave = -1;
     sv->filled = 0; /* consumed, whatever happens next */
@@ -428,7 +500,7 @@ comet_status_t cometi_fused_backward(comet_moe_t moe, const comet_moe_backward_a
         st = cometi_cuda(comm->err, cometi_launch_zero_padding(&pad, segs, per, sv->cap_rows, comm->sm_count, stream),
                          "launch zero_padding_kernel");
     /* 4 and 5. */
-    weight_grads_t wg = {comm->err, &g.wgrad_down, &g.wgrad_gate_up};
+    weight_grads_t wg = {comm->err, &g.wgrad_down, &g.wgrad_gate_up, lt, per, H, F, &ba->grads};
     const cometi_combine_between_t between = {run_weight_grads, &wg};
     if (st == COMET_SUCCESS)
         st = cometi_gemm_combine_run_core(comm, &f->l1, &f->l0, &a, &g.dgrad_gate_up, &f->k1, &between, stream);
@@ -456,7 +528,18 @@ comet_status_t cometi_moe_backward_gemms(comet_moe_t moe, const comet_moe_backwa
     g.dgrad_down.launch.tail_ws = NULL;
     g.dgrad_gate_up.launch.tail_ws = NULL;
     const cometi_gemm_t *all[4] = {&g.dgrad_down, &g.dgrad_gate_up, &g.wgrad_down, &g.wgrad_gate_up};
-    for (int i = 0; i < 4; i++)
-        if (!mask || mask & (1 << i)) COMETI_TRY(cometi_gemm_run(moe->err, all[i], stream));
+    cometi_fp8_train_t *t = f->l0.fp8 ? f->fp8 : NULL;
+    for (int i = 0; i < 4; i++) {
+        if (mask && !(mask & (1 << i))) continue;
+        if (i >= 2 && t && t->lt) { /* cuBLASLt's, one weight at a time */
+            COMETI_TRY(copy_segments(moe->err, t, f->l0.route.plan.local_segs, f->l0.experts_per_group, stream));
+            comet_moe_weight_grads_t one = ba->grads;
+            *(i == 2 ? &one.gate_up : &one.down) = NULL;
+            COMETI_TRY(lt_weight_grads(moe->err, t, f->l0.experts_per_group, moe->cfg.hidden, moe->ffn_local, &one,
+                                       stream));
+            continue;
+        }
+        COMETI_TRY(cometi_gemm_run(moe->err, all[i], stream));
+    }
     return COMET_SUCCESS;
 }
