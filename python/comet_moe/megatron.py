@@ -78,11 +78,12 @@ def check_megatron_config(config) -> None:
                          f"throughout (fp8 'e4m3', fp8_recipe 'blockwise': DeepSeek-V3's recipe)")
 
 
-def moe_config_from_megatron(config, max_tokens: int, fp8: bool = False):
+def moe_config_from_megatron(config, max_tokens: int, fp8: bool = False, fp8_wgrad_cublaslt: bool = False):
     """comet's MoeConfig for a Megatron TransformerConfig (checked first), max_tokens the
     most tokens one rank passes in a call (sequence length x micro-batch size, divided by
     the tensor-parallel size under sequence parallelism): block-scaled FP8 where the config
-    says fp8 'e4m3' with fp8_recipe 'blockwise', or `fp8`; else bf16."""
+    says fp8 'e4m3' with fp8_recipe 'blockwise', or `fp8`; else bf16. fp8_wgrad_cublaslt:
+    comet_moe_config_t's (FP8 only: comet refuses it on bf16, naming the field)."""
     from .config import MoeConfig
     check_megatron_config(config)
     ffn = _field(config, "moe_ffn_hidden_size") or _field(config, "ffn_hidden_size")
@@ -92,7 +93,8 @@ def moe_config_from_megatron(config, max_tokens: int, fp8: bool = False):
     return MoeConfig(hidden=int(config.hidden_size), ffn=int(ffn), num_experts=int(config.num_moe_experts),
                      top_k=int(config.moe_router_topk), max_tokens=max_tokens,
                      ep_size=int(_field(config, "expert_model_parallel_size", 1) or 1), tp_size=int(etp),
-                     dtype="fp8" if fp8 or _field(config, "fp8") else "bf16")
+                     dtype="fp8" if fp8 or _field(config, "fp8") else "bf16",
+                     fp8_wgrad_cublaslt=bool(fp8_wgrad_cublaslt))
 
 
 # (process group or Comm, the handle's settings, Comm, Moe, whether the Comm was made here)
@@ -147,9 +149,8 @@ def _layer_class():
                      fp8_gate_up: str = "bf16", fp8_wgrad_cublaslt: bool = False):
             super().__init__()
             from megatron.core.transformer.moe.router import TopKRouter
-            cfg = moe_config_from_megatron(config, max_tokens, fp8)
+            cfg = moe_config_from_megatron(config, max_tokens, fp8, fp8_wgrad_cublaslt)
             cfg.resend_x = int(bool(resend_x))
-            cfg.fp8_wgrad_cublaslt = bool(fp8_wgrad_cublaslt)
             self.config, self.layer_number, self.impl = config, layer_number, impl
             if pg_collection is None:
                 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection

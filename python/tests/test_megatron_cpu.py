@@ -46,6 +46,15 @@ def test_megatron_config_mapping():
     cfg = moe_config_from_megatron(megatron_config(fp8="e4m3", fp8_recipe="blockwise"), max_tokens=128)
     check_eq(cfg.dtype_name, "fp8", "fp8 'e4m3' with fp8_recipe 'blockwise'")
     check_eq(moe_config_from_megatron(megatron_config(), max_tokens=128, fp8=True).dtype_name, "fp8", "fp8=True")
+    # cuBLASLt's FP8 weight gradients: an FP8 layer's setting, refused by comet on bf16.
+    cfg = moe_config_from_megatron(megatron_config(), max_tokens=128, fp8=True, fp8_wgrad_cublaslt=True)
+    check_eq((cfg.dtype_name, cfg.fp8_wgrad_cublaslt), ("fp8", 1), "fp8_wgrad_cublaslt=True")
+    check_eq(moe_config_from_megatron(megatron_config(), max_tokens=128, fp8=True).fp8_wgrad_cublaslt, 0,
+             "comet's weight gradients by default")
+    from comet_moe import CometInvalidArgumentError
+    raises(CometInvalidArgumentError,
+           lambda: moe_config_from_megatron(megatron_config(), max_tokens=128, fp8_wgrad_cublaslt=True),
+           "config.fp8_wgrad_cublaslt = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK")
 
 
 def test_megatron_config_refusals_name_the_field():
