@@ -42,11 +42,11 @@ void cometi_baseline_fp8_train_free(cometi_baseline_t *b)
 {
     cometi_baseline_fp8_train_t *t = b->fp8_train;
     if (!t) return;
-    void *bufs[] = {t->dh_scales, t->dh_packed, t->dy_t, t->x_t, t->wa_t, t->dh_t, t->dy_t_scales, t->x_t_scales,
-                    t->wa_t_scales, t->dh_t_scales, t->wt_down_scales, t->wt_gate_up_scales};
+    void *bufs[] = {t->dh_scales, t->dh_packed, t->wg.dy_t, t->wg.x_t, t->wg.wa_t, t->wg.dh_t, t->wg.dy_t_scales,
+                    t->wg.x_t_scales, t->wg.wa_t_scales, t->wg.dh_t_scales, t->wt_down_scales, t->wt_gate_up_scales};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
-    free(t->k_start);
-    free(t->k_len);
+    free(t->wg.k_start);
+    free(t->wg.k_len);
     free(t);
     b->fp8_train = NULL;
 }
@@ -58,25 +58,26 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, cometi_baseline_t *b)
     cometi_baseline_fp8_train_t *t = calloc(1, sizeof(*t));
     const int per = moe->experts_per_rank;
     if (t) {
-        t->k_start = malloc(sizeof(int64_t) * (per + 1));
-        t->k_len = malloc(sizeof(int64_t) * (per + 1));
+        t->wg.k_start = malloc(sizeof(int64_t) * (per + 1));
+        t->wg.k_len = malloc(sizeof(int64_t) * (per + 1));
     }
     b->fp8_train = t;
-    if (!t || !t->k_start || !t->k_len) {
+    if (!t || !t->wg.k_start || !t->wg.k_len) {
         cometi_baseline_fp8_train_free(b);
         return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training (sequential): out of host memory");
     }
     const int64_t R = moe->max_recv_rows, H = moe->cfg.hidden, F = moe->ffn_local, L2 = 2 * F / 128;
-    t->ld = ceil_div(R, 128) * 128;
-    const int64_t blocks = t->ld / 128;
+    t->wg.ld = ceil_div(R, 128) * 128;
+    const int64_t blocks = t->wg.ld / 128;
     struct { void **p; size_t bytes; } a[] = {
         {(void **)&t->dh_scales, sizeof(float) * L2 * R},
         {(void **)&t->dh_packed, sizeof(float) * L2 * R},
-        {&t->dy_t, (size_t)H * t->ld}, {&t->x_t, (size_t)H * t->ld},
-        {&t->wa_t, (size_t)F * t->ld}, {&t->dh_t, (size_t)2 * F * t->ld},
-        {(void **)&t->dy_t_scales, sizeof(float) * blocks * H}, {(void **)&t->x_t_scales, sizeof(float) * blocks * H},
-        {(void **)&t->wa_t_scales, sizeof(float) * blocks * F},
-        {(void **)&t->dh_t_scales, sizeof(float) * blocks * 2 * F},
+        {&t->wg.dy_t, (size_t)H * t->wg.ld}, {&t->wg.x_t, (size_t)H * t->wg.ld},
+        {&t->wg.wa_t, (size_t)F * t->wg.ld}, {&t->wg.dh_t, (size_t)2 * F * t->wg.ld},
+        {(void **)&t->wg.dy_t_scales, sizeof(float) * blocks * H},
+        {(void **)&t->wg.x_t_scales, sizeof(float) * blocks * H},
+        {(void **)&t->wg.wa_t_scales, sizeof(float) * blocks * F},
+        {(void **)&t->wg.dh_t_scales, sizeof(float) * blocks * 2 * F},
         {(void **)&t->wt_down_scales, sizeof(float) * per * (F / 128) * cometi_blaslt_fp8_b_scale_ld((int)H)},
         {(void **)&t->wt_gate_up_scales,
          sizeof(float) * per * ceil_div(H, 128) * cometi_blaslt_fp8_b_scale_ld((int)(2 * F))},
@@ -136,7 +137,7 @@ comet_status_t cometi_baseline_fp8_send(comet_moe_t moe, cometi_baseline_t *b, c
     const int64_t R = moe->max_recv_rows, rows = sv->cap_rows < R ? sv->cap_rows : R;
     /* 0. */
     const float *kept_s = (const float *)((const uint8_t *)sv->recv + (size_t)sv->cap_rows * H);
-    COMETI_TRY(cast_along_tokens(moe, sv, sv->recv, kept_s, rows, t->x_t, t->x_t_scales, t->ld,
+    COMETI_TRY(cast_along_tokens(moe, sv, sv->recv, kept_s, rows, t->wg.x_t, t->wg.x_t_scales, t->wg.ld,
                                  "cast x^T to FP8 along the tokens", stream));
     /* 1. and 2. */
     COMETI_TRY(quantize_to_send_order(moe, b, sv, args->dy, "launch quantize_rows_kernel (dy)", stream));
@@ -160,7 +161,6 @@ comet_status_t cometi_baseline_fp8_experts(comet_moe_t moe, cometi_baseline_t *b
     const int per = moe->experts_per_rank, H = moe->cfg.hidden, F = moe->ffn_local, pow2 = moe->cfg.fp8_pow2_scales;
     const int L2 = 2 * F / 128;
     const int64_t R = moe->max_recv_rows, rows = sv->cap_rows < R ? sv->cap_rows : R;
-    const int fp32 = args->grads.mode == COMET_GRAD_ACCUMULATE_FP32;
     const comet_moe_weights_t *wt = &args->weights_t;
     const comet_moe_weight_scales_t *wts = &args->weight_t_scales;
     COMETI_TRY(cometi_baseline_injected_failure(moe, b));
@@ -175,9 +175,9 @@ comet_status_t cometi_baseline_fp8_experts(comet_moe_t moe, cometi_baseline_t *b
      * and each row's <s, a>. */
     COMETI_TRY(cometi_cuda(err, cometi_launch_swiglu_backward_e4m3(sv->h, sv->h_scales, sv->cap_rows, b->act, F,
                                                                    sv->segs, per, sv->max_seg_rows, rows, b->w_recv,
-                                                                   b->dw_recv, t->dh_scales, R, t->wa_t,
-                                                                   t->wa_t_scales, t->dh_t, t->dh_t_scales, t->ld,
-                                                                   pow2, stream),
+                                                                   b->dw_recv, t->dh_scales, R, t->wg.wa_t,
+                                                                   t->wg.wa_t_scales, t->wg.dh_t, t->wg.dh_t_scales,
+                                                                   t->wg.ld, pow2, stream),
                            "launch SwiGLU's FP8 backward"));
     /* dx rows = dh W13: dh's scales (MN-major, [L2][R]) packed by group, W13^T [H][2F]. */
     COMETI_TRY(cometi_cuda(err, cometi_launch_fp8_pack_groups(b->groups, per, max_padded, t->dh_scales, 1, R, L2,
@@ -188,15 +188,7 @@ comet_status_t cometi_baseline_fp8_experts(comet_moe_t moe, cometi_baseline_t *b
                                          wt->gate_up, s_gate_up, b->out, H, stream));
     /* The weight gradients, k each expert's tokens in whole 128-token blocks (the casts wrote
      * zeros past each segment's end). */
-    COMETI_TRY(cast_along_tokens(moe, sv, b->recv_q, b->recv_s, R, t->dy_t, t->dy_t_scales, t->ld,
+    COMETI_TRY(cast_along_tokens(moe, sv, b->recv_q, b->recv_s, R, t->wg.dy_t, t->wg.dy_t_scales, t->wg.ld,
                                  "cast dy^T to FP8 along the tokens", stream));
-    for (int le = 0; le < per; le++) {
-        t->k_start[le] = sv->segs_host[le].start;
-        t->k_len[le] = ceil_div(sv->segs_host[le].rows, 128) * 128;
-    }
-    const comet_moe_weight_grads_t *g = &args->grads;
-    COMETI_TRY(cometi_blaslt_fp8_wgrad(err, b->lt, per, t->k_start, t->k_len, H, F, t->dy_t, t->ld, t->dy_t_scales,
-                                       t->wa_t, t->ld, t->wa_t_scales, g->down, fp32, fp32, stream));
-    return cometi_blaslt_fp8_wgrad(err, b->lt, per, t->k_start, t->k_len, 2 * F, H, t->dh_t, t->ld, t->dh_t_scales,
-                                   t->x_t, t->ld, t->x_t_scales, g->gate_up, fp32, fp32, stream);
+    return cometi_blaslt_fp8_weight_grads(err, b->lt, per, sv->segs_host, &t->wg, H, F, &args->grads, stream);
 }

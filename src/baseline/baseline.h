@@ -35,15 +35,11 @@ enum {
  * training forward on this path (an inference-only layer never pays for them). With
  * R = max_recv_rows, ld = R rounded up to 128, F = ffn / tp, L2 = 2F / 128: */
 typedef struct cometi_baseline_fp8_train {
-    int64_t ld;
     float *dh_scales;     /* [L2][R]: dh's 1 x 128 scales, as SwiGLU's FP8 backward writes them */
     float *dh_packed;     /* [R x L2] at most: the same packed by group (blaslt_fp8.h) */
-    void *dy_t, *x_t, *wa_t, *dh_t; /* E4M3 [H | H | F | 2F][ld]: the weight gradients' operands, each
-                           * column's tokens in a row, 128 x 1 blocks per expert segment */
-    float *dy_t_scales, *x_t_scales, *wa_t_scales, *dh_t_scales; /* [ld / 128][H | H | F | 2F] */
+    cometi_fp8_wgrad_operands_t wg; /* the weight gradients' operands (blaslt_fp8.h) */
     float *wt_down_scales;    /* [E_local][F / 128][L4(H)]: down^T's scales padded for cuBLASLt */
     float *wt_gate_up_scales; /* [E_local][ceil(H / 128)][L4(2F)]: gate_up^T's */
-    int64_t *k_start, *k_len; /* host [E_local]: each expert's tokens as the weight gradients' k */
 } cometi_baseline_fp8_train_t;
 
 /* The sequential path's buffers; the forward's receive, GEMM0, act, GEMM1 and return

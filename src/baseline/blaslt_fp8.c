@@ -495,3 +495,22 @@ void cometi_blaslt_fp8_algo_text(const cometi_blaslt_fp8_t *lt, char *buf, size_
     snprintf(buf, len, "algo %u, tile %s (n x rows), stages #%u, cluster %s, split-k %u, swizzle %u, option %u", v[0],
              tile, v[2], cluster, v[4], v[5], v[6]);
 }
+
+comet_status_t cometi_blaslt_fp8_weight_grads(char *err, cometi_blaslt_fp8_t *lt, int experts,
+                                              const cometi_segment_t *segs, const cometi_fp8_wgrad_operands_t *o,
+                                              int H, int F, const comet_moe_weight_grads_t *grads,
+                                              cudaStream_t stream)
+{
+    for (int e = 0; e < experts; e++) {
+        o->k_start[e] = segs[e].start;
+        o->k_len[e] = ((int64_t)segs[e].rows + 127) / 128 * 128;
+    }
+    const int fp32 = grads->mode == COMET_GRAD_ACCUMULATE_FP32;
+    if (grads->down)
+        COMETI_TRY(cometi_blaslt_fp8_wgrad(err, lt, experts, o->k_start, o->k_len, H, F, o->dy_t, o->ld,
+                                           o->dy_t_scales, o->wa_t, o->ld, o->wa_t_scales, grads->down, fp32, fp32,
+                                           stream));
+    if (!grads->gate_up) return COMET_SUCCESS;
+    return cometi_blaslt_fp8_wgrad(err, lt, experts, o->k_start, o->k_len, 2 * F, H, o->dh_t, o->ld, o->dh_t_scales,
+                                   o->x_t, o->ld, o->x_t_scales, grads->gate_up, fp32, fp32, stream);
+}

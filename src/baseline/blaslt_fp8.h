@@ -138,6 +138,26 @@ comet_status_t cometi_blaslt_fp8_check(char *err, int groups, const int64_t *row
  * before any. For the tools: cuBLASLt's configuration beside ours where it is faster. */
 void cometi_blaslt_fp8_algo_text(const cometi_blaslt_fp8_t *lt, char *buf, size_t len);
 
+/* An FP8 layer's weight-gradient operands, cast along the tokens per expert segment (both
+ * paths make them so): E4M3 [cols][ld] (cols H, F, 2F, H), each column's tokens in a row,
+ * zeros past each segment's end, scales [ld / 128][cols] (wgrad's MN-major layout);
+ * k_start and k_len host scratch of one entry per local expert. */
+typedef struct cometi_fp8_wgrad_operands {
+    void *dy_t, *wa_t, *dh_t, *x_t;
+    float *dy_t_scales, *wa_t_scales, *dh_t_scales, *x_t_scales;
+    int64_t ld;
+    int64_t *k_start, *k_len;
+} cometi_fp8_wgrad_operands_t;
+
+/* The layer's weight gradients through wgrad: dW2 = dy^T (w a) into grads->down ([experts][H]
+ * [F]) and dW13 = dh^T x into grads->gate_up ([experts][2F][H]), each skipped where NULL,
+ * bf16 written or fp32 added as grads->mode says; expert e's k its segment's rows (segs,
+ * host) in whole 128-token blocks. */
+comet_status_t cometi_blaslt_fp8_weight_grads(char *err, cometi_blaslt_fp8_t *lt, int experts,
+                                              const cometi_segment_t *segs, const cometi_fp8_wgrad_operands_t *o,
+                                              int H, int F, const comet_moe_weight_grads_t *grads,
+                                              cudaStream_t stream);
+
 /* wgrad's checks alone. */
 comet_status_t cometi_blaslt_fp8_wgrad_check(char *err, int groups, const int64_t *k_start, const int64_t *k_len,
                                              int m, int n, const void *a, int64_t lda, const float *a_scales,

@@ -5,6 +5,7 @@
 #ifndef COMET_FUSED_H
 #define COMET_FUSED_H
 
+#include "baseline/blaslt_fp8.h"
 #include "layer/layer.h"
 #include "patterns/gemm_combine.h"
 
@@ -19,17 +20,14 @@ typedef struct cometi_fp8_train {
                          * in the saved state's [g u] bytes: the A of dx = dh W13) */
     float *dh_scales;   /* [2F / 128][R]: dh's scales, MN-major */
     float *dot_parts;   /* [F / 128][R]: each row's <s, a> per 128 columns, summed in order */
-    /* The weight gradients' operands, each [cols][ld] E4M3 (x^T, tokens contiguous), cast
-     * along the tokens in 128 x 1 blocks per expert segment, scales [ld / 128][cols]: */
-    void *dy_t, *wa_t, *dh_t, *x_t;                 /* cols H, F, 2F, H */
-    float *dy_t_scales, *wa_t_scales, *dh_t_scales, *x_t_scales;
-    int64_t ld;         /* R rounded up to 128 */
+    /* The weight gradients' operands (ld: R rounded up to 128; k_start and k_len made
+     * with lt alone): */
+    cometi_fp8_wgrad_operands_t wg;
     /* config.fp8_wgrad_cublaslt: cuBLASLt's GEMMs for the weight gradients, with each
      * expert's segment copied to the host once the backward's route has made it: */
-    struct cometi_blaslt_fp8 *lt;
+    cometi_blaslt_fp8_t *lt;
     cometi_segment_t *segs_host;  /* [experts_per_group], pinned */
     cudaEvent_t segs_copied;
-    int64_t *k_start, *k_len;     /* [experts_per_group]: blaslt's groups */
 } cometi_fp8_train_t;
 
 struct cometi_fused {

@@ -49,14 +49,14 @@ void cometi_fp8_train_free(struct cometi_fused *f)
 {
     cometi_fp8_train_t *t = f->fp8;
     if (!t) return;
-    void *bufs[] = {t->s, t->dh_scales, t->dot_parts, t->dy_t, t->wa_t, t->dh_t, t->x_t, t->dy_t_scales,
-                    t->wa_t_scales, t->dh_t_scales, t->x_t_scales};
+    void *bufs[] = {t->s, t->dh_scales, t->dot_parts, t->wg.dy_t, t->wg.wa_t, t->wg.dh_t, t->wg.x_t, t->wg.dy_t_scales,
+                    t->wg.wa_t_scales, t->wg.dh_t_scales, t->wg.x_t_scales};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
     cometi_blaslt_fp8_destroy(t->lt);
     cudaFreeHost(t->segs_host);
     if (t->segs_copied) cudaEventDestroy(t->segs_copied);
-    free(t->k_start);
-    free(t->k_len);
+    free(t->wg.k_start);
+    free(t->wg.k_len);
     free(t);
     f->fp8 = NULL;
 }
@@ -66,9 +66,10 @@ void cometi_fp8_train_free(struct cometi_fused *f)
 static comet_status_t lt_alloc(comet_moe_t moe, int per, cometi_fp8_train_t *t)
 {
     COMETI_TRY(cometi_blaslt_fp8_create(moe->err, &t->lt));
-    t->k_start = malloc(sizeof(int64_t) * per);
-    t->k_len = malloc(sizeof(int64_t) * per);
-    if (!t->k_start || !t->k_len) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training: out of host memory");
+    t->wg.k_start = malloc(sizeof(int64_t) * per);
+    t->wg.k_len = malloc(sizeof(int64_t) * per);
+    if (!t->wg.k_start || !t->wg.k_len)
+        return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training: out of host memory");
     COMETI_TRY(cometi_cuda(moe->err, cudaMallocHost((void **)&t->segs_host, sizeof(cometi_segment_t) * per),
                            "FP8 training: cudaMallocHost(the experts' segments)"));
     return cometi_cuda(moe->err, cudaEventCreateWithFlags(&t->segs_copied, cudaEventDisableTiming),
@@ -82,16 +83,18 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, struct cometi_fused *f)
     if (!t) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training: out of host memory");
     f->fp8 = t;
     const int64_t R = f->l0.max_recv_rows, H = moe->cfg.hidden, F = moe->ffn_local;
-    t->ld = (R + 127) / 128 * 128;
-    const int64_t blocks = t->ld / 128;
+    t->wg.ld = (R + 127) / 128 * 128;
+    const int64_t blocks = t->wg.ld / 128;
     struct { void **p; size_t bytes; } a[] = {
         {&t->s, (size_t)R * F * BF16},
         {(void **)&t->dh_scales, sizeof(float) * (size_t)(2 * F / 128) * R},
         {(void **)&t->dot_parts, sizeof(float) * (size_t)(F / 128) * R},
-        {&t->dy_t, (size_t)H * t->ld}, {&t->wa_t, (size_t)F * t->ld},
-        {&t->dh_t, (size_t)2 * F * t->ld}, {&t->x_t, (size_t)H * t->ld},
-        {(void **)&t->dy_t_scales, sizeof(float) * blocks * H}, {(void **)&t->wa_t_scales, sizeof(float) * blocks * F},
-        {(void **)&t->dh_t_scales, sizeof(float) * blocks * 2 * F}, {(void **)&t->x_t_scales, sizeof(float) * blocks * H},
+        {&t->wg.dy_t, (size_t)H * t->wg.ld}, {&t->wg.wa_t, (size_t)F * t->wg.ld},
+        {&t->wg.dh_t, (size_t)2 * F * t->wg.ld}, {&t->wg.x_t, (size_t)H * t->wg.ld},
+        {(void **)&t->wg.dy_t_scales, sizeof(float) * blocks * H},
+        {(void **)&t->wg.wa_t_scales, sizeof(float) * blocks * F},
+        {(void **)&t->wg.dh_t_scales, sizeof(float) * blocks * 2 * F},
+        {(void **)&t->wg.x_t_scales, sizeof(float) * blocks * H},
     };
     for (size_t i = 0; i < sizeof(a) / sizeof(a[0]); i++) {
         char what[96];
@@ -257,10 +260,10 @@ static backward_gemms_t describe_backward_e4m3(comet_moe_t moe, struct cometi_fu
     b.dgrad_gate_up.a.scale_row = 1, b.dgrad_gate_up.a.scale_block = R;
     b.dgrad_gate_up.b.ptr = ba->weights_t.gate_up; /* [E][H][2F]: n = H rows of k = 2F */
     b.dgrad_gate_up.b.scale = ba->weight_t_scales.gate_up;
-    b.wgrad_down = wgrad_gemm_e4m3(comm, &f->l0, t->dy_t, t->dy_t_scales, H, t->wa_t, t->wa_t_scales, F, t->ld,
-                                   ba->grads.down, fp32);
-    b.wgrad_gate_up = wgrad_gemm_e4m3(comm, &f->l0, t->dh_t, t->dh_t_scales, 2 * F, t->x_t, t->x_t_scales, H, t->ld,
-                                      ba->grads.gate_up, fp32);
+    b.wgrad_down = wgrad_gemm_e4m3(comm, &f->l0, t->wg.dy_t, t->wg.dy_t_scales, H, t->wg.wa_t, t->wg.wa_t_scales, F,
+                                   t->wg.ld, ba->grads.down, fp32);
+    b.wgrad_gate_up = wgrad_gemm_e4m3(comm, &f->l0, t->wg.dh_t, t->wg.dh_t_scales, 2 * F, t->wg.x_t,
+                                      t->wg.x_t_scales, H, t->wg.ld, ba->grads.gate_up, fp32);
     return b;
 }
 
@@ -356,25 +359,13 @@ static comet_status_t copy_segments(char *err, const cometi_fp8_train_t *t, cons
 }
 
 /* The weight gradients as cuBLASLt's 1 x 128 by 1 x 128 GEMM per expert on the same E4M3
- * operands (each segment's k rounded up to whole 128-token blocks, zeros past its rows as
- * the casts leave them), once the copy above has landed: the host waits here, while the
- * GPU runs what was enqueued before. */
+ * operands (the sequential path's), once the copy above has landed: the host waits here,
+ * while the GPU runs what was enqueued before. */
 static comet_status_t lt_weight_grads(char *err, cometi_fp8_train_t *t, int per, int H, int F,
                                       const comet_moe_weight_grads_t *grads, cudaStream_t stream)
 {
     COMETI_TRY(cometi_cuda(err, cudaEventSynchronize(t->segs_copied), "wait for the experts' segments"));
-    for (int e = 0; e < per; e++) {
-        t->k_start[e] = t->segs_host[e].start;
-        t->k_len[e] = ((int64_t)t->segs_host[e].rows + 127) / 128 * 128;
-    }
-    const int fp32 = grads->mode == COMET_GRAD_ACCUMULATE_FP32;
-    if (grads->down) /* both but in cometi_moe_backward_gemms, which times one at a time */
-        COMETI_TRY(cometi_blaslt_fp8_wgrad(err, t->lt, per, t->k_start, t->k_len, H, F, t->dy_t, t->ld,
-                                           t->dy_t_scales, t->wa_t, t->ld, t->wa_t_scales, grads->down, fp32, fp32,
-                                           stream));
-    if (!grads->gate_up) return COMET_SUCCESS;
-    return cometi_blaslt_fp8_wgrad(err, t->lt, per, t->k_start, t->k_len, 2 * F, H, t->dh_t, t->ld, t->dh_t_scales,
-                                   t->x_t, t->ld, t->x_t_scales, grads->gate_up, fp32, fp32, stream);
+    return cometi_blaslt_fp8_weight_grads(err, t->lt, per, t->segs_host, &t->wg, H, F, grads, stream);
 }
 
 /* FP8, between the dgrad GEMM of W2 and that of W13: SwiGLU's backward straight into its
@@ -391,20 +382,20 @@ static comet_status_t backward_fp8_operands(comet_moe_t moe, struct cometi_fused
     const cometi_segment_t *segs = l0->route.plan.local_segs;
     COMETI_TRY(cometi_cuda(comm->err, cometi_launch_swiglu_backward_e4m3_in_place(
                                           sv->h, sv->h_scales, sv->cap_rows, t->s, F, segs, per, (int)rows, rows,
-                                          f->w_rows, f->dw_rows, t->dot_parts, t->dh_scales, R, t->wa_t,
-                                          t->wa_t_scales, t->dh_t, t->dh_t_scales, t->ld, pow2, stream),
+                                          f->w_rows, f->dw_rows, t->dot_parts, t->dh_scales, R, t->wg.wa_t,
+                                          t->wg.wa_t_scales, t->wg.dh_t, t->wg.dh_t_scales, t->wg.ld, pow2, stream),
                            "launch SwiGLU's FP8 backward"));
     /* dy's rows as the dispatch delivered them, x's as the forward kept them: E4M3, each
      * row's scales after its hidden bytes. */
     const struct { const void *rows; int64_t n; void *qt; float *scales; const char *what; } e4m3_rows[2] = {
-        {l0->recv.local, R, t->dy_t, t->dy_t_scales, "cast dy^T to FP8 along the tokens"},
-        {sv->recv, rows, t->x_t, t->x_t_scales, "cast x^T to FP8 along the tokens"},
+        {l0->recv.local, R, t->wg.dy_t, t->wg.dy_t_scales, "cast dy^T to FP8 along the tokens"},
+        {sv->recv, rows, t->wg.x_t, t->wg.x_t_scales, "cast x^T to FP8 along the tokens"},
     };
     for (int i = 0; i < 2; i++)
         COMETI_TRY(cometi_cuda(comm->err, cometi_requantize_segments_t_e4m3(
                                               e4m3_rows[i].rows, rb,
                                               (const float *)((const char *)e4m3_rows[i].rows + H), rb / 4, 1, H,
-                                              e4m3_rows[i].n, segs, per, e4m3_rows[i].qt, t->ld, e4m3_rows[i].scales,
+                                              e4m3_rows[i].n, segs, per, e4m3_rows[i].qt, t->wg.ld, e4m3_rows[i].scales,
                                               1, H, pow2, stream),
                                e4m3_rows[i].what));
     return t->lt ? copy_segments(comm->err, t, segs, per, stream) : COMET_SUCCESS;
