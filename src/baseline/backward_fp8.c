@@ -42,11 +42,9 @@ void cometi_baseline_fp8_train_free(cometi_baseline_t *b)
 {
     cometi_baseline_fp8_train_t *t = b->fp8_train;
     if (!t) return;
-    void *bufs[] = {t->dh_scales, t->dh_packed, t->wg.dy_t, t->wg.x_t, t->wg.wa_t, t->wg.dh_t, t->wg.dy_t_scales,
-                    t->wg.x_t_scales, t->wg.wa_t_scales, t->wg.dh_t_scales, t->wt_down_scales, t->wt_gate_up_scales};
+    void *bufs[] = {t->dh_scales, t->dh_packed, t->wt_down_scales, t->wt_gate_up_scales};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
-    free(t->wg.k_start);
-    free(t->wg.k_len);
+    cometi_fp8_wgrad_operands_free(&t->wg);
     free(t);
     b->fp8_train = NULL;
 }
@@ -57,27 +55,17 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, cometi_baseline_t *b)
 {
     cometi_baseline_fp8_train_t *t = calloc(1, sizeof(*t));
     const int per = moe->experts_per_rank;
-    if (t) {
-        t->wg.k_start = malloc(sizeof(int64_t) * (per + 1));
-        t->wg.k_len = malloc(sizeof(int64_t) * (per + 1));
-    }
     b->fp8_train = t;
-    if (!t || !t->wg.k_start || !t->wg.k_len) {
-        cometi_baseline_fp8_train_free(b);
-        return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training (sequential): out of host memory");
-    }
+    if (!t) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training (sequential): out of host memory");
     const int64_t R = moe->max_recv_rows, H = moe->cfg.hidden, F = moe->ffn_local, L2 = 2 * F / 128;
-    t->wg.ld = ceil_div(R, 128) * 128;
-    const int64_t blocks = t->wg.ld / 128;
+    comet_status_t st = cometi_fp8_wgrad_operands_alloc(moe->err, "FP8 training (sequential)", R, H, F, per, &t->wg);
+    if (st != COMET_SUCCESS) { /* freed before the ranks agree: the agreement allocates too */
+        cometi_baseline_fp8_train_free(b);
+        return st;
+    }
     struct { void **p; size_t bytes; } a[] = {
         {(void **)&t->dh_scales, sizeof(float) * L2 * R},
         {(void **)&t->dh_packed, sizeof(float) * L2 * R},
-        {&t->wg.dy_t, (size_t)H * t->wg.ld}, {&t->wg.x_t, (size_t)H * t->wg.ld},
-        {&t->wg.wa_t, (size_t)F * t->wg.ld}, {&t->wg.dh_t, (size_t)2 * F * t->wg.ld},
-        {(void **)&t->wg.dy_t_scales, sizeof(float) * blocks * H},
-        {(void **)&t->wg.x_t_scales, sizeof(float) * blocks * H},
-        {(void **)&t->wg.wa_t_scales, sizeof(float) * blocks * F},
-        {(void **)&t->wg.dh_t_scales, sizeof(float) * blocks * 2 * F},
         {(void **)&t->wt_down_scales, sizeof(float) * per * (F / 128) * cometi_blaslt_fp8_b_scale_ld((int)H)},
         {(void **)&t->wt_gate_up_scales,
          sizeof(float) * per * ceil_div(H, 128) * cometi_blaslt_fp8_b_scale_ld((int)(2 * F))},
@@ -85,7 +73,7 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, cometi_baseline_t *b)
     for (size_t i = 0; i < sizeof(a) / sizeof(a[0]); i++) {
         char what[96];
         snprintf(what, sizeof(what), "FP8 training (sequential): cudaMalloc(%zu bytes)", a[i].bytes);
-        const comet_status_t st = cometi_cuda(moe->err, cudaMalloc(a[i].p, a[i].bytes ? a[i].bytes : 1), what);
+        st = cometi_cuda(moe->err, cudaMalloc(a[i].p, a[i].bytes ? a[i].bytes : 1), what);
         if (st != COMET_SUCCESS) { /* freed before the ranks agree: the agreement allocates too */
             cometi_baseline_fp8_train_free(b);
             return st;

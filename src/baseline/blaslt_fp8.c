@@ -496,6 +496,39 @@ void cometi_blaslt_fp8_algo_text(const cometi_blaslt_fp8_t *lt, char *buf, size_
              tile, v[2], cluster, v[4], v[5], v[6]);
 }
 
+comet_status_t cometi_fp8_wgrad_operands_alloc(char *err, const char *who, int64_t rows, int64_t H, int64_t F,
+                                               int experts, cometi_fp8_wgrad_operands_t *o)
+{
+    o->k_start = malloc(sizeof(int64_t) * experts);
+    o->k_len = malloc(sizeof(int64_t) * experts);
+    if (!o->k_start || !o->k_len) return cometi_fail(err, COMET_OUT_OF_MEMORY, "%s: out of host memory", who);
+    o->ld = (rows + 127) / 128 * 128;
+    const int64_t blocks = o->ld / 128;
+    struct { void **p; size_t bytes; } a[] = {
+        {&o->dy_t, (size_t)(H * o->ld)}, {&o->wa_t, (size_t)(F * o->ld)},
+        {&o->dh_t, (size_t)(2 * F * o->ld)}, {&o->x_t, (size_t)(H * o->ld)},
+        {(void **)&o->dy_t_scales, sizeof(float) * (size_t)(blocks * H)},
+        {(void **)&o->wa_t_scales, sizeof(float) * (size_t)(blocks * F)},
+        {(void **)&o->dh_t_scales, sizeof(float) * (size_t)(blocks * 2 * F)},
+        {(void **)&o->x_t_scales, sizeof(float) * (size_t)(blocks * H)},
+    };
+    for (size_t i = 0; i < sizeof(a) / sizeof(a[0]); i++) {
+        char what[128];
+        snprintf(what, sizeof(what), "%s: cudaMalloc(%zu bytes)", who, a[i].bytes);
+        COMETI_TRY(cometi_cuda(err, cudaMalloc(a[i].p, a[i].bytes ? a[i].bytes : 1), what));
+    }
+    return COMET_SUCCESS;
+}
+
+void cometi_fp8_wgrad_operands_free(cometi_fp8_wgrad_operands_t *o)
+{
+    void *bufs[] = {o->dy_t, o->wa_t, o->dh_t, o->x_t, o->dy_t_scales, o->wa_t_scales, o->dh_t_scales, o->x_t_scales};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
+    free(o->k_start);
+    free(o->k_len);
+    memset(o, 0, sizeof(*o));
+}
+
 comet_status_t cometi_blaslt_fp8_weight_grads(char *err, cometi_blaslt_fp8_t *lt, int experts,
                                               const cometi_segment_t *segs, const cometi_fp8_wgrad_operands_t *o,
                                               int H, int F, const comet_moe_weight_grads_t *grads,

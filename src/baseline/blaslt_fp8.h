@@ -149,6 +149,14 @@ typedef struct cometi_fp8_wgrad_operands {
     int64_t *k_start, *k_len;
 } cometi_fp8_wgrad_operands_t;
 
+/* *o's buffers for `rows` rows (ld: rows rounded up to 128), hidden H, ffn F (per rank),
+ * `experts` local experts; *o zeroed before. 0, or the failure in err (`who` starts its
+ * message), what was made left for cometi_fp8_wgrad_operands_free: about (2 H + 3 F)
+ * bytes a row, and their scales. */
+comet_status_t cometi_fp8_wgrad_operands_alloc(char *err, const char *who, int64_t rows, int64_t H, int64_t F,
+                                               int experts, cometi_fp8_wgrad_operands_t *o);
+void cometi_fp8_wgrad_operands_free(cometi_fp8_wgrad_operands_t *o);
+
 /* The layer's weight gradients through wgrad: dW2 = dy^T (w a) into grads->down ([experts][H]
  * [F]) and dW13 = dh^T x into grads->gate_up ([experts][2F][H]), each skipped where NULL,
  * bf16 written or fp32 added as grads->mode says; expert e's k its segment's rows (segs,

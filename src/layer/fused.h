@@ -20,8 +20,7 @@ typedef struct cometi_fp8_train {
                          * in the saved state's [g u] bytes: the A of dx = dh W13) */
     float *dh_scales;   /* [2F / 128][R]: dh's scales, MN-major */
     float *dot_parts;   /* [F / 128][R]: each row's <s, a> per 128 columns, summed in order */
-    /* The weight gradients' operands (ld: R rounded up to 128; k_start and k_len made
-     * with lt alone): */
+    /* The weight gradients' operands (ld: R rounded up to 128): */
     cometi_fp8_wgrad_operands_t wg;
     /* config.fp8_wgrad_cublaslt: cuBLASLt's GEMMs for the weight gradients, with each
      * expert's segment copied to the host once the backward's route has made it: */

@@ -49,14 +49,12 @@ void cometi_fp8_train_free(struct cometi_fused *f)
 {
     cometi_fp8_train_t *t = f->fp8;
     if (!t) return;
-    void *bufs[] = {t->s, t->dh_scales, t->dot_parts, t->wg.dy_t, t->wg.wa_t, t->wg.dh_t, t->wg.x_t, t->wg.dy_t_scales,
-                    t->wg.wa_t_scales, t->wg.dh_t_scales, t->wg.x_t_scales};
+    void *bufs[] = {t->s, t->dh_scales, t->dot_parts};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
+    cometi_fp8_wgrad_operands_free(&t->wg);
     cometi_blaslt_fp8_destroy(t->lt);
     cudaFreeHost(t->segs_host);
     if (t->segs_copied) cudaEventDestroy(t->segs_copied);
-    free(t->wg.k_start);
-    free(t->wg.k_len);
     free(t);
     f->fp8 = NULL;
 }
@@ -66,10 +64,6 @@ void cometi_fp8_train_free(struct cometi_fused *f)
 static comet_status_t lt_alloc(comet_moe_t moe, int per, cometi_fp8_train_t *t)
 {
     COMETI_TRY(cometi_blaslt_fp8_create(moe->err, &t->lt));
-    t->wg.k_start = malloc(sizeof(int64_t) * per);
-    t->wg.k_len = malloc(sizeof(int64_t) * per);
-    if (!t->wg.k_start || !t->wg.k_len)
-        return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training: out of host memory");
     COMETI_TRY(cometi_cuda(moe->err, cudaMallocHost((void **)&t->segs_host, sizeof(cometi_segment_t) * per),
                            "FP8 training: cudaMallocHost(the experts' segments)"));
     return cometi_cuda(moe->err, cudaEventCreateWithFlags(&t->segs_copied, cudaEventDisableTiming),
@@ -83,23 +77,21 @@ static comet_status_t fp8_train_alloc(comet_moe_t moe, struct cometi_fused *f)
     if (!t) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "FP8 training: out of host memory");
     f->fp8 = t;
     const int64_t R = f->l0.max_recv_rows, H = moe->cfg.hidden, F = moe->ffn_local;
-    t->wg.ld = (R + 127) / 128 * 128;
-    const int64_t blocks = t->wg.ld / 128;
+    comet_status_t st = cometi_fp8_wgrad_operands_alloc(moe->err, "FP8 training", R, H, F, f->l0.experts_per_group,
+                                                        &t->wg);
+    if (st != COMET_SUCCESS) {
+        cometi_fp8_train_free(f);
+        return st;
+    }
     struct { void **p; size_t bytes; } a[] = {
         {&t->s, (size_t)R * F * BF16},
         {(void **)&t->dh_scales, sizeof(float) * (size_t)(2 * F / 128) * R},
         {(void **)&t->dot_parts, sizeof(float) * (size_t)(F / 128) * R},
-        {&t->wg.dy_t, (size_t)H * t->wg.ld}, {&t->wg.wa_t, (size_t)F * t->wg.ld},
-        {&t->wg.dh_t, (size_t)2 * F * t->wg.ld}, {&t->wg.x_t, (size_t)H * t->wg.ld},
-        {(void **)&t->wg.dy_t_scales, sizeof(float) * blocks * H},
-        {(void **)&t->wg.wa_t_scales, sizeof(float) * blocks * F},
-        {(void **)&t->wg.dh_t_scales, sizeof(float) * blocks * 2 * F},
-        {(void **)&t->wg.x_t_scales, sizeof(float) * blocks * H},
     };
     for (size_t i = 0; i < sizeof(a) / sizeof(a[0]); i++) {
         char what[96];
         snprintf(what, sizeof(what), "FP8 training: cudaMalloc(%zu bytes)", a[i].bytes);
-        const comet_status_t st = cometi_cuda(moe->err, cudaMalloc(a[i].p, a[i].bytes), what);
+        st = cometi_cuda(moe->err, cudaMalloc(a[i].p, a[i].bytes), what);
         if (st != COMET_SUCCESS) {
             cometi_fp8_train_free(f);
             return st;
