@@ -20,7 +20,9 @@ does with fp8=True where Megatron-Core cannot build such a config without Transf
 Engine): the bf16 weights stay the parameters, their FP8 copies made by comet on each
 iteration's first micro-batch, which Megatron marks with config.fp8 set (with fp8=True
 alone, on every forward: Megatron's optimizers update the weights unseen by their version
-counters).
+counters). Its scales follow Transformer Engine's blockwise recipe (Float8BlockScaling):
+powers of two, or amax / 448 where NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1, as that recipe
+reads it; the keyword fp8_pow2_scales chooses instead.
 
 The communicator spans the expert tensor-and-model-parallel group (pg_collection.tp_ep),
 in its rank order: expert-TP rank fastest, as comet's rank r = ep_rank x tp + tp_rank.
@@ -42,6 +44,7 @@ The config mapping and the checks need no torch; the layer needs torch and megat
 """
 from __future__ import annotations
 
+import os
 import re
 
 _EXPERT_KEY = re.compile(r"experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.(weight|_extra_state)")
@@ -78,14 +81,26 @@ def check_megatron_config(config) -> None:
                          f"throughout (fp8 'e4m3', fp8_recipe 'blockwise': DeepSeek-V3's recipe)")
 
 
-def moe_config_from_megatron(config, max_tokens: int, fp8: bool = False, fp8_wgrad_cublaslt: bool = False):
+def blockwise_pow2_scales() -> bool:
+    """Whether Transformer Engine's blockwise recipe (Float8BlockScaling) makes power-of-two
+    scales: its default, unless NVTE_FP8_BLOCK_SCALING_FP32_SCALES is "1"."""
+    return os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES", "0") != "1"
+
+
+def moe_config_from_megatron(config, max_tokens: int, fp8: bool = False, fp8_wgrad_cublaslt: bool = False,
+                             fp8_pow2_scales=None):
     """comet's MoeConfig for a Megatron TransformerConfig (checked first), max_tokens the
     most tokens one rank passes in a call (sequence length x micro-batch size, divided by
     the tensor-parallel size under sequence parallelism): block-scaled FP8 where the config
-    says fp8 'e4m3' with fp8_recipe 'blockwise', or `fp8`; else bf16. fp8_wgrad_cublaslt:
-    comet_moe_config_t's (FP8 only: comet refuses it on bf16, naming the field)."""
+    says fp8 'e4m3' with fp8_recipe 'blockwise', or `fp8`; else bf16. fp8_wgrad_cublaslt
+    and fp8_pow2_scales: comet_moe_config_t's (FP8 only: comet refuses either on bf16,
+    naming the field); fp8_pow2_scales None: in FP8 the blockwise recipe's rule
+    (blockwise_pow2_scales), in bf16 off."""
     from .config import MoeConfig
     check_megatron_config(config)
+    dtype = "fp8" if fp8 or _field(config, "fp8") else "bf16"
+    if fp8_pow2_scales is None:
+        fp8_pow2_scales = dtype == "fp8" and blockwise_pow2_scales()
     ffn = _field(config, "moe_ffn_hidden_size") or _field(config, "ffn_hidden_size")
     etp = _field(config, "expert_tensor_parallel_size")
     if etp is None:  # Megatron's default: the tensor-parallel size
@@ -93,7 +108,7 @@ def moe_config_from_megatron(config, max_tokens: int, fp8: bool = False, fp8_wgr
     return MoeConfig(hidden=int(config.hidden_size), ffn=int(ffn), num_experts=int(config.num_moe_experts),
                      top_k=int(config.moe_router_topk), max_tokens=max_tokens,
                      ep_size=int(_field(config, "expert_model_parallel_size", 1) or 1), tp_size=int(etp),
-                     dtype="fp8" if fp8 or _field(config, "fp8") else "bf16",
+                     dtype=dtype, fp8_pow2_scales=fp8_pow2_scales,
                      fp8_wgrad_cublaslt=bool(fp8_wgrad_cublaslt))
 
 
@@ -141,15 +156,18 @@ def _layer_class():
         forward and the backward (comet_moe.Moe's fp8_gate_up): about half the memory.
         fp8_wgrad_cublaslt: in FP8, the weight gradients as cuBLASLt's GEMM per expert
         (comet_moe_config_t.fp8_wgrad_cublaslt): faster on large experts, for a host wait
-        in each backward, which then cannot be captured in a CUDA graph."""
+        in each backward, which then cannot be captured in a CUDA graph.
+        fp8_pow2_scales: in FP8, the scales comet makes rounded up to powers of two (True)
+        or amax / 448 (False); None follows Transformer Engine's blockwise recipe
+        (blockwise_pow2_scales)."""
 
         def __init__(self, config, max_tokens: int, pg_collection=None, layer_number=None, *, comm=None,
                      moe=None, impl="auto", max_recv_rows: int = 0, grad_accumulation: str = "main_grad",
                      share_handle: bool = True, resend_x: bool = False, fp8: bool = False,
-                     fp8_gate_up: str = "bf16", fp8_wgrad_cublaslt: bool = False):
+                     fp8_gate_up: str = "bf16", fp8_wgrad_cublaslt: bool = False, fp8_pow2_scales=None):
             super().__init__()
             from megatron.core.transformer.moe.router import TopKRouter
-            cfg = moe_config_from_megatron(config, max_tokens, fp8, fp8_wgrad_cublaslt)
+            cfg = moe_config_from_megatron(config, max_tokens, fp8, fp8_wgrad_cublaslt, fp8_pow2_scales)
             cfg.resend_x = int(bool(resend_x))
             self.config, self.layer_number, self.impl = config, layer_number, impl
             if pg_collection is None:

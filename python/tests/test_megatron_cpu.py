@@ -57,6 +57,40 @@ def test_megatron_config_mapping():
            "config.fp8_wgrad_cublaslt = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK")
 
 
+def test_megatron_fp8_scales_follow_the_blockwise_recipe():
+    """Transformer Engine's blockwise recipe makes power-of-two scales unless
+    NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1; the keyword chooses instead; bf16 has none."""
+    from comet_moe import CometInvalidArgumentError
+    from comet_moe.megatron import moe_config_from_megatron
+    name, before = "NVTE_FP8_BLOCK_SCALING_FP32_SCALES", os.environ.get("NVTE_FP8_BLOCK_SCALING_FP32_SCALES")
+    blockwise = megatron_config(fp8="e4m3", fp8_recipe="blockwise")
+
+    def pow2(config, **kw):
+        return moe_config_from_megatron(config, max_tokens=128, **kw).fp8_pow2_scales
+    try:
+        for value, want in ((None, 1), ("0", 1), ("1", 0), ("yes", 1)):
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+            check_eq(pow2(blockwise), want, f"blockwise scales with {name}={value}")
+            check_eq(pow2(megatron_config(), fp8=True), want, f"fp8=True with {name}={value}")
+            check_eq(pow2(megatron_config()), 0, f"bf16 with {name}={value}")
+        os.environ[name] = "1"
+        check_eq(pow2(blockwise, fp8_pow2_scales=True), 1, "fp8_pow2_scales=True over the variable")
+        os.environ.pop(name)
+        check_eq(pow2(blockwise, fp8_pow2_scales=False), 0, "fp8_pow2_scales=False over the default")
+        check_eq(pow2(megatron_config(), fp8_pow2_scales=False), 0, "fp8_pow2_scales=False on bf16")
+        raises(CometInvalidArgumentError, lambda: pow2(megatron_config(), fp8_pow2_scales=True),
+               "config.fp8_pow2_scales = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK")
+        raises(ValueError, lambda: pow2(blockwise, fp8_pow2_scales=2), "MoeConfig.fp8_pow2_scales = 2")
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def test_megatron_config_refusals_name_the_field():
     from comet_moe.megatron import moe_config_from_megatron
     cases = [(dict(num_moe_experts=None), "config.num_moe_experts"),
