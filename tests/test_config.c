@@ -9,7 +9,6 @@
 
 #include "comet.h"
 #include "layer/layer.h"
-#include "baseline/baseline.h"
 #include "testutil.h"
 
 int test_status_strings(void)
@@ -256,13 +255,15 @@ int test_fp8_forward_args_refusals(void)
         CHECK_EQ(st, c->status);
         CHECK_CONTAINS(moe->err, c->message);
     }
-    /* The sequential path trains in FP8 where SwiGLU's FP8 backward takes the ffn columns
-     * (whole 128-wide blocks), and says why not before its buffers or anything else. */
-    moe->ffn_local = 192;
-    CHECK_EQ(cometi_baseline_fp8_train_supported(moe), COMET_NOT_SUPPORTED);
+    /* An FP8 layer trains where SwiGLU's FP8 backward takes the ffn columns (whole 128-wide
+     * blocks), on either path, and a training forward says why not before anything else. */
+    moe->cfg.dtype = COMET_DTYPE_FP8_BLOCK, moe->ffn_local = 192;
+    CHECK_EQ(cometi_fp8_train_supported(moe), COMET_NOT_SUPPORTED);
     CHECK_CONTAINS(moe->err, "ffn / tp_size = 192 must be a multiple of 128");
     moe->ffn_local = 256;
-    CHECK_EQ(cometi_baseline_fp8_train_supported(moe), COMET_SUCCESS);
+    CHECK_EQ(cometi_fp8_train_supported(moe), COMET_SUCCESS);
+    moe->cfg.dtype = COMET_DTYPE_BF16, moe->ffn_local = 192; /* bf16 trains at any ffn */
+    CHECK_EQ(cometi_fp8_train_supported(moe), COMET_SUCCESS);
     free(moe);
     return 0;
 }

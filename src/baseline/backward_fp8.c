@@ -28,16 +28,6 @@
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-comet_status_t cometi_baseline_fp8_train_supported(comet_moe_t moe)
-{
-    const int F = moe->ffn_local;
-    if (F % 128)
-        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "FP8 training: ffn / tp_size = %d must be a multiple of 128 "
-                           "(W13^T's 128 x 128 blocks would hold columns of both gate and up, and SwiGLU's FP8 "
-                           "backward takes whole blocks)", F);
-    return COMET_SUCCESS;
-}
-
 void cometi_baseline_fp8_train_free(cometi_baseline_t *b)
 {
     cometi_baseline_fp8_train_t *t = b->fp8_train;

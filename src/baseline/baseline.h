@@ -139,9 +139,8 @@ comet_status_t cometi_baseline_exchange(comet_moe_t moe, cometi_baseline_t *b, u
 comet_status_t cometi_baseline_backward(comet_moe_t moe, cometi_baseline_t *b, const comet_moe_backward_args_t *args,
                                         cudaStream_t stream);
 
-/* FP8 training on this path (backward_fp8.c). */
-/* What it needs of the config, the same on every rank: COMET_NOT_SUPPORTED naming it. */
-comet_status_t cometi_baseline_fp8_train_supported(comet_moe_t moe);
+/* FP8 training on this path (backward_fp8.c; what it needs of the config,
+ * cometi_fp8_train_supported, is checked by every training forward first). */
 /* Its workspaces, made once per handle; collective (cometi_moe_agree), before any row moves. */
 comet_status_t cometi_baseline_fp8_train_get(comet_moe_t moe, cometi_baseline_t *b);
 void cometi_baseline_fp8_train_free(cometi_baseline_t *b);

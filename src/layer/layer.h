@@ -76,6 +76,11 @@ comet_status_t cometi_moe_baseline(comet_moe_t moe, struct cometi_baseline **out
  * that could not `what`, every message prefixed by `who`. Collective, host-blocking. */
 comet_status_t cometi_moe_agree(comet_moe_t moe, comet_status_t mine, const char *who, const char *what);
 
+/* Whether an FP8 layer trains (train.c): ffn / tp_size a multiple of 128, the same on
+ * every rank and on either path; COMET_NOT_SUPPORTED saying so, before anything else of a
+ * training forward is checked or enqueued. */
+comet_status_t cometi_fp8_train_supported(comet_moe_t moe);
+
 /* A forward's arguments checked (moe.c): COMET_INVALID_ARGUMENT naming the field. */
 comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *args);
 

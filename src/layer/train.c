@@ -199,6 +199,17 @@ comet_status_t comet_moe_saved_create_in(comet_moe_t moe, const comet_moe_saved_
     return saved_create(moe, config, memory, bytes, out);
 }
 
+comet_status_t cometi_fp8_train_supported(comet_moe_t moe)
+{
+    const int F = moe->ffn_local;
+    if (moe->cfg.dtype == COMET_DTYPE_FP8_BLOCK && F % 128)
+        return cometi_fail(moe->err, COMET_NOT_SUPPORTED, "FP8 training: ffn / tp_size = %d must be a multiple of "
+                           "128 (W13^T's 128 x 128 blocks would hold columns of both gate and up, and SwiGLU's FP8 "
+                           "backward takes whole blocks); this layer runs the FP8 inference forward (gate and up "
+                           "apart) or trains in bf16", F);
+    return COMET_SUCCESS;
+}
+
 /* The path a training forward takes: the fused one where it trains this layer (AUTO
  * falls back to the sequential one), or the one asked for. */
 static comet_status_t training_path(comet_moe_t moe, const comet_moe_args_t *a, int *path)
@@ -223,6 +234,9 @@ static comet_status_t training_path(comet_moe_t moe, const comet_moe_args_t *a, 
 static comet_status_t forward_train(comet_moe_t moe, const comet_moe_args_t *args, comet_moe_saved_t saved,
                                     cudaStream_t stream)
 {
+    /* Before the arguments: an FP8 gate_up of such a layer would be refused as an argument,
+     * where no argument makes it train. */
+    COMETI_TRY(cometi_fp8_train_supported(moe));
     COMETI_TRY(cometi_moe_check_args(moe, args));
     if (!saved) return cometi_fail(moe->err, COMET_INVALID_ARGUMENT, "saved is NULL: a training forward fills one "
                                    "(comet_moe_saved_create)");
