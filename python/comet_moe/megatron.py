@@ -22,7 +22,8 @@ iteration's first micro-batch, which Megatron marks with config.fp8 set (with fp
 alone, on every forward: Megatron's optimizers update the weights unseen by their version
 counters). Its scales follow Transformer Engine's blockwise recipe (Float8BlockScaling):
 powers of two, or amax / 448 where NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1, as that recipe
-reads it; the keyword fp8_pow2_scales chooses instead.
+reads it; the keyword fp8_pow2_scales chooses instead. With config.fp8_param the expert
+weights stay bf16 parameters all the same (their FP8 copies beside them).
 
 The communicator spans the expert tensor-and-model-parallel group (pg_collection.tp_ep),
 in its rank order: expert-TP rank fastest, as comet's rank r = ep_rank x tp + tp_rank.
