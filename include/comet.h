@@ -242,7 +242,10 @@ typedef struct comet_moe_config {
     int fp8_pow2_scales; /* COMET_DTYPE_FP8_BLOCK, 0 or 1: the scales the layer makes (x's rows,
                           * the activation; in training also dy's rows, [g u] kept in E4M3 and
                           * the weight gradients' operands) amax / 448, or (1) the power of
-                          * two at or above it (DeepSeek-V3.1's UE8M0 scales) */
+                          * two at or above it (DeepSeek-V3.1's UE8M0 scales). With 0, what
+                          * SwiGLU's backward makes (dh, (w a)^T) and x cast along the tokens
+                          * take amax / 448 rounded up to 8 significant bits (at most 2^-7
+                          * coarser), exact in bf16, which the weight gradients read */
     int fp8_wgrad_cublaslt; /* COMET_DTYPE_FP8_BLOCK training on the fused path, 0 or 1. 0: the
                           * weight gradients run as comet's grouped GEMM, and the backward never
                           * waits for the host. 1: as cuBLASLt's block-scaled GEMM per expert

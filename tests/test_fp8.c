@@ -129,15 +129,24 @@ int test_fp8_e4m3_rounding(void)
 /* ---- scales ---- */
 
 /* The reference scale: amax / 448 rounded once (double holds the quotient to well past
- * float's double-rounding bound, 2 x 24 + 2 bits), or the power of two 2^k with
+ * float's double-rounding bound, 2 x 24 + 2 bits); with rule COMETI_FP8_SCALE_BF16 that
+ * float, if it has more than 8 significant bits, plus one step of 2^(e - 7) after its
+ * last 8 (e its exponent: the next float of 8 bits up); or the power of two 2^k with
  * 448 x 2^(k-1) < amax <= 448 x 2^k, compared exactly; at least 2^-126; 1 for 0. */
 static float scale_reference(float amax, int pow2)
 {
     if (isnan(amax) || isinf(amax)) return amax;
     if (amax == 0.0f) return 1.0f;
-    if (!pow2) {
-        const float s = (float)((double)amax / 448.0);
-        return s < FLT_MIN ? FLT_MIN : s;
+    if (pow2 != COMETI_FP8_SCALE_POW2) {
+        float s = (float)((double)amax / 448.0);
+        if (s < FLT_MIN) s = FLT_MIN;
+        if (pow2 == COMETI_FP8_SCALE_BF16) {
+            int e;
+            const double m = frexp((double)s, &e);                  /* s = m 2^e, 0.5 <= m < 1 */
+            const double top = floor(ldexp(m, 8)), step = ldexp(1.0, e - 8); /* 8 bits: 1.xxxxxxx */
+            if (top * step < (double)s) return (float)((top + 1) * step);
+        }
+        return s;
     }
     int k = -200;
     while (448.0 * ldexp(1.0, k) < amax) k++;
@@ -156,7 +165,7 @@ static float scale_reference(float amax, int pow2)
 int test_fp8_scales(void)
 {
     uint64_t rng = test_seed();
-    for (int pow2 = 0; pow2 < 2; pow2++) {
+    for (int pow2 = 0; pow2 < 3; pow2++) {
         CHECK_SCALE(0.0f, pow2, 1.0f);
         CHECK_SCALE(NAN, pow2, NAN);
         CHECK_SCALE(f32(0x7fffffffu), pow2, NAN);
@@ -182,11 +191,22 @@ int test_fp8_scales(void)
         CHECK_SCALE(a, 0, p); /* amax / 448 exact */
     }
     CHECK_SCALE(FLT_MAX, 1, 0x1p120f);
+    /* Exact in bf16: 8 significant bits kept, the next 8-bit float up otherwise, a carry
+     * into the next binade included; never below amax / 448. */
+    CHECK_SCALE(448.0f * 1.5f, COMETI_FP8_SCALE_BF16, 1.5f);
+    CHECK_SCALE(1.0f, COMETI_FP8_SCALE_BF16, f32(0x3b130000u)); /* 1 / 448 = 0x3b124925 */
+    CHECK_SCALE(nextafterf(448.0f, 0.0f), COMETI_FP8_SCALE_BF16, 1.0f);
+    CHECK_SCALE(FLT_MAX, COMETI_FP8_SCALE_BF16, f32((cometi_f32_bits((float)((double)FLT_MAX / 448)) + 0xffffu) &
+                                                    0xffff0000u));
     /* Random amaxes over float's whole range against the reference. */
     for (int i = 0; i < 200000; i++) {
         const float a = f32((uint32_t)cometi_rand_next(&rng) & 0x7f7fffffu); /* positive, finite */
         CHECK_SCALE(a, 0, scale_reference(a, 0));
         CHECK_SCALE(a, 1, scale_reference(a, 1));
+        CHECK_SCALE(a, COMETI_FP8_SCALE_BF16, scale_reference(a, COMETI_FP8_SCALE_BF16));
+        const float s = cometi_fp8_scale(a, COMETI_FP8_SCALE_BF16);
+        CHECK((cometi_f32_bits(s) & 0xffffu) == 0 && s >= scale_reference(a, 0) &&
+              (double)s <= (double)scale_reference(a, 0) * (1 + 0x1p-7));
     }
     /* The round trip of comet.h, |q s - x| <= |x| / 16 + s / 1024 (q s exact, in double), on
      * random blocks: values over 1..2^30 of range below their amax. */

@@ -37,25 +37,27 @@
 
 /* ---- the table ---- */
 
-/* Along K, B's column scales (cometi_gemm_col_scale_pos): each column in its own float of
- * the slot; a thread's column pairs j (columns h 128 + 8 j + 2 q, q = t % 4) 2 j apart from
- * its half's first, which is 16-byte aligned; a warp's 16-byte loads (four runs) and the
- * scale warp's stores of 32 consecutive columns each free of bank conflicts. */
+/* Along K, B's column scales (cometi_gemm_col_scale_pos, in words): each column pair's two
+ * bf16 scales in one word of the slot; a thread's pairs j (columns h 128 + 8 j + 2 q, q =
+ * t % 4) j words apart from its half's first, which is 16-byte aligned; a warp's 16-byte
+ * loads (four runs) and the scale warp's copies of 32 consecutive pairs each free of bank
+ * conflicts. */
 static int check_col_scale_layout(cometi_gemm_variant_t v)
 {
-    const int floats = 4 * cometi_gemm_col_scale_run(v);
-    unsigned char seen[4 * (256 / 4 + 8)] = {0};
-    CHECK(floats <= (int)sizeof(seen));
-    for (int c = 0; c < v.block_n; c++) {
+    const int words = 4 * cometi_gemm_col_scale_run(v);
+    unsigned char seen[4 * (256 / 8 + 8)] = {0};
+    CHECK(words <= (int)sizeof(seen));
+    for (int c = 0; c < v.block_n; c += 2) {
         const int pos = cometi_gemm_col_scale_pos(v, c);
-        CHECK(pos >= 0 && pos < floats && !seen[pos]);
+        CHECK(pos >= 0 && pos < words && !seen[pos]);
         seen[pos] = 1;
+        CHECK_EQ(cometi_gemm_col_scale_pos(v, c + 1), pos); /* the pair's word */
         const int h = c / 128, q = (c % 8) / 2, j = (c % 128) / 8, first = cometi_gemm_col_scale_pos(v, h * 128 + 2 * q);
-        CHECK_EQ(pos, first + 2 * j + c % 2);
+        CHECK_EQ(pos, first + j);
         CHECK((COMETI_GEMM_BM + first) % 4 == 0);
-        CHECK_EQ(pos, cometi_gemm_col_scale_pos(v, c % 32) + 8 * (c / 32)); /* the scale warp's stores */
+        CHECK_EQ(pos, cometi_gemm_col_scale_pos(v, c % 64) + 8 * (c / 64)); /* the scale warp's copies */
     }
-    for (int i = 0; i < 8; i++) { /* load i of the four runs: 16 floats in 16 banks */
+    for (int i = 0; i < v.block_n / 32; i++) { /* load i of the four runs: 16 words in 16 banks */
         unsigned banks = 0;
         for (int q = 0; q < 4; q++)
             for (int f = 0; f < 4; f++) {
@@ -64,9 +66,10 @@ static int check_col_scale_layout(cometi_gemm_variant_t v)
                 banks |= bank;
             }
     }
-    for (int c0 = 0; c0 < v.block_n; c0 += 32) {
+    for (int c0 = 0; c0 < v.block_n; c0 += 64) { /* the scale warp's 32 copies of 32 pairs */
         unsigned banks = 0;
-        for (int lane = 0; lane < 32; lane++) banks |= 1u << ((COMETI_GEMM_BM + cometi_gemm_col_scale_pos(v, c0 + lane)) % 32);
+        for (int lane = 0; lane < 32; lane++)
+            banks |= 1u << ((COMETI_GEMM_BM + cometi_gemm_col_scale_pos(v, c0 + 2 * lane)) % 32);
         CHECK(banks == 0xffffffffu);
     }
     return 0;
@@ -92,7 +95,7 @@ int test_gemm_variant_table(void)
         const int swiglu = cometi_gemm_is_swiglu(v.epilogue);
         const int along_k = v.along == COMETI_GEMM_GROUPS_ALONG_K, e4m3 = v.a_type == COMETI_GEMM_E4M3;
         CHECK_EQ(cometi_gemm_scale_slot_bytes(v),
-                 !e4m3 ? 0 : along_k ? (COMETI_GEMM_BM + v.block_n + 32) * 4 : (COMETI_GEMM_BM + 4) * 4);
+                 !e4m3 ? 0 : along_k ? (COMETI_GEMM_BM + v.block_n / 2 + 32) * 4 : (COMETI_GEMM_BM + 4) * 4);
         CHECK(cometi_gemm_scale_slot_bytes(v) % 16 == 0);
         if (e4m3 && along_k) CHECK(check_col_scale_layout(v) == 0);
         /* SwiGLU tiles hold 128 gate and 128 up columns of one expert. */
@@ -162,6 +165,7 @@ typedef struct problem {
     void *a, *b, *c, *gu;
     void *up;                          /* E4M3 SwiGLU with up apart, or NULL */
     float *a_scale, *b_scale, *up_scale, *c_scale; /* E4M3 */
+    uint16_t *b_scale16;               /* E4M3 along K: B's scales as bf16, in place of b_scale */
     int64_t a_scale_row, a_scale_block, c_scale_row, c_scale_block;
     int64_t b_scale_row, b_scale_block; /* E4M3 along K: B^T's rows' */
     int64_t a_ld;
@@ -208,7 +212,9 @@ static cometi_gemm_t describe(const cometi_gemm_variant_t *v, problem_t *p)
         g.a.ld = p->a_ld;
         g.a.scale = p->a_scale, g.a.scale_row = p->a_scale_row, g.a.scale_block = p->a_scale_block;
         g.b.scale = p->b_scale, g.b.up_scale = p->up ? p->up_scale : NULL;
-        if (v->along == COMETI_GEMM_GROUPS_ALONG_K) g.b.scale_row = p->b_scale_row, g.b.scale_block = p->b_scale_block;
+        if (v->along == COMETI_GEMM_GROUPS_ALONG_K)
+            g.b.scale = NULL, g.b.scale16 = p->b_scale16, g.b.scale_row = p->b_scale_row,
+            g.b.scale_block = p->b_scale_block;
         if (cometi_gemm_quantizes(v->epilogue))
             g.out.c_scale = p->c_scale, g.out.c_scale_row = p->c_scale_row, g.out.c_scale_block = p->c_scale_block,
             g.out.pow2_scales = p->pow2;
@@ -257,6 +263,7 @@ static void stand_in_problem(const cometi_gemm_variant_t *v, problem_t *p)
     p->segs = (const cometi_segment_t *)any;
     p->a = p->b = p->c = p->gu = any;
     p->a_scale = p->b_scale = p->up_scale = p->c_scale = (float *)any;
+    p->b_scale16 = (uint16_t *)any;
     p->a_scale_row = p->c_scale_row = p->b_scale_row = 1, p->a_scale_block = p->c_scale_block = 1024;
     p->b_scale_block = 1024;
     p->gu_rows = 1024;
@@ -434,7 +441,8 @@ int test_gemm_descriptions_resolve(void)
     g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256], &p);
     g.b.scale = NULL;
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
-    CHECK_CONTAINS(err, "b.scale = (nil) must be set");
+    CHECK_CONTAINS(err, "b.scale = (nil), b.scale16 = (nil)");
+    CHECK_CONTAINS(err, "b.scale must be set");
     g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_nt_256], &p);
     g.problem.k = 200; /* E4M3 rows must be 16-byte multiples */
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
@@ -447,7 +455,8 @@ int test_gemm_descriptions_resolve(void)
     CHECK_CONTAINS(err, "n = 192 with gate and up in one tensor must be a multiple of 128");
     g.b.up = g.b.ptr; /* apart, without its scales */
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_INVALID_ARGUMENT);
-    CHECK_CONTAINS(err, "b.up_scale = (nil) exactly when b.up is");
+    CHECK_CONTAINS(err, "b.up_scale = (nil)");
+    CHECK_CONTAINS(err, "b.up_scale exactly when b.up is");
     g.b.up_scale = g.b.scale;
     CHECK_EQ(cometi_gemm_check(err, &g, &(int){0}), COMET_SUCCESS);
     g = describe(&cometi_gemm_variants[COMETI_GEMM_V_fp8_swiglu], &p);
@@ -1162,7 +1171,7 @@ typedef struct wgrad_segs {
     const cometi_segment_t *host;
     cometi_segment_t *dev;
     int a_rows;    /* the tokens allocated */
-    int row_major; /* scales [row][token block] rather than [token block][row] */
+    int row_major; /* A's scales [row][token block] rather than [token block][row] */
 } wgrad_segs_t;
 
 static int run_row_e4m3_wgrad(shared_t *s, const wgrad_segs_t *ws, int vi, int exact, uint64_t *rng)
@@ -1170,9 +1179,10 @@ static int run_row_e4m3_wgrad(shared_t *s, const wgrad_segs_t *ws, int vi, int e
     const cometi_gemm_variant_t *v = &cometi_gemm_variants[vi];
     const int add = v->epilogue == COMETI_GEMM_EPI_ADD_FP32, n = N_K;
     const int64_t ld = ws->a_rows + 16, kbs = (ws->a_rows + 127) / 128;
-    /* The scales' layout: [token block][row], or [row][token block] (row_major). */
+    /* A's scales' layout: [token block][row], or [row][token block] (row_major); B's are bf16
+     * (exact: drawn so), [token block][row], a row pair's in one word. */
     const int64_t sa_row = ws->row_major ? kbs : 1, sa_block = ws->row_major ? 1 : M_OUT;
-    const int64_t sb_row = ws->row_major ? kbs : 1, sb_block = ws->row_major ? 1 : N_K;
+    const int64_t sb_row = 1, sb_block = N_K;
     uint8_t *at = calloc((size_t)M_OUT * ld, 1), *bt = calloc((size_t)n * ld, 1);
     float *sa = malloc(sizeof(float) * kbs * M_OUT), *sb = malloc(sizeof(float) * kbs * n);
     for (int g = 0; g < GROUPS; g++)
@@ -1181,7 +1191,11 @@ static int run_row_e4m3_wgrad(shared_t *s, const wgrad_segs_t *ws, int vi, int e
             for (int j = 0; j < n; j++) bt[(size_t)j * ld + r] = random_e4m3(rng, exact);
         }
     for (int64_t i = 0; i < kbs * M_OUT; i++) sa[i] = random_scale(rng);
-    for (int64_t i = 0; i < kbs * n; i++) sb[i] = random_scale(rng);
+    uint16_t *sb16 = malloc(sizeof(uint16_t) * kbs * n);
+    for (int64_t i = 0; i < kbs * n; i++) {
+        sb16[i] = (uint16_t)(cometi_f32_bits(random_scale(rng)) >> 16);
+        sb[i] = cometi_f32_from_bits((uint32_t)sb16[i] << 16);
+    }
     const size_t nc = (size_t)GROUPS * M_OUT * n;
     double *ref = calloc(nc, sizeof(double)), *err_bound = calloc(nc, sizeof(double));
     float *c0 = malloc(sizeof(float) * nc);
@@ -1205,24 +1219,25 @@ static int run_row_e4m3_wgrad(shared_t *s, const wgrad_segs_t *ws, int vi, int e
             }
     }
     void *a = NULL, *b = NULL, *c = NULL;
-    float *dsa = NULL, *dsb = NULL;
+    float *dsa = NULL;
+    uint16_t *dsb = NULL;
     const size_t c_bytes = nc * (add ? 4 : 2);
     CUDA_OK(cudaMalloc(&a, (size_t)M_OUT * ld));
     CUDA_OK(cudaMalloc(&b, (size_t)n * ld));
     CUDA_OK(cudaMalloc(&c, c_bytes));
     CUDA_OK(cudaMalloc((void **)&dsa, sizeof(float) * kbs * M_OUT));
-    CUDA_OK(cudaMalloc((void **)&dsb, sizeof(float) * kbs * n));
+    CUDA_OK(cudaMalloc((void **)&dsb, sizeof(uint16_t) * kbs * n));
     CUDA_OK(cudaMemcpy(a, at, (size_t)M_OUT * ld, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(b, bt, (size_t)n * ld, cudaMemcpyHostToDevice));
     CUDA_OK(cudaMemcpy(dsa, sa, sizeof(float) * kbs * M_OUT, cudaMemcpyHostToDevice));
-    CUDA_OK(cudaMemcpy(dsb, sb, sizeof(float) * kbs * n, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dsb, sb16, sizeof(uint16_t) * kbs * n, cudaMemcpyHostToDevice));
     problem_t p;
     memset(&p, 0, sizeof(p));
     p.groups = GROUPS, p.n = n, p.m_out = M_OUT, p.ldc = n;
     p.a_rows = ws->a_rows, p.segs = ws->dev, p.a_ld = ld;
     p.a = a, p.b = b, p.c = c;
     p.a_scale = dsa, p.a_scale_row = sa_row, p.a_scale_block = sa_block;
-    p.b_scale = dsb, p.b_scale_row = sb_row, p.b_scale_block = sb_block;
+    p.b_scale16 = dsb, p.b_scale_row = sb_row, p.b_scale_block = sb_block;
     p.err = s->err_dev;
     unsigned char *got_bytes = malloc(c_bytes);
     for (int run = 0; run < 2; run++) {
@@ -1253,7 +1268,7 @@ static int run_row_e4m3_wgrad(shared_t *s, const wgrad_segs_t *ws, int vi, int e
         CHECK_EQ(bad, 0);
         printf("%-20s %s: m_out %d, n %d, %d token rows%s%s, worst |error| / bound %.2f\n", v->name,
                dynamic ? "every SM, shared counter" : "5 blocks, static tiles  ", M_OUT, n, ws->a_rows,
-               exact ? ", exact sums" : ", any codes", ws->row_major ? ", row-major scales" : "", worst);
+               exact ? ", exact sums" : ", any codes", ws->row_major ? ", A's scales row-major" : "", worst);
     }
     /* A group off the 128-row grid of the token blocks is reported, not summed silently. */
     cometi_segment_t off_grid[GROUPS], *off_dev = NULL;
@@ -1272,7 +1287,7 @@ static int run_row_e4m3_wgrad(shared_t *s, const wgrad_segs_t *ws, int vi, int e
     CHECK_EQ(s->err_host->peer, 0);
     CHECK_EQ(s->err_host->seen, (unsigned long long)off_grid[0].start);
     memset(s->err_host, 0, sizeof(*s->err_host)); /* the next row starts clean */
-    free(at), free(bt), free(sa), free(sb), free(ref), free(err_bound), free(c0), free(got_bytes);
+    free(at), free(bt), free(sa), free(sb), free(sb16), free(ref), free(err_bound), free(c0), free(got_bytes);
     cudaFree(a), cudaFree(b), cudaFree(c), cudaFree(dsa), cudaFree(dsb), cudaFree(off_dev);
     return 0;
 }

@@ -373,13 +373,15 @@ static int check_gemm1(fp8_case_t *c, double *diff_lt, double *diff_bf16, const 
     return 0;
 }
 
-/* The two operands of a weight gradient cast-transposed (the FP8 GEMM's inputs). */
+/* The two operands of a weight gradient cast-transposed (the FP8 GEMM's inputs), B's scales
+ * exact in bf16 as the layer makes them (COMETI_FP8_SCALE_BF16) and copied as bf16. */
 typedef struct wgrad_run {
     fp8_case_t *c;
     const void *a, *b;        /* bf16 [total][m_out], [total][n] */
     int m_out, n;
     void *at, *bt;            /* E4M3 [m_out][total], [n][total] */
-    float *as, *bs;           /* [total / 128][m_out], [total / 128][n] */
+    float *as, *bs;           /* [total / 128][m_out], [total / 128][n] (B's exact in bf16) */
+    uint16_t *bs16;           /* bs in bf16, what our GEMM reads */
     cometi_gemm_t g;
     cometi_blaslt_fp8_t *lt;
     int64_t *k_start, *k_len; /* host: each expert's tokens in whole 128-token blocks (cuBLASLt's k) */
@@ -394,7 +396,8 @@ static int run_wgrad_quantize(void *p, cudaStream_t s)
     return cometi_quantize_segments_t_e4m3(w->a, w->m_out, w->m_out, c->total, c->segs, c->groups, w->at, c->total,
                                            w->as, 1, w->m_out, 0, s) != cudaSuccess ||
            cometi_quantize_segments_t_e4m3(w->b, w->n, w->n, c->total, c->segs, c->groups, w->bt, c->total, w->bs, 1,
-                                           w->n, 0, s) != cudaSuccess;
+                                           w->n, COMETI_FP8_SCALE_BF16, s) != cudaSuccess ||
+           cometi_launch_scales_bf16(w->bs, w->bs16, c->total / 128 * w->n, s) != cudaSuccess;
 }
 
 static int run_wgrad_gemm(void *p, cudaStream_t s)
@@ -427,6 +430,7 @@ static int wgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     CUDA_OK(cudaMalloc(&w.bt, (size_t)n * T));
     CUDA_OK(cudaMalloc((void **)&w.as, T / 128 * m_out * 4));
     CUDA_OK(cudaMalloc((void **)&w.bs, T / 128 * n * 4));
+    CUDA_OK(cudaMalloc((void **)&w.bs16, T / 128 * n * 2));
     CUDA_OK(cudaMalloc(&c16, out * 2));
     CUDA_OK(cudaMalloc(&c8, out * 2));
     cometi_gemm_t *g = &w.g;
@@ -442,7 +446,7 @@ static int wgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     g->a.ptr = w.at, g->a.type = COMETI_GEMM_E4M3, g->a.major = COMETI_GEMM_K_MAJOR;
     g->a.scale = w.as, g->a.scale_row = 1, g->a.scale_block = m_out;
     g->b.ptr = w.bt, g->b.type = COMETI_GEMM_E4M3, g->b.major = COMETI_GEMM_K_MAJOR;
-    g->b.scale = w.bs, g->b.scale_row = 1, g->b.scale_block = n;
+    g->b.scale16 = w.bs16, g->b.scale_row = 1, g->b.scale_block = n;
     g->out.c = c8;
     uint16_t *h8 = TOOL_MALLOC(out * 2), *h16 = TOOL_MALLOC(out * 2);
     CUDA_OK(cudaMemcpy(h16, c16, out * 2, cudaMemcpyDeviceToHost));
@@ -500,7 +504,7 @@ static int wgrad_row(const tool_options_t *o, fp8_case_t *c, cometi_blaslt_fp8_t
     printf("  cuBLASLt: %s\n", lt_algo);
 #undef TF
     fflush(stdout);
-    cudaFree(w.at), cudaFree(w.bt), cudaFree(w.as), cudaFree(w.bs), cudaFree(c16), cudaFree(c8);
+    cudaFree(w.at), cudaFree(w.bt), cudaFree(w.as), cudaFree(w.bs), cudaFree(w.bs16), cudaFree(c16), cudaFree(c8);
     return wrong ? 2 : 0;
 }
 

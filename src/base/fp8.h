@@ -121,8 +121,16 @@ static inline COMETI_HD float cometi_e4m3_decode(uint8_t v)
     return cometi_f32_from_bits(sign | ((e + 120u) << 23) | (m << 20));                 /* 1.m x 2^(e-7) */
 }
 
+/* The scale rules (cometi_fp8_scale's `pow2`): amax / 448; the power of two at or above it;
+ * or it rounded up to 8 significant bits, exact in bf16 (the weight gradients' B operands:
+ * their GEMM reads each column's scale as bf16, half the shared-memory bytes). */
+#define COMETI_FP8_SCALE_EXACT 0
+#define COMETI_FP8_SCALE_POW2 1
+#define COMETI_FP8_SCALE_BF16 2
+
 /* A block's scale from its amax (the largest |x|, NaN if any x is NaN): amax / 448, or with
- * pow2 the smallest power of two at or above it; at least 2^-126 (FLT_MIN) either way, so
+ * pow2 the smallest power of two at or above it (COMETI_FP8_SCALE_BF16: the smallest float
+ * of 8 significant bits at or above it, at most 2^-7 coarser); at least 2^-126 (FLT_MIN), so
  * 1 / scale is finite (a block of values under 448 x 2^-126 ~ 5e-36 would otherwise get a
  * subnormal scale whose inverse overflows: its zeros would quantize to NaN (0 x Inf)).
  * amax 0: 1. NaN gives NaN, infinity infinity, pow2 or not. fl(amax / 448) is a power of
@@ -135,8 +143,14 @@ static inline COMETI_HD float cometi_fp8_scale(float amax, int pow2)
     if (s < COMETI_FP8_MIN_SCALE) s = COMETI_FP8_MIN_SCALE; /* false for NaN: it stays */
     if (pow2) {
         uint32_t u = cometi_f32_bits(s);
-        /* A normal float with mantissa bits up to the next binade (2^120 at most: no overflow). */
-        if ((u & 0x7f800000u) != 0x7f800000u && (u & 0x007fffffu)) u = (u & 0xff800000u) + 0x00800000u;
+        /* A normal float with mantissa bits up to the next binade (2^120 at most: no overflow),
+         * or up to the next multiple of 2^16 in its bits (a carry into the exponent is the
+         * next binade). */
+        if (pow2 == COMETI_FP8_SCALE_BF16) {
+            if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0xffffu) & 0xffff0000u;
+        } else if ((u & 0x7f800000u) != 0x7f800000u && (u & 0x007fffffu)) {
+            u = (u & 0xff800000u) + 0x00800000u;
+        }
         s = cometi_f32_from_bits(u);
     }
     return s;

@@ -94,15 +94,16 @@ static comet_status_t quantize_to_send_order(comet_moe_t moe, cometi_baseline_t 
                        "launch permute_fp8_kernel");
 }
 
-/* E4M3 rows [..][H] with K-major scales ([row][L0]) cast along the tokens, per segment. */
+/* E4M3 rows [..][H] with K-major scales ([row][L0]) cast along the tokens, per segment, by
+ * the scale rule `rule` (cometi_fp8_scale). */
 static comet_status_t cast_along_tokens(comet_moe_t moe, const comet_moe_saved_t sv, const void *q, const float *s,
-                                        int64_t rows, void *qt, float *qt_scales, int64_t ld, const char *what,
-                                        cudaStream_t stream)
+                                        int64_t rows, void *qt, float *qt_scales, int64_t ld, int rule,
+                                        const char *what, cudaStream_t stream)
 {
     const int H = moe->cfg.hidden, L0 = (int)ceil_div(H, 128);
     return cometi_cuda(moe->err, cometi_requantize_segments_t_e4m3(q, H, s, L0, 1, H, rows, sv->segs,
                                                                    moe->experts_per_rank, qt, ld, qt_scales, 1, H,
-                                                                   moe->cfg.fp8_pow2_scales, stream),
+                                                                   rule, stream),
                        what);
 }
 
@@ -116,6 +117,7 @@ comet_status_t cometi_baseline_fp8_send(comet_moe_t moe, cometi_baseline_t *b, c
     /* 0. */
     const float *kept_s = (const float *)((const uint8_t *)sv->recv + (size_t)sv->cap_rows * H);
     COMETI_TRY(cast_along_tokens(moe, sv, sv->recv, kept_s, rows, t->wg.x_t, t->wg.x_t_scales, t->wg.ld,
+                                 cometi_wgrad_b_scale_rule(moe->cfg.fp8_pow2_scales),
                                  "cast x^T to FP8 along the tokens", stream));
     /* 1. and 2. */
     COMETI_TRY(quantize_to_send_order(moe, b, sv, args->dy, "launch quantize_rows_kernel (dy)", stream));
@@ -155,7 +157,7 @@ comet_status_t cometi_baseline_fp8_experts(comet_moe_t moe, cometi_baseline_t *b
                                                                    sv->segs, per, sv->max_seg_rows, rows, b->w_recv,
                                                                    b->dw_recv, t->dh_scales, R, t->wg.wa_t,
                                                                    t->wg.wa_t_scales, t->wg.dh_t, t->wg.dh_t_scales,
-                                                                   t->wg.ld, pow2, stream),
+                                                                   t->wg.ld, cometi_wgrad_b_scale_rule(pow2), stream),
                            "launch SwiGLU's FP8 backward"));
     /* dx rows = dh W13: dh's scales (MN-major, [L2][R]) packed by group, W13^T [H][2F]. */
     COMETI_TRY(cometi_cuda(err, cometi_launch_fp8_pack_groups(b->groups, per, max_padded, t->dh_scales, 1, R, L2,
@@ -166,7 +168,7 @@ comet_status_t cometi_baseline_fp8_experts(comet_moe_t moe, cometi_baseline_t *b
                                          wt->gate_up, s_gate_up, b->out, H, stream));
     /* The weight gradients, k each expert's tokens in whole 128-token blocks (the casts wrote
      * zeros past each segment's end). */
-    COMETI_TRY(cast_along_tokens(moe, sv, b->recv_q, b->recv_s, R, t->wg.dy_t, t->wg.dy_t_scales, t->wg.ld,
+    COMETI_TRY(cast_along_tokens(moe, sv, b->recv_q, b->recv_s, R, t->wg.dy_t, t->wg.dy_t_scales, t->wg.ld, pow2,
                                  "cast dy^T to FP8 along the tokens", stream));
     return cometi_blaslt_fp8_weight_grads(err, b->lt, per, sv->segs_host, &t->wg, H, F, &args->grads, stream);
 }

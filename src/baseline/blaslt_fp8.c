@@ -14,6 +14,7 @@
 #include <cublasLt.h>
 
 #include "baseline/blaslt_fp8.h"
+#include "pointwise/pointwise.h"
 
 /* cuBLAS's recommendation for Hopper (cublasSetWorkspace()): 32 MiB. */
 #define WORKSPACE_BYTES ((size_t)32 << 20)
@@ -511,22 +512,38 @@ comet_status_t cometi_fp8_wgrad_operands_alloc(char *err, const char *who, int64
         {(void **)&o->wa_t_scales, sizeof(float) * (size_t)(blocks * F)},
         {(void **)&o->dh_t_scales, sizeof(float) * (size_t)(blocks * 2 * F)},
         {(void **)&o->x_t_scales, sizeof(float) * (size_t)(blocks * H)},
+        {(void **)&o->wa_t_scales16, sizeof(uint16_t) * (size_t)(blocks * F)},
+        {(void **)&o->x_t_scales16, sizeof(uint16_t) * (size_t)(blocks * H)},
     };
     for (size_t i = 0; i < sizeof(a) / sizeof(a[0]); i++) {
         char what[128];
         snprintf(what, sizeof(what), "%s: cudaMalloc(%zu bytes)", who, a[i].bytes);
         COMETI_TRY(cometi_cuda(err, cudaMalloc(a[i].p, a[i].bytes ? a[i].bytes : 1), what));
     }
-    return COMET_SUCCESS;
+    /* The bf16 copies convert every block, those no segment writes too: zeros, not garbage. */
+    COMETI_TRY(cometi_cuda(err, cudaMemset(o->wa_t_scales, 0, sizeof(float) * (size_t)(blocks * F)),
+                           "zero the (w a)^T scales"));
+    return cometi_cuda(err, cudaMemset(o->x_t_scales, 0, sizeof(float) * (size_t)(blocks * H)), "zero the x^T scales");
 }
 
 void cometi_fp8_wgrad_operands_free(cometi_fp8_wgrad_operands_t *o)
 {
-    void *bufs[] = {o->dy_t, o->wa_t, o->dh_t, o->x_t, o->dy_t_scales, o->wa_t_scales, o->dh_t_scales, o->x_t_scales};
+    void *bufs[] = {o->dy_t,        o->wa_t,        o->dh_t,          o->x_t,         o->dy_t_scales,
+                    o->wa_t_scales, o->dh_t_scales, o->x_t_scales,    o->wa_t_scales16, o->x_t_scales16};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) cudaFree(bufs[i]);
     free(o->k_start);
     free(o->k_len);
     memset(o, 0, sizeof(*o));
+}
+
+comet_status_t cometi_wgrad_b_scales16(char *err, const cometi_fp8_wgrad_operands_t *o, int64_t H, int64_t F,
+                                       cudaStream_t stream)
+{
+    const int64_t blocks = o->ld / 128;
+    COMETI_TRY(cometi_cuda(err, cometi_launch_scales_bf16(o->wa_t_scales, o->wa_t_scales16, blocks * F, stream),
+                           "launch scales_bf16_kernel ((w a)^T)"));
+    return cometi_cuda(err, cometi_launch_scales_bf16(o->x_t_scales, o->x_t_scales16, blocks * H, stream),
+                       "launch scales_bf16_kernel (x^T)");
 }
 
 comet_status_t cometi_blaslt_fp8_weight_grads(char *err, cometi_blaslt_fp8_t *lt, int experts,

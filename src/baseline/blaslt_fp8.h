@@ -27,6 +27,7 @@
 
 #include <stdint.h>
 
+#include "base/fp8.h"
 #include "base/host.h"
 
 #ifdef __cplusplus
@@ -140,11 +141,14 @@ void cometi_blaslt_fp8_algo_text(const cometi_blaslt_fp8_t *lt, char *buf, size_
 
 /* An FP8 layer's weight-gradient operands, cast along the tokens per expert segment (both
  * paths make them so): E4M3 [cols][ld] (cols H, F, 2F, H), each column's tokens in a row,
- * zeros past each segment's end, scales [ld / 128][cols] (wgrad's MN-major layout);
- * k_start and k_len host scratch of one entry per local expert. */
+ * zeros past each segment's end, scales [ld / 128][cols] (wgrad's MN-major layout); the B
+ * operands' (w a)^T and x^T scales exact in bf16 (COMETI_FP8_SCALE_BF16 unless powers of
+ * two), with a bf16 copy for comet's GEMM (the `16` arrays); k_start and k_len host
+ * scratch of one entry per local expert. */
 typedef struct cometi_fp8_wgrad_operands {
     void *dy_t, *wa_t, *dh_t, *x_t;
     float *dy_t_scales, *wa_t_scales, *dh_t_scales, *x_t_scales;
+    uint16_t *wa_t_scales16, *x_t_scales16;
     int64_t ld;
     int64_t *k_start, *k_len;
 } cometi_fp8_wgrad_operands_t;
@@ -156,6 +160,13 @@ typedef struct cometi_fp8_wgrad_operands {
 comet_status_t cometi_fp8_wgrad_operands_alloc(char *err, const char *who, int64_t rows, int64_t H, int64_t F,
                                                int experts, cometi_fp8_wgrad_operands_t *o);
 void cometi_fp8_wgrad_operands_free(cometi_fp8_wgrad_operands_t *o);
+/* The scale rule (cometi_fp8_scale) of what SwiGLU's FP8 backward and the casts of x make
+ * for the weight gradients, both paths alike: powers of two with the layer's pow2, else
+ * exact in bf16, which comet's weight-gradient GEMM reads (the `16` copies). */
+static inline int cometi_wgrad_b_scale_rule(int pow2) { return pow2 ? COMETI_FP8_SCALE_POW2 : COMETI_FP8_SCALE_BF16; }
+/* The bf16 copies of o's (w a)^T and x^T scales (all ld / 128 blocks), enqueued on stream. */
+comet_status_t cometi_wgrad_b_scales16(char *err, const cometi_fp8_wgrad_operands_t *o, int64_t H, int64_t F,
+                                       cudaStream_t stream);
 
 /* The layer's weight gradients through wgrad: dW2 = dy^T (w a) into grads->down ([experts][H]
  * [F]) and dW13 = dh^T x into grads->gate_up ([experts][2F][H]), each skipped where NULL,

@@ -50,8 +50,10 @@ typedef struct cometi_gemm_args {
      * [b_scale_kb] (up's at b_up_scale, the same strides; n blocks past b_scale_blocks read
      * none), and C's (SWIGLU_E4M3) at c_scale[r * c_scale_row + b * c_scale_block]. Along
      * K, A's row m and B's row n of token block b at a_scale[m * a_scale_row + b *
-     * a_scale_block] and b_scale[n * b_scale_row + b * b_scale_block]. */
+     * a_scale_block] and b_scale16[n + b * b_scale_block] (bf16: rows n and n + 1, n even,
+     * one word). */
     const float *a_scale, *b_scale, *b_up_scale;
+    const uint16_t *b_scale16;
     long long a_scale_row, a_scale_block, a_rows, b_scale_row, b_scale_block;
     int a_kb_strided;                    /* E4M3 along M: map a is [rows][k / 128][128 bytes] (gemm.h's
                                           * a.kb_stride), loaded a k block at a time */

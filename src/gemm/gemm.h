@@ -140,7 +140,12 @@ typedef struct cometi_gemm {
                                        * multiple of 128 (a block never holds both) */
         const float *up_scale;        /* E4M3 with `up`: the up rows' own, [groups][ceil(n / 128)][..] */
         int64_t scale_row, scale_block; /* E4M3 along K: row n's scale of token block b (1 x 128) at
-                                       * scale[n * scale_row + b * scale_block]; else 0 */
+                                       * scale16[n * scale_row + b * scale_block]; else 0 */
+        const uint16_t *scale16;      /* E4M3 along K, in place of `scale` (NULL there): the scales
+                                       * as bf16, so exact in 16 bits (COMETI_FP8_SCALE_BF16 or
+                                       * powers of two; cometi_launch_scales_bf16 makes them from
+                                       * fp32), scale_row 1 and scale_block even (a row pair's two
+                                       * scales one 4-byte word) */
     } b;
     /* The output. */
     struct {

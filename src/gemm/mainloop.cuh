@@ -217,10 +217,10 @@ static __device__ __forceinline__ void produce_scales_unit(const cometi_gemm_arg
         }
         if constexpr (WGRAD) {
 #pragma unroll
-            for (int j = 0; j < BN / 32; j++) { /* column lane + 32 j lies 8 j past column lane */
-                const int n = tl.n * BN + lane + 32 * j;
-                cp_async_f32(slot + COMETI_GEMM_BM + cometi_gemm_col_scale_pos(T, lane) + 8 * j,
-                             p.b_scale + (n < p.n ? n * p.b_scale_row + blk * p.b_scale_block : 0), n < p.n);
+            for (int j = 0; j < BN / 64; j++) { /* the word of columns 2 (lane + 32 j) and the next, 8 j past lane's */
+                const int n = tl.n * BN + 2 * (lane + 32 * j); /* n even, p.n a multiple of 64: both or neither */
+                cp_async_f32(slot + COMETI_GEMM_BM + cometi_gemm_col_scale_pos(T, 2 * lane) + 8 * j,
+                             (const float *)(p.b_scale16 + (n < p.n ? n + blk * p.b_scale_block : 0)), n < p.n);
             }
         } else if (lane < HALVES) {
             cp_async_f32(slot + COMETI_GEMM_BM + lane, sb_ok ? sb + kb : sb, sb_ok);
@@ -276,22 +276,26 @@ static __device__ __forceinline__ void promote_e4m3(float *acc, const float *par
 }
 
 /* The weight gradients' promotion: acc += part x (row scale x column scale), this thread's
- * column pairs' B scales read from the stage's slot (`b_cols`: its run's 32 scales of the
- * half, pair j at 2 j; cometi_gemm_col_scale_pos), two pairs per 16-byte load. Read into
- * registers while the MMAs run instead, they cost spills and 5-14% of the GEMM's time
- * (docs/PERF-archive.md). */
+ * column pairs' B scales read from the stage's slot (`b_cols`: its run's 16 words of the
+ * half, pair j's two bf16 scales in word j, the even column's in the low half;
+ * cometi_gemm_col_scale_pos), four pairs per 16-byte load. Read into registers while the
+ * MMAs run instead, they cost spills and 5-14% of the GEMM's time (docs/PERF-archive.md). */
 static __device__ __forceinline__ void promote_e4m3_cols(float *acc, const float *part, float s0, float s1,
                                                          const float *b_cols)
 {
 #pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const float4 sb = lds_f32x4(b_cols + i * 4);
-        float *d = &acc[i * 8];
-        const float *c = &part[i * 8];
-        d[0] = fmaf(c[0], s0 * sb.x, d[0]), d[1] = fmaf(c[1], s0 * sb.y, d[1]);
-        d[2] = fmaf(c[2], s1 * sb.x, d[2]), d[3] = fmaf(c[3], s1 * sb.y, d[3]);
-        d[4] = fmaf(c[4], s0 * sb.z, d[4]), d[5] = fmaf(c[5], s0 * sb.w, d[5]);
-        d[6] = fmaf(c[6], s1 * sb.z, d[6]), d[7] = fmaf(c[7], s1 * sb.w, d[7]);
+    for (int i = 0; i < 4; i++) {
+        const float4 w4 = lds_f32x4(b_cols + i * 4);
+        const uint32_t w[4] = {__float_as_uint(w4.x), __float_as_uint(w4.y), __float_as_uint(w4.z),
+                               __float_as_uint(w4.w)};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const float sx = __uint_as_float(w[k] << 16), sy = __uint_as_float(w[k] & 0xffff0000u);
+            float *d = &acc[(i * 4 + k) * 4];
+            const float *c = &part[(i * 4 + k) * 4];
+            d[0] = fmaf(c[0], s0 * sx, d[0]), d[1] = fmaf(c[1], s0 * sy, d[1]);
+            d[2] = fmaf(c[2], s1 * sx, d[2]), d[3] = fmaf(c[3], s1 * sy, d[3]);
+        }
     }
 }
 

@@ -208,27 +208,33 @@ static comet_status_t check_scales(char *err, const cometi_gemm_t *g, const come
 {
     const int e4m3 = v->a_type == COMETI_GEMM_E4M3, quant = cometi_gemm_quantizes(v->epilogue);
     if (!e4m3) {
-        if (g->a.scale || g->b.scale || g->b.up_scale || g->out.c_scale || g->out.pow2_scales)
+        if (g->a.scale || g->b.scale || g->b.up_scale || g->b.scale16 || g->out.c_scale || g->out.pow2_scales)
             return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm: block scales (a.scale, b.scale, b.up_scale, "
-                               "out.c_scale, out.pow2_scales) are for E4M3 operands; these are %s",
+                               "b.scale16, out.c_scale, out.pow2_scales) are for E4M3 operands; these are %s",
                                format_name(v->a_type));
         return COMET_SUCCESS;
     }
+    const int along_k = v->along == COMETI_GEMM_GROUPS_ALONG_K;
     if (!g->a.scale || (uintptr_t)g->a.scale % 4 || g->a.scale_row < 1 || g->a.scale_block < 1)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: a.scale = %p (4-byte aligned) with strides "
                            "scale_row = %lld and scale_block = %lld (>= 1) must be set", (const void *)g->a.scale,
                            (long long)g->a.scale_row, (long long)g->a.scale_block);
-    if (!g->b.scale || (uintptr_t)g->b.scale % 4 || (g->b.up && (!g->b.up_scale || (uintptr_t)g->b.up_scale % 4)) ||
-        (!g->b.up && g->b.up_scale))
-        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: b.scale = %p must be set (4-byte aligned), and "
-                           "b.up_scale = %p exactly when b.up is", (const void *)g->b.scale,
-                           (const void *)g->b.up_scale);
-    /* B's scales along K are per row (strides given), along M per 128 x 128 block (laid out). */
-    const int along_k = v->along == COMETI_GEMM_GROUPS_ALONG_K;
-    if (along_k ? g->b.scale_row < 1 || g->b.scale_block < 1 : g->b.scale_row || g->b.scale_block)
+    /* B's scales along K are per row, bf16 (scale16; a pair of rows' one word), along M fp32
+     * per 128 x 128 block (laid out). */
+    if (along_k ? !g->b.scale16 || (uintptr_t)g->b.scale16 % 4 || g->b.scale || g->b.up || g->b.up_scale
+                : !g->b.scale || (uintptr_t)g->b.scale % 4 || g->b.scale16 ||
+                      (g->b.up && (!g->b.up_scale || (uintptr_t)g->b.up_scale % 4)) || (!g->b.up && g->b.up_scale))
+        return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: b.scale = %p, b.scale16 = %p, b.up_scale = %p: "
+                           "%s", (const void *)g->b.scale, (const void *)g->b.scale16, (const void *)g->b.up_scale,
+                           along_k ? "groups along K take b.scale16 alone (4-byte aligned)"
+                                   : "b.scale must be set (4-byte aligned), b.scale16 not, and b.up_scale exactly "
+                                     "when b.up is");
+    if (along_k ? g->b.scale_row != 1 || g->b.scale_block < 2 || g->b.scale_block % 2
+                : g->b.scale_row || g->b.scale_block)
         return cometi_fail(err, COMET_INVALID_ARGUMENT, "gemm E4M3: b.scale_row = %lld and b.scale_block = %lld: "
                            "%s", (long long)g->b.scale_row, (long long)g->b.scale_block,
-                           along_k ? "groups along K scale each row of B^T, strides >= 1"
+                           along_k ? "groups along K scale each row of B^T: scale_row 1 and scale_block even (>= 2), "
+                                     "so two rows' bf16 scales are one word"
                                    : "0 with groups along M (B's 128 x 128 blocks are laid out)");
     /* Gate and up rows in one tensor share its 128-row blocks: a block must not hold both. */
     if (cometi_gemm_is_swiglu(v->epilogue) && !g->b.up && g->problem.n % COMETI_GEMM_SCALE_BLOCK)
@@ -570,6 +576,7 @@ comet_status_t cometi_gemm_prepare(char *err, const cometi_gemm_t *g, cometi_gem
         args.a_rows = g->a.rows;
         args.a_kb_strided = g->a.kb_stride != 0;
         args.b_scale = g->b.scale;
+        args.b_scale16 = g->b.scale16;
         args.b_scale_row = g->b.scale_row;
         args.b_scale_block = g->b.scale_block;
         args.b_scale_kb = kbs;

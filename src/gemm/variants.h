@@ -271,22 +271,25 @@ COMETI_GEMM_FN int cometi_gemm_out_cols(cometi_gemm_variant_t v)
 {
     return cometi_gemm_is_swiglu(v.epilogue) ? v.block_n / 2 : v.block_n;
 }
-/* Along K (the weight gradients) B's scales are one per column of the tile, and the
+/* Along K (the weight gradients) B's scales are one per column of the tile, bf16, and the
  * promotion's thread t reads the columns c with (c % 8) / 2 == t % 4 (its fragment's column
- * pairs, 8 apart). They lie as four runs, one per t % 4, each column pair beside the next
- * pair the same thread reads, so a thread takes four pairs per 16-byte load. A run is
- * block_n / 4 + 8 floats from the next: the four runs a warp's load reads start 8 banks
- * apart (no conflict), and the scale warp's 32 stores of a row fall in 32 banks. */
-COMETI_GEMM_FN int cometi_gemm_col_scale_run(cometi_gemm_variant_t v) { return v.block_n / 4 + 8; }
+ * pairs, 8 apart): a pair's two scales are one 4-byte word. The words lie as four runs,
+ * one per t % 4, each pair's word beside the next pair's the same thread reads, so a thread
+ * takes four pairs per 16-byte load (a 128-column half's 16 pairs in four loads: half
+ * the bytes of fp32 scales, and each 16-byte load costs four wavefronts whatever it
+ * broadcasts). A run is block_n / 8 + 8 words from the next: the four runs a warp's load
+ * reads start 8 banks apart (no conflict), and the scale warp's 32 copies of a row's 32
+ * pairs fall in 32 banks. Positions and runs count 4-byte words. */
+COMETI_GEMM_FN int cometi_gemm_col_scale_run(cometi_gemm_variant_t v) { return v.block_n / 8 + 8; }
 COMETI_GEMM_FN int cometi_gemm_col_scale_pos(cometi_gemm_variant_t v, int c)
 {
-    return (c % 8) / 2 * cometi_gemm_col_scale_run(v) + c / 8 * 2 + c % 2;
+    return (c % 8) / 2 * cometi_gemm_col_scale_run(v) + c / 8;
 }
 /* E4M3: a stage's scales beside its boxes, in their own slot (kernel.cuh): room for the A
  * tile's 128 rows' scales of the stage's k block (ping-pong fills 64), then B's: with
  * groups along M a block per 128 rows of B (gate and up, or the two 128-row blocks of a
- * 256-wide tile), padded to 16 bytes; along K one per row of B (the weight gradients:
- * both operands scaled 1 x 128 along the tokens), in four runs
+ * 256-wide tile), padded to 16 bytes; along K one bf16 per row of B (the weight
+ * gradients: both operands scaled 1 x 128 along the tokens), in four runs of words
  * (cometi_gemm_col_scale_pos). Loaded by a warp of the producer, so the consumers read
  * them from shared memory, not at L2's latency in their mainloop. */
 COMETI_GEMM_FN int cometi_gemm_scale_slot_floats(cometi_gemm_variant_t v)

@@ -168,15 +168,15 @@ static cometi_gemm_t wgrad_gemm(comet_comm_t comm, const cometi_dispatch_gemm_t 
 /* The same in FP8: A^T [m_out][ld] and B^T [n][ld] E4M3, the tokens contiguous, with
  * their 128 x 1 scales [ld / 128][m_out] and [ld / 128][n]. */
 static cometi_gemm_t wgrad_gemm_e4m3(comet_comm_t comm, const cometi_dispatch_gemm_t *l0, const void *at,
-                                     const float *at_scales, int m_out, const void *bt, const float *bt_scales, int n,
-                                     int64_t ld, void *c, int fp32)
+                                     const float *at_scales, int m_out, const void *bt, const uint16_t *bt_scales16,
+                                     int n, int64_t ld, void *c, int fp32)
 {
     cometi_gemm_t g = wgrad_gemm(comm, l0, at, m_out, bt, n, ld, c, fp32);
     g.a.type = g.b.type = COMETI_GEMM_E4M3;
     g.a.major = g.b.major = COMETI_GEMM_K_MAJOR;
     g.a.ld = ld;
     g.a.scale = at_scales, g.a.scale_row = 1, g.a.scale_block = m_out;
-    g.b.scale = bt_scales, g.b.scale_row = 1, g.b.scale_block = n;
+    g.b.scale16 = bt_scales16, g.b.scale_row = 1, g.b.scale_block = n;
     return g;
 }
 
@@ -252,10 +252,10 @@ static backward_gemms_t describe_backward_e4m3(comet_moe_t moe, struct cometi_fu
     b.dgrad_gate_up.a.scale_row = 1, b.dgrad_gate_up.a.scale_block = R;
     b.dgrad_gate_up.b.ptr = ba->weights_t.gate_up; /* [E][H][2F]: n = H rows of k = 2F */
     b.dgrad_gate_up.b.scale = ba->weight_t_scales.gate_up;
-    b.wgrad_down = wgrad_gemm_e4m3(comm, &f->l0, t->wg.dy_t, t->wg.dy_t_scales, H, t->wg.wa_t, t->wg.wa_t_scales, F,
-                                   t->wg.ld, ba->grads.down, fp32);
+    b.wgrad_down = wgrad_gemm_e4m3(comm, &f->l0, t->wg.dy_t, t->wg.dy_t_scales, H, t->wg.wa_t,
+                                   t->wg.wa_t_scales16, F, t->wg.ld, ba->grads.down, fp32);
     b.wgrad_gate_up = wgrad_gemm_e4m3(comm, &f->l0, t->wg.dh_t, t->wg.dh_t_scales, 2 * F, t->wg.x_t,
-                                      t->wg.x_t_scales, H, t->wg.ld, ba->grads.gate_up, fp32);
+                                      t->wg.x_t_scales16, H, t->wg.ld, ba->grads.gate_up, fp32);
     return b;
 }
 
@@ -370,26 +370,28 @@ static comet_status_t backward_fp8_operands(comet_moe_t moe, struct cometi_fused
     comet_comm_t comm = moe->comm;
     const cometi_dispatch_gemm_t *l0 = &f->l0;
     const int H = moe->cfg.hidden, F = moe->ffn_local, per = l0->experts_per_group, pow2 = l0->pow2_scales;
+    const int b_rule = cometi_wgrad_b_scale_rule(pow2);
     const int64_t R = l0->max_recv_rows, rows = held_rows(sv, l0), rb = l0->row_bytes;
     const cometi_segment_t *segs = l0->route.plan.local_segs;
     COMETI_TRY(cometi_cuda(comm->err, cometi_launch_swiglu_backward_e4m3_in_place(
                                           sv->h, sv->h_scales, sv->cap_rows, t->s, F, segs, per, (int)rows, rows,
                                           f->w_rows, f->dw_rows, t->dot_parts, t->dh_scales, R, t->wg.wa_t,
-                                          t->wg.wa_t_scales, t->wg.dh_t, t->wg.dh_t_scales, t->wg.ld, pow2, stream),
+                                          t->wg.wa_t_scales, t->wg.dh_t, t->wg.dh_t_scales, t->wg.ld, b_rule, stream),
                            "launch SwiGLU's FP8 backward"));
     /* dy's rows as the dispatch delivered them, x's as the forward kept them: E4M3, each
-     * row's scales after its hidden bytes. */
-    const struct { const void *rows; int64_t n; void *qt; float *scales; const char *what; } e4m3_rows[2] = {
-        {l0->recv.local, R, t->wg.dy_t, t->wg.dy_t_scales, "cast dy^T to FP8 along the tokens"},
-        {sv->recv, rows, t->wg.x_t, t->wg.x_t_scales, "cast x^T to FP8 along the tokens"},
+     * row's scales after its hidden bytes. x^T is a weight gradient's B operand. */
+    const struct { const void *rows; int64_t n; void *qt; float *scales; int rule; const char *what; } e4m3_rows[2] = {
+        {l0->recv.local, R, t->wg.dy_t, t->wg.dy_t_scales, pow2, "cast dy^T to FP8 along the tokens"},
+        {sv->recv, rows, t->wg.x_t, t->wg.x_t_scales, b_rule, "cast x^T to FP8 along the tokens"},
     };
     for (int i = 0; i < 2; i++)
         COMETI_TRY(cometi_cuda(comm->err, cometi_requantize_segments_t_e4m3(
                                               e4m3_rows[i].rows, rb,
                                               (const float *)((const char *)e4m3_rows[i].rows + H), rb / 4, 1, H,
                                               e4m3_rows[i].n, segs, per, e4m3_rows[i].qt, t->wg.ld, e4m3_rows[i].scales,
-                                              1, H, pow2, stream),
+                                              1, H, e4m3_rows[i].rule, stream),
                                e4m3_rows[i].what));
+    COMETI_TRY(cometi_wgrad_b_scales16(comm->err, &t->wg, H, F, stream));
     return t->lt ? copy_segments(comm->err, t, segs, per, stream) : COMET_SUCCESS;
 }
 

@@ -79,7 +79,8 @@ cudaError_t cometi_launch_swiglu_backward_e4m3_in_place(void *h, const float *h_
                                                         cudaStream_t stream);
 
 /* Block-scaled FP8 (E4M3) with base/fp8.h's arithmetic: each block's amax, its scale
- * (pow2: a power of two), q = e4m3(x x (1 / scale)); NaN and infinity as comet.h states.
+ * (`pow2`: cometi_fp8_scale's rule, amax / 448, a power of two, or exact in bf16), q =
+ * e4m3(x x (1 / scale)); NaN and infinity as comet.h states.
  * Rows: x bf16 [rows][ldx] in 1 x 128 blocks along its cols -> q E4M3 [rows][ldq], the
  * scale of row r's block b at scales[r x scale_row_stride + b x scale_block_stride]:
  * K-major [rows][ceil(cols / 128)] (row stride ceil(cols / 128), block stride 1, DeepEP's)
@@ -120,6 +121,9 @@ cudaError_t cometi_requantize_segments_t_e4m3(const void *x, int64_t ldx, const 
                                               const cometi_segment_t *segs, int groups, void *qt, int64_t ldq,
                                               float *scales, int64_t scale_row_stride, int64_t scale_block_stride,
                                               int pow2, cudaStream_t stream);
+/* out[i] = the high 16 bits of s[i] (i < n): scales exact in bf16 (COMETI_FP8_SCALE_BF16,
+ * or powers of two) as bf16, for the weight gradients' GEMM. */
+cudaError_t cometi_launch_scales_bf16(const float *s, uint16_t *out, int64_t n, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

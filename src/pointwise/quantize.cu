@@ -299,3 +299,18 @@ extern "C" cudaError_t cometi_requantize_segments_t_e4m3(const void *x, int64_t 
     return launch_segments_t(true, x, ldx, x_scales, x_scale_row, x_scale_block, cols, rows, segs, groups, qt, ldq,
                              scales, scale_row_stride, scale_block_stride, pow2, stream);
 }
+
+static __global__ void scales_bf16_kernel(const uint32_t *__restrict__ s, uint16_t *__restrict__ out, int64_t n)
+{
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = (uint16_t)(s[i] >> 16);
+}
+
+extern "C" cudaError_t cometi_launch_scales_bf16(const float *s, uint16_t *out, int64_t n, cudaStream_t stream)
+{
+    if (n <= 0) return cudaSuccess;
+    const int64_t blocks = (n + 255) / 256;
+    scales_bf16_kernel<<<(unsigned int)(blocks < 4096 ? blocks : 4096), 256, 0, stream>>>((const uint32_t *)s, out,
+                                                                                          n);
+    return cudaGetLastError();
+}
