@@ -586,6 +586,54 @@ static int wgrad_cublaslt_case(fp8_fixture_t *fx, const comet_moe_args_t *a8, co
     return 0;
 }
 
+/* The layer made with config.fp8_pow2_scales = 0 (scales amax / 448; what SwiGLU's backward
+ * makes and x cast along the tokens, the weight gradients' B operands, rounded up to 8
+ * significant bits, which comet's weight-gradient GEMM reads as bf16), on o16's inputs and
+ * weights:
+ *   - two fused steps give the same bits;
+ *   - the sequential step, whose casts take the same rules and whose weight gradients run
+ *     through cuBLASLt on fp32 copies of the same scales: sequential_case's bars (y
+ *     measure < 5e-4, the rest < 1e-4, elements within ON_GRID);
+ *   - both against the bf16 layer: x lies on the power-of-two E4M3 grid, which amax / 448
+ *     scales round again (in its rows, then along the tokens), so the soak's bars for x
+ *     off the grid (measure < 2e-3, elements within OFF_GRID). */
+static int exact_scales_case(fp8_fixture_t *fx, const comet_moe_args_t *a8, const comet_moe_backward_args_t *b8,
+                             const step_out_t *o16, int top_k)
+{
+    comet_comm_t comm = fx->comm;
+    comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT;
+    cfg.hidden = H, cfg.ffn = F, cfg.num_experts = E, cfg.top_k = top_k, cfg.max_tokens = MAX_TOKENS;
+    cfg.dtype = COMET_DTYPE_FP8_BLOCK, cfg.fp8_pow2_scales = 0;
+    comet_moe_t moe;
+    COMET_OK(comet_moe_create(comm, &cfg, &moe), comm);
+    comet_moe_args_t a = *a8;
+    comet_moe_backward_args_t b = *b8;
+    b.grads.mode = COMET_GRAD_WRITE_BF16;
+    step_out_t fused, again, seq;
+    alloc_out(fx, &fused), alloc_out(fx, &again), alloc_out(fx, &seq);
+    if (step(fx, moe, &a, &b, &fused) || step(fx, moe, &a, &b, &again) || same_bits(fx, &fused, &again)) return 1;
+    a.impl = COMET_IMPL_BASELINE;
+    if (step(fx, moe, &a, &b, &seq)) return 1;
+    double m_seq[5], m_fused16[5], m_seq16[5], used_seq = 0, used16 = 0;
+    if (step_against(fx, "amax / 448 scales: sequential against fused", &seq, &fused, ON_GRID, m_seq, &used_seq) ||
+        step_against(fx, "amax / 448 scales: fused against bf16", &fused, o16, OFF_GRID, m_fused16, &used16) ||
+        step_against(fx, "amax / 448 scales: sequential against bf16", &seq, o16, OFF_GRID, m_seq16, &used16))
+        return 1;
+    printf("rank %d: fp8_pow2_scales = 0, top-%d: sequential against fused y %.2e, dx %.2e, d topk_weights %.2e, d "
+           "gate_up %.2e, d down %.2e; fused against the bf16 layer y %.2e, dx %.2e, d topk_weights %.2e, d gate_up "
+           "%.2e, d down %.2e\n", fx->me, top_k, m_seq[0], m_seq[1], m_seq[4], m_seq[2], m_seq[3], m_fused16[0],
+           m_fused16[1], m_fused16[4], m_fused16[2], m_fused16[3]);
+    CHECK(m_seq[0] < 5e-4);
+    for (int i = 0; i < 5; i++) {
+        if (i) CHECK(m_seq[i] < 1e-4);
+        CHECK(m_fused16[i] < 2e-3);
+        CHECK(m_seq16[i] < 2e-3);
+    }
+    free_out(&fused), free_out(&again), free_out(&seq);
+    COMET_OK(comet_moe_destroy(moe), comm);
+    return 0;
+}
+
 static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint64_t seed, int top_k)
 {
     const int me = ctx->rank;
@@ -719,6 +767,7 @@ static int fp8_train_case(const cometi_rank_ctx_t *ctx, comet_comm_t comm, uint6
     if (sequential_case(&fx, &L, &a, &b, &o8, &o16, top_k)) return 1;
     if (accumulate_case(&fx, moe8, &a, &b, &o8, &rng)) return 1;
     if (wgrad_cublaslt_case(&fx, &a, &b, &o8, top_k)) return 1;
+    if (exact_scales_case(&fx, &a, &b, &o16, top_k)) return 1;
     free(y_inf);
     free_out(&o8), free_out(&again), free_out(&o16);
     COMET_OK(comet_moe_saved_destroy(sv), comm);
