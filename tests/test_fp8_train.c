@@ -519,6 +519,17 @@ static int accumulate_case(fp8_fixture_t *fx, comet_moe_t moe, const comet_moe_a
     return 0;
 }
 
+/* Another FP8 layer of the file's shape beside the fixture's, with the given fp8_pow2_scales
+ * and fp8_wgrad_cublaslt. */
+static int open_fp8_layer(comet_comm_t comm, int top_k, int pow2, int wgrad_cublaslt, comet_moe_t *moe)
+{
+    comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT;
+    cfg.hidden = H, cfg.ffn = F, cfg.num_experts = E, cfg.top_k = top_k, cfg.max_tokens = MAX_TOKENS;
+    cfg.dtype = COMET_DTYPE_FP8_BLOCK, cfg.fp8_pow2_scales = pow2, cfg.fp8_wgrad_cublaslt = wgrad_cublaslt;
+    COMET_OK(comet_moe_create(comm, &cfg, moe), comm);
+    return 0;
+}
+
 /* The layer made with config.fp8_wgrad_cublaslt = 1 (cuBLASLt's weight gradients, per
  * expert, on counts the backward reads on the host), on o8's inputs and weights:
  *   - y, dx and d topk_weights are o8's bits (the weight gradients' engine touches none of
@@ -534,11 +545,8 @@ static int wgrad_cublaslt_case(fp8_fixture_t *fx, const comet_moe_args_t *a8, co
                                const step_out_t *o8, int top_k)
 {
     comet_comm_t comm = fx->comm;
-    comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT;
-    cfg.hidden = H, cfg.ffn = F, cfg.num_experts = E, cfg.top_k = top_k, cfg.max_tokens = MAX_TOKENS;
-    cfg.dtype = COMET_DTYPE_FP8_BLOCK, cfg.fp8_pow2_scales = 1, cfg.fp8_wgrad_cublaslt = 1;
     comet_moe_t moe;
-    COMET_OK(comet_moe_create(comm, &cfg, &moe), comm);
+    if (open_fp8_layer(comm, top_k, 1, 1, &moe)) return 1;
     comet_moe_args_t a = *a8;
     comet_moe_backward_args_t b = *b8;
     b.grads.mode = COMET_GRAD_WRITE_BF16;
@@ -601,11 +609,8 @@ static int exact_scales_case(fp8_fixture_t *fx, const comet_moe_args_t *a8, cons
                              const step_out_t *o16, int top_k)
 {
     comet_comm_t comm = fx->comm;
-    comet_moe_config_t cfg = COMET_MOE_CONFIG_INIT;
-    cfg.hidden = H, cfg.ffn = F, cfg.num_experts = E, cfg.top_k = top_k, cfg.max_tokens = MAX_TOKENS;
-    cfg.dtype = COMET_DTYPE_FP8_BLOCK, cfg.fp8_pow2_scales = 0;
     comet_moe_t moe;
-    COMET_OK(comet_moe_create(comm, &cfg, &moe), comm);
+    if (open_fp8_layer(comm, top_k, 0, 0, &moe)) return 1;
     comet_moe_args_t a = *a8;
     comet_moe_backward_args_t b = *b8;
     b.grads.mode = COMET_GRAD_WRITE_BF16;

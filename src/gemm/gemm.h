@@ -134,7 +134,7 @@ typedef struct cometi_gemm {
                                        * or NULL */
         int type;                     /* COMETI_GEMM_BF16 or COMETI_GEMM_E4M3 */
         int major;                    /* COMETI_GEMM_K_MAJOR or COMETI_GEMM_MN_MAJOR */
-        const float *scale;           /* E4M3: one per 128 x 128 block of each group's rows,
+        const float *scale;           /* E4M3 along M: one per 128 x 128 block of each group's rows,
                                        * [groups][ceil(rows / 128)][ceil(k / 128)] (HF checkpoints'
                                        * weight_scale_inv); gate and up in one tensor need n a
                                        * multiple of 128 (a block never holds both) */

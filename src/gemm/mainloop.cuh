@@ -279,7 +279,8 @@ static __device__ __forceinline__ void promote_e4m3(float *acc, const float *par
  * column pairs' B scales read from the stage's slot (`b_cols`: its run's 16 words of the
  * half, pair j's two bf16 scales in word j, the even column's in the low half;
  * cometi_gemm_col_scale_pos), four pairs per 16-byte load. Read into registers while the
- * MMAs run instead, they cost spills and 5-14% of the GEMM's time (docs/PERF-archive.md). */
+ * MMAs run instead, as fp32 they cost spills and 5-14% of the GEMM's time
+ * (docs/PERF-archive.md). */
 static __device__ __forceinline__ void promote_e4m3_cols(float *acc, const float *part, float s0, float s1,
                                                          const float *b_cols)
 {
