@@ -3,6 +3,7 @@
  * call that checks its arguments and hands them to a path: the fused tile-level path
  * (route, layer0, layer1), or the sequential baseline.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,12 +64,18 @@ static comet_status_t pick_knobs(comet_moe_t moe, struct cometi_fused *f)
  * (resend_x apart: rows past a peer's receive buffer). */
 static comet_status_t config_agrees(comet_moe_t moe, const char *path)
 {
-    enum { N = 10 };
+    enum { N = 11 };
     const comet_moe_config_t *c = &moe->cfg;
     const int mine[N] = {c->hidden, c->ffn, c->num_experts, c->top_k, c->max_tokens, c->ep_size, c->tp_size,
-                         c->resend_x, (int)c->dtype, c->fp8_pow2_scales};
+                         c->resend_x, (int)c->dtype, c->fp8_pow2_scales, c->fp8_wgrad_cublaslt};
     static const char *const names[N] = {"hidden", "ffn", "num_experts", "top_k", "max_tokens", "ep_size",
-                                         "tp_size", "resend_x", "dtype", "fp8_pow2_scales"};
+                                         "tp_size", "resend_x", "dtype", "fp8_pow2_scales", "fp8_wgrad_cublaslt"};
+    /* Every int field of the config after its header (size, magic, version): a field added
+     * to comet_moe_config_t without a place here fails to compile. */
+    _Static_assert(sizeof(comet_moe_config_t) ==
+                       (offsetof(comet_moe_config_t, hidden) + N * sizeof(int) + _Alignof(comet_moe_config_t) - 1) /
+                           _Alignof(comet_moe_config_t) * _Alignof(comet_moe_config_t),
+                   "config_agrees compares every field of comet_moe_config_t");
     comet_comm_t comm = moe->comm;
     int *all = malloc(sizeof(mine) * comm->size);
     if (!all) return cometi_fail(moe->err, COMET_OUT_OF_MEMORY, "%s: out of host memory", path);
