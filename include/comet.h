@@ -89,9 +89,12 @@ extern "C" {
 #define COMET_VERSION_MINOR 1
 #define COMET_VERSION_PATCH 0
 /* Version of the config and argument structs below; bumped when a field is added (2:
- * block-scaled FP8: the config's fp8_pow2_scales, the forward args' scales, the backward
- * args' weights_t and weight_t_scales, the saved config's gate_up_e4m3). */
-#define COMET_API_VERSION 2
+ * block-scaled FP8: the config's COMET_DTYPE_FP8_BLOCK and fp8_pow2_scales, the forward
+ * args' scales, the backward args' weights_t and weight_t_scales, the saved config's
+ * gate_up_e4m3; 3: the config's fp8_wgrad_cublaslt). A struct stamped with an older
+ * version must leave the later fields 0 (its caller does not know them); one that sets
+ * them is refused. */
+#define COMET_API_VERSION 3
 /* Stamped into every struct by its initializer, so an uninitialised struct is caught. */
 #define COMET_STRUCT_MAGIC 0xC0E7u
 
@@ -501,7 +504,8 @@ typedef enum comet_grad_mode {
 } comet_grad_mode_t;
 
 /* This rank's experts' weight gradients, in the layouts of comet_moe_weights_t (the same
- * choice of gate_up, or gate and up, as the weights), bf16 or fp32 by `mode`. */
+ * choice of gate_up, or gate and up, as the weights; FP8 layers: gate_up, as weights_t),
+ * bf16 or fp32 by `mode`. */
 typedef struct comet_moe_weight_grads {
     void *gate_up; /* [E_local][2F][H] */
     void *gate;    /* [E_local][F][H], when gate_up is NULL */

@@ -89,9 +89,19 @@ int test_config_validation(void)
         {"fp8 resend_x", 1, 2, COMET_INVALID_ARGUMENT, "config.resend_x = 1 with config.dtype "
                                                        "COMET_DTYPE_FP8_BLOCK"},
         {"fp8 resend_x", 0, 2, COMET_SUCCESS, ""},
+        {"fp8 resend_x", 2, 2, COMET_INVALID_ARGUMENT, "config.resend_x = 2: must be 0"},
         {"resend_x", 2, 2, COMET_INVALID_ARGUMENT, "config.resend_x = 2: must be 0"},
         {"resend_x", -1, 2, COMET_INVALID_ARGUMENT, "config.resend_x = -1"},
         {"resend_x", 1, 2, COMET_SUCCESS, ""},
+        {"version", 0, 2, COMET_INVALID_ARGUMENT, "config.version = 0: this library knows versions 1..3"},
+        {"version", 4, 2, COMET_INVALID_ARGUMENT, "config.version = 4"},
+        {"v1 fp8", 1, 2, COMET_INVALID_ARGUMENT, "config.version = 1 with config.dtype = 1, fp8_pow2_scales = 0: "
+                                                 "FP8 came in version 2"},
+        {"v1 fp8", 2, 2, COMET_SUCCESS, ""},
+        {"wgrad_cublaslt version", 2, 2, COMET_INVALID_ARGUMENT, "config.version = 2 with "
+                                                                 "config.fp8_wgrad_cublaslt = 1: the field came in "
+                                                                 "version 3"},
+        {"wgrad_cublaslt version", 3, 2, COMET_SUCCESS, ""},
         {"world", 0, 0, COMET_INVALID_ARGUMENT, "world size 0"},
         {"size", 3, 2, COMET_INVALID_ARGUMENT, "COMET_MOE_CONFIG_INIT"},
     };
@@ -114,6 +124,10 @@ int test_config_validation(void)
         else if (!strcmp(f, "fp8 resend_x")) c.dtype = COMET_DTYPE_FP8_BLOCK, c.resend_x = v;
         else if (!strcmp(f, "resend_x")) c.resend_x = v;
         else if (!strcmp(f, "size")) c.size = (size_t)v;
+        else if (!strcmp(f, "version")) c.version = (unsigned int)v;
+        else if (!strcmp(f, "v1 fp8")) c.version = (unsigned int)v, c.dtype = COMET_DTYPE_FP8_BLOCK;
+        else if (!strcmp(f, "wgrad_cublaslt version"))
+            c.version = (unsigned int)v, c.dtype = COMET_DTYPE_FP8_BLOCK, c.fp8_wgrad_cublaslt = 1;
         char msg[512] = "";
         comet_status_t st = comet_moe_config_validate(&c, cases[i].world, msg, sizeof(msg));
         if (st != cases[i].status) printf("case %zu (%s = %d): %s\n", i, f, v, msg);
@@ -173,9 +187,15 @@ int test_api_rejects_bad_arguments(void)
     CHECK(moe == NULL);
     CHECK_CONTAINS(comet_last_create_error(), "comm is NULL");
     CHECK_EQ(comet_moe_forward(NULL, NULL, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "comet_moe_forward: moe is NULL");
+    CHECK_EQ(comet_moe_forward_train(NULL, NULL, NULL, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "comet_moe_forward_train: moe is NULL");
+    CHECK_EQ(comet_moe_backward(NULL, NULL, 0), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "comet_moe_backward: moe is NULL");
     CHECK_EQ(comet_comm_destroy(NULL), COMET_SUCCESS);
     CHECK_EQ(comet_moe_destroy(NULL), COMET_SUCCESS);
     CHECK_EQ(comet_comm_get_async_error(NULL), COMET_INVALID_ARGUMENT);
+    CHECK_CONTAINS(comet_last_create_error(), "comet_comm_get_async_error: comm is NULL");
     return 0;
 }
 
@@ -189,7 +209,8 @@ typedef struct fp8_args_case {
     int dtype, ffn, tp;
     int gate_up;       /* 1: gate_up, 0: gate and up apart */
     int scales;        /* bit 0: the weights' scales given, bit 1: x_scales given */
-    int misalign;      /* 0: none; 1: weight_scales.down, 2: x_scales, 3: a scale without its weight */
+    int misalign;      /* 0: none; 1: weight_scales.down, 2: x_scales, 3: a scale without its weight;
+                        * 4: none, but the struct stamped version 1 (before FP8) */
     comet_status_t status;
     const char *message;
 } fp8_args_case_t;
@@ -215,6 +236,8 @@ int test_fp8_forward_args_refusals(void)
         {"FP8, gate_up with ffn / tp 192", COMET_DTYPE_FP8_BLOCK, 384, 2, 1, 1, 0, COMET_INVALID_ARGUMENT,
          "ffn / tp_size = 192"},
         {"FP8, gate_up with ffn / tp 128", COMET_DTYPE_FP8_BLOCK, 256, 2, 1, 1, 0, COMET_SUCCESS, ""},
+        {"FP8 scales in a version-1 args struct", COMET_DTYPE_FP8_BLOCK, 256, 1, 1, 1, 4, COMET_INVALID_ARGUMENT,
+         "args.version = 1 with args.weight_scales or args.x_scales set"},
         {"bf16 with weight scales", COMET_DTYPE_BF16, 256, 1, 1, 1, 0, COMET_INVALID_ARGUMENT,
          "args.weight_scales.gate_up = "},
         {"bf16 with x_scales", COMET_DTYPE_BF16, 256, 1, 1, 2, 0, COMET_INVALID_ARGUMENT,
@@ -250,6 +273,7 @@ int test_fp8_forward_args_refusals(void)
             if (c->misalign == 3) a.weight_scales.gate = f;
         }
         if (c->scales & 2) a.x_scales = c->misalign == 2 ? f + 2 : f;
+        if (c->misalign == 4) a.version = 1;
         const comet_status_t st = cometi_moe_check_args(moe, &a);
         if (st != c->status) printf("case %zu (%s): %s: %s\n", i, c->name, comet_status_string(st), moe->err);
         CHECK_EQ(st, c->status);

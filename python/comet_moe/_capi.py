@@ -18,7 +18,7 @@ from pathlib import Path
 # ---- constants and enums (comet.h) ----
 
 VERSION_MAJOR, VERSION_MINOR, VERSION_PATCH = 0, 1, 0
-API_VERSION = 2          # COMET_API_VERSION
+API_VERSION = 3          # COMET_API_VERSION
 STRUCT_MAGIC = 0xC0E7    # COMET_STRUCT_MAGIC
 
 # comet_status_t

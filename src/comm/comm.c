@@ -359,6 +359,8 @@ comet_status_t cometi_check_sticky(comet_comm_t comm)
 
 comet_status_t comet_comm_get_async_error(comet_comm_t comm)
 {
-    if (!comm) return COMET_INVALID_ARGUMENT;
+    if (!comm)
+        return cometi_fail(cometi_create_error_buffer(), COMET_INVALID_ARGUMENT,
+                           "comet_comm_get_async_error: comm is NULL");
     return cometi_check_async(comm);
 }

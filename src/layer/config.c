@@ -82,6 +82,13 @@ comet_status_t comet_moe_config_validate(const comet_moe_config_t *c, int world,
     if (c->version < 1 || c->version > COMET_API_VERSION)
         return bad(msg, len, INVAL, "config.version = %u: this library knows versions 1..%d", c->version,
                    COMET_API_VERSION);
+    if (c->version < 2 && (c->dtype != COMET_DTYPE_BF16 || c->fp8_pow2_scales))
+        return bad(msg, len, INVAL, "config.version = %u with config.dtype = %d, fp8_pow2_scales = %d: FP8 came in "
+                   "version 2; a version-1 config is COMET_DTYPE_BF16 with fp8_pow2_scales 0", c->version,
+                   (int)c->dtype, c->fp8_pow2_scales);
+    if (c->version < 3 && c->fp8_wgrad_cublaslt)
+        return bad(msg, len, INVAL, "config.version = %u with config.fp8_wgrad_cublaslt = %d: the field came in "
+                   "version 3; an older config leaves it 0", c->version, c->fp8_wgrad_cublaslt);
     if (world < 1 || world > COMETI_MAX_RANKS)
         return bad(msg, len, INVAL, "world size %d: must be 1..%d (one NVLink node)", world, COMETI_MAX_RANKS);
     if (c->hidden <= 0 || c->hidden > MAX_DIM || c->hidden % 64)
@@ -102,6 +109,9 @@ comet_status_t comet_moe_config_validate(const comet_moe_config_t *c, int world,
     if (c->fp8_pow2_scales != 0 && c->fp8_pow2_scales != 1)
         return bad(msg, len, INVAL, "config.fp8_pow2_scales = %d: must be 0 (amax / 448) or 1 (powers of two)",
                    c->fp8_pow2_scales);
+    if (c->resend_x != 0 && c->resend_x != 1)
+        return bad(msg, len, INVAL, "config.resend_x = %d: must be 0 (the saved state keeps x's rows) or 1 (the "
+                   "backward sends x again)", c->resend_x);
     if (c->dtype == COMET_DTYPE_FP8_BLOCK && c->resend_x)
         return bad(msg, len, INVAL, "config.resend_x = 1 with config.dtype COMET_DTYPE_FP8_BLOCK: an FP8 layer keeps "
                    "x's rows in E4M3 for its backward and does not send x again; leave it 0");
@@ -114,9 +124,6 @@ comet_status_t comet_moe_config_validate(const comet_moe_config_t *c, int world,
     if (c->fp8_wgrad_cublaslt && c->dtype != COMET_DTYPE_FP8_BLOCK)
         return bad(msg, len, INVAL, "config.fp8_wgrad_cublaslt = 1 is for config.dtype COMET_DTYPE_FP8_BLOCK (dtype "
                    "is %d)", (int)c->dtype);
-    if (c->resend_x != 0 && c->resend_x != 1)
-        return bad(msg, len, INVAL, "config.resend_x = %d: must be 0 (the saved state keeps x's rows) or 1 (the "
-                   "backward sends x again)", c->resend_x);
     if (c->tp_size < 0 || c->ep_size < 0)
         return bad(msg, len, INVAL, "config.ep_size = %d, config.tp_size = %d: must be >= 0 (0: choose)",
                    c->ep_size, c->tp_size);

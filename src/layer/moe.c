@@ -333,6 +333,10 @@ comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *a)
                            "COMET_MOE_ARGS_INIT", a->size, a->magic);
     if (a->version < 1 || a->version > COMET_API_VERSION)
         return cometi_fail(err, INVAL, "args.version = %u: this library knows 1..%d", a->version, COMET_API_VERSION);
+    const comet_moe_weight_scales_t *ws = &a->weight_scales;
+    if (a->version < 2 && (ws->gate_up || ws->gate || ws->up || ws->down || a->x_scales))
+        return cometi_fail(err, INVAL, "args.version = %u with args.weight_scales or args.x_scales set: those fields "
+                           "came in version 2; a version-1 args struct leaves them NULL", a->version);
     if (a->num_tokens < 0 || a->num_tokens > moe->cfg.max_tokens)
         return cometi_fail(err, INVAL, "args.num_tokens = %d: must be 0..config.max_tokens = %d", a->num_tokens,
                            moe->cfg.max_tokens);
@@ -383,7 +387,8 @@ static comet_status_t moe_forward(comet_moe_t moe, const comet_moe_args_t *args,
 
 comet_status_t comet_moe_forward(comet_moe_t moe, const comet_moe_args_t *args, cudaStream_t stream)
 {
-    if (!moe) return COMET_INVALID_ARGUMENT;
+    if (!moe)
+        return cometi_fail(cometi_create_error_buffer(), COMET_INVALID_ARGUMENT, "comet_moe_forward: moe is NULL");
     moe->err[0] = '\0';
     cometi_context_t prev;
     COMETI_TRY(cometi_context_enter(moe->comm->ctx, moe->err, &prev));

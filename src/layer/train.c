@@ -28,6 +28,9 @@ static comet_status_t saved_rows(comet_moe_t moe, const comet_moe_saved_config_t
     if (c && (c->version < 1 || c->version > COMET_API_VERSION))
         return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.version = %u: this library knows 1..%d",
                            c->version, COMET_API_VERSION);
+    if (c && c->version < 2 && c->gate_up_e4m3)
+        return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.version = %u with gate_up_e4m3 = %d: the "
+                           "field came in version 2; a version-1 config leaves it 0", c->version, c->gate_up_e4m3);
     if (c && (c->max_recv_rows < 0 || c->max_recv_rows > worst))
         return cometi_fail(cerr, COMET_INVALID_ARGUMENT, "saved config.max_recv_rows = %lld: must be 0 (the worst "
                            "case) .. world x max_tokens x min(top_k, experts per rank) = %lld",
@@ -306,6 +309,12 @@ static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backw
                            "COMET_MOE_BACKWARD_ARGS_INIT", a->size, a->magic);
     if (a->version < 1 || a->version > COMET_API_VERSION)
         return cometi_fail(err, INVAL, "args.version = %u: this library knows 1..%d", a->version, COMET_API_VERSION);
+    const comet_moe_weights_t *wt = &a->weights_t;
+    const comet_moe_weight_scales_t *wts = &a->weight_t_scales;
+    if (a->version < 2 && (wt->gate_up || wt->gate || wt->up || wt->down || wts->gate_up || wts->gate || wts->up ||
+                           wts->down))
+        return cometi_fail(err, INVAL, "args.version = %u with args.weights_t or args.weight_t_scales set: those "
+                           "fields came in version 2; a version-1 args struct leaves them NULL", a->version);
     if (!a->saved) return cometi_fail(err, INVAL, "args.saved is NULL: pass the state the training forward filled");
     if (a->saved->moe != moe)
         return cometi_fail(err, INVAL, "args.saved belongs to another layer (comet_moe_saved_create was given another "
@@ -336,7 +345,9 @@ static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backw
         return cometi_fail(err, INVAL, "args.weights: give down and gate_up, or down, gate and up (the forward's)");
     if (!g->down) return cometi_fail(err, INVAL, "args.grads.down is NULL");
     if (w->gate_up ? !g->gate_up || g->gate || g->up : g->gate_up || !g->gate || !g->up)
-        return cometi_fail(err, INVAL, "args.grads: give %s, as the weights do", w->gate_up ? "gate_up" : "gate and up");
+        return cometi_fail(err, INVAL, "args.grads: gate_up = %p, gate = %p, up = %p: give %s, as args.%s does",
+                           g->gate_up, g->gate, g->up, w->gate_up ? "gate_up alone" : "gate and up",
+                           fp8 ? "weights_t (FP8: always gate_up)" : "weights");
     if (fused && !w->gate_up)
         return cometi_fail(err, INVAL, "args.weights: gate and up apart, but the training forward ran fused with "
                            "gate_up");
@@ -377,7 +388,9 @@ static comet_status_t backward(comet_moe_t moe, const comet_moe_backward_args_t 
 comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *args, comet_moe_saved_t saved,
                                        cudaStream_t stream)
 {
-    if (!moe) return COMET_INVALID_ARGUMENT;
+    if (!moe)
+        return cometi_fail(cometi_create_error_buffer(), COMET_INVALID_ARGUMENT,
+                           "comet_moe_forward_train: moe is NULL");
     moe->err[0] = '\0';
     cometi_context_t prev;
     COMETI_TRY(cometi_context_enter(moe->comm->ctx, moe->err, &prev));
@@ -388,7 +401,8 @@ comet_status_t comet_moe_forward_train(comet_moe_t moe, const comet_moe_args_t *
 
 comet_status_t comet_moe_backward(comet_moe_t moe, const comet_moe_backward_args_t *args, cudaStream_t stream)
 {
-    if (!moe) return COMET_INVALID_ARGUMENT;
+    if (!moe)
+        return cometi_fail(cometi_create_error_buffer(), COMET_INVALID_ARGUMENT, "comet_moe_backward: moe is NULL");
     moe->err[0] = '\0';
     cometi_context_t prev;
     COMETI_TRY(cometi_context_enter(moe->comm->ctx, moe->err, &prev));
