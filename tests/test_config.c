@@ -291,3 +291,55 @@ int test_fp8_forward_args_refusals(void)
     free(moe);
     return 0;
 }
+
+/* comet_moe_saved_bytes' checks of the saved config, on a handle made by hand as above
+ * (they read the layer's config, world and experts per rank; sizing touches no GPU). */
+int test_saved_config_refusals(void)
+{
+    struct comet_comm comm;
+    memset(&comm, 0, sizeof(comm));
+    comm.size = 2;
+    struct comet_moe *moe = calloc(1, sizeof(*moe));
+    CHECK(moe != NULL);
+    moe->comm = &comm;
+    CHECK_EQ(comet_moe_config_preset("tiny", 512, &moe->cfg), COMET_SUCCESS);
+    moe->cfg.dtype = COMET_DTYPE_FP8_BLOCK, moe->cfg.ffn = 256;
+    moe->ep = 2, moe->tp = 1, moe->experts_per_rank = moe->cfg.num_experts / 2, moe->ffn_local = 256;
+    const int64_t worst = 2LL * 512 * (moe->cfg.top_k < moe->experts_per_rank ? moe->cfg.top_k : moe->experts_per_rank);
+    struct {
+        const char *name;
+        unsigned int version;
+        int64_t max_recv_rows;
+        int gate_up_e4m3, bf16_layer;
+        comet_status_t status;
+        const char *message;
+    } cases[] = {
+        {"defaults", COMET_API_VERSION, 0, 0, 0, COMET_SUCCESS, ""},
+        {"[g u] in E4M3", COMET_API_VERSION, 0, 1, 0, COMET_SUCCESS, ""},
+        {"a bound", COMET_API_VERSION, 1000, 1, 0, COMET_SUCCESS, ""},
+        {"version 0", 0, 0, 0, 0, COMET_INVALID_ARGUMENT, "saved config.version = 0: this library knows 1..3"},
+        {"version 1 with [g u] in E4M3", 1, 0, 1, 0, COMET_INVALID_ARGUMENT,
+         "saved config.version = 1 with gate_up_e4m3 = 1: the field came in version 2"},
+        {"version 1, bf16 [g u]", 1, 0, 0, 0, COMET_SUCCESS, ""},
+        {"gate_up_e4m3 2", COMET_API_VERSION, 0, 2, 0, COMET_INVALID_ARGUMENT, "saved config.gate_up_e4m3 = 2"},
+        {"E4M3 [g u] on bf16", COMET_API_VERSION, 0, 1, 1, COMET_INVALID_ARGUMENT,
+         "gate_up_e4m3 = 1 is for layers of dtype COMET_DTYPE_FP8_BLOCK (this one's is 0)"},
+        {"bound below 0", COMET_API_VERSION, -1, 0, 0, COMET_INVALID_ARGUMENT, "max_recv_rows = -1: must be 0"},
+        {"bound past the worst case", COMET_API_VERSION, worst + 1, 0, 0, COMET_INVALID_ARGUMENT,
+         "max_tokens x min(top_k, experts per rank)"},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        comet_moe_saved_config_t c = COMET_MOE_SAVED_CONFIG_INIT;
+        c.version = cases[i].version, c.max_recv_rows = cases[i].max_recv_rows;
+        c.gate_up_e4m3 = cases[i].gate_up_e4m3;
+        moe->cfg.dtype = cases[i].bf16_layer ? COMET_DTYPE_BF16 : COMET_DTYPE_FP8_BLOCK;
+        size_t bytes = 0;
+        const comet_status_t st = comet_moe_saved_bytes(moe, &c, &bytes);
+        if (st != cases[i].status) printf("case %zu (%s): %s\n", i, cases[i].name, comet_last_create_error());
+        CHECK_EQ(st, cases[i].status);
+        if (st == COMET_SUCCESS) CHECK(bytes > 0);
+        else CHECK_CONTAINS(comet_last_create_error(), cases[i].message);
+    }
+    free(moe);
+    return 0;
+}
