@@ -199,6 +199,17 @@ int test_api_rejects_bad_arguments(void)
     return 0;
 }
 
+/* A layer handle as comet_moe_create would make it on one rank of `world`, with no GPU:
+ * for the checks that read only its config, world and message buffer. */
+static struct comet_moe *hand_made_moe(struct comet_comm *comm, int world)
+{
+    memset(comm, 0, sizeof(*comm));
+    comm->size = world;
+    struct comet_moe *moe = calloc(1, sizeof(*moe));
+    if (moe) moe->comm = comm;
+    return moe;
+}
+
 /* The FP8 forward's argument checks (layer/moe.c) and the sequential path's refusal of an
  * FP8 training forward, before anything is enqueued: on a handle made by hand, as
  * comet_moe_create would make it on one rank of `world` (the checks read its config, TP
@@ -244,11 +255,8 @@ int test_fp8_forward_args_refusals(void)
          "args.x_scales = "},
     };
     struct comet_comm comm;
-    memset(&comm, 0, sizeof(comm));
-    comm.size = 2;
-    struct comet_moe *moe = calloc(1, sizeof(*moe));
+    struct comet_moe *moe = hand_made_moe(&comm, 2);
     CHECK(moe != NULL);
-    moe->comm = &comm;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         const fp8_args_case_t *c = &cases[i];
         CHECK_EQ(comet_moe_config_preset("tiny", 512, &moe->cfg), COMET_SUCCESS);
@@ -297,11 +305,8 @@ int test_fp8_forward_args_refusals(void)
 int test_saved_config_refusals(void)
 {
     struct comet_comm comm;
-    memset(&comm, 0, sizeof(comm));
-    comm.size = 2;
-    struct comet_moe *moe = calloc(1, sizeof(*moe));
+    struct comet_moe *moe = hand_made_moe(&comm, 2);
     CHECK(moe != NULL);
-    moe->comm = &comm;
     CHECK_EQ(comet_moe_config_preset("tiny", 512, &moe->cfg), COMET_SUCCESS);
     moe->cfg.dtype = COMET_DTYPE_FP8_BLOCK, moe->cfg.ffn = 256;
     moe->ep = 2, moe->tp = 1, moe->experts_per_rank = moe->cfg.num_experts / 2, moe->ffn_local = 256;
