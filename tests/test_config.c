@@ -300,6 +300,31 @@ int test_fp8_forward_args_refusals(void)
     return 0;
 }
 
+/* The backward arguments' version gate, before anything reads the saved state: a struct
+ * stamped version 1 (before FP8) that sets weights_t or weight_t_scales is refused; one
+ * that leaves them NULL goes on to the next check (the saved state, NULL here). */
+int test_backward_args_version_refusals(void)
+{
+    struct comet_comm comm;
+    struct comet_moe *moe = hand_made_moe(&comm, 2);
+    CHECK(moe != NULL);
+    CHECK_EQ(comet_moe_config_preset("tiny", 512, &moe->cfg), COMET_SUCCESS);
+    moe->cfg.dtype = COMET_DTYPE_FP8_BLOCK;
+    static _Alignas(256) float stand_in[64]; /* never read */
+    for (int field = 0; field < 3; field++) {
+        comet_moe_backward_args_t a = COMET_MOE_BACKWARD_ARGS_INIT;
+        a.version = 1;
+        if (field == 1) a.weights_t.down = stand_in;
+        if (field == 2) a.weight_t_scales.gate_up = stand_in;
+        moe->err[0] = '\0';
+        CHECK_EQ(cometi_moe_check_backward_args(moe, &a), COMET_INVALID_ARGUMENT);
+        CHECK_CONTAINS(moe->err, field ? "args.version = 1 with args.weights_t or args.weight_t_scales set"
+                                       : "args.saved is NULL");
+    }
+    free(moe);
+    return 0;
+}
+
 /* comet_moe_saved_bytes' checks of the saved config, on a handle made by hand as above
  * (they read the layer's config, world and experts per rank; sizing touches no GPU). */
 int test_saved_config_refusals(void)

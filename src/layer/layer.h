@@ -83,6 +83,9 @@ comet_status_t cometi_fp8_train_supported(comet_moe_t moe);
 
 /* A forward's arguments checked (moe.c): COMET_INVALID_ARGUMENT naming the field. */
 comet_status_t cometi_moe_check_args(comet_moe_t moe, const comet_moe_args_t *args);
+/* A backward's arguments checked (train.c), the saved state's agreement with them
+ * included: COMET_INVALID_ARGUMENT naming the field. */
+comet_status_t cometi_moe_check_backward_args(comet_moe_t moe, const comet_moe_backward_args_t *args);
 
 /* Benchmarks: record the baseline's phase boundaries into `marks` (NULL: stop). */
 void cometi_moe_set_marks(comet_moe_t moe, cudaEvent_t *marks);

@@ -299,7 +299,7 @@ static comet_status_t check_backward_fp8(comet_moe_t moe, const comet_moe_backwa
     return COMET_SUCCESS;
 }
 
-static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backward_args_t *a)
+comet_status_t cometi_moe_check_backward_args(comet_moe_t moe, const comet_moe_backward_args_t *a)
 {
     char *err = moe->err;
     const comet_status_t INVAL = COMET_INVALID_ARGUMENT;
@@ -370,7 +370,7 @@ static comet_status_t check_backward_args(comet_moe_t moe, const comet_moe_backw
 
 static comet_status_t backward(comet_moe_t moe, const comet_moe_backward_args_t *args, cudaStream_t stream)
 {
-    COMETI_TRY(check_backward_args(moe, args));
+    COMETI_TRY(cometi_moe_check_backward_args(moe, args));
     comet_status_t async = cometi_check_sticky(moe->comm);
     if (async != COMET_SUCCESS) return cometi_fail(moe->err, async, "%s", moe->comm->err);
     comet_status_t st;
