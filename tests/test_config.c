@@ -325,6 +325,56 @@ int test_backward_args_version_refusals(void)
     return 0;
 }
 
+/* The FP8 backward's refusals of its weights (cometi_moe_check_backward_args), on a handle
+ * and a saved state made by hand: a sequential forward of no tokens, so dy, dx and x are
+ * not asked for and the weights' checks decide. Pointers are stand-ins, never read. */
+int test_backward_fp8_args_refusals(void)
+{
+    struct comet_comm comm;
+    struct comet_moe *moe = hand_made_moe(&comm, 2);
+    CHECK(moe != NULL);
+    CHECK_EQ(comet_moe_config_preset("tiny", 512, &moe->cfg), COMET_SUCCESS);
+    struct comet_moe_saved saved;
+    memset(&saved, 0, sizeof(saved));
+    saved.moe = moe, saved.filled = 1, saved.path = COMETI_SAVED_SEQUENTIAL;
+    static _Alignas(256) float p[64]; /* never read */
+    const char *cases[][2] = {
+        /* case, the message's part (empty: accepted) */
+        {"all given", ""},
+        {"gate apart", "args.weights_t.gate = "},
+        {"up scales apart", "args.weight_t_scales.up = "},
+        {"no down", "args.weights_t.down is NULL: the FP8 backward reads W^T in E4M3"},
+        {"no gate_up scales", "args.weight_t_scales.gate_up is NULL"},
+        {"down misaligned", "args.weights_t.down = "},
+        {"grads apart", "give gate_up alone, as args.weights_t (FP8: always gate_up) does"},
+        {"bf16 layer", "args.weights_t.gate_up = "},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        const char *c = cases[i][0];
+        moe->cfg.dtype = strcmp(c, "bf16 layer") ? COMET_DTYPE_FP8_BLOCK : COMET_DTYPE_BF16;
+        comet_moe_backward_args_t a = COMET_MOE_BACKWARD_ARGS_INIT;
+        a.saved = &saved;
+        a.weights.gate_up = a.weights.down = p; /* the bf16 layer's (an FP8 one reads weights_t) */
+        a.weights_t.gate_up = a.weights_t.down = p;
+        a.weight_t_scales.gate_up = a.weight_t_scales.down = p;
+        a.grads.gate_up = a.grads.down = p;
+        if (!strcmp(c, "gate apart")) a.weights_t.gate = p;
+        if (!strcmp(c, "up scales apart")) a.weight_t_scales.up = p;
+        if (!strcmp(c, "no down")) a.weights_t.down = NULL;
+        if (!strcmp(c, "no gate_up scales")) a.weight_t_scales.gate_up = NULL;
+        if (!strcmp(c, "down misaligned")) a.weights_t.down = (const char *)p + 8;
+        if (!strcmp(c, "grads apart")) a.grads.gate_up = NULL, a.grads.gate = a.grads.up = p;
+        moe->err[0] = '\0';
+        const comet_status_t st = cometi_moe_check_backward_args(moe, &a);
+        const comet_status_t want = cases[i][1][0] ? COMET_INVALID_ARGUMENT : COMET_SUCCESS;
+        if (st != want) printf("case %s: %s: %s\n", c, comet_status_string(st), moe->err);
+        CHECK_EQ(st, want);
+        CHECK_CONTAINS(moe->err, cases[i][1]);
+    }
+    free(moe);
+    return 0;
+}
+
 /* comet_moe_saved_bytes' checks of the saved config, on a handle made by hand as above
  * (they read the layer's config, world and experts per rank; sizing touches no GPU). */
 int test_saved_config_refusals(void)

@@ -105,6 +105,7 @@ uint64_t test_seed(void);
     X(fp8_forward_args_refusals, 10)            \
     X(saved_config_refusals, 10)                \
     X(backward_args_version_refusals, 10)       \
+    X(backward_fp8_args_refusals, 10)           \
     X(swiglu_fp8_refusals, 10)                  \
     X(params_table, 30)                         \
     X(gpu_flag_wait_times_out, 60)              \
