@@ -199,14 +199,19 @@ int test_api_rejects_bad_arguments(void)
     return 0;
 }
 
-/* A layer handle as comet_moe_create would make it on one rank of `world`, with no GPU:
- * for the checks that read only its config, world and message buffer. */
+/* A layer handle as comet_moe_create would make it on one rank of `world`, with no GPU,
+ * its config the "tiny" preset at 512 tokens: for the checks that read only its config,
+ * world and message buffer. */
 static struct comet_moe *hand_made_moe(struct comet_comm *comm, int world)
 {
     memset(comm, 0, sizeof(*comm));
     comm->size = world;
     struct comet_moe *moe = calloc(1, sizeof(*moe));
     if (moe) moe->comm = comm;
+    if (moe && comet_moe_config_preset("tiny", 512, &moe->cfg) != COMET_SUCCESS) {
+        free(moe);
+        return NULL;
+    }
     return moe;
 }
 
@@ -300,40 +305,16 @@ int test_fp8_forward_args_refusals(void)
     return 0;
 }
 
-/* The backward arguments' version gate, before anything reads the saved state: a struct
- * stamped version 1 (before FP8) that sets weights_t or weight_t_scales is refused; one
- * that leaves them NULL goes on to the next check (the saved state, NULL here). */
-int test_backward_args_version_refusals(void)
-{
-    struct comet_comm comm;
-    struct comet_moe *moe = hand_made_moe(&comm, 2);
-    CHECK(moe != NULL);
-    CHECK_EQ(comet_moe_config_preset("tiny", 512, &moe->cfg), COMET_SUCCESS);
-    moe->cfg.dtype = COMET_DTYPE_FP8_BLOCK;
-    static _Alignas(256) float stand_in[64]; /* never read */
-    for (int field = 0; field < 3; field++) {
-        comet_moe_backward_args_t a = COMET_MOE_BACKWARD_ARGS_INIT;
-        a.version = 1;
-        if (field == 1) a.weights_t.down = stand_in;
-        if (field == 2) a.weight_t_scales.gate_up = stand_in;
-        moe->err[0] = '\0';
-        CHECK_EQ(cometi_moe_check_backward_args(moe, &a), COMET_INVALID_ARGUMENT);
-        CHECK_CONTAINS(moe->err, field ? "args.version = 1 with args.weights_t or args.weight_t_scales set"
-                                       : "args.saved is NULL");
-    }
-    free(moe);
-    return 0;
-}
-
 /* The FP8 backward's refusals of its weights (cometi_moe_check_backward_args), on a handle
  * and a saved state made by hand: a sequential forward of no tokens, so dy, dx and x are
- * not asked for and the weights' checks decide. Pointers are stand-ins, never read. */
+ * not asked for and the weights' checks decide. Pointers are stand-ins, never read. First
+ * of all, a struct stamped version 1 (before FP8) may not set weights_t or
+ * weight_t_scales. */
 int test_backward_fp8_args_refusals(void)
 {
     struct comet_comm comm;
     struct comet_moe *moe = hand_made_moe(&comm, 2);
     CHECK(moe != NULL);
-    CHECK_EQ(comet_moe_config_preset("tiny", 512, &moe->cfg), COMET_SUCCESS);
     struct comet_moe_saved saved;
     memset(&saved, 0, sizeof(saved));
     saved.moe = moe, saved.filled = 1, saved.path = COMETI_SAVED_SEQUENTIAL;
@@ -348,6 +329,8 @@ int test_backward_fp8_args_refusals(void)
         {"down misaligned", "args.weights_t.down = "},
         {"grads apart", "give gate_up alone, as args.weights_t (FP8: always gate_up) does"},
         {"bf16 layer", "args.weights_t.gate_up = "},
+        {"version 1", "args.version = 1 with args.weights_t or args.weight_t_scales set"},
+        {"version 1, scales alone", "args.version = 1 with args.weights_t or args.weight_t_scales set"},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         const char *c = cases[i][0];
@@ -364,6 +347,8 @@ int test_backward_fp8_args_refusals(void)
         if (!strcmp(c, "no gate_up scales")) a.weight_t_scales.gate_up = NULL;
         if (!strcmp(c, "down misaligned")) a.weights_t.down = (const char *)p + 8;
         if (!strcmp(c, "grads apart")) a.grads.gate_up = NULL, a.grads.gate = a.grads.up = p;
+        if (!strncmp(c, "version 1", 9)) a.version = 1;
+        if (!strcmp(c, "version 1, scales alone")) a.weights_t.gate_up = a.weights_t.down = NULL;
         moe->err[0] = '\0';
         const comet_status_t st = cometi_moe_check_backward_args(moe, &a);
         const comet_status_t want = cases[i][1][0] ? COMET_INVALID_ARGUMENT : COMET_SUCCESS;
@@ -382,7 +367,6 @@ int test_saved_config_refusals(void)
     struct comet_comm comm;
     struct comet_moe *moe = hand_made_moe(&comm, 2);
     CHECK(moe != NULL);
-    CHECK_EQ(comet_moe_config_preset("tiny", 512, &moe->cfg), COMET_SUCCESS);
     moe->cfg.dtype = COMET_DTYPE_FP8_BLOCK, moe->cfg.ffn = 256;
     moe->ep = 2, moe->tp = 1, moe->experts_per_rank = moe->cfg.num_experts / 2, moe->ffn_local = 256;
     const int64_t worst = 2LL * 512 * (moe->cfg.top_k < moe->experts_per_rank ? moe->cfg.top_k : moe->experts_per_rank);

@@ -104,7 +104,6 @@ uint64_t test_seed(void);
     X(api_rejects_bad_arguments, 10)            \
     X(fp8_forward_args_refusals, 10)            \
     X(saved_config_refusals, 10)                \
-    X(backward_args_version_refusals, 10)       \
     X(backward_fp8_args_refusals, 10)           \
     X(swiglu_fp8_refusals, 10)                  \
     X(params_table, 30)                         \
